@@ -1,0 +1,1 @@
+"""jax_seqpar: sequence (context) parallel exact attention for JAX."""
