@@ -1,1 +1,14 @@
-"""jax_seqpar: sequence (context) parallel exact attention for JAX."""
+"""jax_seqpar: sequence (context) parallel exact attention for JAX.
+
+Strategies (per-shard functions, called inside ``jax.shard_map``): Ulysses,
+ring, hybrid (Ulysses inside x ring across), all-gather and sharded-cache decode;
+and one global-view entry point, :func:`sequence_parallel_attention`.
+"""
+
+from jax_seqpar.api import sequence_parallel_attention as sequence_parallel_attention
+from jax_seqpar.layout import contiguous_positions as contiguous_positions
+from jax_seqpar.layout import zigzag_permute as zigzag_permute
+from jax_seqpar.layout import zigzag_positions as zigzag_positions
+from jax_seqpar.layout import zigzag_unpermute as zigzag_unpermute
+from jax_seqpar.ring import ring_attention as ring_attention
+from jax_seqpar.ulysses import ulysses_attention as ulysses_attention

@@ -28,7 +28,7 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_seqpar import masks
+from jax_seqpar import _compat, masks
 from jax_seqpar.masks import MaskSpec, Tokens
 
 _F32 = jnp.float32
@@ -189,6 +189,7 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
         stats_shape = (t.batch, t.kv_heads, t.group, t.block_q)
         init = (jnp.full(stats_shape, masks.EMPTY_LSE, _F32), jnp.zeros(stats_shape, _F32),
                 jnp.zeros(stats_shape + (d_v,), _F32))
+        init = _compat.match_varying(init, (q_tile, k_tiles))
         (m, l, acc), _ = jax.lax.scan(kv_block, init, (k_tiles, v_tiles, kv_pos, kv_seg, class_row))
         seen = l > 0
         out = acc / jnp.where(seen, l, 1.0)[..., None]
@@ -251,19 +252,21 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
         def q_block(carry, xs):
             q_tile, do_tile, lse_tile, delta_tile, qp, qs, tile_class = xs
             branches = [
-                lambda c: (c, jnp.zeros_like(q_tile)),
+                lambda c: (c, _compat.match_varying(jnp.zeros_like(q_tile), (q_tile, k_tile))),
                 lambda c: grads(c, q_tile, do_tile, lse_tile, delta_tile,
                                 _tile_mask(spec, qp, qs, kp, ks)),
                 lambda c: grads(c, q_tile, do_tile, lse_tile, delta_tile, None),
             ]
             return jax.lax.switch(tile_class, branches, carry)
 
-        init = (jnp.zeros_like(k_tile), jnp.zeros_like(v_tile))
+        init = _compat.match_varying((jnp.zeros_like(k_tile), jnp.zeros_like(v_tile)),
+                                     (q_tiles, k_tile))
         (dk, dv), dq_tiles = jax.lax.scan(
             q_block, init, (q_tiles, do_tiles, lse_tiles, delta_tiles, q_pos, q_seg, class_col))
         return dq + dq_tiles, (dk, dv)
 
-    dq, (dk, dv) = jax.lax.scan(kv_block, jnp.zeros_like(q_tiles),
+    dq_init = _compat.match_varying(jnp.zeros_like(q_tiles), (q_tiles, k_tiles))
+    dq, (dk, dv) = jax.lax.scan(kv_block, dq_init,
                                 (k_tiles, v_tiles, kv_pos, kv_seg, classes.T))
     heads = t.kv_heads * t.group
     dq = _untile(dq, t.q_len).reshape(t.batch, t.q_len, heads, d_qk)

@@ -1,0 +1,34 @@
+"""Shims over the JAX API that moved between the releases we support (0.7 - 0.11)."""
+
+from __future__ import annotations
+
+import jax
+
+
+def varying_axes(x) -> frozenset:
+    """The manual mesh axes along which ``x`` varies inside ``shard_map``."""
+    aval = jax.typeof(x)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return frozenset(manual.varying)
+    return frozenset(getattr(aval, "vma", ()))
+
+
+def match_varying(tree, like):
+    """Mark every array of ``tree`` as varying along every axis an array of ``like`` does.
+
+    Scan carries inside ``shard_map`` must keep one varying-axes type; fresh
+    constants (zeros, -inf) are replicated until marked.
+    """
+
+    axes = frozenset().union(*map(varying_axes, jax.tree.leaves(like)))
+
+    def mark(x):
+        missing = tuple(sorted(axes - varying_axes(x)))
+        if not missing:
+            return x
+        if hasattr(jax.lax, "pvary"):
+            return jax.lax.pvary(x, missing)
+        return jax.lax.pcast(x, missing, to="varying")
+
+    return jax.tree.map(mark, tree)

@@ -1,0 +1,103 @@
+"""Validation of attention inputs and the per-shard token metadata every strategy uses."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jax_seqpar import layout, masks
+
+
+def check_qkv(q, k, v) -> None:
+    """Raise ``ValueError`` unless q, k, v form a valid ``[B, S, H, D]`` triple."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have rank 4 [batch, seq, heads, head_dim]. "
+                             f"Got {name}.shape={x.shape}.")
+    if not q.shape[0] == k.shape[0] == v.shape[0]:
+        raise ValueError(f"q, k, v must share the batch size. Got {q.shape=}, {k.shape=}, "
+                         f"{v.shape=}.")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must agree on [batch, seq, kv_heads]. Got {k.shape=}, "
+                         f"{v.shape=}.")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k must share head_dim. Got q head_dim={q.shape[3]}, "
+                         f"k head_dim={k.shape[3]}.")
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads} "
+                         "(MHA, GQA or MQA).")
+
+
+def check_ids(name: str, ids, batch: int, seq: int) -> None:
+    if ids is not None and tuple(ids.shape) != (batch, seq):
+        raise ValueError(f"{name} must have shape [batch, seq]=({batch}, {seq}). "
+                         f"Got {tuple(ids.shape)}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The static options of one attention call (hashable, for custom_vjp).
+
+    Attributes:
+      spec: causal / window mask.
+      scale: score multiplier.
+      kernel: the kernel module (see :func:`jax_seqpar.kernels.get`).
+      block_sizes: the kernel's tile sizes, or None for its defaults.
+    """
+
+    spec: masks.MaskSpec
+    scale: float
+    kernel: object
+    block_sizes: Optional[object] = None
+
+    @classmethod
+    def make(cls, q, *, causal, window, scale, kernel, block_sizes=None) -> "Options":
+        from jax_seqpar import kernels
+
+        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        return cls(masks.MaskSpec.make(causal, window), scale, kernels.get(kernel), block_sizes)
+
+    def _kwargs(self):
+        kwargs = dict(spec=self.spec, scale=self.scale)
+        if self.block_sizes is not None:
+            kwargs["block_sizes"] = self.block_sizes
+        return kwargs
+
+    def forward(self, q, k, v, q_tokens, kv_tokens):
+        return self.kernel.forward(q, k, v, q_tokens, kv_tokens, **self._kwargs())
+
+    def backward(self, q, k, v, q_tokens, kv_tokens, lse, delta, dout):
+        return self.kernel.backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout,
+                                    **self._kwargs())
+
+    def attention(self, q, k, v, q_tokens, kv_tokens):
+        return self.kernel.attention(q, k, v, q_tokens, kv_tokens, **self._kwargs())
+
+
+def shard_tokens(q, *, axis_name, segment_ids=None, positions=None) -> masks.Tokens:
+    """Metadata of this shard's tokens; positions default to the contiguous split.
+
+    Args:
+      q: the local ``[B, S_local, H, D]`` queries (for shapes).
+      axis_name: the mesh axis (or tuple of axes) the sequence is split over.
+      segment_ids, positions: ``int32[B, S_local]`` or None.
+    """
+    batch, local_len = q.shape[:2]
+    check_ids("segment_ids", segment_ids, batch, local_len)
+    check_ids("positions", positions, batch, local_len)
+    if positions is None:
+        positions = layout.shard_positions("contiguous", local_len, axis_name=axis_name)
+        positions = jnp.broadcast_to(positions, (batch, local_len))
+    positions = positions.astype(jnp.int32)
+    if segment_ids is not None:
+        segment_ids = segment_ids.astype(jnp.int32)
+    return masks.Tokens(positions, segment_ids)
+
+
+def axis_size(axis_name) -> int:
+    """Number of shards along ``axis_name`` (a name or a tuple of names)."""
+    return jax.lax.axis_size(axis_name)

@@ -1,0 +1,180 @@
+"""The global-view entry point: one call shards the sequence over a mesh and attends.
+
+``sequence_parallel_attention`` takes global ``[B, S, H, D]`` arrays, places them
+sequence-sharded on the mesh, relayouts the tokens (zigzag for balanced causal
+rings) with two half-shard ``ppermute`` s, runs the chosen strategy inside
+``jax.shard_map`` and returns the output in the caller's token order, sharded
+like its queries. Explicit-axis meshes (the ``jax.make_mesh`` default) and Auto
+meshes both work; batch and head shardings of explicit inputs (data and tensor
+parallelism) are kept.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Sequence, Union
+
+import jax
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from jax_seqpar import layout as layouts
+from jax_seqpar._inputs import check_ids, check_qkv
+from jax_seqpar.ring import ring_attention
+from jax_seqpar.ulysses import ulysses_attention
+
+STRATEGIES = ("auto", "ulysses", "ring", "hybrid", "allgather")
+LAYOUTS = ("auto", "contiguous", "zigzag")
+_ZIGZAG_BALANCES = ("ring", "hybrid", "allgather")
+
+
+def _per_shard_fn(strategy: str, axes: tuple):
+    """The per-shard attention function for ``strategy`` over the sequence ``axes``."""
+    axis_name = axes[0] if len(axes) == 1 else axes
+    if strategy == "ulysses":
+        return functools.partial(ulysses_attention, axis_name=axis_name)
+    if strategy == "ring":
+        return functools.partial(ring_attention, axis_name=axis_name)
+    if strategy == "allgather":
+        from jax_seqpar.allgather import allgather_attention
+
+        return functools.partial(allgather_attention, axis_name=axis_name)
+    from jax_seqpar.hybrid import hybrid_attention
+
+    if len(axes) != 2:
+        raise ValueError(f'strategy="hybrid" needs seq_axes=(outer, inner). Got {axes}.')
+    return functools.partial(hybrid_attention, ring_axis=axes[0], ulysses_axis=axes[1])
+
+
+def _choose_strategy(q, k, v, axis_sizes: dict, causal: bool) -> str:
+    from jax_seqpar import plan
+
+    batch, seq_len, heads, head_dim = q.shape
+    return plan.plan(seq_len, heads, k.shape[2], head_dim, axis_sizes, batch=batch,
+                     v_head_dim=v.shape[3], dtype_bytes=q.dtype.itemsize,
+                     causal=causal).strategy
+
+
+def _kept_spec(x, seq_axes: tuple, dims: Sequence[int]) -> list:
+    """``PartitionSpec`` entries of an explicit input's ``dims`` that we keep (not seq axes)."""
+    sharding = getattr(jax.typeof(x), "sharding", None)
+    spec = getattr(sharding, "spec", None)
+    kept = [None] * x.ndim
+    if spec is None:
+        return kept
+    for dim in dims:
+        entry = spec[dim] if dim < len(spec) else None
+        names = entry if isinstance(entry, tuple) else (entry,)
+        if entry is not None and not set(names) & set(seq_axes):
+            kept[dim] = entry
+    return kept
+
+
+def _place(x, mesh, spec):
+    """Put ``x`` in ``spec`` sharding: explicit meshes need it before ``shard_map``."""
+    if any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        return jax.reshard(x, NamedSharding(mesh, spec))
+    return x
+
+
+def sequence_parallel_attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    mesh: jax.sharding.Mesh,
+    seq_axes: Union[str, tuple] = "sp",
+    strategy: str = "auto",
+    causal: bool = False,
+    segment_ids: Optional[jax.Array] = None,
+    window=None,
+    scale: Optional[float] = None,
+    layout: str = "auto",
+    kernel: str = "auto",
+    block_sizes=None,
+) -> jax.Array:
+    """Exact attention with the sequence split over ``seq_axes`` of ``mesh``.
+
+    Args:
+      q: ``[B, S, H, Dqk]`` global queries.
+      k: ``[B, S, Hkv, Dqk]``; v: ``[B, S, Hkv, Dv]`` (``H % Hkv == 0``).
+      mesh: the device mesh (Explicit or Auto axis types).
+      seq_axes: the mesh axis splitting the sequence, or ``(outer, inner)``:
+        ``"hybrid"`` runs Ulysses over ``inner`` and the ring over ``outer``.
+      strategy: ``"ulysses"``, ``"ring"``, ``"hybrid"``, ``"allgather"`` or
+        ``"auto"`` (:func:`jax_seqpar.plan.plan` decides).
+      causal, window: the mask on true token positions (see ``MaskSpec``).
+      segment_ids: ``int32[B, S]`` packed documents attend within themselves.
+      scale: defaults to ``1/sqrt(Dqk)``.
+      layout: ``"zigzag"``, ``"contiguous"`` or ``"auto"`` (zigzag where it
+        balances causal work: ring, hybrid and all-gather with ``causal=True``).
+      kernel: ``"auto"`` (Pallas on GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``.
+      block_sizes: the kernel's tile sizes (its ``BlockSizes``), or None.
+
+    Returns:
+      ``[B, S, H, Dv]`` in ``q.dtype``, in the caller's token order.
+
+    Raises:
+      ValueError: bad shapes, unknown axes/strategy/layout, a sequence length the
+        shards do not divide (pad it and mask the padding with ``segment_ids``),
+        or heads a Ulysses axis does not divide.
+
+    >>> mesh = jax.make_mesh((8,), ("sp",))
+    >>> out = sequence_parallel_attention(q, k, v, mesh=mesh, strategy="ring", causal=True)
+    """
+    check_qkv(q, k, v)
+    batch, seq_len = q.shape[:2]
+    if k.shape[1] != seq_len:
+        raise ValueError(f"self-attention needs q and k of one sequence length. "
+                         f"Got q seq={seq_len}, k seq={k.shape[1]}.")
+    check_ids("segment_ids", segment_ids, batch, seq_len)
+    axes = (seq_axes,) if isinstance(seq_axes, str) else tuple(seq_axes)
+    for name in axes:
+        if name not in mesh.shape:
+            raise ValueError(f"seq_axes names {name!r}, which is not an axis of the mesh "
+                             f"{dict(mesh.shape)}.")
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not one of {STRATEGIES}.")
+    if layout not in LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}.")
+    axis_sizes = {name: mesh.shape[name] for name in axes}
+    if strategy == "auto":
+        strategy = _choose_strategy(q, k, v, axis_sizes, causal)
+    if layout == "auto":
+        layout = "zigzag" if causal and strategy in _ZIGZAG_BALANCES else "contiguous"
+    num_shards = 1
+    for size in axis_sizes.values():
+        num_shards *= size
+    chunks = num_shards * (2 if layout == "zigzag" else 1)
+    if seq_len % chunks:
+        raise ValueError(
+            f"sequence length {seq_len} is not divisible by {chunks} ({num_shards} shards"
+            f"{' x 2 zigzag chunks' if layout == 'zigzag' else ''}); pad it to a multiple of "
+            f"{chunks} and mask the padding with segment_ids.")
+    attend = _per_shard_fn(strategy, axes)
+    axis_name = axes[0] if len(axes) == 1 else axes
+
+    def body(q, k, v, segment_ids):
+        if layout == "zigzag":
+            q, k, v, segment_ids = (
+                None if x is None else layouts.to_zigzag(x, axis_name=axis_name)
+                for x in (q, k, v, segment_ids))
+        positions = layouts.shard_positions(layout, q.shape[1], axis_name=axis_name)
+        positions = jax.numpy.broadcast_to(positions, q.shape[:2])
+        out = attend(q, k, v, causal=causal, window=window, segment_ids=segment_ids,
+                     positions=positions, scale=scale, kernel=kernel, block_sizes=block_sizes)
+        if layout == "zigzag":
+            out = layouts.from_zigzag(out, axis_name=axis_name)
+        return out
+
+    qkv_specs = []
+    for x in (q, k, v):
+        kept = _kept_spec(x, axes, dims=(0, 2))
+        qkv_specs.append(P(kept[0], axis_name, kept[2], None))
+    ids_spec = P(qkv_specs[0][0], axis_name)
+    q, k, v = (_place(x, mesh, spec) for x, spec in zip((q, k, v), qkv_specs))
+    if segment_ids is not None:
+        segment_ids = _place(segment_ids, mesh, ids_spec)
+    mapped = jax.shard_map(body, mesh=mesh,
+                           in_specs=(*qkv_specs, P() if segment_ids is None else ids_spec),
+                           out_specs=qkv_specs[0])
+    return mapped(q, k, v, segment_ids)

@@ -1,0 +1,78 @@
+"""Ulysses attention: all-to-all from sequence shards to head shards and back.
+
+Paper: Jacobs et al., DeepSpeed Ulysses, arXiv:2309.14509.
+
+``[B, S/P, H, D] -all_to_all-> [B, S, H/P, D]``: each device then attends over
+the whole sequence for H/P heads, and a second all-to-all returns the output to
+sequence shards. Balanced by construction (every device has the same work for
+any mask). When ``Hkv`` is not a multiple of P, K/V heads are replicated just
+enough (``P / gcd(Hkv, P)`` times) for every device to hold the K/V heads of its
+query heads. The backward is JAX autodiff (an all-to-all transposes to one).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+
+from jax_seqpar._inputs import Options, axis_size, check_qkv, shard_tokens
+from jax_seqpar.masks import Tokens
+
+
+def kv_replication(num_heads: int, num_kv_heads: int, num_shards: int) -> int:
+    """How many times Ulysses repeats each K/V head so ``num_shards`` devices split them.
+
+    Raises ``ValueError`` when the query heads cannot be split over the shards.
+    """
+    if num_heads % num_shards:
+        raise ValueError(
+            f"num_heads={num_heads} is not divisible by the ulysses axis size {num_shards}; "
+            'use strategy="ring" or "hybrid" (Ulysses over a smaller inner axis).')
+    return num_shards // math.gcd(num_kv_heads, num_shards)
+
+
+def seq_to_heads(x, axis_name):
+    """``[B, S/P, h, D] -> [B, S, h/P, D]`` (all-to-all over ``axis_name``)."""
+    return jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
+
+
+def heads_to_seq(x, axis_name):
+    """``[B, S, h/P, D] -> [B, S/P, h, D]`` (all-to-all over ``axis_name``)."""
+    return jax.lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
+
+
+def gather_tokens(tokens: Tokens, axis_name) -> Tokens:
+    """``[B, S/P]`` metadata of the local tokens -> ``[B, S]`` of the whole sequence."""
+    return jax.tree.map(
+        lambda x: jax.lax.all_gather(x, axis_name, axis=1, tiled=True), tokens)
+
+
+def ulysses_attention(q, k, v, *, axis_name, causal=False, segment_ids=None, positions=None,
+                      window=None, scale=None, kernel="auto", block_sizes=None):
+    """Exact attention of a sequence sharded over ``axis_name`` (call inside ``shard_map``).
+
+    Args:
+      q: ``[B, S/P, H, Dqk]``; k: ``[B, S/P, Hkv, Dqk]``; v: ``[B, S/P, Hkv, Dv]``
+        this device's shard. ``H`` must be divisible by P.
+      axis_name: mesh axis (or tuple of axes) along which the sequence is split.
+      causal, window, segment_ids, positions, scale, kernel, block_sizes: as in
+        :func:`jax_seqpar.ring.ring_attention`.
+
+    Returns:
+      ``[B, S/P, H, Dv]`` in ``q.dtype`` (softmax statistics in float32).
+
+    >>> out = jax.shard_map(functools.partial(ulysses_attention, axis_name="sp"),
+    ...                     mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
+    """
+    check_qkv(q, k, v)
+    tokens = shard_tokens(q, axis_name=axis_name, segment_ids=segment_ids, positions=positions)
+    options = Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
+                           block_sizes=block_sizes)
+    repeats = kv_replication(q.shape[2], k.shape[2], axis_size(axis_name))
+    if repeats > 1:
+        k, v = (x.repeat(repeats, axis=2) for x in (k, v))  # [B, S/P, Hkv*r, D]
+    q, k, v = (seq_to_heads(x, axis_name) for x in (q, k, v))  # [B, S, h/P, D]
+    tokens = gather_tokens(tokens, axis_name)  # [B, S]
+    out, _ = options.attention(q, k, v, tokens, tokens)  # [B, S, H/P, Dv] float32
+    return heads_to_seq(out.astype(q.dtype), axis_name)  # [B, S/P, H, Dv]
