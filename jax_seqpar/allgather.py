@@ -1,0 +1,39 @@
+"""All-gather attention: every device gathers the whole K/V and attends with its queries.
+
+Megatron-LM's ``all_gather`` context parallelism; Llama 3 (arXiv:2407.21783) uses
+it for long-context training. Simple and low-latency, but K/V memory is O(S) per
+device and the gather cannot hide behind compute. The backward is autodiff: the
+all-gather transposes to a reduce-scatter of dK/dV. With zigzag positions the
+causal work is balanced.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from jax_seqpar._inputs import Options, check_qkv, shard_tokens
+from jax_seqpar.ulysses import gather_tokens
+
+
+def allgather_attention(q, k, v, *, axis_name, causal=False, segment_ids=None, positions=None,
+                        window=None, scale=None, kernel="auto", block_sizes=None):
+    """Exact attention of a sequence sharded over ``axis_name`` (call inside ``shard_map``).
+
+    Args:
+      q: ``[B, S/P, H, Dqk]``; k: ``[B, S/P, Hkv, Dqk]``; v: ``[B, S/P, Hkv, Dv]``.
+      axis_name, causal, window, segment_ids, positions, scale, kernel,
+        block_sizes: as in :func:`jax_seqpar.ring.ring_attention`.
+
+    Returns:
+      ``[B, S/P, H, Dv]`` in ``q.dtype``.
+
+    >>> out = jax.shard_map(functools.partial(allgather_attention, axis_name="sp"),
+    ...                     mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
+    """
+    check_qkv(q, k, v)
+    tokens = shard_tokens(q, axis_name=axis_name, segment_ids=segment_ids, positions=positions)
+    options = Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
+                           block_sizes=block_sizes)
+    k, v = (jax.lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (k, v))  # [B, S, Hkv, D]
+    out, _ = options.attention(q, k, v, tokens, gather_tokens(tokens, axis_name))
+    return out.astype(q.dtype)  # [B, S/P, H, Dv]

@@ -1,0 +1,72 @@
+"""Hybrid attention: Ulysses inside the fast axis, the ring across the slow one.
+
+Papers: USP, Fang & Zhao, arXiv:2405.07719; Megatron-LM's ``a2a+p2p`` context
+parallelism.
+
+The sequence is sharded over ``(ring_axis, ulysses_axis)`` jointly
+(``P(None, (outer, inner))``). An all-to-all over the inner (ICI/NVLink) axis
+turns ``[B, S/(O*I), H, D]`` into ``[B, S/O, H/I, D]``; the ring (with its own
+O(S/P)-memory backward) then runs over the outer (DCN) axis on that
+sub-sequence; a second all-to-all returns the output to sequence shards. K/V
+heads are replicated only as far as the inner all-to-all needs; the ring
+circulates exactly the heads each device holds after it.
+
+Causal balance: with the zigzag order over all ``O*I`` shards (what
+``sequence_parallel_attention`` applies), every ring step gives every device the
+same number of visible key blocks.
+"""
+
+from __future__ import annotations
+
+from jax_seqpar._inputs import Options, axis_size, check_qkv, shard_tokens
+from jax_seqpar.ring import _ring
+from jax_seqpar.ulysses import gather_tokens, heads_to_seq, kv_replication, seq_to_heads
+
+
+def hybrid_attention(q, k, v, *, ulysses_axis, ring_axis, causal=False, segment_ids=None,
+                     positions=None, window=None, scale=None, kernel="auto", block_sizes=None):
+    """Exact attention of a sequence sharded over ``(ring_axis, ulysses_axis)`` (in ``shard_map``).
+
+    Args:
+      q: ``[B, S/(O*I), H, Dqk]``; k: ``[B, S/(O*I), Hkv, Dqk]``; v: ``[B, S/(O*I), Hkv, Dv]``
+        this device's shard; ``H`` must be divisible by the inner size ``I``.
+      ulysses_axis: the inner (fast) mesh axis, of size ``I``.
+      ring_axis: the outer (slow) mesh axis, of size ``O``.
+      causal, window, segment_ids, positions, scale, kernel, block_sizes: as in
+        :func:`jax_seqpar.ring.ring_attention`; default positions are the
+        contiguous split over ``(ring_axis, ulysses_axis)``.
+
+    Returns:
+      ``[B, S/(O*I), H, Dv]`` in ``q.dtype``.
+
+    >>> f = functools.partial(hybrid_attention, ulysses_axis="ici", ring_axis="dcn")
+    >>> out = jax.shard_map(f, mesh=mesh, in_specs=P(None, ("dcn", "ici")),
+    ...                     out_specs=P(None, ("dcn", "ici")))(q, k, v)
+    """
+    check_qkv(q, k, v)
+    if ulysses_axis == ring_axis:
+        raise ValueError(f"ulysses_axis and ring_axis must differ. Got {ulysses_axis!r} twice.")
+    tokens = shard_tokens(q, axis_name=(ring_axis, ulysses_axis), segment_ids=segment_ids,
+                          positions=positions)
+    options = Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
+                           block_sizes=block_sizes)
+    inner = axis_size(ulysses_axis)
+    try:
+        repeats = kv_replication(q.shape[2], k.shape[2], inner)
+    except ValueError:
+        raise ValueError(
+            f"num_heads={q.shape[2]} is not divisible by the ulysses (inner) axis "
+            f"{ulysses_axis!r} of size {inner}; choose an inner axis size that divides the heads "
+            f"(e.g. {_divisor_hint(q.shape[2], inner)}) and put the rest on the ring axis, "
+            f'or use strategy="ring".') from None
+    if repeats > 1:
+        k, v = (x.repeat(repeats, axis=2) for x in (k, v))  # [B, S/P, Hkv*r, D]
+    q, k, v = (seq_to_heads(x, ulysses_axis) for x in (q, k, v))  # [B, S/O, h/I, D]
+    tokens = gather_tokens(tokens, ulysses_axis)  # [B, S/O]
+    out = _ring(ring_axis, options, q, k, v, tokens)  # [B, S/O, H/I, Dv]
+    return heads_to_seq(out, ulysses_axis)  # [B, S/(O*I), H, Dv]
+
+
+def _divisor_hint(heads: int, inner: int) -> int:
+    """The largest inner size <= ``inner`` that divides ``heads``."""
+    return max(d for d in range(1, inner + 1) if heads % d == 0)

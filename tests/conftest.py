@@ -1,0 +1,71 @@
+"""Test setup: 8 emulated CPU devices, strict numpy semantics, shared fixtures.
+
+The environment is set before anything imports JAX (pytest loads this file before
+the test modules), because the device count is fixed when the backend starts.
+"""
+
+import os
+
+os.environ["XLA_FLAGS"] = " ".join(
+    filter(None, [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]))
+os.environ["JAX_PLATFORMS"] = "cpu"
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+jax.config.update("jax_numpy_rank_promotion", "raise")
+
+NUM_DEVICES = 8
+
+# (atol, rtol) against jax_seqpar.reference, which computes in float32; bf16 results
+# are upcast before comparing. Gradients accumulate over the whole sequence, so their
+# bf16 tolerance is looser than the output's.
+_TOLERANCES = {
+    np.dtype(jnp.float32): {"out": (2e-5, 2e-5), "grad": (2e-5, 2e-5)},
+    np.dtype(jnp.bfloat16): {"out": (2e-2, 2e-2), "grad": (5e-2, 5e-2)},
+}
+
+
+def pytest_configure(config):
+    if jax.device_count() != NUM_DEVICES:
+        raise pytest.UsageError(
+            f"tests need {NUM_DEVICES} devices, got {jax.device_count()}: JAX was "
+            "initialized before tests/conftest.py could set XLA_FLAGS.")
+
+
+@pytest.fixture
+def tolerances():
+    """``tolerances(dtype, kind="out") -> {"atol": float, "rtol": float}``.
+
+    ``kind`` is ``"out"`` or ``"grad"``; use as
+    ``np.testing.assert_allclose(actual, expected, **tolerances(q.dtype))``.
+    """
+
+    def lookup(dtype, kind="out"):
+        atol, rtol = _TOLERANCES[np.dtype(dtype)][kind]
+        return {"atol": atol, "rtol": rtol}
+
+    return lookup
+
+
+@pytest.fixture
+def make_qkv():
+    """``make_qkv(batch=2, seq=64, heads=4, kv_heads=None, head_dim=16, v_head_dim=None,
+    dtype=jnp.float32, seed=0) -> (q, k, v)``, standard-normal, ``[B, S, H, D]``.
+
+    ``kv_heads`` defaults to ``heads`` (MHA), ``v_head_dim`` to ``head_dim``.
+    """
+
+    def make(batch=2, seq=64, heads=4, kv_heads=None, head_dim=16, v_head_dim=None,
+             dtype=jnp.float32, seed=0):
+        kv_heads = heads if kv_heads is None else kv_heads
+        v_head_dim = head_dim if v_head_dim is None else v_head_dim
+        kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+        q = jax.random.normal(kq, (batch, seq, heads, head_dim), dtype)
+        k = jax.random.normal(kk, (batch, seq, kv_heads, head_dim), dtype)
+        v = jax.random.normal(kv, (batch, seq, kv_heads, v_head_dim), dtype)
+        return q, k, v
+
+    return make

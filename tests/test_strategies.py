@@ -1,0 +1,232 @@
+"""Every strategy against the reference: outputs and gradients, over the mask/head matrix."""
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+import jax_seqpar as sp
+from jax_seqpar import reference
+
+B, S, H, D = 2, 64, 8, 16
+
+
+def _mesh(strategy):
+    devices = np.array(jax.devices())
+    if strategy == "hybrid":
+        return jax.sharding.Mesh(devices.reshape(2, 4), ("dcn", "ici")), ("dcn", "ici")
+    return jax.sharding.Mesh(devices, ("sp",)), "sp"
+
+
+def _segments(batch, seq, seed=3):
+    """Packed documents: sorted random ids, a different packing per row."""
+    ids = jax.random.randint(jax.random.key(seed), (batch, seq), 0, 4)
+    return jnp.sort(ids, axis=1).astype(jnp.int32)
+
+
+def _loss(fn, weights):
+    return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * weights)
+
+
+def _check(strategy, q, k, v, tolerances, *, layout="auto", **mask):
+    mesh, axes = _mesh(strategy)
+    ours = functools.partial(sp.sequence_parallel_attention, mesh=mesh, seq_axes=axes,
+                             strategy=strategy, layout=layout, **mask)
+    theirs = functools.partial(reference.attention, **mask)
+    out = jax.jit(ours)(q, k, v)
+    expected = theirs(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
+    assert out.shape == expected.shape and out.dtype == q.dtype
+    np.testing.assert_allclose(out.astype(jnp.float32), expected, **tolerances(q.dtype))
+
+    weights = jax.random.normal(jax.random.key(7), out.shape)
+    grads = jax.jit(jax.grad(_loss(ours, weights), argnums=(0, 1, 2)))(q, k, v)
+    expected_grads = jax.grad(_loss(theirs, weights), argnums=(0, 1, 2))(
+        *(x.astype(jnp.float32) for x in (q, k, v)))
+    for name, got, want in zip("qkv", grads, expected_grads):
+        assert got.shape == want.shape and got.dtype == q.dtype, name
+        scale = max(1.0, float(jnp.abs(want).max()))
+        np.testing.assert_allclose(got.astype(jnp.float32) / scale, want / scale,
+                                   **tolerances(q.dtype, "grad"), err_msg=f"d{name}")
+
+
+CASES = [
+    pytest.param(dict(kv_heads=8), dict(causal=True), id="mha-causal"),
+    pytest.param(dict(kv_heads=8), dict(causal=False), id="mha"),
+    pytest.param(dict(kv_heads=2), dict(causal=True), id="gqa-causal"),
+    pytest.param(dict(kv_heads=1), dict(causal=False), id="mqa"),
+    pytest.param(dict(kv_heads=2), dict(causal=True, segments=True), id="gqa-causal-segments"),
+    pytest.param(dict(kv_heads=8), dict(causal=False, segments=True), id="segments"),
+    pytest.param(dict(kv_heads=2), dict(window=(9, 4)), id="window"),
+    pytest.param(dict(kv_heads=2), dict(causal=True, window=12), id="causal-window"),
+    pytest.param(dict(kv_heads=2, v_head_dim=8), dict(causal=True), id="dv-ne-dqk"),
+]
+STRATEGY_NAMES = ["ring", "ulysses", "hybrid", "allgather"]
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+@pytest.mark.parametrize("shape,mask", CASES)
+def test_matches_reference_fp32(strategy, shape, mask, make_qkv, tolerances):
+    q, k, v = make_qkv(batch=B, seq=S, heads=H, head_dim=D, **shape)
+    mask = dict(mask)
+    if mask.pop("segments", False):
+        mask["segment_ids"] = _segments(B, S)
+    _check(strategy, q, k, v, tolerances, **mask)
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_layouts(strategy, layout, make_qkv, tolerances):
+    q, k, v = make_qkv(batch=B, seq=S, heads=H, kv_heads=2, head_dim=D, seed=1)
+    _check(strategy, q, k, v, tolerances, layout=layout, causal=True,
+           segment_ids=_segments(B, S, seed=5))
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+def test_bf16(strategy, make_qkv, tolerances):
+    q, k, v = make_qkv(batch=B, seq=S, heads=H, kv_heads=2, head_dim=D, dtype=jnp.bfloat16)
+    _check(strategy, q, k, v, tolerances, causal=True, segment_ids=_segments(B, S))
+
+
+def _plain_scan_ring(q, k, v, tokens, *, axis_name, options):
+    """The ring written naively: differentiated by JAX autodiff through the scan."""
+    from jax_seqpar.merge import merge
+    from jax_seqpar.masks import EMPTY_LSE
+
+    size = jax.lax.axis_size(axis_name)
+    perm = [(i, (i + 1) % size) for i in range(size)]
+
+    def step(carry, _):
+        out, lse, kv = carry
+        o, l = options.attention(q, kv[0], kv[1], tokens, kv[2])
+        out, lse = merge(out, lse, o, l)
+        kv = jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, perm), kv)
+        return (out, lse, kv), None
+
+    from jax_seqpar import _compat
+
+    init = _compat.match_varying(
+        (jnp.zeros(q.shape[:3] + v.shape[3:]), jnp.full(q.shape[:3], EMPTY_LSE)), q)
+    (out, _, _), _ = jax.lax.scan(step, (*init, (k, v, tokens)), length=size)
+    return out.astype(q.dtype)
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_custom_ring_backward_matches_autodiff_of_plain_ring(causal, make_qkv):
+    from jax_seqpar._inputs import Options, shard_tokens
+
+    q, k, v = make_qkv(batch=B, seq=S, heads=H, kv_heads=2, head_dim=D, v_head_dim=8, seed=4)
+    segment_ids = _segments(B, S, seed=9)
+    mesh, axes = _mesh("ring")
+
+    def plain(q, k, v, segment_ids):
+        tokens = shard_tokens(q, axis_name=axes, segment_ids=segment_ids)
+        options = Options.make(q, causal=causal, window=None, scale=None, kernel="xla")
+        return _plain_scan_ring(q, k, v, tokens, axis_name=axes, options=options)
+
+    def ours(q, k, v, segment_ids):
+        return sp.ring_attention(q, k, v, axis_name=axes, causal=causal, segment_ids=segment_ids)
+
+    weights = jax.random.normal(jax.random.key(2), q.shape[:3] + (8,))
+    grads = []
+    for fn in (plain, ours):
+        mapped = jax.shard_map(fn, mesh=mesh, in_specs=(P(None, axes),) * 4,
+                               out_specs=P(None, axes))
+        loss = lambda q, k, v: jnp.sum(mapped(q, k, v, segment_ids) * weights)  # noqa: E731
+        grads.append(jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v))
+    for got, want in zip(*grads[::-1]):
+        np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "ulysses"])
+def test_explicit_mesh_with_data_axis(strategy, make_qkv, tolerances):
+    """``jax.make_mesh`` (Explicit axes): batch sharding over "dp" is kept."""
+    q, k, v = make_qkv(batch=2, seq=S, heads=H, kv_heads=4, head_dim=D)
+    mesh = jax.make_mesh((2, 4), ("dp", "sp"))
+    with jax.set_mesh(mesh):
+        q_s, k_s, v_s = (jax.reshard(x, P("dp")) for x in (q, k, v))
+        f = jax.jit(functools.partial(sp.sequence_parallel_attention, mesh=mesh,
+                                      strategy=strategy, causal=True))
+        out = f(q_s, k_s, v_s)
+        assert out.sharding.spec[:2] == ("dp", "sp")
+        grad = jax.grad(lambda q: f(q, k_s, v_s).sum())(q_s)
+    np.testing.assert_allclose(out, reference.attention(q, k, v, causal=True),
+                               **tolerances(q.dtype))
+    expected = jax.grad(lambda q: reference.attention(q, k, v, causal=True).sum())(q)
+    np.testing.assert_allclose(grad, expected, **tolerances(q.dtype, "grad"))
+
+
+def test_vmap_and_checkpoint(make_qkv, tolerances):
+    q, k, v = make_qkv(batch=1, seq=S, heads=H, head_dim=D)
+    mesh, axes = _mesh("ring")
+    attend = functools.partial(sp.sequence_parallel_attention, mesh=mesh, seq_axes=axes,
+                               strategy="ring", causal=True)
+    stacked = jnp.stack([q, 0.5 * q])
+    out = jax.jit(jax.vmap(lambda q: attend(q, k, v)))(stacked)
+    for i in range(2):
+        np.testing.assert_allclose(out[i], reference.attention(stacked[i], k, v, causal=True),
+                                   **tolerances(q.dtype))
+    grad = jax.jit(jax.grad(jax.checkpoint(lambda q: attend(q, k, v).sum())))(q)
+    expected = jax.grad(lambda q: reference.attention(q, k, v, causal=True).sum())(q)
+    np.testing.assert_allclose(grad, expected, **tolerances(q.dtype, "grad"))
+
+
+def test_decode_matches_reference(make_qkv, tolerances):
+    from jax_seqpar.decode import decode_attention
+
+    capacity, new = 64, 2
+    _, k, v = make_qkv(batch=3, seq=capacity, heads=4, kv_heads=2, head_dim=D, seed=6)
+    q = jax.random.normal(jax.random.key(8), (3, new, 4, D))
+    kv_length = jnp.array([64, 20, 3], jnp.int32)  # full, mid-shard, first shard only
+    mesh, axes = _mesh("ring")
+    f = jax.shard_map(lambda q, k, v, n: decode_attention(q, k, v, axis_name=axes, kv_length=n),
+                      mesh=mesh, in_specs=(P(), P(None, axes), P(None, axes), P()),
+                      out_specs=P())
+    out = jax.jit(f)(q, k, v, kv_length)
+    for b, n in enumerate(kv_length.tolist()):
+        positions = (n - new + jnp.arange(new, dtype=jnp.int32))[None]
+        expected = reference.attention(
+            q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], causal=True, positions=positions,
+            kv_positions=jnp.arange(n, dtype=jnp.int32)[None])
+        np.testing.assert_allclose(out[b:b + 1], expected, **tolerances(q.dtype))
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    pytest.param(dict(strategy="ulysses", heads=12, kv_heads=4), "num_heads=12 is not divisible",
+                 id="ulysses-heads"),
+    pytest.param(dict(strategy="ring", heads=6, kv_heads=4), "multiple of num_kv_heads=4",
+                 id="gqa-ratio"),
+    pytest.param(dict(strategy="ring", seq=60), "not divisible by 8", id="seq-len"),
+    pytest.param(dict(strategy="ring", causal=True, seq=72), "not divisible by 16",
+                 id="seq-len-zigzag"),
+    pytest.param(dict(strategy="tree"), "strategy='tree'", id="strategy"),
+    pytest.param(dict(seq_axes="tp"), "not an axis of the mesh", id="axis"),
+    pytest.param(dict(layout="striped"), "layout='striped'", id="layout"),
+    pytest.param(dict(bad_segments=True), "segment_ids must have shape", id="segments"),
+    pytest.param(dict(rank3=True), "must have rank 4", id="rank"),
+    pytest.param(dict(k_dim=8), "must share head_dim", id="head-dim"),
+    pytest.param(dict(k_batch=1), "share the batch size", id="batch"),
+    pytest.param(dict(strategy="hybrid", hybrid_heads=6), "inner) axis 'ici' of size 4",
+                 id="hybrid-heads"),
+])
+def test_bad_input_raises_value_error(kwargs, message):
+    kwargs = dict(kwargs)
+    seq, heads = kwargs.pop("seq", 32), kwargs.pop("heads", 8)
+    kv_heads = kwargs.pop("kv_heads", 8)
+    strategy = kwargs.pop("strategy", "ring")
+    mesh, axes = _mesh(strategy)
+    if kwargs.pop("hybrid_heads", None):
+        heads, kv_heads = 6, 2
+    q = jnp.zeros((2, seq, heads, 16))
+    k = jnp.zeros((kwargs.pop("k_batch", 2), seq, kv_heads, kwargs.pop("k_dim", 16)))
+    v = jnp.zeros(k.shape[:3] + (16,))
+    if kwargs.pop("rank3", False):
+        q = q[0]
+    if kwargs.pop("bad_segments", False):
+        kwargs["segment_ids"] = jnp.zeros((2, seq + 1), jnp.int32)
+    kwargs.setdefault("seq_axes", axes)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        sp.sequence_parallel_attention(q, k, v, mesh=mesh, strategy=strategy, **kwargs)
