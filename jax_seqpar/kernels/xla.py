@@ -104,16 +104,24 @@ def _padded_tokens(t: _Tiling, q_tokens: Tokens, kv_tokens: Tokens):
     return pad(q_tokens, q_pad, _PAD_Q_SEGMENT), pad(kv_tokens, kv_pad, _PAD_KV_SEGMENT)
 
 
-def _tiles(x, length, block, trailing):
-    """``[B, S, ...] -> [S/block, B, block, *trailing]`` (padded to ``length``)."""
+def _tiles(x, length, block, head_shape):
+    """``[B, S, *heads, *F] -> [S/block, B, *heads, block, *F]`` (padded to ``length``).
+
+    Heads lead and tokens come right before the features, so every tile product
+    is a plain batched matrix product over ``(B, *heads)``.
+    """
     x = _pad_seq(x, length)
-    x = x.reshape(x.shape[0], length // block, block, *trailing)
-    return jnp.moveaxis(x, 1, 0)
+    x = x.reshape(x.shape[0], length // block, block, *x.shape[2:])
+    n = len(head_shape)
+    perm = (1, 0, *range(3, 3 + n), 2, *range(3 + n, x.ndim))
+    return x.transpose(perm)
 
 
-def _untile(x, length):
-    """``[n, B, block, ...] -> [B, length, ...]``."""
-    x = jnp.moveaxis(x, 0, 1)
+def _untile(x, length, head_shape):
+    """Inverse of :func:`_tiles`: ``[n, B, *heads, block, *F] -> [B, length, *heads, *F]``."""
+    n = len(head_shape)
+    perm = (1, 0, 2 + n, *range(2, 2 + n), *range(3 + n, x.ndim))
+    x = x.transpose(perm)
     x = x.reshape(x.shape[0], -1, *x.shape[3:])
     return x[:, :length]
 
@@ -136,8 +144,8 @@ def _tile_mask(spec, q_pos, q_seg, kv_pos, kv_seg):
 
 
 def _scores(q_tile, k_tile, scale):
-    # [B, bq, Hkv, G, D] x [B, bk, Hkv, D] -> [B, Hkv, G, bq, bk]
-    return jnp.einsum("bqhgd,bkhd->bhgqk", q_tile, k_tile, preferred_element_type=_F32) * scale
+    # [B, Hkv, G, bq, D] x [B, Hkv, bk, D] -> [B, Hkv, G, bq, bk]
+    return jnp.einsum("bhgqd,bhkd->bhgqk", q_tile, k_tile, preferred_element_type=_F32) * scale
 
 
 def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
@@ -157,9 +165,10 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
                              masks.summarize(kv_tokens, t.block_k))  # [nq, nk]
     d_qk, d_v = q.shape[-1], v.shape[-1]
     q_len_pad, kv_len_pad = t.num_q * t.block_q, t.num_k * t.block_k
-    q_tiles = _tiles(q.astype(_F32), q_len_pad, t.block_q, (t.kv_heads, t.group, d_qk))
-    k_tiles = _tiles(k.astype(_F32), kv_len_pad, t.block_k, (t.kv_heads, d_qk))
-    v_tiles = _tiles(v.astype(_F32), kv_len_pad, t.block_k, (t.kv_heads, d_v))
+    hg = (t.kv_heads, t.group)
+    q_tiles = _tiles(q.astype(_F32).reshape(*q.shape[:2], *hg, d_qk), q_len_pad, t.block_q, hg)
+    k_tiles = _tiles(k.astype(_F32), kv_len_pad, t.block_k, hg[:1])
+    v_tiles = _tiles(v.astype(_F32), kv_len_pad, t.block_k, hg[:1])
     q_pos, q_seg = _token_tiles(q_tokens, t.block_q)
     kv_pos, kv_seg = _token_tiles(kv_tokens, t.block_k)
 
@@ -174,7 +183,7 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
             m_new = jnp.maximum(m, s.max(axis=-1))
             p = jnp.exp(s - m_new[..., None])
             alpha = jnp.exp(m - m_new)
-            acc = acc * alpha[..., None] + jnp.einsum("bhgqk,bkhd->bhgqd", p, v_tile)
+            acc = acc * alpha[..., None] + jnp.einsum("bhgqk,bhkd->bhgqd", p, v_tile)
             return m_new, l * alpha + p.sum(axis=-1), acc
 
         def kv_block(carry, xs):
@@ -194,13 +203,12 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
         seen = l > 0
         out = acc / jnp.where(seen, l, 1.0)[..., None]
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), masks.EMPTY_LSE)
-        # -> [B, bq, Hkv, G, Dv] and [B, bq, Hkv, G]
-        return jnp.moveaxis(out, 3, 1), jnp.moveaxis(lse, 3, 1)
+        return out, lse  # [B, Hkv, G, bq, Dv], [B, Hkv, G, bq]
 
     out, lse = jax.lax.map(q_block, (q_tiles, q_pos, q_seg, classes))
     heads = t.kv_heads * t.group
-    out = _untile(out, t.q_len).reshape(t.batch, t.q_len, heads, d_v)
-    lse = _untile(lse, t.q_len).reshape(t.batch, t.q_len, heads)
+    out = _untile(out, t.q_len, hg).reshape(t.batch, t.q_len, heads, d_v)
+    lse = _untile(lse, t.q_len, hg).reshape(t.batch, t.q_len, heads)
     return out, lse
 
 
@@ -223,13 +231,13 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
     d_qk, d_v = q.shape[-1], v.shape[-1]
     q_len_pad, kv_len_pad = t.num_q * t.block_q, t.num_k * t.block_k
     hg = (t.kv_heads, t.group)
-    q_tiles = _tiles(q.astype(_F32), q_len_pad, t.block_q, hg + (d_qk,))
-    do_tiles = _tiles(dout.astype(_F32), q_len_pad, t.block_q, hg + (d_v,))
-    # Statistics as [nq, B, Hkv, G, bq], the layout of the score rows.
-    lse_tiles = jnp.moveaxis(_tiles(lse, q_len_pad, t.block_q, hg), 2, -1)
-    delta_tiles = jnp.moveaxis(_tiles(delta, q_len_pad, t.block_q, hg), 2, -1)
-    k_tiles = _tiles(k.astype(_F32), kv_len_pad, t.block_k, (t.kv_heads, d_qk))
-    v_tiles = _tiles(v.astype(_F32), kv_len_pad, t.block_k, (t.kv_heads, d_v))
+    by_group = lambda x: x.reshape(*x.shape[:2], *hg, *x.shape[3:])  # noqa: E731
+    q_tiles = _tiles(by_group(q.astype(_F32)), q_len_pad, t.block_q, hg)
+    do_tiles = _tiles(by_group(dout.astype(_F32)), q_len_pad, t.block_q, hg)
+    lse_tiles = _tiles(by_group(lse), q_len_pad, t.block_q, hg)  # [nq, B, Hkv, G, bq]
+    delta_tiles = _tiles(by_group(delta), q_len_pad, t.block_q, hg)
+    k_tiles = _tiles(k.astype(_F32), kv_len_pad, t.block_k, hg[:1])
+    v_tiles = _tiles(v.astype(_F32), kv_len_pad, t.block_k, hg[:1])
     q_pos, q_seg = _token_tiles(q_tokens, t.block_q)
     kv_pos, kv_seg = _token_tiles(kv_tokens, t.block_k)
 
@@ -242,11 +250,11 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
             p = jnp.exp(s - lse_tile[..., None])
             if mask is not None:
                 p = jnp.where(mask, p, 0.0)
-            dv = dv + jnp.einsum("bhgqk,bqhgd->bkhd", p, do_tile)
-            dp = jnp.einsum("bqhgd,bkhd->bhgqk", do_tile, v_tile)
+            dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p, do_tile)
+            dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_tile, v_tile)
             ds = p * (dp - delta_tile[..., None]) * scale
-            dk = dk + jnp.einsum("bhgqk,bqhgd->bkhd", ds, q_tile)
-            dq_tile = jnp.einsum("bhgqk,bkhd->bqhgd", ds, k_tile)
+            dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds, q_tile)
+            dq_tile = jnp.einsum("bhgqk,bhkd->bhgqd", ds, k_tile)
             return (dk, dv), dq_tile
 
         def q_block(carry, xs):
@@ -269,8 +277,8 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
     dq, (dk, dv) = jax.lax.scan(kv_block, dq_init,
                                 (k_tiles, v_tiles, kv_pos, kv_seg, classes.T))
     heads = t.kv_heads * t.group
-    dq = _untile(dq, t.q_len).reshape(t.batch, t.q_len, heads, d_qk)
-    return dq, _untile(dk, t.kv_len), _untile(dv, t.kv_len)
+    dq = _untile(dq, t.q_len, hg).reshape(t.batch, t.q_len, heads, d_qk)
+    return dq, _untile(dk, t.kv_len, hg[:1]), _untile(dv, t.kv_len, hg[:1])
 
 
 def attention(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
