@@ -29,12 +29,10 @@ import jax
 import jax.numpy as jnp
 
 from jax_seqpar import _compat, masks
+from jax_seqpar.kernels.tiling import Tiling, pad_seq, padded_tokens
 from jax_seqpar.masks import MaskSpec, Tokens
 
 _F32 = jnp.float32
-# Padded tokens get segment ids that match nothing real (and not each other).
-_PAD_Q_SEGMENT = -(2**31) + 1
-_PAD_KV_SEGMENT = -(2**31) + 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,54 +52,11 @@ class BlockSizes:
             raise ValueError(f"block sizes must be positive. Got {self}.")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Tiling:
-    batch: int
-    kv_heads: int
-    group: int
-    q_len: int
-    kv_len: int
-    block_q: int
-    block_k: int
-
-    @property
-    def num_q(self):
-        return -(-self.q_len // self.block_q)
-
-    @property
-    def num_k(self):
-        return -(-self.kv_len // self.block_k)
-
-
-def _tiling(q, k, block_sizes: BlockSizes) -> _Tiling:
+def _tiling(q, k, block_sizes: BlockSizes) -> Tiling:
     batch, q_len, heads, _ = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
-    return _Tiling(batch, kv_heads, heads // kv_heads, q_len, kv_len,
+    return Tiling(batch, kv_heads, heads // kv_heads, q_len, kv_len,
                    min(block_sizes.block_q, q_len), min(block_sizes.block_k, kv_len))
-
-
-def _pad_seq(x, length, value=0):
-    pad = length - x.shape[1]
-    if pad == 0:
-        return x
-    widths = [(0, 0)] * x.ndim
-    widths[1] = (0, pad)
-    return jnp.pad(x, widths, constant_values=value)
-
-
-def _padded_tokens(t: _Tiling, q_tokens: Tokens, kv_tokens: Tokens):
-    """Pad metadata to whole tiles; padded tokens get segments that see nothing."""
-    q_pad, kv_pad = t.num_q * t.block_q, t.num_k * t.block_k
-    if (q_pad, kv_pad) == (t.q_len, t.kv_len):
-        return q_tokens, kv_tokens
-
-    def pad(tokens, length, pad_segment):
-        seg = tokens.segment_ids
-        if seg is None:
-            seg = jnp.zeros(tokens.positions.shape, jnp.int32)
-        return Tokens(_pad_seq(tokens.positions, length), _pad_seq(seg, length, pad_segment))
-
-    return pad(q_tokens, q_pad, _PAD_Q_SEGMENT), pad(kv_tokens, kv_pad, _PAD_KV_SEGMENT)
 
 
 def _tiles(x, length, block, head_shape):
@@ -110,7 +65,7 @@ def _tiles(x, length, block, head_shape):
     Heads lead and tokens come right before the features, so every tile product
     is a plain batched matrix product over ``(B, *heads)``.
     """
-    x = _pad_seq(x, length)
+    x = pad_seq(x, length)
     x = x.reshape(x.shape[0], length // block, block, *x.shape[2:])
     n = len(head_shape)
     perm = (1, 0, *range(3, 3 + n), 2, *range(3 + n, x.ndim))
@@ -160,7 +115,7 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
       ``out float32[B, Sq, H, Dv]`` (normalized) and ``lse float32[B, Sq, H]``.
     """
     t = _tiling(q, k, block_sizes)
-    q_tokens, kv_tokens = _padded_tokens(t, q_tokens, kv_tokens)
+    q_tokens, kv_tokens = padded_tokens(t, q_tokens, kv_tokens)
     classes = masks.classify(spec, masks.summarize(q_tokens, t.block_q),
                              masks.summarize(kv_tokens, t.block_k))  # [nq, nk]
     d_qk, d_v = q.shape[-1], v.shape[-1]
@@ -225,10 +180,10 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
       float32 ``dq [B, Sq, H, Dqk]``, ``dk [B, Sk, Hkv, Dqk]``, ``dv [B, Sk, Hkv, Dv]``.
     """
     t = _tiling(q, k, block_sizes)
-    q_tokens, kv_tokens = _padded_tokens(t, q_tokens, kv_tokens)
+    q_tokens, kv_tokens = padded_tokens(t, q_tokens, kv_tokens)
     classes = masks.classify(spec, masks.summarize(q_tokens, t.block_q),
                              masks.summarize(kv_tokens, t.block_k))  # [nq, nk]
-    d_qk, d_v = q.shape[-1], v.shape[-1]
+    d_qk = q.shape[-1]
     q_len_pad, kv_len_pad = t.num_q * t.block_q, t.num_k * t.block_k
     hg = (t.kv_heads, t.group)
     by_group = lambda x: x.reshape(*x.shape[:2], *hg, *x.shape[3:])  # noqa: E731

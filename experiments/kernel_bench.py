@@ -1,0 +1,154 @@
+"""Time the local attention kernels: our Pallas kernel, cuDNN and our XLA kernel.
+
+Forward and forward+backward, bf16, ``[batch, seq, heads, head_dim]``, non-causal and
+causal; prints milliseconds (median of ``--runs`` timed calls after ``--warmup``
+calls, each ended by ``block_until_ready``), TFLOP/s and the ratio of that to cuDNN's
+TFLOP/s (1.0: parity; > 1: faster than cuDNN), and the largest difference of the
+results (out, or dq/dk/dv) from cuDNN's (from our XLA kernel's where cuDNN is absent).
+
+FLOPs count the useful work only: ``4 * B * H * Sq * Sk * D`` for the forward
+(``QK^T`` and ``PV``), half of it when causal, and 2.5x that for the backward
+(the FlashAttention convention), so a kernel that skips masked tiles is not
+credited for them.
+
+    python experiments/kernel_bench.py                          # GPU: S = 4k, 8k, 16k
+    python experiments/kernel_bench.py --allow-cpu --seq 256    # CPU smoke test
+
+On CPU the Pallas kernel runs in the (slow) interpreter and cuDNN is absent, so the
+numbers only show that the script works.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+
+from jax_seqpar.kernels import pallas, xla
+from jax_seqpar.masks import MaskSpec, Tokens
+
+CPU_MAX_SEQ = 1024
+IMPLEMENTATIONS = ("pallas", "cudnn", "xla")
+
+
+def _attention_fn(impl: str, causal: bool, seq: int, batch: int):
+    """``(q, k, v) -> out`` in q.dtype for one implementation."""
+    if impl == "cudnn":
+        return lambda q, k, v: jax.nn.dot_product_attention(
+            q, k, v, is_causal=causal, implementation="cudnn")
+    module = {"pallas": pallas, "xla": xla}[impl]
+    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
+    tokens = Tokens(positions)
+    spec = MaskSpec.make(causal=causal)
+
+    def fn(q, k, v):
+        out, _ = module.attention(q, k, v, tokens, tokens, spec=spec, scale=q.shape[-1] ** -0.5)
+        return out.astype(q.dtype)
+
+    return fn
+
+
+def _compile(impl, causal, backward, shape):
+    batch, seq = shape[:2]
+    attend = _attention_fn(impl, causal, seq, batch)
+    if not backward:
+        return jax.jit(attend)
+
+    def loss(q, k, v, dout):
+        return jnp.sum(attend(q, k, v).astype(jnp.float32) * dout)
+
+    return jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
+
+
+def _median_seconds(fn, args, warmup: int, runs: int):
+    """``(median seconds of one call, the call's result)``."""
+    result = None
+    for _ in range(warmup):
+        result = jax.block_until_ready(fn(*args))
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        result = jax.block_until_ready(fn(*args))
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def _max_difference(result, baseline) -> float:
+    """Largest absolute difference over all outputs (out, or dq, dk, dv), in float32."""
+    return max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))))
+               for a, b in zip(jax.tree.leaves(result), jax.tree.leaves(baseline)))
+
+
+def _flops(shape, causal: bool, backward: bool) -> float:
+    batch, seq, heads, dim = shape
+    forward = 4.0 * batch * heads * seq * seq * dim * (0.5 if causal else 1.0)
+    return forward * (3.5 if backward else 1.0)
+
+
+def _parse(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 16384])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--runs", type=int, default=20, help="timed calls (median)")
+    parser.add_argument("--warmup", type=int, default=3, help="untimed calls after compiling")
+    parser.add_argument("--impl", nargs="+", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS))
+    parser.add_argument("--allow-cpu", action="store_true",
+                        help=f"smoke-test on CPU (Pallas interpreter; --seq <= {CPU_MAX_SEQ})")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = _parse(argv)
+    backend = jax.default_backend()
+    if backend != "gpu":
+        if not args.allow_cpu:
+            print(f"kernel_bench needs a GPU (the default backend is {backend!r}); for a smoke "
+                  "test run it with --allow-cpu --seq 256.", file=sys.stderr)
+            return 2
+        if max(args.seq) > CPU_MAX_SEQ:
+            print(f"--seq {max(args.seq)} is too long for the CPU interpreter; use "
+                  f"--seq <= {CPU_MAX_SEQ} with --allow-cpu.", file=sys.stderr)
+            return 2
+    print(f"backend={backend} devices={jax.devices()[0].device_kind} batch={args.batch} "
+          f"heads={args.heads} head_dim={args.head_dim} dtype=bfloat16 "
+          f"median of {args.runs} runs after {args.warmup} warm-up")
+    print(f"{'seq':>6} {'causal':>6} {'pass':>8} {'impl':>7} {'ms':>9} {'TFLOP/s':>8} "
+          f"{'vs cudnn':>8} {'max|diff|':>10}")
+    for seq in args.seq:
+        shape = (args.batch, seq, args.heads, args.head_dim)
+        keys = jax.random.split(jax.random.key(seq), 4)
+        q, k, v, dout = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
+        for causal in (False, True):
+            for backward in (False, True):
+                inputs = (q, k, v, dout.astype(jnp.float32)) if backward else (q, k, v)
+                label = f"{seq:>6} {causal!s:>6} {'fwd+bwd' if backward else 'fwd':>8}"
+                seconds, results = {}, {}
+                for impl in args.impl:
+                    try:
+                        seconds[impl], results[impl] = _median_seconds(
+                            _compile(impl, causal, backward, shape), inputs, args.warmup,
+                            args.runs)
+                    except Exception as error:  # e.g. cuDNN absent or shape unsupported
+                        print(f"{label} {impl:>7} failed: {type(error).__name__}: "
+                              f"{str(error).splitlines()[0][:100] if str(error) else ''}")
+                # Results are checked against cuDNN (or our XLA kernel without it).
+                baseline = results.get("cudnn", results.get("xla"))
+                for impl, time_s in seconds.items():
+                    rate = _flops(shape, causal, backward) / time_s / 1e12
+                    ratio = (f"{seconds['cudnn'] / time_s:8.2f}" if "cudnn" in seconds
+                             else f"{'n/a':>8}")
+                    diff = _max_difference(results[impl], baseline)
+                    print(f"{label} {impl:>7} {time_s * 1e3:9.3f} {rate:8.2f} {ratio} "
+                          f"{diff:10.2e}")
+                del results
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

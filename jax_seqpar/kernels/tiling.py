@@ -1,0 +1,59 @@
+"""Tile geometry and sequence padding shared by the kernels."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from jax_seqpar.masks import Tokens
+
+# Padded tokens get segment ids that match nothing real (and not each other).
+_PAD_Q_SEGMENT = -(2**31) + 1
+_PAD_KV_SEGMENT = -(2**31) + 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Tiling:
+    """Static geometry of one kernel call: sizes, tile sizes and tile counts."""
+
+    batch: int
+    kv_heads: int
+    group: int
+    q_len: int
+    kv_len: int
+    block_q: int
+    block_k: int
+
+    @property
+    def num_q(self):
+        return -(-self.q_len // self.block_q)
+
+    @property
+    def num_k(self):
+        return -(-self.kv_len // self.block_k)
+
+
+def pad_seq(x, length, value=0):
+    """Pad axis 1 (the sequence) of ``x`` to ``length`` with ``value``."""
+    pad = length - x.shape[1]
+    if pad == 0:
+        return x
+    widths = [(0, 0)] * x.ndim
+    widths[1] = (0, pad)
+    return jnp.pad(x, widths, constant_values=value)
+
+
+def padded_tokens(t: Tiling, q_tokens: Tokens, kv_tokens: Tokens):
+    """Pad metadata to whole tiles; padded tokens get segments that see nothing."""
+    q_pad, kv_pad = t.num_q * t.block_q, t.num_k * t.block_k
+    if (q_pad, kv_pad) == (t.q_len, t.kv_len):
+        return q_tokens, kv_tokens
+
+    def pad(tokens, length, pad_segment):
+        seg = tokens.segment_ids
+        if seg is None:
+            seg = jnp.zeros(tokens.positions.shape, jnp.int32)
+        return Tokens(pad_seq(tokens.positions, length), pad_seq(seg, length, pad_segment))
+
+    return pad(q_tokens, q_pad, _PAD_Q_SEGMENT), pad(kv_tokens, kv_pad, _PAD_KV_SEGMENT)

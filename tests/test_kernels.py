@@ -1,0 +1,247 @@
+"""Local attention kernels (``xla``, ``pallas``) against :mod:`jax_seqpar.reference`.
+
+Every case checks ``out``, ``lse`` and the gradients of a random-weighted sum of
+both (so the ``lse`` cotangent path is exercised) w.r.t. q, k and v. Tiles are 16
+tokens, so a few dozen tokens already give several tiles and a ragged tail. The
+Pallas kernel runs in interpret mode here (CPU); its Triton lowering is checked
+separately, without a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple, Optional
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jax_seqpar import kernels, masks, reference
+from jax_seqpar.masks import MaskSpec, Tokens
+
+KERNELS = ["xla", "pallas"]
+BLOCK = 16
+
+
+class Case(NamedTuple):
+    """One attention problem; its tokens are a function of it (:func:`_tokens`)."""
+
+    batch: int = 2
+    q_len: int = 32
+    kv_len: Optional[int] = None  # None: self-attention (kv_len = q_len)
+    heads: int = 2
+    kv_heads: int = 2
+    d_qk: int = 16
+    d_v: int = 16
+    causal: bool = False
+    window: Optional[tuple[int, int]] = None
+    segments: bool = False  # documents ending at different tokens in each row
+    q_start: Optional[int] = None  # first query position; None: the last q_len keys
+    hole: bool = False  # keys 16..31 are a document that no query belongs to
+
+    @property
+    def keys(self):
+        return self.kv_len or self.q_len
+
+
+CASES = [
+    pytest.param(Case(), id="mha"),
+    pytest.param(Case(heads=4, kv_heads=2, causal=True), id="gqa_causal"),
+    pytest.param(Case(heads=4, kv_heads=1, window=(7, 3)), id="mqa_window"),
+    pytest.param(Case(q_len=48, causal=True, window=(12, 0)), id="causal_window"),
+    pytest.param(Case(q_len=48, causal=True, segments=True), id="segments_causal"),
+    pytest.param(Case(d_qk=24, d_v=8), id="dv_ne_dqk"),
+    pytest.param(Case(q_len=37, heads=4, kv_heads=2, causal=True, segments=True), id="ragged"),
+    pytest.param(Case(q_len=24, kv_len=40, causal=True), id="cross_positions"),
+]
+BF16_CASES = [p for p in CASES if p.id in ("gqa_causal", "segments_causal", "ragged")]
+
+
+def _tokens(case: Case):
+    """``(q_tokens, kv_tokens)`` of a case."""
+    kv_positions = jnp.broadcast_to(jnp.arange(case.keys, dtype=jnp.int32),
+                                    (case.batch, case.keys))
+    start = case.keys - case.q_len if case.q_start is None else case.q_start
+    q_positions = jnp.broadcast_to(jnp.arange(start, start + case.q_len, dtype=jnp.int32),
+                                   (case.batch, case.q_len))
+    if case.hole:
+        kv_segments = ((kv_positions >= 16) & (kv_positions < 32)).astype(jnp.int32)
+        return Tokens(q_positions, jnp.zeros_like(q_positions)), Tokens(kv_positions, kv_segments)
+    if not case.segments:
+        return Tokens(q_positions), Tokens(kv_positions)
+    ends = jnp.array([[case.keys // 3], [case.keys // 2]])[: case.batch]
+    kv_segments = (kv_positions >= ends).astype(jnp.int32) + (kv_positions >= case.keys - 5)
+    return Tokens(q_positions, kv_segments[:, start:start + case.q_len]), Tokens(
+        kv_positions, kv_segments)
+
+
+def _inputs(case: Case, dtype):
+    """``(q, k, v)`` in ``dtype`` and float32 weights for ``out`` and ``lse``."""
+    keys = jax.random.split(jax.random.key(0), 5)
+    q = jax.random.normal(keys[0], (case.batch, case.q_len, case.heads, case.d_qk), dtype)
+    k = jax.random.normal(keys[1], (case.batch, case.keys, case.kv_heads, case.d_qk), dtype)
+    v = jax.random.normal(keys[2], (case.batch, case.keys, case.kv_heads, case.d_v), dtype)
+    out_weights = jax.random.normal(keys[3], (case.batch, case.q_len, case.heads, case.d_v))
+    lse_weights = jax.random.normal(keys[4], (case.batch, case.q_len, case.heads))
+    return (q, k, v), (out_weights, lse_weights)
+
+
+def _value_and_grads(attend, inputs, weights):
+    """``(out, lse, (dq, dk, dv))`` of ``sum(out * w_out) + sum(lse * w_lse)``."""
+    out_weights, lse_weights = weights
+
+    def loss(q, k, v):
+        out, lse = attend(q, k, v)
+        value = jnp.sum(out.astype(jnp.float32) * out_weights) + jnp.sum(lse * lse_weights)
+        return value, (out, lse)
+
+    grads, (out, lse) = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(*inputs)
+    return out, lse, grads
+
+
+@functools.cache
+def _expected(case: Case, dtype):
+    """Reference results on the case's inputs (bf16 inputs upcast), shared by kernels."""
+    spec = MaskSpec.make(case.causal, case.window)
+    q_tokens, kv_tokens = _tokens(case)
+
+    def attend(q, k, v):
+        return reference.attention(
+            *(x.astype(jnp.float32) for x in (q, k, v)), causal=spec.causal,
+            window=spec.window, scale=case.d_qk**-0.5,
+            positions=q_tokens.positions, segment_ids=q_tokens.segment_ids,
+            kv_positions=kv_tokens.positions, kv_segment_ids=kv_tokens.segment_ids,
+            return_lse=True)
+
+    return _value_and_grads(attend, *_inputs(case, dtype))
+
+
+def _run_kernel(kernel: str, case: Case, dtype, poison: Optional[slice] = None):
+    """Kernel results on the case's inputs, keys/values in ``poison`` set to NaN."""
+    module = kernels.get(kernel)
+    block_sizes = module.BlockSizes(
+        **{f.name: BLOCK for f in dataclasses.fields(module.BlockSizes)})
+    spec = MaskSpec.make(case.causal, case.window)
+    q_tokens, kv_tokens = _tokens(case)
+    (q, k, v), weights = _inputs(case, dtype)
+    if poison is not None:
+        k, v = k.at[:, poison].set(jnp.nan), v.at[:, poison].set(jnp.nan)
+
+    def attend(q, k, v):
+        return module.attention(q, k, v, q_tokens, kv_tokens, spec=spec,
+                                scale=case.d_qk**-0.5, block_sizes=block_sizes)
+
+    return _value_and_grads(attend, (q, k, v), weights)
+
+
+def _check(kernel: str, case: Case, dtype, tolerances, poison=None):
+    """Shapes and dtypes first, then values against the reference."""
+    results = _run_kernel(kernel, case, dtype, poison)
+    out, lse, grads = results
+    assert out.shape == (case.batch, case.q_len, case.heads, case.d_v)
+    assert lse.shape == (case.batch, case.q_len, case.heads)
+    assert out.dtype == lse.dtype == jnp.float32
+    assert [g.shape for g in grads] == [x.shape for x in _inputs(case, dtype)[0]]
+    assert [g.dtype for g in grads] == [dtype] * 3
+    names = ("out", "lse", "dq", "dk", "dv")
+    for name, got, wanted in zip(names, jax.tree.leaves(results),
+                                 jax.tree.leaves(_expected(case, dtype))):
+        kind = "grad" if name.startswith("d") else "out"
+        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(wanted, np.float32),
+                                   err_msg=name, **tolerances(dtype, kind))
+    return results
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("case", CASES)
+def test_matches_reference_fp32(kernel, case, tolerances):
+    _check(kernel, case, jnp.float32, tolerances)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("case", BF16_CASES)
+def test_matches_reference_bf16(kernel, case, tolerances):
+    _check(kernel, case, jnp.bfloat16, tolerances)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_query_that_sees_no_key(kernel, tolerances):
+    """Queries at positions -8..-1 (causal, keys at 0..) get zeros, EMPTY_LSE, finite grads."""
+    case = Case(batch=1, q_len=16, kv_len=32, causal=True, q_start=-8)
+    out, lse, grads = _check(kernel, case, jnp.float32, tolerances)
+    assert np.all(np.asarray(out[:, :8]) == 0)
+    assert np.all(np.asarray(lse[:, :8]) == masks.EMPTY_LSE)
+    assert np.all(np.asarray(grads[0][:, :8]) == 0)
+    assert all(np.isfinite(np.asarray(g)).all() for g in grads)
+
+
+SKIP_CASES = [
+    # Key tiles 1 and 2 come after every query (causal): outside the loop bounds.
+    pytest.param(Case(batch=1, q_len=16, kv_len=48, causal=True, q_start=0), id="causal_tail"),
+    # Key tile 1 is a document no query is in, between two visible tiles: inside the
+    # loop bounds, skipped by its class.
+    pytest.param(Case(batch=1, q_len=32, kv_len=48, hole=True), id="segment_hole"),
+]
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("case", SKIP_CASES)
+def test_empty_tiles_are_skipped(kernel, case, tolerances):
+    """NaN keys and values in EMPTY tiles leave every result exact, so those tiles are
+    never computed (a masked computation would still give ``0 * NaN = NaN``)."""
+    poison = slice(16, 48) if case.causal else slice(16, 32)
+    q_tokens, kv_tokens = _tokens(case)
+    classes = np.asarray(masks.classify(MaskSpec.make(case.causal, case.window),
+                                        masks.summarize(q_tokens, BLOCK),
+                                        masks.summarize(kv_tokens, BLOCK)))
+    assert (classes[:, poison.start // BLOCK:poison.stop // BLOCK] == masks.EMPTY).all()
+    results = _check(kernel, case, jnp.float32, tolerances, poison)
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(results))
+
+
+def test_pallas_lowers_to_triton():
+    """Forward and both backward kernels lower to Triton (GPU) IR without a GPU.
+
+    Compiling and running them on a GPU is left to ``experiments/kernel_bench.py``.
+    """
+    pallas = kernels.get("pallas")
+    q = jax.ShapeDtypeStruct((1, 200, 6, 40), jnp.bfloat16)  # ragged, GQA, odd head dims
+    k = jax.ShapeDtypeStruct((1, 200, 2, 40), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((1, 200, 2, 24), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((1, 200), jnp.int32)
+
+    def grads(q, k, v, positions, segment_ids):
+        tokens = Tokens(positions, segment_ids)
+
+        def loss(q, k, v):
+            out, lse = pallas.attention(q, k, v, tokens, tokens, scale=0.1, interpret=False,
+                                        spec=MaskSpec.make(causal=True, window=(64, 0)))
+            return out.sum() + lse.sum()
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    exported = jax.export.export(
+        jax.jit(grads), platforms=["cuda"],
+        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+    )(q, k, v, ids, ids)
+    module = exported.mlir_module()
+    for name in ("seqpar_flash_forward", "seqpar_flash_dq", "seqpar_flash_dkv"):
+        assert f'name = "{name}"' in module
+
+
+def test_pallas_validation():
+    pallas = kernels.get("pallas")
+    with pytest.raises(ValueError, match="block_q=0"):
+        pallas.BlockSizes(block_q=0)
+    q = jnp.zeros((1, 32, 3, 16))
+    k = jnp.zeros((1, 32, 2, 16))
+    tokens = Tokens(jnp.zeros((1, 32), jnp.int32))
+    with pytest.raises(ValueError, match="heads=3 must be a multiple of kv_heads=2"):
+        pallas.forward(q, k, k, tokens, tokens, spec=MaskSpec(), scale=1.0)
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        pallas.forward(q, q, q, tokens, tokens, spec=MaskSpec(), scale=1.0, interpret=False,
+                       block_sizes=pallas.BlockSizes(block_q=24))
+    with pytest.raises(ValueError, match="share one of"):
+        pallas.forward(q, q.astype(jnp.bfloat16), q, tokens, tokens, spec=MaskSpec(), scale=1.0)
