@@ -32,3 +32,18 @@ def match_varying(tree, like):
         return jax.lax.pcast(x, missing, to="varying")
 
     return jax.tree.map(mark, tree)
+
+
+def shape_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
+    """A ``ShapeDtypeStruct`` that varies over the mesh axes ``like`` varies over.
+
+    ``pallas_call`` inside ``shard_map`` must declare how its outputs vary.
+    """
+    aval = jax.typeof(like)
+    manual = getattr(aval, "manual_axis_type", None)
+    if manual is not None:
+        return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual)
+    vma = getattr(aval, "vma", None)
+    if vma is not None:
+        return jax.ShapeDtypeStruct(shape, dtype, vma=vma)
+    return jax.ShapeDtypeStruct(shape, dtype)

@@ -32,10 +32,10 @@ def _loss(fn, weights):
     return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * weights)
 
 
-def _check(strategy, q, k, v, tolerances, *, layout="auto", **mask):
+def _check(strategy, q, k, v, tolerances, *, layout="auto", kernel="auto", **mask):
     mesh, axes = _mesh(strategy)
     ours = functools.partial(sp.sequence_parallel_attention, mesh=mesh, seq_axes=axes,
-                             strategy=strategy, layout=layout, **mask)
+                             strategy=strategy, layout=layout, kernel=kernel, **mask)
     theirs = functools.partial(reference.attention, **mask)
     out = jax.jit(ours)(q, k, v)
     expected = theirs(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
@@ -230,3 +230,11 @@ def test_bad_input_raises_value_error(kwargs, message):
     kwargs.setdefault("seq_axes", axes)
     with pytest.raises(ValueError, match=re.escape(message)):
         sp.sequence_parallel_attention(q, k, v, mesh=mesh, strategy=strategy, **kwargs)
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+def test_pallas_kernel_end_to_end(strategy, make_qkv, tolerances):
+    """Every strategy runs on the Pallas kernel (interpret mode on CPU): out and grads."""
+    q, k, v = make_qkv(batch=1, seq=S, heads=H, kv_heads=2, head_dim=D, seed=11)
+    _check(strategy, q, k, v, tolerances, causal=True, segment_ids=_segments(1, S),
+           kernel="pallas")

@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import functools
 
-import jax
 import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
+from jax_seqpar import _compat
 from jax_seqpar.kernels import pallas as _p
 
 _F32 = jnp.float32
@@ -86,6 +86,8 @@ def _dkv_kernel(bounds_ref, classes_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_
 def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, block_sizes,
              interpret):
     """:func:`jax_seqpar.kernels.pallas.backward` after validation."""
+    operands = (q, k, v, q_tokens, kv_tokens, lse, delta, dout)
+    q, k, v, q_tokens, kv_tokens, lse, delta, dout = _compat.match_varying(operands, operands)
     t = _p._tiling(q, k, block_sizes.block_q_bwd, block_sizes.block_k_bwd)
     q_tokens, kv_tokens, classes = _p._schedule(spec, t, q_tokens, kv_tokens)
     heads, d_qk, d_v = q.shape[2], q.shape[-1], v.shape[-1]
@@ -116,7 +118,7 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, blo
             pl.BlockSpec((None, None, t.block_q), lambda i, b, h: (b, h, i)),
         ],
         out_specs=pl.BlockSpec((None, t.block_q, None, d_qk_pad), lambda i, b, h: (b, i, h, 0)),
-        out_shape=jax.ShapeDtypeStruct((t.batch, q_pad, heads, d_qk_pad), _F32),
+        out_shape=_compat.shape_struct((t.batch, q_pad, heads, d_qk_pad), _F32, q),
         compiler_params=params,
         interpret=interpret,
         name="seqpar_flash_dq",
@@ -143,8 +145,8 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, blo
             pl.BlockSpec((None, t.block_k, None, d_qk_pad), lambda j, b, g: (b, j, g, 0)),
             pl.BlockSpec((None, t.block_k, None, d_v_pad), lambda j, b, g: (b, j, g, 0)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((t.batch, kv_pad, t.kv_heads, d_qk_pad), _F32),
-                   jax.ShapeDtypeStruct((t.batch, kv_pad, t.kv_heads, d_v_pad), _F32)],
+        out_shape=[_compat.shape_struct((t.batch, kv_pad, t.kv_heads, d_qk_pad), _F32, q),
+                   _compat.shape_struct((t.batch, kv_pad, t.kv_heads, d_v_pad), _F32, q)],
         compiler_params=params,
         interpret=interpret,
         name="seqpar_flash_dkv",

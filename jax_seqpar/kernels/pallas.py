@@ -42,7 +42,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_seqpar import masks
+from jax_seqpar import _compat, masks
 from jax_seqpar.kernels.tiling import Tiling, padded_tokens
 from jax_seqpar.masks import MaskSpec, Tokens
 
@@ -252,6 +252,10 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
     """
     interpret = _interpret(interpret)
     _validate(q, k, v, q_tokens, kv_tokens, block_sizes, interpret)
+    # Inside shard_map every operand must vary over the same axes (e.g. replicated
+    # decode queries against a sharded cache).
+    q, k, v, q_tokens, kv_tokens = _compat.match_varying(
+        (q, k, v, q_tokens, kv_tokens), (q, k, v, q_tokens, kv_tokens))
     t = _tiling(q, k, block_sizes.block_q, block_sizes.block_k)
     q_tokens, kv_tokens, classes = _schedule(spec, t, q_tokens, kv_tokens)
     heads, d_v = q.shape[2], v.shape[-1]
@@ -276,8 +280,8 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
             pl.BlockSpec((None, t.block_q, None, d_v_pad), lambda i, b, h: (b, i, h, 0)),
             pl.BlockSpec((None, None, t.block_q), lambda i, b, h: (b, h, i)),
         ],
-        out_shape=[jax.ShapeDtypeStruct((t.batch, q_pad, heads, d_v_pad), _F32),
-                   jax.ShapeDtypeStruct((t.batch, heads, q_pad), _F32)],
+        out_shape=[_compat.shape_struct((t.batch, q_pad, heads, d_v_pad), _F32, q),
+                   _compat.shape_struct((t.batch, heads, q_pad), _F32, q)],
         compiler_params=_compiler_params(max(d_qk_pad, d_v_pad)),
         interpret=interpret,
         name="seqpar_flash_forward",
