@@ -44,8 +44,8 @@ class BlockSizes:
       block_k: key/value tokens per tile.
     """
 
-    block_q: int = 512
-    block_k: int = 512
+    block_q: int = 256
+    block_k: int = 256
 
     def __post_init__(self):
         if self.block_q < 1 or self.block_k < 1:

@@ -1,0 +1,265 @@
+"""jax_seqpar.plan: the traffic model on hand-computed cases and the seed notes, the
+planner's choices, its errors, and the model against the compiled HLO.
+
+Seed formulas (shared/seeds/002_*), per global token N, P devices, in elements:
+Ulysses ``h*d*(P-1)/P**2`` per tensor, 4 tensors (q, k, v, out); ring
+``d_kv*(P-1)/P``. Differences from the seed, checked below:
+* our Ulysses and ring also send int32 positions ((P-1)/P * 4 bytes per token);
+* the seed's Ulysses table gives 1,792 at P=16 and 428 at P=64, which do not follow its
+  own formula (1,920 and 504 do);
+* the seed's "Ring (MHA KV) N x 128*2*7/8 = N x 224" leaves out the 64 heads (14,336);
+* the seed's MLA ring sends the shared 576-dim latent once; our API takes k [.., 576]
+  and v [.., 512] as two arrays, so both travel (1,088 per token);
+* the seed's MLA Ulysses (N x 57,848, "115x") moves Q with one 1/P, not (P-1)/P**2; with
+  this package's Ulysses (K/V heads replicated to P) MLA moves 7.9x the ring (fwd+bwd).
+"""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jax_seqpar import hlo
+from jax_seqpar.plan import Plan, comm_bytes, plan
+
+N = 1024  # tokens; divisible by every P used here
+MHA = dict(num_heads=64, num_kv_heads=64, head_dim=128)  # the seed's h=64, d=128
+MLA = dict(num_heads=128, num_kv_heads=1, head_dim=576, v_head_dim=512)
+
+
+def _positions_per_token(p):
+    return 4 * (p - 1) / p
+
+
+@pytest.mark.parametrize("p, seed_elements", [(4, 6144), (8, 3584), (16, 1920), (64, 504)])
+def test_ulysses_matches_seed_formula(p, seed_elements):
+    sent = comm_bytes("ulysses", batch=1, seq_len=N, axis_sizes=p, dtype_bytes=1, **MHA)
+    assert sent / N == seed_elements + _positions_per_token(p)
+    assert seed_elements == 4 * 64 * 128 * (p - 1) / p**2
+
+
+def test_ring_seed_cases():
+    ring_mha = comm_bytes("ring", batch=1, seq_len=N, axis_sizes=8, dtype_bytes=1, **MHA)
+    assert ring_mha / N == 64 * 128 * 2 * 7 / 8 + _positions_per_token(8)  # seed: 224
+    ring_mla = comm_bytes("ring", batch=1, seq_len=N, axis_sizes=8, dtype_bytes=1, **MLA)
+    assert ring_mla / N == (576 + 512) * 7 / 8 + _positions_per_token(8)  # seed: 576 * 7/8
+
+
+@pytest.mark.parametrize("heads, kv_heads, p, kv_heads_sent", [
+    pytest.param(32, 8, 16, 16, id="gqa_8_on_16"),
+    pytest.param(32, 8, 8, 8, id="gqa_8_on_8"),
+    pytest.param(32, 16, 8, 16, id="gqa_16_on_8"),
+    pytest.param(12, 6, 4, 12, id="gqa_6_on_4"),
+    pytest.param(8, 1, 8, 8, id="mqa_on_8"),
+])
+def test_ulysses_replicates_kv_heads(heads, kv_heads, p, kv_heads_sent):
+    assert kv_heads_sent == kv_heads * p // math.gcd(kv_heads, p)
+    sent = comm_bytes("ulysses", batch=2, seq_len=N, num_heads=heads, num_kv_heads=kv_heads,
+                      head_dim=16, v_head_dim=8, axis_sizes=p, dtype_bytes=2)
+    local_tokens = 2 * N // p
+    per_token = heads * 16 + kv_heads_sent * 16 + kv_heads_sent * 8 + heads * 8
+    assert sent == local_tokens * per_token * 2 * (p - 1) / p + (p - 1) * local_tokens * 4
+
+
+# B=2, S=256, H=8, Hkv=2, Dqk=16, Dv=8, float32, P=8: 64 local tokens, local K+V
+# f32[2, 32, 2, 16+8] = 12,288 bytes, positions s32[2, 32] = 256 bytes. These are the
+# bytes read from the compiled ring and Ulysses of this package (see the HLO test below).
+SMALL = dict(batch=2, seq_len=256, num_heads=8, num_kv_heads=2, head_dim=16, v_head_dim=8,
+             dtype_bytes=4)
+
+
+@pytest.mark.parametrize("strategy, backward, segments, expected", [
+    ("ring", False, False, 7 * (12288 + 256)),
+    ("ring", False, True, 7 * (12288 + 512)),
+    ("ring", True, False, 2 * 7 * (12288 + 256) + 8 * 12288),  # + P fp32 dK/dV hops
+    ("ring", True, True, 2 * 7 * (12288 + 512) + 8 * 12288),
+    # q [2,32,8,16] + k, v replicated to 8 heads [2,32,8,16|8] + out [2,32,8,8], f32.
+    ("ulysses", False, False, 2 * 32 * 8 * 48 * 4 * 7 / 8 + 7 * 256),
+    ("ulysses", True, False, 2 * 2 * 32 * 8 * 48 * 4 * 7 / 8 + 7 * 256),
+    ("ulysses", True, True, 2 * 2 * 32 * 8 * 48 * 4 * 7 / 8 + 2 * 7 * 256),
+    # all_gather K/V f32[2, 256, 2, 24] and positions s32[2, 256]; backward psum_scatter.
+    ("allgather", False, False, 7 / 8 * (98304 + 2048)),
+    ("allgather", True, False, 7 / 8 * (98304 + 2048) + 7 / 8 * 98304),
+    ("allgather", True, True, 7 / 8 * (98304 + 4096) + 7 / 8 * 98304),
+])
+def test_comm_bytes_hand_computed(strategy, backward, segments, expected):
+    assert comm_bytes(strategy, axis_sizes=8, backward=backward, with_segment_ids=segments,
+                      **SMALL) == expected
+
+
+def test_hybrid_hand_computed():
+    # B=1, S=1024, H=8, Hkv=2, D=Dv=16, bf16, (outer, inner) = (2, 4).
+    # Ulysses over 4 on S/2: 128 local tokens, K/V replicated 2 -> 4 heads;
+    # ring over 2 on [1, 512, 1, 16] K/V (4 heads / 4 devices) with s32 positions.
+    shape = dict(batch=1, seq_len=1024, num_heads=8, num_kv_heads=2, head_dim=16,
+                 dtype_bytes=2)
+    a2a = 128 * (8 * 16 + 4 * 16 + 4 * 16 + 8 * 16) * 2 * 3 / 4
+    gather_positions = 3 * 128 * 4
+    rotation = 1 * (512 * 1 * 32 * 2 + 512 * 4)
+    accumulators = 2 * 512 * 1 * 32 * 4
+    assert comm_bytes("hybrid", axis_sizes=(2, 4), **shape) == a2a + gather_positions + rotation
+    assert comm_bytes("hybrid", axis_sizes=(2, 4), backward=True, **shape) == (
+        2 * a2a + gather_positions + 2 * rotation + accumulators)
+
+
+@pytest.mark.parametrize("backward", [False, True])
+def test_hybrid_degenerates(backward):
+    shape = dict(SMALL, backward=backward)
+    assert comm_bytes("hybrid", axis_sizes=(1, 8), **shape) == comm_bytes(
+        "ulysses", axis_sizes=8, **shape)
+    assert comm_bytes("hybrid", axis_sizes=(8, 1), **shape) == comm_bytes(
+        "ring", axis_sizes=8, **shape)
+    assert comm_bytes("ring", axis_sizes=(2, 4), **shape) == comm_bytes(
+        "ring", axis_sizes=8, **shape)
+
+
+@pytest.mark.parametrize("strategy", ["ulysses", "ring", "allgather"])
+def test_one_device_sends_nothing(strategy):
+    assert comm_bytes(strategy, axis_sizes=1, backward=True, **SMALL) == 0.0
+
+
+def test_crossover_near_4hd_over_dkv():
+    """Seed: MHA Ulysses (h=64, d=128) vs an MLA ring of d_kv=576 cross at P = 4hd/d_kv ~ 57."""
+    latent = dict(num_heads=64, num_kv_heads=1, head_dim=288, v_head_dim=288)  # 576 per token
+    crossover = 4 * 64 * 128 / 576
+    for p in (2, 4, 8, 16, 32, 64):
+        ulysses = comm_bytes("ulysses", batch=1, seq_len=N * 64, axis_sizes=p, **MHA)
+        ring = comm_bytes("ring", batch=1, seq_len=N * 64, axis_sizes=p, **latent)
+        assert (ulysses > ring) == (p < crossover), p
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(strategy="tree"), "strategy='tree' is not one of"),
+    (dict(num_heads=12), "num_heads=12 is not divisible by the ulysses axis size 8; use "
+                         "strategy='ring' or 'hybrid'"),
+    (dict(seq_len=1001), "seq_len=1001 is not divisible by the 8 devices.*multiple of 8"),
+    (dict(num_kv_heads=3), "num_heads=8 must be a multiple of num_kv_heads=3"),
+    (dict(head_dim=0), "head_dim must be a positive int. Got head_dim=0"),
+    (dict(dtype_bytes=0), "dtype_bytes must be a positive number"),
+    (dict(axis_sizes=(2, 0)), "axis_sizes must be a positive int"),
+    (dict(strategy="hybrid"), r"hybrid needs axis_sizes=\(outer, inner\). Got 8"),
+    (dict(strategy="hybrid", axis_sizes=(1, 8), num_heads=4, num_kv_heads=4),
+     "num_heads=4 is not divisible by the ulysses \\(inner\\) axis size 8"),
+])
+def test_comm_bytes_errors(kwargs, message):
+    args = dict(SMALL, strategy="ulysses", axis_sizes=8)
+    args.update(kwargs)
+    strategy = args.pop("strategy")
+    with pytest.raises(ValueError, match=message):
+        comm_bytes(strategy, **args)
+
+
+@pytest.mark.parametrize("args, kwargs, strategy, reason", [
+    pytest.param((32768, 32, 32, 128, 8), {}, "ulysses",
+                 "ulysses: 32 heads divisible by 8 and a2a traffic 0.12x of ring",
+                 id="mha_32_heads_on_8"),
+    # The seed's tree says ring when num_kv_heads < P; replicating K/V heads makes
+    # Ulysses feasible and it still sends fewer bytes.
+    pytest.param((32768, 32, 8, 128, 16), {}, "ulysses",
+                 "ulysses: 32 heads divisible by 16 (8 KV heads replicated to 16) and a2a "
+                 "traffic 0.18x of ring", id="gqa_8_kv_heads_on_16"),
+    pytest.param((32768, 128, 1, 576, {"sp": 8}), dict(v_head_dim=512), "ring",
+                 "ring: only 1 KV head (MQA/MLA) and ulysses would move 7.9x more bytes",
+                 id="mla_on_8"),
+    pytest.param((32768, 12, 12, 64, 8), dict(causal=True), "ring",
+                 "ring: num_heads=12 is not divisible by the axis size 8, so ulysses cannot "
+                 "split heads; zigzag layout balances causal work", id="12_heads_on_8"),
+    pytest.param((32768, 32, 32, 128, {"dcn": 2, "ici": 4}), {}, "hybrid",
+                 "hybrid: ulysses over 'ici' (4 divides 32 heads) and ring over 'dcn' send "
+                 "0.30x the bytes of a ring over both axes", id="two_axes_hybrid"),
+    pytest.param((32768, 12, 12, 128, {"dcn": 2, "ici": 8}), {}, "ring",
+                 "ring over ('dcn', 'ici'): num_heads=12 is not divisible by the inner axis "
+                 "size 8, so hybrid cannot use ulysses", id="two_axes_ring"),
+    pytest.param((4096, 8, 8, 64, 1), {}, "ulysses",
+                 "ulysses: 8 heads divisible by 1 and a2a traffic 1.00x of ring (one device: "
+                 "nothing is sent)", id="tie_goes_to_ulysses"),
+])
+def test_plan_choices(args, kwargs, strategy, reason):
+    chosen = plan(*args, **kwargs)
+    assert isinstance(chosen, Plan)
+    assert chosen.strategy == strategy
+    assert chosen.reason == reason
+    assert chosen.bytes_per_device == chosen.candidates[strategy] == min(
+        chosen.candidates.values())
+    seq_len, heads, kv_heads, head_dim, mesh_axes = args
+    sizes = mesh_axes if isinstance(mesh_axes, int) else tuple(mesh_axes.values())
+    sizes = sizes[0] if isinstance(sizes, tuple) and len(sizes) == 1 else sizes
+    assert chosen.axis_sizes == sizes
+    assert chosen.bytes_per_device == comm_bytes(
+        strategy, batch=1, seq_len=seq_len, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=head_dim, v_head_dim=kwargs.get("v_head_dim"), axis_sizes=sizes,
+        backward=True)
+
+
+def test_plan_from_mesh_shape():
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 4), ("dcn", "ici"))
+    chosen = plan(4096, 8, 8, 64, mesh.shape)
+    assert (chosen.strategy, chosen.seq_axes, chosen.axis_sizes) == (
+        "hybrid", ("dcn", "ici"), (2, 4))
+    assert plan(4096, 8, 8, 64, 8).seq_axes == "sp"
+    assert plan(4096, 8, 8, 64, {"seq": 8}).seq_axes == "seq"
+
+
+@pytest.mark.parametrize("mesh_axes", ["sp", {}, {"a": 2, "b": 2, "c": 2}, {"sp": 0}])
+def test_plan_rejects_bad_mesh_axes(mesh_axes):
+    with pytest.raises(ValueError, match="mesh_axes|axis_sizes"):
+        plan(4096, 8, 8, 64, mesh_axes)
+
+
+def test_plan_validates_through_comm_bytes():
+    with pytest.raises(ValueError, match="seq_len=1001 is not divisible by the 8 devices"):
+        plan(1001, 8, 8, 64, 8)
+
+
+# --- the model against the compiled program (DESIGN.md §4: traffic) -------------------
+
+def _compiled_bytes(per_shard, mesh, backward, with_segment_ids):
+    """Bytes one device sends in the compiled per-shard attention (fwd, or fwd + vjp)."""
+    q = jnp.ones((2, 256, 8, 16), jnp.float32)  # SMALL, f32: XLA:CPU promotes bf16 anyway
+    k = jnp.ones((2, 256, 2, 16), jnp.float32)
+    v = jnp.ones((2, 256, 2, 8), jnp.float32)
+    segment_ids = jnp.zeros((2, 256), jnp.int32)
+    seq = P(None, tuple(mesh.axis_names))
+
+    def attend(q, k, v, segment_ids):
+        return per_shard(q, k, v, causal=True,
+                         segment_ids=segment_ids if with_segment_ids else None)
+
+    f = jax.shard_map(attend, mesh=mesh, in_specs=(seq,) * 4, out_specs=seq)
+    if backward:  # a vjp with a given cotangent: no loss reduction in the program
+        def f_and_vjp(q, k, v, segment_ids, cotangent):
+            out, vjp = jax.vjp(lambda q, k, v: f(q, k, v, segment_ids), q, k, v)
+            return out, vjp(cotangent)
+
+        args = (q, k, v, segment_ids, jnp.ones((2, 256, 8, 8), jnp.float32))
+        return hlo.collective_bytes(jax.jit(f_and_vjp).lower(*args).compile())
+    return hlo.collective_bytes(jax.jit(f).lower(q, k, v, segment_ids).compile())
+
+
+def _per_shard(strategy):
+    module = pytest.importorskip(f"jax_seqpar.{strategy}")
+    fn = getattr(module, f"{strategy}_attention")
+    if strategy == "hybrid":
+        return functools.partial(fn, ring_axis="outer", ulysses_axis="inner")
+    return functools.partial(fn, axis_name="sp")
+
+
+@pytest.mark.parametrize("with_segment_ids", [False, True], ids=["plain", "segments"])
+@pytest.mark.parametrize("backward", [False, True], ids=["fwd", "fwd_bwd"])
+@pytest.mark.parametrize("strategy", ["ulysses", "ring", "allgather", "hybrid"])
+def test_comm_bytes_matches_compiled_hlo(strategy, backward, with_segment_ids):
+    devices = np.array(jax.devices())
+    if strategy == "hybrid":
+        # A ring of 4, not 2: with one hop XLA merges the backward's K/V hop with the
+        # forward's (CSE across the unrolled one-trip loops) and sends less than modelled.
+        mesh, axis_sizes = Mesh(devices.reshape(4, 2), ("outer", "inner")), (4, 2)
+    else:
+        mesh, axis_sizes = Mesh(devices, ("sp",)), 8
+    measured = _compiled_bytes(_per_shard(strategy), mesh, backward, with_segment_ids)
+    predicted = comm_bytes(strategy, axis_sizes=axis_sizes, backward=backward,
+                           with_segment_ids=with_segment_ids, **SMALL)
+    assert sum(measured.values()) == predicted, measured
