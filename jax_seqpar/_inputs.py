@@ -70,9 +70,9 @@ class Options:
     def forward(self, q, k, v, q_tokens, kv_tokens):
         return self.kernel.forward(q, k, v, q_tokens, kv_tokens, **self._kwargs())
 
-    def backward(self, q, k, v, q_tokens, kv_tokens, lse, delta, dout):
+    def backward(self, q, k, v, q_tokens, kv_tokens, lse, delta, dout, accumulate=None):
         return self.kernel.backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout,
-                                    **self._kwargs())
+                                    accumulate=accumulate, **self._kwargs())
 
     def attention(self, q, k, v, q_tokens, kv_tokens):
         return self.kernel.attention(q, k, v, q_tokens, kv_tokens, **self._kwargs())

@@ -96,10 +96,8 @@ def _ring_bwd(axis_name, options, residuals, dout):
     delta = jnp.einsum("bqhd,bqhd->bqh", dout.astype(jnp.float32), out.astype(jnp.float32))
 
     def grads(carry, kv):
-        dq, dk, dv = carry
-        dq_step, dk_step, dv_step = options.backward(q, kv[0], kv[1], tokens, kv[2], lse,
-                                                     delta, dout)
-        return dq + dq_step, dk + dk_step, dv + dv_step
+        return options.backward(q, kv[0], kv[1], tokens, kv[2], lse, delta, dout,
+                                accumulate=carry)
 
     def step(carry, _):
         dq, kv, dkv = carry

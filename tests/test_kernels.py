@@ -245,3 +245,24 @@ def test_pallas_validation():
                        block_sizes=pallas.BlockSizes(block_q=24))
     with pytest.raises(ValueError, match="share one of"):
         pallas.forward(q, q.astype(jnp.bfloat16), q, tokens, tokens, spec=MaskSpec(), scale=1.0)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_backward_accumulates(kernel):
+    """``backward(..., accumulate=g)`` returns the gradients plus ``g`` (ragged tiles too)."""
+    module = kernels.get(kernel)
+    case = Case(q_len=37, heads=4, kv_heads=2, causal=True, segments=True)
+    spec = MaskSpec.make(case.causal, case.window)
+    q_tokens, kv_tokens = _tokens(case)
+    (q, k, v), (dout, _) = _inputs(case, jnp.float32)
+    block_sizes = module.BlockSizes(
+        **{f.name: BLOCK for f in dataclasses.fields(module.BlockSizes)})
+    kwargs = dict(spec=spec, scale=case.d_qk**-0.5, block_sizes=block_sizes)
+    out, lse = module.forward(q, k, v, q_tokens, kv_tokens, **kwargs)
+    delta = jnp.sum(dout * out, axis=-1)
+    args = (q, k, v, q_tokens, kv_tokens, lse, delta, dout)
+    plain = module.backward(*args, **kwargs)
+    totals = tuple(jax.random.normal(jax.random.key(i), g.shape) for i, g in enumerate(plain))
+    summed = module.backward(*args, accumulate=totals, **kwargs)
+    for got, grad, total in zip(summed, plain, totals):
+        np.testing.assert_allclose(got, grad + total, atol=1e-5, rtol=1e-5)

@@ -292,7 +292,7 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
 
 def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
              spec: MaskSpec, scale: float, block_sizes: BlockSizes = BlockSizes(),
-             interpret: Optional[bool] = None):
+             interpret: Optional[bool] = None, accumulate=None):
     """Gradients of attention given the softmax statistics of the full result.
 
     Args:
@@ -302,8 +302,10 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
       delta: ``float32[B, Sq, H]`` = ``sum(dout * out, -1) - dlse``.
       dout: ``[B, Sq, H, Dv]`` cotangent of the (merged) output; it enters the
         matmuls in ``v.dtype``.
+      accumulate: optional float32 ``(dq, dk, dv)`` the gradients are added to.
     Returns:
-      float32 ``dq [B, Sq, H, Dqk]``, ``dk [B, Sk, Hkv, Dqk]``, ``dv [B, Sk, Hkv, Dv]``.
+      float32 ``dq [B, Sq, H, Dqk]``, ``dk [B, Sk, Hkv, Dqk]``, ``dv [B, Sk, Hkv, Dv]``
+      (plus ``accumulate``).
     """
     from jax_seqpar.kernels import _pallas_bwd  # it imports this module's helpers
 
@@ -313,8 +315,11 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
     if lse.shape != rows or delta.shape != rows or dout.shape != dout_shape:
         raise ValueError(f"lse and delta must be {rows} and dout {dout_shape}. Got "
                          f"{lse.shape=}, {delta.shape=}, {dout.shape=}.")
-    return _pallas_bwd.backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, spec=spec,
-                                scale=scale, block_sizes=block_sizes, interpret=interpret)
+    grads = _pallas_bwd.backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, spec=spec,
+                                 scale=scale, block_sizes=block_sizes, interpret=interpret)
+    if accumulate is None:
+        return grads
+    return tuple(total + g for total, g in zip(accumulate, grads))
 
 
 def attention(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,

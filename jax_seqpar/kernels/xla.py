@@ -10,8 +10,9 @@ The kernel contract, shared with :mod:`jax_seqpar.kernels.pallas`:
 
 * :func:`forward` -> ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])``;
 * :func:`backward` takes the (final) ``lse`` and ``delta = sum(dout * out, -1)
-  - dlse`` and returns float32 ``(dq, dk, dv)``; strategies that merge partial
-  results (the ring) call it with the statistics of the merged result;
+  - dlse`` and returns float32 ``(dq, dk, dv)``, added to ``accumulate`` when
+  given; strategies that merge partial results (the ring) call it with the
+  statistics of the merged result;
 * :func:`attention` is both, wired as a ``custom_vjp`` that accepts cotangents
   for ``out`` AND ``lse``, so any composition of merges differentiates exactly.
 
@@ -39,54 +40,52 @@ _F32 = jnp.float32
 class BlockSizes:
     """Tile sizes (clipped to the sequence length; ragged tails are padded).
 
+    256 tokens keep a tile's float32 scores ([B, H, 256, 256]) in cache-sized
+    pieces on CPU and skip masked work finely; the backward may use other sizes
+    (it holds four score-sized temporaries per tile to the forward's two).
+
     Attributes:
-      block_q: query tokens per tile.
-      block_k: key/value tokens per tile.
+      block_q: query tokens per forward tile.
+      block_k: key/value tokens per forward tile.
+      block_q_bwd: query tokens per backward tile.
+      block_k_bwd: key/value tokens per backward tile.
     """
 
     block_q: int = 256
     block_k: int = 256
+    block_q_bwd: int = 256
+    block_k_bwd: int = 256
 
     def __post_init__(self):
-        if self.block_q < 1 or self.block_k < 1:
+        if min(dataclasses.astuple(self)) < 1:
             raise ValueError(f"block sizes must be positive. Got {self}.")
 
 
-def _tiling(q, k, block_sizes: BlockSizes) -> Tiling:
+def _tiling(q, k, block_q: int, block_k: int) -> Tiling:
     batch, q_len, heads, _ = q.shape
     kv_len, kv_heads = k.shape[1], k.shape[2]
     return Tiling(batch, kv_heads, heads // kv_heads, q_len, kv_len,
-                   min(block_sizes.block_q, q_len), min(block_sizes.block_k, kv_len))
+                  min(block_q, q_len), min(block_k, kv_len))
 
 
-def _tiles(x, length, block, head_shape):
-    """``[B, S, *heads, *F] -> [S/block, B, *heads, block, *F]`` (padded to ``length``).
-
-    Heads lead and tokens come right before the features, so every tile product
-    is a plain batched matrix product over ``(B, *heads)``.
-    """
-    x = pad_seq(x, length)
-    x = x.reshape(x.shape[0], length // block, block, *x.shape[2:])
-    n = len(head_shape)
-    perm = (1, 0, *range(3, 3 + n), 2, *range(3 + n, x.ndim))
-    return x.transpose(perm)
+def _tile(x, index, block):
+    """Tile ``index`` of ``x`` along the sequence axis 1 (a slice, no copy of ``x``)."""
+    return jax.lax.dynamic_slice_in_dim(x, index * block, block, axis=1)
 
 
-def _untile(x, length, head_shape):
-    """Inverse of :func:`_tiles`: ``[n, B, *heads, block, *F] -> [B, length, *heads, *F]``."""
-    n = len(head_shape)
-    perm = (1, 0, 2 + n, *range(2, 2 + n), *range(3 + n, x.ndim))
-    x = x.transpose(perm)
-    x = x.reshape(x.shape[0], -1, *x.shape[3:])
-    return x[:, :length]
+def _put(buffer, index, tile):
+    """Write ``tile`` as tile ``index`` of ``buffer`` along axis 1 (in place in a loop)."""
+    return jax.lax.dynamic_update_slice_in_dim(buffer, tile, index * tile.shape[1], axis=1)
 
 
-def _token_tiles(tokens: Tokens, block):
-    def tile(x):
-        return None if x is None else jnp.moveaxis(
-            x.reshape(x.shape[0], -1, block), 1, 0)  # [n, B, block]
+def _heads_first(x):
+    """``[B, block, *heads, F] -> [B, *heads, block, F]``: tile products become batched matmuls."""
+    return jnp.moveaxis(x, 1, -2).astype(_F32)
 
-    return tile(tokens.positions), tile(tokens.segment_ids)
+
+def _tokens_first(x):
+    """Inverse of :func:`_heads_first`."""
+    return jnp.moveaxis(x, -2, 1)
 
 
 def _tile_mask(spec, q_pos, q_seg, kv_pos, kv_seg):
@@ -114,21 +113,19 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
     Returns:
       ``out float32[B, Sq, H, Dv]`` (normalized) and ``lse float32[B, Sq, H]``.
     """
-    t = _tiling(q, k, block_sizes)
+    t = _tiling(q, k, block_sizes.block_q, block_sizes.block_k)
     q_tokens, kv_tokens = padded_tokens(t, q_tokens, kv_tokens)
     classes = masks.classify(spec, masks.summarize(q_tokens, t.block_q),
                              masks.summarize(kv_tokens, t.block_k))  # [nq, nk]
-    d_qk, d_v = q.shape[-1], v.shape[-1]
-    q_len_pad, kv_len_pad = t.num_q * t.block_q, t.num_k * t.block_k
+    d_v = v.shape[-1]
     hg = (t.kv_heads, t.group)
-    q_tiles = _tiles(q.astype(_F32).reshape(*q.shape[:2], *hg, d_qk), q_len_pad, t.block_q, hg)
-    k_tiles = _tiles(k.astype(_F32), kv_len_pad, t.block_k, hg[:1])
-    v_tiles = _tiles(v.astype(_F32), kv_len_pad, t.block_k, hg[:1])
-    q_pos, q_seg = _token_tiles(q_tokens, t.block_q)
-    kv_pos, kv_seg = _token_tiles(kv_tokens, t.block_k)
+    q = pad_seq(q, t.num_q * t.block_q).reshape(t.batch, -1, *hg, q.shape[-1])  # [B, Sq, Hkv, G, D]
+    k, v = (pad_seq(x, t.num_k * t.block_k) for x in (k, v))  # [B, Sk, Hkv, D]
 
-    def q_block(args):
-        q_tile, qp, qs, class_row = args
+    def q_block(i, buffers):
+        q_tile = _heads_first(_tile(q, i, t.block_q))  # [B, Hkv, G, bq, D]
+        qp = _tile(q_tokens.positions, i, t.block_q)
+        qs = None if q_tokens.segment_ids is None else _tile(q_tokens.segment_ids, i, t.block_q)
 
         def update(carry, k_tile, v_tile, mask):
             m, l, acc = carry  # [B, Hkv, G, bq], same, [B, Hkv, G, bq, Dv]
@@ -141,34 +138,40 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
             acc = acc * alpha[..., None] + jnp.einsum("bhgqk,bhkd->bhgqd", p, v_tile)
             return m_new, l * alpha + p.sum(axis=-1), acc
 
-        def kv_block(carry, xs):
-            k_tile, v_tile, kp, ks, tile_class = xs
+        def kv_block(j, carry):
+            k_tile, v_tile = (_heads_first(_tile(x, j, t.block_k)) for x in (k, v))
+            kp = _tile(kv_tokens.positions, j, t.block_k)
+            ks = None if kv_tokens.segment_ids is None else _tile(
+                kv_tokens.segment_ids, j, t.block_k)
             branches = [
                 lambda c: c,
                 lambda c: update(c, k_tile, v_tile, _tile_mask(spec, qp, qs, kp, ks)),
                 lambda c: update(c, k_tile, v_tile, None),
             ]
-            return jax.lax.switch(tile_class, branches, carry), None
+            return jax.lax.switch(classes[i, j], branches, carry)
 
-        stats_shape = (t.batch, t.kv_heads, t.group, t.block_q)
+        stats_shape = (t.batch, *hg, t.block_q)
         init = (jnp.full(stats_shape, masks.EMPTY_LSE, _F32), jnp.zeros(stats_shape, _F32),
                 jnp.zeros(stats_shape + (d_v,), _F32))
-        init = _compat.match_varying(init, (q_tile, k_tiles))
-        (m, l, acc), _ = jax.lax.scan(kv_block, init, (k_tiles, v_tiles, kv_pos, kv_seg, class_row))
+        init = _compat.match_varying(init, (q, k))
+        m, l, acc = jax.lax.fori_loop(0, t.num_k, kv_block, init)
         seen = l > 0
         out = acc / jnp.where(seen, l, 1.0)[..., None]
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), masks.EMPTY_LSE)
-        return out, lse  # [B, Hkv, G, bq, Dv], [B, Hkv, G, bq]
+        out_buffer, lse_buffer = buffers
+        return (_put(out_buffer, i, _tokens_first(out)),
+                _put(lse_buffer, i, jnp.moveaxis(lse, -1, 1)))
 
-    out, lse = jax.lax.map(q_block, (q_tiles, q_pos, q_seg, classes))
+    buffers = (jnp.zeros(q.shape[:-1] + (d_v,), _F32), jnp.zeros(q.shape[:-1], _F32))
+    out, lse = jax.lax.fori_loop(0, t.num_q, q_block, _compat.match_varying(buffers, (q, k)))
     heads = t.kv_heads * t.group
-    out = _untile(out, t.q_len, hg).reshape(t.batch, t.q_len, heads, d_v)
-    lse = _untile(lse, t.q_len, hg).reshape(t.batch, t.q_len, heads)
-    return out, lse
+    out = out[:, :t.q_len].reshape(t.batch, t.q_len, heads, d_v)
+    return out, lse[:, :t.q_len].reshape(t.batch, t.q_len, heads)
 
 
 def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
-             spec: MaskSpec, scale: float, block_sizes: BlockSizes = BlockSizes()):
+             spec: MaskSpec, scale: float, block_sizes: BlockSizes = BlockSizes(),
+             accumulate=None):
     """Gradients of attention given the softmax statistics of the full result.
 
     Args:
@@ -176,28 +179,29 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
       lse: ``float32[B, Sq, H]`` log-sum-exp of the (possibly merged) result.
       delta: ``float32[B, Sq, H]`` = ``sum(dout * out, -1) - dlse``.
       dout: ``[B, Sq, H, Dv]`` cotangent of the (merged) output.
+      accumulate: optional float32 ``(dq, dk, dv)`` the gradients are added to,
+        in place (the ring sums P steps without another gradient-sized buffer).
     Returns:
-      float32 ``dq [B, Sq, H, Dqk]``, ``dk [B, Sk, Hkv, Dqk]``, ``dv [B, Sk, Hkv, Dv]``.
+      float32 ``dq [B, Sq, H, Dqk]``, ``dk [B, Sk, Hkv, Dqk]``, ``dv [B, Sk, Hkv, Dv]``
+      (plus ``accumulate``).
     """
-    t = _tiling(q, k, block_sizes)
+    t = _tiling(q, k, block_sizes.block_q_bwd, block_sizes.block_k_bwd)
     q_tokens, kv_tokens = padded_tokens(t, q_tokens, kv_tokens)
     classes = masks.classify(spec, masks.summarize(q_tokens, t.block_q),
                              masks.summarize(kv_tokens, t.block_k))  # [nq, nk]
-    d_qk = q.shape[-1]
-    q_len_pad, kv_len_pad = t.num_q * t.block_q, t.num_k * t.block_k
     hg = (t.kv_heads, t.group)
-    by_group = lambda x: x.reshape(*x.shape[:2], *hg, *x.shape[3:])  # noqa: E731
-    q_tiles = _tiles(by_group(q.astype(_F32)), q_len_pad, t.block_q, hg)
-    do_tiles = _tiles(by_group(dout.astype(_F32)), q_len_pad, t.block_q, hg)
-    lse_tiles = _tiles(by_group(lse), q_len_pad, t.block_q, hg)  # [nq, B, Hkv, G, bq]
-    delta_tiles = _tiles(by_group(delta), q_len_pad, t.block_q, hg)
-    k_tiles = _tiles(k.astype(_F32), kv_len_pad, t.block_k, hg[:1])
-    v_tiles = _tiles(v.astype(_F32), kv_len_pad, t.block_k, hg[:1])
-    q_pos, q_seg = _token_tiles(q_tokens, t.block_q)
-    kv_pos, kv_seg = _token_tiles(kv_tokens, t.block_k)
+    q_len_pad, kv_len_pad = t.num_q * t.block_q, t.num_k * t.block_k
 
-    def kv_block(dq, xs):
-        k_tile, v_tile, kp, ks, class_col = xs
+    def by_group(x):  # [B, Sq, H, ...] -> [B, Sq_pad, Hkv, G, ...]
+        return pad_seq(x, q_len_pad).reshape(t.batch, q_len_pad, *hg, *x.shape[3:])
+
+    q, dout, lse, delta = (by_group(x) for x in (q, dout, lse, delta))
+    k, v = (pad_seq(x, kv_len_pad) for x in (k, v))  # [B, Sk_pad, Hkv, D]
+
+    def kv_block(j, buffers):
+        k_tile, v_tile = (_heads_first(_tile(x, j, t.block_k)) for x in (k, v))  # [B, Hkv, bk, D]
+        kp = _tile(kv_tokens.positions, j, t.block_k)
+        ks = None if kv_tokens.segment_ids is None else _tile(kv_tokens.segment_ids, j, t.block_k)
 
         def grads(carry, q_tile, do_tile, lse_tile, delta_tile, mask):
             dk, dv = carry
@@ -209,31 +213,38 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
             dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_tile, v_tile)
             ds = p * (dp - delta_tile[..., None]) * scale
             dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds, q_tile)
-            dq_tile = jnp.einsum("bhgqk,bhkd->bhgqd", ds, k_tile)
-            return (dk, dv), dq_tile
+            return (dk, dv), jnp.einsum("bhgqk,bhkd->bhgqd", ds, k_tile)
 
-        def q_block(carry, xs):
-            q_tile, do_tile, lse_tile, delta_tile, qp, qs, tile_class = xs
+        def q_block(i, carry):
+            dq, dkv = carry
+            q_tile, do_tile = (_heads_first(_tile(x, i, t.block_q)) for x in (q, dout))
+            lse_tile, delta_tile = (jnp.moveaxis(_tile(x, i, t.block_q), 1, -1)
+                                    for x in (lse, delta))  # [B, Hkv, G, bq]
+            qp = _tile(q_tokens.positions, i, t.block_q)
+            qs = None if q_tokens.segment_ids is None else _tile(q_tokens.segment_ids, i, t.block_q)
             branches = [
-                lambda c: (c, _compat.match_varying(jnp.zeros_like(q_tile), (q_tile, k_tile))),
+                lambda c: (c, jnp.zeros_like(q_tile)),
                 lambda c: grads(c, q_tile, do_tile, lse_tile, delta_tile,
                                 _tile_mask(spec, qp, qs, kp, ks)),
                 lambda c: grads(c, q_tile, do_tile, lse_tile, delta_tile, None),
             ]
-            return jax.lax.switch(tile_class, branches, carry)
+            branches = [lambda c, f=f: _compat.match_varying(f(c), (q, k)) for f in branches]
+            dkv, dq_tile = jax.lax.switch(classes[i, j], branches, dkv)
+            return _put(dq, i, _tile(dq, i, t.block_q) + _tokens_first(dq_tile)), dkv
 
-        init = _compat.match_varying((jnp.zeros_like(k_tile), jnp.zeros_like(v_tile)),
-                                     (q_tiles, k_tile))
-        (dk, dv), dq_tiles = jax.lax.scan(
-            q_block, init, (q_tiles, do_tiles, lse_tiles, delta_tiles, q_pos, q_seg, class_col))
-        return dq + dq_tiles, (dk, dv)
+        dq, dk, dv = buffers
+        init = tuple(_heads_first(_tile(x, j, t.block_k)) for x in (dk, dv))  # [B, Hkv, bk, D]
+        dq, (dk_tile, dv_tile) = jax.lax.fori_loop(0, t.num_q, q_block, (dq, init))
+        return dq, _put(dk, j, _tokens_first(dk_tile)), _put(dv, j, _tokens_first(dv_tile))
 
-    dq_init = _compat.match_varying(jnp.zeros_like(q_tiles), (q_tiles, k_tiles))
-    dq, (dk, dv) = jax.lax.scan(kv_block, dq_init,
-                                (k_tiles, v_tiles, kv_pos, kv_seg, classes.T))
+    if accumulate is None:
+        buffers = tuple(jnp.zeros(x.shape, _F32) for x in (q, k, v))
+    else:
+        buffers = (by_group(accumulate[0]), *(pad_seq(x, kv_len_pad) for x in accumulate[1:]))
+    dq, dk, dv = jax.lax.fori_loop(0, t.num_k, kv_block, _compat.match_varying(buffers, (q, k)))
     heads = t.kv_heads * t.group
-    dq = _untile(dq, t.q_len, hg).reshape(t.batch, t.q_len, heads, d_qk)
-    return dq, _untile(dk, t.kv_len, hg[:1]), _untile(dv, t.kv_len, hg[:1])
+    dq = dq[:, :t.q_len].reshape(t.batch, t.q_len, heads, q.shape[-1])
+    return dq, dk[:, :t.kv_len], dv[:, :t.kv_len]
 
 
 def attention(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
