@@ -1,0 +1,19 @@
+"""A worked example: a byte-level decoder LM trained with sequence-parallel attention.
+
+``jax-seqpar demo`` runs :func:`run_demo`; the pieces are reusable on their own.
+"""
+
+from jax_seqpar.examples._data import PackedRows as PackedRows
+from jax_seqpar.examples._data import pack_documents as pack_documents
+from jax_seqpar.examples._data import stdlib_documents as stdlib_documents
+from jax_seqpar.examples._data import training_batches as training_batches
+from jax_seqpar.examples._model import ModelConfig as ModelConfig
+from jax_seqpar.examples._model import Parallelism as Parallelism
+from jax_seqpar.examples._model import TransformerLM as TransformerLM
+from jax_seqpar.examples._train import TrainConfig as TrainConfig
+from jax_seqpar.examples._train import TrainResult as TrainResult
+from jax_seqpar.examples._train import init_params as init_params
+from jax_seqpar.examples._train import make_optimizer as make_optimizer
+from jax_seqpar.examples._train import mesh_for as mesh_for
+from jax_seqpar.examples._train import train as train
+from jax_seqpar.examples._demo import run_demo as run_demo

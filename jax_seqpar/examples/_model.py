@@ -1,0 +1,102 @@
+"""A small decoder-only byte-level Transformer in Flax NNX with sequence-parallel attention."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from jax_seqpar.examples._data import VOCAB_SIZE
+from jax_seqpar.flax import SelfAttention
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Shape of :class:`TransformerLM`.
+
+    Attributes:
+      vocab_size: token vocabulary (256: bytes).
+      d_model: residual stream width.
+      num_layers: Transformer blocks.
+      num_heads: query heads (Ulysses needs it divisible by the sequence axis size).
+      num_kv_heads: key/value heads (GQA).
+      mlp_hidden: hidden width of the MLP.
+    """
+
+    vocab_size: int = VOCAB_SIZE
+    d_model: int = 128
+    num_layers: int = 2
+    num_heads: int = 8
+    num_kv_heads: int = 2
+    mlp_hidden: int = 512
+
+
+@dataclasses.dataclass(frozen=True)
+class Parallelism:
+    """Where and how attention splits the sequence (see :class:`jax_seqpar.flax.SelfAttention`).
+
+    Attributes:
+      mesh: the device mesh, or ``None`` for no sequence parallelism.
+      seq_axes: the mesh axis splitting the sequence, or ``(outer, inner)`` for hybrid.
+      strategy: ``"auto"``, ``"ulysses"``, ``"ring"``, ``"hybrid"`` or ``"allgather"``.
+      kernel: the local attention kernel, ``"auto"``, ``"xla"`` or ``"pallas"``.
+    """
+
+    mesh: Optional[jax.sharding.Mesh] = None
+    seq_axes: Union[str, tuple] = "sp"
+    strategy: str = "auto"
+    kernel: str = "auto"
+
+
+class Block(nnx.Module):
+    """Pre-norm Transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
+
+    def __init__(self, config: ModelConfig, parallelism: Parallelism, *, rngs: nnx.Rngs):
+        self.attention_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
+        self.attention = SelfAttention(
+            config.d_model, config.num_heads, num_kv_heads=config.num_kv_heads,
+            mesh=parallelism.mesh, seq_axes=parallelism.seq_axes,
+            strategy=parallelism.strategy, kernel=parallelism.kernel, causal=True, rngs=rngs)
+        self.mlp_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
+        self.mlp_in = nnx.Linear(config.d_model, config.mlp_hidden, rngs=rngs)
+        self.mlp_out = nnx.Linear(config.mlp_hidden, config.d_model, rngs=rngs)
+
+    def __call__(self, x, *, segment_ids):
+        x = x + self.attention(self.attention_norm(x), segment_ids=segment_ids)
+        return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))))
+
+
+class TransformerLM(nnx.Module):
+    """Decoder-only language model: bytes in, next-byte logits out.
+
+    The parameters do not depend on ``parallelism``: one seed gives the same
+    model whatever the mesh or strategy, so runs can be compared step by step.
+
+    Attributes:
+      config: the :class:`ModelConfig`.
+      embed: token embedding, tied with the output projection.
+      blocks: the Transformer blocks.
+      final_norm: RMSNorm before the output projection.
+
+    >>> model = TransformerLM(ModelConfig(), Parallelism(mesh, strategy="ring"),
+    ...                       rngs=nnx.Rngs(0))
+    >>> logits = model(tokens, segment_ids=documents)  # [B, S, 256] float32
+    """
+
+    def __init__(self, config: ModelConfig, parallelism: Parallelism = Parallelism(), *,
+                 rngs: nnx.Rngs):
+        self.config = config
+        self.embed = nnx.Embed(config.vocab_size, config.d_model, rngs=rngs)
+        self.blocks = nnx.List([Block(config, parallelism, rngs=rngs)
+                                for _ in range(config.num_layers)])
+        self.final_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
+
+    def __call__(self, tokens: jax.Array, *, segment_ids: Optional[jax.Array] = None):
+        """``int32[B, S]`` tokens (and document ids) -> ``float32[B, S, vocab]`` logits."""
+        x = self.embed(tokens)  # [B, S, d_model]
+        for block in self.blocks:
+            x = block(x, segment_ids=segment_ids)
+        return self.embed.attend(self.final_norm(x)).astype(jnp.float32)  # [B, S, vocab]

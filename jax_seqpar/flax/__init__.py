@@ -1,0 +1,6 @@
+"""Flax integration: an ``attention_fn`` adapter for Flax's multi-head attention
+layers (NNX and Linen) and a ready NNX ``SelfAttention`` layer."""
+
+from jax_seqpar.flax._attention_fn import make_attention_fn as make_attention_fn
+from jax_seqpar.flax._rope import apply_rope as apply_rope
+from jax_seqpar.flax._self_attention import SelfAttention as SelfAttention

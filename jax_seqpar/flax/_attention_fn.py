@@ -1,0 +1,165 @@
+"""An ``attention_fn`` for Flax's multi-head attention layers, backed by jax_seqpar.
+
+``flax.nnx.MultiHeadAttention(attention_fn=...)`` and
+``flax.linen.MultiHeadDotProductAttention(attention_fn=...)`` call their
+``attention_fn`` with ``[batch..., length, heads, head_dim]`` projections and a
+fixed set of keywords (``mask``, dropout, ``dtype``, ``precision``, ``module``;
+NNX adds ``is_causal``). :func:`make_attention_fn` returns a function with
+exactly those parameters, so both layers accept it as is. Linen passes only the
+keywords an ``attention_fn`` names, so every keyword that changes the result is
+named here and refused when we cannot honour it: a request is never dropped.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import jax
+import jax.numpy as jnp
+
+from jax_seqpar._inputs import Options, check_ids, check_qkv
+from jax_seqpar.api import sequence_parallel_attention
+from jax_seqpar.masks import Tokens
+
+
+def attend(q, k, v, *, mesh, seq_axes="sp", strategy="auto", causal=False, segment_ids=None,
+           window=None, scale=None, layout="auto", kernel="auto", block_sizes=None):
+    """Self-attention of ``[B, S, H, D]`` arrays, sequence-parallel over ``mesh`` or local.
+
+    With ``mesh=None`` it runs the local kernel (blockwise, memory O(block), not
+    the dense reference) on the caller's devices; otherwise it is
+    :func:`jax_seqpar.sequence_parallel_attention`. Both see the tokens in the
+    caller's order at positions ``arange(S)``.
+
+    Args:
+      q: ``[B, S, H, Dqk]``; k: ``[B, S, Hkv, Dqk]``; v: ``[B, S, Hkv, Dv]``.
+      mesh: a ``jax.sharding.Mesh`` or ``None`` (unsharded).
+      segment_ids: ``int32[B, S]`` or None. The other keywords are those of
+        :func:`jax_seqpar.sequence_parallel_attention` (``seq_axes``,
+        ``strategy`` and ``layout`` are unused without a mesh).
+
+    Returns:
+      ``[B, S, H, Dv]`` in ``q.dtype`` (softmax statistics in float32).
+    """
+    if mesh is not None:
+        return sequence_parallel_attention(
+            q, k, v, mesh=mesh, seq_axes=seq_axes, strategy=strategy, causal=causal,
+            segment_ids=segment_ids, window=window, scale=scale, layout=layout, kernel=kernel,
+            block_sizes=block_sizes)
+    check_qkv(q, k, v)
+    batch, seq_len = q.shape[:2]
+    if k.shape[1] != seq_len:
+        raise ValueError(f"self-attention needs q and k of one sequence length. "
+                         f"Got q seq={seq_len}, k seq={k.shape[1]}.")
+    check_ids("segment_ids", segment_ids, batch, seq_len)
+    positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
+    tokens = Tokens(positions, None if segment_ids is None else segment_ids.astype(jnp.int32))
+    options = Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
+                           block_sizes=block_sizes)
+    out, _ = options.attention(q, k, v, tokens, tokens)  # [B, S, H, Dv] float32
+    return out.astype(q.dtype)
+
+
+def _refuse(name: str, value, fix: str) -> None:
+    raise ValueError(f"jax_seqpar attention_fn cannot apply {name}={value!r}: {fix}")
+
+
+def make_attention_fn(
+    mesh: Optional[jax.sharding.Mesh],
+    *,
+    seq_axes: Union[str, tuple] = "sp",
+    strategy: str = "auto",
+    causal: bool = False,
+    window=None,
+    scale: Optional[float] = None,
+    layout: str = "auto",
+    kernel: str = "auto",
+    block_sizes=None,
+):
+    """An ``attention_fn`` for Flax NNX ``MultiHeadAttention`` and Linen
+    ``MultiHeadDotProductAttention`` that runs sequence-parallel exact attention.
+
+    The mask is configured here, from per-token metadata (``causal``, ``window``),
+    never passed as a dense ``[S, S]`` array. NNX's ``is_causal=True`` (a call
+    argument of its ``MultiHeadAttention``) turns causal masking on as well.
+    Segment ids of packed documents cannot travel through Flax's layers (they do
+    not forward them); call the returned function directly with
+    ``segment_ids=``, or use :class:`jax_seqpar.flax.SelfAttention`.
+
+    Refused with ``ValueError`` (at trace time) rather than ignored: a dense
+    ``mask`` (use ``causal=`` / ``window=`` / ``segment_ids=``), a ``bias``,
+    dropout that is active (``dropout_rate > 0`` and not ``deterministic``),
+    ``module`` (``sow_weights=True``: the attention weights never exist) and
+    custom einsums (Linen's ``qk_attn_weights_einsum`` /
+    ``attn_weights_value_einsum``). ``precision`` and ``force_fp32_for_softmax``
+    are accepted; scores and softmax are always computed in float32.
+
+    Args:
+      mesh: the device mesh to split the sequence over, or ``None`` for the
+        local (unsharded) blockwise kernel.
+      seq_axes, strategy, causal, window, scale, layout, kernel, block_sizes:
+        as in :func:`jax_seqpar.sequence_parallel_attention`.
+
+    Returns:
+      ``attention_fn(query, key, value, bias=None, mask=None, ..., is_causal=False,
+      *, segment_ids=None)``: ``query [batch..., S, H, Dqk]``, ``key
+      [batch..., S, Hkv, Dqk]``, ``value [batch..., S, Hkv, Dv]`` (any number of
+      batch dims, including none), ``segment_ids int32[batch..., S]``; returns
+      ``[batch..., S, H, Dv]`` in the promoted dtype of the inputs (or ``dtype``).
+
+    >>> mesh = jax.make_mesh((8,), ("sp",))
+    >>> layer = nnx.MultiHeadAttention(
+    ...     num_heads=8, in_features=256, decode=False, rngs=nnx.Rngs(0),
+    ...     attention_fn=make_attention_fn(mesh, strategy="ring", causal=True))
+    """
+
+    def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
+                     dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
+                     precision=None, module=None, is_causal=False,
+                     force_fp32_for_softmax=False, qk_attn_weights_einsum=None,
+                     attn_weights_value_einsum=None, *, segment_ids=None):
+        """Flax's ``attention_fn`` contract; see :func:`make_attention_fn`."""
+        del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax
+        if mask is not None:
+            _refuse("mask", f"<array of shape {jnp.shape(mask)}>",
+                    "dense masks are not supported; configure make_attention_fn(causal=..., "
+                    "window=...) and pass segment_ids= for packed documents "
+                    "(decode=True caches are not supported either).")
+        if bias is not None:
+            _refuse("bias", f"<array of shape {jnp.shape(bias)}>",
+                    "additive attention biases are not supported.")
+        if dropout_rate > 0.0 and not deterministic:
+            _refuse("dropout_rate", dropout_rate,
+                    "attention dropout is not supported; set dropout_rate=0.0 or call the "
+                    "layer with deterministic=True.")
+        if module is not None:
+            _refuse("module", type(module).__name__,
+                    "sow_weights=True needs the attention weights, which sequence-parallel "
+                    "attention never materializes.")
+        for name, einsum in (("qk_attn_weights_einsum", qk_attn_weights_einsum),
+                             ("attn_weights_value_einsum", attn_weights_value_einsum)):
+            if einsum is not None:
+                _refuse(name, einsum, "custom einsums are not supported.")
+        if dtype is None:
+            dtype = jnp.result_type(query, key, value)
+        query, key, value = (jnp.asarray(x, dtype) for x in (query, key, value))
+        batch_dims = query.shape[:-3]
+        for name, x in (("key", key), ("value", value)):
+            if x.shape[:-3] != batch_dims:
+                raise ValueError(f"query and {name} must share batch dims. Got "
+                                 f"query.shape={query.shape}, {name}.shape={x.shape}.")
+        flat = math.prod(batch_dims)
+        query, key, value = (x.reshape(flat, *x.shape[-3:]) for x in (query, key, value))
+        if segment_ids is not None:
+            expected = (*batch_dims, query.shape[1])
+            if tuple(segment_ids.shape) != expected:
+                raise ValueError(f"segment_ids must have shape [batch..., length]={expected}. "
+                                 f"Got {tuple(segment_ids.shape)}.")
+            segment_ids = segment_ids.reshape(flat, query.shape[1])
+        out = attend(query, key, value, mesh=mesh, seq_axes=seq_axes, strategy=strategy,
+                     causal=bool(causal or is_causal), segment_ids=segment_ids, window=window,
+                     scale=scale, layout=layout, kernel=kernel, block_sizes=block_sizes)
+        return out.reshape(*batch_dims, *out.shape[1:])  # [batch..., S, H, Dv]
+
+    return attention_fn

@@ -1,0 +1,230 @@
+"""Flax integration: the attention_fn adapter inside Flax's own layers, and SelfAttention."""
+
+import flax.linen as linen
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from jax_seqpar import reference
+from jax_seqpar.flax import SelfAttention, apply_rope, make_attention_fn
+
+BATCH, SEQ, HEADS, FEATURES = 2, 64, 8, 32
+
+
+def _sp_mesh():
+    return jax.sharding.Mesh(np.array(jax.devices()), ("sp",))
+
+
+def _hybrid_mesh():
+    return jax.sharding.Mesh(np.array(jax.devices()).reshape(2, 4), ("dcn", "ici"))
+
+
+def _x(seed=0, features=FEATURES):
+    return jax.random.normal(jax.random.key(seed), (BATCH, SEQ, features), jnp.float32)
+
+
+def _segments():
+    """Three packed documents per row, with boundaries that differ between rows."""
+    cuts = np.array([[10, 40], [27, 33]])
+    ids = (np.arange(SEQ)[None, :, None] >= cuts[:, None, :]).sum(-1)
+    return jnp.asarray(ids, jnp.int32)
+
+
+def _loss(y):
+    """A loss whose gradient reaches every output element with a different weight."""
+    weights = jnp.cos(jnp.arange(y.size, dtype=jnp.float32)).reshape(y.shape)
+    return jnp.sum(y * weights)
+
+
+def _assert_trees_close(actual, expected, **tol):
+    actual_leaves, expected_leaves = jax.tree.leaves(actual), jax.tree.leaves(expected)
+    assert len(actual_leaves) == len(expected_leaves) > 0
+    for a, e in zip(actual_leaves, expected_leaves):
+        assert a.shape == e.shape and a.dtype == e.dtype
+        np.testing.assert_allclose(a, e, **tol)
+
+
+def _nnx_out_and_grads(layer, x, **call_kwargs):
+    """``(layer(x), d loss / d params)``, compiled once."""
+
+    graphdef, params = nnx.split(layer)
+
+    @jax.jit
+    def run(params, x, call_kwargs):
+        apply = lambda params: nnx.merge(graphdef, params)(x, **call_kwargs)
+        out, vjp = jax.vjp(apply, params)
+        return out, vjp(jax.grad(_loss)(out))[0]
+
+    return run(params, x, call_kwargs)
+
+
+def _nnx_mha(attention_fn=None, **kwargs):
+    extra = {} if attention_fn is None else {"attention_fn": attention_fn}
+    return nnx.MultiHeadAttention(num_heads=HEADS, in_features=FEATURES, qkv_features=64,
+                                  decode=False, rngs=nnx.Rngs(0), **extra, **kwargs)
+
+
+ADAPTER_CASES = [
+    pytest.param(None, "ring", id="unsharded"),
+    pytest.param("sp", "ulysses", id="ulysses"),
+    pytest.param("sp", "ring", id="ring"),
+]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("mesh_axis,strategy", ADAPTER_CASES)
+def test_nnx_multi_head_attention(mesh_axis, strategy, causal, tolerances):
+    mesh = None if mesh_axis is None else _sp_mesh()
+    ours = _nnx_mha(make_attention_fn(mesh, strategy=strategy, causal=causal))
+    theirs = _nnx_mha()
+    x = _x()
+    mask = nnx.make_causal_mask(x[..., 0]) if causal else None
+    out, grads = _nnx_out_and_grads(ours, x)
+    expected_out, expected_grads = _nnx_out_and_grads(theirs, x, mask=mask)
+    assert out.shape == expected_out.shape == x.shape
+    np.testing.assert_allclose(out, expected_out, **tolerances(x.dtype))
+    _assert_trees_close(grads, expected_grads, **tolerances(x.dtype, "grad"))
+
+
+def test_nnx_is_causal_turns_causal_on(tolerances):
+    ours = _nnx_mha(make_attention_fn(_sp_mesh(), strategy="ring", causal=False))
+    x = _x()
+    expected = _nnx_mha()(x, mask=nnx.make_causal_mask(x[..., 0]))
+    out = nnx.jit(lambda layer, x: layer(x, is_causal=True))(ours, x)
+    np.testing.assert_allclose(out, expected, **tolerances(x.dtype))
+
+
+def test_nnx_explicit_mesh(tolerances):
+    mesh = jax.make_mesh((8,), ("sp",))
+    x = _x()
+    expected = _nnx_mha()(x, mask=nnx.make_causal_mask(x[..., 0]))
+    with jax.set_mesh(mesh):
+        ours = _nnx_mha(make_attention_fn(mesh, strategy="ring", causal=True))
+        out = nnx.jit(lambda layer, x: layer(x))(ours, x)
+    np.testing.assert_allclose(out, expected, **tolerances(x.dtype))
+
+
+@pytest.mark.parametrize("strategy,causal", [
+    pytest.param("ulysses", False, id="ulysses-full"),
+    pytest.param("ring", True, id="ring-causal"),
+])
+def test_linen_multi_head_dot_product_attention(strategy, causal, tolerances):
+    fn = make_attention_fn(_sp_mesh(), strategy=strategy, causal=causal)
+    ours = linen.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=64, attention_fn=fn)
+    theirs = linen.MultiHeadDotProductAttention(num_heads=HEADS, qkv_features=64)
+    x = _x()
+    params = theirs.init(jax.random.key(1), x)
+    mask = linen.make_causal_mask(x[..., 0]) if causal else None
+
+    def out_and_grads(layer, mask):
+        @jax.jit
+        def run(params, x, mask):
+            out, vjp = jax.vjp(lambda params: layer.apply(params, x, mask=mask), params)
+            return out, vjp(jax.grad(_loss)(out))[0]
+
+        return run(params, x, mask)
+
+    out, grads = out_and_grads(ours, None)
+    expected_out, expected_grads = out_and_grads(theirs, mask)
+    np.testing.assert_allclose(out, expected_out, **tolerances(x.dtype))
+    _assert_trees_close(grads, expected_grads, **tolerances(x.dtype, "grad"))
+
+
+def test_adapter_batch_dims_and_segment_ids(make_qkv, tolerances):
+    """Any number of batch dims (none included); segment ids by direct call."""
+    q, k, v = make_qkv(batch=6, seq=32, heads=4, kv_heads=2)
+    segment_ids = jnp.asarray(np.arange(32)[None] // 10 + np.arange(6)[:, None], jnp.int32)
+    expected = reference.attention(q, k, v, causal=True, segment_ids=segment_ids)
+    fn = jax.jit(make_attention_fn(_sp_mesh(), strategy="ring", causal=True))
+    out = fn(*(x.reshape(2, 3, *x.shape[1:]) for x in (q, k, v)),
+             segment_ids=segment_ids.reshape(2, 3, 32))
+    assert out.shape == (2, 3, 32, 4, 16)
+    np.testing.assert_allclose(out.reshape(expected.shape), expected, **tolerances(q.dtype))
+    unbatched = make_attention_fn(None, causal=True)(q[0], k[0], v[0])
+    assert unbatched.shape == (32, 4, 16)
+    np.testing.assert_allclose(unbatched, reference.attention(q, k, v, causal=True)[0],
+                               **tolerances(q.dtype))
+
+
+@pytest.mark.parametrize("call,match", [
+    pytest.param(lambda fn, x: _nnx_mha(fn)(x, mask=nnx.make_causal_mask(x[..., 0])),
+                 "mask", id="nnx-mask"),
+    pytest.param(lambda fn, x: _nnx_mha(fn, dropout_rate=0.1)(x, deterministic=False),
+                 "dropout_rate", id="nnx-dropout"),
+    pytest.param(lambda fn, x: _nnx_mha(fn)(x, sow_weights=True), "module", id="nnx-sow"),
+    pytest.param(lambda fn, x: linen.MultiHeadDotProductAttention(
+        num_heads=HEADS, attention_fn=fn, dropout_rate=0.1, deterministic=False).init(
+            {"params": jax.random.key(0), "dropout": jax.random.key(1)}, x),
+        "dropout_rate", id="linen-dropout"),
+    pytest.param(lambda fn, x: linen.MultiHeadDotProductAttention(
+        num_heads=HEADS, attention_fn=fn).init(jax.random.key(0), x,
+                                               mask=jnp.ones((BATCH, 1, SEQ, SEQ), bool)),
+        "mask", id="linen-mask"),
+    pytest.param(lambda fn, x: fn(*(x.reshape(BATCH, SEQ, 4, 8),) * 3,
+                                  bias=jnp.zeros((BATCH, 4, SEQ, SEQ))),
+                 "bias", id="bias"),
+])
+def test_refusals(call, match):
+    with pytest.raises(ValueError, match=match):
+        call(make_attention_fn(None, causal=True), _x())
+
+
+def test_dropout_is_accepted_when_deterministic(tolerances):
+    x = _x()
+    out = _nnx_mha(make_attention_fn(None), dropout_rate=0.1)(x, deterministic=True)
+    np.testing.assert_allclose(out, _nnx_mha()(x), **tolerances(x.dtype))
+
+
+def test_rope_depends_on_relative_position():
+    q, k = jax.random.normal(jax.random.key(0), (2, 1, 1, 1, 16))
+    score = lambda i, j: jnp.sum(apply_rope(q, jnp.array([i])) * apply_rope(k, jnp.array([j])))
+    np.testing.assert_allclose(score(3, 1), score(10, 8), rtol=1e-5)
+    assert not np.isclose(score(3, 1), score(3, 2))
+
+
+def _self_attention(**kwargs):
+    return SelfAttention(FEATURES, HEADS, num_kv_heads=2, head_dim=8, causal=True,
+                         rngs=nnx.Rngs(0), **kwargs)
+
+
+def test_self_attention_unsharded_matches_reference(tolerances):
+    layer, x, segment_ids = _self_attention(), _x(), _segments()
+    positions = jnp.arange(SEQ)
+    q = apply_rope(layer.q_proj(x), positions)
+    k = apply_rope(layer.k_proj(x), positions)
+    expected = layer.o_proj(reference.attention(q, k, layer.v_proj(x), causal=True,
+                                                segment_ids=segment_ids))
+    out = layer(x, segment_ids=segment_ids)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    np.testing.assert_allclose(out, expected, **tolerances(x.dtype))
+
+
+SELF_ATTENTION_CASES = [
+    pytest.param("ulysses", "sp", id="ulysses"),
+    pytest.param("ring", "sp", id="ring"),
+    pytest.param("hybrid", ("dcn", "ici"), id="hybrid"),
+    pytest.param("allgather", "sp", id="allgather"),
+]
+
+
+@pytest.mark.parametrize("strategy,seq_axes", SELF_ATTENTION_CASES)
+def test_self_attention_sharded_matches_unsharded(strategy, seq_axes, tolerances):
+    mesh = _hybrid_mesh() if strategy == "hybrid" else _sp_mesh()
+    x, segment_ids = _x(), _segments()
+    sharded = _self_attention(mesh=mesh, seq_axes=seq_axes, strategy=strategy)
+    out, grads = _nnx_out_and_grads(sharded, x, segment_ids=segment_ids)
+    expected_out, expected_grads = _nnx_out_and_grads(_self_attention(), x,
+                                                      segment_ids=segment_ids)
+    np.testing.assert_allclose(out, expected_out, **tolerances(x.dtype))
+    _assert_trees_close(grads, expected_grads, **tolerances(x.dtype, "grad"))
+
+
+def test_self_attention_config_errors():
+    with pytest.raises(ValueError, match="num_kv_heads=3"):
+        SelfAttention(FEATURES, HEADS, num_kv_heads=3, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="even head_dim"):
+        SelfAttention(FEATURES, HEADS, head_dim=5, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match="d_model=32"):
+        _self_attention()(jnp.zeros((1, SEQ, 16)))
