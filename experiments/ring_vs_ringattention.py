@@ -98,7 +98,7 @@ def ours(mesh, tile):
 
     return functools.partial(
         jax_seqpar.sequence_parallel_attention, mesh=mesh, seq_axes="sp", strategy="ring",
-        causal=True, layout="zigzag", block_sizes=tile and BlockSizes(tile, tile))
+        causal=True, layout="zigzag", block_sizes=tile and BlockSizes(tile, tile, tile, tile))
 
 
 def chunked_reference(q, k, v, chunk):
