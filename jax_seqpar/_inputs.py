@@ -32,6 +32,16 @@ def check_qkv(q, k, v) -> None:
                          "(MHA, GQA or MQA).")
 
 
+def check_self_attention(q, k, v, segment_ids) -> None:
+    """:func:`check_qkv` plus one sequence length for q and k, and ``[B, S]`` segment ids."""
+    check_qkv(q, k, v)
+    batch, seq_len = q.shape[:2]
+    if k.shape[1] != seq_len:
+        raise ValueError(f"self-attention needs q and k of one sequence length. "
+                         f"Got q seq={seq_len}, k seq={k.shape[1]}.")
+    check_ids("segment_ids", segment_ids, batch, seq_len)
+
+
 def check_ids(name: str, ids, batch: int, seq: int) -> None:
     if ids is not None and tuple(ids.shape) != (batch, seq):
         raise ValueError(f"{name} must have shape [batch, seq]=({batch}, {seq}). "
@@ -101,3 +111,18 @@ def shard_tokens(q, *, axis_name, segment_ids=None, positions=None) -> masks.Tok
 def axis_size(axis_name) -> int:
     """Number of shards along ``axis_name`` (a name or a tuple of names)."""
     return jax.lax.axis_size(axis_name)
+
+
+def prepare(q, k, v, *, axis_name, causal, segment_ids, positions, window, scale, kernel,
+            block_sizes):
+    """The common prologue of every per-shard strategy: validate, then build metadata.
+
+    Returns:
+      ``(tokens, options)``: this shard's :class:`~jax_seqpar.masks.Tokens` and the
+      call's static :class:`Options`.
+    """
+    check_qkv(q, k, v)
+    tokens = shard_tokens(q, axis_name=axis_name, segment_ids=segment_ids, positions=positions)
+    options = Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
+                           block_sizes=block_sizes)
+    return tokens, options

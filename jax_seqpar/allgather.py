@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import jax
 
-from jax_seqpar._inputs import Options, check_qkv, shard_tokens
+from jax_seqpar._inputs import prepare
 from jax_seqpar.ulysses import gather_tokens
 
 
@@ -30,10 +30,9 @@ def allgather_attention(q, k, v, *, axis_name, causal=False, segment_ids=None, p
     >>> out = jax.shard_map(functools.partial(allgather_attention, axis_name="sp"),
     ...                     mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
     """
-    check_qkv(q, k, v)
-    tokens = shard_tokens(q, axis_name=axis_name, segment_ids=segment_ids, positions=positions)
-    options = Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
-                           block_sizes=block_sizes)
+    tokens, options = prepare(q, k, v, axis_name=axis_name, causal=causal,
+                              segment_ids=segment_ids, positions=positions, window=window,
+                              scale=scale, kernel=kernel, block_sizes=block_sizes)
     k, v = (jax.lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (k, v))  # [B, S, Hkv, D]
     out, _ = options.attention(q, k, v, tokens, gather_tokens(tokens, axis_name))
     return out.astype(q.dtype)  # [B, S/P, H, Dv]

@@ -18,7 +18,7 @@ import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jax_seqpar import kernels, layout as layouts
-from jax_seqpar._inputs import check_ids, check_qkv
+from jax_seqpar._inputs import check_self_attention
 from jax_seqpar.ring import ring_attention
 from jax_seqpar.ulysses import ulysses_attention
 
@@ -121,12 +121,8 @@ def sequence_parallel_attention(
     >>> mesh = jax.make_mesh((8,), ("sp",))
     >>> out = sequence_parallel_attention(q, k, v, mesh=mesh, strategy="ring", causal=True)
     """
-    check_qkv(q, k, v)
+    check_self_attention(q, k, v, segment_ids)
     batch, seq_len = q.shape[:2]
-    if k.shape[1] != seq_len:
-        raise ValueError(f"self-attention needs q and k of one sequence length. "
-                         f"Got q seq={seq_len}, k seq={k.shape[1]}.")
-    check_ids("segment_ids", segment_ids, batch, seq_len)
     axes = (seq_axes,) if isinstance(seq_axes, str) else tuple(seq_axes)
     for name in axes:
         if name not in mesh.shape:

@@ -18,7 +18,7 @@ same number of visible key blocks.
 
 from __future__ import annotations
 
-from jax_seqpar._inputs import Options, axis_size, check_qkv, shard_tokens
+from jax_seqpar._inputs import axis_size, prepare
 from jax_seqpar.ring import _ring
 from jax_seqpar.ulysses import gather_tokens, heads_to_seq, kv_replication, seq_to_heads
 
@@ -43,13 +43,11 @@ def hybrid_attention(q, k, v, *, ulysses_axis, ring_axis, causal=False, segment_
     >>> out = jax.shard_map(f, mesh=mesh, in_specs=P(None, ("dcn", "ici")),
     ...                     out_specs=P(None, ("dcn", "ici")))(q, k, v)
     """
-    check_qkv(q, k, v)
     if ulysses_axis == ring_axis:
         raise ValueError(f"ulysses_axis and ring_axis must differ. Got {ulysses_axis!r} twice.")
-    tokens = shard_tokens(q, axis_name=(ring_axis, ulysses_axis), segment_ids=segment_ids,
-                          positions=positions)
-    options = Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
-                           block_sizes=block_sizes)
+    tokens, options = prepare(q, k, v, axis_name=(ring_axis, ulysses_axis), causal=causal,
+                              segment_ids=segment_ids, positions=positions, window=window,
+                              scale=scale, kernel=kernel, block_sizes=block_sizes)
     inner = axis_size(ulysses_axis)
     try:
         repeats = kv_replication(q.shape[2], k.shape[2], inner)

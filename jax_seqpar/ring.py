@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_seqpar import _compat
-from jax_seqpar._inputs import Options, axis_size, check_qkv, shard_tokens
+from jax_seqpar._inputs import axis_size, prepare
 from jax_seqpar.merge import merge
 from jax_seqpar.masks import EMPTY_LSE
 
@@ -45,10 +45,9 @@ def ring_attention(q, k, v, *, axis_name, causal=False, segment_ids=None, positi
     >>> out = jax.shard_map(functools.partial(ring_attention, axis_name="sp", causal=True),
     ...                     mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
     """
-    check_qkv(q, k, v)
-    tokens = shard_tokens(q, axis_name=axis_name, segment_ids=segment_ids, positions=positions)
-    options = Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
-                           block_sizes=block_sizes)
+    tokens, options = prepare(q, k, v, axis_name=axis_name, causal=causal,
+                              segment_ids=segment_ids, positions=positions, window=window,
+                              scale=scale, kernel=kernel, block_sizes=block_sizes)
     return _ring(axis_name, options, q, k, v, tokens)
 
 

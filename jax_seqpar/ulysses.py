@@ -16,7 +16,7 @@ import math
 
 import jax
 
-from jax_seqpar._inputs import Options, axis_size, check_qkv, shard_tokens
+from jax_seqpar._inputs import axis_size, prepare
 from jax_seqpar.masks import Tokens
 
 
@@ -65,10 +65,9 @@ def ulysses_attention(q, k, v, *, axis_name, causal=False, segment_ids=None, pos
     >>> out = jax.shard_map(functools.partial(ulysses_attention, axis_name="sp"),
     ...                     mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
     """
-    check_qkv(q, k, v)
-    tokens = shard_tokens(q, axis_name=axis_name, segment_ids=segment_ids, positions=positions)
-    options = Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
-                           block_sizes=block_sizes)
+    tokens, options = prepare(q, k, v, axis_name=axis_name, causal=causal,
+                              segment_ids=segment_ids, positions=positions, window=window,
+                              scale=scale, kernel=kernel, block_sizes=block_sizes)
     repeats = kv_replication(q.shape[2], k.shape[2], axis_size(axis_name))
     if repeats > 1:
         k, v = (x.repeat(repeats, axis=2) for x in (k, v))  # [B, S/P, Hkv*r, D]

@@ -18,7 +18,7 @@ from typing import Optional, Union
 import jax
 import jax.numpy as jnp
 
-from jax_seqpar._inputs import Options, check_ids, check_qkv
+from jax_seqpar._inputs import Options, check_self_attention
 from jax_seqpar.api import sequence_parallel_attention
 from jax_seqpar.masks import Tokens
 
@@ -47,12 +47,8 @@ def attend(q, k, v, *, mesh, seq_axes="sp", strategy="auto", causal=False, segme
             q, k, v, mesh=mesh, seq_axes=seq_axes, strategy=strategy, causal=causal,
             segment_ids=segment_ids, window=window, scale=scale, layout=layout, kernel=kernel,
             block_sizes=block_sizes)
-    check_qkv(q, k, v)
+    check_self_attention(q, k, v, segment_ids)
     batch, seq_len = q.shape[:2]
-    if k.shape[1] != seq_len:
-        raise ValueError(f"self-attention needs q and k of one sequence length. "
-                         f"Got q seq={seq_len}, k seq={k.shape[1]}.")
-    check_ids("segment_ids", segment_ids, batch, seq_len)
     positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
     tokens = Tokens(positions, None if segment_ids is None else segment_ids.astype(jnp.int32))
     options = Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
