@@ -3,6 +3,7 @@
 Subcommands:
   demo   train a small byte-level LM unsharded and with each sequence-parallel
          strategy on emulated CPU devices, and compare the loss curves.
+  bench  time, memory and traffic of every strategy, next to the cost model.
 
 The work lives in :mod:`jax_seqpar.examples`; this module only parses arguments
 and prepares the JAX environment before a backend starts.
@@ -88,6 +89,19 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--seed", type=int, default=0, help="parameters and data order")
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     demo.set_defaults(run=_demo)
+
+    from jax_seqpar import bench_report
+
+    bench = commands.add_parser(
+        "bench",
+        help="time, memory and traffic of every strategy, next to the cost model",
+        description="Benchmark the sequence-parallel strategies: compile and run every "
+        "applicable strategy forward and forward+backward on emulated CPU devices and print "
+        "time, per-device memory, bytes sent (from the compiled HLO) next to "
+        "jax_seqpar.plan.comm_bytes, the error against the reference and plan's choice.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    bench_report.add_bench_arguments(bench)
+    bench.set_defaults(run=bench_report.run_bench)
     return parser
 
 

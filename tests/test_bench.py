@@ -1,0 +1,171 @@
+"""jax_seqpar.bench (measured, on 8 emulated CPU devices) and jax_seqpar.projection (model).
+
+The bench runs are tiny (S=256) so this file stays fast: one run of every strategy
+(Ulysses, ring, all-gather over 8 devices, the hybrid as a ring of 4 x Ulysses of 2,
+where XLA sends exactly the modelled bytes), one CLI run writing JSON and PNG, and
+the skip / error paths, which compile nothing.
+"""
+
+import argparse
+import json
+
+import pytest
+
+from jax_seqpar import bench, bench_report, projection
+from jax_seqpar.plan import comm_bytes, plan
+
+TINY = bench.BenchShape(batch=1, seq_len=256, num_heads=8, num_kv_heads=2, head_dim=16)
+
+
+@pytest.fixture(scope="module")
+def tiny_result():
+    return bench.run(TINY, ["sp=8", "outer=4,inner=2"], warmup=0, runs=1, progress=False)
+
+
+def test_run_measures_every_strategy(tiny_result):
+    rows = {(r["strategy"], r["mesh"]): r for r in tiny_result["rows"]}
+    assert set(rows) == {("ulysses", "sp=8"), ("ring", "sp=8"), ("allgather", "sp=8"),
+                         ("hybrid", "outer=4,inner=2")}
+    for row in rows.values():
+        assert row["fwd_ms"] > 0 and row["fwd_bwd_ms"] > 0, row
+        assert row["temp_fwd_bwd_bytes"] >= row["temp_fwd_bytes"] > 0, row
+        # The model is exact for these programs (rings of 4 and 8, float32).
+        assert row["hlo_fwd_bytes"] == pytest.approx(row["model_fwd_bytes"], rel=0.01), row
+        assert row["hlo_fwd_bwd_bytes"] == pytest.approx(row["model_fwd_bwd_bytes"],
+                                                         rel=0.01), row
+        assert row["err_out"] < 1e-4 and row["err_grad"] < 1e-4, row
+    assert rows[("ring", "sp=8")]["model_fwd_bytes"] == comm_bytes(
+        "ring", axis_sizes=8, dtype_bytes=4, **TINY.model_kwargs())
+    assert rows[("ring", "sp=8")]["layout"] == "zigzag"  # causal ring: balanced order
+    assert rows[("ulysses", "sp=8")]["layout"] == "contiguous"
+
+
+def test_run_reports_plan_and_skips(tiny_result):
+    plans = {p["mesh"]: p for p in tiny_result["plans"]}
+    assert plans["sp=8"]["strategy"] == plan(256, 8, 2, 16, {"sp": 8}).strategy
+    assert plans["outer=4,inner=2"]["strategy"] == plan(
+        256, 8, 2, 16, {"outer": 4, "inner": 2}).strategy
+    planned = [r for r in tiny_result["rows"] if r["planned"]]
+    assert {(r["strategy"], r["mesh"]) for r in planned} <= {
+        (p["strategy"], p["mesh"]) for p in tiny_result["plans"]}
+    skipped = {(s["strategy"], s["mesh"]): s["reason"] for s in tiny_result["skipped"]}
+    assert "hybrid needs a two-axis mesh" in skipped[("hybrid", "sp=8")]
+    assert "8-device one-axis run" in skipped[("ring", "outer=4,inner=2")]
+    table = bench_report.format_table(tiny_result)
+    assert "HLO/model" in table and "plan.plan's choice" in table
+    assert all(r["strategy"] in table for r in tiny_result["rows"])
+
+
+def _parse(argv):
+    return bench_report.add_bench_arguments(argparse.ArgumentParser()).parse_args(argv)
+
+
+def test_cli_writes_json_and_png(tmp_path, capsys):
+    json_path, png_path = tmp_path / "bench.json", tmp_path / "bench.png"
+    args = _parse(["--seq", "128,256", "--heads", "4", "--kv-heads", "4", "--head-dim", "8",
+                   "--mesh", "sp=4", "--strategies", "ring,ulysses", "--warmup", "0", "--runs",
+                   "1", "--no-progress", "--json", str(json_path), "--plot", str(png_path)])
+    assert bench_report.run_bench(args) == 0
+    printed = capsys.readouterr().out
+    assert "ring" in printed and "ulysses" in printed
+    result = json.loads(json_path.read_text())
+    assert {(r["strategy"], r["seq_len"]) for r in result["rows"]} == {
+        ("ring", 128), ("ring", 256), ("ulysses", 128), ("ulysses", 256)}
+    assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_option_is_documented():
+    parser = bench_report.add_bench_arguments(argparse.ArgumentParser())
+    for action in parser._actions:
+        assert action.help, action.option_strings
+
+
+@pytest.mark.parametrize("shape, meshes, strategies, message", [
+    pytest.param(bench.BenchShape(seq_len=256, num_heads=12, num_kv_heads=4), ["sp=8"],
+                 ["ulysses"], "num_heads=12 is not divisible by the ulysses axis size 8",
+                 id="ulysses_heads"),
+    pytest.param(TINY, ["sp=8"], ["hybrid"], "hybrid needs a two-axis mesh", id="hybrid_1_axis"),
+    pytest.param(bench.BenchShape(seq_len=1004), ["sp=8"], ["ring"],
+                 "seq_len=1004 is not divisible by the 8 devices", id="seq_not_divisible"),
+    pytest.param(bench.BenchShape(seq_len=8 * 3), ["sp=8"], ["ring"],
+                 "not divisible by 2\\*8=16 zigzag chunks", id="zigzag_chunks"),
+    pytest.param(bench.BenchShape(seq_len=288, num_heads=8, num_kv_heads=8),
+                 ["dcn=2,ici=3"], ["hybrid"],
+                 "num_heads=8 is not divisible by the ulysses \\(inner\\) axis size 3",
+                 id="hybrid_inner"),
+    pytest.param(TINY, ["sp=16"], ["ring"], "needs 16 devices but JAX has 8", id="devices"),
+    pytest.param(TINY, ["sp=8"], ["tree"], "strategy names must be some of", id="strategy"),
+    pytest.param(TINY, ["sp=8,a=1,b=1"], ["ring"], "has 3 axes", id="three_axes"),
+    pytest.param(TINY, ["sp=0"], ["ring"], "distinct name=size pairs", id="bad_mesh"),
+])
+def test_impossible_combinations_raise(shape, meshes, strategies, message):
+    with pytest.raises(ValueError, match=message):
+        bench.run(shape, meshes, strategies=strategies, progress=False)
+
+
+def test_cli_error_is_a_message_and_status_2(capsys):
+    args = _parse(["--seq", "256", "--heads", "12", "--kv-heads", "4", "--mesh", "sp=8",
+                   "--strategies", "ulysses", "--no-progress"])
+    assert bench_report.run_bench(args) == 2
+    assert "num_heads=12 is not divisible by the ulysses axis size 8" in capsys.readouterr().err
+
+
+def test_bad_dtype():
+    with pytest.raises(ValueError, match="dtype='int8' is not one of"):
+        bench.BenchShape(dtype="int8")
+
+
+# --- projection (a model: no devices) ----------------------------------------------
+
+GQA = dict(num_heads=64, num_kv_heads=8, head_dim=128)
+MLA = dict(num_heads=128, num_kv_heads=1, head_dim=576, v_head_dim=512)
+SEQS = (32768, 131072, 1048576)
+
+
+@pytest.mark.parametrize("shape", [GQA, MLA], ids=["gqa", "mla"])
+def test_projection_grows_with_sequence(shape):
+    rows = projection.project(**shape, chips=(8, 64, 1024), seq_lens=SEQS)
+    by_key = {(r["chips"], r["strategy"], r["seq_len"]): r for r in rows}
+    for (chips, strategy, seq), row in by_key.items():
+        if row["comm_ms"] is None or seq == SEQS[-1]:
+            continue
+        longer = by_key[(chips, strategy, SEQS[SEQS.index(seq) + 1])]
+        assert longer["bytes_per_device"] > row["bytes_per_device"]
+        assert longer["comm_ms"] > row["comm_ms"]
+        assert longer["compute_ms"] > row["compute_ms"]
+        assert row["ici_bytes"] + row["dcn_bytes"] == pytest.approx(row["bytes_per_device"])
+
+
+def test_projection_bytes_are_comm_bytes_and_plan_is_marked():
+    rows = projection.project(**GQA, chips=(8, 256), seq_lens=(131072,))
+    for row in rows:
+        sizes = (row["outer"], row["inner"]) if row["strategy"] == "hybrid" else row["chips"]
+        if row["comm_ms"] is None:
+            assert "not divisible" in row["reason"]  # ulysses: 64 heads on 256 chips
+            continue
+        assert row["bytes_per_device"] == pytest.approx(comm_bytes(
+            row["strategy"], batch=1, seq_len=131072, axis_sizes=sizes, backward=True, **GQA))
+    for chips, mesh in ((8, {"ici": 8}), (256, {"dcn": 32, "ici": 8})):
+        planned = [r["strategy"] for r in rows if r["chips"] == chips and r["planned"]]
+        assert planned == [plan(131072, 64, 8, 128, mesh).strategy]
+
+
+def test_projection_links_are_overridable():
+    fast = projection.Links(dcn=projection.Link(bandwidth=2 * projection.DCN.bandwidth,
+                                                latency=projection.DCN.latency))
+    slow_rows = projection.project(**GQA, chips=(64,), seq_lens=(131072,))
+    fast_rows = projection.project(**GQA, chips=(64,), seq_lens=(131072,), links=fast)
+    for slow, quick in zip(slow_rows, fast_rows):
+        assert quick["comm_ms"] < slow["comm_ms"], slow["strategy"]
+
+
+def test_projection_table_and_errors(capsys):
+    table = projection.format_table(projection.project(**MLA, chips=(8, 1024), seq_lens=SEQS))
+    assert table.startswith("MODEL")
+    assert len(table.splitlines()) == 3 + 2 * len(SEQS)  # title, header, rule, rows
+    with pytest.raises(ValueError, match="chips=12 is not a whole number of 8-chip nodes"):
+        projection.project(**GQA, chips=(12,))
+    assert bench_report.run_bench(_parse(["--project", "--heads", "64", "--kv-heads", "8",
+                                   "--head-dim", "128"])) == 0
+    assert "MODEL" in capsys.readouterr().out
+
