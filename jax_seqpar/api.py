@@ -12,7 +12,7 @@ parallelism) are kept.
 from __future__ import annotations
 
 import functools
-from typing import Optional, Sequence, Union
+from typing import Optional, Union
 
 import jax
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
@@ -27,9 +27,29 @@ LAYOUTS = ("auto", "contiguous", "zigzag")
 _ZIGZAG_BALANCES = ("ring", "hybrid", "allgather")
 
 
-def _per_shard_fn(strategy: str, axes: tuple):
+def axis_name_of(axes: tuple):
+    """The ``axis_name`` collectives take for sequence ``axes``: one name or the tuple."""
+    return axes[0] if len(axes) == 1 else axes
+
+
+def default_layout(strategy: str, causal: bool) -> str:
+    """``layout="auto"``: zigzag where it balances causal work, contiguous otherwise."""
+    return "zigzag" if causal and strategy in _ZIGZAG_BALANCES else "contiguous"
+
+
+def can_check_vma(kernel: str) -> bool:
+    """Whether ``shard_map`` may check varying axes around ``kernel``.
+
+    The Pallas interpreter (the Pallas kernel off GPU) loses the varying-axes
+    types inside ``shard_map``; JAX's own error asks for ``check_vma=False`` there.
+    """
+    return not (kernels.get(kernel).__name__.endswith("pallas")
+                and jax.default_backend() != "gpu")
+
+
+def per_shard_fn(strategy: str, axes: tuple):
     """The per-shard attention function for ``strategy`` over the sequence ``axes``."""
-    axis_name = axes[0] if len(axes) == 1 else axes
+    axis_name = axis_name_of(axes)
     if strategy == "ulysses":
         return functools.partial(ulysses_attention, axis_name=axis_name)
     if strategy == "ring":
@@ -54,19 +74,25 @@ def _choose_strategy(q, k, v, axis_sizes: dict, causal: bool) -> str:
                      causal=causal).strategy
 
 
-def _kept_spec(x, seq_axes: tuple, dims: Sequence[int]) -> list:
-    """``PartitionSpec`` entries of an explicit input's ``dims`` that we keep (not seq axes)."""
-    sharding = getattr(jax.typeof(x), "sharding", None)
-    spec = getattr(sharding, "spec", None)
-    kept = [None] * x.ndim
-    if spec is None:
-        return kept
-    for dim in dims:
-        entry = spec[dim] if dim < len(spec) else None
-        names = entry if isinstance(entry, tuple) else (entry,)
-        if entry is not None and not set(names) & set(seq_axes):
-            kept[dim] = entry
-    return kept
+def _spec_entry(x, dim: int, seq_axes: tuple):
+    """The mesh axes an explicit input is sharded along in ``dim`` (None: replicated)."""
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    entry = spec[dim] if spec is not None and dim < len(spec) else None
+    names = entry if isinstance(entry, tuple) else (entry,)
+    return None if entry is None or set(names) & set(seq_axes) else entry
+
+
+def _kept_entries(q, k, v, seq_axes: tuple):
+    """Batch and head shardings (data / tensor parallelism) to keep inside shard_map.
+
+    The batch sharding of ``q`` is kept (k and v are resharded to it). The head
+    sharding is kept only when q, k and v share it: a head split of q alone would
+    pair local query heads with the wrong K/V heads, so q is resharded instead.
+    """
+    head = _spec_entry(q, 2, seq_axes)
+    if any(_spec_entry(x, 2, seq_axes) != head for x in (k, v)):
+        head = None
+    return _spec_entry(q, 0, seq_axes), head
 
 
 def _place(x, mesh, spec):
@@ -136,7 +162,7 @@ def sequence_parallel_attention(
     if strategy == "auto":
         strategy = _choose_strategy(q, k, v, axis_sizes, causal)
     if layout == "auto":
-        layout = "zigzag" if causal and strategy in _ZIGZAG_BALANCES else "contiguous"
+        layout = default_layout(strategy, causal)
     num_shards = 1
     for size in axis_sizes.values():
         num_shards *= size
@@ -146,8 +172,8 @@ def sequence_parallel_attention(
             f"sequence length {seq_len} is not divisible by {chunks} ({num_shards} shards"
             f"{' x 2 zigzag chunks' if layout == 'zigzag' else ''}); pad it to a multiple of "
             f"{chunks} and mask the padding with segment_ids.")
-    attend = _per_shard_fn(strategy, axes)
-    axis_name = axes[0] if len(axes) == 1 else axes
+    attend = per_shard_fn(strategy, axes)
+    axis_name = axis_name_of(axes)
 
     def body(q, k, v, segment_ids):
         if layout == "zigzag":
@@ -162,19 +188,13 @@ def sequence_parallel_attention(
             out = layouts.from_zigzag(out, axis_name=axis_name)
         return out
 
-    qkv_specs = []
-    for x in (q, k, v):
-        kept = _kept_spec(x, axes, dims=(0, 2))
-        qkv_specs.append(P(kept[0], axis_name, kept[2], None))
-    ids_spec = P(qkv_specs[0][0], axis_name)
-    q, k, v = (_place(x, mesh, spec) for x, spec in zip((q, k, v), qkv_specs))
+    batch_entry, head_entry = _kept_entries(q, k, v, axes)
+    qkv_spec = P(batch_entry, axis_name, head_entry, None)
+    ids_spec = P(batch_entry, axis_name)
+    q, k, v = (_place(x, mesh, qkv_spec) for x in (q, k, v))
     if segment_ids is not None:
         segment_ids = _place(segment_ids, mesh, ids_spec)
-    # The Pallas interpreter (the Pallas kernel off GPU) loses the varying-axes
-    # types inside shard_map; JAX's own error asks for check_vma=False there.
-    interpreted = kernels.get(kernel).__name__.endswith("pallas") and (
-        jax.default_backend() != "gpu")
     mapped = jax.shard_map(body, mesh=mesh,
-                           in_specs=(*qkv_specs, P() if segment_ids is None else ids_spec),
-                           out_specs=qkv_specs[0], check_vma=not interpreted)
+                           in_specs=(qkv_spec,) * 3 + (P() if segment_ids is None else ids_spec,),
+                           out_specs=qkv_spec, check_vma=can_check_vma(kernel))
     return mapped(q, k, v, segment_ids)

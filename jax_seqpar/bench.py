@@ -116,7 +116,7 @@ def skip_reason(strategy: str, axes: dict, shape: BenchShape,
 
 
 def _layout(strategy: str, shape: BenchShape) -> str:
-    return "zigzag" if shape.causal and strategy in api._ZIGZAG_BALANCES else "contiguous"
+    return api.default_layout(strategy, shape.causal)
 
 
 def build(strategy: str, mesh, shape: BenchShape, kernel: str = "xla"):
@@ -126,18 +126,16 @@ def build(strategy: str, mesh, shape: BenchShape, kernel: str = "xla"):
     (out, (dq, dk, dv))``; all sequence-sharded over every axis of ``mesh``.
     """
     axes = tuple(mesh.axis_names)
-    axis_name = axes[0] if len(axes) == 1 else axes
-    attend, order = api._per_shard_fn(strategy, axes), _layout(strategy, shape)
+    axis_name = api.axis_name_of(axes)
+    attend, order = api.per_shard_fn(strategy, axes), _layout(strategy, shape)
 
     def body(q, k, v):  # [B, S/P, H, D] each
         positions = layout.shard_positions(order, q.shape[1], axis_name=axis_name)  # [S/P]
         positions = jnp.broadcast_to(positions, q.shape[:2])  # [B, S/P]
         return attend(q, k, v, causal=shape.causal, positions=positions, kernel=kernel)
 
-    # The Pallas interpreter loses varying-axes types inside shard_map (see api.py).
-    interpreted = kernel == "pallas" and jax.default_backend() != "gpu"
     forward = jax.shard_map(body, mesh=mesh, in_specs=(P(None, axis_name),) * 3,
-                            out_specs=P(None, axis_name), check_vma=not interpreted)
+                            out_specs=P(None, axis_name), check_vma=api.can_check_vma(kernel))
 
     def forward_and_vjp(q, k, v, dout):  # a given cotangent: no loss reduction in the program
         out, vjp = jax.vjp(forward, q, k, v)

@@ -24,13 +24,17 @@ _DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
 def _emulate_cpu_devices(count: int) -> None:
     """Ask for ``count`` CPU devices on the CPU platform, unless the user chose already.
 
-    Environment variables only take effect before JAX starts a backend (importing
-    ``jax`` does not start one), so this runs before any device is touched.
+    XLA_FLAGS takes effect when JAX starts a backend (importing ``jax`` does not
+    start one), so this runs before any device is touched; the platform is set in
+    JAX's config, which reads JAX_PLATFORMS at import.
     """
     flags = os.environ.get("XLA_FLAGS", "")
     if _DEVICE_COUNT_FLAG not in flags:
         os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_COUNT_FLAG}={count}".strip()
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if "JAX_PLATFORMS" not in os.environ:
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
 
 
 def _positive_int(text: str) -> int:

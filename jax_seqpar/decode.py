@@ -7,11 +7,11 @@ a partial ``(out, lse)``; the partials combine exactly with one ``pmax`` and two
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 from jax_seqpar import layout, masks
 from jax_seqpar._inputs import Options, check_qkv
+from jax_seqpar.merge import merge_across
 
 
 def decode_attention(q, k_cache, v_cache, *, axis_name, kv_length, scale=None, kernel="auto"):
@@ -30,6 +30,10 @@ def decode_attention(q, k_cache, v_cache, *, axis_name, kv_length, scale=None, k
 
     Returns:
       ``[B, T, H, Dv]`` in ``q.dtype``, the same on every device.
+
+    >>> f = lambda q, k, v, n: decode_attention(q, k, v, axis_name="sp", kv_length=n)
+    >>> out = jax.shard_map(f, mesh=mesh, in_specs=(P(), P(None, "sp"), P(None, "sp"), P()),
+    ...                     out_specs=P())(q, k_cache, v_cache, kv_length)
     """
     check_qkv(q, k_cache, v_cache)
     batch, new_tokens = q.shape[:2]
@@ -46,8 +50,4 @@ def decode_attention(q, k_cache, v_cache, *, axis_name, kv_length, scale=None, k
     q_tokens = masks.Tokens(q_positions, jnp.zeros((batch, new_tokens), jnp.int32))
     kv_tokens = masks.Tokens(cache_positions, jnp.where(valid, 0, -1).astype(jnp.int32))
     out, lse = options.forward(q, k_cache, v_cache, q_tokens, kv_tokens)  # float32
-    top = jax.lax.pmax(lse, axis_name)  # [B, T, H]
-    weight = jnp.exp(lse - top)
-    total = jax.lax.psum(weight, axis_name)
-    out = jax.lax.psum(out * weight[..., None], axis_name) / total[..., None]
-    return out.astype(q.dtype)
+    return merge_across(out, lse, axis_name).astype(q.dtype)  # [B, T, H, Dv]

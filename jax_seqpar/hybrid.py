@@ -19,7 +19,7 @@ same number of visible key blocks.
 from __future__ import annotations
 
 from jax_seqpar._inputs import axis_size, prepare
-from jax_seqpar.ring import _ring
+from jax_seqpar.ring import ring_over
 from jax_seqpar.ulysses import gather_tokens, heads_to_seq, kv_replication, seq_to_heads
 
 
@@ -61,7 +61,7 @@ def hybrid_attention(q, k, v, *, ulysses_axis, ring_axis, causal=False, segment_
         k, v = (x.repeat(repeats, axis=2) for x in (k, v))  # [B, S/P, Hkv*r, D]
     q, k, v = (seq_to_heads(x, ulysses_axis) for x in (q, k, v))  # [B, S/O, h/I, D]
     tokens = gather_tokens(tokens, ulysses_axis)  # [B, S/O]
-    out = _ring(ring_axis, options, q, k, v, tokens)  # [B, S/O, H/I, Dv]
+    out = ring_over(ring_axis, options, q, k, v, tokens)  # [B, S/O, H/I, Dv]
     return heads_to_seq(out, ulysses_axis)  # [B, S/(O*I), H, Dv]
 
 

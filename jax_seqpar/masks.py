@@ -16,6 +16,7 @@ no mask needed) or ``PARTIAL``. The classification is conservative: ``EMPTY`` an
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Optional, Union
 
 import jax
@@ -32,9 +33,9 @@ def normalize_window(window: Union[None, int, tuple[int, int]]) -> Optional[tupl
     """``None``, one int (both sides) or ``(left, right)`` -> ``(left, right)`` or None."""
     if window is None:
         return None
-    if isinstance(window, int):
+    if isinstance(window, numbers.Integral):
         window = (window, window)
-    if len(window) != 2:
+    if not isinstance(window, (tuple, list)) or len(window) != 2:
         raise ValueError(f"window must be an int or a (left, right) pair. Got {window!r}.")
     left, right = (int(w) for w in window)
     if left < 0 or right < 0:

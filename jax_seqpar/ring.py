@@ -48,6 +48,18 @@ def ring_attention(q, k, v, *, axis_name, causal=False, segment_ids=None, positi
     tokens, options = prepare(q, k, v, axis_name=axis_name, causal=causal,
                               segment_ids=segment_ids, positions=positions, window=window,
                               scale=scale, kernel=kernel, block_sizes=block_sizes)
+    return ring_over(axis_name, options, q, k, v, tokens)
+
+
+def ring_over(axis_name, options, q, k, v, tokens):
+    """The ring core on prepared inputs (used by :func:`ring_attention` and the hybrid).
+
+    Args:
+      axis_name: the ring's mesh axis; options: the call's static ``Options``.
+      q, k, v: ``[B, S/P, H|Hkv, D]`` local shards; tokens: their metadata.
+    Returns:
+      ``[B, S/P, H, Dv]`` in ``q.dtype``.
+    """
     return _ring(axis_name, options, q, k, v, tokens)
 
 

@@ -32,10 +32,12 @@ def _loss(fn, weights):
     return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * weights)
 
 
-def _check(strategy, q, k, v, tolerances, *, layout="auto", kernel="auto", **mask):
+def _check(strategy, q, k, v, tolerances, *, layout="auto", kernel="auto", block_sizes=None,
+           **mask):
     mesh, axes = _mesh(strategy)
     ours = functools.partial(sp.sequence_parallel_attention, mesh=mesh, seq_axes=axes,
-                             strategy=strategy, layout=layout, kernel=kernel, **mask)
+                             strategy=strategy, layout=layout, kernel=kernel,
+                             block_sizes=block_sizes, **mask)
     theirs = functools.partial(reference.attention, **mask)
     out = jax.jit(ours)(q, k, v)
     expected = theirs(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
@@ -238,3 +240,51 @@ def test_pallas_kernel_end_to_end(strategy, make_qkv, tolerances):
     q, k, v = make_qkv(batch=1, seq=S, heads=H, kv_heads=2, head_dim=D, seed=11)
     _check(strategy, q, k, v, tolerances, causal=True, segment_ids=_segments(1, S),
            kernel="pallas")
+
+
+@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+def test_many_tiles_per_shard(strategy, make_qkv, tolerances):
+    """Small kernel tiles: EMPTY skipping, accumulation across tiles and ring steps."""
+    from jax_seqpar.kernels.xla import BlockSizes
+
+    seq = 256
+    q, k, v = make_qkv(batch=1, seq=seq, heads=H, kv_heads=2, head_dim=D, seed=12)
+    _check(strategy, q, k, v, tolerances, kernel="xla", block_sizes=BlockSizes(16, 16, 8, 32),
+           causal=True, segment_ids=_segments(1, seq, seed=13))
+
+
+def test_tensor_parallel_heads_with_replicated_gqa_kv(make_qkv, tolerances):
+    """q split over heads ("tp") while GQA k/v are not: resharded, never mispaired."""
+    q, k, v = make_qkv(batch=1, seq=S, heads=H, kv_heads=2, head_dim=D, seed=14)
+    mesh = jax.make_mesh((2, 4), ("tp", "sp"))
+    with jax.set_mesh(mesh):
+        q_s = jax.reshard(q, P(None, None, "tp"))
+        k_s, v_s = (jax.reshard(x, P()) for x in (k, v))
+        out = jax.jit(functools.partial(sp.sequence_parallel_attention, mesh=mesh,
+                                        strategy="ring", causal=True))(q_s, k_s, v_s)
+    np.testing.assert_allclose(out, reference.attention(q, k, v, causal=True),
+                               **tolerances(q.dtype))
+
+
+def test_tensor_parallel_heads_shared_by_q_and_kv(make_qkv, tolerances):
+    """q, k and v all split over heads ("tp"): the head sharding is kept inside."""
+    q, k, v = make_qkv(batch=1, seq=S, heads=H, kv_heads=4, head_dim=D, seed=15)
+    mesh = jax.make_mesh((2, 4), ("tp", "sp"))
+    with jax.set_mesh(mesh):
+        q_s, k_s, v_s = (jax.reshard(x, P(None, None, "tp")) for x in (q, k, v))
+        out = jax.jit(functools.partial(sp.sequence_parallel_attention, mesh=mesh,
+                                        strategy="ulysses", causal=True))(q_s, k_s, v_s)
+        assert out.sharding.spec[:3] == (None, "sp", "tp")
+    np.testing.assert_allclose(out, reference.attention(q, k, v, causal=True),
+                               **tolerances(q.dtype))
+
+
+@pytest.mark.parametrize("kv_heads,expected", [(8, "ulysses"), (1, "ring")])
+def test_auto_strategy(kv_heads, expected, make_qkv, tolerances):
+    from jax_seqpar import plan
+
+    q, k, v = make_qkv(batch=1, seq=S, heads=H, kv_heads=kv_heads, head_dim=D,
+                       v_head_dim=8 if kv_heads == 1 else None)
+    chosen = plan.plan(S, H, kv_heads, D, {"sp": 8}, v_head_dim=v.shape[-1], dtype_bytes=4)
+    assert chosen.strategy == expected, chosen.reason
+    _check("auto", q, k, v, tolerances, causal=True, scale=0.3)

@@ -206,9 +206,9 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
         def grads(carry, q_tile, do_tile, lse_tile, delta_tile, mask):
             dk, dv = carry
             s = _scores(q_tile, k_tile, scale)
+            if mask is not None:  # before exp: rows with EMPTY_LSE must not overflow
+                s = jnp.where(mask, s, -jnp.inf)
             p = jnp.exp(s - lse_tile[..., None])
-            if mask is not None:
-                p = jnp.where(mask, p, 0.0)
             dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p, do_tile)
             dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_tile, v_tile)
             ds = p * (dp - delta_tile[..., None]) * scale
