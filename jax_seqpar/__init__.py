@@ -10,6 +10,9 @@ from jax_seqpar.api import sequence_parallel_attention as sequence_parallel_atte
 from jax_seqpar.decode import decode_attention as decode_attention
 from jax_seqpar.hybrid import hybrid_attention as hybrid_attention
 from jax_seqpar.layout import contiguous_positions as contiguous_positions
+from jax_seqpar.layout import striped_permute as striped_permute
+from jax_seqpar.layout import striped_positions as striped_positions
+from jax_seqpar.layout import striped_unpermute as striped_unpermute
 from jax_seqpar.layout import zigzag_permute as zigzag_permute
 from jax_seqpar.layout import zigzag_positions as zigzag_positions
 from jax_seqpar.layout import zigzag_unpermute as zigzag_unpermute

@@ -23,8 +23,20 @@ from jax_seqpar.ring import ring_attention
 from jax_seqpar.ulysses import ulysses_attention
 
 STRATEGIES = ("auto", "ulysses", "ring", "hybrid", "allgather")
-LAYOUTS = ("auto", "contiguous", "zigzag")
+LAYOUTS = ("auto", "contiguous", "zigzag", "striped")
 _ZIGZAG_BALANCES = ("ring", "hybrid", "allgather")
+
+
+def _keep(x, *, axis_name):
+    return x
+
+
+# Per-shard relayouts from the contiguous split into each token order and back.
+_RELAYOUTS = {
+    "contiguous": (_keep, _keep),
+    "zigzag": (layouts.to_zigzag, layouts.from_zigzag),
+    "striped": (layouts.to_striped, layouts.from_striped),
+}
 
 
 def axis_name_of(axes: tuple):
@@ -131,8 +143,8 @@ def sequence_parallel_attention(
       causal, window: the mask on true token positions (see ``MaskSpec``).
       segment_ids: ``int32[B, S]`` packed documents attend within themselves.
       scale: defaults to ``1/sqrt(Dqk)``.
-      layout: ``"zigzag"``, ``"contiguous"`` or ``"auto"`` (zigzag where it
-        balances causal work: ring, hybrid and all-gather with ``causal=True``).
+      layout: ``"zigzag"``, ``"striped"``, ``"contiguous"`` or ``"auto"`` (zigzag
+        where it balances causal work: ring, hybrid and all-gather with ``causal=True``).
       kernel: ``"auto"`` (Pallas on GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``.
       block_sizes: the kernel's tile sizes (its ``BlockSizes``), or None.
 
@@ -166,27 +178,26 @@ def sequence_parallel_attention(
     num_shards = 1
     for size in axis_sizes.values():
         num_shards *= size
-    chunks = num_shards * (2 if layout == "zigzag" else 1)
+    per_shard = {"contiguous": 1, "zigzag": 2, "striped": num_shards}[layout]
+    chunks = num_shards * per_shard
     if seq_len % chunks:
         raise ValueError(
             f"sequence length {seq_len} is not divisible by {chunks} ({num_shards} shards"
-            f"{' x 2 zigzag chunks' if layout == 'zigzag' else ''}); pad it to a multiple of "
-            f"{chunks} and mask the padding with segment_ids.")
+            f"{f' x {per_shard} {layout} pieces' if per_shard > 1 else ''}); pad it to a "
+            f"multiple of {chunks} and mask the padding with segment_ids.")
     attend = per_shard_fn(strategy, axes)
     axis_name = axis_name_of(axes)
 
+    relayout_in, relayout_out = _RELAYOUTS[layout]
+
     def body(q, k, v, segment_ids):
-        if layout == "zigzag":
-            q, k, v, segment_ids = (
-                None if x is None else layouts.to_zigzag(x, axis_name=axis_name)
-                for x in (q, k, v, segment_ids))
+        q, k, v, segment_ids = (None if x is None else relayout_in(x, axis_name=axis_name)
+                                for x in (q, k, v, segment_ids))
         positions = layouts.shard_positions(layout, q.shape[1], axis_name=axis_name)
         positions = jax.numpy.broadcast_to(positions, q.shape[:2])
         out = attend(q, k, v, causal=causal, window=window, segment_ids=segment_ids,
                      positions=positions, scale=scale, kernel=kernel, block_sizes=block_sizes)
-        if layout == "zigzag":
-            out = layouts.from_zigzag(out, axis_name=axis_name)
-        return out
+        return relayout_out(out, axis_name=axis_name)
 
     batch_entry, head_entry = _kept_entries(q, k, v, axes)
     qkv_spec = P(batch_entry, axis_name, head_entry, None)

@@ -1,4 +1,4 @@
-"""Token orders for sequence parallelism: contiguous and zigzag.
+"""Token orders for sequence parallelism: contiguous, zigzag and striped.
 
 With a *contiguous* split, shard ``r`` of ``P`` holds tokens ``r*S/P .. (r+1)*S/P - 1``.
 Under a causal mask that is unbalanced: in a ring, the last shard does ``P`` blocks of
@@ -14,11 +14,16 @@ load-balanced context parallelism of Llama 3 (arXiv:2407.21783); Striped Attenti
 A layout is a property of the token order, so it is applied once to a model's inputs
 (tokens, positions, segment ids) and attention is told the true positions:
 
+The *striped* order (Striped Attention) deals tokens round-robin: shard ``r`` holds
+tokens ``r, r+P, r+2P, ...``; causal work is balanced token by token.
+
 - global view (plain ``jnp``, any array, any axis): :func:`zigzag_permute`,
-  :func:`zigzag_unpermute`, :func:`zigzag_positions`, :func:`contiguous_positions`;
+  :func:`zigzag_unpermute`, :func:`zigzag_positions`, :func:`striped_permute`,
+  :func:`striped_unpermute`, :func:`striped_positions`, :func:`contiguous_positions`;
 - per shard, inside ``jax.shard_map``: :func:`shard_positions`, and
-  :func:`to_zigzag` / :func:`from_zigzag`, which relayout an already sharded array
-  with two half-shard ``ppermute`` calls instead of gathering the sequence.
+  :func:`to_zigzag` / :func:`from_zigzag` (two half-shard ``ppermute`` calls) and
+  :func:`to_striped` / :func:`from_striped` (one ``all_to_all``), which relayout an
+  already sharded array instead of gathering the sequence.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-LAYOUTS = ("contiguous", "zigzag")
+LAYOUTS = ("contiguous", "zigzag", "striped")
 
 AxisName = Union[Hashable, Sequence[Hashable]]
 
@@ -169,14 +174,14 @@ def shard_positions(layout: str, local_len: int, *, axis_name: AxisName) -> jax.
     """Global positions of this shard's tokens, inside ``jax.shard_map``.
 
     Args:
-      layout: ``"contiguous"`` or ``"zigzag"``, the order the sequence was split in.
+      layout: ``"contiguous"``, ``"zigzag"`` or ``"striped"``, the sequence's order.
       local_len: ``S/P``, the number of tokens on this shard (static int).
       axis_name: the mesh axis (or tuple of axes) the sequence is sharded over.
 
     Returns:
       ``int32[local_len]``: for ``"contiguous"``, ``r*S/P + arange(S/P)``; for
-      ``"zigzag"``, the positions of chunks ``r`` and ``2P-1-r`` (``r`` is this
-      shard's index along ``axis_name``).
+      ``"zigzag"``, the positions of chunks ``r`` and ``2P-1-r``; for ``"striped"``,
+      ``r + P*arange(S/P)`` (``r`` is this shard's index along ``axis_name``).
 
     Raises:
       ValueError: for an unknown layout, or an odd ``local_len`` with ``"zigzag"``.
@@ -191,6 +196,8 @@ def shard_positions(layout: str, local_len: int, *, axis_name: AxisName) -> jax.
     arange = jnp.arange(local_len, dtype=jnp.int32)
     if layout == "contiguous":
         return index * local_len + arange
+    if layout == "striped":
+        return index + jax.lax.axis_size(axis_name) * arange
     chunk = _check_even_local_len(local_len, "shard_positions('zigzag')")
     num_shards = jax.lax.axis_size(axis_name)
     first = index * chunk + arange[:chunk]
@@ -295,3 +302,97 @@ def from_zigzag(x: jax.Array, *, axis_name: AxisName, axis: int = 1) -> jax.Arra
     got_even = jax.lax.ppermute(even_chunk, axis_name, perm=inverse(even_perm))
     got_odd = jax.lax.ppermute(odd_chunk, axis_name, perm=inverse(odd_perm))
     return jnp.concatenate([got_even, got_odd], axis=axis)  # [..., S/P, ...]
+
+
+def _check_striped_len(seq_len: int, num_shards: int) -> None:
+    num_shards = _check_num_shards(num_shards)
+    if seq_len % num_shards:
+        raise ValueError(f"striped needs seq_len divisible by num_shards={num_shards}. "
+                         f"Got {seq_len=}; pad the sequence or use the contiguous layout.")
+
+
+def _swap_split(x, axis: int, outer: int):
+    """``[..., S, ...] -> [..., outer, S/outer, ...]`` transposed to ``[..., S/outer, outer]``."""
+    lead, trail = x.shape[:axis], x.shape[axis + 1:]
+    split = x.reshape(*lead, outer, x.shape[axis] // outer, *trail)
+    return jnp.swapaxes(split, axis, axis + 1).reshape(x.shape)
+
+
+def striped_permute(x: jax.Array, num_shards: int, axis: int = 1) -> jax.Array:
+    """Reorder ``x`` along ``axis`` from the natural order into the striped order.
+
+    Splitting the result contiguously into ``num_shards`` pieces gives shard ``r``
+    the tokens ``r, r+P, r+2P, ...`` (Striped Attention, arXiv:2311.09431).
+
+    Args:
+      x: any array, e.g. ``[batch, seq, heads, head_dim]``; ``x.shape[axis]`` must be
+        divisible by ``num_shards``.
+      num_shards: ``P``; axis: the sequence axis (default 1).
+
+    Returns:
+      The same shape and dtype, reordered along ``axis``.
+
+    >>> striped_permute(jnp.arange(6), num_shards=2, axis=0)
+    Array([0, 2, 4, 1, 3, 5], dtype=int32)
+    """
+    axis = _normalize_axis(axis, jnp.ndim(x))
+    x = jnp.asarray(x)
+    _check_striped_len(x.shape[axis], num_shards)
+    return _swap_split(x, axis, x.shape[axis] // num_shards)
+
+
+def striped_unpermute(x: jax.Array, num_shards: int, axis: int = 1) -> jax.Array:
+    """Inverse of :func:`striped_permute`.
+
+    >>> striped_unpermute(jnp.array([0, 2, 4, 1, 3, 5]), num_shards=2, axis=0)
+    Array([0, 1, 2, 3, 4, 5], dtype=int32)
+    """
+    axis = _normalize_axis(axis, jnp.ndim(x))
+    x = jnp.asarray(x)
+    _check_striped_len(x.shape[axis], num_shards)
+    return _swap_split(x, axis, num_shards)
+
+
+def striped_positions(seq_len: int, num_shards: int) -> jax.Array:
+    """Global position of every token of a striped sequence: ``int32[seq_len]``.
+
+    >>> striped_positions(6, num_shards=2)
+    Array([0, 2, 4, 1, 3, 5], dtype=int32)
+    """
+    return striped_permute(jnp.arange(seq_len, dtype=jnp.int32), num_shards, axis=0)
+
+
+def to_striped(x: jax.Array, *, axis_name: AxisName, axis: int = 1) -> jax.Array:
+    """Relayout a contiguously sharded shard into its striped shard (one ``all_to_all``).
+
+    Shard ``r`` of the contiguous split holds tokens ``r*L .. r*L+L-1``; token
+    ``r*L + a*P + d`` goes to shard ``d`` (``L = S/P`` must be divisible by ``P``).
+
+    Args:
+      x: this shard, e.g. ``[batch, S/P, heads, dim]``; axis_name: the sequence
+        axis (or axes); axis: the local sequence axis.
+
+    Returns:
+      This shard of the striped order (same shape and dtype).
+    """
+    axis = _normalize_axis(axis, jnp.ndim(x))
+    num_shards, local_len = jax.lax.axis_size(axis_name), x.shape[axis]
+    if local_len % num_shards:
+        raise ValueError(f"to_striped needs the local length {local_len} divisible by the "
+                         f"{num_shards} shards; make the sequence a multiple of "
+                         f"{num_shards * num_shards}.")
+    lead, trail = x.shape[:axis], x.shape[axis + 1:]
+    dealt = x.reshape(*lead, local_len // num_shards, num_shards, *trail)  # [.., L/P, P, ..]
+    got = jax.lax.all_to_all(dealt, axis_name, split_axis=axis + 1, concat_axis=axis,
+                             tiled=True)  # [.., L, 1, ..]: from shard r, tokens a*P + d
+    return got.reshape(x.shape)
+
+
+def from_striped(x: jax.Array, *, axis_name: AxisName, axis: int = 1) -> jax.Array:
+    """Inverse of :func:`to_striped`: a striped shard back to its contiguous shard."""
+    axis = _normalize_axis(axis, jnp.ndim(x))
+    local_len = x.shape[axis]
+    lead, trail = x.shape[:axis], x.shape[axis + 1:]
+    got = jax.lax.all_to_all(x.reshape(*lead, local_len, 1, *trail), axis_name,
+                             split_axis=axis, concat_axis=axis + 1, tiled=True)
+    return got.reshape(x.shape)  # [.., L/P, P, ..] -> [.., L, ..]

@@ -78,8 +78,8 @@ def test_bad_arguments():
         layout.zigzag_permute(jnp.zeros((1, 8)), 0)
     with pytest.raises(ValueError, match="axis=2"):
         layout.zigzag_permute(jnp.zeros((1, 8)), 2, axis=2)
-    with pytest.raises(ValueError, match="layout='striped'"):
-        layout.shard_positions("striped", 4, axis_name="sp")
+    with pytest.raises(ValueError, match="layout='diagonal'"):
+        layout.shard_positions("diagonal", 4, axis_name="sp")
 
 
 @pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
@@ -168,3 +168,32 @@ def test_two_sequence_axes():
         got_positions = positions()
     np.testing.assert_array_equal(zigzag, layout.zigzag_permute(x, NUM_SHARDS))
     np.testing.assert_array_equal(got_positions[0], layout.zigzag_positions(seq_len, NUM_SHARDS))
+
+
+def test_striped_round_trip_and_positions():
+    x = jnp.arange(2 * 128 * 3).reshape(2, 128, 3)
+    striped = layout.striped_permute(x, 8)
+    np.testing.assert_array_equal(layout.striped_unpermute(striped, 8), x)
+    np.testing.assert_array_equal(striped[0, :16, 0] // 3, jnp.arange(0, 128, 8))
+    np.testing.assert_array_equal(layout.striped_positions(128, 8),
+                                  layout.striped_permute(jnp.arange(128), 8, axis=0))
+    with pytest.raises(ValueError, match="divisible by num_shards=8"):
+        layout.striped_permute(jnp.arange(12), 8, axis=0)
+
+
+def test_to_striped_matches_global_permutation():
+    mesh = jax.sharding.Mesh(np.array(jax.devices()), ("sp",))
+    x = jnp.arange(2 * 128 * 3, dtype=jnp.float32).reshape(2, 128, 3)
+
+    def shard_map(f, in_specs=P(None, "sp")):
+        return jax.shard_map(f, mesh=mesh, in_specs=in_specs, out_specs=P(None, "sp"))
+
+    to = shard_map(lambda x: layout.to_striped(x, axis_name="sp"))
+    back = shard_map(lambda x: layout.from_striped(x, axis_name="sp"))
+    positions = jax.shard_map(lambda: layout.shard_positions("striped", 16, axis_name="sp"),
+                              mesh=mesh, in_specs=(), out_specs=P("sp"))()
+    np.testing.assert_array_equal(to(x), layout.striped_permute(x, 8))
+    np.testing.assert_array_equal(back(to(x)), x)
+    np.testing.assert_array_equal(positions, layout.striped_positions(128, 8))
+    with pytest.raises(ValueError, match="divisible by the 8 shards"):
+        to(jnp.zeros((1, 32, 1)))

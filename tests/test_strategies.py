@@ -80,7 +80,7 @@ def test_matches_reference_fp32(strategy, shape, mask, make_qkv, tolerances):
 
 
 @pytest.mark.parametrize("strategy", STRATEGY_NAMES)
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
 def test_layouts(strategy, layout, make_qkv, tolerances):
     q, k, v = make_qkv(batch=B, seq=S, heads=H, kv_heads=2, head_dim=D, seed=1)
     _check(strategy, q, k, v, tolerances, layout=layout, causal=True,
@@ -206,7 +206,8 @@ def test_decode_matches_reference(make_qkv, tolerances):
                  id="seq-len-zigzag"),
     pytest.param(dict(strategy="tree"), "strategy='tree'", id="strategy"),
     pytest.param(dict(seq_axes="tp"), "not an axis of the mesh", id="axis"),
-    pytest.param(dict(layout="striped"), "layout='striped'", id="layout"),
+    pytest.param(dict(layout="diagonal"), "layout='diagonal'", id="layout"),
+    pytest.param(dict(layout="striped", seq=32), "not divisible by 64", id="seq-len-striped"),
     pytest.param(dict(bad_segments=True), "segment_ids must have shape", id="segments"),
     pytest.param(dict(rank3=True), "must have rank 4", id="rank"),
     pytest.param(dict(k_dim=8), "must share head_dim", id="head-dim"),
