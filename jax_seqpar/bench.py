@@ -194,9 +194,9 @@ def _reference(shape: BenchShape, q, k, v, dout):
         out, vjp = jax.vjp(attend, q, k, v)
         return out, vjp(dout)
     positions = jnp.broadcast_to(jnp.arange(s, dtype=jnp.int32), (b, s))
-    chunk = jax.jit(lambda q, at: attend(q, k, v, positions=at, kv_positions=positions))
+    chunk = jax.jit(lambda q, k, v, at: attend(q, k, v, positions=at, kv_positions=positions))
     rows = max(1, 2**23 // (b * h * s))  # 32 MiB of float32 scores per chunk
-    out = [chunk(q[:, i:i + rows], positions[:, i:i + rows]) for i in range(0, s, rows)]
+    out = [chunk(q[:, i:i + rows], k, v, positions[:, i:i + rows]) for i in range(0, s, rows)]
     return jnp.concatenate(out, axis=1), None
 
 

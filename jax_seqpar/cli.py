@@ -50,7 +50,7 @@ def _demo(args: argparse.Namespace) -> int:
 
     try:
         requested = getattr(args, "strategies", None)
-        strategies = (demo.available_strategies(demo.DEFAULT_STRATEGIES) if requested is None
+        strategies = (list(demo.DEFAULT_STRATEGIES) if requested is None
                       else demo.as_strategy_list(requested))
     except ValueError as error:
         print(f"jax-seqpar demo: {error}", file=sys.stderr)
@@ -88,7 +88,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--strategies", default=argparse.SUPPRESS,
                       help="comma-separated strategies from auto, ulysses, ring, hybrid, "
                            "allgather (hybrid: 2 x 4 ('dcn', 'ici') mesh); default: "
-                           "ulysses,ring,hybrid (those installed)")
+                           "ulysses,ring,hybrid")
     demo.add_argument("--out", default="jax-seqpar-demo.png", help="loss-curve PNG path")
     demo.add_argument("--seed", type=int, default=0, help="parameters and data order")
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bars")

@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import importlib.util
 from typing import Callable, Sequence
 
 import jax
 import numpy as np
 
+from jax_seqpar import api
 from jax_seqpar.examples._data import training_batches
 from jax_seqpar.examples._model import ModelConfig, Parallelism
 from jax_seqpar.examples._train import TrainConfig, TrainResult, init_params, mesh_for, train
 
 UNSHARDED = "unsharded"
 DEFAULT_STRATEGIES = ("ulysses", "ring", "hybrid")
-
-
-_MODULE_OF = {"auto": "plan", "ulysses": "ulysses", "ring": "ring", "hybrid": "hybrid",
-              "allgather": "allgather"}
-
-
-def available_strategies(requested: Sequence[str]) -> list[str]:
-    """``requested`` minus the strategies whose module is not part of this install."""
-    return [s for s in requested if importlib.util.find_spec(f"jax_seqpar.{_MODULE_OF[s]}")]
 
 
 def report_steps(steps: int, rows: int = 10) -> list[int]:
@@ -125,7 +116,7 @@ def run_demo(
 
 def as_strategy_list(text: str) -> list[str]:
     """``"ulysses,ring"`` -> ``["ulysses", "ring"]`` (validated)."""
-    known = tuple(_MODULE_OF)
+    known = api.STRATEGIES
     names = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [s for s in names if s not in known]
     if unknown:
