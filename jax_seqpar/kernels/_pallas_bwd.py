@@ -105,14 +105,7 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, blo
         functools.partial(_dq_kernel, spec=spec, scale=scale, block_k=t.block_k,
                           precision=precision),
         grid=(t.num_q, t.batch, heads),
-        in_specs=[
-            pl.BlockSpec((None, 2), lambda i, b, h: (i, 0)),
-            pl.BlockSpec((None, t.num_k), lambda i, b, h: (i, 0)),
-            pl.BlockSpec((None, t.block_q, None, d_qk_pad), lambda i, b, h: (b, i, h, 0)),
-            pl.BlockSpec((None, kv_pad, None, d_qk_pad), lambda i, b, h: (b, 0, h // group, 0)),
-            pl.BlockSpec((None, kv_pad, None, d_v_pad), lambda i, b, h: (b, 0, h // group, 0)),
-            _p._token_specs(q_tokens, t.block_q, lambda i, b, h: (b, i)),
-            _p._token_specs(kv_tokens, kv_pad, lambda i, b, h: (b, 0)),
+        in_specs=_p._query_row_specs(t, q_tokens, kv_tokens, d_qk_pad, d_v_pad) + [
             pl.BlockSpec((None, t.block_q, None, d_v_pad), lambda i, b, h: (b, i, h, 0)),
             pl.BlockSpec((None, None, t.block_q), lambda i, b, h: (b, h, i)),
             pl.BlockSpec((None, None, t.block_q), lambda i, b, h: (b, h, i)),

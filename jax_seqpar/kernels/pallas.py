@@ -229,6 +229,21 @@ def _validate(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, block_sizes: BlockSi
         block_sizes.check_gpu()
 
 
+def _query_row_specs(t: Tiling, q_tokens, kv_tokens, d_qk_pad: int, d_v_pad: int):
+    """BlockSpecs of a (query tile, batch, head) grid's inputs: tile bounds and classes,
+    the query tile, the whole K/V of the head's group (``h // group``), and the tokens."""
+    kv_pad, group = t.num_k * t.block_k, t.group
+    return [
+        pl.BlockSpec((None, 2), lambda i, b, h: (i, 0)),
+        pl.BlockSpec((None, t.num_k), lambda i, b, h: (i, 0)),
+        pl.BlockSpec((None, t.block_q, None, d_qk_pad), lambda i, b, h: (b, i, h, 0)),
+        pl.BlockSpec((None, kv_pad, None, d_qk_pad), lambda i, b, h: (b, 0, h // group, 0)),
+        pl.BlockSpec((None, kv_pad, None, d_v_pad), lambda i, b, h: (b, 0, h // group, 0)),
+        _token_specs(q_tokens, t.block_q, lambda i, b, h: (b, i)),
+        _token_specs(kv_tokens, kv_pad, lambda i, b, h: (b, 0)),
+    ]
+
+
 def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
             block_sizes: BlockSizes = BlockSizes(), interpret: Optional[bool] = None):
     """Attention of ``q`` against one run of keys (the contract of :func:`xla.forward`).
@@ -261,21 +276,12 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
     heads, d_v = q.shape[2], v.shape[-1]
     q_pad, kv_pad = t.num_q * t.block_q, t.num_k * t.block_k
     d_qk_pad, d_v_pad = _padded_dim(q.shape[-1]), _padded_dim(d_v)
-    group = t.group
     kernel = functools.partial(_forward_kernel, spec=spec, scale=scale, block_k=t.block_k,
                                precision=_precision(q.dtype))
     out, lse = pl.pallas_call(
         kernel,
         grid=(t.num_q, t.batch, heads),
-        in_specs=[
-            pl.BlockSpec((None, 2), lambda i, b, h: (i, 0)),
-            pl.BlockSpec((None, t.num_k), lambda i, b, h: (i, 0)),
-            pl.BlockSpec((None, t.block_q, None, d_qk_pad), lambda i, b, h: (b, i, h, 0)),
-            pl.BlockSpec((None, kv_pad, None, d_qk_pad), lambda i, b, h: (b, 0, h // group, 0)),
-            pl.BlockSpec((None, kv_pad, None, d_v_pad), lambda i, b, h: (b, 0, h // group, 0)),
-            _token_specs(q_tokens, t.block_q, lambda i, b, h: (b, i)),
-            _token_specs(kv_tokens, kv_pad, lambda i, b, h: (b, 0)),
-        ],
+        in_specs=_query_row_specs(t, q_tokens, kv_tokens, d_qk_pad, d_v_pad),
         out_specs=[
             pl.BlockSpec((None, t.block_q, None, d_v_pad), lambda i, b, h: (b, i, h, 0)),
             pl.BlockSpec((None, None, t.block_q), lambda i, b, h: (b, h, i)),
