@@ -69,7 +69,13 @@ class Options:
         from jax_seqpar import kernels
 
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
-        return cls(masks.MaskSpec.make(causal, window), scale, kernels.get(kernel), block_sizes)
+        module = kernels.get(kernel)
+        if block_sizes is not None and not isinstance(block_sizes, module.BlockSizes):
+            raise ValueError(
+                f"block_sizes={block_sizes!r} is not a {module.__name__}.BlockSizes, the tile "
+                f"sizes of the kernel this call uses (kernel={kernel!r}); pass that class, or "
+                "name the kernel explicitly.")
+        return cls(masks.MaskSpec.make(causal, window), scale, module, block_sizes)
 
     def _kwargs(self):
         kwargs = dict(spec=self.spec, scale=self.scale)

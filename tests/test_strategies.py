@@ -176,7 +176,9 @@ def test_vmap_and_checkpoint(make_qkv, tolerances):
     np.testing.assert_allclose(grad, expected, **tolerances(q.dtype, "grad"))
 
 
-def test_decode_matches_reference(make_qkv, tolerances):
+@pytest.mark.parametrize("kernel", ["xla", "pallas"])
+def test_decode_matches_reference(kernel, make_qkv, tolerances):
+    from jax_seqpar.api import can_check_vma
     from jax_seqpar.decode import decode_attention
 
     capacity, new = 64, 2
@@ -184,9 +186,10 @@ def test_decode_matches_reference(make_qkv, tolerances):
     q = jax.random.normal(jax.random.key(8), (3, new, 4, D))
     kv_length = jnp.array([64, 20, 3], jnp.int32)  # full, mid-shard, first shard only
     mesh, axes = _mesh("ring")
-    f = jax.shard_map(lambda q, k, v, n: decode_attention(q, k, v, axis_name=axes, kv_length=n),
-                      mesh=mesh, in_specs=(P(), P(None, axes), P(None, axes), P()),
-                      out_specs=P())
+    f = jax.shard_map(
+        lambda q, k, v, n: decode_attention(q, k, v, axis_name=axes, kv_length=n, kernel=kernel),
+        mesh=mesh, in_specs=(P(), P(None, axes), P(None, axes), P()), out_specs=P(),
+        check_vma=can_check_vma(kernel))
     out = jax.jit(f)(q, k, v, kv_length)
     for b, n in enumerate(kv_length.tolist()):
         positions = (n - new + jnp.arange(new, dtype=jnp.int32))[None]
@@ -210,6 +213,8 @@ def test_decode_matches_reference(make_qkv, tolerances):
     pytest.param(dict(layout="striped", seq=32), "not divisible by 64", id="seq-len-striped"),
     pytest.param(dict(bad_segments=True), "segment_ids must have shape", id="segments"),
     pytest.param(dict(rank3=True), "must have rank 4", id="rank"),
+    pytest.param(dict(block_sizes="256"), "is not a jax_seqpar.kernels.xla.BlockSizes",
+                 id="block-sizes"),
     pytest.param(dict(k_dim=8), "must share head_dim", id="head-dim"),
     pytest.param(dict(k_batch=1), "share the batch size", id="batch"),
     pytest.param(dict(strategy="hybrid", hybrid_heads=6), "inner) axis 'ici' of size 4",

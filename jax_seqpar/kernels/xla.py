@@ -57,8 +57,9 @@ class BlockSizes:
     block_k_bwd: int = 256
 
     def __post_init__(self):
-        if min(dataclasses.astuple(self)) < 1:
-            raise ValueError(f"block sizes must be positive. Got {self}.")
+        sizes = dataclasses.astuple(self)
+        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
+            raise ValueError(f"block sizes must be positive ints. Got {self}.")
 
 
 def _tiling(q, k, block_q: int, block_k: int) -> Tiling:
