@@ -1,8 +1,9 @@
 """The global-view entry point: one call shards the sequence over a mesh and attends.
 
 ``sequence_parallel_attention`` takes global ``[B, S, H, D]`` arrays, places them
-sequence-sharded on the mesh, relayouts the tokens (zigzag for balanced causal
-rings) with two half-shard ``ppermute`` s, runs the chosen strategy inside
+sequence-sharded on the mesh, relayouts the tokens inside the shards (zigzag for
+balanced causal rings: two half-shard ``ppermute`` s; striped: one ``all_to_all``),
+runs the chosen strategy inside
 ``jax.shard_map`` and returns the output in the caller's token order, sharded
 like its queries. Explicit-axis meshes (the ``jax.make_mesh`` default) and Auto
 meshes both work; batch and head shardings of explicit inputs (data and tensor
