@@ -207,11 +207,8 @@ def _multipliers(computations, entry, default_trip_count):
                     trip = int(found.group(1))
                 elif default_trip_count is not None:
                     trip = default_trip_count
-                else:
-                    raise ValueError(
-                        f"while loop %{inst.name} has no known_trip_count in its "
-                        "backend_config; pass default_trip_count=<iterations> to count "
-                        "its collectives")
+                else:  # unknown: an error only if a collective runs inside (see below)
+                    trip = math.nan
             for role, callee in _CALL_RE.findall(inst.attributes):
                 factor = trip if role == "body" else (trip + 1 if role == "condition" else 1)
                 if callee in callers:
@@ -290,6 +287,10 @@ def collective_bytes(compiled_or_text: Any, *, default_trip_count: int | None = 
                                  "modelled by collective_bytes")
             if inst.opcode not in _OPCODES:
                 continue
+            if math.isnan(multipliers[name]):
+                raise ValueError(
+                    f"%{inst.name} runs inside a while loop with no known_trip_count in its "
+                    "backend_config; pass default_trip_count=<iterations> to count it")
             kind, factor = _OPCODES[inst.opcode]
             operands = inst.operands
             if inst.opcode == "send" or "slice_sizes=" in inst.attributes:

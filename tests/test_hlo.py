@@ -165,6 +165,19 @@ def test_unknown_trip_count_is_an_error(mesh):
         "collective-permute", 3 * LOCAL_BYTES)
 
 
+def test_unknown_trip_count_without_collectives_is_counted(mesh):
+    """A data-dependent loop of local work (e.g. the Pallas interpreter's) sends nothing."""
+    def fn(x):
+        def body(carry):
+            c, n = carry
+            return c * 0.5, n + 1
+
+        y = lax.while_loop(lambda carry: carry[0][0, 0] < carry[1], body, (x, x[0, 0]))[0]
+        return lax.ppermute(y, "sp", RING)
+
+    assert _collective_bytes(_sharded(fn, mesh), x) == _only("collective-permute", LOCAL_BYTES)
+
+
 # GPU-style text: async pairs, an async-wrapped all-to-all, iota replica groups (plain
 # and transposed), empty groups (all 8 partitions), operands printed with their shapes.
 _GPU_STYLE_HLO = """\
