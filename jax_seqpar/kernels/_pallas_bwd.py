@@ -18,6 +18,7 @@ from jax.experimental import pallas as pl
 
 from jax_seqpar import _compat
 from jax_seqpar.kernels import pallas as _p
+from jax_seqpar.kernels.tiling import pad_seq, schedule
 
 _F32 = jnp.float32
 
@@ -89,15 +90,16 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, blo
     operands = (q, k, v, q_tokens, kv_tokens, lse, delta, dout)
     q, k, v, q_tokens, kv_tokens, lse, delta, dout = _compat.match_varying(operands, operands)
     t = _p._tiling(q, k, block_sizes.block_q_bwd, block_sizes.block_k_bwd)
-    q_tokens, kv_tokens, classes = _p._schedule(spec, t, q_tokens, kv_tokens)
+    q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)
     heads, d_qk, d_v = q.shape[2], q.shape[-1], v.shape[-1]
     q_pad, kv_pad = t.num_q * t.block_q, t.num_k * t.block_k
     d_qk_pad, d_v_pad = _p._padded_dim(d_qk), _p._padded_dim(d_v)
     group, precision = t.group, _p._precision(q.dtype)
     inputs = (
-        _p._pad(q, q_pad, d_qk_pad), _p._pad(k, kv_pad, d_qk_pad), _p._pad(v, kv_pad, d_v_pad),
-        q_tokens, kv_tokens, _p._pad(dout.astype(v.dtype), q_pad, d_v_pad),
-        jnp.swapaxes(_p._pad(lse, q_pad), 1, 2), jnp.swapaxes(_p._pad(delta, q_pad), 1, 2),
+        pad_seq(q, q_pad, dim=d_qk_pad), pad_seq(k, kv_pad, dim=d_qk_pad),
+        pad_seq(v, kv_pad, dim=d_v_pad),
+        q_tokens, kv_tokens, pad_seq(dout.astype(v.dtype), q_pad, dim=d_v_pad),
+        jnp.swapaxes(pad_seq(lse, q_pad), 1, 2), jnp.swapaxes(pad_seq(delta, q_pad), 1, 2),
     )  # statistics as [B, H, Sq_pad]: contiguous rows per head
     params = _p._compiler_params(max(d_qk_pad, d_v_pad))
 

@@ -43,7 +43,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_seqpar import _compat, masks
-from jax_seqpar.kernels.tiling import Tiling, padded_tokens
+from jax_seqpar.kernels.tiling import Tiling, pad_seq, schedule
 from jax_seqpar.masks import MaskSpec, Tokens
 
 _F32 = jnp.float32
@@ -103,23 +103,6 @@ def _tiling(q, k, block_q: int, block_k: int) -> Tiling:
 
 def _padded_dim(dim: int) -> int:
     return max(_MIN_DIM, pl.next_power_of_2(dim))
-
-
-def _pad(x, seq_len: int, dim: Optional[int] = None):
-    """Zero-pad ``[B, S, ...]`` to ``seq_len`` tokens and the last axis to ``dim``."""
-    widths = [(0, 0)] * x.ndim
-    widths[1] = (0, seq_len - x.shape[1])
-    if dim is not None:
-        widths[-1] = (0, dim - x.shape[-1])
-    return jnp.pad(x, widths) if any(w != (0, 0) for w in widths) else x
-
-
-def _schedule(spec: MaskSpec, t: Tiling, q_tokens: Tokens, kv_tokens: Tokens):
-    """Tokens padded to whole tiles and the tile classes ``int32[nq, nk]``."""
-    q_tokens, kv_tokens = padded_tokens(t, q_tokens, kv_tokens)
-    classes = masks.classify(spec, masks.summarize(q_tokens, t.block_q),
-                             masks.summarize(kv_tokens, t.block_k))
-    return q_tokens, kv_tokens, classes
 
 
 def _bounds(classes):
@@ -272,7 +255,7 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
     q, k, v, q_tokens, kv_tokens = _compat.match_varying(
         (q, k, v, q_tokens, kv_tokens), (q, k, v, q_tokens, kv_tokens))
     t = _tiling(q, k, block_sizes.block_q, block_sizes.block_k)
-    q_tokens, kv_tokens, classes = _schedule(spec, t, q_tokens, kv_tokens)
+    q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)
     heads, d_v = q.shape[2], v.shape[-1]
     q_pad, kv_pad = t.num_q * t.block_q, t.num_k * t.block_k
     d_qk_pad, d_v_pad = _padded_dim(q.shape[-1]), _padded_dim(d_v)
@@ -291,8 +274,8 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
         compiler_params=_compiler_params(max(d_qk_pad, d_v_pad)),
         interpret=interpret,
         name="seqpar_flash_forward",
-    )(_bounds(classes), classes, _pad(q, q_pad, d_qk_pad), _pad(k, kv_pad, d_qk_pad),
-      _pad(v, kv_pad, d_v_pad), q_tokens, kv_tokens)
+    )(_bounds(classes), classes, pad_seq(q, q_pad, dim=d_qk_pad),
+      pad_seq(k, kv_pad, dim=d_qk_pad), pad_seq(v, kv_pad, dim=d_v_pad), q_tokens, kv_tokens)
     return out[:, :t.q_len, :, :d_v], jnp.swapaxes(lse, 1, 2)[:, :t.q_len]
 
 

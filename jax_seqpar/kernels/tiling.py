@@ -6,7 +6,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jax_seqpar.masks import Tokens
+from jax_seqpar import masks
+from jax_seqpar.masks import MaskSpec, Tokens
 
 # Padded tokens get segment ids that match nothing real (and not each other).
 _PAD_Q_SEGMENT = -(2**31) + 1
@@ -34,13 +35,15 @@ class Tiling:
         return -(-self.kv_len // self.block_k)
 
 
-def pad_seq(x, length, value=0):
-    """Pad axis 1 (the sequence) of ``x`` to ``length`` with ``value``."""
-    pad = length - x.shape[1]
-    if pad == 0:
-        return x
+def pad_seq(x, length, value=0, *, dim=None):
+    """Pad axis 1 (the sequence) of ``x`` to ``length`` with ``value`` (and, with
+    ``dim``, zero-pad the last axis to ``dim``); ``x`` itself when nothing is padded."""
     widths = [(0, 0)] * x.ndim
-    widths[1] = (0, pad)
+    widths[1] = (0, length - x.shape[1])
+    if dim is not None:
+        widths[-1] = (0, dim - x.shape[-1])
+    if all(w == (0, 0) for w in widths):
+        return x
     return jnp.pad(x, widths, constant_values=value)
 
 
@@ -57,3 +60,12 @@ def padded_tokens(t: Tiling, q_tokens: Tokens, kv_tokens: Tokens):
         return Tokens(pad_seq(tokens.positions, length), pad_seq(seg, length, pad_segment))
 
     return pad(q_tokens, q_pad, _PAD_Q_SEGMENT), pad(kv_tokens, kv_pad, _PAD_KV_SEGMENT)
+
+
+def schedule(spec: MaskSpec, t: Tiling, q_tokens: Tokens, kv_tokens: Tokens):
+    """Tokens padded to whole tiles, and the tile classes ``int32[nq, nk]``
+    (``EMPTY`` / ``PARTIAL`` / ``FULL``) every kernel skips and masks by."""
+    q_tokens, kv_tokens = padded_tokens(t, q_tokens, kv_tokens)
+    classes = masks.classify(spec, masks.summarize(q_tokens, t.block_q),
+                             masks.summarize(kv_tokens, t.block_k))
+    return q_tokens, kv_tokens, classes

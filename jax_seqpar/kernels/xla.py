@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_seqpar import _compat, masks
-from jax_seqpar.kernels.tiling import Tiling, pad_seq, padded_tokens
+from jax_seqpar.kernels.tiling import Tiling, pad_seq, schedule
 from jax_seqpar.masks import MaskSpec, Tokens
 
 _F32 = jnp.float32
@@ -115,9 +115,7 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
       ``out float32[B, Sq, H, Dv]`` (normalized) and ``lse float32[B, Sq, H]``.
     """
     t = _tiling(q, k, block_sizes.block_q, block_sizes.block_k)
-    q_tokens, kv_tokens = padded_tokens(t, q_tokens, kv_tokens)
-    classes = masks.classify(spec, masks.summarize(q_tokens, t.block_q),
-                             masks.summarize(kv_tokens, t.block_k))  # [nq, nk]
+    q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # classes [nq, nk]
     d_v = v.shape[-1]
     hg = (t.kv_heads, t.group)
     q = pad_seq(q, t.num_q * t.block_q).reshape(t.batch, -1, *hg, q.shape[-1])  # [B, Sq, Hkv, G, D]
@@ -187,9 +185,7 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
       (plus ``accumulate``).
     """
     t = _tiling(q, k, block_sizes.block_q_bwd, block_sizes.block_k_bwd)
-    q_tokens, kv_tokens = padded_tokens(t, q_tokens, kv_tokens)
-    classes = masks.classify(spec, masks.summarize(q_tokens, t.block_q),
-                             masks.summarize(kv_tokens, t.block_k))  # [nq, nk]
+    q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # classes [nq, nk]
     hg = (t.kv_heads, t.group)
     q_len_pad, kv_len_pad = t.num_q * t.block_q, t.num_k * t.block_k
 
