@@ -120,15 +120,30 @@ def axis_size(axis_name) -> int:
 
 
 def prepare(q, k, v, *, axis_name, causal, segment_ids, positions, window, scale, kernel,
-            block_sizes):
+            block_sizes, kv_segment_ids=None):
     """The common prologue of every per-shard strategy: validate, then build metadata.
 
     Returns:
-      ``(tokens, options)``: this shard's :class:`~jax_seqpar.masks.Tokens` and the
-      call's static :class:`Options`.
+      ``(q_tokens, kv_tokens, options)``: this shard's query and key/value
+      :class:`~jax_seqpar.masks.Tokens` (the same positions; the keys' segment ids
+      are ``kv_segment_ids`` when given) and the call's static :class:`Options`.
     """
     check_qkv(q, k, v)
-    tokens = shard_tokens(q, axis_name=axis_name, segment_ids=segment_ids, positions=positions)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"sequence-parallel attention splits ONE sequence, so every shard holds as many "
+            f"query as key/value tokens. Got {q.shape[1]} local query tokens and {k.shape[1]} "
+            "local key/value tokens: shard q, k and v along the same split of the same "
+            "sequence (for attention to another sequence, run "
+            "jax_seqpar.dot_product_attention without a mesh).")
+    q_tokens = shard_tokens(q, axis_name=axis_name, segment_ids=segment_ids, positions=positions)
+    kv_tokens = q_tokens
+    if kv_segment_ids is not None:
+        if segment_ids is None:
+            raise ValueError("kv_segment_ids needs segment_ids for the queries too (a query "
+                             "sees a key when their segment ids are equal).")
+        check_ids("kv_segment_ids", kv_segment_ids, *q.shape[:2])
+        kv_tokens = masks.Tokens(q_tokens.positions, kv_segment_ids.astype(jnp.int32))
     options = Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
                            block_sizes=block_sizes)
-    return tokens, options
+    return q_tokens, kv_tokens, options

@@ -16,13 +16,14 @@ from jax_seqpar.ulysses import gather_tokens
 
 
 def allgather_attention(q, k, v, *, axis_name, causal=False, segment_ids=None, positions=None,
-                        window=None, scale=None, kernel="auto", block_sizes=None):
+                        window=None, scale=None, kernel="auto", block_sizes=None,
+                        kv_segment_ids=None):
     """Exact attention of a sequence sharded over ``axis_name`` (call inside ``shard_map``).
 
     Args:
       q: ``[B, S/P, H, Dqk]``; k: ``[B, S/P, Hkv, Dqk]``; v: ``[B, S/P, Hkv, Dv]``.
       axis_name, causal, window, segment_ids, positions, scale, kernel,
-        block_sizes: as in :func:`jax_seqpar.ring.ring_attention`.
+        block_sizes, kv_segment_ids: as in :func:`jax_seqpar.ring.ring_attention`.
 
     Returns:
       ``[B, S/P, H, Dv]`` in ``q.dtype``.
@@ -30,9 +31,10 @@ def allgather_attention(q, k, v, *, axis_name, causal=False, segment_ids=None, p
     >>> out = jax.shard_map(functools.partial(allgather_attention, axis_name="sp"),
     ...                     mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
     """
-    tokens, options = prepare(q, k, v, axis_name=axis_name, causal=causal,
-                              segment_ids=segment_ids, positions=positions, window=window,
-                              scale=scale, kernel=kernel, block_sizes=block_sizes)
+    q_tokens, kv_tokens, options = prepare(
+        q, k, v, axis_name=axis_name, causal=causal, segment_ids=segment_ids,
+        positions=positions, window=window, scale=scale, kernel=kernel,
+        block_sizes=block_sizes, kv_segment_ids=kv_segment_ids)
     k, v = (jax.lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (k, v))  # [B, S, Hkv, D]
-    out, _ = options.attention(q, k, v, tokens, gather_tokens(tokens, axis_name))
+    out, _ = options.attention(q, k, v, q_tokens, gather_tokens(kv_tokens, axis_name))
     return out.astype(q.dtype)  # [B, S/P, H, Dv]

@@ -24,7 +24,8 @@ from jax_seqpar.ulysses import gather_tokens, heads_to_seq, kv_replication, seq_
 
 
 def hybrid_attention(q, k, v, *, ulysses_axis, ring_axis, causal=False, segment_ids=None,
-                     positions=None, window=None, scale=None, kernel="auto", block_sizes=None):
+                     positions=None, window=None, scale=None, kernel="auto", block_sizes=None,
+                     kv_segment_ids=None):
     """Exact attention of a sequence sharded over ``(ring_axis, ulysses_axis)`` (in ``shard_map``).
 
     Args:
@@ -32,8 +33,8 @@ def hybrid_attention(q, k, v, *, ulysses_axis, ring_axis, causal=False, segment_
         this device's shard; ``H`` must be divisible by the inner size ``I``.
       ulysses_axis: the inner (fast) mesh axis, of size ``I``.
       ring_axis: the outer (slow) mesh axis, of size ``O``.
-      causal, window, segment_ids, positions, scale, kernel, block_sizes: as in
-        :func:`jax_seqpar.ring.ring_attention`; default positions are the
+      causal, window, segment_ids, positions, scale, kernel, block_sizes,
+        kv_segment_ids: as in :func:`jax_seqpar.ring.ring_attention`; default positions are the
         contiguous split over ``(ring_axis, ulysses_axis)``.
 
     Returns:
@@ -45,9 +46,10 @@ def hybrid_attention(q, k, v, *, ulysses_axis, ring_axis, causal=False, segment_
     """
     if ulysses_axis == ring_axis:
         raise ValueError(f"ulysses_axis and ring_axis must differ. Got {ulysses_axis!r} twice.")
-    tokens, options = prepare(q, k, v, axis_name=(ring_axis, ulysses_axis), causal=causal,
-                              segment_ids=segment_ids, positions=positions, window=window,
-                              scale=scale, kernel=kernel, block_sizes=block_sizes)
+    q_tokens, kv_tokens, options = prepare(
+        q, k, v, axis_name=(ring_axis, ulysses_axis), causal=causal, segment_ids=segment_ids,
+        positions=positions, window=window, scale=scale, kernel=kernel,
+        block_sizes=block_sizes, kv_segment_ids=kv_segment_ids)
     inner = axis_size(ulysses_axis)
     try:
         repeats = kv_replication(q.shape[2], k.shape[2], inner)
@@ -60,8 +62,8 @@ def hybrid_attention(q, k, v, *, ulysses_axis, ring_axis, causal=False, segment_
     if repeats > 1:
         k, v = (x.repeat(repeats, axis=2) for x in (k, v))  # [B, S/P, Hkv*r, D]
     q, k, v = (seq_to_heads(x, ulysses_axis) for x in (q, k, v))  # [B, S/O, h/I, D]
-    tokens = gather_tokens(tokens, ulysses_axis)  # [B, S/O]
-    out = ring_over(ring_axis, options, q, k, v, tokens)  # [B, S/O, H/I, Dv]
+    q_tokens, kv_tokens = gather_tokens((q_tokens, kv_tokens), ulysses_axis)  # [B, S/O]
+    out = ring_over(ring_axis, options, q, k, v, q_tokens, kv_tokens)  # [B, S/O, H/I, Dv]
     return heads_to_seq(out, ulysses_axis)  # [B, S/(O*I), H, Dv]
 
 

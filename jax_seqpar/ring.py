@@ -25,7 +25,8 @@ from jax_seqpar.masks import EMPTY_LSE
 
 
 def ring_attention(q, k, v, *, axis_name, causal=False, segment_ids=None, positions=None,
-                   window=None, scale=None, kernel="auto", block_sizes=None):
+                   window=None, scale=None, kernel="auto", block_sizes=None,
+                   kv_segment_ids=None):
     """Exact attention of a sequence sharded over ``axis_name`` (call inside ``shard_map``).
 
     Args:
@@ -38,6 +39,8 @@ def ring_attention(q, k, v, *, axis_name, causal=False, segment_ids=None, positi
         is the contiguous split (pass :mod:`jax_seqpar.layout` positions for zigzag).
       scale: defaults to ``1/sqrt(Dqk)``.
       kernel: ``"auto"``, ``"xla"`` or ``"pallas"``; block_sizes: the kernel's tiles.
+      kv_segment_ids: ``int32[B, S/P]`` the keys' own segment ids when they differ
+        from the queries' (e.g. padded keys), or None (``segment_ids``).
 
     Returns:
       ``[B, S/P, H, Dv]`` in ``q.dtype`` (softmax statistics and carries in float32).
@@ -45,22 +48,24 @@ def ring_attention(q, k, v, *, axis_name, causal=False, segment_ids=None, positi
     >>> out = jax.shard_map(functools.partial(ring_attention, axis_name="sp", causal=True),
     ...                     mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
     """
-    tokens, options = prepare(q, k, v, axis_name=axis_name, causal=causal,
-                              segment_ids=segment_ids, positions=positions, window=window,
-                              scale=scale, kernel=kernel, block_sizes=block_sizes)
-    return ring_over(axis_name, options, q, k, v, tokens)
+    q_tokens, kv_tokens, options = prepare(
+        q, k, v, axis_name=axis_name, causal=causal, segment_ids=segment_ids,
+        positions=positions, window=window, scale=scale, kernel=kernel,
+        block_sizes=block_sizes, kv_segment_ids=kv_segment_ids)
+    return ring_over(axis_name, options, q, k, v, q_tokens, kv_tokens)
 
 
-def ring_over(axis_name, options, q, k, v, tokens):
+def ring_over(axis_name, options, q, k, v, q_tokens, kv_tokens):
     """The ring core on prepared inputs (used by :func:`ring_attention` and the hybrid).
 
     Args:
       axis_name: the ring's mesh axis; options: the call's static ``Options``.
-      q, k, v: ``[B, S/P, H|Hkv, D]`` local shards; tokens: their metadata.
+      q, k, v: ``[B, S/P, H|Hkv, D]`` local shards; q_tokens, kv_tokens: their
+        metadata (the keys' travels with them).
     Returns:
       ``[B, S/P, H, Dv]`` in ``q.dtype``.
     """
-    return _ring(axis_name, options, q, k, v, tokens)
+    return _ring(axis_name, options, q, k, v, q_tokens, kv_tokens)
 
 
 def _shift(tree, axis_name):
@@ -71,17 +76,17 @@ def _shift(tree, axis_name):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ring(axis_name, options, q, k, v, tokens):
-    out, _ = _ring_forward(axis_name, options, q, k, v, tokens)
+def _ring(axis_name, options, q, k, v, q_tokens, kv_tokens):
+    out, _ = _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens)
     return out
 
 
-def _ring_forward(axis_name, options, q, k, v, tokens):
+def _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens):
     batch, local_len, heads, _ = q.shape
     d_v = v.shape[-1]
 
     def attend(carry, kv):
-        o, lse = options.forward(q, kv[0], kv[1], tokens, kv[2])
+        o, lse = options.forward(q, kv[0], kv[1], q_tokens, kv[2])
         return merge(*carry, o, lse)
 
     def step(carry, _):
@@ -92,22 +97,23 @@ def _ring_forward(axis_name, options, q, k, v, tokens):
     acc = (jnp.zeros((batch, local_len, heads, d_v), jnp.float32),
            jnp.full((batch, local_len, heads), EMPTY_LSE, jnp.float32))
     acc = _compat.match_varying(acc, q)
-    (acc, kv), _ = jax.lax.scan(step, (acc, (k, v, tokens)), length=axis_size(axis_name) - 1)
+    (acc, kv), _ = jax.lax.scan(step, (acc, (k, v, kv_tokens)),
+                                length=axis_size(axis_name) - 1)
     out, lse = attend(acc, kv)
     return out.astype(q.dtype), lse
 
 
-def _ring_fwd(axis_name, options, q, k, v, tokens):
-    out, lse = _ring_forward(axis_name, options, q, k, v, tokens)
-    return out, (q, k, v, tokens, out, lse)
+def _ring_fwd(axis_name, options, q, k, v, q_tokens, kv_tokens):
+    out, lse = _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens)
+    return out, (q, k, v, q_tokens, kv_tokens, out, lse)
 
 
 def _ring_bwd(axis_name, options, residuals, dout):
-    q, k, v, tokens, out, lse = residuals
+    q, k, v, q_tokens, kv_tokens, out, lse = residuals
     delta = jnp.einsum("bqhd,bqhd->bqh", dout.astype(jnp.float32), out.astype(jnp.float32))
 
     def grads(carry, kv):
-        return options.backward(q, kv[0], kv[1], tokens, kv[2], lse, delta, dout,
+        return options.backward(q, kv[0], kv[1], q_tokens, kv[2], lse, delta, dout,
                                 accumulate=carry)
 
     def step(carry, _):
@@ -118,12 +124,12 @@ def _ring_bwd(axis_name, options, residuals, dout):
 
     zeros = _compat.match_varying(
         tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v)), q)
-    (dq, kv, dkv), _ = jax.lax.scan(step, (zeros[0], (k, v, tokens), zeros[1:]),
+    (dq, kv, dkv), _ = jax.lax.scan(step, (zeros[0], (k, v, kv_tokens), zeros[1:]),
                                     length=axis_size(axis_name) - 1)
     dq, *dkv = grads((dq, *dkv), kv)
     dk, dv = _shift(tuple(dkv), axis_name)  # the accumulators' last hop brings them home
-    no_grad = jax.tree.map(lambda _: None, tokens)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), no_grad
+    no_grad = jax.tree.map(lambda _: None, (q_tokens, kv_tokens))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *no_grad
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
