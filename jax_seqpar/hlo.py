@@ -4,7 +4,7 @@ This is the one place that measures what a program really does. Tests hold
 :func:`jax_seqpar.plan.comm_bytes` against :func:`collective_bytes`, the CLI
 bench and the notebooks report both, so the counting rules live here only.
 
-Counting rules (DESIGN.md §3), bytes ONE device sends over a group of ``P``
+Counting rules (those of ``plan.comm_bytes``), bytes ONE device sends over a group of ``P``
 devices with bandwidth-optimal algorithms:
 
 ============================  ==============================================
@@ -39,7 +39,7 @@ Known honest limits:
   against :func:`jax_seqpar.plan.comm_bytes` with ``dtype_bytes=4`` on CPU.
 * ``ragged-all-to-all`` and ``collective-broadcast`` are rejected with a
   ``ValueError`` rather than guessed (their volume is data-dependent or not
-  covered by DESIGN.md §3).
+  covered by the counting rules above).
 """
 
 from __future__ import annotations
@@ -304,7 +304,7 @@ def memory_bytes(compiled: Any) -> dict[str, int]:
     """Per-device memory of a compiled program, from ``compiled.memory_analysis()``.
 
     Deterministic and machine-independent for a given backend, which makes it
-    the memory measure tests rely on (DESIGN.md §4).
+    the memory measure tests rely on.
 
     Returns:
       ``{"temp", "argument", "output", "alias", "generated_code"}`` in bytes, plus

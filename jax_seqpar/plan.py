@@ -1,7 +1,7 @@
 """Analytic communication model and the automatic choice of strategy.
 
 :func:`comm_bytes` counts the bytes ONE device sends in one attention call for
-each strategy as implemented in this package (DESIGN.md §3): bandwidth-optimal
+each strategy as implemented in this package: bandwidth-optimal
 collectives over a group of ``P`` devices, ``all_to_all`` and ``all_gather``
 sending ``(P-1)/P`` of their output, ``psum_scatter`` ``(P-1)/P`` of its
 input, ``ppermute`` its whole buffer, loops counted once per iteration. The
@@ -139,7 +139,7 @@ def comm_bytes(strategy: str, *, batch: int, seq_len: int, num_heads: int, num_k
                head_dim: int, v_head_dim: int | None = None, axis_sizes,
                dtype_bytes: float = 2, backward: bool = False,
                with_segment_ids: bool = False) -> float:
-    """Bytes ONE device sends in one attention call (DESIGN.md §3).
+    """Bytes ONE device sends in one attention call.
 
     Shapes are global: q ``[batch, seq_len, num_heads, head_dim]``, k
     ``[batch, seq_len, num_kv_heads, head_dim]``, v ``[..., v_head_dim]``.

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from jax_seqpar import api
+from jax_seqpar._extras import require
 from jax_seqpar.examples._data import training_batches
 from jax_seqpar.examples._model import ModelConfig, Parallelism
 from jax_seqpar.examples._train import TrainConfig, TrainResult, init_params, mesh_for, train
@@ -56,8 +57,7 @@ def format_state_memory(results: dict[str, TrainResult]) -> str:
 
 def plot_losses(results: dict[str, TrainResult], path: str) -> None:
     """Write the loss curves of every run to ``path`` (PNG, matplotlib Agg)."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "examples", "the demo's loss plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 

@@ -14,6 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_seqpar._extras import require
 from jax_seqpar.batch_layout import permute_batch
 from jax_seqpar.examples._data import PackedRows, training_batches
 from jax_seqpar.examples._model import ModelConfig, Parallelism, TransformerLM
@@ -203,8 +204,7 @@ def train(
 
     steps = range(train_config.steps)
     if progress:
-        from tqdm import tqdm
-
+        tqdm = require("tqdm", "examples", "the progress bar").tqdm
         steps = tqdm(steps, desc=description, unit="step", leave=True)
     losses, compile_seconds = [], 0.0
     for index in steps:
