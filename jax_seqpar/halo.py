@@ -54,6 +54,42 @@ def halo_sizes(spec: MaskSpec, local_len: int, num_shards: int) -> Optional[tupl
     return left, right
 
 
+#: Strategies whose causal work zigzag balances (Ulysses is balanced by construction).
+_ZIGZAG_BALANCES = ("ring", "hybrid", "allgather")
+
+
+def default_layout(strategy: str, causal: bool, window=None, *, seq_len=None,
+                   num_shards=None) -> str:
+    """The token order ``layout="auto"`` should use: balance and locality.
+
+    A window bounds every query's keys, so work per query is (nearly) the same
+    everywhere and the contiguous split is balanced; it is also the only order
+    whose shards are local, where the ring and the all-gather exchange just a
+    halo. Without a window, zigzag balances causal work for the ring, hybrid and
+    all-gather; everything else is contiguous.
+
+    Args:
+      strategy: ``"ring"``, ``"hybrid"``, ``"allgather"`` or ``"ulysses"``.
+      causal, window: the mask.
+      seq_len, num_shards: when both are given, a window that reaches (nearly)
+        every shard (no halo, see :func:`halo_sizes`) counts as no window.
+    Returns:
+      ``"contiguous"`` or ``"zigzag"``.
+
+    >>> default_layout("ring", True, window=(4096, 0))
+    'contiguous'
+    >>> default_layout("ring", True)
+    'zigzag'
+    """
+    spec = MaskSpec.make(causal, window)
+    if spec.window is not None:
+        if seq_len is None or num_shards is None:
+            return "contiguous"
+        if halo_sizes(spec, seq_len // num_shards, num_shards) is not None:
+            return "contiguous"
+    return "zigzag" if spec.causal and strategy in _ZIGZAG_BALANCES else "contiguous"
+
+
 def _hops(tokens: int, local_len: int) -> list[int]:
     """Tokens carried by each hop: whole shards, then the remainder (farthest last)."""
     return [min(local_len, tokens - start) for start in range(0, tokens, local_len)]

@@ -47,7 +47,7 @@ def with_sinks(out, lse, sinks):
     """
     if sinks is None:
         return out, lse
-    sinks = sinks.astype(jnp.float32)  # [H], broadcasts over [B, S, H]
+    sinks = sinks.astype(jnp.float32).reshape(1, 1, -1)  # [1, 1, H] against [B, S, H]
     new_lse = jnp.logaddexp(lse, sinks)
     return out * jnp.exp(lse - new_lse)[..., None], new_lse
 

@@ -18,6 +18,7 @@ import jax
 
 from jax_seqpar._inputs import axis_size, prepare
 from jax_seqpar.masks import Tokens
+from jax_seqpar.merge import with_sinks
 
 
 def kv_replication(num_heads: int, num_kv_heads: int, num_shards: int) -> int:
@@ -48,16 +49,25 @@ def gather_tokens(tokens: Tokens, axis_name) -> Tokens:
         lambda x: jax.lax.all_gather(x, axis_name, axis=1, tiled=True), tokens)
 
 
+def local_heads(x, axis_name):
+    """This device's slice of a per-head ``[H]`` array after :func:`seq_to_heads`: ``[H/P]``."""
+    if x is None:
+        return None
+    size = x.shape[0] // axis_size(axis_name)
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis_name) * size, size)
+
+
 def ulysses_attention(q, k, v, *, axis_name, causal=False, segment_ids=None, positions=None,
-                      window=None, scale=None, kernel="auto", block_sizes=None):
+                      window=None, scale=None, kernel="auto", block_sizes=None, softcap=None,
+                      sinks=None):
     """Exact attention of a sequence sharded over ``axis_name`` (call inside ``shard_map``).
 
     Args:
       q: ``[B, S/P, H, Dqk]``; k: ``[B, S/P, Hkv, Dqk]``; v: ``[B, S/P, Hkv, Dv]``
         this device's shard. ``H`` must be divisible by P.
       axis_name: mesh axis (or tuple of axes) along which the sequence is split.
-      causal, window, segment_ids, positions, scale, kernel, block_sizes: as in
-        :func:`jax_seqpar.ring.ring_attention`.
+      causal, window, segment_ids, positions, scale, kernel, block_sizes, softcap,
+        sinks: as in :func:`jax_seqpar.ring.ring_attention` (``sinks`` replicated).
 
     Returns:
       ``[B, S/P, H, Dv]`` in ``q.dtype`` (softmax statistics in float32).
@@ -67,11 +77,13 @@ def ulysses_attention(q, k, v, *, axis_name, causal=False, segment_ids=None, pos
     """
     tokens, options = prepare(q, k, v, axis_name=axis_name, causal=causal,
                               segment_ids=segment_ids, positions=positions, window=window,
-                              scale=scale, kernel=kernel, block_sizes=block_sizes)
+                              scale=scale, kernel=kernel, block_sizes=block_sizes,
+                              softcap=softcap, sinks=sinks)
     repeats = kv_replication(q.shape[2], k.shape[2], axis_size(axis_name))
     if repeats > 1:
         k, v = (x.repeat(repeats, axis=2) for x in (k, v))  # [B, S/P, Hkv*r, D]
     q, k, v = (seq_to_heads(x, axis_name) for x in (q, k, v))  # [B, S, h/P, D]
     tokens = gather_tokens(tokens, axis_name)  # [B, S]
-    out, _ = options.attention(q, k, v, tokens, tokens)  # [B, S, H/P, Dv] float32
+    out, lse = options.attention(q, k, v, tokens, tokens)  # [B, S, H/P, Dv] float32
+    out, _ = with_sinks(out, lse, local_heads(sinks, axis_name))
     return heads_to_seq(out.astype(q.dtype), axis_name)  # [B, S/P, H, Dv]
