@@ -80,7 +80,7 @@ def _check(strategy, tolerances, *, order="contiguous", kv_heads=2, use_sinks=Tr
                                    sinks=sinks if use_sinks else None, **options)
 
     out = jax.jit(ours)(q, k, v, SINKS)
-    expected = theirs(q, k, v, SINKS)
+    expected = jax.jit(theirs)(q, k, v, SINKS)
     assert out.shape == expected.shape and out.dtype == q.dtype
     np.testing.assert_allclose(out, expected, **tolerances(q.dtype))
 
@@ -88,7 +88,7 @@ def _check(strategy, tolerances, *, order="contiguous", kv_heads=2, use_sinks=Tr
         return lambda *args: jnp.sum(fn(*args) * weights)
 
     grads = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2, 3)))(q, k, v, SINKS)
-    expected_grads = jax.grad(loss(theirs), argnums=(0, 1, 2, 3))(q, k, v, SINKS)
+    expected_grads = jax.jit(jax.grad(loss(theirs), argnums=(0, 1, 2, 3)))(q, k, v, SINKS)
     for name, got, want in zip(["q", "k", "v", "sinks"], grads, expected_grads):
         assert got.shape == want.shape, name
         scale = max(1.0, float(jnp.abs(want).max()))
@@ -100,11 +100,11 @@ def _check(strategy, tolerances, *, order="contiguous", kv_heads=2, use_sinks=Tr
 
 CASES = [
     # ring, contiguous split (L = 16): halo exchange, one and several hops each way.
-    pytest.param("ring", dict(causal=True, window=(20, 3)), id="ring-causal-window-2hops"),
+    pytest.param("ring", dict(causal=True, window=(20, 3), kv_heads=1),
+                 id="ring-mqa-causal-window-2hops"),
     pytest.param("ring", dict(window=(7, 33), softcap=2.0, segments=True,
                               block_sizes=xla.BlockSizes(8, 8, 8, 8)),
                  id="ring-window-segments-softcap-tiles"),
-    pytest.param("ring", dict(causal=True, window=(16, 0), kv_heads=1), id="ring-mqa-1hop"),
     pytest.param("ring", dict(window=(0, 5), use_sinks=False), id="ring-right-only"),
     pytest.param("ring", dict(window=(3, 200)), id="ring-wide-window-full-ring"),
     # given positions: the full ring, never the halo.
@@ -146,12 +146,14 @@ def test_decode_sinks_softcap(tolerances):
                                                   kernel="xla", softcap=2.0, sinks=s),
         mesh=mesh, in_specs=(P(), P(None, "sp"), P(None, "sp"), P(), P()), out_specs=P())
     out = jax.jit(f)(q, k, v, kv_length, SINKS)
-    for b, n in enumerate(kv_length.tolist()):
-        expected = reference.attention(
-            q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], causal=True, softcap=2.0, sinks=SINKS,
-            positions=(n - new + jnp.arange(new, dtype=jnp.int32))[None],
-            kv_positions=jnp.arange(n, dtype=jnp.int32)[None])
-        np.testing.assert_allclose(out[b:b + 1], expected, **tolerances(q.dtype))
+    # The valid cache entries as one segment, the empty slots as another.
+    positions = kv_length[:, None] - new + jnp.arange(new, dtype=jnp.int32)[None]
+    cache_positions = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (2, capacity))
+    expected = jax.jit(functools.partial(reference.attention, causal=True, softcap=2.0))(
+        q, k, v, sinks=SINKS, positions=positions, kv_positions=cache_positions,
+        segment_ids=jnp.zeros((2, new), jnp.int32),
+        kv_segment_ids=(cache_positions >= kv_length[:, None]).astype(jnp.int32))
+    np.testing.assert_allclose(out, expected, **tolerances(q.dtype))
 
 
 def test_xla_kernel_softcap_out_lse_and_grads(tolerances):
@@ -171,11 +173,11 @@ def test_xla_kernel_softcap_out_lse_and_grads(tolerances):
         return reference.attention(q, k, v, causal=True, window=(9, 0), scale=0.5,
                                    softcap=1.5, return_lse=True)
 
-    for got, want in zip(ours(q, k, v), theirs(q, k, v)):
+    for got, want in zip(jax.jit(ours)(q, k, v), jax.jit(theirs)(q, k, v)):
         np.testing.assert_allclose(got, want, **tolerances(q.dtype))
     loss = lambda f: lambda *a: jnp.sum(f(*a)[0] ** 2) + jnp.sum(jnp.sin(f(*a)[1]))  # noqa: E731
-    for got, want in zip(jax.grad(loss(ours), (0, 1, 2))(q, k, v),
-                         jax.grad(loss(theirs), (0, 1, 2))(q, k, v)):
+    for got, want in zip(jax.jit(jax.grad(loss(ours), (0, 1, 2)))(q, k, v),
+                         jax.jit(jax.grad(loss(theirs), (0, 1, 2)))(q, k, v)):
         np.testing.assert_allclose(got, want, **tolerances(q.dtype, "grad"))
 
 
@@ -184,7 +186,7 @@ def test_softcap_bounds_the_logits():
     q = 100 * jnp.ones((1, 8, 1, 4))
     k = jnp.arange(32.0).reshape(1, 8, 1, 4)
     v = jnp.arange(8.0).reshape(1, 8, 1, 1)
-    out = reference.attention(q, k, v, softcap=1e-3)
+    out = jax.jit(functools.partial(reference.attention, softcap=1e-3))(q, k, v)
     np.testing.assert_allclose(out[0, :, 0, 0], np.full(8, 3.5), atol=1e-2)
 
 
