@@ -114,7 +114,7 @@ def _pull(tree, tokens: int, axis_name, from_lower: bool):
         return jax.lax.ppermute(piece, axis_name, perm)
 
     pieces, current = [], tree
-    for n in _hops(tokens, tree_len(tree)):
+    for n in _hops(tokens, _seq_len(tree)):
         current = jax.tree.map(functools.partial(hop, n=n), current)
         pieces.append(current)
     if from_lower:
@@ -122,7 +122,7 @@ def _pull(tree, tokens: int, axis_name, from_lower: bool):
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *pieces)
 
 
-def tree_len(tree) -> int:
+def _seq_len(tree) -> int:
     """Sequence length (axis 1) shared by the arrays of ``tree``."""
     return jax.tree.leaves(tree)[0].shape[1]
 

@@ -50,13 +50,14 @@ def _per_shard(strategy):
 
 
 def _check(strategy, tolerances, *, order="contiguous", kv_heads=2, use_sinks=True,
-           segments=False, pass_positions=False, block_sizes=None, **options):
+           segments=False, pass_positions=False, block_sizes=None, dtype=jnp.float32,
+           **options):
     """Run ``strategy`` on tokens in ``order`` and compare out and d(q, k, v, sinks)."""
     mesh, fn, axes = _per_shard(strategy)
     kq, kk, kv, kw = jax.random.split(jax.random.key(len(str(options))), 4)
-    q = jax.random.normal(kq, (B, S, H, D))
-    k = jax.random.normal(kk, (B, S, kv_heads, D))
-    v = jax.random.normal(kv, (B, S, kv_heads, DV))
+    q = jax.random.normal(kq, (B, S, H, D), dtype)
+    k = jax.random.normal(kk, (B, S, kv_heads, D), dtype)
+    v = jax.random.normal(kv, (B, S, kv_heads, DV), dtype)
     weights = jax.random.normal(kw, (B, S, H, DV))
     positions = jnp.broadcast_to(_order(order), (B, S))
     segment_ids = _segments(S)[:, positions[0]] if segments else None
@@ -76,24 +77,27 @@ def _check(strategy, tolerances, *, order="contiguous", kv_heads=2, use_sinks=Tr
         return mapped(q, k, v, sinks, extras)
 
     def theirs(q, k, v, sinks):
+        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
         return reference.attention(q, k, v, positions=positions, segment_ids=segment_ids,
                                    sinks=sinks if use_sinks else None, **options)
 
     out = jax.jit(ours)(q, k, v, SINKS)
     expected = jax.jit(theirs)(q, k, v, SINKS)
     assert out.shape == expected.shape and out.dtype == q.dtype
-    np.testing.assert_allclose(out, expected, **tolerances(q.dtype))
+    np.testing.assert_allclose(out.astype(jnp.float32), expected, **tolerances(q.dtype))
 
     def loss(fn):
-        return lambda *args: jnp.sum(fn(*args) * weights)
+        return lambda *args: jnp.sum(fn(*args).astype(jnp.float32) * weights)
 
     grads = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2, 3)))(q, k, v, SINKS)
-    expected_grads = jax.jit(jax.grad(loss(theirs), argnums=(0, 1, 2, 3)))(q, k, v, SINKS)
+    expected_grads = jax.jit(jax.grad(loss(theirs), argnums=(0, 1, 2, 3)))(
+        *(x.astype(jnp.float32) for x in (q, k, v)), SINKS)
     for name, got, want in zip(["q", "k", "v", "sinks"], grads, expected_grads):
-        assert got.shape == want.shape, name
+        assert got.shape == want.shape and got.dtype == (q.dtype if name != "sinks"
+                                                         else SINKS.dtype), name
         scale = max(1.0, float(jnp.abs(want).max()))
-        np.testing.assert_allclose(got / scale, want / scale, **tolerances(q.dtype, "grad"),
-                                   err_msg=f"d{name}")
+        np.testing.assert_allclose(got.astype(jnp.float32) / scale, want / scale,
+                                   **tolerances(q.dtype, "grad"), err_msg=f"d{name}")
     if use_sinks:
         assert float(jnp.abs(grads[3]).max()) > 1e-3  # the sinks really are used
 
@@ -106,6 +110,8 @@ CASES = [
                               block_sizes=xla.BlockSizes(8, 8, 8, 8)),
                  id="ring-window-segments-softcap-tiles"),
     pytest.param("ring", dict(window=(0, 5), use_sinks=False), id="ring-right-only"),
+    pytest.param("ring", dict(causal=True, window=(24, 0), dtype=jnp.bfloat16, segments=True),
+                 id="ring-causal-window-bf16"),
     pytest.param("ring", dict(window=(3, 200)), id="ring-wide-window-full-ring"),
     # given positions: the full ring, never the halo.
     pytest.param("ring", dict(causal=True, window=(20, 0), pass_positions=True),
