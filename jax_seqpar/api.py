@@ -23,12 +23,12 @@ from jax.sharding import PartitionSpec as P
 
 from jax_seqpar import _placement, kernels, layout as layouts
 from jax_seqpar._inputs import check_ids, check_self_attention
+from jax_seqpar.halo import default_layout
 from jax_seqpar.ring import ring_attention
 from jax_seqpar.ulysses import ulysses_attention
 
 STRATEGIES = ("auto", "ulysses", "ring", "hybrid", "allgather")
 LAYOUTS = ("auto", "contiguous", "zigzag", "striped")
-_ZIGZAG_BALANCES = ("ring", "hybrid", "allgather")
 
 
 def _keep(x, *, axis_name):
@@ -46,11 +46,6 @@ _RELAYOUTS = {
 def axis_name_of(axes: tuple):
     """The ``axis_name`` collectives take for sequence ``axes``: one name or the tuple."""
     return axes[0] if len(axes) == 1 else axes
-
-
-def default_layout(strategy: str, causal: bool) -> str:
-    """``layout="auto"``: zigzag where it balances causal work, contiguous otherwise."""
-    return "zigzag" if causal and strategy in _ZIGZAG_BALANCES else "contiguous"
 
 
 def can_check_vma(kernel: str) -> bool:
@@ -110,7 +105,10 @@ def sequence_parallel_attention(
     kernel: str = "auto",
     block_sizes=None,
     batch_axes=None,
-) -> jax.Array:
+    softcap: Optional[float] = None,
+    sinks: Optional[jax.Array] = None,
+    return_lse: bool = False,
+):
     """Exact attention with the sequence split over ``seq_axes`` of ``mesh``.
 
     Two ways to order the tokens. Without ``positions``, ``q, k, v`` are in natural
@@ -142,15 +140,23 @@ def sequence_parallel_attention(
       scale: defaults to ``1/sqrt(Dqk)``.
       layout: ``"zigzag"``, ``"striped"``, ``"contiguous"`` or ``"auto"`` (zigzag
         where it balances causal work: ring, hybrid and all-gather with
-        ``causal=True``); must be ``"auto"`` or ``"contiguous"`` with ``positions``.
+        ``causal=True`` and no window; contiguous with a window, whose ring and
+        all-gather then exchange only the halo the window reaches); must be
+        ``"auto"`` or ``"contiguous"`` with ``positions``.
       kernel: ``"auto"`` (Pallas on GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``.
       block_sizes: the kernel's tile sizes (its ``BlockSizes``), or None.
       batch_axes: mesh axes the batch is sharded over (data parallelism), or None:
         read from the inputs' sharding, and on Auto meshes under ``jit`` the mesh
         axes outside ``seq_axes`` that divide the batch.
+      softcap: logits become ``softcap * tanh(s / softcap)`` before masking (Gemma 2).
+      sinks: ``[H]`` float logits of a zero-valued virtual key per head (gpt-oss:
+        ``p_j = exp(s_j) / (exp(sinks[h]) + sum_k exp(s_k))``), differentiable.
+      return_lse: also return the float32 ``[B, S, H]`` log-sum-exp of every row
+        (sinks included), for callers that merge partial results.
 
     Returns:
-      ``[B, S, H, Dv]`` in ``q.dtype``, in the caller's token order.
+      ``[B, S, H, Dv]`` in ``q.dtype``, in the caller's token order; with
+      ``return_lse``, ``(out, lse)``.
 
     Raises:
       ValueError: bad shapes, unknown axes/strategy/layout, a layout with
@@ -182,11 +188,11 @@ def sequence_parallel_attention(
         strategy = _choose_strategy(q, k, v, axis_sizes, causal,
                                     _placement.entry_size(mesh, batch_entry),
                                     _placement.entry_size(mesh, head_entry))
+    num_shards = math.prod(axis_sizes.values())
     if positions is not None:
         layout = "contiguous"
     elif layout == "auto":
-        layout = default_layout(strategy, causal)
-    num_shards = math.prod(axis_sizes.values())
+        layout = default_layout(strategy, causal, window, seq_len=seq_len, num_shards=num_shards)
     per_shard = {"contiguous": 1, "zigzag": 2, "striped": num_shards}[layout]
     length = _placement.padded_length(seq_len, num_shards * per_shard)
     if length != seq_len:
@@ -196,25 +202,32 @@ def sequence_parallel_attention(
     axis_name = axis_name_of(axes)
     relayout_in, relayout_out = _RELAYOUTS[layout]
 
-    def body(q, k, v, segment_ids, kv_segment_ids, positions):
+    def body(q, k, v, segment_ids, kv_segment_ids, positions, sinks):
         q, k, v, segment_ids, kv_segment_ids = (
             None if x is None else relayout_in(x, axis_name=axis_name)
             for x in (q, k, v, segment_ids, kv_segment_ids))  # [B, L, heads, D]
-        if positions is None:
+        # Left out (None) only for the plain contiguous split, the order strategies know:
+        # a window turns it into a halo exchange.
+        if positions is None and layout != "contiguous":
             positions = layouts.shard_positions(layout, q.shape[1], axis_name=axis_name)
             positions = jnp.broadcast_to(positions, q.shape[:2])  # [B, L]
-        out = attend(q, k, v, causal=causal, window=window, segment_ids=segment_ids,
-                     kv_segment_ids=kv_segment_ids, positions=positions, scale=scale,
-                     kernel=kernel, block_sizes=block_sizes)
-        return relayout_out(out, axis_name=axis_name)  # [B, L, H, Dv]
+        result = attend(q, k, v, causal=causal, window=window, segment_ids=segment_ids,
+                        kv_segment_ids=kv_segment_ids, positions=positions, scale=scale,
+                        kernel=kernel, block_sizes=block_sizes, softcap=softcap, sinks=sinks,
+                        return_lse=return_lse)  # [B, L, H, Dv] (and lse [B, L, H])
+        return jax.tree.map(lambda x: relayout_out(x, axis_name=axis_name), result)
 
     qkv_spec = P(batch_entry, axis_name, head_entry, None)
     ids_spec = P(batch_entry, axis_name)
     q, k, v = (_placement.place(x, mesh, qkv_spec) for x in (q, k, v))
     ids = [None if x is None else _placement.place(x, mesh, ids_spec)
            for x in (segment_ids, kv_segment_ids, positions)]
+    if sinks is not None:
+        sinks = _placement.place(jnp.asarray(sinks), mesh, P(head_entry))
+    out_specs = (qkv_spec, P(batch_entry, axis_name, head_entry)) if return_lse else qkv_spec
     mapped = jax.shard_map(body, mesh=mesh,
                            in_specs=(qkv_spec,) * 3 + tuple(P() if x is None else ids_spec
-                                                            for x in ids),
-                           out_specs=qkv_spec, check_vma=can_check_vma(kernel))
-    return _placement.unpad(mapped(q, k, v, *ids), seq_len)
+                                                            for x in ids)
+                           + (P(head_entry),),
+                           out_specs=out_specs, check_vma=can_check_vma(kernel))
+    return jax.tree.map(lambda x: _placement.unpad(x, seq_len), mapped(q, k, v, *ids, sinks))
