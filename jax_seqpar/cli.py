@@ -55,10 +55,14 @@ def _demo(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"jax-seqpar demo: {error}", file=sys.stderr)
         return 2
+    from jax_seqpar.examples import ModelConfig
+
+    model_config = ModelConfig(num_layers=args.layers, local_window=args.local_window,
+                               global_every=args.global_every)
     start = time.perf_counter()
     demo.run_demo(steps=args.steps, seq_len=args.seq_len, batch=args.batch,
                   strategies=strategies, out=args.out, seed=args.seed,
-                  progress=not args.no_progress, fsdp=args.fsdp)
+                  progress=not args.no_progress, fsdp=args.fsdp, model_config=model_config)
     print(f"demo wall time: {time.perf_counter() - start:.1f} s")
     return 0
 
@@ -96,6 +100,12 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also shard parameters and optimizer state over the devices that "
                            "split the sequence (FSDP / ZeRO-3) and print their per-device "
                            "memory, sharded vs replicated")
+    demo.add_argument("--layers", type=_positive_int, default=2, help="Transformer blocks")
+    demo.add_argument("--local-window", type=_positive_int, default=None,
+                      help="make layers local (causal sliding window of this many past tokens) "
+                           "except every --global-every-th, which stays global")
+    demo.add_argument("--global-every", type=_positive_int, default=2,
+                      help="with --local-window: one global layer in this many (Gemma 3: 6)")
     demo.set_defaults(run=_demo)
 
     from jax_seqpar import bench_report

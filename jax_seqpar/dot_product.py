@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from jax_seqpar._inputs import Options, check_qkv
 from jax_seqpar.api import sequence_parallel_attention
 from jax_seqpar.masks import Tokens
+from jax_seqpar.merge import check_sinks, with_sinks
 
 
 def _lengths(name: str, lengths, batch: int):
@@ -56,6 +57,8 @@ def dot_product_attention(
     layout: str = "auto",
     kernel: str = "auto",
     block_sizes=None,
+    softcap: Optional[float] = None,
+    sinks: Optional[jax.Array] = None,
 ) -> jax.Array:
     """Scaled dot-product attention, exact, sequence-parallel over ``mesh`` when given.
 
@@ -82,6 +85,8 @@ def dot_product_attention(
       seq_axes, strategy, layout, kernel, block_sizes: as in
         :func:`jax_seqpar.sequence_parallel_attention` (``kernel`` and
         ``block_sizes`` also apply without a mesh).
+      softcap, sinks: logit soft-capping and per-head attention sinks ``[N]`` (not in
+        ``jax.nn``; see :func:`jax_seqpar.sequence_parallel_attention`).
 
     Returns:
       ``[B, T, N, Hv]`` (or ``[T, N, Hv]``) in ``query.dtype``.
@@ -104,12 +109,16 @@ def dot_product_attention(
             scale=scale, is_causal=is_causal, query_seq_lengths=query_seq_lengths,
             key_value_seq_lengths=key_value_seq_lengths, local_window_size=local_window_size,
             implementation=implementation, mesh=mesh, seq_axes=seq_axes, strategy=strategy,
-            layout=layout, kernel=kernel, block_sizes=block_sizes)[0]
+            layout=layout, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
+            sinks=sinks)[0]
     check_qkv(query, key, value)
     batch, q_len = query.shape[:2]
     kv_len = key.shape[1]
     dense = {name: x for name, x in (("bias", bias), ("mask", mask)) if x is not None}
     if mesh is None and (dense or implementation is not None):
+        if softcap is not None or sinks is not None:
+            raise ValueError("softcap= and sinks= are ours, not jax.nn's: they cannot combine "
+                             "with a dense bias/mask or a jax.nn implementation.")
         return jax.nn.dot_product_attention(
             query, key, value, bias, mask, scale=scale, is_causal=is_causal,
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
@@ -142,13 +151,15 @@ def dot_product_attention(
             query, key, value, mesh=mesh, seq_axes=seq_axes, strategy=strategy,
             causal=is_causal, segment_ids=q_segments, kv_segment_ids=kv_segments,
             window=local_window_size, scale=scale, layout=layout, kernel=kernel,
-            block_sizes=block_sizes)
+            block_sizes=block_sizes, softcap=softcap, sinks=sinks)
     else:
         arange = lambda n: jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (batch, n))
+        check_sinks(sinks, query.shape[2])
         options = Options.make(query, causal=is_causal, window=local_window_size, scale=scale,
-                               kernel=kernel, block_sizes=block_sizes)
-        out, _ = options.attention(query, key, value, Tokens(arange(q_len), q_segments),
-                                   Tokens(arange(kv_len), kv_segments))  # float32
+                               kernel=kernel, block_sizes=block_sizes, softcap=softcap)
+        out, lse = options.attention(query, key, value, Tokens(arange(q_len), q_segments),
+                                     Tokens(arange(kv_len), kv_segments))  # float32
+        out, _ = with_sinks(out, lse, sinks)
     if q_lengths is not None:
         out = jnp.where(_valid(q_lengths, batch, q_len)[:, :, None, None], out, 0)
     return out.astype(query.dtype)  # [B, T, N, Hv]

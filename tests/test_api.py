@@ -257,3 +257,42 @@ def test_missing_extra_names_it():
 
     with pytest.raises(ImportError, match=r"pip install 'jax_seqpar\[flax\]'"):
         require("no_such_module_here", "flax", "a test")
+
+
+# --- windows, sinks, soft-capping and the log-sum-exp through the global view --------------
+
+SINKS = jnp.array([0.5, -1.0, 2.0, 0.0, 1.5, -3.0, 0.25, 4.0], jnp.float32)
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_global_sinks_softcap_window_and_lse(strategy, make_qkv, tolerances):
+    q, k, v = make_qkv(batch=1, seq=100, heads=8, kv_heads=2, head_dim=8, seed=12)
+    mesh, axes = _mesh(strategy)
+    mask = dict(causal=True, window=(20, 0), softcap=5.0)
+
+    def ours(q, k, v, sinks):
+        out, lse = sp.sequence_parallel_attention(
+            q, k, v, mesh=mesh, seq_axes=axes, strategy=strategy, sinks=sinks,
+            return_lse=True, **mask)
+        return out + lse[..., None]  # one output that carries both
+
+    def theirs(q, k, v, sinks):
+        out, lse = reference.attention(q, k, v, sinks=sinks, return_lse=True, **mask)
+        return out + lse[..., None]
+
+    _assert_out_and_grads(ours, theirs, (q, k, v, SINKS), tolerances, argnums=(0, 1, 2, 3))
+
+
+def test_global_window_ring_sends_only_the_halo():
+    """layout="auto" keeps a windowed causal ring contiguous: bytes do not grow with S/P
+    hops, and equal comm_bytes(window=)."""
+    mesh, _ = _mesh("ring")
+    q = jnp.ones((1, 1024, 8, 16), jnp.float32)
+    k = jnp.ones((1, 1024, 2, 16), jnp.float32)
+    f = functools.partial(sp.sequence_parallel_attention, mesh=mesh, strategy="ring",
+                          causal=True, window=(64, 0))
+    sent = sum(hlo.collective_bytes(jax.jit(f).lower(q, k, k).compile()).values())
+    model = functools.partial(plan.comm_bytes, "ring", batch=1, seq_len=1024, num_heads=8,
+                              num_kv_heads=2, head_dim=16, axis_sizes=8, dtype_bytes=4,
+                              causal=True)
+    assert sent == model(window=(64, 0)) < model() / 4

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import jax_seqpar
 from jax_seqpar import reference
 from jax_seqpar.flax import SelfAttention, apply_rope, make_attention_fn
 
@@ -218,6 +219,39 @@ def test_self_attention_sharded_matches_unsharded(strategy, seq_axes, tolerances
     expected_out, expected_grads = _nnx_out_and_grads(_self_attention(), x,
                                                       segment_ids=segment_ids)
     np.testing.assert_allclose(out, expected_out, **tolerances(x.dtype))
+    _assert_trees_close(grads, expected_grads, **tolerances(x.dtype, "grad"))
+
+
+def test_self_attention_window_sinks_softcap(tolerances):
+    """Learnable sinks (their gradient too), a window and soft-capping; sharded, with the
+    tokens laid out once (positions=), equals unsharded in natural order."""
+    kwargs = dict(window=(5, 0), softcap=3.0, sinks=True)
+    x, segment_ids = _x(), _segments()
+    unsharded = _self_attention(**kwargs)
+    unsharded.sinks[...] = jnp.linspace(-1.0, 2.0, HEADS)
+    positions = jnp.arange(SEQ)
+    q = apply_rope(unsharded.q_proj(x), positions)
+    k = apply_rope(unsharded.k_proj(x), positions)
+    expected = unsharded.o_proj(reference.attention(
+        q, k, unsharded.v_proj(x), causal=True, segment_ids=segment_ids, window=(5, 0),
+        softcap=3.0, sinks=unsharded.sinks[...]))
+    np.testing.assert_allclose(unsharded(x, segment_ids=segment_ids), expected,
+                               **tolerances(x.dtype))
+
+    sharded = _self_attention(mesh=_sp_mesh(), strategy="ring", **kwargs)
+    sharded.sinks[...] = unsharded.sinks[...]
+    (x_laid, ids_laid), positions = jax_seqpar.permute_batch((x, segment_ids), "zigzag", 8)
+    graphdef, params = nnx.split(sharded)
+
+    def natural_out(params):
+        out = nnx.merge(graphdef, params)(x_laid, segment_ids=ids_laid, positions=positions)
+        return jax_seqpar.unpermute_batch(out, "zigzag", num_shards=8)
+
+    out = jax.jit(natural_out)(params)
+    grads = jax.jit(jax.grad(lambda params: _loss(natural_out(params))))(params)
+    expected_out, expected_grads = _nnx_out_and_grads(unsharded, x, segment_ids=segment_ids)
+    np.testing.assert_allclose(out, expected_out, **tolerances(x.dtype))
+    assert float(jnp.abs(expected_grads["sinks"][...]).max()) > 0
     _assert_trees_close(grads, expected_grads, **tolerances(x.dtype, "grad"))
 
 

@@ -25,6 +25,12 @@ class ModelConfig:
       num_heads: query heads (Ulysses needs it divisible by the sequence axis size).
       num_kv_heads: key/value heads (GQA).
       mlp_hidden: hidden width of the MLP.
+      local_window: with a value W, layers are local (causal sliding window of W
+        past tokens) except every ``global_every``-th, which attends globally
+        (Gemma 3's 5 local : 1 global is ``global_every=6``); None: all global.
+      global_every: the period of global layers among local ones.
+      softcap: attention logit soft-cap (Gemma 2), or None.
+      sinks: learnable per-head attention sinks in every layer (gpt-oss).
     """
 
     vocab_size: int = VOCAB_SIZE
@@ -33,6 +39,16 @@ class ModelConfig:
     num_heads: int = 8
     num_kv_heads: int = 2
     mlp_hidden: int = 512
+    local_window: Optional[int] = None
+    global_every: int = 2
+    softcap: Optional[float] = None
+    sinks: bool = False
+
+    def window_of(self, layer: int):
+        """The attention window of block ``layer`` (0-based): ``(W, 0)`` or None (global)."""
+        if self.local_window is None or (layer + 1) % self.global_every == 0:
+            return None
+        return (self.local_window, 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,12 +90,14 @@ class Parallelism:
 class Block(nnx.Module):
     """Pre-norm Transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, config: ModelConfig, parallelism: Parallelism, *, rngs: nnx.Rngs):
+    def __init__(self, config: ModelConfig, parallelism: Parallelism, *, window=None,
+                 rngs: nnx.Rngs):
         self.attention_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
         self.attention = SelfAttention(
             config.d_model, config.num_heads, num_kv_heads=config.num_kv_heads,
             mesh=parallelism.mesh, seq_axes=parallelism.seq_axes,
-            strategy=parallelism.strategy, kernel=parallelism.kernel, causal=True, rngs=rngs)
+            strategy=parallelism.strategy, kernel=parallelism.kernel, causal=True,
+            window=window, softcap=config.softcap, sinks=config.sinks, rngs=rngs)
         self.mlp_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
         self.mlp_in = nnx.Linear(config.d_model, config.mlp_hidden, rngs=rngs)
         self.mlp_out = nnx.Linear(config.mlp_hidden, config.d_model, rngs=rngs)
@@ -111,8 +129,8 @@ class TransformerLM(nnx.Module):
                  rngs: nnx.Rngs):
         self.config = config
         self.embed = nnx.Embed(config.vocab_size, config.d_model, rngs=rngs)
-        self.blocks = nnx.List([Block(config, parallelism, rngs=rngs)
-                                for _ in range(config.num_layers)])
+        self.blocks = nnx.List([Block(config, parallelism, window=config.window_of(i), rngs=rngs)
+                                for i in range(config.num_layers)])
         self.final_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, *, segment_ids: Optional[jax.Array] = None,

@@ -21,11 +21,12 @@ import jax.numpy as jnp
 from jax_seqpar._inputs import Options, check_ids, check_self_attention
 from jax_seqpar.api import sequence_parallel_attention
 from jax_seqpar.masks import Tokens
+from jax_seqpar.merge import check_sinks, with_sinks
 
 
 def attend(q, k, v, *, mesh, seq_axes="sp", strategy="auto", causal=False, segment_ids=None,
            positions=None, window=None, scale=None, layout="auto", kernel="auto",
-           block_sizes=None):
+           block_sizes=None, softcap=None, sinks=None):
     """Self-attention of ``[B, S, H, D]`` arrays, sequence-parallel over ``mesh`` or local.
 
     With ``mesh=None`` it runs the local kernel (blockwise, memory O(block), not
@@ -38,6 +39,7 @@ def attend(q, k, v, *, mesh, seq_axes="sp", strategy="auto", causal=False, segme
       mesh: a ``jax.sharding.Mesh`` or ``None`` (unsharded).
       segment_ids: ``int32[B, S]`` or None.
       positions: ``int32[B, S]`` global positions of the tokens as given, or None.
+      softcap, sinks: logit soft-capping and ``[H]`` attention-sink logits, or None.
         The other keywords are those of
         :func:`jax_seqpar.sequence_parallel_attention` (``seq_axes``,
         ``strategy`` and ``layout`` are unused without a mesh).
@@ -49,7 +51,7 @@ def attend(q, k, v, *, mesh, seq_axes="sp", strategy="auto", causal=False, segme
         return sequence_parallel_attention(
             q, k, v, mesh=mesh, seq_axes=seq_axes, strategy=strategy, causal=causal,
             segment_ids=segment_ids, positions=positions, window=window, scale=scale,
-            layout=layout, kernel=kernel, block_sizes=block_sizes)
+            layout=layout, kernel=kernel, block_sizes=block_sizes, softcap=softcap, sinks=sinks)
     check_self_attention(q, k, v, segment_ids)
     batch, seq_len = q.shape[:2]
     check_ids("positions", positions, batch, seq_len)
@@ -57,9 +59,11 @@ def attend(q, k, v, *, mesh, seq_axes="sp", strategy="auto", causal=False, segme
         positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
     tokens = Tokens(positions.astype(jnp.int32),
                     None if segment_ids is None else segment_ids.astype(jnp.int32))
+    check_sinks(sinks, q.shape[2])
     options = Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
-                           block_sizes=block_sizes)
-    out, _ = options.attention(q, k, v, tokens, tokens)  # [B, S, H, Dv] float32
+                           block_sizes=block_sizes, softcap=softcap)
+    out, lse = options.attention(q, k, v, tokens, tokens)  # [B, S, H, Dv] float32
+    out, _ = with_sinks(out, lse, sinks)
     return out.astype(q.dtype)
 
 
@@ -78,6 +82,7 @@ def make_attention_fn(
     layout: str = "auto",
     kernel: str = "auto",
     block_sizes=None,
+    softcap: Optional[float] = None,
 ):
     """An ``attention_fn`` for Flax NNX ``MultiHeadAttention`` and Linen
     ``MultiHeadDotProductAttention`` that runs sequence-parallel exact attention.
@@ -100,12 +105,12 @@ def make_attention_fn(
     Args:
       mesh: the device mesh to split the sequence over, or ``None`` for the
         local (unsharded) blockwise kernel.
-      seq_axes, strategy, causal, window, scale, layout, kernel, block_sizes:
-        as in :func:`jax_seqpar.sequence_parallel_attention`.
+      seq_axes, strategy, causal, window, scale, layout, kernel, block_sizes,
+        softcap: as in :func:`jax_seqpar.sequence_parallel_attention`.
 
     Returns:
       ``attention_fn(query, key, value, bias=None, mask=None, ..., is_causal=False,
-      *, segment_ids=None)``: ``query [batch..., S, H, Dqk]``, ``key
+      *, segment_ids=None, sinks=None)``: ``query [batch..., S, H, Dqk]``, ``key
       [batch..., S, Hkv, Dqk]``, ``value [batch..., S, Hkv, Dv]`` (any number of
       batch dims, including none), ``segment_ids int32[batch..., S]``; returns
       ``[batch..., S, H, Dv]`` in the promoted dtype of the inputs (or ``dtype``).
@@ -120,7 +125,7 @@ def make_attention_fn(
                      dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
                      precision=None, module=None, is_causal=False,
                      force_fp32_for_softmax=False, qk_attn_weights_einsum=None,
-                     attn_weights_value_einsum=None, *, segment_ids=None):
+                     attn_weights_value_einsum=None, *, segment_ids=None, sinks=None):
         """Flax's ``attention_fn`` contract; see :func:`make_attention_fn`."""
         del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax
         if mask is not None:
@@ -161,7 +166,8 @@ def make_attention_fn(
             segment_ids = segment_ids.reshape(flat, query.shape[1])
         out = attend(query, key, value, mesh=mesh, seq_axes=seq_axes, strategy=strategy,
                      causal=bool(causal or is_causal), segment_ids=segment_ids, window=window,
-                     scale=scale, layout=layout, kernel=kernel, block_sizes=block_sizes)
+                     scale=scale, layout=layout, kernel=kernel, block_sizes=block_sizes,
+                     softcap=softcap, sinks=sinks)
         return out.reshape(*batch_dims, *out.shape[1:])  # [batch..., S, H, Dv]
 
     return attention_fn

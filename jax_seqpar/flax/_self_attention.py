@@ -51,6 +51,9 @@ class SelfAttention(nnx.Module):
       kernel: local kernel, ``"auto"`` (default: Pallas on GPU, XLA elsewhere),
         ``"xla"`` or ``"pallas"``.
       rope_base: wavelength base of RoPE; default 10000.
+      softcap: logit soft-cap (Gemma 2), or ``None`` (default).
+      sinks: learn one attention-sink logit per head (gpt-oss), an ``nnx.Param``
+        ``float32[H]`` initialized to zero; default ``False``.
       q_proj, k_proj, v_proj, o_proj: the ``nnx.LinearGeneral`` projections.
 
     >>> mesh = jax.make_mesh((8,), ("sp",))
@@ -74,6 +77,8 @@ class SelfAttention(nnx.Module):
         layout: str = "auto",
         kernel: str = "auto",
         rope_base: float = 10000.0,
+        softcap: Optional[float] = None,
+        sinks: bool = False,
         use_bias: bool = False,
         dtype=None,
         param_dtype=jnp.float32,
@@ -94,7 +99,8 @@ class SelfAttention(nnx.Module):
         self.head_dim = head_dim
         self.mesh, self.seq_axes, self.strategy = mesh, seq_axes, strategy
         self.causal, self.window, self.layout, self.kernel = causal, window, layout, kernel
-        self.rope_base = rope_base
+        self.rope_base, self.softcap = rope_base, softcap
+        self.sinks = nnx.Param(jnp.zeros((num_heads,), jnp.float32)) if sinks else None
 
         def projection(in_features, out_features, axis=-1):
             return nnx.LinearGeneral(in_features, out_features, axis=axis, use_bias=use_bias,
@@ -129,5 +135,7 @@ class SelfAttention(nnx.Module):
         v = self.v_proj(x)  # [B, S, Hkv, Dh]
         out = attend(q, k, v, mesh=self.mesh, seq_axes=self.seq_axes, strategy=self.strategy,
                      causal=self.causal, segment_ids=segment_ids, positions=positions,
-                     window=self.window, layout=self.layout, kernel=self.kernel)  # [B, S, H, Dh]
+                     window=self.window, layout=self.layout, kernel=self.kernel,
+                     softcap=self.softcap,
+                     sinks=None if self.sinks is None else self.sinks[...])  # [B, S, H, Dh]
         return self.o_proj(out)  # [B, S, d_model]
