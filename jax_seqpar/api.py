@@ -20,6 +20,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jax_seqpar import kernels, layout as layouts
 from jax_seqpar._inputs import check_self_attention
+from jax_seqpar.meshes import split_axis
 from jax_seqpar.ring import ring_attention
 from jax_seqpar.ulysses import ulysses_attention
 
@@ -78,13 +79,12 @@ def per_shard_fn(strategy: str, axes: tuple):
     return functools.partial(hybrid_attention, ring_axis=axes[0], ulysses_axis=axes[1])
 
 
-def _choose_strategy(q, k, v, axis_sizes: dict, causal: bool) -> str:
-    from jax_seqpar import plan
+def _choose_strategy(q, k, v, mesh, axes: tuple, causal: bool, window):
+    """``(strategy, ulysses_size)``: a tuned plan, else the hardware model's choice."""
+    from jax_seqpar import planner
 
-    batch, seq_len, heads, head_dim = q.shape
-    return plan.plan(seq_len, heads, k.shape[2], head_dim, axis_sizes, batch=batch,
-                     v_head_dim=v.shape[3], dtype_bytes=q.dtype.itemsize,
-                     causal=causal).strategy
+    return planner.auto_choice(q.shape, k.shape[2], v.shape[3], q.dtype.itemsize, mesh, axes,
+                               causal=causal, window=window)
 
 
 def _spec_entry(x, dim: int, seq_axes: tuple):
@@ -130,6 +130,7 @@ def sequence_parallel_attention(
     layout: str = "auto",
     kernel: str = "auto",
     block_sizes=None,
+    ulysses_size: Optional[int] = None,
 ) -> jax.Array:
     """Exact attention with the sequence split over ``seq_axes`` of ``mesh``.
 
@@ -148,6 +149,9 @@ def sequence_parallel_attention(
         where it balances causal work: ring, hybrid and all-gather with ``causal=True``).
       kernel: ``"auto"`` (Pallas on GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``.
       block_sizes: the kernel's tile sizes (its ``BlockSizes``), or None.
+      ulysses_size: with ``strategy="hybrid"``, Ulysses over groups of this many
+        neighbouring sequence devices and the ring across the groups, on the same
+        devices (:func:`jax_seqpar.meshes.split_axis`: one axis works too).
 
     Returns:
       ``[B, S, H, Dv]`` in ``q.dtype``, in the caller's token order.
@@ -173,7 +177,14 @@ def sequence_parallel_attention(
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}.")
     axis_sizes = {name: mesh.shape[name] for name in axes}
     if strategy == "auto":
-        strategy = _choose_strategy(q, k, v, axis_sizes, causal)
+        strategy, ulysses_size = _choose_strategy(q, k, v, mesh, axes, causal, window)
+    user_mesh, user_axes = mesh, axes
+    if ulysses_size is not None:  # hybrid on a (ring, ulysses) split of the same devices
+        if strategy != "hybrid":
+            raise ValueError(f'ulysses_size={ulysses_size} needs strategy="hybrid" (or '
+                             f'"auto"). Got strategy={strategy!r}.')
+        mesh, axes = split_axis(mesh, axes, ulysses_size)
+        axis_sizes = {name: mesh.shape[name] for name in axes}
     if layout == "auto":
         layout = default_layout(strategy, causal)
     num_shards = 1
@@ -209,4 +220,9 @@ def sequence_parallel_attention(
     mapped = jax.shard_map(body, mesh=mesh,
                            in_specs=(qkv_spec,) * 3 + (P() if segment_ids is None else ids_spec,),
                            out_specs=qkv_spec, check_vma=can_check_vma(kernel))
-    return mapped(q, k, v, segment_ids)
+    out = mapped(q, k, v, segment_ids)
+    if mesh is not user_mesh:  # back on the caller's mesh: same devices, no data moves
+        out_spec = P(batch_entry, axis_name_of(user_axes), head_entry, None)
+        out = (_place(out, user_mesh, out_spec) if mesh.axis_types[-1] == AxisType.Explicit
+               else jax.lax.with_sharding_constraint(out, NamedSharding(user_mesh, out_spec)))
+    return out

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Mapping
+from typing import Mapping, Optional
 
 __all__ = ["STRATEGIES", "Plan", "comm_bytes", "plan"]
 
@@ -244,7 +244,18 @@ class Plan:
       axis_sizes: devices per axis: an int, or ``(outer, inner)``.
       bytes_per_device: :func:`comm_bytes` of the choice.
       reason: one sentence with the numbers behind the choice.
-      candidates: ``{strategy: bytes}`` of every feasible strategy considered.
+      candidates: ``{label: bytes}`` of every feasible candidate considered
+        (labels as in ``predicted_seconds``).
+      predicted_seconds: ``{label: seconds}`` per layer, forward + backward,
+        of every candidate within the memory budget, when planned for a
+        :class:`~jax_seqpar.hardware.Hardware` (empty otherwise). Labels:
+        ``"ulysses"``, ``"ring"``, ``"allgather"``, ``"hybrid OxI"`` (ring over
+        ``O`` groups of ``I`` devices running Ulysses).
+      factorization: ``(ring, ulysses)`` device counts of the choice:
+        ``(P, 1)`` ring / all-gather, ``(1, P)`` Ulysses, ``(O, I)`` hybrid.
+      memory_bytes: ``{label: bytes}`` predicted per-device peak memory.
+      rejected: ``{label: why}`` candidates over the memory budget.
+      measured_seconds: ``{label: seconds}`` timed on the mesh (``measure=True``).
     """
 
     strategy: str
@@ -253,6 +264,20 @@ class Plan:
     bytes_per_device: float
     reason: str
     candidates: Mapping[str, float]
+    predicted_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    factorization: Optional[tuple[int, int]] = None
+    memory_bytes: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    rejected: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    measured_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def ulysses_size(self) -> Optional[int]:
+        """Devices of the hybrid's Ulysses groups (None unless the choice is hybrid)."""
+        if self.strategy != "hybrid":
+            return None
+        if self.factorization is not None:
+            return self.factorization[1]
+        return self.axis_sizes[1]
 
 
 # Ties go to the first: Ulysses cannot overlap its all_to_alls with compute but
@@ -276,8 +301,20 @@ def _mesh_axes(mesh_axes) -> tuple[tuple[str, ...], tuple[int, ...]]:
 
 def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
          mesh_axes: int | Mapping[str, int], *, batch: int = 1, v_head_dim: int | None = None,
-         dtype_bytes: float = 2, causal: bool = False, backward: bool = True) -> Plan:
-    """Chooses the sequence-parallel strategy that sends the fewest bytes per device.
+         dtype_bytes: float = 2, causal: bool = False, backward: bool = True,
+         hardware=None, memory_budget: Optional[float] = None, window=None,
+         measure: bool = False, mesh=None, cache=None) -> Plan:
+    """Chooses the sequence-parallel strategy: fastest on ``hardware``, else fewest bytes.
+
+    With ``hardware`` (a :class:`~jax_seqpar.hardware.Hardware` or a preset
+    name such as ``"h100"``), every strategy and every ``ring x ulysses``
+    factorization of the devices is predicted (time and memory, see
+    :mod:`jax_seqpar.predict`) and the fastest within ``memory_budget`` bytes
+    per device (default: the hardware's HBM) wins; ``measure=True`` then
+    compiles and times the best few on ``mesh`` and caches the winner (see
+    :func:`jax_seqpar.tune.tune`; ``cache`` is the JSON file). ``window``
+    cuts the predicted compute. The rest of this docstring is the default,
+    hardware-free choice by bytes:
 
     One axis of ``P`` devices: Ulysses when ``P`` divides ``num_heads`` (K/V
     heads are replicated up to ``lcm(num_kv_heads, P)``), else the ring; when
@@ -302,6 +339,15 @@ def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
     >>> plan(32768, 128, 1, 576, {"sp": 8}, v_head_dim=512).reason
     'ring: only 1 KV head (MQA/MLA) and ulysses would move 7.9x more bytes'
     """
+    if hardware is not None or measure:
+        # The time model builds on comm_bytes above, so it is imported here.
+        from jax_seqpar import planner
+
+        return planner.plan_for_hardware(
+            seq_len, num_heads, num_kv_heads, head_dim, mesh_axes, batch=batch,
+            v_head_dim=v_head_dim, dtype_bytes=dtype_bytes, causal=causal, backward=backward,
+            hardware=hardware, memory_budget=memory_budget, window=window, measure=measure,
+            mesh=mesh, cache=cache)
     names, sizes = _mesh_axes(mesh_axes)
     devices = math.prod(sizes)
     shape = dict(batch=batch, seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -353,5 +399,7 @@ def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
                       f"{_ratio(candidates['hybrid'], ring):.1f}x more bytes{balance}")
     if devices == 1:
         reason += " (one device: nothing is sent)"
+    factorization = {"ulysses": (1, devices), "hybrid": tuple(sizes)}.get(strategy, (devices, 1))
     return Plan(strategy=strategy, seq_axes=seq_axes, axis_sizes=axis_sizes,
-                bytes_per_device=candidates[strategy], reason=reason, candidates=candidates)
+                bytes_per_device=candidates[strategy], reason=reason, candidates=candidates,
+                factorization=factorization)
