@@ -31,8 +31,9 @@ def _gib(num_bytes: float) -> str:
 def plan_for_hardware(seq_len, num_heads, num_kv_heads, head_dim, mesh_axes, *, batch=1,
                       v_head_dim=None, dtype_bytes=2, causal=False, backward=True,
                       hardware=None, memory_budget=None, window=None, measure=False,
-                      mesh=None, cache=None):
-    """:func:`jax_seqpar.plan.plan` with a hardware model (see there for the arguments)."""
+                      mesh=None, cache=None, top=3, runs=3):
+    """:func:`jax_seqpar.plan.plan` with a hardware model (see there for the arguments;
+    ``top`` and ``runs``: candidates timed and calls per candidate with ``measure``)."""
     names, sizes = planner_bytes._mesh_axes(mesh_axes)
     devices = math.prod(sizes)
     if hardware is None:
@@ -74,7 +75,7 @@ def plan_for_hardware(seq_len, num_heads, num_kv_heads, head_dim, mesh_axes, *, 
 
         measured = tune.measure_candidates(
             [found[label] for label in ranked], shape, names, sizes, hardware, mesh=mesh,
-            cache=cache)
+            cache=cache, top=top, runs=runs)
         chosen = min(measured, key=measured.get)
     else:
         chosen = ranked[0]

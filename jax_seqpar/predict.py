@@ -37,12 +37,13 @@ import inspect
 import math
 from typing import Optional
 
+import numpy as np
+
 from jax_seqpar import plan as planner
 from jax_seqpar.hardware import Hardware
 
-__all__ = ["Candidate", "Shape", "candidates", "predict", "visible_pairs"]
+__all__ = ["Candidate", "Shape", "candidates", "predict", "tile_pairs", "visible_pairs"]
 
-_TILE = 256  # the kernels' default tile: score scratch per step
 _ALL_TO_ALLS = 9  # q, k, v, out forward; dout, dq, dk, dv backward; positions gather
 
 
@@ -61,6 +62,7 @@ class Shape:
     causal: bool = False
     window: Optional[tuple[int, int]] = None
     backward: bool = True
+    tile: int = 256
 
     def traffic(self) -> dict:
         """The shape keywords of :func:`jax_seqpar.plan.comm_bytes`."""
@@ -135,38 +137,118 @@ def _collective_seconds(hardware: Hardware, num_bytes: float, size: int, steps: 
         remote / hardware.dcn.collective_bandwidth)
 
 
-def _ring_seconds(hardware: Hardware, link, steps: int, compute: float, hop_bytes: float,
-                  hops: int) -> float:
-    """``steps`` ring steps of ``compute`` each, ``hops`` of them with a hop of ``hop_bytes``."""
+def _ring_seconds(hardware: Hardware, link, compute: list, hop_bytes: float,
+                  home: bool = False) -> float:
+    """Ring steps of ``compute[i]`` seconds each; every step but the last sends a hop of
+    ``hop_bytes`` (the backward's last hop, ``home``, brings dK/dV back after it)."""
     hop = hop_bytes / link.bandwidth
-    if hardware.overlap:
-        stepped = max(compute, hop) + link.latency
-    else:
-        stepped = compute + hop + link.latency
-    return hops * stepped + (steps - hops) * compute
-
-
-def _ring_part(hardware, shape: Shape, ring: int, stride: int, ring_bytes, compute_fwd,
-               compute_bwd) -> float:
-    """The ring over ``ring`` groups ``stride`` devices apart, forward and backward."""
-    link = hardware.link(ring, stride)
-    fwd_bytes, bwd_bytes = ring_bytes
-    seconds = _ring_seconds(hardware, link, ring, compute_fwd / ring,
-                            fwd_bytes / max(ring - 1, 1), ring - 1)
-    if shape.backward:
-        seconds += _ring_seconds(hardware, link, ring, compute_bwd / ring, bwd_bytes / ring,
-                                 ring)
+    seconds = 0.0
+    for index, step in enumerate(compute):
+        last = index == len(compute) - 1
+        if last and not home:
+            seconds += step
+        elif last:  # the accumulators' trip home starts when the last step ends
+            seconds += step + hop + link.latency
+        elif hardware.overlap:
+            seconds += max(step, hop) + link.latency
+        else:
+            seconds += step + hop + link.latency
     return seconds
+
+
+def _shard_positions(seq_len: int, shards: int, zigzag: bool) -> np.ndarray:
+    """``[shards, seq_len / shards]`` global positions of each shard's tokens."""
+    if not zigzag:
+        return np.arange(seq_len).reshape(shards, -1)
+    chunks = np.arange(seq_len).reshape(2 * shards, -1)
+    return np.concatenate([chunks[:shards], chunks[::-1][:shards]], axis=1)
+
+
+def tile_pairs(q_positions, kv_positions, shape: Shape) -> float:
+    """(query, key) pairs a kernel computes: whole tiles that are not EMPTY.
+
+    Tiles are ``shape.tile`` tokens clipped to the lengths, classified from
+    their position ranges as the kernels do (conservatively), so a tile that
+    holds two far-apart zigzag chunks is computed whole.
+    """
+    def ranges(positions, tile):
+        tile = min(tile, positions.size)
+        padded = -(-positions.size // tile) * tile
+        edge = np.pad(positions, (0, padded - positions.size), mode="edge").reshape(-1, tile)
+        return edge.min(axis=1), edge.max(axis=1), tile
+
+    q_lo, q_hi, tile_q = ranges(q_positions, shape.tile)
+    k_lo, k_hi, tile_k = ranges(kv_positions, shape.tile)
+    q_lo, q_hi, k_lo, k_hi = q_lo[:, None], q_hi[:, None], k_lo[None, :], k_hi[None, :]
+    empty = np.zeros((q_lo.size, k_lo.size), bool)
+    if shape.causal:
+        empty |= k_lo > q_hi
+    if shape.window is not None:
+        left, right = shape.window
+        empty |= (k_lo > q_hi + right) | (k_hi < q_lo - left)
+    return float((~empty).sum()) * tile_q * tile_k
+
+
+def _step_pairs(candidate: Candidate, shape: Shape) -> list[float]:
+    """Computed pairs per ring step on the busiest device (one step: no ring).
+
+    Token orders as the package runs them: Ulysses contiguous; ring, hybrid and
+    all-gather zigzag over all ``P`` shards when causal. A hybrid device
+    attends for its ring group's ``I`` shards gathered by the all-to-all.
+    """
+    devices = candidate.ring * candidate.ulysses
+    zigzag = shape.causal and candidate.strategy != "ulysses"
+    shards = _shard_positions(shape.seq_len, devices, zigzag)
+    if candidate.strategy == "allgather":
+        kv = shards.reshape(-1)
+        return [max(tile_pairs(q, kv, shape) for q in _sampled(shards))]
+    groups = shards.reshape(candidate.ring, -1)  # a ring group's tokens after the a2a
+    sampled_groups = _sampled(range(candidate.ring))
+    steps = {}
+    for step in _sampled(range(candidate.ring), 16):
+        steps[step] = max(tile_pairs(groups[g], groups[(g - step) % candidate.ring], shape)
+                          for g in sampled_groups)
+    # Long rings: steps not classified take the mean of the sampled later steps.
+    later = [pairs for step, pairs in steps.items() if step] or [steps[0]]
+    return [steps.get(step, sum(later) / len(later)) for step in range(candidate.ring)]
+
+
+def _sampled(items, limit: int = 8):
+    """All items when few, else ``limit`` of them spread evenly (for large meshes)."""
+    items = list(items)
+    if len(items) <= limit:
+        return items
+    return [items[i] for i in np.linspace(0, len(items) - 1, limit).round().astype(int)]
+
+
+def _step_seconds(candidate: Candidate, shape: Shape, hardware: Hardware):
+    """Forward and backward compute seconds per ring step (tile-level, busiest device)."""
+    d_qk, d_v = shape.head_dim, shape.v_head_dim
+    heads = shape.num_heads // candidate.ulysses
+    if _tile_count(candidate, shape) <= _MAX_TILE_PAIRS:
+        pairs = _step_pairs(candidate, shape)
+    else:  # too many tiles to classify: exact visible pairs, spread evenly
+        per_device = visible_pairs(shape.seq_len, shape.causal, shape.window) / candidate.ring
+        steps = 1 if candidate.strategy == "allgather" else candidate.ring
+        pairs = [per_device / steps] * steps
+    forward = [2 * shape.batch * heads * (d_qk + d_v) * p / hardware.attention_flops
+               for p in pairs]
+    ratio = (3 * d_qk + 2 * d_v) / (d_qk + d_v) if shape.backward else 0.0
+    return forward, [f * ratio for f in forward]
+
+
+_MAX_TILE_PAIRS = 2**24
+
+
+def _tile_count(candidate: Candidate, shape: Shape) -> float:
+    tiles = shape.seq_len / shape.tile
+    return tiles * tiles / candidate.ring * min(candidate.ring, 8)
 
 
 def _seconds(candidate: Candidate, shape: Shape, hardware: Hardware) -> dict:
     devices = candidate.ring * candidate.ulysses
-    pairs = visible_pairs(shape.seq_len, shape.causal, shape.window)
-    d_qk, d_v = shape.head_dim, shape.v_head_dim
-    fwd_flops = 2 * shape.batch * shape.num_heads * (d_qk + d_v) * pairs / devices
-    bwd_flops = fwd_flops * (3 * d_qk + 2 * d_v) / (d_qk + d_v) if shape.backward else 0.0
-    compute_fwd, compute_bwd = (f / hardware.attention_flops for f in (fwd_flops, bwd_flops))
-    compute = compute_fwd + compute_bwd
+    compute_fwd, compute_bwd = _step_seconds(candidate, shape, hardware)
+    compute = sum(compute_fwd) + sum(compute_bwd)
     total_bytes = _comm_bytes(candidate.strategy, shape, devices if candidate.strategy != "hybrid"
                               else (candidate.ring, candidate.ulysses), shape.backward)
     if candidate.strategy == "ulysses":
@@ -178,21 +260,19 @@ def _seconds(candidate: Candidate, shape: Shape, hardware: Hardware) -> dict:
         comm = _collective_seconds(hardware, total_bytes, devices, steps)
         return dict(seconds=compute + comm, compute=compute, comm=comm, bytes=total_bytes)
     inner, ring = candidate.ulysses, candidate.ring
-    a2a_bytes = 0.0
+    a2a_bytes = fwd_a2a = 0.0
     if inner > 1:
         inner_shape = dataclasses.replace(shape, seq_len=shape.seq_len // ring)
         a2a_bytes = _comm_bytes("ulysses", inner_shape, inner, shape.backward)
-    fwd_total = _comm_bytes(candidate.strategy, shape, (ring, inner) if inner > 1 else ring,
-                            False)
-    fwd_ring = fwd_total - (_comm_bytes("ulysses", dataclasses.replace(
-        shape, seq_len=shape.seq_len // ring), inner, False) if inner > 1 else 0.0)
-    ring_bytes = (fwd_ring, total_bytes - a2a_bytes - fwd_ring)
+        fwd_a2a = _comm_bytes("ulysses", inner_shape, inner, False)
+    fwd_ring = _comm_bytes(candidate.strategy, shape, (ring, inner) if inner > 1 else ring,
+                           False) - fwd_a2a
+    bwd_ring = total_bytes - a2a_bytes - fwd_ring
     a2a = _collective_seconds(hardware, a2a_bytes, inner, _ALL_TO_ALLS if shape.backward else 5)
-    if ring == 1:
-        ring_time = compute
-    else:
-        ring_time = _ring_part(hardware, shape, ring, inner, ring_bytes, compute_fwd,
-                               compute_bwd)
+    link = hardware.link(ring, inner)
+    ring_time = _ring_seconds(hardware, link, compute_fwd, fwd_ring / max(ring - 1, 1))
+    if shape.backward:
+        ring_time += _ring_seconds(hardware, link, compute_bwd, bwd_ring / ring, home=True)
     return dict(seconds=a2a + ring_time, compute=compute, comm=a2a + ring_time - compute,
                 bytes=total_bytes)
 
@@ -222,7 +302,7 @@ def _memory(candidate: Candidate, shape: Shape) -> float:
         memory += 2 * kv_local * size  # the K/V being computed on and the next
         memory += 2 * kv_local * 4 if shape.backward else 0.0  # dK/dV accumulators
     memory += tokens * heads * (d_v + (d_qk if shape.backward else 0)) * 4  # f32 carries
-    memory += b * heads * min(_TILE, s) ** 2 * 4 * (4 if shape.backward else 2)  # score tiles
+    memory += b * heads * min(shape.tile, s) ** 2 * 4 * (4 if shape.backward else 2)  # score tiles
     return float(memory)
 
 

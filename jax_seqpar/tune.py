@@ -154,7 +154,7 @@ def measure_candidates(ranked, shape, names, sizes, hardware, *, mesh=None, cach
 
 
 def tune(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int, mesh, *,
-         seq_axes=None, hardware=None, cache=None, **kwargs):
+         seq_axes=None, hardware=None, cache=None, top: int = 3, runs: int = 3, **kwargs):
     """Times the best predicted candidates on ``mesh`` and caches the winner.
 
     Args:
@@ -164,6 +164,7 @@ def tune(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int, mesh, *
       hardware: a preset name or :class:`~jax_seqpar.hardware.Hardware`
         (default: the preset of the mesh's device kind).
       cache: the JSON file (default :func:`default_cache_path`).
+      top: how many of the best predicted candidates to time; runs: timed calls each.
       **kwargs: ``batch``, ``v_head_dim``, ``dtype_bytes``, ``causal``,
         ``window``, ``memory_budget`` as in :func:`jax_seqpar.plan.plan`.
 
@@ -172,10 +173,10 @@ def tune(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int, mesh, *
 
     >>> chosen = tune(8192, 12, 12, 64, jax.make_mesh((8,), ("sp",)), causal=True)
     """
-    from jax_seqpar import plan
+    from jax_seqpar import planner
 
     axes = tuple(mesh.axis_names) if seq_axes is None else (
         (seq_axes,) if isinstance(seq_axes, str) else tuple(seq_axes))
-    return plan.plan(seq_len, num_heads, num_kv_heads, head_dim,
-                     {name: mesh.shape[name] for name in axes}, hardware=hardware,
-                     measure=True, mesh=mesh, cache=cache, **kwargs)
+    return planner.plan_for_hardware(
+        seq_len, num_heads, num_kv_heads, head_dim, {name: mesh.shape[name] for name in axes},
+        hardware=hardware, measure=True, mesh=mesh, cache=cache, top=top, runs=runs, **kwargs)
