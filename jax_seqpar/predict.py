@@ -237,7 +237,7 @@ def _step_seconds(candidate: Candidate, shape: Shape, hardware: Hardware):
     return forward, [f * ratio for f in forward]
 
 
-_MAX_TILE_PAIRS = 2**24
+_MAX_TILE_PAIRS = 2**20  # beyond, tiles are a negligible fraction of a chunk
 
 
 def _tile_count(candidate: Candidate, shape: Shape) -> float:
