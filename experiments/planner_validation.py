@@ -37,11 +37,11 @@ from jax_seqpar.projection import text_table  # noqa: E402
 # (seq_len, heads, kv_heads, head_dim, causal): MHA, GQA, MQA; 8, 12 and 16 heads
 # (12: no Ulysses over 8); compute-heavy and communication-heavy ends.
 SHAPES = [
-    (1024, 8, 8, 64, True), (2048, 8, 8, 64, True), (4096, 8, 8, 64, True),
-    (2048, 8, 2, 64, True), (4096, 8, 1, 64, True), (2048, 12, 12, 64, True),
-    (4096, 12, 12, 32, True), (2048, 12, 4, 128, False), (1024, 16, 16, 128, False),
-    (2048, 16, 2, 32, True), (4096, 16, 16, 32, True), (1024, 8, 1, 128, False),
-    (2048, 12, 1, 64, False), (1024, 12, 12, 32, False),
+    (1024, 8, 8, 64, True), (2048, 8, 8, 64, True), (1024, 8, 1, 128, False),
+    (2048, 8, 2, 64, True), (1024, 12, 12, 32, False), (2048, 12, 12, 64, True),
+    (1024, 16, 16, 128, False), (2048, 16, 2, 32, True), (2048, 12, 1, 64, False),
+    (4096, 8, 1, 32, True), (4096, 12, 12, 32, True), (2048, 12, 4, 128, False),
+    (4096, 16, 16, 32, True), (4096, 8, 8, 64, True),
 ]
 
 
@@ -78,24 +78,35 @@ def measure(candidate: predict.Candidate, shape, runs: int) -> float:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--runs", type=int, default=3, help="timed calls per candidate")
-    parser.add_argument("--shapes", type=int, default=len(SHAPES), help="first N shapes")
+    parser.add_argument("--first", type=int, default=0, help="index of the first shape")
+    parser.add_argument("--shapes", type=int, default=len(SHAPES), help="how many shapes")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="instead merge the results of runs over parts of SHAPES")
     parser.add_argument("--hardware", help="a JSON Hardware (skip calibration)")
     parser.add_argument("--out", default="planner_validation.json", help="JSON results")
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
     start = time.time()
+    if args.merge:
+        parts = [json.load(open(path)) for path in args.merge]
+        cpu = _hardware(parts[0]["hardware"])
+        result = _write(args.out, cpu, sum((p["rows"] for p in parts), []),
+                        sum((p["summary"] for p in parts), []),
+                        parts[0]["load_before"], start - sum(p["seconds"] for p in parts))
+        result["load_after"] = parts[-1]["load_after"]
+        with open(args.out, "w") as file:
+            json.dump(result, file, indent=1)
+        print(f"merged {len(result['summary'])} shapes into {args.out}")
+        return 0
     if args.hardware:
-        fields = json.load(open(args.hardware))
-        fields["ici"] = hardware.Link(**fields["ici"])
-        fields["dcn"] = hardware.Link(**fields["dcn"])
-        cpu = hardware.Hardware(**fields)
+        cpu = _hardware(json.load(open(args.hardware)))
     else:
         cpu = calibrate.calibrate_cpu()
         with open(args.out + ".hardware.json", "w") as file:
             json.dump(dataclasses.asdict(cpu), file, indent=1)
     print(f"calibrated: {cpu}", flush=True)
     rows, summary = [], []
-    for shape in SHAPES[:args.shapes]:
+    for shape in SHAPES[args.first:args.first + args.shapes]:
         seq_len, heads, kv_heads, head_dim, causal = shape
         chosen = plan.plan(seq_len, heads, kv_heads, head_dim, 8, dtype_bytes=4,
                            causal=causal, hardware=cpu)
@@ -113,32 +124,46 @@ def main(argv=None) -> int:
         best = min(measured, key=measured.get)
         pick = min(chosen.predicted_seconds, key=chosen.predicted_seconds.get)
         bytes_pick = by_bytes.strategy if by_bytes.strategy != "hybrid" else "hybrid"
-        summary.append(dict(shape=shape, rho=spearman(predicted, timed), predicted_best=pick,
+        summary.append(dict(shape=shape, labels=labels, rho=spearman(predicted, timed),
+                            predicted_best=pick,
                             measured_best=best, top1=pick == best,
                             regret=measured[pick] / measured[best], bytes_pick=bytes_pick,
                             bytes_regret=measured.get(bytes_pick, float("nan")) / measured[best]))
         rows += [dict(shape=shape, label=label, predicted=p, measured=m)
                  for label, p, m in zip(labels, predicted, timed)]
-    table = [[f"{s}x{h}/{kv}x{d}{' causal' if c else ''}", len([r for r in rows if
-              tuple(r["shape"]) == x["shape"]]), f"{x['rho']:.2f}", x["predicted_best"],
-              x["measured_best"], "yes" if x["top1"] else "no", f"{x['regret']:.2f}"]
-             for x in summary for s, h, kv, d, c in [x["shape"]]]
+        _write(args.out, cpu, rows, summary, load_before, start)  # partial results survive
+    result = _write(args.out, cpu, rows, summary, load_before, start)
     print(text_table(["S x H/Hkv x D", "cands", "spearman", "predicted best",
-                      "measured best", "top-1", "regret"], table))
-    pooled = spearman([r["predicted"] for r in rows], [r["measured"] for r in rows])
+                      "measured best", "top-1", "regret"], [
+        [f"{s}x{h}/{kv}x{d}{' causal' if c else ''}", len(x["labels"]), f"{x['rho']:.2f}",
+         x["predicted_best"], x["measured_best"], "yes" if x["top1"] else "no",
+         f"{x['regret']:.2f}"] for x in summary for s, h, kv, d, c in [x["shape"]]]))
+    print(f"mean per-shape Spearman {result['mean_spearman']:.3f}; pooled Spearman (all "
+          f"{len(rows)} points) {result['pooled_spearman']:.3f}; top-1 agreement "
+          f"{result['top1']}/{len(summary)}; mean regret {result['mean_regret']:.3f}; load "
+          f"average {load_before[0]:.1f} -> {result['load_after'][0]:.1f}; "
+          f"{result['seconds']:.0f} s")
+    return 0
+
+
+def _hardware(fields: dict) -> hardware.Hardware:
+    """A Hardware from its ``dataclasses.asdict`` form."""
+    links = {name: hardware.Link(**fields[name]) for name in ("ici", "dcn")}
+    return hardware.Hardware(**dict(fields, **links))
+
+
+def _write(path, cpu, rows, summary, load_before, start) -> dict:
+    """Writes (and returns) the results so far as JSON."""
     result = dict(
         hardware=dataclasses.asdict(cpu), rows=rows, summary=summary,
-        mean_spearman=float(np.mean([x["rho"] for x in summary])), pooled_spearman=pooled,
+        mean_spearman=float(np.mean([x["rho"] for x in summary])),
+        pooled_spearman=spearman([r["predicted"] for r in rows], [r["measured"] for r in rows]),
         top1=sum(x["top1"] for x in summary), shapes=len(summary),
         mean_regret=float(np.mean([x["regret"] for x in summary])),
         load_before=load_before, load_after=os.getloadavg(), seconds=time.time() - start)
-    print(f"mean per-shape Spearman {result['mean_spearman']:.3f}; pooled Spearman (all "
-          f"{len(rows)} points) {pooled:.3f}; top-1 agreement {result['top1']}/{len(summary)}; "
-          f"mean regret {result['mean_regret']:.3f}; load average "
-          f"{load_before[0]:.1f} -> {result['load_after'][0]:.1f}; {result['seconds']:.0f} s")
-    with open(args.out, "w") as file:
+    with open(path, "w") as file:
         json.dump(result, file, indent=1)
-    return 0
+    return result
 
 
 if __name__ == "__main__":

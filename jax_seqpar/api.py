@@ -141,7 +141,8 @@ def sequence_parallel_attention(
       seq_axes: the mesh axis splitting the sequence, or ``(outer, inner)``:
         ``"hybrid"`` runs Ulysses over ``inner`` and the ring over ``outer``.
       strategy: ``"ulysses"``, ``"ring"``, ``"hybrid"``, ``"allgather"`` or
-        ``"auto"`` (:func:`jax_seqpar.plan.plan` decides).
+        ``"auto"`` (a plan tuned on this mesh, else :func:`jax_seqpar.plan.plan`
+        for the devices' hardware preset: :func:`jax_seqpar.planner.auto_choice`).
       causal, window: the mask on true token positions (see ``MaskSpec``).
       segment_ids: ``int32[B, S]`` packed documents attend within themselves.
       scale: defaults to ``1/sqrt(Dqk)``.

@@ -245,14 +245,13 @@ class Plan:
       bytes_per_device: :func:`comm_bytes` of the choice.
       reason: one sentence with the numbers behind the choice.
       candidates: ``{label: bytes}`` of every feasible candidate considered
-        (labels as in ``predicted_seconds``).
-      predicted_seconds: ``{label: seconds}`` per layer, forward + backward,
-        of every candidate within the memory budget, when planned for a
-        :class:`~jax_seqpar.hardware.Hardware` (empty otherwise). Labels:
-        ``"ulysses"``, ``"ring"``, ``"allgather"``, ``"hybrid OxI"`` (ring over
-        ``O`` groups of ``I`` devices running Ulysses).
-      factorization: ``(ring, ulysses)`` device counts of the choice:
-        ``(P, 1)`` ring / all-gather, ``(1, P)`` Ulysses, ``(O, I)`` hybrid.
+        (labels as in ``predicted_seconds``; strategy names without hardware).
+      predicted_seconds: ``{label: seconds}`` per layer (forward + backward) of
+        every candidate within the memory budget, when planned for a
+        :class:`~jax_seqpar.hardware.Hardware` (else empty). Labels: ``"ulysses"``,
+        ``"ring"``, ``"allgather"``, ``"hybrid OxI"`` (ring over O groups of I).
+      factorization: ``(ring, ulysses)`` devices: ``(P, 1)`` ring / all-gather,
+        ``(1, P)`` Ulysses, ``(O, I)`` hybrid.
       memory_bytes: ``{label: bytes}`` predicted per-device peak memory.
       rejected: ``{label: why}`` candidates over the memory budget.
       measured_seconds: ``{label: seconds}`` timed on the mesh (``measure=True``).
@@ -272,12 +271,8 @@ class Plan:
 
     @property
     def ulysses_size(self) -> Optional[int]:
-        """Devices of the hybrid's Ulysses groups (None unless the choice is hybrid)."""
-        if self.strategy != "hybrid":
-            return None
-        if self.factorization is not None:
-            return self.factorization[1]
-        return self.axis_sizes[1]
+        """Devices per Ulysses group of a hybrid choice (None for other strategies)."""
+        return self.factorization[1] if self.strategy == "hybrid" else None
 
 
 # Ties go to the first: Ulysses cannot overlap its all_to_alls with compute but
@@ -306,15 +301,11 @@ def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
          measure: bool = False, mesh=None, cache=None) -> Plan:
     """Chooses the sequence-parallel strategy: fastest on ``hardware``, else fewest bytes.
 
-    With ``hardware`` (a :class:`~jax_seqpar.hardware.Hardware` or a preset
-    name such as ``"h100"``), every strategy and every ``ring x ulysses``
-    factorization of the devices is predicted (time and memory, see
-    :mod:`jax_seqpar.predict`) and the fastest within ``memory_budget`` bytes
-    per device (default: the hardware's HBM) wins; ``measure=True`` then
-    compiles and times the best few on ``mesh`` and caches the winner (see
-    :func:`jax_seqpar.tune.tune`; ``cache`` is the JSON file). ``window``
-    cuts the predicted compute. The rest of this docstring is the default,
-    hardware-free choice by bytes:
+    With ``hardware`` (a :class:`~jax_seqpar.hardware.Hardware` or preset name),
+    see :func:`jax_seqpar.planner.plan_for_hardware`: every ``ring x ulysses``
+    factorization predicted, the fastest within ``memory_budget`` wins, and
+    ``measure=True`` times the best on ``mesh`` and caches the winner in ``cache``.
+    Without, the choice by bytes:
 
     One axis of ``P`` devices: Ulysses when ``P`` divides ``num_heads`` (K/V
     heads are replicated up to ``lcm(num_kv_heads, P)``), else the ring; when

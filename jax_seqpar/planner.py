@@ -32,8 +32,28 @@ def plan_for_hardware(seq_len, num_heads, num_kv_heads, head_dim, mesh_axes, *, 
                       v_head_dim=None, dtype_bytes=2, causal=False, backward=True,
                       hardware=None, memory_budget=None, window=None, measure=False,
                       mesh=None, cache=None, top=3, runs=3):
-    """:func:`jax_seqpar.plan.plan` with a hardware model (see there for the arguments;
-    ``top`` and ``runs``: candidates timed and calls per candidate with ``measure``)."""
+    """The fastest predicted candidate within the memory budget (``plan(hardware=...)``).
+
+    Every strategy and every ``ring x ulysses`` factorization of the devices
+    (:func:`jax_seqpar.predict.candidates`) is predicted on ``hardware`` (time
+    and per-device memory, :func:`jax_seqpar.predict.predict`); candidates over
+    ``memory_budget`` bytes (default: the hardware's HBM) are rejected with the
+    reason; the fastest of the rest wins. With ``measure=True`` the ``top``
+    predicted are compiled and timed (``runs`` calls each) on ``mesh`` (default:
+    the first devices), the fastest measured wins and is cached in ``cache``
+    (:mod:`jax_seqpar.tune`). ``window`` cuts the predicted compute. Other
+    arguments as in :func:`jax_seqpar.plan.plan`; ``hardware=None`` with
+    ``measure`` takes the preset of ``mesh``'s device kind.
+
+    Returns:
+      A :class:`~jax_seqpar.plan.Plan` with ``predicted_seconds``,
+      ``memory_bytes``, ``rejected``, ``factorization`` and (measured)
+      ``measured_seconds``; its ``reason`` names the predicted times.
+
+    >>> plan_for_hardware(32768, 12, 12, 64, {"sp": 8}, hardware="tpu-v5p",
+    ...                   causal=True).factorization
+    (4, 2)
+    """
     names, sizes = planner_bytes._mesh_axes(mesh_axes)
     devices = math.prod(sizes)
     if hardware is None:
@@ -133,8 +153,6 @@ def auto_choice(q_shape, kv_heads: int, v_head_dim: int, dtype_bytes: float, mes
         axis_sizes, device_kind, hardware))
     if tuned is not None:
         return tuned["strategy"], tuned["ulysses_size"]
-    if hardware is not None:
-        shape["window"] = window
     chosen = planner_bytes.plan(seq_len, heads, kv_heads, head_dim, axis_sizes,
-                                hardware=hardware, **shape)
+                                hardware=hardware, window=window, **shape)
     return chosen.strategy, chosen.ulysses_size
