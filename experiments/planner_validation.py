@@ -14,6 +14,10 @@ The host is shared: the load average is recorded before and after; timings
 under load are noisy, which the rank statistics tolerate better than ratios.
 
     PYTHONPATH=. python experiments/planner_validation.py --out /tmp/planner_validation.json
+
+``--hardware FILE`` reuses a saved calibration (``FILE.hardware.json`` is written next to
+``--out``); ``--first``/``--shapes`` time a slice of ``SHAPES`` and ``--merge`` joins the
+JSON of slices timed by separate processes.
 """
 
 import argparse
