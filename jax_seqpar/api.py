@@ -24,6 +24,7 @@ from jax.sharding import PartitionSpec as P
 from jax_seqpar import _placement, kernels, layout as layouts
 from jax_seqpar._inputs import check_ids, check_self_attention
 from jax_seqpar.halo import default_layout
+from jax_seqpar.meshes import split_axis
 from jax_seqpar.ring import ring_attention
 from jax_seqpar.ulysses import ulysses_attention
 
@@ -76,15 +77,16 @@ def per_shard_fn(strategy: str, axes: tuple):
     return functools.partial(hybrid_attention, ring_axis=axes[0], ulysses_axis=axes[1])
 
 
-def _choose_strategy(q, k, v, axis_sizes: dict, causal: bool, batch_shards: int,
-                     head_shards: int) -> str:
-    """``plan``'s choice for the batch rows and heads one sequence group really holds."""
-    from jax_seqpar import plan
+def _choose_strategy(q, k, v, mesh, axes: tuple, causal: bool, window, batch_shards: int,
+                     head_shards: int):
+    """``(strategy, ulysses_size)`` for the batch rows and heads one sequence group really
+    holds: a tuned plan, else the hardware model's choice."""
+    from jax_seqpar import planner
 
     batch, seq_len, heads, head_dim = q.shape
-    return plan.plan(seq_len, heads // head_shards, k.shape[2] // head_shards, head_dim,
-                     axis_sizes, batch=batch // batch_shards, v_head_dim=v.shape[3],
-                     dtype_bytes=q.dtype.itemsize, causal=causal).strategy
+    local = (batch // batch_shards, seq_len, heads // head_shards, head_dim)
+    return planner.auto_choice(local, k.shape[2] // head_shards, v.shape[3], q.dtype.itemsize,
+                               mesh, axes, causal=causal, window=window)
 
 
 def sequence_parallel_attention(
@@ -108,6 +110,7 @@ def sequence_parallel_attention(
     softcap: Optional[float] = None,
     sinks: Optional[jax.Array] = None,
     return_lse: bool = False,
+    ulysses_size: Optional[int] = None,
 ):
     """Exact attention with the sequence split over ``seq_axes`` of ``mesh``.
 
@@ -128,8 +131,9 @@ def sequence_parallel_attention(
       seq_axes: the mesh axis splitting the sequence, or ``(outer, inner)``:
         ``"hybrid"`` runs Ulysses over ``inner`` and the ring over ``outer``.
       strategy: ``"ulysses"``, ``"ring"``, ``"hybrid"``, ``"allgather"`` or
-        ``"auto"`` (:func:`jax_seqpar.plan.plan` decides, counting the batch rows and
-        heads each sequence group holds).
+        ``"auto"`` (a plan tuned on this mesh, else :func:`jax_seqpar.plan.plan` for
+        the devices' hardware preset, counting the batch rows and heads each sequence
+        group holds: :func:`jax_seqpar.planner.auto_choice`).
       causal, window: the mask on true token positions (see ``MaskSpec``).
       segment_ids: ``int32[B, S]`` packed documents attend within themselves
         (``-2**31`` is reserved for padding).
@@ -153,6 +157,9 @@ def sequence_parallel_attention(
         ``p_j = exp(s_j) / (exp(sinks[h]) + sum_k exp(s_k))``), differentiable.
       return_lse: also return the float32 ``[B, S, H]`` log-sum-exp of every row
         (sinks included), for callers that merge partial results.
+      ulysses_size: with ``strategy="hybrid"``, Ulysses over groups of this many
+        neighbouring sequence devices and the ring across the groups, on the same
+        devices (:func:`jax_seqpar.meshes.split_axis`: one axis works too).
 
     Returns:
       ``[B, S, H, Dv]`` in ``q.dtype``, in the caller's token order; with
@@ -185,9 +192,16 @@ def sequence_parallel_attention(
     batch_entry, head_entry = _placement.kept_entries(q, k, v, mesh, axes, batch_axes)
     axis_sizes = {name: mesh.shape[name] for name in axes}
     if strategy == "auto":
-        strategy = _choose_strategy(q, k, v, axis_sizes, causal,
-                                    _placement.entry_size(mesh, batch_entry),
-                                    _placement.entry_size(mesh, head_entry))
+        strategy, ulysses_size = _choose_strategy(
+            q, k, v, mesh, axes, causal, window, _placement.entry_size(mesh, batch_entry),
+            _placement.entry_size(mesh, head_entry))
+    user_mesh, user_axes = mesh, axes
+    if ulysses_size is not None:  # hybrid on a (ring, ulysses) split of the same devices
+        if strategy != "hybrid":
+            raise ValueError(f'ulysses_size={ulysses_size} needs strategy="hybrid" (or '
+                             f'"auto"). Got strategy={strategy!r}.')
+        mesh, axes = split_axis(mesh, axes, ulysses_size)
+        axis_sizes = {name: mesh.shape[name] for name in axes}
     num_shards = math.prod(axis_sizes.values())
     if positions is not None:
         layout = "contiguous"
@@ -230,4 +244,9 @@ def sequence_parallel_attention(
                                                             for x in ids)
                            + (P(head_entry),),
                            out_specs=out_specs, check_vma=can_check_vma(kernel))
-    return jax.tree.map(lambda x: _placement.unpad(x, seq_len), mapped(q, k, v, *ids, sinks))
+    result = mapped(q, k, v, *ids, sinks)
+    if mesh is not user_mesh:  # back on the caller's mesh: same devices, no data moves
+        user_axis = axis_name_of(user_axes)
+        result = jax.tree.map(lambda x: _placement.place_on(
+            x, user_mesh, P(*(batch_entry, user_axis, head_entry, None)[:x.ndim])), result)
+    return jax.tree.map(lambda x: _placement.unpad(x, seq_len), result)

@@ -4,6 +4,7 @@ Subcommands:
   demo   train a small byte-level LM unsharded and with each sequence-parallel
          strategy on emulated CPU devices, and compare the loss curves.
   bench  time, memory and traffic of every strategy, next to the cost model.
+  tune   predict every strategy and factorization, time the best, cache the winner.
 
 The work lives in :mod:`jax_seqpar.examples`; this module only parses arguments
 and prepares the JAX environment before a backend starts.
@@ -120,6 +121,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     bench_report.add_bench_arguments(bench)
     bench.set_defaults(run=bench_report.run_bench)
+
+    from jax_seqpar import tune_report
+
+    tune = commands.add_parser(
+        "tune", help="predict every strategy and factorization, time the best, cache the winner",
+        description=tune_report.__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    tune_report.add_tune_arguments(tune)
+    tune.set_defaults(run=tune_report.run_tune)
     return parser
 
 

@@ -30,7 +30,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from typing import Mapping
+from typing import Mapping, Optional
 
 __all__ = ["STRATEGIES", "Plan", "comm_bytes", "plan"]
 
@@ -289,7 +289,17 @@ class Plan:
       axis_sizes: devices per axis: an int, or ``(outer, inner)``.
       bytes_per_device: :func:`comm_bytes` of the choice.
       reason: one sentence with the numbers behind the choice.
-      candidates: ``{strategy: bytes}`` of every feasible strategy considered.
+      candidates: ``{label: bytes}`` of every feasible candidate considered
+        (labels as in ``predicted_seconds``; strategy names without hardware).
+      predicted_seconds: ``{label: seconds}`` per layer (forward + backward) of
+        every candidate within the memory budget, when planned for a
+        :class:`~jax_seqpar.hardware.Hardware` (else empty). Labels: ``"ulysses"``,
+        ``"ring"``, ``"allgather"``, ``"hybrid OxI"`` (ring over O groups of I).
+      factorization: ``(ring, ulysses)`` devices: ``(P, 1)`` ring / all-gather,
+        ``(1, P)`` Ulysses, ``(O, I)`` hybrid.
+      memory_bytes: ``{label: bytes}`` predicted per-device peak memory.
+      rejected: ``{label: why}`` candidates over the memory budget.
+      measured_seconds: ``{label: seconds}`` timed on the mesh (``measure=True``).
     """
 
     strategy: str
@@ -298,6 +308,16 @@ class Plan:
     bytes_per_device: float
     reason: str
     candidates: Mapping[str, float]
+    predicted_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    factorization: Optional[tuple[int, int]] = None
+    memory_bytes: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    rejected: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    measured_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def ulysses_size(self) -> Optional[int]:
+        """Devices per Ulysses group of a hybrid choice (None for other strategies)."""
+        return self.factorization[1] if self.strategy == "hybrid" else None
 
 
 # Ties go to the first: Ulysses cannot overlap its all_to_alls with compute but
@@ -321,8 +341,16 @@ def _mesh_axes(mesh_axes) -> tuple[tuple[str, ...], tuple[int, ...]]:
 
 def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
          mesh_axes: int | Mapping[str, int], *, batch: int = 1, v_head_dim: int | None = None,
-         dtype_bytes: float = 2, causal: bool = False, backward: bool = True) -> Plan:
-    """Chooses the sequence-parallel strategy that sends the fewest bytes per device.
+         dtype_bytes: float = 2, causal: bool = False, backward: bool = True,
+         hardware=None, memory_budget: Optional[float] = None, window=None,
+         measure: bool = False, mesh=None, cache=None) -> Plan:
+    """Chooses the sequence-parallel strategy: fastest on ``hardware``, else fewest bytes.
+
+    With ``hardware`` (a :class:`~jax_seqpar.hardware.Hardware` or preset name),
+    see :func:`jax_seqpar.planner.plan_for_hardware`: every ``ring x ulysses``
+    factorization predicted, the fastest within ``memory_budget`` wins, and
+    ``measure=True`` times the best on ``mesh`` and caches the winner in ``cache``.
+    Without, the choice by bytes:
 
     One axis of ``P`` devices: Ulysses when ``P`` divides ``num_heads`` (K/V
     heads are replicated up to ``lcm(num_kv_heads, P)``), else the ring; when
@@ -347,6 +375,15 @@ def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
     >>> plan(32768, 128, 1, 576, {"sp": 8}, v_head_dim=512).reason
     'ring: only 1 KV head (MQA/MLA) and ulysses would move 7.9x more bytes'
     """
+    if hardware is not None or measure:
+        # The time model builds on comm_bytes above, so it is imported here.
+        from jax_seqpar import planner
+
+        return planner.plan_for_hardware(
+            seq_len, num_heads, num_kv_heads, head_dim, mesh_axes, batch=batch,
+            v_head_dim=v_head_dim, dtype_bytes=dtype_bytes, causal=causal, backward=backward,
+            hardware=hardware, memory_budget=memory_budget, window=window, measure=measure,
+            mesh=mesh, cache=cache)
     names, sizes = _mesh_axes(mesh_axes)
     devices = math.prod(sizes)
     shape = dict(batch=batch, seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
@@ -398,5 +435,7 @@ def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
                       f"{_ratio(candidates['hybrid'], ring):.1f}x more bytes{balance}")
     if devices == 1:
         reason += " (one device: nothing is sent)"
+    factorization = {"ulysses": (1, devices), "hybrid": tuple(sizes)}.get(strategy, (devices, 1))
     return Plan(strategy=strategy, seq_axes=seq_axes, axis_sizes=axis_sizes,
-                bytes_per_device=candidates[strategy], reason=reason, candidates=candidates)
+                bytes_per_device=candidates[strategy], reason=reason, candidates=candidates,
+                factorization=factorization)

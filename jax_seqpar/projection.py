@@ -25,11 +25,15 @@ Per strategy, forward + backward (the default):
   at ICI speed, then the ring part (the rest of ``comm_bytes("hybrid")``) at
   DCN speed (ICI when ``outer`` fits in one node).
 
-The ring and hybrid rotations can hide behind attention compute; the model
+The ring and hybrid rotations can hide behind attention compute; ``comm_ms``
 reports them unhidden and gives the attention compute time next to them
-(``FLOPs / (PEAK_FLOPS * EFFICIENCY)``) so the reader can judge. What the model
-leaves out: congestion, NIC sharing, message-size-dependent bandwidth, the
-latency of small messages beyond one ``latency`` per step.
+(``FLOPs / (PEAK_FLOPS * EFFICIENCY)``) so the reader can judge, and
+``predicted_ms`` is the planner's whole-layer prediction with that overlap
+(:func:`jax_seqpar.predict.predict`). The link and compute constants are those
+of the :data:`jax_seqpar.hardware.H100` preset: one set of figures for the
+projection and the planner. What the model leaves out: congestion, NIC
+sharing, message-size-dependent bandwidth, the latency of small messages
+beyond one ``latency`` per step.
 """
 
 from __future__ import annotations
@@ -37,35 +41,18 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional, Sequence
 
-from jax_seqpar import plan as planner
+from jax_seqpar import hardware, plan as planner, predict
+from jax_seqpar.hardware import Link
 
 __all__ = ["DCN", "ICI", "Link", "Links", "format_table", "project", "text_table"]
 
 
-@dataclasses.dataclass(frozen=True)
-class Link:
-    """One link class of the alpha-beta model.
-
-    Attributes:
-      bandwidth: bytes per second ONE device sends over this link (one direction).
-      latency: seconds per communication step (message launch + hop).
-    """
-
-    bandwidth: float
-    latency: float
-
-    def seconds(self, num_bytes: float, steps: int) -> float:
-        return steps * self.latency + num_bytes / self.bandwidth
-
-
-#: NVLink 4 / NVSwitch (H100 SXM): 900 GB/s bidirectional per GPU = 450 GB/s each
-#: way to any GPU of the node; ~3 us per NCCL step.
-ICI = Link(bandwidth=450e9, latency=3e-6)
-#: InfiniBand NDR, one 400 Gb/s NIC per GPU = 50 GB/s each way; ~10 us per step.
-DCN = Link(bandwidth=50e9, latency=10e-6)
+#: NVLink through NVSwitch and InfiniBand NDR per GPU (see :data:`jax_seqpar.hardware.H100`).
+ICI = hardware.H100.ici
+DCN = hardware.H100.dcn
 #: Dense bf16 peak of an H100 SXM, and the fraction attention kernels reach.
-PEAK_FLOPS = 989e12
-EFFICIENCY = 0.5
+PEAK_FLOPS = hardware.H100.peak_flops
+EFFICIENCY = hardware.H100.attention_efficiency
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,7 +126,8 @@ def project(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: Option
     Returns:
       One dict per (chips, seq_len, strategy, inner): ``chips, nodes, inner,
       outer, seq_len, strategy, bytes_per_device, ici_bytes, dcn_bytes,
-      comm_ms`` (None with a ``reason`` when infeasible), ``compute_ms``, and
+      comm_ms`` and ``predicted_ms`` (None with a ``reason`` when infeasible),
+      ``compute_ms``, and
       ``planned``: True on the row :func:`jax_seqpar.plan.plan` picks for the
       ``{"dcn": nodes, "ici": chips_per_node}`` mesh.
 
@@ -149,6 +137,9 @@ def project(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: Option
     """
     if not isinstance(chips_per_node, int) or chips_per_node < 1:
         raise ValueError(f"chips_per_node must be a positive int. Got {chips_per_node!r}.")
+    model = hardware.H100.replace(ici=links.ici, dcn=links.dcn, peak_flops=peak_flops,
+                                  attention_efficiency=efficiency,
+                                  devices_per_domain=chips_per_node)
     rows = []
     for size in chips:
         inner = min(size, chips_per_node)
@@ -175,7 +166,7 @@ def project(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: Option
                            outer=size // inner, seq_len=seq_len, strategy=strategy,
                            compute_ms=compute * 1e3, planned=strategy == chosen,
                            bytes_per_device=None, ici_bytes=None, dcn_bytes=None,
-                           comm_ms=None, reason="")
+                           comm_ms=None, predicted_ms=None, reason="")
                 try:
                     seconds, ici, dcn = _strategy_seconds(strategy, shape, size, inner, links)
                 except ValueError as error:
@@ -183,8 +174,19 @@ def project(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: Option
                 else:
                     row.update(bytes_per_device=ici + dcn, ici_bytes=ici, dcn_bytes=dcn,
                                comm_ms=seconds * 1e3)
+                    row["predicted_ms"] = _predicted_seconds(strategy, shape, size, inner, causal,
+                                                        model) * 1e3
                 rows.append(row)
     return rows
+
+
+def _predicted_seconds(strategy, shape, chips, inner, causal, model) -> float:
+    """The planner's whole-layer seconds (overlap included) for this row."""
+    ring, ulysses = {"ulysses": (1, chips), "hybrid": (chips // inner, inner)}.get(
+        strategy, (chips, 1))
+    layer = predict.Shape(**dict(shape, v_head_dim=shape["v_head_dim"] or shape["head_dim"]),
+                          causal=causal)
+    return predict.predict(predict.Candidate(strategy, ring, ulysses), layer, model)["seconds"]
 
 
 def text_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:

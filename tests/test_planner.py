@@ -1,0 +1,276 @@
+"""The hardware-aware planner: presets, predictions, memory budget, factorizations of one
+axis (run exactly through the global API, with no data moved), and measured tuning."""
+
+import functools
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+import jax_seqpar
+from jax_seqpar import calibrate, hardware, hlo, planner, predict, reference, tune
+from jax_seqpar.meshes import split_axis
+from jax_seqpar.plan import plan
+
+GIB = 2.0**30
+SHAPES = [  # (seq_len, heads, kv_heads, head_dim, v_head_dim, mesh_axes, causal, window)
+    pytest.param(32768, 32, 8, 128, None, 8, True, None, id="gqa_8"),
+    pytest.param(32768, 12, 12, 64, None, 8, True, None, id="12_heads_8"),
+    pytest.param(131072, 128, 1, 576, 512, {"dcn": 4, "ici": 8}, True, None, id="mla_4x8"),
+    pytest.param(65536, 16, 16, 64, None, {"dcn": 8, "ici": 8}, False, (4096, 0), id="window"),
+    pytest.param(4096, 8, 8, 64, None, 1, False, None, id="one_device"),
+]
+
+
+@pytest.mark.parametrize("preset", sorted(hardware.PRESETS))
+@pytest.mark.parametrize("seq_len, heads, kv_heads, head_dim, v_head_dim, mesh_axes, causal, "
+                         "window", SHAPES)
+def test_every_prediction_is_finite_and_positive(preset, seq_len, heads, kv_heads, head_dim,
+                                                 v_head_dim, mesh_axes, causal, window):
+    chosen = plan(seq_len, heads, kv_heads, head_dim, mesh_axes, v_head_dim=v_head_dim,
+                  causal=causal, window=window, hardware=preset, memory_budget=1e15)
+    devices = mesh_axes if isinstance(mesh_axes, int) else math.prod(mesh_axes.values())
+    labels = {c.label for c in predict.candidates(devices, heads)}
+    assert set(chosen.predicted_seconds) == set(chosen.memory_bytes) == labels
+    for label, seconds in chosen.predicted_seconds.items():
+        assert math.isfinite(seconds) and seconds > 0, label
+        assert math.isfinite(chosen.memory_bytes[label]) and chosen.memory_bytes[label] > 0
+    best = min(chosen.predicted_seconds, key=chosen.predicted_seconds.get)
+    assert best in chosen.reason and f"fastest predicted on {preset}" in chosen.reason
+    assert chosen.factorization[0] * chosen.factorization[1] == devices
+
+
+def test_twelve_heads_on_eight_offers_the_ulysses_4_hybrid():
+    """The old planner could only say ring (12 % 8 != 0); USP's 2 x 4 is offered now."""
+    chosen = plan(32768, 12, 12, 64, {"sp": 8}, causal=True, hardware="tpu-v5p")
+    assert {"ring", "allgather", "hybrid 2x4", "hybrid 4x2"} == set(chosen.predicted_seconds)
+    assert "ulysses" not in chosen.predicted_seconds
+    assert chosen.strategy == "hybrid" and chosen.seq_axes == "sp"  # split on one axis
+    assert chosen.ulysses_size == chosen.factorization[1] in (2, 4)
+
+
+def test_memory_budget_rejects_allgather_at_long_sequences():
+    args = (1 << 20, 32, 8, 128, 8)
+    unlimited = plan(*args, causal=True, hardware="h100", memory_budget=1e15)
+    gathered, ring = unlimited.memory_bytes["allgather"], unlimited.memory_bytes["ring"]
+    assert gathered > 1.5 * ring  # O(S) K/V and its cotangent against O(S/P)
+    budget = (gathered + ring) / 2
+    chosen = plan(*args, causal=True, hardware="h100", memory_budget=budget)
+    assert "allgather" in chosen.rejected and "allgather" not in chosen.predicted_seconds
+    assert f"over the budget of {budget / GIB:.3g} GiB" in chosen.rejected["allgather"]
+    assert "over the memory budget: allgather" in chosen.reason
+    assert chosen.strategy != "allgather"
+    with pytest.raises(ValueError, match="every candidate is over the memory budget"):
+        plan(*args, hardware="h100", memory_budget=1024.0)
+
+
+def test_memory_grows_with_s_over_p_except_allgather():
+    def memory(seq_len):
+        return plan(seq_len, 32, 8, 128, 8, hardware="h100", memory_budget=1e15).memory_bytes
+
+    short, long = memory(1 << 16), memory(1 << 18)
+    for label in short:
+        assert long[label] / short[label] == pytest.approx(4, rel=0.1), label
+
+
+def test_causal_halves_and_window_cuts_the_compute():
+    shape = dict(batch=1, seq_len=1 << 16, num_heads=8, num_kv_heads=8, head_dim=128,
+                 v_head_dim=128)
+    candidate = predict.Candidate("ulysses", 1, 8)
+    full = predict.predict(candidate, predict.Shape(**shape), hardware.H100)["compute"]
+    causal = predict.predict(candidate, predict.Shape(**shape, causal=True),
+                             hardware.H100)["compute"]
+    window = predict.predict(candidate, predict.Shape(**shape, causal=True, window=(1024, 0)),
+                             hardware.H100)["compute"]
+    assert causal / full == pytest.approx(0.5, abs=0.01)
+    assert window / full < 0.05
+
+
+@pytest.mark.parametrize("seq_len, causal, window", [
+    (37, False, None), (37, True, None), (37, False, (3, 5)), (37, True, (4, 9)),
+    (8, True, (100, 100))])
+def test_visible_pairs_counts_the_mask(seq_len, causal, window):
+    positions = np.arange(seq_len)
+    query, key = positions[:, None], positions[None, :]
+    seen = np.ones((seq_len, seq_len), bool)
+    if causal:
+        seen &= key <= query
+    if window:
+        seen &= (key >= query - window[0]) & (key <= query + window[1])
+    assert predict.visible_pairs(seq_len, causal, window) == seen.sum()
+
+
+def test_ring_hides_hops_behind_compute_only_where_the_hardware_overlaps():
+    shape = predict.Shape(1, 1 << 16, 32, 32, 128, 128, causal=True)
+    ring = predict.Candidate("ring", 8, 1)
+    overlapped = predict.predict(ring, shape, hardware.H100)
+    serial = predict.predict(ring, shape, hardware.H100.replace(overlap=False))
+    assert overlapped["comm"] < 0.05 * overlapped["compute"]  # hops hidden but the last
+    assert serial["seconds"] > overlapped["seconds"] + 0.5 * (serial["comm"])
+    slow_links = hardware.H100.replace(devices_per_domain=1)  # every hop on InfiniBand
+    assert predict.predict(ring, shape, slow_links)["seconds"] >= overlapped["seconds"]
+
+
+def test_hardware_presets_and_lookup():
+    assert hardware.get("H100") is hardware.H100
+    assert hardware.get(hardware.A100) is hardware.A100
+    assert hardware.for_device_kind("NVIDIA H100 80GB HBM3").name == "h100"
+    assert hardware.for_device_kind("TPU v5 lite").name == "tpu-v5e"
+    assert hardware.for_device_kind("TPU v5p").name == "tpu-v5p"
+    assert hardware.for_device_kind("TPU v6 lite").name == "tpu-v6e"
+    assert hardware.for_device_kind("cpu").name == "cpu"
+    assert hardware.for_device_kind("Some Accelerator") is None
+    assert hardware.H100.link(8) is hardware.H100.ici
+    assert hardware.H100.link(2, stride=8) is hardware.H100.dcn
+    with pytest.raises(ValueError, match="hardware='b200' is not a Hardware or one of"):
+        hardware.get("b200")
+    with pytest.raises(ValueError, match="attention_efficiency must be in"):
+        hardware.H100.replace(attention_efficiency=0)
+    with pytest.raises(ValueError, match="Link bandwidths must be positive"):
+        hardware.Link(0.0, 1e-6)
+
+
+# --- splitting one axis: same devices, no data moved, exact ----------------------------
+
+@pytest.mark.parametrize("names, shape, axes", [
+    (("sp",), (8,), "sp"), (("dp", "sp"), (2, 4), "sp"), (("a", "b"), (4, 2), ("a", "b"))])
+def test_split_axis_keeps_every_shard_on_its_device(names, shape, axes):
+    mesh = Mesh(np.array(jax.devices()).reshape(shape), names)
+    mesh2d, (ring, ulysses) = split_axis(mesh, axes, 2)
+    seq = (axes,) if isinstance(axes, str) else axes
+    old = NamedSharding(mesh, P(None, seq)).devices_indices_map((4, 64))
+    new = NamedSharding(mesh2d, P(None, (ring, ulysses))).devices_indices_map((4, 64))
+    assert old == new
+    assert mesh2d.shape[ulysses] == 2
+
+
+def test_split_axis_passes_a_matching_two_axis_mesh_and_refuses_bad_sizes():
+    mesh = jax.make_mesh((2, 4), ("dcn", "ici"))
+    assert split_axis(mesh, ("dcn", "ici"), 4) == (mesh, ("dcn", "ici"))
+    with pytest.raises(ValueError, match=r"ulysses_size=3 must be a positive divisor of the 8 "
+                                         r"sequence devices.*\[1, 2, 4, 8\]"):
+        split_axis(mesh, ("dcn", "ici"), 3)
+    with pytest.raises(ValueError, match="seq axis 'sp' is not an axis"):
+        split_axis(mesh, "sp", 2)
+
+
+def test_hybrid_with_ulysses_size_on_one_axis_is_exact(make_qkv, tolerances):
+    """12 heads on 8 devices: Ulysses over 4 neighbours x ring over 2, forward and grads."""
+    q, k, v = make_qkv(batch=1, seq=128, heads=12, kv_heads=6, head_dim=8, seed=3)
+    mesh = jax.make_mesh((8,), ("sp",))
+    attend = functools.partial(jax_seqpar.sequence_parallel_attention, mesh=mesh,
+                               strategy="hybrid", ulysses_size=4, causal=True)
+
+    def loss(attention, q, k, v):
+        return jnp.sum(jnp.sin(attention(q, k, v)))
+
+    out, grads = jax.jit(jax.value_and_grad(functools.partial(loss, attend), (0, 1, 2)))(q, k, v)
+    ref_attention = functools.partial(reference.attention, causal=True)
+    ref_out, ref_grads = jax.value_and_grad(functools.partial(loss, ref_attention),
+                                            (0, 1, 2))(q, k, v)
+    np.testing.assert_allclose(out, ref_out, **tolerances(q.dtype))
+    for grad, ref_grad in zip(grads, ref_grads):
+        assert grad.shape == ref_grad.shape
+        np.testing.assert_allclose(grad, ref_grad, **tolerances(q.dtype, "grad"))
+    sharded = jax.device_put(q, NamedSharding(mesh, P(None, "sp")))
+    assert jax.jit(attend)(sharded, sharded, sharded).sharding.mesh.shape == {"sp": 8}
+
+
+@pytest.mark.parametrize("axis_type", [AxisType.Explicit, AxisType.Auto])
+def test_split_hybrid_sends_what_a_native_two_axis_mesh_sends(axis_type, make_qkv,
+                                                               tolerances):
+    """Resharding onto the split mesh adds no collective: same HLO bytes as a (2, 4) mesh."""
+    q, _, _ = make_qkv(batch=1, seq=128, heads=12, head_dim=8)
+
+    def compiled(shape, names, seq_axes, **kwargs):
+        mesh = jax.make_mesh(shape, names, axis_types=(axis_type,) * len(shape))
+        attend = functools.partial(jax_seqpar.sequence_parallel_attention, mesh=mesh,
+                                   seq_axes=seq_axes, strategy="hybrid", causal=True, **kwargs)
+        x = jax.device_put(q, NamedSharding(mesh, P(None, seq_axes)))
+        return jax.jit(attend).lower(x, x, x).compile(), x
+
+    native, _ = compiled((2, 4), ("dcn", "ici"), ("dcn", "ici"))
+    split, x = compiled((8,), ("sp",), "sp", ulysses_size=4)
+    sent = hlo.collective_bytes(split)
+    assert sent == hlo.collective_bytes(native) and sum(sent.values()) > 0
+    np.testing.assert_allclose(split(x, x, x), reference.attention(q, q, q, causal=True),
+                               **tolerances(q.dtype))
+
+
+def test_ulysses_size_needs_the_hybrid(make_qkv):
+    q, k, v = make_qkv(batch=1, seq=64, heads=4, head_dim=8)
+    with pytest.raises(ValueError, match='ulysses_size=2 needs strategy="hybrid"'):
+        jax_seqpar.sequence_parallel_attention(q, k, v, mesh=jax.make_mesh((8,), ("sp",)),
+                                               strategy="ring", ulysses_size=2)
+
+
+# --- measured tuning and its cache ----------------------------------------------------
+
+def test_tuned_plan_is_cached_and_reused_by_auto(tmp_path, monkeypatch, make_qkv, tolerances):
+    cache = tmp_path / "tuned.json"
+    monkeypatch.setenv(tune.ENV_VAR, str(cache))
+    mesh = jax.make_mesh((8,), ("sp",))
+    chosen = tune.tune(128, 4, 4, 8, mesh, causal=True, dtype_bytes=4, top=1, runs=1)
+    (label, seconds), = chosen.measured_seconds.items()
+    assert seconds > 0 and label == min(chosen.predicted_seconds,
+                                        key=chosen.predicted_seconds.get)
+    assert "fastest measured on this mesh" in chosen.reason
+    (key, entry), = json.loads(cache.read_text()).items()
+    assert entry["label"] == label
+
+    # auto reuses the cached entry, whatever the model says: make it all-gather
+    entry.update(strategy="allgather", ulysses_size=None, label="allgather")
+    cache.write_text(json.dumps({key: entry}))
+    q, k, v = make_qkv(batch=1, seq=128, heads=4, head_dim=8)
+    assert planner.auto_choice(q.shape, 4, 8, 4, mesh, ("sp",), causal=True) == (
+        "allgather", None)
+    attend = functools.partial(jax_seqpar.sequence_parallel_attention, mesh=mesh, causal=True)
+    compiled = jax.jit(attend).lower(q, k, v).compile()
+    sent = hlo.collective_bytes(compiled)
+    assert sent["all-gather"] > 0 and sent["all-to-all"] == 0
+    np.testing.assert_allclose(compiled(q, k, v),
+                               reference.attention(q, k, v, causal=True), **tolerances(q.dtype))
+
+
+def test_auto_without_a_cache_entry_uses_the_device_preset(tmp_path, monkeypatch):
+    monkeypatch.setenv(tune.ENV_VAR, str(tmp_path / "empty.json"))
+    mesh = jax.make_mesh((8,), ("sp",))
+    strategy, ulysses_size = planner.auto_choice((1, 1024, 12, 64), 12, 64, 4, mesh, ("sp",),
+                                                 causal=True)
+    expected = plan(1024, 12, 12, 64, {"sp": 8}, dtype_bytes=4, causal=True, hardware="cpu")
+    assert (strategy, ulysses_size) == (expected.strategy, expected.ulysses_size)
+
+
+def test_unreadable_cache_is_an_error(tmp_path):
+    bad = tmp_path / "bad.json"
+    bad.write_text("{not json")
+    with pytest.raises(ValueError, match="is not readable JSON"):
+        tune.lookup("key", cache=bad)
+
+
+def test_calibrated_cpu_preset_is_measured():
+    cpu = calibrate.calibrate_cpu(runs=1, matmul_size=64,
+                                  attention_shape=(256, 2, 16),
+                                  message_bytes=(2**12, 2**16), repeats=2)
+    assert cpu.name == "cpu" and not cpu.overlap
+    for value in (cpu.peak_flops, cpu.ici.bandwidth, cpu.ici.collective_bandwidth,
+                  cpu.attention_efficiency):
+        assert math.isfinite(value) and value > 0
+    assert plan(4096, 8, 8, 64, 8, hardware=cpu).predicted_seconds
+
+
+def test_tune_command(tmp_path, capsys):
+    from jax_seqpar.cli import main
+
+    cache = tmp_path / "cli.json"
+    assert main(["tune", "--seq", "128", "--heads", "4", "--kv-heads", "4", "--head-dim", "8",
+                 "--top", "1", "--runs", "1", "--cache", str(cache)]) == 0
+    text = capsys.readouterr().out
+    assert "fastest measured on this mesh" in text and str(cache) in text
+    assert len(json.loads(cache.read_text())) == 1
+    assert main(["tune", "--mesh", "sp=3", "--cache", str(cache)]) == 2
+    assert "seq_len=4096 is not divisible by the 3 devices" in capsys.readouterr().err
