@@ -1,8 +1,13 @@
 """Decoding against a KV cache sharded along the sequence.
 
-Each device attends its new queries against its slice of the cache and returns
+Each device attends the new queries against its slice of the cache and returns
 a partial ``(out, lse)``; the partials combine exactly with one ``pmax`` and two
 ``psum`` s (the tree-attention reduction, arXiv:2408.04093). Forward only.
+
+The cache's slots may hold any positions in any order (contiguous, zigzag,
+round-robin): with ``kv_positions`` every slot carries its token's global
+position, the mask is computed on those, and empty slots hold
+:data:`EMPTY_POSITION` (or any negative number), which no query sees.
 """
 
 from __future__ import annotations
@@ -10,11 +15,16 @@ from __future__ import annotations
 import jax.numpy as jnp
 
 from jax_seqpar import layout, masks
-from jax_seqpar._inputs import Options, check_qkv
+from jax_seqpar._inputs import Options, check_ids, check_qkv
 from jax_seqpar.merge import merge_across
 
+#: The position of an empty cache slot: later than every query, so the causal
+#: mask hides it and whole empty key blocks are skipped.
+EMPTY_POSITION = 2**31 - 1
 
-def decode_attention(q, k_cache, v_cache, *, axis_name, kv_length, scale=None, kernel="auto"):
+
+def decode_attention(q, k_cache, v_cache, *, axis_name, kv_length, scale=None, kernel="auto",
+                     kv_positions=None, window=None, block_sizes=None):
     """Attend new queries to a sequence-sharded cache (call inside ``shard_map``).
 
     Args:
@@ -22,11 +32,17 @@ def decode_attention(q, k_cache, v_cache, *, axis_name, kv_length, scale=None, k
         query ``t`` sits at global position ``kv_length - T + t`` and sees cache
         entries at positions ``<=`` its own (so ``T > 1`` is causal among them).
       k_cache: ``[B, C/P, Hkv, Dqk]``; v_cache: ``[B, C/P, Hkv, Dv]`` this device's
-        contiguous slice of a cache of capacity ``C``.
-      axis_name: the mesh axis the cache is split over.
-      kv_length: ``int32[B]`` valid cache entries (from global position 0),
+        slice of a cache of capacity ``C`` (any dtype; softmax in float32).
+      axis_name: the mesh axis (or tuple of axes) the cache is split over.
+      kv_length: ``int32[B]`` tokens in the cache (positions ``0 .. kv_length-1``),
         including the T new tokens.
       scale: defaults to ``1/sqrt(Dqk)``; kernel: ``"auto"``, ``"xla"``, ``"pallas"``.
+      kv_positions: ``int32[B, C/P]`` the global position held by each local slot
+        (:data:`EMPTY_POSITION` or negative: empty). Default: the contiguous split,
+        slot ``i`` of device ``r`` holds position ``r*C/P + i``.
+      window: ``(left, right)`` or one int: query ``i`` sees keys ``i-left .. i``;
+        key blocks wholly outside every query's window are skipped.
+      block_sizes: the kernel's tile sizes, or None.
 
     Returns:
       ``[B, T, H, Dv]`` in ``q.dtype``, the same on every device.
@@ -40,14 +56,20 @@ def decode_attention(q, k_cache, v_cache, *, axis_name, kv_length, scale=None, k
     if tuple(kv_length.shape) != (batch,):
         raise ValueError(f"kv_length must have shape [batch]=({batch},). "
                          f"Got {tuple(kv_length.shape)}.")
-    options = Options.make(q, causal=True, window=None, scale=scale, kernel=kernel)
+    check_ids("kv_positions", kv_positions, batch, k_cache.shape[1])
+    options = Options.make(q, causal=True, window=window, scale=scale, kernel=kernel,
+                           block_sizes=block_sizes)
     kv_length = kv_length.astype(jnp.int32)
-    cache_positions = layout.shard_positions("contiguous", k_cache.shape[1], axis_name=axis_name)
-    cache_positions = jnp.broadcast_to(cache_positions, (batch, k_cache.shape[1]))
-    valid = cache_positions < kv_length[:, None]
+    if kv_positions is None:
+        kv_positions = layout.shard_positions("contiguous", k_cache.shape[1],
+                                              axis_name=axis_name)
+        kv_positions = jnp.broadcast_to(kv_positions, (batch, k_cache.shape[1]))
+    kv_positions = kv_positions.astype(jnp.int32)
+    # Slots at or past kv_length (stale or empty) are later than every query: the
+    # causal mask hides them. Negative "empty" markers become EMPTY_POSITION too.
+    hidden = (kv_positions < 0) | (kv_positions >= kv_length[:, None])
+    kv_positions = jnp.where(hidden, EMPTY_POSITION, kv_positions)  # [B, C/P]
     q_positions = kv_length[:, None] - new_tokens + jnp.arange(new_tokens, dtype=jnp.int32)[None]
-    # Empty cache slots get a segment no query has.
-    q_tokens = masks.Tokens(q_positions, jnp.zeros((batch, new_tokens), jnp.int32))
-    kv_tokens = masks.Tokens(cache_positions, jnp.where(valid, 0, -1).astype(jnp.int32))
-    out, lse = options.forward(q, k_cache, v_cache, q_tokens, kv_tokens)  # float32
+    out, lse = options.forward(q, k_cache, v_cache, masks.Tokens(q_positions),
+                               masks.Tokens(kv_positions))  # float32 [B, T, H, Dv], [B, T, H]
     return merge_across(out, lse, axis_name).astype(q.dtype)  # [B, T, H, Dv]
