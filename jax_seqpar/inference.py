@@ -29,6 +29,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import numbers
 from typing import Optional, Union
 
 import jax
@@ -95,7 +96,7 @@ class KVCache:
         sizes = dict(batch=batch, capacity=capacity, num_kv_heads=num_kv_heads,
                      head_dim=head_dim, v_head_dim=v_head_dim)
         for name, value in sizes.items():
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"{name} must be a positive int. Got {name}={value!r}.")
         shards = math.prod(mesh.shape[name] for name in axes)
         if capacity % shards:
