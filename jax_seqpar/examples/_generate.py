@@ -148,3 +148,36 @@ def generate_unsharded_reference(model: TransformerLM, prompts, lengths, *,
         token = np.asarray(jnp.argmax(logits_at(buffer, lengths + step - 1), axis=-1))
         buffer[rows, lengths + step] = token
     return buffer[rows[:, None], lengths[:, None] + np.arange(num_tokens)]
+
+
+def _leaf_names(params: nnx.State) -> list[str]:
+    return [jax.tree_util.keystr(path) for path, _ in
+            jax.tree_util.tree_flatten_with_path(params)[0]]
+
+
+def save_params(params: nnx.State, path: str) -> None:
+    """Write :class:`TransformerLM` parameters to an ``.npz`` file (one array per leaf)."""
+    leaves = jax.tree.leaves(params)
+    np.savez(path, **{name: np.asarray(leaf) for name, leaf in zip(_leaf_names(params), leaves)})
+
+
+def load_params(like: nnx.State, path: str) -> nnx.State:
+    """Parameters saved by :func:`save_params`, in the structure of ``like``.
+
+    Raises:
+      ValueError: the file holds other leaves or shapes (another ``ModelConfig``).
+    """
+    with np.load(path) as saved:
+        names = _leaf_names(like)
+        leaves = jax.tree.leaves(like)
+        if sorted(saved.files) != sorted(names):
+            raise ValueError(f"{path} holds parameters {sorted(saved.files)[:4]}..., not those "
+                             f"of this model ({sorted(names)[:4]}...); delete it or pass "
+                             "another path.")
+        loaded = []
+        for name, leaf in zip(names, leaves):
+            if saved[name].shape != leaf.shape:
+                raise ValueError(f"{path}: {name} has shape {saved[name].shape}, the model "
+                                 f"{leaf.shape}; it was saved from another ModelConfig.")
+            loaded.append(jnp.asarray(saved[name], leaf.dtype))
+    return jax.tree.unflatten(jax.tree.structure(like), loaded)
