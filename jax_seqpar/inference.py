@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_seqpar import layout as layouts
+from jax_seqpar.kernels import tiling
 from jax_seqpar._inputs import check_qkv, check_self_attention
 from jax_seqpar.api import _place, axis_name_of, can_check_vma, sequence_parallel_attention
 from jax_seqpar.decode import EMPTY_POSITION, decode_attention
@@ -136,20 +136,43 @@ def _check_against_cache(k, v, cache: KVCache) -> None:
                          f"cache's (batch, Hkv, Dqk, Dv)={expected}. Got {got}.")
 
 
-def _write_striped(k, v, lengths, k_cache, v_cache, *, axis_name):
-    """Per shard: the contiguous prompt shard into round-robin slots (one ``all_to_all``).
+def _deal_round_robin(k, v, lengths, k_cache, v_cache, *, axis_name):
+    """Per shard: the contiguous prompt shard into its round-robin slots (one ``all_to_all``).
 
-    k: ``[B, S/P, Hkv, Dqk]`` contiguous shard of the prompt (``S % P**2 == 0``);
-    k_cache: ``[B, C/P, Hkv, Dqk]``. Returns the new local k, v and positions.
+    Shard ``r`` holds positions ``r*L .. r*L+L-1``; position ``p`` belongs on shard
+    ``p % P`` in slot ``p // P``. Padded to whole groups of ``P`` tokens, local token
+    ``a*P + j`` goes to shard ``(r*L + j) % P``: rolling each group by ``r*L % P``
+    puts the token for shard ``d`` in column ``d``, and one ``all_to_all`` deals
+    the columns (positions travel with the tokens).
+
+    Args:
+      k: ``[B, L, Hkv, Dqk]``, v: ``[B, L, Hkv, Dv]`` this shard of the prompt.
+      lengths: ``int32[B]`` true prompt lengths (later tokens are not written).
+      k_cache: ``[B, C/P, Hkv, Dqk]``, v_cache: ``[B, C/P, Hkv, Dv]``.
+    Returns:
+      The new local k, v and ``int32[B, C/P]`` positions (the rest of the slots empty).
     """
-    k, v = (layouts.to_striped(x, axis_name=axis_name) for x in (k, v))  # [B, S/P, Hkv, D]
-    slots = min(k.shape[1], k_cache.shape[1])  # slots past C/P hold padding only (S <= C)
-    positions = layouts.shard_positions("striped", slots, axis_name=axis_name)  # [slots]
-    positions = jnp.where(positions[None] < lengths[:, None], positions[None], EMPTY_POSITION)
-    empty = jnp.full((k.shape[0], k_cache.shape[1]), EMPTY_POSITION, jnp.int32)
-    write = lambda cache, x: jax.lax.dynamic_update_slice_in_dim(
-        cache, x[:, :slots].astype(cache.dtype), 0, axis=1)
-    return write(k_cache, k), write(v_cache, v), write(empty, positions)  # [B, C/P, ...]
+    shards, shard = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+    batch, local_len = k.shape[:2]
+    groups = -(-local_len // shards)
+    index = jnp.arange(groups * shards, dtype=jnp.int32)
+    positions = shard * local_len + index  # [L'], L' = groups * P
+    written = (index < local_len)[None] & (positions[None] < lengths[:, None])  # [B, L']
+    positions = jnp.where(written, positions[None], EMPTY_POSITION)  # [B, L']
+
+    def deal(x):
+        x = tiling.pad_seq(x, groups * shards)  # [B, L', ...]
+        x = x.reshape(batch, groups, shards, *x.shape[2:])  # [B, L'/P, P, ...]
+        x = jnp.roll(x, shard * local_len % shards, axis=2)  # column d: for shard d
+        x = jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=2, tiled=True)
+        return x.reshape(batch, groups * shards, *x.shape[3:])  # [B, L', ...] from all shards
+
+    k, v, positions = deal(k), deal(v), deal(positions)
+    local_capacity = k_cache.shape[1]
+    slot = jnp.where(positions == EMPTY_POSITION, local_capacity,
+                     (positions // shards) % local_capacity)  # [B, L']; empty: dropped
+    empty = jnp.full((batch, local_capacity), EMPTY_POSITION, jnp.int32)
+    return _put(k_cache, slot, k), _put(v_cache, slot, v), _put(empty, slot, positions)
 
 
 def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal: bool = True,
@@ -188,8 +211,8 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
                          f"Got {tuple(jnp.shape(lengths))}.")
     lengths = jnp.minimum(jnp.asarray(lengths, jnp.int32), seq_len)
     shards = cache.num_shards
-    # Every layout's divisibility (2P for zigzag) and the striped write's (P**2).
-    multiple = math.lcm(2 * shards, shards * shards)
+    # The divisibility every layout needs: 2P (zigzag), P**2 (striped).
+    multiple = shards * shards if layout == "striped" else 2 * shards
     padded = -(-seq_len // multiple) * multiple
     q, k, v = (jnp.pad(x, ((0, 0), (0, padded - seq_len), (0, 0), (0, 0))) for x in (q, k, v))
     segment_ids = None
@@ -199,18 +222,25 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
     out = sequence_parallel_attention(
         q, k, v, mesh=cache.mesh, seq_axes=seq_axes, strategy=strategy, causal=causal,
         segment_ids=segment_ids, window=window, scale=scale, layout=layout, kernel=kernel,
-        block_sizes=block_sizes)[:, :seq_len]  # [B, S, H, Dv]
+        block_sizes=block_sizes)  # [B, S_padded, H, Dv]
+    if seq_len % shards:  # an uneven length cannot stay sequence-sharded
+        out = _place(out, cache.mesh, P())
+    out = out[:, :seq_len]  # [B, S, H, Dv]
 
     axis_name = axis_name_of(cache.seq_axes)
     seq = P(None, axis_name)
     k, v = (_place(x, cache.mesh, seq) for x in (k, v))
     lengths = _place(lengths, cache.mesh, P())
-    write = jax.shard_map(functools.partial(_write_striped, axis_name=axis_name),
+    write = jax.shard_map(functools.partial(_deal_round_robin, axis_name=axis_name),
                           mesh=cache.mesh, in_specs=(seq, seq, P(), seq, seq),
                           out_specs=cache._specs())
     new_k, new_v, positions = write(k, v, lengths, cache.k, cache.v)
     return out, dataclasses.replace(cache, k=new_k, v=new_v, positions=positions,
                                     length=lengths)
+
+
+#: ``cache[b, slot[b, t]] = x[b, t]`` per row; slots out of range are dropped.
+_put = jax.vmap(lambda cache, slot, x: cache.at[slot].set(x.astype(cache.dtype), mode="drop"))
 
 
 def _append_and_attend(q, k, v, k_cache, v_cache, positions, length, *, axis_name, options):
@@ -221,12 +251,11 @@ def _append_and_attend(q, k, v, k_cache, v_cache, positions, length, *, axis_nam
     """
     new_tokens, local_capacity = q.shape[1], k_cache.shape[1]
     shards, shard = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
-    new_positions = length[:, None] + jnp.arange(new_tokens, dtype=jnp.int32)  # [B, T]
+    new_positions = length[:, None] + jnp.arange(new_tokens, dtype=jnp.int32)[None]  # [B, T]
     slot = (new_positions // shards) % local_capacity
     slot = jnp.where(new_positions % shards == shard, slot, local_capacity)  # others: dropped
-    put = jax.vmap(lambda cache, rows, x: cache.at[rows].set(x.astype(cache.dtype), mode="drop"))
-    k_cache, v_cache = put(k_cache, slot, k), put(v_cache, slot, v)  # [B, C/P, Hkv, D]
-    positions = put(positions, slot, new_positions)  # [B, C/P]
+    k_cache, v_cache = _put(k_cache, slot, k), _put(v_cache, slot, v)  # [B, C/P, Hkv, D]
+    positions = _put(positions, slot, new_positions)  # [B, C/P]
     out = decode_attention(q, k_cache, v_cache, axis_name=axis_name,
                            kv_length=length + new_tokens, kv_positions=positions, **options)
     return out, k_cache, v_cache, positions  # out [B, T, H, Dv], the same on every device

@@ -197,7 +197,7 @@ class SelfAttention(nnx.Module):
           ``[B, T, d_model]``.
         """
         cache = self._kv_cache()
-        positions = cache.length[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)  # [B, T]
+        positions = cache.length[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None]  # [B, T]
         q, k, v = self._rotated_qkv(x, positions)
         out, cache = inference.decode(q, k, v, cache, window=self.window,
                                       kernel=self.kernel)  # [B, T, H, Dh]
