@@ -197,6 +197,9 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
 
     Raises:
       ValueError: shapes that do not match the cache, a prompt longer than it.
+
+    >>> cache = KVCache.create(mesh, batch=2, capacity=8192, num_kv_heads=8, head_dim=128)
+    >>> out, cache = prefill(q, k, v, cache, lengths=jnp.array([4000, 17]))
     """
     check_self_attention(q, k, v, None)
     _check_against_cache(k, v, cache)
@@ -283,6 +286,9 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, window=N
 
     Raises:
       ValueError: shapes that do not match the cache or each other.
+
+    >>> step = jax.jit(decode, donate_argnums=3)  # donated: the cache updates in place
+    >>> out, cache = step(q_new, k_new, v_new, cache)  # q_new [B, 1, H, Dqk]
     """
     check_qkv(q, k, v)
     _check_against_cache(k, v, cache)

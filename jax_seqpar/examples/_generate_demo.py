@@ -80,7 +80,8 @@ def run_generate(*, prompt: str, num_tokens: int, strategy: str = "auto",
     result = generate(model, prompt_bytes, [prompt_bytes.shape[1]], num_tokens=num_tokens)
     text = bytes(result.tokens[0].astype(np.uint8).tolist()).decode(errors="replace")
     print_fn(f"{prompt}{text}")
-    print_fn(f"{num_tokens} tokens, KV cache sharded over {mesh.size} {mesh.devices.flat[0].platform} "
-             f"devices ({strategy} prefill): {result.tokens_per_second:.1f} tokens/s "
+    platform = mesh.devices.flat[0].platform
+    print_fn(f"{num_tokens} tokens, KV cache sharded over {mesh.size} {platform} devices "
+             f"({strategy} prefill): {result.tokens_per_second:.1f} tokens/s "
              f"(compile {result.compile_seconds:.1f} s)")
     return result.tokens[0]
