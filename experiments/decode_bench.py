@@ -23,6 +23,7 @@ and reports memory per device. Commands::
 """
 
 import argparse
+import functools
 import os
 import statistics
 import sys
@@ -76,7 +77,7 @@ def _full_cache(mesh, batch, capacity, length, dtype):
     shards = mesh.shape["sp"]
     seq = NamedSharding(mesh, P(None, "sp"))
 
-    @jax.jit
+    @functools.partial(jax.jit, out_shardings=(seq, seq, seq))
     def make():
         k = jax.random.normal(jax.random.key(0), (batch, capacity, KV_HEADS, HEAD_DIM), dtype)
         v = jax.random.normal(jax.random.key(1), (batch, capacity, KV_HEADS, HEAD_DIM), dtype)
@@ -84,11 +85,9 @@ def _full_cache(mesh, batch, capacity, length, dtype):
         per_shard = capacity // shards
         position = (slot % per_shard) * shards + slot // per_shard
         position = jnp.where(position < length, position, inference.EMPTY_POSITION)
-        return (jax.reshard(k, seq), jax.reshard(v, seq),
-                jax.reshard(jnp.broadcast_to(position, (batch, capacity)), seq))
+        return k, v, jnp.broadcast_to(position, (batch, capacity))
 
-    with jax.sharding.use_mesh(mesh):
-        k, v, positions = make()
+    k, v, positions = make()
     length = jax.device_put(jnp.full((batch,), length, jnp.int32), NamedSharding(mesh, P()))
     return inference.KVCache(k, v, positions, length, mesh=mesh, seq_axes=("sp",))
 
@@ -150,19 +149,21 @@ def run_h100(lengths):
 
     topology = topologies.get_topology_desc(platform="cuda", topology_name="h100",
                                             target_config=H100_TARGET_CONFIG, topology="1x1x8")
-    mesh = Mesh(np.array(topology.devices), ("sp",))
-    print(f"compiled for 8 x {topology.devices[0].device_kind}, not run; decode, 1 new token, "
+    devices = np.array(topology.devices)
+    print(f"compiled for {topology.devices[0].device_kind}, not run; decode, 1 new token, "
           f"batch 1, H={HEADS}, Hkv={KV_HEADS}, D={HEAD_DIM}, bf16 cache, kernel=xla")
     for length in lengths:
-        start = time.perf_counter()
-        traced = _step("xla").trace(*_specs(mesh, 1, length, jnp.bfloat16))
-        compiled = traced.lower(lowering_platforms=("cuda",)).compile()
-        argument, temp = _memory(compiled)
-        sent = sum(hlo.collective_bytes(compiled).values())
-        cache_mib = 2 * length * KV_HEADS * HEAD_DIM * 2 / 8 / _MIB
-        print(f"{length:>9} cache tokens: per device {argument:.1f} MiB arguments (cache shard "
-              f"{cache_mib:.1f} MiB) + {temp:.1f} MiB temp; {sent:.0f} bytes sent per token; "
-              f"compiled in {time.perf_counter() - start:.1f} s", flush=True)
+        for name, mesh in (("8 GPUs, sharded", Mesh(devices, ("sp",))),
+                           ("1 GPU, whole cache", Mesh(devices[:1], ("sp",)))):
+            start = time.perf_counter()
+            traced = _step("xla").trace(*_specs(mesh, 1, length, jnp.bfloat16))
+            compiled = traced.lower(lowering_platforms=("cuda",)).compile()
+            argument, temp = _memory(compiled)
+            sent = sum(hlo.collective_bytes(compiled).values())
+            shard_mib = 2 * length * KV_HEADS * HEAD_DIM * 2 / mesh.size / _MIB
+            print(f"{length:>9} cache tokens, {name}: per device {argument:.1f} MiB arguments "
+                  f"(cache {shard_mib:.1f} MiB) + {temp:.1f} MiB temp; {sent:.0f} bytes sent "
+                  f"per token; compiled in {time.perf_counter() - start:.1f} s", flush=True)
 
 
 def main(argv=None) -> int:
