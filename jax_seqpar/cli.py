@@ -79,8 +79,6 @@ def _generate(args: argparse.Namespace) -> int:
 
 
 def _add_generate(commands) -> None:
-    from jax_seqpar.examples._generate_demo import DEFAULT_PARAMS
-
     generate = commands.add_parser(
         "generate",
         help="greedy text from the demo LM, decoding against a sequence-sharded KV cache",
@@ -96,7 +94,7 @@ def _add_generate(commands) -> None:
     generate.add_argument("--strategy", default="auto",
                           choices=("auto", "ulysses", "ring", "hybrid", "allgather"),
                           help="prefill strategy (hybrid: 2 x 4 ('dcn', 'ici') mesh)")
-    generate.add_argument("--params", default=DEFAULT_PARAMS,
+    generate.add_argument("--params", default="jax-seqpar-params.npz",
                           help="parameters file: loaded if present, else written after "
                                "training ('' to neither load nor save)")
     generate.add_argument("--train-steps", type=_positive_int, default=150,
