@@ -23,6 +23,32 @@ from jax_seqpar.merge import merge_across
 EMPTY_POSITION = 2**31 - 1
 
 
+def _heads_as_tokens(options, q, k_cache, v_cache, q_positions, kv_positions):
+    """The local attention with every (token, KV head) pair as a token of one KV head.
+
+    ``[B, C/P, Hkv, D] -> [B, C/P * Hkv, 1, D]`` is a free reshape, and a pair
+    sees only the pairs of its head (one segment per KV head). The kernel then
+    reads the cache shard in place: with ``Hkv > 1`` heads-first tiles would make
+    XLA relayout the whole shard first (a second cache-sized buffer); the cost is
+    ``Hkv`` times the score arithmetic, small next to reading the cache once.
+
+    Returns:
+      ``(out float32[B, T, H, Dv], lse float32[B, T, H])``.
+    """
+    batch, new_tokens, heads, _ = q.shape
+    slots, kv_heads = k_cache.shape[1:3]
+    head = jnp.arange(kv_heads, dtype=jnp.int32)[None, None]  # [1, 1, Hkv]
+    pairs = lambda positions: masks.Tokens(
+        jnp.broadcast_to(positions[:, :, None], positions.shape + (kv_heads,)).reshape(
+            batch, -1),
+        jnp.broadcast_to(head, positions.shape + (kv_heads,)).reshape(batch, -1))
+    q = q.reshape(batch, new_tokens * kv_heads, heads // kv_heads, q.shape[3])  # [B, T*Hkv, G, D]
+    k_cache = k_cache.reshape(batch, slots * kv_heads, 1, k_cache.shape[3])  # [B, C/P*Hkv, 1, D]
+    v_cache = v_cache.reshape(batch, slots * kv_heads, 1, v_cache.shape[3])
+    out, lse = options.forward(q, k_cache, v_cache, pairs(q_positions), pairs(kv_positions))
+    return out.reshape(batch, new_tokens, heads, -1), lse.reshape(batch, new_tokens, heads)
+
+
 def decode_attention(q, k_cache, v_cache, *, axis_name, kv_length, scale=None, kernel="auto",
                      kv_positions=None, window=None, block_sizes=None):
     """Attend new queries to a sequence-sharded cache (call inside ``shard_map``).
@@ -70,6 +96,10 @@ def decode_attention(q, k_cache, v_cache, *, axis_name, kv_length, scale=None, k
     hidden = (kv_positions < 0) | (kv_positions >= kv_length[:, None])
     kv_positions = jnp.where(hidden, EMPTY_POSITION, kv_positions)  # [B, C/P]
     q_positions = kv_length[:, None] - new_tokens + jnp.arange(new_tokens, dtype=jnp.int32)[None]
-    out, lse = options.forward(q, k_cache, v_cache, masks.Tokens(q_positions),
-                               masks.Tokens(kv_positions))  # float32 [B, T, H, Dv], [B, T, H]
+    if k_cache.shape[2] == 1:  # MQA / MLA: tiles are heads-first already
+        out, lse = options.forward(q, k_cache, v_cache, masks.Tokens(q_positions),
+                                   masks.Tokens(kv_positions))
+    else:
+        out, lse = _heads_as_tokens(options, q, k_cache, v_cache, q_positions, kv_positions)
+    # out float32 [B, T, H, Dv], lse float32 [B, T, H]
     return merge_across(out, lse, axis_name).astype(q.dtype)  # [B, T, H, Dv]
