@@ -5,6 +5,7 @@ Subcommands:
          strategy on emulated CPU devices, and compare the loss curves.
   bench  time, memory and traffic of every strategy, next to the cost model.
   tune   predict every strategy and factorization, time the best, cache the winner.
+  generate  greedy text from the demo LM, decoding against a sequence-sharded KV cache.
 
 The work lives in :mod:`jax_seqpar.examples`; this module only parses arguments
 and prepares the JAX environment before a backend starts.
@@ -68,6 +69,45 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def _generate(args: argparse.Namespace) -> int:
+    _emulate_cpu_devices(DEMO_DEVICES)
+    from jax_seqpar.examples import _generate_demo
+
+    try:
+        _generate_demo.run_generate(prompt=args.prompt, num_tokens=args.tokens,
+                                    strategy=args.strategy, params_path=args.params or None,
+                                    train_steps=args.train_steps, seed=args.seed)
+    except ValueError as error:
+        print(f"jax-seqpar generate: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _add_generate(commands) -> None:
+    generate = commands.add_parser(
+        "generate",
+        help="greedy text from the demo LM, decoding against a sequence-sharded KV cache",
+        description=(
+            "Load the byte-level LM's parameters from --params (or train it briefly on one "
+            "device and save them there), prefill the prompt sequence-parallel over "
+            f"{DEMO_DEVICES} emulated CPU devices, then decode greedily against the KV cache "
+            "sharded along the sequence. Prints the text and tokens/s."),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    generate.add_argument("--prompt", required=True, help="the text to continue")
+    generate.add_argument("--tokens", type=_positive_int, default=64,
+                          help="bytes to generate")
+    generate.add_argument("--strategy", default="auto",
+                          choices=("auto", "ulysses", "ring", "hybrid", "allgather"),
+                          help="prefill strategy (hybrid: 2 x 4 ('dcn', 'ici') mesh)")
+    generate.add_argument("--params", default="jax-seqpar-params.npz",
+                          help="parameters file: loaded if present, else written after "
+                               "training ('' to neither load nor save)")
+    generate.add_argument("--train-steps", type=_positive_int, default=150,
+                          help="training steps when no parameters file exists")
+    generate.add_argument("--seed", type=int, default=0, help="parameters and data order")
+    generate.set_defaults(run=_generate)
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``jax-seqpar`` argument parser (one subparser per subcommand)."""
     parser = argparse.ArgumentParser(
@@ -108,6 +148,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--global-every", type=_positive_int, default=2,
                       help="with --local-window: one global layer in this many (Gemma 3: 6)")
     demo.set_defaults(run=_demo)
+    _add_generate(commands)
 
     from jax_seqpar import bench_report
 

@@ -151,6 +151,22 @@ def _allgather_bytes(*, batch, seq_len, num_kv_heads, head_dim, v_head_dim, axis
     return sent
 
 
+def _decode_bytes(*, batch, seq_len, num_heads, num_kv_heads, head_dim, v_head_dim,
+                  axis_sizes) -> float:
+    """Sharded-cache decode (:mod:`jax_seqpar.inference`): only the merge communicates.
+
+    ``seq_len`` is ``T``, the new tokens; the cache never moves. One ``pmax`` of
+    the float32 lse ``[B, T, H]`` and two ``psum`` s, of the float32 weights
+    ``[B, T, H]`` and weighted outputs ``[B, T, H, Dv]``: ``2(P-1)/P`` of each,
+    whatever the dtype of q/k/v.
+    """
+    _check_counts(batch=batch, seq_len=seq_len, num_heads=num_heads,
+                  num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim)
+    devices = math.prod(_axis_sizes_tuple(axis_sizes))
+    rows = batch * seq_len * num_heads
+    return 2 * (devices - 1) / devices * rows * (v_head_dim + 2) * 4
+
+
 def _is_count(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
 
@@ -196,6 +212,10 @@ def comm_bytes(strategy: str, *, batch: int, seq_len: int, num_heads: int, num_k
       all-gather's in the input dtype. A window reaching ``(P-1)*S/P`` tokens or
       more is the full ring / gather. Ulysses is unchanged by a window.
 
+    * ``"decode"``: decoding against a sequence-sharded KV cache; ``seq_len`` is
+      the number of new tokens ``T`` (any, not divided); only the float32 merge
+      of the partial results is sent (one ``pmax``, two ``psum`` s).
+
     A group of one device sends nothing. For non-hybrid strategies a tuple of
     axis sizes is flattened (the product is the group size).
 
@@ -231,6 +251,11 @@ def comm_bytes(strategy: str, *, batch: int, seq_len: int, num_heads: int, num_k
 
     (the seed's ``N x 3584`` for q, k, v, out, plus 3.5 bytes of int32 positions.)
     """
+    if strategy == "decode":
+        return _decode_bytes(batch=batch, seq_len=seq_len, num_heads=num_heads,
+                             num_kv_heads=num_kv_heads, head_dim=head_dim,
+                             v_head_dim=head_dim if v_head_dim is None else v_head_dim,
+                             axis_sizes=axis_sizes)
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy={strategy!r} is not one of {STRATEGIES}.")
     v_head_dim = head_dim if v_head_dim is None else v_head_dim

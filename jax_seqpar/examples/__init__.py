@@ -23,3 +23,7 @@ from jax_seqpar.examples._train import make_optimizer as make_optimizer
 from jax_seqpar.examples._train import mesh_for as mesh_for
 from jax_seqpar.examples._train import train as train
 from jax_seqpar.examples._demo import run_demo as run_demo
+from jax_seqpar.examples._generate import Generation as Generation
+from jax_seqpar.examples._generate import generate as generate
+from jax_seqpar.examples._generate import load_params as load_params
+from jax_seqpar.examples._generate import save_params as save_params

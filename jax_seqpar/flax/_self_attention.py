@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_seqpar import inference
 from jax_seqpar.flax._attention_fn import attend
 from jax_seqpar.flax._rope import apply_rope
 
@@ -55,6 +56,9 @@ class SelfAttention(nnx.Module):
       sinks: learn one attention-sink logit per head (gpt-oss), an ``nnx.Param``
         ``float32[H]`` initialized to zero; default ``False``.
       q_proj, k_proj, v_proj, o_proj: the ``nnx.LinearGeneral`` projections.
+      cache: decode mode's ``nnx.Cache`` holding a sequence-sharded
+        :class:`~jax_seqpar.inference.KVCache` (``None`` until :meth:`init_cache`);
+        :meth:`prefill` fills it, :meth:`decode` appends to it.
 
     >>> mesh = jax.make_mesh((8,), ("sp",))
     >>> layer = SelfAttention(256, 8, num_kv_heads=2, mesh=mesh, strategy="ring",
@@ -110,6 +114,7 @@ class SelfAttention(nnx.Module):
         self.k_proj = projection(d_model, (num_kv_heads, head_dim))
         self.v_proj = projection(d_model, (num_kv_heads, head_dim))
         self.o_proj = projection((num_heads, head_dim), d_model, axis=(-2, -1))
+        self.cache = nnx.data(None)  # decode mode: an nnx.Cache of a KVCache, see init_cache
 
     def __call__(self, x: jax.Array, *, segment_ids: Optional[jax.Array] = None,
                  positions: Optional[jax.Array] = None) -> jax.Array:
@@ -125,17 +130,88 @@ class SelfAttention(nnx.Module):
         Returns:
           ``[B, S, d_model]``.
         """
+        rope_positions = jnp.arange(x.shape[1], dtype=jnp.int32) if positions is None \
+            else positions  # [S] natural order, or [B, S] as given
+        q, k, v = self._rotated_qkv(x, rope_positions)  # [B, S, H | Hkv, Dh]
+        out = attend(q, k, v, mesh=self.mesh, seq_axes=self.seq_axes, strategy=self.strategy,
+                     causal=self.causal, segment_ids=segment_ids, positions=positions,
+                     **self._mask_options())  # [B, S, H, Dh]
+        return self.o_proj(out)  # [B, S, d_model]
+
+    # --- decode mode: prefill and decode against a sequence-sharded KV cache ---------
+
+    def init_cache(self, batch: int, capacity: int, *, dtype=jnp.bfloat16) -> None:
+        """Enter decode mode: an empty :class:`~jax_seqpar.inference.KVCache` as NNX state.
+
+        The cache is an ``nnx.Cache`` variable (``self.cache``), sharded along
+        ``seq_axes`` of ``mesh`` (without a mesh: on one device), so ``nnx.split``
+        / ``nnx.state(layer, nnx.Cache)`` carry it through ``jax.jit``.
+
+        Args:
+          batch, capacity: rows and token slots per row (a multiple of the shards).
+          dtype: storage dtype of the cached keys and values.
+        """
+        if not self.causal:
+            raise ValueError("decode mode needs a causal layer; create SelfAttention(..., "
+                             "causal=True).")
+        mesh, seq_axes = self.mesh, self.seq_axes
+        if mesh is None:
+            mesh, seq_axes = jax.sharding.Mesh(jax.devices()[:1], ("sp",)), "sp"
+        self.cache = nnx.Cache(inference.KVCache.create(
+            mesh, batch=batch, capacity=capacity, num_kv_heads=self.num_kv_heads,
+            head_dim=self.head_dim, dtype=dtype, seq_axes=seq_axes))
+
+    def _kv_cache(self) -> inference.KVCache:
+        if self.cache is None:
+            raise ValueError("this SelfAttention has no KV cache; call "
+                             "layer.init_cache(batch, capacity) first.")
+        return self.cache.get_value()
+
+    def _mask_options(self) -> dict:
+        return dict(window=self.window, layout=self.layout, kernel=self.kernel,
+                    softcap=self.softcap,
+                    sinks=None if self.sinks is None else self.sinks[...])
+
+    def _rotated_qkv(self, x, positions):
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [batch, seq, d_model={self.d_model}]. "
                              f"Got x.shape={x.shape}.")
-        rope_positions = jnp.arange(x.shape[1], dtype=jnp.int32) if positions is None \
-            else positions  # [S] natural order, or [B, S] as given
-        q = apply_rope(self.q_proj(x), rope_positions, base=self.rope_base)  # [B, S, H, Dh]
-        k = apply_rope(self.k_proj(x), rope_positions, base=self.rope_base)  # [B, S, Hkv, Dh]
-        v = self.v_proj(x)  # [B, S, Hkv, Dh]
-        out = attend(q, k, v, mesh=self.mesh, seq_axes=self.seq_axes, strategy=self.strategy,
-                     causal=self.causal, segment_ids=segment_ids, positions=positions,
-                     window=self.window, layout=self.layout, kernel=self.kernel,
-                     softcap=self.softcap,
-                     sinks=None if self.sinks is None else self.sinks[...])  # [B, S, H, Dh]
+        q = apply_rope(self.q_proj(x), positions, base=self.rope_base)  # [B, S, H, Dh]
+        k = apply_rope(self.k_proj(x), positions, base=self.rope_base)  # [B, S, Hkv, Dh]
+        return q, k, self.v_proj(x)
+
+    def prefill(self, x: jax.Array, *, lengths: Optional[jax.Array] = None) -> jax.Array:
+        """Attend over prompts sequence-parallel and fill the cache with their K/V.
+
+        Args:
+          x: ``[B, S, d_model]`` prompts at positions ``0 .. S-1``, in natural order.
+          lengths: ``int32[B]`` true prompt lengths (rows padded at the end), or None.
+
+        Returns:
+          ``[B, S, d_model]`` (padding rows' outputs are meaningless).
+        """
+        cache = self._kv_cache()
+        q, k, v = self._rotated_qkv(x, jnp.arange(x.shape[1], dtype=jnp.int32))
+        out, cache = inference.prefill(
+            q, k, v, cache, causal=True, strategy=self.strategy, lengths=lengths,
+            **self._mask_options())  # [B, S, H, Dh]
+        self.cache.set_value(cache)
         return self.o_proj(out)  # [B, S, d_model]
+
+    def decode(self, x: jax.Array) -> jax.Array:
+        """Append ``T`` tokens per row after the cached ones and attend to the cache.
+
+        Args:
+          x: ``[B, T, d_model]`` the new tokens; row ``b``'s sit at positions
+            ``length[b] .. length[b]+T-1`` (RoPE uses those).
+
+        Returns:
+          ``[B, T, d_model]``.
+        """
+        cache = self._kv_cache()
+        positions = cache.length[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None]  # [B, T]
+        q, k, v = self._rotated_qkv(x, positions)
+        options = {name: x for name, x in self._mask_options().items() if name != "layout"}
+        out, cache = inference.decode(q, k, v, cache, **options)  # [B, T, H, Dh]
+        self.cache.set_value(cache)
+        return self.o_proj(out)  # [B, T, d_model]

@@ -1,0 +1,250 @@
+"""jax_seqpar.inference against the reference: prefill into a sequence-sharded KV cache,
+many decode steps (T=1 and T>1) over ragged rows, every placement, generation, traffic."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+from jax_seqpar import hlo, inference, reference
+from jax_seqpar.decode import EMPTY_POSITION, decode_attention
+from jax_seqpar.plan import comm_bytes
+
+
+def _mesh(kind):
+    devices = np.array(jax.devices())
+    if kind == "hybrid":
+        return jax.make_mesh((2, 4), ("dcn", "ici")), ("dcn", "ici")
+    if kind == "auto":
+        return Mesh(devices, ("sp",)), "sp"  # AxisType.Auto
+    return jax.make_mesh((8,), ("sp",)), "sp"  # AxisType.Explicit
+
+
+def _stream(batch, tokens, heads, kv_heads, head_dim, v_head_dim, dtype, seed=0):
+    """q, k, v of every position each row will ever hold: ``[B, tokens, ., .]``."""
+    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
+    return (jax.random.normal(kq, (batch, tokens, heads, head_dim), dtype),
+            jax.random.normal(kk, (batch, tokens, kv_heads, head_dim), dtype),
+            jax.random.normal(kv, (batch, tokens, kv_heads, v_head_dim), dtype))
+
+
+def _as_f32(*arrays):
+    return [jnp.asarray(x, jnp.float32) for x in arrays]
+
+
+def _expected_stream(q, k, v, **mask):
+    """Reference output at every position of every row, ``float32[B, N, H, Dv]``.
+
+    A decoded query at position ``p`` sees keys ``0 .. p`` (causal, within the
+    window): exactly what causal attention over the whole stream gives at ``p``,
+    so one reference call checks every step of every row.
+    """
+    return np.asarray(reference.attention(*_as_f32(q, k, v), causal=True, **mask))
+
+
+# (mesh, strategy, heads, kv_heads, head_dim, v_head_dim, dtype, prompt lengths, extra)
+CASES = [
+    pytest.param("explicit", "ring", 4, 2, 16, 16, jnp.float32, [40, 5, 0], {},
+                 id="ring-gqa-f32-empty-shards"),
+    pytest.param("auto", "ulysses", 8, 1, 16, 16, jnp.bfloat16, [33, 1, 16], {},
+                 id="ulysses-mqa-bf16-auto-mesh"),
+    pytest.param("explicit", "allgather", 4, 1, 576, 512, jnp.bfloat16, [24, 7], {},
+                 id="allgather-mla-bf16"),
+    pytest.param("hybrid", "hybrid", 8, 2, 16, 16, jnp.float32, [40, 9], {},
+                 id="hybrid-gqa-f32"),
+    pytest.param("explicit", "auto", 4, 2, 16, 16, jnp.float32, [24, 13],
+                 dict(window=(6, 0), capacity=32), id="auto-window-rolling-cache"),
+    pytest.param("auto", "ring", 4, 4, 16, 16, jnp.float32, [30, 3],
+                 dict(causal=False), id="ring-mha-bidirectional-prompt"),
+]
+
+
+@pytest.mark.parametrize("mesh_kind, strategy, heads, kv_heads, head_dim, v_head_dim, dtype, "
+                         "lengths, extra", CASES)
+def test_prefill_then_decode_matches_reference(mesh_kind, strategy, heads, kv_heads, head_dim,
+                                               v_head_dim, dtype, lengths, extra, tolerances):
+    mesh, seq_axes = _mesh(mesh_kind)
+    window, causal = extra.get("window"), extra.get("causal", True)
+    steps = (1, 3, 1, 1, 3, 1)  # 10 new tokens per row
+    batch, prompt_len = len(lengths), max(max(lengths), 1)
+    capacity = extra.get("capacity", 64)
+    q, k, v = _stream(batch, prompt_len + sum(steps), heads, kv_heads, head_dim, v_head_dim,
+                      dtype)
+    cache = inference.KVCache.create(mesh, batch=batch, capacity=capacity,
+                                     num_kv_heads=kv_heads, head_dim=head_dim,
+                                     v_head_dim=v_head_dim, dtype=dtype, seq_axes=seq_axes)
+    lengths = np.array(lengths, np.int32)
+    prefill = jax.jit(functools.partial(inference.prefill, strategy=strategy, causal=causal,
+                                        window=window))
+    out, cache = prefill(q[:, :prompt_len], k[:, :prompt_len], v[:, :prompt_len], cache,
+                         lengths=jnp.asarray(lengths))
+    assert out.shape == (batch, prompt_len, heads, v_head_dim) and out.dtype == dtype
+    np.testing.assert_array_equal(cache.length, lengths)
+    stream = _expected_stream(q, k, v, window=window)  # [B, N, H, Dv]
+    for b, n in enumerate(lengths):
+        expected = stream[b, :n]
+        if not causal:  # the prompt attends to itself both ways
+            expected = reference.attention(*_as_f32(q[b:b + 1, :n], k[b:b + 1, :n],
+                                                    v[b:b + 1, :n]), window=window)[0]
+        np.testing.assert_allclose(np.asarray(out, np.float32)[b, :n], expected,
+                                   **tolerances(dtype), err_msg=f"prefill row {b}")
+
+    decode = jax.jit(functools.partial(inference.decode, window=window))
+    for step, new in enumerate(steps):
+        positions = lengths[:, None] + np.arange(new)  # [B, T] each row's next positions
+        take = lambda x: jnp.asarray(np.take_along_axis(
+            np.asarray(x), positions[:, :, None, None], axis=1))
+        out, cache = decode(take(q), take(k), take(v), cache)
+        assert out.shape == (batch, new, heads, v_head_dim) and out.dtype == dtype
+        expected = np.take_along_axis(stream, positions[:, :, None, None], axis=1)
+        np.testing.assert_allclose(np.asarray(out, np.float32), expected, **tolerances(dtype),
+                                   err_msg=f"decode step {step}")
+        lengths = lengths + new
+        np.testing.assert_array_equal(cache.length, lengths)
+    # Round-robin: every row's tokens are spread evenly (+-1) over the 8 shards.
+    held = np.asarray(cache.positions).reshape(batch, 8, -1)
+    per_shard = (held != EMPTY_POSITION).sum(-1)
+    assert (per_shard.max(-1) - per_shard.min(-1) <= 1).all(), per_shard
+
+
+@pytest.mark.parametrize("new_tokens", [2])
+def test_decode_attention_is_exact_for_any_placement(new_tokens, tolerances):
+    """Slots shuffled across shards, empty slots marked -1 or EMPTY_POSITION."""
+    batch, capacity, heads, kv_heads, dim = 2, 64, 4, 2, 16
+    _, k, v = _stream(batch, capacity, heads, kv_heads, dim, dim, jnp.float32, seed=4)
+    q = jax.random.normal(jax.random.key(5), (batch, new_tokens, heads, dim))
+    kv_length = np.array([45, 6], np.int32)
+    rng = np.random.default_rng(0)
+    slots = np.stack([rng.permutation(capacity) for _ in range(batch)])  # slot -> position
+    positions = np.where(slots < kv_length[:, None], slots, -1)
+    positions[1, ::2] = np.where(positions[1, ::2] < 0, EMPTY_POSITION, positions[1, ::2])
+    placed = lambda x: np.take_along_axis(np.asarray(x), slots[:, :, None, None], axis=1)
+    mesh, axes = _mesh("auto")
+    seq = P(None, axes)
+    f = jax.shard_map(
+        lambda q, k, v, n, pos: decode_attention(q, k, v, axis_name=axes, kv_length=n,
+                                                 kv_positions=pos),
+        mesh=mesh, in_specs=(P(), seq, seq, P(), seq), out_specs=P())
+    out = jax.jit(f)(q, placed(k), placed(v), jnp.asarray(kv_length), jnp.asarray(positions))
+    for b, n in enumerate(kv_length):
+        expected = reference.attention(
+            q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], causal=True,
+            positions=n - new_tokens + jnp.arange(new_tokens, dtype=jnp.int32)[None],
+            kv_positions=jnp.arange(n, dtype=jnp.int32)[None])
+        np.testing.assert_allclose(out[b:b + 1], expected, **tolerances(jnp.float32))
+
+
+@pytest.mark.parametrize("new_tokens, heads, kv_heads, head_dim, v_head_dim, dtype", [
+    pytest.param(1, 8, 2, 16, 8, jnp.float32, id="gqa-t1"),
+    pytest.param(3, 4, 1, 576, 512, jnp.bfloat16, id="mla-t3"),
+])
+def test_comm_bytes_decode_matches_compiled_hlo(new_tokens, heads, kv_heads, head_dim,
+                                                v_head_dim, dtype):
+    mesh, axes = _mesh("explicit")
+    batch = 2
+    cache = inference.KVCache.create(mesh, batch=batch, capacity=256, num_kv_heads=kv_heads,
+                                     head_dim=head_dim, v_head_dim=v_head_dim, dtype=dtype)
+    q, k, v = _stream(batch, new_tokens, heads, kv_heads, head_dim, v_head_dim, dtype)
+    measured = hlo.collective_bytes(jax.jit(inference.decode).lower(q, k, v, cache).compile())
+    predicted = comm_bytes("decode", batch=batch, seq_len=new_tokens, num_heads=heads,
+                           num_kv_heads=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim,
+                           axis_sizes=8, dtype_bytes=dtype(0).itemsize)
+    assert sum(measured.values()) == measured["all-reduce"] == predicted, measured
+    # One pmax of the lse and the psums of the weights and outputs, all float32.
+    assert predicted == 2 * 7 / 8 * 4 * batch * new_tokens * heads * (v_head_dim + 2)
+
+
+def _small_cache(**kwargs):
+    mesh, axes = _mesh("explicit")
+    args = dict(batch=2, capacity=64, num_kv_heads=2, head_dim=16)
+    args.update(kwargs)
+    return inference.KVCache.create(mesh, **args)
+
+
+@pytest.mark.parametrize("call, message", [
+    pytest.param(lambda: _small_cache(capacity=60), "capacity=60 is not divisible by the 8",
+                 id="capacity"),
+    pytest.param(lambda: _small_cache(seq_axes="tp"), "not an axis of the mesh", id="axis"),
+    pytest.param(lambda: _small_cache(head_dim=0), "head_dim must be a positive int",
+                 id="head-dim"),
+    pytest.param(lambda: inference.prefill(*_stream(2, 72, 4, 2, 16, 16, jnp.float32),
+                                           _small_cache()),
+                 "72 tokens but the cache only capacity=64", id="prompt-too-long"),
+    pytest.param(lambda: inference.prefill(*_stream(2, 8, 4, 1, 16, 16, jnp.float32),
+                                           _small_cache()),
+                 r"must match the cache's \(batch, Hkv, Dqk, Dv\)=\(2, 2, 16, 16\)",
+                 id="kv-heads"),
+    pytest.param(lambda: inference.prefill(*_stream(2, 8, 4, 2, 16, 16, jnp.float32),
+                                           _small_cache(), lengths=jnp.ones(3, jnp.int32)),
+                 r"lengths must have shape \[batch\]=\(2,\)", id="lengths"),
+    pytest.param(lambda: inference.decode(*_stream(2, 65, 4, 2, 16, 16, jnp.float32),
+                                          _small_cache()),
+                 "65 new tokens do not fit a cache of capacity=64", id="too-many-new"),
+])
+def test_bad_input_is_refused(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+# --- Flax: SelfAttention's decode mode and the example LM's generation ----------------
+
+def _tiny_lm():
+    from jax_seqpar.examples import ModelConfig, init_params
+
+    config = ModelConfig(d_model=32, num_layers=2, num_heads=8, num_kv_heads=2, mlp_hidden=64)
+    return config, init_params(config, 0)
+
+
+def test_generation_from_the_sharded_cache_matches_unsharded_tokens():
+    from flax import nnx
+
+    from jax_seqpar.examples import Parallelism, TransformerLM
+    from jax_seqpar.examples._generate import generate, generate_unsharded_reference
+
+    config, params = _tiny_lm()
+    prompts = np.random.default_rng(0).integers(0, 256, (3, 20)).astype(np.int32)
+    lengths = np.array([20, 3, 9], np.int32)  # ragged; row 1 leaves shards 3..7 empty
+    unsharded = TransformerLM(config, rngs=nnx.Rngs(0))
+    nnx.update(unsharded, params)
+    expected = generate_unsharded_reference(unsharded, prompts, lengths, num_tokens=12)
+    mesh, _ = _mesh("explicit")
+    model = TransformerLM(config, Parallelism(mesh, "sp", "ring"), rngs=nnx.Rngs(0))
+    nnx.update(model, params)
+    result = generate(model, prompts, lengths, num_tokens=12)
+    assert result.tokens.shape == (3, 12) and result.tokens.dtype == np.int32
+    np.testing.assert_array_equal(result.tokens, expected)
+    cache = model.blocks[0].attention.cache.get_value()
+    assert isinstance(cache, inference.KVCache)
+    assert tuple(cache.k.sharding.spec)[:2] == (None, "sp")
+    np.testing.assert_array_equal(cache.length, lengths + 11)  # the last token is not fed
+
+
+def test_decode_mode_errors():
+    from flax import nnx
+
+    from jax_seqpar.flax import SelfAttention
+
+    layer = SelfAttention(32, 4, causal=True, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"no KV cache; call layer.init_cache"):
+        layer.decode(jnp.ones((1, 1, 32)))
+    with pytest.raises(ValueError, match="decode mode needs a causal layer"):
+        SelfAttention(32, 4, rngs=nnx.Rngs(0)).init_cache(1, 8)
+
+
+def test_cli_generate_trains_saves_then_loads(tmp_path, capsys):
+    from jax_seqpar.cli import main
+
+    path = str(tmp_path / "params.npz")
+    args = ["generate", "--prompt", "def ", "--tokens", "5", "--params", path]
+    assert main(args + ["--train-steps", "1"]) == 0
+    first = capsys.readouterr().out
+    assert "trained 1 steps" in first and f"parameters saved to {path}" in first
+    assert main(args) == 0
+    second = capsys.readouterr().out
+    assert f"loaded parameters from {path}" in second and "tokens/s" in second
+    # Same parameters, same greedy text.
+    assert [l for l in first.splitlines() if l.startswith("def ")] == [
+        l for l in second.splitlines() if l.startswith("def ")]
