@@ -59,6 +59,9 @@ CASES = [
                  dict(window=(6, 0), capacity=32), id="auto-window-rolling-cache"),
     pytest.param("auto", "ring", 4, 4, 16, 16, jnp.float32, [30, 3],
                  dict(causal=False), id="ring-mha-bidirectional-prompt"),
+    pytest.param("explicit", "ulysses", 4, 2, 16, 16, jnp.float32, [21, 6],
+                 dict(softcap=4.0, sinks=jnp.array([0.5, -1.0, 2.0, 0.0])),
+                 id="ulysses-gqa-softcap-sinks"),
 ]
 
 
@@ -68,6 +71,7 @@ def test_prefill_then_decode_matches_reference(mesh_kind, strategy, heads, kv_he
                                                v_head_dim, dtype, lengths, extra, tolerances):
     mesh, seq_axes = _mesh(mesh_kind)
     window, causal = extra.get("window"), extra.get("causal", True)
+    options = {name: extra[name] for name in ("softcap", "sinks") if name in extra}
     steps = (1, 3, 1, 1, 3, 1)  # 10 new tokens per row
     batch, prompt_len = len(lengths), max(max(lengths), 1)
     capacity = extra.get("capacity", 64)
@@ -78,21 +82,22 @@ def test_prefill_then_decode_matches_reference(mesh_kind, strategy, heads, kv_he
                                      v_head_dim=v_head_dim, dtype=dtype, seq_axes=seq_axes)
     lengths = np.array(lengths, np.int32)
     prefill = jax.jit(functools.partial(inference.prefill, strategy=strategy, causal=causal,
-                                        window=window))
+                                        window=window, **options))
     out, cache = prefill(q[:, :prompt_len], k[:, :prompt_len], v[:, :prompt_len], cache,
                          lengths=jnp.asarray(lengths))
     assert out.shape == (batch, prompt_len, heads, v_head_dim) and out.dtype == dtype
     np.testing.assert_array_equal(cache.length, lengths)
-    stream = _expected_stream(q, k, v, window=window)  # [B, N, H, Dv]
+    stream = _expected_stream(q, k, v, window=window, **options)  # [B, N, H, Dv]
     for b, n in enumerate(lengths):
         expected = stream[b, :n]
         if not causal:  # the prompt attends to itself both ways
             expected = reference.attention(*_as_f32(q[b:b + 1, :n], k[b:b + 1, :n],
-                                                    v[b:b + 1, :n]), window=window)[0]
+                                                    v[b:b + 1, :n]), window=window,
+                                           **options)[0]
         np.testing.assert_allclose(np.asarray(out, np.float32)[b, :n], expected,
                                    **tolerances(dtype), err_msg=f"prefill row {b}")
 
-    decode = jax.jit(functools.partial(inference.decode, window=window))
+    decode = jax.jit(functools.partial(inference.decode, window=window, **options))
     for step, new in enumerate(steps):
         positions = lengths[:, None] + np.arange(new)  # [B, T] each row's next positions
         take = lambda x: jnp.asarray(np.take_along_axis(

@@ -211,7 +211,8 @@ class SelfAttention(nnx.Module):
         cache = self._kv_cache()
         positions = cache.length[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None]  # [B, T]
         q, k, v = self._rotated_qkv(x, positions)
-        options = {name: x for name, x in self._mask_options().items() if name != "layout"}
+        options = {name: value for name, value in self._mask_options().items()
+                   if name != "layout"}
         out, cache = inference.decode(q, k, v, cache, **options)  # [B, T, H, Dh]
         self.cache.set_value(cache)
         return self.o_proj(out)  # [B, T, d_model]
