@@ -19,6 +19,6 @@ from jax_seqpar.layout import striped_unpermute as striped_unpermute
 from jax_seqpar.layout import zigzag_permute as zigzag_permute
 from jax_seqpar.layout import zigzag_positions as zigzag_positions
 from jax_seqpar.layout import zigzag_unpermute as zigzag_unpermute
-from jax_seqpar.plan import comm_bytes as comm_bytes
+from jax_seqpar.traffic import comm_bytes as comm_bytes
 from jax_seqpar.ring import ring_attention as ring_attention
 from jax_seqpar.ulysses import ulysses_attention as ulysses_attention
