@@ -38,7 +38,8 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_seqpar.kernels import tiling
 from jax_seqpar._inputs import check_qkv, check_self_attention
-from jax_seqpar.api import _place, axis_name_of, can_check_vma, sequence_parallel_attention
+from jax_seqpar._placement import place as _place
+from jax_seqpar.api import axis_name_of, can_check_vma, sequence_parallel_attention
 from jax_seqpar.decode import EMPTY_POSITION, decode_attention
 
 
