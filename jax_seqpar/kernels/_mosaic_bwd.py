@@ -15,6 +15,7 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_seqpar import _compat
@@ -101,7 +102,7 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, blo
     lse_h, delta_h = (mc.heads_first(x[..., None], q_pad)[..., 0] for x in (lse, delta))
 
     def kv_map(b, h, i, j, plan_ref):
-        return b, h // group, mc.fetched(plan_ref, i, j), 0
+        return b, lax.div(h, group), mc.fetched(plan_ref, i, j), 0
 
     def q_map(b, h, i, j, _):
         return b, h, i, 0

@@ -9,7 +9,7 @@ are therefore multiples of 128 tokens, and so are query tiles, which are the lan
 of the transposed scores in the ``dk, dv`` kernel.
 
 The schedule of a call is one ``int32[rows, cols]`` table in SMEM (scalar prefetch):
-``plan = fetch * 4 + class``, where ``class`` is the tile's
+``plan = fetch << 2 | class``, where ``class`` is the tile's
 :func:`jax_seqpar.masks.classify` class and ``fetch`` the tile the pipeline loads at
 that step: the tile itself when it is not ``EMPTY``, else the last non-``EMPTY``
 tile before it (or the first after it), so an ``EMPTY`` step repeats the previous
@@ -36,8 +36,8 @@ LANES = 128
 #: Tiles shorter than a whole block are rounded up to the bfloat16 sublane tile.
 _SUBLANES = 16
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
-#: Bits of a plan entry that hold the tile class (EMPTY / PARTIAL / FULL).
-_CLASS_BITS = 4
+#: Low bits of a plan entry that hold the tile class (EMPTY / PARTIAL / FULL).
+_CLASS_BITS = 2
 
 
 @dataclasses.dataclass(frozen=True)
@@ -143,17 +143,18 @@ def plan(classes):
     last_before = lax.cummax(jnp.where(nonempty, cols, -1), axis=1)
     first = jnp.argmax(nonempty, axis=1).astype(jnp.int32)[:, None]
     fetch = jnp.where(last_before >= 0, last_before, first)
-    return fetch * _CLASS_BITS + classes
+    return (fetch << _CLASS_BITS) | classes
 
 
 def fetched(plan_ref, row_index, col_index):
     """The tile index the pipeline loads at step ``(row_index, col_index)``."""
-    return plan_ref[row_index, col_index] // _CLASS_BITS
+    # Shifts and masks: Mosaic lowers them on scalars without the device's generation.
+    return lax.shift_right_logical(plan_ref[row_index, col_index], _CLASS_BITS)
 
 
 def run_tile(plan_ref, row_index, col_index, tile_fn):
     """Run ``tile_fn(masked)`` on ``PARTIAL`` (masked) and ``FULL`` tiles; skip ``EMPTY``."""
-    tile_class = plan_ref[row_index, col_index] % _CLASS_BITS
+    tile_class = plan_ref[row_index, col_index] & ((1 << _CLASS_BITS) - 1)
     pl.when(tile_class == masks.PARTIAL)(lambda: tile_fn(True))
     pl.when(tile_class == masks.FULL)(lambda: tile_fn(False))
 

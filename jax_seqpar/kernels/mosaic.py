@@ -36,6 +36,7 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_seqpar import _compat, masks
@@ -116,7 +117,7 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
     q_pad, kv_pad, group = t.num_q * t.block_q, t.num_k * t.block_k, t.group
 
     def kv_map(b, h, i, j, plan_ref):
-        return b, h // group, mc.fetched(plan_ref, i, j), 0
+        return b, lax.div(h, group), mc.fetched(plan_ref, i, j), 0
 
     call = mc.pallas(
         functools.partial(_forward_kernel, spec=spec, scale=scale, softcap=softcap,
