@@ -20,7 +20,7 @@ from jax.experimental import pallas as pl
 
 from jax_seqpar import _compat
 from jax_seqpar.kernels import _mosaic_common as mc
-from jax_seqpar.kernels.tiling import schedule
+from jax_seqpar.kernels.tiling import pad_seq, schedule
 
 
 def _grad_scores(s, t, p, dp, delta, softcap):
@@ -31,12 +31,14 @@ def _grad_scores(s, t, p, dp, delta, softcap):
 
 
 def _dq_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref, delta_ref,
-               dq_ref, dq_acc, *, spec, scale, softcap, precision):
+               dq_ref, dq_acc, lse_col, delta_col, *, spec, scale, softcap, precision):
     q_tile, kv_tile = pl.program_id(2), pl.program_id(3)
 
     @pl.when(kv_tile == 0)
     def _init():
         dq_acc[...] = jnp.zeros(dq_acc.shape, mc.F32)
+        lse_col[...] = mc.row_to_column(lse_ref[...])  # [1, bq] -> [bq, 128]
+        delta_col[...] = mc.row_to_column(delta_ref[...])
 
     def tile(is_partial):
         k = k_ref[...]
@@ -44,9 +46,9 @@ def _dq_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref, de
                          precision=precision)  # [bq, bk]
         if is_partial:
             s = mc.masked(s, spec, q_tok, kv_tok, rows_are_queries=True)
-        p = jnp.exp(s - lse_ref[...])  # lse [bq, 1]
+        p = jnp.exp(s - lse_col[:, :1])
         dp = mc.dot(do_ref[...], v_ref[...], transpose_b=True, precision=precision)
-        ds = _grad_scores(s, t, p, dp, delta_ref[...], softcap)
+        ds = _grad_scores(s, t, p, dp, delta_col[:, :1], softcap)
         dq_acc[...] += mc.dot(ds.astype(k.dtype), k, precision=precision)
 
     mc.run_tile(plan_ref, q_tile, kv_tile, tile)
@@ -99,7 +101,9 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, blo
     kernel_args = dict(spec=spec, scale=scale, softcap=softcap, precision=mc.precision(q.dtype))
     q_h, do_h = mc.heads_first(q, q_pad), mc.heads_first(dout.astype(v.dtype), q_pad)
     k_h, v_h = mc.heads_first(k, kv_pad), mc.heads_first(v, kv_pad)
-    lse_h, delta_h = (mc.heads_first(x[..., None], q_pad)[..., 0] for x in (lse, delta))
+    # Statistics lane-dense, [B, H, 1, Sq_pad]: a trailing dim of 1 would be padded to
+    # 128 lanes in HBM.
+    lse_h, delta_h = (jnp.swapaxes(pad_seq(x, q_pad), 1, 2)[:, :, None] for x in (lse, delta))
 
     def kv_map(b, h, i, j, plan_ref):
         return b, lax.div(h, group), mc.fetched(plan_ref, i, j), 0
@@ -119,17 +123,18 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, blo
             mc.token_specs(kv_tokens, (None, 1, t.block_k),
                            lambda b, h, i, j, plan_ref: (b, 0, mc.fetched(plan_ref, i, j))),
             pl.BlockSpec((None, None, t.block_q, d_v), q_map),
-            pl.BlockSpec((None, None, t.block_q, 1), q_map),
-            pl.BlockSpec((None, None, t.block_q, 1), q_map),
+            pl.BlockSpec((None, None, 1, t.block_q), lambda b, h, i, j, _: (b, h, 0, i)),
+            pl.BlockSpec((None, None, 1, t.block_q), lambda b, h, i, j, _: (b, h, 0, i)),
         ],
         out_specs=pl.BlockSpec((None, None, t.block_q, d_qk), q_map),
         out_shape=jax.ShapeDtypeStruct((batch, heads, q_pad, d_qk), mc.F32),
-        scratch_shapes=[mc.vmem((t.block_q, d_qk))],
+        scratch_shapes=[mc.vmem((t.block_q, d_qk)), mc.vmem((t.block_q, mc.LANES)),
+                        mc.vmem((t.block_q, mc.LANES))],
         semantics=("parallel", "parallel", "parallel", "arbitrary"),
         like=q,
     )
     dq = dq_call(mc.plan(classes), q_h, k_h, v_h, mc.column(q_tokens), mc.row(kv_tokens),
-                 do_h, lse_h[..., None], delta_h[..., None])
+                 do_h, lse_h, delta_h)
 
     def q_row_map(b, g, j, r, i, plan_ref):  # query rows of head g * group + r
         return b, g * group + r, mc.fetched(plan_ref, j, i), 0
@@ -164,6 +169,6 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, blo
         like=q,
     )
     dk, dv = dkv_call(mc.plan(classes.T), q_h, k_h, v_h, mc.row(q_tokens),
-                      mc.column(kv_tokens), do_h, lse_h[:, :, None], delta_h[:, :, None])
+                      mc.column(kv_tokens), do_h, lse_h, delta_h)
     return (mc.tokens_first(dq, q_len), mc.tokens_first(dk, kv_len),
             mc.tokens_first(dv, kv_len))

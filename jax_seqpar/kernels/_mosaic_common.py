@@ -33,8 +33,6 @@ from jax_seqpar.masks import Tokens
 
 F32 = jnp.float32
 LANES = 128
-#: Tiles shorter than a whole block are rounded up to the bfloat16 sublane tile.
-_SUBLANES = 16
 _DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 #: Low bits of a plan entry that hold the tile class (EMPTY / PARTIAL / FULL).
 _CLASS_BITS = 2
@@ -45,7 +43,7 @@ class BlockSizes:
     """Tile sizes in tokens: multiples of 128 (the TPU lane width).
 
     A sequence shorter than its tile is one tile of its own length (rounded up to
-    16); a longer one is padded to whole tiles (padded tokens see nothing and are
+    128); a longer one is padded to whole tiles (padded tokens see nothing and are
     seen by nobody).
 
     Attributes:
@@ -68,7 +66,9 @@ class BlockSizes:
 
 
 def _tile_size(block: int, length: int) -> int:
-    return block if length > block else -(-length // _SUBLANES) * _SUBLANES
+    # Whole lanes even for short runs: per-row statistics are stored lane-dense
+    # (``[.., 1, S]``) and transposed in VMEM, which needs 128-aligned tiles.
+    return block if length > block else -(-length // LANES) * LANES
 
 
 def tiling(q, k, block_q: int, block_k: int) -> Tiling:
@@ -222,3 +222,15 @@ def pallas(kernel, *, name, grid, in_specs, out_specs, out_shape, scratch_shapes
 
 def vmem(shape):
     return pltpu.VMEM(shape, F32)
+
+
+def row_to_column(x):
+    """``[1, n] -> [n, 128]`` (every lane a copy): a lane-dense row of per-row
+    statistics turned into the sublane-major form a ``[n, m]`` tile broadcasts."""
+    return jnp.broadcast_to(x, (LANES, x.shape[1])).T
+
+
+def column_to_row(x):
+    """``[n, 128]`` lane-replicated statistics -> ``[1, n]``, lane-dense for HBM
+    (a ``[n, 1]`` array would be padded to 128 lanes there)."""
+    return x.T[:1]

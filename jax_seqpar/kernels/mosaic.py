@@ -78,11 +78,12 @@ def _forward_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, out_ref, lse_r
 
     @pl.when(kv_tile == pl.num_programs(3) - 1)
     def _finish():
-        l = l_ref[:, :1]
+        l = l_ref[...]  # [bq, 128]
         seen = l > 0
         l = jnp.where(seen, l, 1.0)
-        out_ref[...] = acc_ref[...] / l
-        lse_ref[...] = jnp.where(seen, m_ref[:, :1] + jnp.log(l), masks.EMPTY_LSE)
+        out_ref[...] = acc_ref[...] / l[:, :1]
+        lse = jnp.where(seen, m_ref[...] + jnp.log(l), masks.EMPTY_LSE)
+        lse_ref[...] = mc.column_to_row(lse)
 
 
 def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
@@ -134,10 +135,10 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
         ],
         out_specs=[
             pl.BlockSpec((None, None, t.block_q, d_v), lambda b, h, i, j, _: (b, h, i, 0)),
-            pl.BlockSpec((None, None, t.block_q, 1), lambda b, h, i, j, _: (b, h, i, 0)),
+            pl.BlockSpec((None, None, 1, t.block_q), lambda b, h, i, j, _: (b, h, 0, i)),
         ],
         out_shape=[jax.ShapeDtypeStruct((batch, heads, q_pad, d_v), mc.F32),
-                   jax.ShapeDtypeStruct((batch, heads, q_pad, 1), mc.F32)],
+                   jax.ShapeDtypeStruct((batch, heads, 1, q_pad), mc.F32)],
         scratch_shapes=[mc.vmem((t.block_q, mc.LANES)), mc.vmem((t.block_q, mc.LANES)),
                         mc.vmem((t.block_q, d_v))],
         semantics=("parallel", "parallel", "parallel", "arbitrary"),
@@ -145,7 +146,7 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
     )
     out, lse = call(mc.plan(classes), mc.heads_first(q, q_pad), mc.heads_first(k, kv_pad),
                     mc.heads_first(v, kv_pad), mc.column(q_tokens), mc.row(kv_tokens))
-    return mc.tokens_first(out, q_len), mc.tokens_first(lse, q_len)[..., 0]
+    return mc.tokens_first(out, q_len), jnp.swapaxes(lse[:, :, 0, :q_len], 1, 2)
 
 
 def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
