@@ -26,14 +26,10 @@ import os
 import re
 import time
 
-os.environ.setdefault("JAX_PLATFORMS", "cpu")
-# Several compile-only processes may load libtpu at once on a shared host.
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-
-import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 MOSAIC_CALL = 'custom_call_target="tpu_custom_call"'
 MIB = 2**20
@@ -116,17 +112,20 @@ def kernel_fn(module_name, *, causal=True, block_sizes=None):
     return fn
 
 
-def splash_fn(heads, seq, causal=True):
-    """Forward+backward of JAX's splash attention (MHA/GQA layout ``[H, S, D]`` per batch row)."""
+def splash_fn(heads, seq, causal=True, block=None):
+    """Forward+backward of JAX's splash attention (MHA/GQA layout ``[H, S, D]`` per batch
+    row); ``block``: one tile size for all its kernels (None: its defaults, 128)."""
     from jax.experimental.pallas.ops.tpu.splash_attention import (
         splash_attention_kernel as splash, splash_attention_mask as splash_mask)
 
     mask_type = splash_mask.CausalMask if causal else splash_mask.FullMask
     mask = splash_mask.MultiHeadMask([mask_type((seq, seq)) for _ in range(heads)])
+    sizes = None if block is None else splash.BlockSizes(*([block] * 8))
 
     def fn(q, k, v):
-        kernel = splash.make_splash_mqa_single_device(mask) if k.shape[2] == 1 else (
-            splash.make_splash_mha_single_device(mask))
+        make = (splash.make_splash_mqa_single_device if k.shape[2] == 1
+                else splash.make_splash_mha_single_device)
+        kernel = make(mask, block_sizes=sizes)
 
         def loss(q, k, v):
             q, k, v = (jnp.swapaxes(x, 1, 2) for x in (q, k, v))  # [B, H, S, D]
@@ -165,6 +164,10 @@ def main(argv=None):
     parser.add_argument("--kernels", default="xla,mosaic")
     parser.add_argument("--dtype", default="bfloat16")
     args = parser.parse_args(argv)
+    # Compile-only: no backend but the host's; several such processes may load
+    # libtpu at once on a shared host. (Set before JAX starts a backend.)
+    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     dtype = jnp.dtype(args.dtype)
     print(f"compiled for {args.target}, not run: B={args.batch} S={args.seq} H={args.heads} "
           f"Hkv={args.kv_heads} {args.dtype} causal, forward+backward; memory per device")
@@ -183,12 +186,17 @@ def main(argv=None):
         one_chip = NamedSharding(jax.sharding.Mesh(mesh.devices.flat[:1], ("x",)), P())
         inputs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_chip)
                   for x in strategy_args(mesh, "sp", **shape)]
+        from jax_seqpar.kernels import mosaic
+
         candidates = {"mosaic": kernel_fn("mosaic")}
         if args.report == "splash":
-            candidates["splash"] = splash_fn(args.heads, args.seq)
+            candidates["mosaic tiles 128"] = kernel_fn(
+                "mosaic", block_sizes=mosaic.BlockSizes(128, 128, 128, 128))
+            candidates["splash (default tiles 128)"] = splash_fn(args.heads, args.seq)
+            candidates["splash tiles 512"] = splash_fn(args.heads, args.seq, block=512)
         for name, fn in candidates.items():
             report = compile_report(fn, inputs)
-            _print_row(f"{name} alone D={d_qk}/{d_v}", report)
+            _print_row(f"{name} D={d_qk}/{d_v}", report)
             limits = vmem_estimate(report["text"])
             if limits:
                 print(f"  vmem_limit_bytes per Mosaic call: {limits}")
