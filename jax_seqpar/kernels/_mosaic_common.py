@@ -61,8 +61,9 @@ class BlockSizes:
     def __post_init__(self):
         for name, size in dataclasses.asdict(self).items():
             if isinstance(size, bool) or not isinstance(size, int) or size < 1 or size % LANES:
+                hint = LANES * max(1, -(-size // LANES)) if isinstance(size, int) else 512
                 raise ValueError(f"{name}={size!r} must be a positive multiple of {LANES} (the "
-                                 f"TPU lane width); use e.g. {LANES * max(1, -(-int(size) // LANES))}.")
+                                 f"TPU lane width); use e.g. {hint}.")
 
 
 def _tile_size(block: int, length: int) -> int:
