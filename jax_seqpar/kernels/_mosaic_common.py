@@ -6,7 +6,9 @@ TPU tiling decides the layouts. A block's last two dims must be multiples of
 token metadata as a column ``[B, S, 1]`` (one value per sublane, for the tile's
 rows) or a row ``[B, 1, S]`` (one value per lane, for its columns). Key-side tiles
 are therefore multiples of 128 tokens, and so are query tiles, which are the lanes
-of the transposed scores in the ``dk, dv`` kernel.
+of the transposed scores in the ``dk, dv`` kernel. Per-row statistics (``lse``,
+``delta``) live in HBM lane-dense as ``[B, H, 1, S]`` (a trailing dim of 1 would be
+padded to 128 lanes there) and are transposed in VMEM where a tile needs a column.
 
 The schedule of a call is one ``int32[rows, cols]`` table in SMEM (scalar prefetch):
 ``plan = fetch << 2 | class``, where ``class`` is the tile's
@@ -195,10 +197,14 @@ def masked(s, spec, rows: Tokens, cols: Tokens, *, rows_are_queries: bool):
 def pallas(kernel, *, name, grid, in_specs, out_specs, out_shape, scratch_shapes,
            semantics, like):
     """``pallas_call`` with a scalar-prefetched plan, compiled by Mosaic when the program
-    is lowered for TPU and run in TPU interpret mode everywhere else.
+    is lowered for TPU and run by the Pallas interpreter everywhere else.
 
     The choice follows the LOWERING platform (``lax.platform_dependent``), so a
     program compiled ahead of time for TPU from a CPU host gets the Mosaic kernel.
+    The interpreter is ``interpret=True`` (TPU grid, scalar prefetch and VMEM
+    scratch semantics): ``pltpu.InterpretParams()`` also simulates DMAs and
+    semaphores, which these kernels do not use, and is far slower inside an
+    8-device ``shard_map`` on CPU.
     """
     out_shape = jax.tree.map(lambda s: _compat.shape_struct(s.shape, s.dtype, like), out_shape)
 

@@ -24,7 +24,7 @@ How the work is cut (FlashAttention-2):
 * GQA/MQA read K/V head ``h // group`` through the BlockSpec index map, never a
   repeated copy; the head dim is any size (64 .. 576, ``Dv != Dqk`` for MLA).
 
-Lowering: Mosaic when the program is lowered for TPU; TPU interpret mode on any
+Lowering: Mosaic when the program is lowered for TPU; the Pallas interpreter on any
 other platform (chosen with ``lax.platform_dependent``, not the host's backend).
 Paper: FlashAttention-2, arXiv:2307.08691.
 """
