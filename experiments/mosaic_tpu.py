@@ -166,7 +166,8 @@ def main(argv=None):
     args = parser.parse_args(argv)
     # Compile-only: no backend but the host's; several such processes may load
     # libtpu at once on a shared host. (Set before JAX starts a backend.)
-    os.environ.setdefault("JAX_PLATFORMS", "cpu")
+    if "JAX_PLATFORMS" not in os.environ:
+        jax.config.update("jax_platforms", "cpu")
     os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
     dtype = jnp.dtype(args.dtype)
     print(f"compiled for {args.target}, not run: B={args.batch} S={args.seq} H={args.heads} "
