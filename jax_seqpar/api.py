@@ -52,11 +52,13 @@ def axis_name_of(axes: tuple):
 def can_check_vma(kernel: str) -> bool:
     """Whether ``shard_map`` may check varying axes around ``kernel``.
 
-    The Pallas interpreter (the Pallas kernel off GPU) loses the varying-axes
-    types inside ``shard_map``; JAX's own error asks for ``check_vma=False`` there.
+    The Pallas interpreter (the Pallas kernel off GPU, the Mosaic kernel off TPU)
+    loses the varying-axes types inside ``shard_map``; JAX's own error asks for
+    ``check_vma=False`` there.
     """
-    return not (kernels.get(kernel).__name__.endswith("pallas")
-                and jax.default_backend() != "gpu")
+    name = kernels.get(kernel).__name__
+    return not ((name.endswith("pallas") and jax.default_backend() != "gpu")
+                or (name.endswith("mosaic") and jax.default_backend() != "tpu"))
 
 
 def per_shard_fn(strategy: str, axes: tuple):

@@ -59,8 +59,8 @@ CASES = [
                  dict(window=(6, 0), capacity=32), id="auto-window-rolling-cache"),
     pytest.param("auto", "ring", 4, 4, 16, 16, jnp.float32, [30, 3],
                  dict(causal=False), id="ring-mha-bidirectional-prompt"),
-    pytest.param("explicit", "ulysses", 4, 2, 16, 16, jnp.float32, [21, 6],
-                 dict(softcap=4.0, sinks=jnp.array([0.5, -1.0, 2.0, 0.0])),
+    pytest.param("explicit", "ulysses", 8, 2, 16, 16, jnp.float32, [21, 6],
+                 dict(softcap=4.0, sinks=jnp.linspace(-1.0, 2.0, 8)),
                  id="ulysses-gqa-softcap-sinks"),
 ]
 

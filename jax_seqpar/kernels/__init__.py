@@ -11,7 +11,7 @@ import importlib
 
 import jax
 
-KERNELS = ("auto", "xla", "pallas")
+KERNELS = ("auto", "xla", "pallas", "mosaic")
 
 
 def get(kernel: str = "auto"):
