@@ -138,39 +138,66 @@ def _ring_bwd(axis_name, options, residuals, cotangents):
     delta = jnp.einsum("bqhd,bqhd->bqh", dout.astype(jnp.float32),
                        out.astype(jnp.float32)) - dlse
     dout = dout.astype(q.dtype)
-    zeros = _compat.match_varying(
-        tuple(jnp.zeros(x.shape, jnp.float32) for x in (k, v)), q)
 
-    def grads(dq, kv):
-        """dq accumulated in place; this step's dK/dV fresh (no wait on the hop)."""
+    def grads(dq, kv, dkv):
+        """``(dq, dkv)`` plus this step's gradients (``dkv``: float32 accumulators)."""
         dq, *dkv = options.backward(q, kv[0], kv[1], q_tokens, kv[2], lse, delta, dout,
-                                    accumulate=(dq, *zeros))
+                                    accumulate=(dq, *dkv))
         return dq, tuple(dkv)
 
-    def add(a, b):
-        return tuple(x + y for x, y in zip(a, b))
+    # The schedule follows the platform the program is lowered for: where collectives
+    # run asynchronously (GPU, TPU) the dK/dV hop overlaps the next kernel, at the cost
+    # of one more float32 dK/dV pair; XLA:CPU's collectives are synchronous, so there
+    # the kernel accumulates in place.
+    loop = functools.partial(_backward_ring, axis_name, grads)
+    dq, dk, dv = jax.lax.platform_dependent(
+        q, k, v, kv_tokens, cpu=functools.partial(loop, overlap=False),
+        default=functools.partial(loop, overlap=True))
+    no_grad = jax.tree.map(lambda _: None, (q_tokens, kv_tokens))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *no_grad
+
+
+def _backward_ring(axis_name, grads, q, k, v, kv_tokens, *, overlap: bool):
+    """float32 ``(dq, dk, dv)``: K/V travel the ring again, dK/dV accumulators follow
+    them and take a last hop home.
+
+    ``overlap=False``: each step accumulates into the dK/dV that arrived, then sends
+    it (compute -> send -> compute). ``overlap=True``: each step computes fresh dK/dV
+    while the accumulator is in flight and adds it after the kernel.
+    """
+    zeros = _compat.match_varying(tuple(jnp.zeros(x.shape, jnp.float32) for x in (k, v)), q)
+    dq = _compat.match_varying(jnp.zeros(q.shape, jnp.float32), q)
+    kv, size = (k, v, kv_tokens), axis_size(axis_name)
+    if size == 1:
+        dq, (dk, dv) = grads(dq, kv, zeros)
+        return dq, dk, dv
+    if not overlap:
+        def step(carry, _):
+            dq, kv, dkv = carry
+            next_kv = _shift(kv, axis_name)
+            dq, dkv = grads(dq, kv, dkv)
+            return (dq, next_kv, _shift(dkv, axis_name)), None
+
+        (dq, kv, dkv), _ = jax.lax.scan(step, (dq, kv, zeros), length=size - 1)
+        dq, dkv = grads(dq, kv, dkv)
+        return (dq, *_shift(dkv, axis_name))  # the accumulators' last hop home
+
+    def fresh_plus(dq, kv, arrived):
+        dq, fresh = grads(dq, kv, zeros)
+        return dq, tuple(x + y for x, y in zip(fresh, arrived))
 
     def step(carry, _):
         dq, kv, dkv = carry
         next_kv = _shift(kv, axis_name)
         arrived = _shift(dkv, axis_name)  # in flight during this step's kernel
-        dq, fresh = grads(dq, kv)
-        return (dq, next_kv, add(fresh, arrived)), None
+        dq, dkv = fresh_plus(dq, kv, arrived)
+        return (dq, next_kv, dkv), None
 
-    size = axis_size(axis_name)
-    dq = _compat.match_varying(jnp.zeros(q.shape, jnp.float32), q)
-    kv = (k, v, kv_tokens)
-    if size > 1:
-        next_kv = _shift(kv, axis_name)
-        dq, dkv = grads(dq, kv)
-        (dq, kv, dkv), _ = jax.lax.scan(step, (dq, next_kv, dkv), length=size - 2)
-        arrived = _shift(dkv, axis_name)
-        dq, fresh = grads(dq, kv)
-        dk, dv = _shift(add(fresh, arrived), axis_name)  # the accumulators' last hop home
-    else:
-        dq, (dk, dv) = grads(dq, kv)
-    no_grad = jax.tree.map(lambda _: None, (q_tokens, kv_tokens))
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *no_grad
+    next_kv = _shift(kv, axis_name)
+    dq, dkv = grads(dq, kv, zeros)
+    (dq, kv, dkv), _ = jax.lax.scan(step, (dq, next_kv, dkv), length=size - 2)
+    dq, dkv = fresh_plus(dq, kv, _shift(dkv, axis_name))
+    return (dq, *_shift(dkv, axis_name))  # the accumulators' last hop home
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
