@@ -1,0 +1,292 @@
+"""Pieces shared by the Pallas forward and backward kernels (:mod:`.pallas`, :mod:`._pallas_bwd`).
+
+* :class:`BlockSizes` and the per-(head dim, dtype) defaults (:func:`default_block_sizes`,
+  :func:`launch`): tiles, warps and pipeline stages that compile without register
+  spills and within shared memory on sm_80 (A100) and sm_90 (H100/H200);
+* :class:`HeadDim`: how a head dim is cut into power-of-two column chunks (Triton
+  tensors are powers of two): one chunk up to 256 columns, masked loads for the
+  columns past the real dim, 64-column chunks beyond (MLA's 576 is 9 chunks);
+* the loop schedule: per row of tiles, the first..last non-``EMPTY`` tile with the
+  run of ``FULL`` tiles inside, so each kernel runs a masked loop, an unmasked loop
+  and a masked loop whose loads all sit at the loop's top level (Triton's software
+  pipeliner only pipelines those);
+* :func:`call`: ``pallas_call`` lowered by the platform the program is lowered for
+  (Triton for CUDA/ROCm, the interpreter elsewhere), not by the default backend.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jax_seqpar import masks
+from jax_seqpar.kernels.tiling import Tiling
+from jax_seqpar.masks import MaskSpec, Tokens
+
+F32 = jnp.float32
+LOG2E = math.log2(math.e)
+LN2 = math.log(2.0)
+#: Smallest tile / head-dim chunk Triton's ``tl.dot`` takes.
+MIN_DIM = 16
+#: Widest head-dim chunk kept as one tensor; wider dims loop over 64-column chunks.
+MAX_CHUNK = 256
+WIDE_CHUNK = 64
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes (clipped to the padded sequence length; ragged tails are padded).
+
+    On GPU every size must be a power of two >= 16 (Triton); the CPU interpreter
+    takes any positive size. ``None`` of the kernels' ``block_sizes`` means
+    :func:`default_block_sizes` for the head dims and dtype.
+
+    Attributes:
+      block_q: query tokens per forward program.
+      block_k: key tokens per forward loop step.
+      block_q_bwd: query tokens per tile in both backward kernels.
+      block_k_bwd: key tokens per tile in both backward kernels.
+    """
+
+    block_q: int = 128
+    block_k: int = 64
+    block_q_bwd: int = 64
+    block_k_bwd: int = 64
+
+    def __post_init__(self):
+        for name, size in dataclasses.asdict(self).items():
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"{name}={size!r} must be a positive int.")
+
+    def check_gpu(self):
+        """Raise unless every size suits the Triton lowering."""
+        for name, size in dataclasses.asdict(self).items():
+            if size < MIN_DIM or size & (size - 1):
+                raise ValueError(
+                    f"{name}={size} must be a power of two >= {MIN_DIM} for the Triton "
+                    f"(GPU) lowering; use e.g. {max(MIN_DIM, pl.next_power_of_2(size))}.")
+
+
+def _width(d_qk: int, d_v: int) -> int:
+    """Padded columns a program holds: the wider of the two head dims."""
+    return max(HeadDim.of(d_qk).padded, HeadDim.of(d_v).padded)
+
+
+def default_block_sizes(d_qk: int, d_v: int, dtype) -> BlockSizes:
+    """Tiles that compile without spills on both sm_80 and sm_90 (measured with
+    ``experiments/gpu_resources.py``): the per-thread accumulators shrink as the
+    head dims grow, so the tiles do."""
+    del dtype  # float32 runs the same tiles (its dots take TF32x3, see pallas.forward)
+    width = _width(d_qk, d_v)
+    if width <= 64:
+        return BlockSizes(128, 64, 64, 64)
+    if width <= 128:
+        return BlockSizes(128, 64, 64, 64)
+    if width <= 256:
+        return BlockSizes(64, 32, 32, 32)
+    return BlockSizes(32, 16, 16, 16)  # MLA absorbed (576/512)
+
+
+def launch(kind: str, rows: int, d_qk: int, d_v: int) -> plgpu.CompilerParams:
+    """Warps and software-pipeline stages of one kernel (``kind``: fwd, dq, dkv) whose
+    programs own ``rows`` tokens."""
+    width = _width(d_qk, d_v)
+    warps = 4 if rows * width <= 64 * 128 else 8
+    stages = 2 if width > 128 or kind == "dkv" else 3
+    return plgpu.CompilerParams(num_warps=warps, num_stages=stages)
+
+
+def tiling(q, k, block_q: int, block_k: int) -> Tiling:
+    """Geometry of one call, tiles clipped to the (power-of-two padded) lengths."""
+    def clip(block, length):
+        return min(block, max(MIN_DIM, pl.next_power_of_2(length)))
+
+    batch, q_len, heads, _ = q.shape
+    kv_len, kv_heads = k.shape[1], k.shape[2]
+    return Tiling(batch, kv_heads, heads // kv_heads, q_len, kv_len,
+                  clip(block_q, q_len), clip(block_k, kv_len))
+
+
+def query_row_specs(t: Tiling, q_tokens, kv_tokens, d_qk: "HeadDim", d_v: "HeadDim"):
+    """BlockSpecs of a (query tile, batch, head) grid's inputs: the row's loop bounds,
+    the query tile, the whole K/V of the head's group (``h // group``), the tokens."""
+    kv_pad, group = t.num_k * t.block_k, t.group
+    return [
+        pl.BlockSpec((None, 4), lambda i, b, h: (i, 0)),
+        pl.BlockSpec((None, t.block_q, None, d_qk.padded), lambda i, b, h: (b, i, h, 0)),
+        pl.BlockSpec((None, kv_pad, None, d_qk.padded), lambda i, b, h: (b, 0, h // group, 0)),
+        pl.BlockSpec((None, kv_pad, None, d_v.padded), lambda i, b, h: (b, 0, h // group, 0)),
+        token_specs(q_tokens, t.block_q, lambda i, b, h: (b, i)),
+        token_specs(kv_tokens, kv_pad, lambda i, b, h: (b, 0)),
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadDim:
+    """A head dim cut into ``count`` power-of-two chunks of ``chunk`` columns.
+
+    Attributes:
+      size: the real head dim.
+      chunk: columns per chunk (power of two >= 16).
+      count: number of chunks; ``chunk * count >= size``, the rest masked.
+    """
+
+    size: int
+    chunk: int
+    count: int
+
+    @classmethod
+    def of(cls, size: int) -> "HeadDim":
+        whole = max(MIN_DIM, pl.next_power_of_2(size))
+        if whole <= MAX_CHUNK:
+            return cls(size, whole, 1)
+        return cls(size, WIDE_CHUNK, -(-size // WIDE_CHUNK))
+
+    @property
+    def padded(self) -> int:
+        return self.chunk * self.count
+
+    def load(self, ref, index: tuple, chunk: int):
+        """Chunk ``chunk`` of ``ref[*index, :]`` (``[rows, self.chunk]``), zeros past ``size``."""
+        cols = pl.ds(chunk * self.chunk, self.chunk)
+        if (chunk + 1) * self.chunk <= self.size:
+            return ref[(*index, cols)]
+        valid = chunk * self.chunk + jnp.arange(self.chunk) < self.size
+        return plgpu.load(ref.at[(*index, cols)], mask=valid[None, :], other=0)
+
+    def load_all(self, ref, *index):
+        """Every chunk of ``ref[*index, :]`` (a list)."""
+        return [self.load(ref, index, c) for c in range(self.count)]
+
+    def store(self, ref, index: int, value):
+        """Write chunk ``index`` of ``ref[:, :]`` (columns past ``size`` left alone)."""
+        cols = pl.ds(index * self.chunk, self.chunk)
+        if (index + 1) * self.chunk <= self.size:
+            ref[:, cols] = value
+        else:
+            valid = index * self.chunk + jnp.arange(self.chunk) < self.size
+            plgpu.store(ref.at[:, cols], value, mask=valid[None, :])
+
+
+def precision_for(dtype, triton: bool):
+    """Dot precision: TF32x3 for float32 on GPU (float32-level error on tensor cores,
+    no IEEE-FMA path); exact float32 in the interpreter; default for 16-bit inputs."""
+    if dtype != jnp.float32:
+        return None
+    return lax.DotAlgorithmPreset.TF32_TF32_F32_X3 if triton else lax.Precision.HIGHEST
+
+
+def dot(a, b, contract, precision):
+    """Matmul of 2-D tiles contracting ``a`` axis ``contract[0]`` with ``b`` axis
+    ``contract[1]``, accumulated in float32."""
+    return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
+                           precision=precision, preferred_element_type=F32)
+
+
+def dot_chunks(a_chunks, b_chunks, contract, precision):
+    """Sum over head-dim chunks of :func:`dot` (the chunked contraction)."""
+    total = None
+    for a, b in zip(a_chunks, b_chunks):
+        part = dot(a, b, contract, precision)
+        total = part if total is None else total + part
+    return total
+
+
+def scores(q_chunks, k_chunks, *, scale, softcap, precision):
+    """``(s, tanh)``: scores in log2 units ``[bq, bk]`` and, with ``softcap``, the
+    ``tanh`` the backward needs (else ``None``)."""
+    s = dot_chunks(q_chunks, k_chunks, (1, 1), precision)
+    if softcap is None:
+        return s * (scale * LOG2E), None
+    t = jnp.tanh(s * (scale / softcap))
+    return t * (softcap * LOG2E), t
+
+
+def tile_mask(spec: MaskSpec, q_tile, kv_tile):
+    """``bool[bq, bk]`` from ``(positions, segments|None)`` tiles ``[bq]``, ``[bk]``."""
+    (q_pos, q_seg), (kv_pos, kv_seg) = q_tile, kv_tile
+    return masks.visible(spec, q_pos[:, None], kv_pos[None, :],
+                         None if q_seg is None else q_seg[:, None],
+                         None if kv_seg is None else kv_seg[None, :])
+
+
+def token_tile(tokens: Tokens, window):
+    """Load the ``window`` (an index or slice) of a Tokens-of-refs: ``(pos, seg|None)``."""
+    seg = tokens.segment_ids
+    return tokens.positions[window], None if seg is None else seg[window]
+
+
+def token_specs(tokens: Tokens, block: int, index_map) -> Tokens:
+    spec = pl.BlockSpec((None, block), index_map)
+    return Tokens(spec, None if tokens.segment_ids is None else spec)
+
+
+def masked(spec: MaskSpec, tokens: Tokens) -> bool:
+    """Whether any tile can be ``PARTIAL`` (statically): else one unmasked loop."""
+    return spec.causal or spec.window is not None or tokens.segment_ids is not None
+
+
+def run_tiles(bounds_ref, step, carry, *, has_mask: bool):
+    """Run ``step(index, carry, masked)`` over a row's non-``EMPTY`` tiles.
+
+    ``bounds_ref`` holds ``(first, full_first, full_end, end)``: tiles
+    ``first..end-1`` may be visible, ``full_first..full_end-1`` are ``FULL``. Three
+    plain loops (masked, unmasked, masked) instead of a branch per tile, so every
+    load sits at a loop's top level.
+    """
+    first, full_first, full_end, end = (bounds_ref[i] for i in range(4))
+    if not has_mask:
+        return lax.fori_loop(first, end, functools.partial(step, masked=False), carry)
+    carry = lax.fori_loop(first, full_first, functools.partial(step, masked=True), carry)
+    carry = lax.fori_loop(full_first, full_end, functools.partial(step, masked=False), carry)
+    return lax.fori_loop(full_end, end, functools.partial(step, masked=True), carry)
+
+
+def call(kernel, *, interpret: Optional[bool], precision_dtype, **kwargs):
+    """``pallas_call`` of ``kernel(..., precision=...)``, lowered for the platform the
+    program is lowered for when ``interpret`` is None (Triton on CUDA / ROCm, the
+    interpreter elsewhere); ``True`` / ``False`` force one."""
+
+    def build(triton: bool):
+        body = functools.partial(kernel, precision=precision_for(precision_dtype, triton))
+        return pl.pallas_call(body, interpret=not triton, **kwargs)
+
+    if interpret is not None:
+        return build(not interpret)
+
+    def run(*args):
+        return lax.platform_dependent(*args, cuda=build(True), rocm=build(True),
+                                      default=build(False))
+
+    return run
+
+
+def row_bounds(classes):
+    """``int32[n_rows, 4]`` loop bounds ``(first, full_first, full_end, end)`` per row
+    of a tile-class table ``[n_rows, n_cols]``.
+
+    Only reductions consume the table, so XLA fuses its elementwise computation
+    into them instead of storing it.
+    """
+    n_cols = classes.shape[1]
+    cols = jnp.arange(n_cols, dtype=jnp.int32)[None, :]
+    nonempty = classes != masks.EMPTY
+    full = classes == masks.FULL
+    first = jnp.min(jnp.where(nonempty, cols, n_cols), axis=1)
+    end = jnp.max(jnp.where(nonempty, cols + 1, 0), axis=1)
+    full_first = jnp.min(jnp.where(full, cols, n_cols), axis=1)
+    after = jnp.min(jnp.where(~full & (cols > full_first[:, None]), cols, n_cols), axis=1)
+    has_full = full_first < n_cols
+    first = jnp.minimum(first, end)  # a row that sees nothing: 0, 0, 0, 0
+    full_first = jnp.where(has_full, full_first, end)
+    full_end = jnp.where(has_full, jnp.minimum(after, end), end)
+    return jnp.stack([first, full_first, full_end, end], axis=1).astype(jnp.int32)
