@@ -178,6 +178,22 @@ def read_resources(dump_dir: str, arch: str) -> dict:
     return found
 
 
+def _override_launch(overrides):
+    """Replace the kernels' warps / stages for the kinds named (``kind:warps:stages``)."""
+    from jax.experimental.pallas import triton as plgpu
+    from jax_seqpar.kernels import _pallas_core
+
+    table = {kind: (int(w), int(s)) for kind, w, s in (o.split(":") for o in overrides)}
+    default = _pallas_core.launch
+
+    def launch(kind, *args):
+        if kind in table:
+            return plgpu.CompilerParams(num_warps=table[kind][0], num_stages=table[kind][1])
+        return default(kind, *args)
+
+    _pallas_core.launch = launch
+
+
 def _parse(argv):
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--target", nargs="+", default=["h100", "a100"], choices=list(TARGETS))
@@ -188,6 +204,10 @@ def _parse(argv):
     parser.add_argument("--heads", type=int, default=8)
     parser.add_argument("--kv-heads", type=int, default=2)
     parser.add_argument("--spills-as-errors", action="store_true")
+    parser.add_argument("--blocks", help="block sizes bq,bk,bq_bwd,bk_bwd (default: the "
+                        "kernel's defaults for the head dims)")
+    parser.add_argument("--launch", nargs="*", default=[],
+                        help="override warps/stages per kernel, e.g. fwd:8:3 dkv:8:2")
     parser.add_argument("--force-triton", action="store_true",
                         help="pass interpret=False (for kernels that pick the interpreter from "
                              "the default backend)")
@@ -199,6 +219,9 @@ def main(argv=None) -> int:
     if not plugins_available():
         print("needs the CUDA plugin and ptxas: pip install 'jax[cuda12]'", file=sys.stderr)
         return 2
+    _override_launch(args.launch)
+    blocks = (None if args.blocks is None
+              else pallas.BlockSizes(*(int(x) for x in args.blocks.split(","))))
     print(f"B=1 S={args.seq} H={args.heads} Hkv={args.kv_heads} causal, fwd+bwd, "
           f"spills as errors: {args.spills_as_errors}")
     print(f"{'target':6} {'dims':>7} {'dtype':>8} {'kernel':>7} {'regs':>5} {'spill st/ld':>12} "
@@ -213,6 +236,7 @@ def main(argv=None) -> int:
                     seconds, found = compile_kernels(
                         target, d_qk, d_v, jnp.dtype(dtype), seq=args.seq, heads=args.heads,
                         kv_heads=args.kv_heads, spills_as_errors=args.spills_as_errors,
+                        block_sizes=blocks,
                         interpret=False if args.force_triton else None)
                 except Exception as error:  # report and go on: this is a survey
                     failures += 1

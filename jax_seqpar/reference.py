@@ -26,6 +26,7 @@ def attention(
     kv_positions: Optional[jax.Array] = None,
     window=None,
     scale: Optional[float] = None,
+    softcap: Optional[float] = None,
     return_lse: bool = False,
 ):
     """Exact softmax attention.
@@ -39,6 +40,8 @@ def attention(
         default to ``arange(q_seq)``. The ``kv_`` variants default to the query
         ones (self-attention).
       scale: defaults to ``1/sqrt(d_qk)``.
+      softcap: logits ``s = scale * q.k`` become ``softcap * tanh(s / softcap)``
+        before masking; None: no cap.
       return_lse: also return the log-sum-exp ``float32[batch, q_seq, heads]``.
 
     Returns:
@@ -62,6 +65,8 @@ def attention(
     group = heads // kv_heads
     qg = q.astype(jnp.float32).reshape(batch, q_seq, kv_heads, group, d_qk)
     s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32)) * scale
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
     if mask is not None:
         s = jnp.where(mask[:, None, None], s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)

@@ -62,7 +62,7 @@ def _dq_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref, 
         ds = ds.astype(k_chunks[0].dtype)
         return tuple(a + core.dot(ds, k, (1, 0), precision) for a, k in zip(dq, k_chunks))
 
-    init = tuple(jnp.zeros((q_ref.shape[0], d_qk.chunk), _F32) for _ in range(d_qk.count))
+    init = d_qk.zeros(q_ref.shape[0])
     dq = core.run_tiles(bounds_ref, step, init, has_mask=has_mask)
     for c, a in enumerate(dq):
         d_qk.store(dq_ref, c, a * scale)
@@ -97,8 +97,7 @@ def _dkv_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref,
         return core.run_tiles(bounds_ref, step, carry, has_mask=has_mask)
 
     block_k = k_ref.shape[0]
-    init = (tuple(jnp.zeros((block_k, d_qk.chunk), _F32) for _ in range(d_qk.count)),
-            tuple(jnp.zeros((block_k, d_v.chunk), _F32) for _ in range(d_v.count)))
+    init = (d_qk.zeros(block_k), d_v.zeros(block_k))
     dk, dv = (head_body(jnp.int32(0), init) if heads == 1
               else lax.fori_loop(0, heads, head_body, init))
     for c, a in enumerate(dk):
@@ -120,6 +119,14 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, sof
     """:func:`jax_seqpar.kernels.pallas.backward` after validation."""
     operands = (q, k, v, q_tokens, kv_tokens, lse, delta, dout)
     q, k, v, q_tokens, kv_tokens, lse, delta, dout = _compat.match_varying(operands, operands)
+    (q_len, heads), kv_heads = q.shape[1:3], k.shape[2]
+    if core.folds_group(q_len, heads, kv_heads):
+        group = heads // kv_heads
+        q, lse, delta, dout = (core.fold(x, kv_heads) for x in (q, lse, delta, dout))
+        dq, dk, dv = backward(q, k, v, core.fold_tokens(q_tokens, group), kv_tokens, lse,
+                              delta, dout, spec=spec, scale=scale, softcap=softcap,
+                              block_sizes=block_sizes, interpret=interpret)
+        return core.unfold(dq, group), dk, dv
     t = core.tiling(q, k, block_sizes.block_q_bwd, block_sizes.block_k_bwd)
     q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)
     heads = q.shape[2]

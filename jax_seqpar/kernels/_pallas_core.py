@@ -5,7 +5,7 @@
   spills and within shared memory on sm_80 (A100) and sm_90 (H100/H200);
 * :class:`HeadDim`: how a head dim is cut into power-of-two column chunks (Triton
   tensors are powers of two): one chunk up to 256 columns, masked loads for the
-  columns past the real dim, 64-column chunks beyond (MLA's 576 is 9 chunks);
+  columns past the real dim, a loop of chunks beyond (MLA's 576 is 256+256+64);
 * the loop schedule: per row of tiles, the first..last non-``EMPTY`` tile with the
   run of ``FULL`` tiles inside, so each kernel runs a masked loop, an unmasked loop
   and a masked loop whose loads all sit at the loop's top level (Triton's software
@@ -36,9 +36,8 @@ LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
 #: Smallest tile / head-dim chunk Triton's ``tl.dot`` takes.
 MIN_DIM = 16
-#: Widest head-dim chunk kept as one tensor; wider dims loop over 64-column chunks.
+#: Widest head-dim chunk kept as one tensor; wider dims are cut into chunks.
 MAX_CHUNK = 256
-WIDE_CHUNK = 64
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -98,10 +97,14 @@ def default_block_sizes(d_qk: int, d_v: int, dtype) -> BlockSizes:
 
 def launch(kind: str, rows: int, d_qk: int, d_v: int) -> plgpu.CompilerParams:
     """Warps and software-pipeline stages of one kernel (``kind``: fwd, dq, dkv) whose
-    programs own ``rows`` tokens."""
-    width = _width(d_qk, d_v)
-    warps = 4 if rows * width <= 64 * 128 else 8
-    stages = 2 if width > 128 or kind == "dkv" else 3
+    programs own ``rows`` tokens (measured with ``experiments/gpu_resources.py``:
+    no spills on sm_80 or sm_90 at the default tiles)."""
+    size = rows * _width(d_qk, d_v)
+    if kind == "dq":
+        warps = 4 if size <= 64 * 128 else 8
+    else:  # fwd and dkv hold two [rows, width] float32 accumulators' worth
+        warps = 4 if size <= 32 * 64 else 8
+    stages = 3 if kind != "dkv" and _width(d_qk, d_v) <= 128 else 2
     return plgpu.CompilerParams(num_warps=warps, num_stages=stages)
 
 
@@ -114,6 +117,32 @@ def tiling(q, k, block_q: int, block_k: int) -> Tiling:
     kv_len, kv_heads = k.shape[1], k.shape[2]
     return Tiling(batch, kv_heads, heads // kv_heads, q_len, kv_len,
                   clip(block_q, q_len), clip(block_k, kv_len))
+
+
+def folds_group(q_len: int, heads: int, kv_heads: int) -> bool:
+    """Decode-sized queries (fewer than a 16-row tile) of a GQA/MQA group are folded
+    into one row block per kv head: each K/V tile is read once for the whole group
+    and a tile's rows are the group's heads, not 15 padding rows per head."""
+    return q_len < MIN_DIM and heads > kv_heads
+
+
+def fold(x, kv_heads: int):
+    """``[B, Sq, Hkv * G, ...] -> [B, Sq * G, Hkv, ...]`` (rows ordered (token, head))."""
+    b, s, h = x.shape[:3]
+    x = x.reshape(b, s, kv_heads, h // kv_heads, *x.shape[3:])
+    return jnp.swapaxes(x, 2, 3).reshape(b, s * (h // kv_heads), kv_heads, *x.shape[4:])
+
+
+def unfold(x, group: int):
+    """Inverse of :func:`fold`: ``[B, Sq * G, Hkv, ...] -> [B, Sq, Hkv * G, ...]``."""
+    b, rows, kv_heads = x.shape[:3]
+    x = x.reshape(b, rows // group, group, kv_heads, *x.shape[3:])
+    return jnp.swapaxes(x, 2, 3).reshape(b, rows // group, kv_heads * group, *x.shape[4:])
+
+
+def fold_tokens(tokens: Tokens, group: int) -> Tokens:
+    """Each query token's metadata repeated for the ``group`` heads folded into rows."""
+    return jax.tree.map(lambda x: jnp.repeat(x, group, axis=1), tokens)
 
 
 def query_row_specs(t: Tiling, q_tokens, kv_tokens, d_qk: "HeadDim", d_v: "HeadDim"):
@@ -132,49 +161,70 @@ def query_row_specs(t: Tiling, q_tokens, kv_tokens, d_qk: "HeadDim", d_v: "HeadD
 
 @dataclasses.dataclass(frozen=True)
 class HeadDim:
-    """A head dim cut into ``count`` power-of-two chunks of ``chunk`` columns.
+    """A head dim cut into power-of-two column chunks (Triton tensors are powers of two).
+
+    Up to :data:`MAX_CHUNK` columns: one chunk of the next power of two, the columns
+    past the real dim masked in loads and stores (no padding in memory). Wider:
+    the largest powers of two that fit, so MLA's 576 is 256 + 256 + 64 and 512 is
+    256 + 256 (a last piece under 16 columns is masked).
 
     Attributes:
       size: the real head dim.
-      chunk: columns per chunk (power of two >= 16).
-      count: number of chunks; ``chunk * count >= size``, the rest masked.
+      widths: the chunks' widths, in column order.
     """
 
     size: int
-    chunk: int
-    count: int
+    widths: tuple
 
     @classmethod
     def of(cls, size: int) -> "HeadDim":
         whole = max(MIN_DIM, pl.next_power_of_2(size))
         if whole <= MAX_CHUNK:
-            return cls(size, whole, 1)
-        return cls(size, WIDE_CHUNK, -(-size // WIDE_CHUNK))
+            return cls(size, (whole,))
+        widths, left = [], size
+        while left > 0:
+            width = MIN_DIM if left < MIN_DIM else min(MAX_CHUNK, 1 << (left.bit_length() - 1))
+            widths.append(width)
+            left -= width
+        return cls(size, tuple(widths))
+
+    @property
+    def count(self) -> int:
+        return len(self.widths)
 
     @property
     def padded(self) -> int:
-        return self.chunk * self.count
+        return sum(self.widths)
+
+    def _columns(self, chunk: int):
+        """``(slice, mask|None)`` of chunk ``chunk``'s columns."""
+        start, width = sum(self.widths[:chunk]), self.widths[chunk]
+        if start + width <= self.size:
+            return pl.ds(start, width), None
+        return pl.ds(start, width), (start + jnp.arange(width) < self.size)[None, :]
+
+    def zeros(self, rows: int):
+        """float32 accumulators ``[rows, width]``, one per chunk."""
+        return tuple(jnp.zeros((rows, width), F32) for width in self.widths)
 
     def load(self, ref, index: tuple, chunk: int):
-        """Chunk ``chunk`` of ``ref[*index, :]`` (``[rows, self.chunk]``), zeros past ``size``."""
-        cols = pl.ds(chunk * self.chunk, self.chunk)
-        if (chunk + 1) * self.chunk <= self.size:
+        """Chunk ``chunk`` of ``ref[*index, :]`` (``[rows, width]``), zeros past ``size``."""
+        cols, mask = self._columns(chunk)
+        if mask is None:
             return ref[(*index, cols)]
-        valid = chunk * self.chunk + jnp.arange(self.chunk) < self.size
-        return plgpu.load(ref.at[(*index, cols)], mask=valid[None, :], other=0)
+        return plgpu.load(ref.at[(*index, cols)], mask=mask, other=0)
 
     def load_all(self, ref, *index):
         """Every chunk of ``ref[*index, :]`` (a list)."""
         return [self.load(ref, index, c) for c in range(self.count)]
 
-    def store(self, ref, index: int, value):
-        """Write chunk ``index`` of ``ref[:, :]`` (columns past ``size`` left alone)."""
-        cols = pl.ds(index * self.chunk, self.chunk)
-        if (index + 1) * self.chunk <= self.size:
+    def store(self, ref, chunk: int, value):
+        """Write chunk ``chunk`` of ``ref[:, :]`` (columns past ``size`` left alone)."""
+        cols, mask = self._columns(chunk)
+        if mask is None:
             ref[:, cols] = value
         else:
-            valid = index * self.chunk + jnp.arange(self.chunk) < self.size
-            plgpu.store(ref.at[:, cols], value, mask=valid[None, :])
+            plgpu.store(ref.at[:, cols], value, mask=mask)
 
 
 def precision_for(dtype, triton: bool):

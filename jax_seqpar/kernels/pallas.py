@@ -25,7 +25,7 @@ How the work is cut:
   (padded queries see nothing, padded keys are seen by nobody); head dims are
   never padded in memory: a dim up to 256 is one power-of-two chunk with masked
   loads and stores past the real dim, a wider one (MLA's 576 / 512) a loop of
-  64-column chunks (:class:`._pallas_core.HeadDim`);
+  few power-of-two chunks (:class:`._pallas_core.HeadDim`);
 * tiles, warps and pipeline stages default per head dim
   (:func:`default_block_sizes`) to sizes that compile without register spills and
   within shared memory on A100 (sm_80) and H100/H200 (sm_90).
@@ -86,7 +86,7 @@ def _forward_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, out_ref, lse
         return acc, m_new, l * alpha + p.sum(axis=-1)
 
     block_q = q_ref.shape[0]
-    init = (tuple(jnp.zeros((block_q, d_v.chunk), _F32) for _ in range(d_v.count)),
+    init = (d_v.zeros(block_q),
             jnp.full((block_q,), masks.EMPTY_LSE, _F32), jnp.zeros((block_q,), _F32))
     acc, m, l = core.run_tiles(bounds_ref, step, init, has_mask=has_mask)
     seen = l > 0
@@ -167,9 +167,15 @@ def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, softcap, block_sizes,
     # decode queries against a sharded cache).
     q, k, v, q_tokens, kv_tokens = _compat.match_varying(
         (q, k, v, q_tokens, kv_tokens), (q, k, v, q_tokens, kv_tokens))
+    (q_len, heads), kv_heads = q.shape[1:3], k.shape[2]
+    if core.folds_group(q_len, heads, kv_heads):
+        out, lse = _forward(core.fold(q, kv_heads), k, v,
+                            core.fold_tokens(q_tokens, heads // kv_heads), kv_tokens,
+                            spec=spec, scale=scale, softcap=softcap, block_sizes=block_sizes,
+                            interpret=interpret)
+        return core.unfold(out, heads // kv_heads), core.unfold(lse, heads // kv_heads)
     t = core.tiling(q, k, block_sizes.block_q, block_sizes.block_k)
     q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)
-    heads = q.shape[2]
     d_qk, d_v = HeadDim.of(q.shape[-1]), HeadDim.of(v.shape[-1])
     q_pad, kv_pad = t.num_q * t.block_q, t.num_k * t.block_k
     kernel = functools.partial(_forward_kernel, spec=spec, scale=scale, softcap=softcap,
