@@ -95,16 +95,32 @@ def default_block_sizes(d_qk: int, d_v: int, dtype) -> BlockSizes:
     return BlockSizes(32, 16, 16, 16)  # MLA absorbed (576/512)
 
 
-def launch(kind: str, rows: int, d_qk: int, d_v: int) -> plgpu.CompilerParams:
+def gpu_generation() -> Optional[int]:
+    """Compute-capability major of the local GPU (9: H100/H200, 8: A100), or None when
+    there is none (e.g. compiling for a GPU from a CPU host): defaults then take the
+    values that compile on both."""
+    if jax.default_backend() != "gpu":
+        return None
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    return int(str(capability).split(".")[0]) if capability else None
+
+
+def launch(kind: str, rows: int, d_qk: int, d_v: int, dtype) -> plgpu.CompilerParams:
     """Warps and software-pipeline stages of one kernel (``kind``: fwd, dq, dkv) whose
     programs own ``rows`` tokens (measured with ``experiments/gpu_resources.py``:
     no spills on sm_80 or sm_90 at the default tiles)."""
-    size = rows * _width(d_qk, d_v)
+    width = _width(d_qk, d_v)
+    if jnp.dtype(dtype) == jnp.float32:  # TF32x3 operands: three registers per value
+        return plgpu.CompilerParams(num_warps=4, num_stages=1 if kind == "dkv" else 2)
+    size = rows * width
     if kind == "dq":
         warps = 4 if size <= 64 * 128 else 8
     else:  # fwd and dkv hold two [rows, width] float32 accumulators' worth
         warps = 4 if size <= 32 * 64 else 8
-    stages = 3 if kind != "dkv" and _width(d_qk, d_v) <= 128 else 2
+    if kind != "dkv":
+        stages = 3 if width <= 128 else 2
+    else:  # sm_80's dk/dv at width 256 spills with two stages, sm_90's does not
+        stages = 2 if width <= 128 or gpu_generation() == 9 else 1
     return plgpu.CompilerParams(num_warps=warps, num_stages=stages)
 
 
@@ -227,19 +243,36 @@ class HeadDim:
             plgpu.store(ref.at[:, cols], value, mask=mask)
 
 
+#: float32 dots as three TF32 products (``hi*hi + hi*lo + lo*hi``), emulated in the
+#: interpreter so CPU tests see the GPU's arithmetic.
+TF32X3_EMULATED = "tf32x3-emulated"
+
+
 def precision_for(dtype, triton: bool):
-    """Dot precision: TF32x3 for float32 on GPU (float32-level error on tensor cores,
-    no IEEE-FMA path); exact float32 in the interpreter; default for 16-bit inputs."""
+    """Dot precision. float32 inputs: TF32x3 (float32-level error, about 1e-6 relative,
+    on tensor cores: no IEEE-FMA path with its register spills and long compiles),
+    on GPU natively, in the interpreter emulated; 16-bit inputs: the default."""
     if dtype != jnp.float32:
         return None
-    return lax.DotAlgorithmPreset.TF32_TF32_F32_X3 if triton else lax.Precision.HIGHEST
+    return lax.DotAlgorithmPreset.TF32_TF32_F32_X3 if triton else TF32X3_EMULATED
+
+
+def _split_tf32(x):
+    """``(hi, lo)`` with ``hi`` rounded to TF32 (10 mantissa bits), ``lo`` the rest."""
+    hi = lax.reduce_precision(x, exponent_bits=8, mantissa_bits=10)
+    return hi, lax.reduce_precision(x - hi, exponent_bits=8, mantissa_bits=10)
 
 
 def dot(a, b, contract, precision):
     """Matmul of 2-D tiles contracting ``a`` axis ``contract[0]`` with ``b`` axis
     ``contract[1]``, accumulated in float32."""
-    return lax.dot_general(a, b, (((contract[0],), (contract[1],)), ((), ())),
-                           precision=precision, preferred_element_type=F32)
+    dims = (((contract[0],), (contract[1],)), ((), ()))
+    if precision == TF32X3_EMULATED:
+        (a_hi, a_lo), (b_hi, b_lo) = _split_tf32(a), _split_tf32(b)
+        return sum(lax.dot_general(x, y, dims, precision=lax.Precision.HIGHEST,
+                                   preferred_element_type=F32)
+                   for x, y in ((a_lo, b_hi), (a_hi, b_lo), (a_hi, b_hi)))
+    return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
 
 
 def dot_chunks(a_chunks, b_chunks, contract, precision):

@@ -191,7 +191,7 @@ def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, softcap, block_sizes,
         ],
         out_shape=[_compat.shape_struct((t.batch, q_pad, heads, d_v.size), _F32, q),
                    _compat.shape_struct((t.batch, heads, q_pad), _F32, q)],
-        compiler_params=core.launch("fwd", t.block_q, d_qk.size, d_v.size),
+        compiler_params=core.launch("fwd", t.block_q, d_qk.size, d_v.size, q.dtype),
         name="seqpar_flash_forward",
     )(core.row_bounds(classes), pad_seq(q, q_pad), pad_seq(k, kv_pad), pad_seq(v, kv_pad),
       q_tokens, kv_tokens)
