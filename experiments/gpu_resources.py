@@ -181,17 +181,17 @@ def read_resources(dump_dir: str, arch: str) -> dict:
 def _override_launch(overrides):
     """Replace the kernels' warps / stages for the kinds named (``kind:warps:stages``)."""
     from jax.experimental.pallas import triton as plgpu
-    from jax_seqpar.kernels import _pallas_core
+    from jax_seqpar.kernels import _pallas_config
 
     table = {kind: (int(w), int(s)) for kind, w, s in (o.split(":") for o in overrides)}
-    default = _pallas_core.launch
+    default = _pallas_config.launch
 
     def launch(kind, *args):
         if kind in table:
             return plgpu.CompilerParams(num_warps=table[kind][0], num_stages=table[kind][1])
         return default(kind, *args)
 
-    _pallas_core.launch = launch
+    _pallas_config.launch = launch
 
 
 def _parse(argv):

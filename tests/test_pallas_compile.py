@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import sys
 
 import jax.numpy as jnp
 import pytest
@@ -18,6 +19,7 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 _PATH = os.path.join(os.path.dirname(__file__), os.pardir, "experiments", "gpu_resources.py")
 _spec = importlib.util.spec_from_file_location("gpu_resources", _PATH)
 gpu_resources = importlib.util.module_from_spec(_spec)
+sys.modules["gpu_resources"] = gpu_resources  # dataclasses look their module up
 _spec.loader.exec_module(gpu_resources)
 
 pytestmark = pytest.mark.skipif(not gpu_resources.plugins_available(),

@@ -19,6 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_seqpar import _compat
+from jax_seqpar.kernels import _pallas_config as config
 from jax_seqpar.kernels import _pallas_core as core
 from jax_seqpar.kernels._pallas_core import HeadDim
 from jax_seqpar.kernels.tiling import pad_seq, schedule
@@ -152,7 +153,7 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, sof
         out_specs=pl.BlockSpec((None, t.block_q, None, d_qk.padded),
                                lambda i, b, h: (b, i, h, 0)),
         out_shape=_compat.shape_struct((t.batch, q_pad, heads, d_qk.size), _F32, q),
-        compiler_params=core.launch("dq", t.block_q, d_qk.size, d_v.size, q.dtype),
+        compiler_params=config.launch("dq", t.block_q, d_qk.size, d_v.size, q.dtype),
         name="seqpar_flash_dq",
     )(core.row_bounds(classes), *inputs)
 
@@ -184,7 +185,7 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, sof
         out_shape=[
             _compat.shape_struct((t.batch, kv_pad, t.kv_heads * splits, d_qk.size), _F32, q),
             _compat.shape_struct((t.batch, kv_pad, t.kv_heads * splits, d_v.size), _F32, q)],
-        compiler_params=core.launch("dkv", t.block_k, d_qk.size, d_v.size, q.dtype),
+        compiler_params=config.launch("dkv", t.block_k, d_qk.size, d_v.size, q.dtype),
         name="seqpar_flash_dkv",
     )(core.row_bounds(classes.T), *inputs)
     if splits > 1:  # [B, Sk, Hkv * splits, D] -> [B, Sk, Hkv, D]

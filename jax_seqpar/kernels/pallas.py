@@ -48,8 +48,10 @@ from jax.experimental import pallas as pl
 
 from jax_seqpar import _compat, masks
 from jax_seqpar.kernels import _pallas_bwd
+from jax_seqpar.kernels import _pallas_config as config
 from jax_seqpar.kernels import _pallas_core as core
-from jax_seqpar.kernels._pallas_core import BlockSizes, HeadDim, default_block_sizes
+from jax_seqpar.kernels._pallas_config import BlockSizes, default_block_sizes
+from jax_seqpar.kernels._pallas_core import HeadDim
 from jax_seqpar.kernels.tiling import Tiling, pad_seq, schedule
 from jax_seqpar.masks import MaskSpec, Tokens
 
@@ -191,7 +193,7 @@ def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, softcap, block_sizes,
         ],
         out_shape=[_compat.shape_struct((t.batch, q_pad, heads, d_v.size), _F32, q),
                    _compat.shape_struct((t.batch, heads, q_pad), _F32, q)],
-        compiler_params=core.launch("fwd", t.block_q, d_qk.size, d_v.size, q.dtype),
+        compiler_params=config.launch("fwd", t.block_q, d_qk.size, d_v.size, q.dtype),
         name="seqpar_flash_forward",
     )(core.row_bounds(classes), pad_seq(q, q_pad), pad_seq(k, kv_pad), pad_seq(v, kv_pad),
       q_tokens, kv_tokens)
