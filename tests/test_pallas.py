@@ -146,3 +146,31 @@ def test_softcap_validation():
     tokens = Tokens(jnp.zeros((1, 16), jnp.int32))
     with pytest.raises(ValueError, match="softcap=-1.0 must be a positive"):
         pallas.forward(q, q, q, tokens, tokens, spec=MaskSpec(), scale=1.0, softcap=-1.0)
+
+
+def test_lowering_follows_the_platform():
+    """With ``interpret=None`` the kernel is Triton when lowered for CUDA and the
+    interpreter when lowered for CPU, whatever the default backend (here CPU)."""
+    q = jax.ShapeDtypeStruct((1, 32, 2, 80), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((1, 32), jnp.int32)
+
+    def grads(q, positions):
+        tokens = Tokens(positions)
+
+        def loss(q):
+            out, lse = pallas.attention(q, q, q, tokens, tokens, scale=0.1,
+                                        spec=MaskSpec.make(causal=True))
+            return out.sum() + lse.sum()
+
+        return jax.grad(loss)(q)
+
+    def module(platform):
+        return jax.export.export(
+            jax.jit(grads), platforms=[platform],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+        )(q, ids).mlir_module()
+
+    cuda, cpu = module("cuda"), module("cpu")
+    for name in ("seqpar_flash_forward", "seqpar_flash_dq", "seqpar_flash_dkv"):
+        assert f'name = "{name}"' in cuda
+    assert "__gpu$xla.gpu.triton" in cuda and "__gpu$xla.gpu.triton" not in cpu

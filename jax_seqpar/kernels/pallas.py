@@ -26,9 +26,17 @@ How the work is cut:
   never padded in memory: a dim up to 256 is one power-of-two chunk with masked
   loads and stores past the real dim, a wider one (MLA's 576 / 512) a loop of
   few power-of-two chunks (:class:`._pallas_core.HeadDim`);
-* tiles, warps and pipeline stages default per head dim
-  (:func:`default_block_sizes`) to sizes that compile without register spills and
-  within shared memory on A100 (sm_80) and H100/H200 (sm_90).
+* tiles, warps and pipeline stages default per head dim and dtype
+  (:func:`default_block_sizes`, :mod:`._pallas_config`) to sizes that compile
+  without register spills and within shared memory on A100 (sm_80) and H100/H200
+  (sm_90);
+* float32 inputs: every dot is TF32x3 (three TF32 tensor-core products, about
+  3e-7 relative error on the output against float64, like float32's 5e-7), never
+  the IEEE-FMA path; the interpreter emulates the same split, so CPU tests hold
+  the GPU's arithmetic to the float32 tolerance. Head dims over 128 in float32
+  still spill in the backward (bf16 / fp16 do not): cast, or use ``kernel="xla"``;
+* decode-sized queries (under 16 tokens) of a GQA/MQA group are folded into the
+  rows of one program per kv head: each K/V tile is read once per group.
 
 Lowering: by the platform the program is lowered for (``jax.lax.platform_dependent``):
 Triton when lowering for CUDA / ROCm, the Pallas interpreter elsewhere, so AOT
