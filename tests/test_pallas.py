@@ -174,3 +174,20 @@ def test_lowering_follows_the_platform():
     for name in ("seqpar_flash_forward", "seqpar_flash_dq", "seqpar_flash_dkv"):
         assert f'name = "{name}"' in cuda
     assert "__gpu$xla.gpu.triton" in cuda and "__gpu$xla.gpu.triton" not in cpu
+
+
+@pytest.mark.parametrize("by_key", [False, True])
+def test_tile_bounds_in_chunks(by_key, monkeypatch):
+    """Bounds built a few rows at a time (remainder included) match the whole table's."""
+    from jax_seqpar import masks
+    from jax_seqpar.kernels.tiling import Tiling
+
+    monkeypatch.setattr(_pallas_core, "BOUNDS_CHUNK", 3)
+    positions = jnp.arange(112, dtype=jnp.int32)[None]
+    tokens = Tokens(positions, (positions // 40).astype(jnp.int32))
+    spec = MaskSpec.make(causal=True, window=(30, 0))
+    t = Tiling(1, 1, 1, 112, 112, 16, 16)  # 7 x 7 tiles: chunks of 3, 3, 1
+    classes = masks.classify(spec, masks.summarize(tokens, 16), masks.summarize(tokens, 16))
+    expected = _pallas_core.row_bounds(classes.T if by_key else classes)
+    np.testing.assert_array_equal(
+        _pallas_core.tile_bounds(spec, t, tokens, tokens, by_key=by_key), expected)

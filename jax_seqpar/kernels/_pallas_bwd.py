@@ -22,7 +22,7 @@ from jax_seqpar import _compat
 from jax_seqpar.kernels import _pallas_config as config
 from jax_seqpar.kernels import _pallas_core as core
 from jax_seqpar.kernels._pallas_core import HeadDim
-from jax_seqpar.kernels.tiling import pad_seq, schedule
+from jax_seqpar.kernels.tiling import pad_seq, padded_tokens
 
 _F32 = core.F32
 #: Enough dk/dv programs to fill a GPU (about twice the SMs of an H100).
@@ -129,7 +129,7 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, sof
                               block_sizes=block_sizes, interpret=interpret)
         return core.unfold(dq, group), dk, dv
     t = core.tiling(q, k, block_sizes.block_q_bwd, block_sizes.block_k_bwd)
-    q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)
+    q_tokens, kv_tokens = padded_tokens(t, q_tokens, kv_tokens)
     heads = q.shape[2]
     d_qk, d_v = HeadDim.of(q.shape[-1]), HeadDim.of(v.shape[-1])
     q_pad, kv_pad = t.num_q * t.block_q, t.num_k * t.block_k
@@ -155,7 +155,7 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, sof
         out_shape=_compat.shape_struct((t.batch, q_pad, heads, d_qk.size), _F32, q),
         compiler_params=config.launch("dq", t.block_q, d_qk.size, d_v.size, q.dtype),
         name="seqpar_flash_dq",
-    )(core.row_bounds(classes), *inputs)
+    )(core.tile_bounds(spec, t, q_tokens, kv_tokens), *inputs)
 
     # Programs (key tile, batch, kv head * splits); split s of kv head g holds query
     # heads [(g * splits + s) * per_split, ...): one BlockSpec block of the H axis.
@@ -187,7 +187,7 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, sof
             _compat.shape_struct((t.batch, kv_pad, t.kv_heads * splits, d_v.size), _F32, q)],
         compiler_params=config.launch("dkv", t.block_k, d_qk.size, d_v.size, q.dtype),
         name="seqpar_flash_dkv",
-    )(core.row_bounds(classes.T), *inputs)
+    )(core.tile_bounds(spec, t, q_tokens, kv_tokens, by_key=True), *inputs)
     if splits > 1:  # [B, Sk, Hkv * splits, D] -> [B, Sk, Hkv, D]
         dk, dv = (x.reshape(*x.shape[:2], t.kv_heads, splits, x.shape[-1]).sum(3)
                   for x in (dk, dv))

@@ -268,6 +268,31 @@ def call(kernel, *, interpret: Optional[bool], precision_dtype, **kwargs):
     return run
 
 
+#: Rows of tiles whose class rows are built at once: the only ``[rows, n]`` temporary.
+BOUNDS_CHUNK = 256
+
+
+def tile_bounds(spec: MaskSpec, t: Tiling, q_tokens: Tokens, kv_tokens: Tokens, *,
+                by_key: bool = False):
+    """Loop bounds (:func:`row_bounds`) of every query tile (or key tile, ``by_key``)
+    from the tokens (padded to whole tiles), ``int32[n, 4]``.
+
+    The classes are built :data:`BOUNDS_CHUNK` rows at a time (``lax.map``), so
+    memory is O(S) however long the sequence, never a ``[num_q, num_k]`` table.
+    """
+    q_summary = masks.summarize(q_tokens, t.block_q)
+    kv_summary = masks.summarize(kv_tokens, t.block_k)
+    rows = kv_summary if by_key else q_summary
+
+    def one_row(row):  # summaries of one tile -> its bounds [4]
+        row = jax.tree.map(lambda x: x[None], row)
+        classes = (masks.classify(spec, q_summary, row).T if by_key
+                   else masks.classify(spec, row, kv_summary))
+        return row_bounds(classes)[0]
+
+    return lax.map(one_row, rows, batch_size=min(BOUNDS_CHUNK, rows.pos_min.shape[0]))
+
+
 def row_bounds(classes):
     """``int32[n_rows, 4]`` loop bounds ``(first, full_first, full_end, end)`` per row
     of a tile-class table ``[n_rows, n_cols]``.

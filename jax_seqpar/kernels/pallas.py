@@ -14,8 +14,9 @@ How the work is cut:
   tiles, one per (key tile, batch, kv head, head split) accumulates ``dk, dv`` over
   the query tiles of its share of the GQA group (:mod:`._pallas_bwd`);
 * the tile classes of :func:`jax_seqpar.masks.classify` are reduced, outside the
-  kernels, to per-row loop bounds: the first..last non-``EMPTY`` tile and the run
-  of ``FULL`` tiles inside it. Each program runs three plain loops (masked,
+  kernels and a few hundred rows at a time (O(S) memory, no ``[nq, nk]`` table), to
+  per-row loop bounds: the first..last non-``EMPTY`` tile and the run of ``FULL``
+  tiles inside it. Each program runs three plain loops (masked,
   unmasked, masked) with every load at a loop's top level, so Triton pipelines
   them; the elementwise mask (:func:`jax_seqpar.masks.visible` on the position /
   segment tiles) is computed only outside the ``FULL`` run, and an ``EMPTY`` tile
@@ -60,7 +61,7 @@ from jax_seqpar.kernels import _pallas_config as config
 from jax_seqpar.kernels import _pallas_core as core
 from jax_seqpar.kernels._pallas_config import BlockSizes, default_block_sizes
 from jax_seqpar.kernels._pallas_core import HeadDim
-from jax_seqpar.kernels.tiling import Tiling, pad_seq, schedule
+from jax_seqpar.kernels.tiling import pad_seq, padded_tokens
 from jax_seqpar.masks import MaskSpec, Tokens
 
 __all__ = ["BlockSizes", "attention", "backward", "default_block_sizes", "forward"]
@@ -185,7 +186,7 @@ def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, softcap, block_sizes,
                             interpret=interpret)
         return core.unfold(out, heads // kv_heads), core.unfold(lse, heads // kv_heads)
     t = core.tiling(q, k, block_sizes.block_q, block_sizes.block_k)
-    q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)
+    q_tokens, kv_tokens = padded_tokens(t, q_tokens, kv_tokens)
     d_qk, d_v = HeadDim.of(q.shape[-1]), HeadDim.of(v.shape[-1])
     q_pad, kv_pad = t.num_q * t.block_q, t.num_k * t.block_k
     kernel = functools.partial(_forward_kernel, spec=spec, scale=scale, softcap=softcap,
@@ -203,7 +204,7 @@ def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, softcap, block_sizes,
                    _compat.shape_struct((t.batch, heads, q_pad), _F32, q)],
         compiler_params=config.launch("fwd", t.block_q, d_qk.size, d_v.size, q.dtype),
         name="seqpar_flash_forward",
-    )(core.row_bounds(classes), pad_seq(q, q_pad), pad_seq(k, kv_pad), pad_seq(v, kv_pad),
+    )(core.tile_bounds(spec, t, q_tokens, kv_tokens), pad_seq(q, q_pad), pad_seq(k, kv_pad), pad_seq(v, kv_pad),
       q_tokens, kv_tokens)
     return out[:, :t.q_len], jnp.swapaxes(lse, 1, 2)[:, :t.q_len]
 
