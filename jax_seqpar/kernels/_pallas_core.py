@@ -38,7 +38,6 @@ MAX_CHUNK = 256
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
-
 def tiling(q, k, block_q: int, block_k: int) -> Tiling:
     """Geometry of one call, tiles clipped to the (power-of-two padded) lengths."""
     def clip(block, length):
