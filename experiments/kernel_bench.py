@@ -1,7 +1,7 @@
 """Time the local attention kernels: our Pallas kernel, cuDNN and our XLA kernel.
 
-Forward and forward+backward, bf16, ``[batch, seq, heads, head_dim]``, non-causal and
-causal; prints milliseconds (median of ``--runs`` timed calls after ``--warmup``
+Forward and forward+backward, bf16 (``--dtype``), ``[batch, seq, heads, head_dim]`` with
+``--kv-heads`` K/V heads (GQA), non-causal and causal; prints milliseconds (median of ``--runs`` timed calls after ``--warmup``
 calls, each ended by ``block_until_ready``), TFLOP/s and the ratio of that to cuDNN's
 TFLOP/s (1.0: parity; > 1: faster than cuDNN), and the largest difference of the
 results (out, or dq/dk/dv) from cuDNN's (from our XLA kernel's where cuDNN is absent).
@@ -12,6 +12,7 @@ FLOPs count the useful work only: ``4 * B * H * Sq * Sk * D`` for the forward
 credited for them.
 
     python experiments/kernel_bench.py                          # GPU: S = 4k, 8k, 16k
+    python experiments/kernel_bench.py --seq 8192 --kv-heads 2 --head-dim 64
     python experiments/kernel_bench.py --allow-cpu --seq 256    # CPU smoke test
 
 On CPU the Pallas kernel runs in the (slow) interpreter and cuDNN is absent, so the
@@ -94,7 +95,9 @@ def _parse(argv):
     parser.add_argument("--seq", type=int, nargs="+", default=[4096, 8192, 16384])
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=None, help="default: --heads (MHA)")
     parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--runs", type=int, default=20, help="timed calls (median)")
     parser.add_argument("--warmup", type=int, default=3, help="untimed calls after compiling")
     parser.add_argument("--impl", nargs="+", choices=IMPLEMENTATIONS, default=list(IMPLEMENTATIONS))
@@ -105,6 +108,7 @@ def _parse(argv):
 
 def main(argv=None) -> int:
     args = _parse(argv)
+    kv_heads = args.heads if args.kv_heads is None else args.kv_heads
     backend = jax.default_backend()
     if backend != "gpu":
         if not args.allow_cpu:
@@ -116,14 +120,16 @@ def main(argv=None) -> int:
                   f"--seq <= {CPU_MAX_SEQ} with --allow-cpu.", file=sys.stderr)
             return 2
     print(f"backend={backend} devices={jax.devices()[0].device_kind} batch={args.batch} "
-          f"heads={args.heads} head_dim={args.head_dim} dtype=bfloat16 "
+          f"heads={args.heads} kv_heads={kv_heads} head_dim={args.head_dim} dtype={args.dtype} "
           f"median of {args.runs} runs after {args.warmup} warm-up")
     print(f"{'seq':>6} {'causal':>6} {'pass':>8} {'impl':>7} {'ms':>9} {'TFLOP/s':>8} "
           f"{'vs cudnn':>8} {'max|diff|':>10}")
     for seq in args.seq:
         shape = (args.batch, seq, args.heads, args.head_dim)
+        kv_shape = (args.batch, seq, kv_heads, args.head_dim)
         keys = jax.random.split(jax.random.key(seq), 4)
-        q, k, v, dout = (jax.random.normal(key, shape, jnp.bfloat16) for key in keys)
+        q, dout = (jax.random.normal(key, shape, args.dtype) for key in keys[:2])
+        k, v = (jax.random.normal(key, kv_shape, args.dtype) for key in keys[2:])
         for causal in (False, True):
             for backward in (False, True):
                 inputs = (q, k, v, dout.astype(jnp.float32)) if backward else (q, k, v)

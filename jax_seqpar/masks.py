@@ -141,7 +141,11 @@ def summarize(tokens: Tokens, block: int) -> BlockSummary:
 
 
 def classify(spec: MaskSpec, q: BlockSummary, kv: BlockSummary) -> jax.Array:
-    """``int32[num_q_blocks, num_kv_blocks]`` of ``EMPTY`` / ``PARTIAL`` / ``FULL``."""
+    """``int8[num_q_blocks, num_kv_blocks]`` of ``EMPTY`` / ``PARTIAL`` / ``FULL``.
+
+    int8 keeps the table a quarter of int32's size; the Pallas kernels only reduce it
+    to per-row loop bounds (fused, never stored).
+    """
     q_lo, q_hi = q.pos_min[:, None], q.pos_max[:, None]
     k_lo, k_hi = kv.pos_min[None, :], kv.pos_max[None, :]
     empty = jnp.zeros(jnp.broadcast_shapes(q_lo.shape, k_lo.shape), bool)
@@ -158,4 +162,4 @@ def classify(spec: MaskSpec, q: BlockSummary, kv: BlockSummary) -> jax.Array:
         ks_lo, ks_hi = kv.seg_min[None, :], kv.seg_max[None, :]
         empty |= (ks_lo > qs_hi) | (ks_hi < qs_lo)
         full &= (qs_lo == qs_hi) & (ks_lo == ks_hi) & (qs_lo == ks_lo)
-    return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(jnp.int32)
+    return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(jnp.int8)

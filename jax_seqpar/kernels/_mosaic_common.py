@@ -146,7 +146,7 @@ def plan(classes):
     last_before = lax.cummax(jnp.where(nonempty, cols, -1), axis=1)
     first = jnp.argmax(nonempty, axis=1).astype(jnp.int32)[:, None]
     fetch = jnp.where(last_before >= 0, last_before, first)
-    return (fetch << _CLASS_BITS) | classes
+    return (fetch << _CLASS_BITS) | classes.astype(jnp.int32)
 
 
 def fetched(plan_ref, row_index, col_index):

@@ -1,0 +1,105 @@
+"""Tiles, warps and pipeline stages of the Pallas kernels, per head dim, dtype and GPU.
+
+The defaults compile without register spills and within shared memory on sm_80
+(A100) and sm_90 (H100/H200) for head dims 64 ... 256, DeepSeek's 192/128 and MLA's
+576/512, in bf16, fp16 and float32 (measured with ``experiments/gpu_resources.py``,
+held by ``tests/test_pallas_compile.py``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from jax_seqpar.kernels._pallas_core import MIN_DIM, HeadDim
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes (clipped to the padded sequence length; ragged tails are padded).
+
+    On GPU every size must be a power of two >= 16 (Triton); the CPU interpreter
+    takes any positive size. ``None`` of the kernels' ``block_sizes`` means
+    :func:`default_block_sizes` for the head dims and dtype.
+
+    Attributes:
+      block_q: query tokens per forward program.
+      block_k: key tokens per forward loop step.
+      block_q_bwd: query tokens per tile in both backward kernels.
+      block_k_bwd: key tokens per tile in both backward kernels.
+    """
+
+    block_q: int = 128
+    block_k: int = 64
+    block_q_bwd: int = 64
+    block_k_bwd: int = 64
+
+    def __post_init__(self):
+        for name, size in dataclasses.asdict(self).items():
+            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+                raise ValueError(f"{name}={size!r} must be a positive int.")
+
+    def check_gpu(self):
+        """Raise unless every size suits the Triton lowering."""
+        for name, size in dataclasses.asdict(self).items():
+            if size < MIN_DIM or size & (size - 1):
+                raise ValueError(
+                    f"{name}={size} must be a power of two >= {MIN_DIM} for the Triton "
+                    f"(GPU) lowering; use e.g. {max(MIN_DIM, pl.next_power_of_2(size))}.")
+
+
+def _width(d_qk: int, d_v: int) -> int:
+    """Padded columns a program holds: the wider of the two head dims."""
+    return max(HeadDim.of(d_qk).padded, HeadDim.of(d_v).padded)
+
+
+def default_block_sizes(d_qk: int, d_v: int, dtype) -> BlockSizes:
+    """Tiles that compile without spills and within shared memory on both sm_80 and
+    sm_90 (measured with ``experiments/gpu_resources.py``): the per-thread
+    accumulators shrink as the head dims grow, so the tiles do; float32 (TF32x3
+    dots, three registers per operand value) takes smaller ones."""
+    width = _width(d_qk, d_v)
+    if jnp.dtype(dtype) == jnp.float32:
+        if width <= 64:
+            return BlockSizes(64, 32, 32, 32)
+        return BlockSizes(32, 16, 16, 16) if width <= 128 else BlockSizes(16, 16, 16, 16)
+    if width <= 128:
+        return BlockSizes(128, 64, 64, 64)
+    if width <= 256:
+        return BlockSizes(64, 32, 32, 32)
+    return BlockSizes(32, 16, 16, 16)  # MLA absorbed (576/512)
+
+
+def gpu_generation() -> Optional[int]:
+    """Compute-capability major of the local GPU (9: H100/H200, 8: A100), or None when
+    there is none (e.g. compiling for a GPU from a CPU host): defaults then take the
+    values that compile on both."""
+    if jax.default_backend() != "gpu":
+        return None
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    return int(str(capability).split(".")[0]) if capability else None
+
+
+def launch(kind: str, rows: int, d_qk: int, d_v: int, dtype) -> plgpu.CompilerParams:
+    """Warps and software-pipeline stages of one kernel (``kind``: fwd, dq, dkv) whose
+    programs own ``rows`` tokens (measured with ``experiments/gpu_resources.py``:
+    no spills on sm_80 or sm_90 at the default tiles)."""
+    width = _width(d_qk, d_v)
+    if jnp.dtype(dtype) == jnp.float32:  # TF32x3 operands: three registers per value
+        return plgpu.CompilerParams(num_warps=4 if width <= 128 else 8,
+                                    num_stages=1 if kind == "dkv" or width > 128 else 2)
+    size = rows * width
+    if kind == "dq":
+        warps = 4 if size <= 64 * 128 else 8
+    else:  # fwd and dkv hold two [rows, width] float32 accumulators' worth
+        warps = 4 if size <= 32 * 64 else 8
+    if kind != "dkv":
+        stages = 3 if width <= 128 else 2
+    else:  # sm_80's dk/dv at width 256 spills with two stages, sm_90's does not
+        stages = 2 if width <= 128 or gpu_generation() == 9 else 1
+    return plgpu.CompilerParams(num_warps=warps, num_stages=stages)
