@@ -53,11 +53,12 @@ def default_layout(strategy: str, causal: bool) -> str:
 def can_check_vma(kernel: str) -> bool:
     """Whether ``shard_map`` may check varying axes around ``kernel``.
 
-    The Pallas interpreter (the Pallas kernel off GPU) loses the varying-axes
-    types inside ``shard_map``; JAX's own error asks for ``check_vma=False`` there.
+    The Pallas interpreter (``kernel="pallas"`` lowered for anything but CUDA) loses
+    the varying-axes types inside ``shard_map``; JAX's own error asks for
+    ``check_vma=False`` there. The lowering platform is not known when ``shard_map``
+    traces, so a program that may interpret never checks.
     """
-    return not (kernels.get(kernel).__name__.endswith("pallas")
-                and jax.default_backend() != "gpu")
+    return not kernels.may_interpret(kernel)
 
 
 def per_shard_fn(strategy: str, axes: tuple):
