@@ -183,6 +183,24 @@ def target_mesh(name: str, axis_names: Sequence[str] = ("sp",),
     return Mesh(np.array(devices, dtype=object).reshape(shape), axis_names)
 
 
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def emulate_cpu_devices(count: int, *, cpu_only: bool = False) -> None:
+    """Ask for ``count`` CPU devices (unless XLA_FLAGS chose already); call it before
+    JAX starts a backend (importing ``jax`` does not start one).
+
+    With ``cpu_only``, JAX's platforms are set to CPU unless JAX_PLATFORMS is set;
+    otherwise JAX keeps its default backend: an accelerator when one is present,
+    else the ``count`` emulated CPU devices.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _DEVICE_COUNT_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_COUNT_FLAG}={count}".strip()
+    if cpu_only:
+        compile_only_environment()
+
+
 def compile_only_environment() -> None:
     """Make JAX start only its CPU backend, unless the user chose platforms.
 
