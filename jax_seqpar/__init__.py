@@ -7,7 +7,10 @@ and one global-view entry point, :func:`sequence_parallel_attention`.
 
 from jax_seqpar.allgather import allgather_attention as allgather_attention
 from jax_seqpar.api import sequence_parallel_attention as sequence_parallel_attention
+from jax_seqpar.batch_layout import permute_batch as permute_batch
+from jax_seqpar.batch_layout import unpermute_batch as unpermute_batch
 from jax_seqpar.decode import decode_attention as decode_attention
+from jax_seqpar.dot_product import dot_product_attention as dot_product_attention
 from jax_seqpar.hybrid import hybrid_attention as hybrid_attention
 from jax_seqpar.layout import contiguous_positions as contiguous_positions
 from jax_seqpar.layout import striped_permute as striped_permute

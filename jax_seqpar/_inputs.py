@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from typing import Optional
 
 import jax
@@ -57,16 +58,20 @@ class Options:
       scale: score multiplier.
       kernel: the kernel module (see :func:`jax_seqpar.kernels.get`).
       block_sizes: the kernel's tile sizes, or None for its defaults.
+      softcap: logit soft-cap (``softcap * tanh(s / softcap)``), or None.
     """
 
     spec: masks.MaskSpec
     scale: float
     kernel: object
     block_sizes: Optional[object] = None
+    softcap: Optional[float] = None
 
     @classmethod
-    def make(cls, q, *, causal, window, scale, kernel, block_sizes=None) -> "Options":
+    def make(cls, q, *, causal, window, scale, kernel, block_sizes=None,
+             softcap=None) -> "Options":
         from jax_seqpar import kernels
+        from jax_seqpar.kernels.xla import check_softcap
 
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
         module = kernels.get(kernel)
@@ -75,12 +80,18 @@ class Options:
                 f"block_sizes={block_sizes!r} is not a {module.__name__}.BlockSizes, the tile "
                 f"sizes of the kernel this call uses (kernel={kernel!r}); pass that class, or "
                 "name the kernel explicitly.")
-        return cls(masks.MaskSpec.make(causal, window), scale, module, block_sizes)
+        softcap = check_softcap(softcap)
+        if softcap is not None and "softcap" not in inspect.signature(module.forward).parameters:
+            raise ValueError(f"softcap={softcap} is not supported by the kernel "
+                             f"{module.__name__} (kernel={kernel!r}); use kernel='xla'.")
+        return cls(masks.MaskSpec.make(causal, window), scale, module, block_sizes, softcap)
 
     def _kwargs(self):
         kwargs = dict(spec=self.spec, scale=self.scale)
         if self.block_sizes is not None:
             kwargs["block_sizes"] = self.block_sizes
+        if self.softcap is not None:  # kernels without soft-capping never see the keyword
+            kwargs["softcap"] = self.softcap
         return kwargs
 
     def forward(self, q, k, v, q_tokens, kv_tokens):
@@ -120,15 +131,36 @@ def axis_size(axis_name) -> int:
 
 
 def prepare(q, k, v, *, axis_name, causal, segment_ids, positions, window, scale, kernel,
-            block_sizes):
+            block_sizes, softcap=None, sinks=None, kv_segment_ids=None):
     """The common prologue of every per-shard strategy: validate, then build metadata.
 
+    ``sinks`` (``[H]`` float, or None) is only validated here; strategies fold it
+    into their merged result with :func:`jax_seqpar.merge.with_sinks`.
+
     Returns:
-      ``(tokens, options)``: this shard's :class:`~jax_seqpar.masks.Tokens` and the
-      call's static :class:`Options`.
+      ``(q_tokens, kv_tokens, options)``: this shard's query and key/value
+      :class:`~jax_seqpar.masks.Tokens` (the same positions; the keys' segment ids
+      are ``kv_segment_ids`` when given) and the call's static :class:`Options`.
     """
+    from jax_seqpar.merge import check_sinks
+
     check_qkv(q, k, v)
-    tokens = shard_tokens(q, axis_name=axis_name, segment_ids=segment_ids, positions=positions)
+    check_sinks(sinks, q.shape[2])
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"sequence-parallel attention splits ONE sequence, so every shard holds as many "
+            f"query as key/value tokens. Got {q.shape[1]} local query tokens and {k.shape[1]} "
+            "local key/value tokens: shard q, k and v along the same split of the same "
+            "sequence (for attention to another sequence, run "
+            "jax_seqpar.dot_product_attention without a mesh).")
+    q_tokens = shard_tokens(q, axis_name=axis_name, segment_ids=segment_ids, positions=positions)
+    kv_tokens = q_tokens
+    if kv_segment_ids is not None:
+        if segment_ids is None:
+            raise ValueError("kv_segment_ids needs segment_ids for the queries too (a query "
+                             "sees a key when their segment ids are equal).")
+        check_ids("kv_segment_ids", kv_segment_ids, *q.shape[:2])
+        kv_tokens = masks.Tokens(q_tokens.positions, kv_segment_ids.astype(jnp.int32))
     options = Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
-                           block_sizes=block_sizes)
-    return tokens, options
+                           block_sizes=block_sizes, softcap=softcap)
+    return q_tokens, kv_tokens, options

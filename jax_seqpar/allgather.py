@@ -4,25 +4,30 @@ Megatron-LM's ``all_gather`` context parallelism; Llama 3 (arXiv:2407.21783) use
 it for long-context training. Simple and low-latency, but K/V memory is O(S) per
 device and the gather cannot hide behind compute. The backward is autodiff: the
 all-gather transposes to a reduce-scatter of dK/dV. With zigzag positions the
-causal work is balanced.
+causal work is balanced. With a window on the contiguous split (default
+positions) only what the window reaches is gathered (:func:`jax_seqpar.halo.gather_window`).
 """
 
 from __future__ import annotations
 
 import jax
 
-from jax_seqpar._inputs import prepare
+from jax_seqpar import halo
+from jax_seqpar._inputs import axis_size, prepare
+from jax_seqpar.merge import with_sinks
 from jax_seqpar.ulysses import gather_tokens
 
 
 def allgather_attention(q, k, v, *, axis_name, causal=False, segment_ids=None, positions=None,
-                        window=None, scale=None, kernel="auto", block_sizes=None):
+                        window=None, scale=None, kernel="auto", block_sizes=None, softcap=None,
+                        sinks=None, kv_segment_ids=None, return_lse=False):
     """Exact attention of a sequence sharded over ``axis_name`` (call inside ``shard_map``).
 
     Args:
       q: ``[B, S/P, H, Dqk]``; k: ``[B, S/P, Hkv, Dqk]``; v: ``[B, S/P, Hkv, Dv]``.
       axis_name, causal, window, segment_ids, positions, scale, kernel,
-        block_sizes: as in :func:`jax_seqpar.ring.ring_attention`.
+        block_sizes, softcap, sinks, kv_segment_ids, return_lse: as in
+        :func:`jax_seqpar.ring.ring_attention`.
 
     Returns:
       ``[B, S/P, H, Dv]`` in ``q.dtype``.
@@ -30,9 +35,18 @@ def allgather_attention(q, k, v, *, axis_name, causal=False, segment_ids=None, p
     >>> out = jax.shard_map(functools.partial(allgather_attention, axis_name="sp"),
     ...                     mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
     """
-    tokens, options = prepare(q, k, v, axis_name=axis_name, causal=causal,
-                              segment_ids=segment_ids, positions=positions, window=window,
-                              scale=scale, kernel=kernel, block_sizes=block_sizes)
-    k, v = (jax.lax.all_gather(x, axis_name, axis=1, tiled=True) for x in (k, v))  # [B, S, Hkv, D]
-    out, _ = options.attention(q, k, v, tokens, gather_tokens(tokens, axis_name))
-    return out.astype(q.dtype)  # [B, S/P, H, Dv]
+    q_tokens, kv_tokens, options = prepare(
+        q, k, v, axis_name=axis_name, causal=causal, segment_ids=segment_ids,
+        positions=positions, window=window, scale=scale, kernel=kernel,
+        block_sizes=block_sizes, softcap=softcap, sinks=sinks, kv_segment_ids=kv_segment_ids)
+    reach = None
+    if positions is None:
+        reach = halo.halo_sizes(options.spec, q.shape[1], axis_size(axis_name))
+    if reach is None:
+        k, v = (jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+                for x in (k, v))  # [B, S, Hkv, D]
+        kv_tokens = gather_tokens(kv_tokens, axis_name)
+    else:
+        k, v, kv_tokens = halo.gather_window(axis_name, reach, k, v, kv_tokens)  # [B, W+S/P, ..]
+    out, lse = with_sinks(*options.attention(q, k, v, q_tokens, kv_tokens), sinks)
+    return (out.astype(q.dtype), lse) if return_lse else out.astype(q.dtype)  # [B, S/P, H, Dv]

@@ -1,31 +1,34 @@
 """The global-view entry point: one call shards the sequence over a mesh and attends.
 
-``sequence_parallel_attention`` takes global ``[B, S, H, D]`` arrays, places them
-sequence-sharded on the mesh, relayouts the tokens inside the shards (zigzag for
-balanced causal rings: two half-shard ``ppermute`` s; striped: one ``all_to_all``),
-runs the chosen strategy inside
-``jax.shard_map`` and returns the output in the caller's token order, sharded
-like its queries. Explicit-axis meshes (the ``jax.make_mesh`` default) and Auto
-meshes both work; batch and head shardings of explicit inputs (data and tensor
-parallelism) are kept.
+``sequence_parallel_attention`` takes global ``[B, S, H, D]`` arrays, pads the
+sequence to what the strategy and layout need, places the arrays sequence-sharded
+on the mesh, runs the chosen strategy inside ``jax.shard_map`` and returns the
+output at the caller's length, in the caller's token order, sharded like its
+queries. Tokens either arrive in natural order and are relayouted inside the
+shards (zigzag: two half-shard ``ppermute`` s; striped: one ``all_to_all``), or
+arrive already laid out with their ``positions`` and are not moved. Explicit-axis
+meshes (the ``jax.make_mesh`` default) and Auto meshes both work; batch and head
+shardings (data and tensor parallelism) are kept.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from typing import Optional, Union
 
 import jax
-from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
-from jax_seqpar import kernels, layout as layouts
-from jax_seqpar._inputs import check_self_attention
+from jax_seqpar import _placement, kernels, layout as layouts
+from jax_seqpar._inputs import check_ids, check_self_attention
+from jax_seqpar.halo import default_layout
 from jax_seqpar.ring import ring_attention
 from jax_seqpar.ulysses import ulysses_attention
 
 STRATEGIES = ("auto", "ulysses", "ring", "hybrid", "allgather")
 LAYOUTS = ("auto", "contiguous", "zigzag", "striped")
-_ZIGZAG_BALANCES = ("ring", "hybrid", "allgather")
 
 
 def _keep(x, *, axis_name):
@@ -43,11 +46,6 @@ _RELAYOUTS = {
 def axis_name_of(axes: tuple):
     """The ``axis_name`` collectives take for sequence ``axes``: one name or the tuple."""
     return axes[0] if len(axes) == 1 else axes
-
-
-def default_layout(strategy: str, causal: bool) -> str:
-    """``layout="auto"``: zigzag where it balances causal work, contiguous otherwise."""
-    return "zigzag" if causal and strategy in _ZIGZAG_BALANCES else "contiguous"
 
 
 def can_check_vma(kernel: str) -> bool:
@@ -79,41 +77,15 @@ def per_shard_fn(strategy: str, axes: tuple):
     return functools.partial(hybrid_attention, ring_axis=axes[0], ulysses_axis=axes[1])
 
 
-def _choose_strategy(q, k, v, axis_sizes: dict, causal: bool) -> str:
+def _choose_strategy(q, k, v, axis_sizes: dict, causal: bool, batch_shards: int,
+                     head_shards: int) -> str:
+    """``plan``'s choice for the batch rows and heads one sequence group really holds."""
     from jax_seqpar import plan
 
     batch, seq_len, heads, head_dim = q.shape
-    return plan.plan(seq_len, heads, k.shape[2], head_dim, axis_sizes, batch=batch,
-                     v_head_dim=v.shape[3], dtype_bytes=q.dtype.itemsize,
-                     causal=causal).strategy
-
-
-def _spec_entry(x, dim: int, seq_axes: tuple):
-    """The mesh axes an explicit input is sharded along in ``dim`` (None: replicated)."""
-    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
-    entry = spec[dim] if spec is not None and dim < len(spec) else None
-    names = entry if isinstance(entry, tuple) else (entry,)
-    return None if entry is None or set(names) & set(seq_axes) else entry
-
-
-def _kept_entries(q, k, v, seq_axes: tuple):
-    """Batch and head shardings (data / tensor parallelism) to keep inside shard_map.
-
-    The batch sharding of ``q`` is kept (k and v are resharded to it). The head
-    sharding is kept only when q, k and v share it: a head split of q alone would
-    pair local query heads with the wrong K/V heads, so q is resharded instead.
-    """
-    head = _spec_entry(q, 2, seq_axes)
-    if any(_spec_entry(x, 2, seq_axes) != head for x in (k, v)):
-        head = None
-    return _spec_entry(q, 0, seq_axes), head
-
-
-def _place(x, mesh, spec):
-    """Put ``x`` in ``spec`` sharding: explicit meshes need it before ``shard_map``."""
-    if any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
-        return jax.reshard(x, NamedSharding(mesh, spec))
-    return x
+    return plan.plan(seq_len, heads // head_shards, k.shape[2] // head_shards, head_dim,
+                     axis_sizes, batch=batch // batch_shards, v_head_dim=v.shape[3],
+                     dtype_bytes=q.dtype.itemsize, causal=causal).strategy
 
 
 def sequence_parallel_attention(
@@ -126,13 +98,29 @@ def sequence_parallel_attention(
     strategy: str = "auto",
     causal: bool = False,
     segment_ids: Optional[jax.Array] = None,
+    positions: Optional[jax.Array] = None,
+    kv_segment_ids: Optional[jax.Array] = None,
     window=None,
     scale: Optional[float] = None,
     layout: str = "auto",
     kernel: str = "auto",
     block_sizes=None,
-) -> jax.Array:
+    batch_axes=None,
+    softcap: Optional[float] = None,
+    sinks: Optional[jax.Array] = None,
+    return_lse: bool = False,
+):
     """Exact attention with the sequence split over ``seq_axes`` of ``mesh``.
+
+    Two ways to order the tokens. Without ``positions``, ``q, k, v`` are in natural
+    order and the call relayouts them inside the shards (``layout``) and back: a
+    convenience for one-off calls that pays the relayout's traffic every call.
+    With ``positions``, the tokens are already in the order the model keeps them in
+    (put a whole batch into a layout once with :func:`jax_seqpar.permute_batch`)
+    and no relayout happens: a layer then sends exactly ``plan.comm_bytes``.
+
+    Any sequence length works: the call pads to what the strategy and layout need,
+    masks the padding and returns the caller's length.
 
     Args:
       q: ``[B, S, H, Dqk]`` global queries.
@@ -141,28 +129,47 @@ def sequence_parallel_attention(
       seq_axes: the mesh axis splitting the sequence, or ``(outer, inner)``:
         ``"hybrid"`` runs Ulysses over ``inner`` and the ring over ``outer``.
       strategy: ``"ulysses"``, ``"ring"``, ``"hybrid"``, ``"allgather"`` or
-        ``"auto"`` (:func:`jax_seqpar.plan.plan` decides).
+        ``"auto"`` (:func:`jax_seqpar.plan.plan` decides, counting the batch rows and
+        heads each sequence group holds).
       causal, window: the mask on true token positions (see ``MaskSpec``).
-      segment_ids: ``int32[B, S]`` packed documents attend within themselves.
+      segment_ids: ``int32[B, S]`` packed documents attend within themselves
+        (``-2**31`` is reserved for padding).
+      positions: ``int32[B, S]`` global positions of the tokens in the order given,
+        or None (natural order, relayouted by ``layout``).
+      kv_segment_ids: ``int32[B, S]`` the keys' own segment ids where they differ from
+        the queries' (e.g. padded keys of ragged rows), or None: ``segment_ids``.
       scale: defaults to ``1/sqrt(Dqk)``.
       layout: ``"zigzag"``, ``"striped"``, ``"contiguous"`` or ``"auto"`` (zigzag
-        where it balances causal work: ring, hybrid and all-gather with ``causal=True``).
+        where it balances causal work: ring, hybrid and all-gather with
+        ``causal=True`` and no window; contiguous with a window, whose ring and
+        all-gather then exchange only the halo the window reaches); must be
+        ``"auto"`` or ``"contiguous"`` with ``positions``.
       kernel: ``"auto"`` (Pallas on GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``.
       block_sizes: the kernel's tile sizes (its ``BlockSizes``), or None.
+      batch_axes: mesh axes the batch is sharded over (data parallelism), or None:
+        read from the inputs' sharding, and on Auto meshes under ``jit`` the mesh
+        axes outside ``seq_axes`` that divide the batch.
+      softcap: logits become ``softcap * tanh(s / softcap)`` before masking (Gemma 2).
+      sinks: ``[H]`` float logits of a zero-valued virtual key per head (gpt-oss:
+        ``p_j = exp(s_j) / (exp(sinks[h]) + sum_k exp(s_k))``), differentiable.
+      return_lse: also return the float32 ``[B, S, H]`` log-sum-exp of every row
+        (sinks included), for callers that merge partial results.
 
     Returns:
-      ``[B, S, H, Dv]`` in ``q.dtype``, in the caller's token order.
+      ``[B, S, H, Dv]`` in ``q.dtype``, in the caller's token order; with
+      ``return_lse``, ``(out, lse)``.
 
     Raises:
-      ValueError: bad shapes, unknown axes/strategy/layout, a sequence length the
-        shards do not divide (pad it and mask the padding with ``segment_ids``),
-        or heads a Ulysses axis does not divide.
+      ValueError: bad shapes, unknown axes/strategy/layout, a layout with
+        ``positions``, or heads a Ulysses axis does not divide.
 
     >>> mesh = jax.make_mesh((8,), ("sp",))
     >>> out = sequence_parallel_attention(q, k, v, mesh=mesh, strategy="ring", causal=True)
     """
     check_self_attention(q, k, v, segment_ids)
     batch, seq_len = q.shape[:2]
+    check_ids("positions", positions, batch, seq_len)
+    check_ids("kv_segment_ids", kv_segment_ids, batch, seq_len)
     axes = (seq_axes,) if isinstance(seq_axes, str) else tuple(seq_axes)
     for name in axes:
         if name not in mesh.shape:
@@ -172,42 +179,56 @@ def sequence_parallel_attention(
         raise ValueError(f"strategy={strategy!r} is not one of {STRATEGIES}.")
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}.")
+    if positions is not None and layout not in ("auto", "contiguous"):
+        raise ValueError(f"positions= says the tokens are already in the order to keep; "
+                         f"layout={layout!r} would relayout them again. Put the batch into "
+                         "the layout once (jax_seqpar.permute_batch) and drop layout=.")
+    batch_entry, head_entry = _placement.kept_entries(q, k, v, mesh, axes, batch_axes)
     axis_sizes = {name: mesh.shape[name] for name in axes}
     if strategy == "auto":
-        strategy = _choose_strategy(q, k, v, axis_sizes, causal)
-    if layout == "auto":
-        layout = default_layout(strategy, causal)
-    num_shards = 1
-    for size in axis_sizes.values():
-        num_shards *= size
+        strategy = _choose_strategy(q, k, v, axis_sizes, causal,
+                                    _placement.entry_size(mesh, batch_entry),
+                                    _placement.entry_size(mesh, head_entry))
+    num_shards = math.prod(axis_sizes.values())
+    if positions is not None:
+        layout = "contiguous"
+    elif layout == "auto":
+        layout = default_layout(strategy, causal, window, seq_len=seq_len, num_shards=num_shards)
     per_shard = {"contiguous": 1, "zigzag": 2, "striped": num_shards}[layout]
-    chunks = num_shards * per_shard
-    if seq_len % chunks:
-        raise ValueError(
-            f"sequence length {seq_len} is not divisible by {chunks} ({num_shards} shards"
-            f"{f' x {per_shard} {layout} pieces' if per_shard > 1 else ''}); pad it to a "
-            f"multiple of {chunks} and mask the padding with segment_ids.")
+    length = _placement.padded_length(seq_len, num_shards * per_shard)
+    if length != seq_len:
+        q, k, v, segment_ids, kv_segment_ids, positions = _placement.pad_inputs(
+            length, q, k, v, segment_ids, kv_segment_ids, positions)
     attend = per_shard_fn(strategy, axes)
     axis_name = axis_name_of(axes)
-
     relayout_in, relayout_out = _RELAYOUTS[layout]
 
-    def body(q, k, v, segment_ids):
-        q, k, v, segment_ids = (None if x is None else relayout_in(x, axis_name=axis_name)
-                                for x in (q, k, v, segment_ids))
-        positions = layouts.shard_positions(layout, q.shape[1], axis_name=axis_name)
-        positions = jax.numpy.broadcast_to(positions, q.shape[:2])
-        out = attend(q, k, v, causal=causal, window=window, segment_ids=segment_ids,
-                     positions=positions, scale=scale, kernel=kernel, block_sizes=block_sizes)
-        return relayout_out(out, axis_name=axis_name)
+    def body(q, k, v, segment_ids, kv_segment_ids, positions, sinks):
+        q, k, v, segment_ids, kv_segment_ids = (
+            None if x is None else relayout_in(x, axis_name=axis_name)
+            for x in (q, k, v, segment_ids, kv_segment_ids))  # [B, L, heads, D]
+        # Left out (None) only for the plain contiguous split, the order strategies know:
+        # a window turns it into a halo exchange.
+        if positions is None and layout != "contiguous":
+            positions = layouts.shard_positions(layout, q.shape[1], axis_name=axis_name)
+            positions = jnp.broadcast_to(positions, q.shape[:2])  # [B, L]
+        result = attend(q, k, v, causal=causal, window=window, segment_ids=segment_ids,
+                        kv_segment_ids=kv_segment_ids, positions=positions, scale=scale,
+                        kernel=kernel, block_sizes=block_sizes, softcap=softcap, sinks=sinks,
+                        return_lse=return_lse)  # [B, L, H, Dv] (and lse [B, L, H])
+        return jax.tree.map(lambda x: relayout_out(x, axis_name=axis_name), result)
 
-    batch_entry, head_entry = _kept_entries(q, k, v, axes)
     qkv_spec = P(batch_entry, axis_name, head_entry, None)
     ids_spec = P(batch_entry, axis_name)
-    q, k, v = (_place(x, mesh, qkv_spec) for x in (q, k, v))
-    if segment_ids is not None:
-        segment_ids = _place(segment_ids, mesh, ids_spec)
+    q, k, v = (_placement.place(x, mesh, qkv_spec) for x in (q, k, v))
+    ids = [None if x is None else _placement.place(x, mesh, ids_spec)
+           for x in (segment_ids, kv_segment_ids, positions)]
+    if sinks is not None:
+        sinks = _placement.place(jnp.asarray(sinks), mesh, P(head_entry))
+    out_specs = (qkv_spec, P(batch_entry, axis_name, head_entry)) if return_lse else qkv_spec
     mapped = jax.shard_map(body, mesh=mesh,
-                           in_specs=(qkv_spec,) * 3 + (P() if segment_ids is None else ids_spec,),
-                           out_specs=qkv_spec, check_vma=can_check_vma(kernel))
-    return mapped(q, k, v, segment_ids)
+                           in_specs=(qkv_spec,) * 3 + tuple(P() if x is None else ids_spec
+                                                            for x in ids)
+                           + (P(head_entry),),
+                           out_specs=out_specs, check_vma=can_check_vma(kernel))
+    return jax.tree.map(lambda x: _placement.unpad(x, seq_len), mapped(q, k, v, *ids, sinks))

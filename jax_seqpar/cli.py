@@ -44,7 +44,7 @@ def _demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     demo.run_demo(steps=args.steps, seq_len=args.seq_len, batch=args.batch,
                   strategies=strategies, out=args.out, seed=args.seed,
-                  progress=not args.no_progress)
+                  progress=not args.no_progress, fsdp=args.fsdp)
     print(f"demo wall time: {time.perf_counter() - start:.1f} s")
     return 0
 
@@ -79,6 +79,10 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--out", default="jax-seqpar-demo.png", help="loss-curve PNG path")
     demo.add_argument("--seed", type=int, default=0, help="parameters and data order")
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    demo.add_argument("--fsdp", action="store_true",
+                      help="also shard parameters and optimizer state over the devices that "
+                           "split the sequence (FSDP / ZeRO-3) and print their per-device "
+                           "memory, sharded vs replicated")
     demo.set_defaults(run=_demo)
 
     from jax_seqpar import bench_report

@@ -11,10 +11,11 @@ import jax.numpy as jnp
 
 from jax_seqpar import layout, masks
 from jax_seqpar._inputs import Options, check_qkv
-from jax_seqpar.merge import merge_across
+from jax_seqpar.merge import check_sinks, merge_across
 
 
-def decode_attention(q, k_cache, v_cache, *, axis_name, kv_length, scale=None, kernel="auto"):
+def decode_attention(q, k_cache, v_cache, *, axis_name, kv_length, scale=None, kernel="auto",
+                     softcap=None, sinks=None):
     """Attend new queries to a sequence-sharded cache (call inside ``shard_map``).
 
     Args:
@@ -27,6 +28,7 @@ def decode_attention(q, k_cache, v_cache, *, axis_name, kv_length, scale=None, k
       kv_length: ``int32[B]`` valid cache entries (from global position 0),
         including the T new tokens.
       scale: defaults to ``1/sqrt(Dqk)``; kernel: ``"auto"``, ``"xla"``, ``"pallas"``.
+      softcap: logit soft-cap, or None; sinks: ``[H]`` sink logits (replicated), or None.
 
     Returns:
       ``[B, T, H, Dv]`` in ``q.dtype``, the same on every device.
@@ -36,11 +38,13 @@ def decode_attention(q, k_cache, v_cache, *, axis_name, kv_length, scale=None, k
     ...                     out_specs=P())(q, k_cache, v_cache, kv_length)
     """
     check_qkv(q, k_cache, v_cache)
+    check_sinks(sinks, q.shape[2])
     batch, new_tokens = q.shape[:2]
     if tuple(kv_length.shape) != (batch,):
         raise ValueError(f"kv_length must have shape [batch]=({batch},). "
                          f"Got {tuple(kv_length.shape)}.")
-    options = Options.make(q, causal=True, window=None, scale=scale, kernel=kernel)
+    options = Options.make(q, causal=True, window=None, scale=scale, kernel=kernel,
+                           softcap=softcap)
     kv_length = kv_length.astype(jnp.int32)
     cache_positions = layout.shard_positions("contiguous", k_cache.shape[1], axis_name=axis_name)
     cache_positions = jnp.broadcast_to(cache_positions, (batch, k_cache.shape[1]))
@@ -50,4 +54,4 @@ def decode_attention(q, k_cache, v_cache, *, axis_name, kv_length, scale=None, k
     q_tokens = masks.Tokens(q_positions, jnp.zeros((batch, new_tokens), jnp.int32))
     kv_tokens = masks.Tokens(cache_positions, jnp.where(valid, 0, -1).astype(jnp.int32))
     out, lse = options.forward(q, k_cache, v_cache, q_tokens, kv_tokens)  # float32
-    return merge_across(out, lse, axis_name).astype(q.dtype)  # [B, T, H, Dv]
+    return merge_across(out, lse, axis_name, sinks).astype(q.dtype)  # [B, T, H, Dv]

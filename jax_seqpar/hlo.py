@@ -4,7 +4,7 @@ This is the one place that measures what a program really does. Tests hold
 :func:`jax_seqpar.plan.comm_bytes` against :func:`collective_bytes`, the CLI
 bench and the notebooks report both, so the counting rules live here only.
 
-Counting rules (DESIGN.md §3), bytes ONE device sends over a group of ``P``
+Counting rules (those of ``plan.comm_bytes``), bytes ONE device sends over a group of ``P``
 devices with bandwidth-optimal algorithms:
 
 ============================  ==============================================
@@ -29,8 +29,8 @@ Collectives inside ``while`` bodies count once per iteration: the body's
 multiplier is the loop's ``known_trip_count`` (from its ``backend_config``;
 XLA:TPU prints none, so a counted loop ``i = c0; i < n; i += step`` is
 recognized from its condition, initial tuple and body) times the multiplier of
-the computation that holds the loop, so nested loops multiply. Each branch of a ``conditional`` counts as if it ran once (an upper
-bound when branches differ).
+the computation that holds the loop, so nested loops multiply. Each branch of a
+``conditional`` counts as if it ran once (an upper bound when branches differ).
 
 Known honest limits:
 
@@ -40,7 +40,7 @@ Known honest limits:
   against :func:`jax_seqpar.plan.comm_bytes` with ``dtype_bytes=4`` on CPU.
 * ``ragged-all-to-all`` and ``collective-broadcast`` are rejected with a
   ``ValueError`` rather than guessed (their volume is data-dependent or not
-  covered by DESIGN.md §3).
+  covered by the counting rules above).
 
 :func:`async_collectives` reads the schedule of a compiled program (its text is
 in execution order): which compute each asynchronous collective's start/done
@@ -269,7 +269,7 @@ def memory_bytes(compiled: Any) -> dict[str, int]:
     """Per-device memory of a compiled program, from ``compiled.memory_analysis()``.
 
     Deterministic and machine-independent for a given backend, which makes it
-    the memory measure tests rely on (DESIGN.md §4).
+    the memory measure tests rely on.
 
     Returns:
       ``{"temp", "argument", "output", "alias", "generated_code"}`` in bytes, plus

@@ -19,12 +19,16 @@ same number of visible key blocks.
 from __future__ import annotations
 
 from jax_seqpar._inputs import axis_size, prepare
+from jax_seqpar.merge import with_sinks
 from jax_seqpar.ring import ring_over
-from jax_seqpar.ulysses import gather_tokens, heads_to_seq, kv_replication, seq_to_heads
+from jax_seqpar.ulysses import (gather_tokens, heads_to_seq, kv_replication, local_heads,
+                                seq_to_heads)
 
 
 def hybrid_attention(q, k, v, *, ulysses_axis, ring_axis, causal=False, segment_ids=None,
-                     positions=None, window=None, scale=None, kernel="auto", block_sizes=None):
+                     positions=None, window=None, scale=None, kernel="auto", block_sizes=None,
+                     softcap=None, sinks=None, kv_segment_ids=None,
+                     return_lse=False):
     """Exact attention of a sequence sharded over ``(ring_axis, ulysses_axis)`` (in ``shard_map``).
 
     Args:
@@ -32,9 +36,11 @@ def hybrid_attention(q, k, v, *, ulysses_axis, ring_axis, causal=False, segment_
         this device's shard; ``H`` must be divisible by the inner size ``I``.
       ulysses_axis: the inner (fast) mesh axis, of size ``I``.
       ring_axis: the outer (slow) mesh axis, of size ``O``.
-      causal, window, segment_ids, positions, scale, kernel, block_sizes: as in
-        :func:`jax_seqpar.ring.ring_attention`; default positions are the
-        contiguous split over ``(ring_axis, ulysses_axis)``.
+      causal, window, segment_ids, positions, scale, kernel, block_sizes, softcap,
+        sinks, kv_segment_ids, return_lse: as in :func:`jax_seqpar.ring.ring_attention`;
+        default positions are
+        the contiguous split over ``(ring_axis, ulysses_axis)``, with which a
+        window shrinks the ring part to a halo exchange.
 
     Returns:
       ``[B, S/(O*I), H, Dv]`` in ``q.dtype``.
@@ -45,9 +51,11 @@ def hybrid_attention(q, k, v, *, ulysses_axis, ring_axis, causal=False, segment_
     """
     if ulysses_axis == ring_axis:
         raise ValueError(f"ulysses_axis and ring_axis must differ. Got {ulysses_axis!r} twice.")
-    tokens, options = prepare(q, k, v, axis_name=(ring_axis, ulysses_axis), causal=causal,
-                              segment_ids=segment_ids, positions=positions, window=window,
-                              scale=scale, kernel=kernel, block_sizes=block_sizes)
+    q_tokens, kv_tokens, options = prepare(
+        q, k, v, axis_name=(ring_axis, ulysses_axis), causal=causal, segment_ids=segment_ids,
+        positions=positions, window=window, scale=scale, kernel=kernel,
+        block_sizes=block_sizes, softcap=softcap, sinks=sinks, kv_segment_ids=kv_segment_ids)
+    contiguous = positions is None  # then each ring shard holds S/O contiguous tokens
     inner = axis_size(ulysses_axis)
     try:
         repeats = kv_replication(q.shape[2], k.shape[2], inner)
@@ -60,9 +68,12 @@ def hybrid_attention(q, k, v, *, ulysses_axis, ring_axis, causal=False, segment_
     if repeats > 1:
         k, v = (x.repeat(repeats, axis=2) for x in (k, v))  # [B, S/P, Hkv*r, D]
     q, k, v = (seq_to_heads(x, ulysses_axis) for x in (q, k, v))  # [B, S/O, h/I, D]
-    tokens = gather_tokens(tokens, ulysses_axis)  # [B, S/O]
-    out = ring_over(ring_axis, options, q, k, v, tokens)  # [B, S/O, H/I, Dv]
-    return heads_to_seq(out, ulysses_axis)  # [B, S/(O*I), H, Dv]
+    q_tokens, kv_tokens = gather_tokens((q_tokens, kv_tokens), ulysses_axis)  # [B, S/O]
+    out, lse = ring_over(ring_axis, options, q, k, v, q_tokens, kv_tokens,
+                         contiguous=contiguous)  # [B, S/O, H/I, Dv] float32
+    out, lse = with_sinks(out, lse, local_heads(sinks, ulysses_axis))
+    out = heads_to_seq(out.astype(q.dtype), ulysses_axis)  # [B, S/(O*I), H, Dv]
+    return (out, heads_to_seq(lse[..., None], ulysses_axis)[..., 0]) if return_lse else out
 
 
 def _divisor_hint(heads: int, inner: int) -> int:

@@ -1,4 +1,9 @@
-"""The online-softmax merge of partial attention results: one implementation for all."""
+"""The online-softmax merge of partial attention results: one implementation for all.
+
+Attention sinks (gpt-oss; Xiao et al., arXiv:2309.17453) are one more merge: a
+virtual key per head with logit ``sinks[h]`` and value zero, folded into a
+finished ``(out, lse)`` by :func:`with_sinks`, once, whatever strategy made it.
+"""
 
 from __future__ import annotations
 
@@ -24,16 +29,53 @@ def merge(out_a, lse_a, out_b, lse_b):
     return out, lse + jnp.log(total)
 
 
-def merge_across(out, lse, axis_name):
+def with_sinks(out, lse, sinks):
+    """Add a zero-valued virtual key of logit ``sinks[h]`` to every row of a result.
+
+    ``p_j = exp(s_j) / (exp(sinks[h]) + sum_k exp(s_k))``: the output shrinks by
+    ``exp(lse - lse')`` with ``lse' = logaddexp(lse, sinks[h])``. Differentiable
+    in all three (kernels accept the ``(out, lse)`` cotangents this produces).
+
+    Args:
+      out: ``float32[B, S, H, Dv]`` normalized attention output.
+      lse: ``float32[B, S, H]`` its log-sum-exp (``EMPTY_LSE``: the row saw no key
+        and gets zeros).
+      sinks: ``[H]`` per-head sink logits (any float dtype; used in float32), or
+        None (returns the inputs).
+    Returns:
+      ``(out float32[B, S, H, Dv], lse float32[B, S, H])`` including the sink.
+    """
+    if sinks is None:
+        return out, lse
+    sinks = sinks.astype(jnp.float32).reshape(1, 1, -1)  # [1, 1, H] against [B, S, H]
+    new_lse = jnp.logaddexp(lse, sinks)
+    return out * jnp.exp(lse - new_lse)[..., None], new_lse
+
+
+def check_sinks(sinks, num_heads: int):
+    """Raise ``ValueError`` unless ``sinks`` is None or a float ``[num_heads]`` array."""
+    if sinks is None:
+        return
+    shape = tuple(getattr(sinks, "shape", ()))
+    if shape != (num_heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+        raise ValueError(f"sinks must be a float array of shape [num_heads]=({num_heads},). "
+                         f"Got shape {shape} and dtype {getattr(sinks, 'dtype', None)}.")
+
+
+def merge_across(out, lse, axis_name, sinks=None):
     """:func:`merge` of one partial result per device along ``axis_name``, in one reduction.
 
     Args:
       out: ``float32[B, S, H, Dv]`` this device's normalized partial output.
       lse: ``float32[B, S, H]`` its log-sum-exp.
+      sinks: optional ``[H]`` sink logits, folded in after the merge (:func:`with_sinks`).
     Returns:
       ``float32[B, S, H, Dv]``, the same on every device (one ``pmax``, two ``psum`` s).
     """
     top = jax.lax.pmax(lse, axis_name)
     weight = jnp.exp(lse - top)
     total = jax.lax.psum(weight, axis_name)
-    return jax.lax.psum(out * weight[..., None], axis_name) / total[..., None]
+    merged = jax.lax.psum(out * weight[..., None], axis_name) / total[..., None]
+    if sinks is None:
+        return merged
+    return with_sinks(merged, top + jnp.log(total), sinks)[0]

@@ -1,7 +1,7 @@
 """Analytic communication model and the automatic choice of strategy.
 
 :func:`comm_bytes` counts the bytes ONE device sends in one attention call for
-each strategy as implemented in this package (DESIGN.md §3): bandwidth-optimal
+each strategy as implemented in this package: bandwidth-optimal
 collectives over a group of ``P`` devices, ``all_to_all`` and ``all_gather``
 sending ``(P-1)/P`` of their output, ``psum_scatter`` ``(P-1)/P`` of its
 input, ``ppermute`` its whole buffer, loops counted once per iteration. The
@@ -78,18 +78,46 @@ def _ulysses_bytes(*, batch, seq_len, num_heads, num_kv_heads, head_dim, v_head_
     return sent + (axis_size - 1) * metadata
 
 
+def _window_reach(window, causal, seq_len, axis_size):
+    """``(left, right)`` halo tokens of a windowed ring / all-gather, or None (full)."""
+    if window is None:
+        return None
+    from jax_seqpar.halo import halo_sizes
+    from jax_seqpar.masks import MaskSpec
+
+    return halo_sizes(MaskSpec.make(causal, window), seq_len // axis_size, axis_size)
+
+
+def _halo_bytes(*, batch, reach, kv_heads, head_dim, v_head_dim, dtype_bytes, backward,
+                with_segment_ids, gradient_bytes) -> float:
+    """A halo exchange of ``left + right`` tokens of K/V (and segment ids; positions
+    are computed, not sent); backward sends dK/dV back in ``gradient_bytes``."""
+    tokens = batch * sum(reach)
+    kv_elements = tokens * kv_heads * (head_dim + v_head_dim)
+    sent = kv_elements * dtype_bytes + (tokens * _INDEX_BYTES if with_segment_ids else 0)
+    if backward:
+        sent += kv_elements * gradient_bytes
+    return float(sent)
+
+
 def _ring_bytes(*, batch, seq_len, kv_heads, head_dim, v_head_dim, axis_size,
-                dtype_bytes, backward, with_segment_ids) -> float:
+                dtype_bytes, backward, with_segment_ids, reach=None) -> float:
     """The ring over ``axis_size`` devices on K/V of ``kv_heads`` heads.
 
     Forward: ``P-1`` ppermutes of the local k ``[B, S/P, Hkv, Dqk]`` and v
     ``[B, S/P, Hkv, Dv]``, with their int32 positions ``[B, S/P]`` (and segment
     ids). Backward (custom_vjp, the forward is not re-run): the same ``P-1``
     rotations of k, v and metadata, plus ``P`` ppermutes of the float32 dk, dv
-    accumulators (the last one brings them home).
+    accumulators (the last one brings them home). With a window ``reach``
+    (contiguous split): a halo exchange; the backward re-uses the saved halo
+    and sends float32 dK/dV back.
     """
     if axis_size == 1:
         return 0.0
+    if reach is not None:
+        return _halo_bytes(batch=batch, reach=reach, kv_heads=kv_heads, head_dim=head_dim,
+                           v_head_dim=v_head_dim, dtype_bytes=dtype_bytes, backward=backward,
+                           with_segment_ids=with_segment_ids, gradient_bytes=4)
     local_tokens = batch * seq_len // axis_size
     kv_elements = local_tokens * kv_heads * (head_dim + v_head_dim)
     metadata = local_tokens * _INDEX_BYTES * (2 if with_segment_ids else 1)
@@ -100,14 +128,20 @@ def _ring_bytes(*, batch, seq_len, kv_heads, head_dim, v_head_dim, axis_size,
 
 
 def _allgather_bytes(*, batch, seq_len, num_kv_heads, head_dim, v_head_dim, axis_size,
-                     dtype_bytes, backward, with_segment_ids) -> float:
+                     dtype_bytes, backward, with_segment_ids, reach=None) -> float:
     """all_gather of k, v and positions to ``[B, S, Hkv, .]``; backward reduce-scatters dk, dv.
 
     The gradient of an all_gather is a psum_scatter of the cotangent in the
-    input dtype: ``(P-1)/P`` of ``[B, S, Hkv, Dqk + Dv]``.
+    input dtype: ``(P-1)/P`` of ``[B, S, Hkv, Dqk + Dv]``. With a window
+    ``reach`` (contiguous split) only the halo is gathered; its gradient goes
+    back in the input dtype.
     """
     if axis_size == 1:
         return 0.0
+    if reach is not None:
+        return _halo_bytes(batch=batch, reach=reach, kv_heads=num_kv_heads, head_dim=head_dim,
+                           v_head_dim=v_head_dim, dtype_bytes=dtype_bytes, backward=backward,
+                           with_segment_ids=with_segment_ids, gradient_bytes=dtype_bytes)
     fraction = (axis_size - 1) / axis_size
     kv_gathered = batch * seq_len * num_kv_heads * (head_dim + v_head_dim) * dtype_bytes
     metadata = batch * seq_len * _INDEX_BYTES * (2 if with_segment_ids else 1)
@@ -138,8 +172,8 @@ def _check_counts(**values):
 def comm_bytes(strategy: str, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
                head_dim: int, v_head_dim: int | None = None, axis_sizes,
                dtype_bytes: float = 2, backward: bool = False,
-               with_segment_ids: bool = False) -> float:
-    """Bytes ONE device sends in one attention call (DESIGN.md §3).
+               with_segment_ids: bool = False, window=None, causal: bool = False) -> float:
+    """Bytes ONE device sends in one attention call.
 
     Shapes are global: q ``[batch, seq_len, num_heads, head_dim]``, k
     ``[batch, seq_len, num_kv_heads, head_dim]``, v ``[..., v_head_dim]``.
@@ -155,6 +189,12 @@ def comm_bytes(strategy: str, *, batch: int, seq_len: int, num_heads: int, num_k
       the local shard ``[B, S/(outer*inner), ...]``, then the ring over ``outer``
       on ``[B, S/outer, lcm(Hkv, inner)/inner, .]`` (positions gathered over
       ``inner``, then rotated over ``outer``).
+    * ``window=(left, right)`` (``right`` is 0 with ``causal``) on the contiguous
+      split: the ring (hybrid: its ring part) and the all-gather exchange only
+      the halo of ``left + right`` tokens of K/V (and segment ids, no positions):
+      constant in ``P``. The ring's backward sends float32 dK/dV back, the
+      all-gather's in the input dtype. A window reaching ``(P-1)*S/P`` tokens or
+      more is the full ring / gather. Ulysses is unchanged by a window.
 
     A group of one device sends nothing. For non-hybrid strategies a tuple of
     axis sizes is flattened (the product is the group size).
@@ -178,6 +218,9 @@ def comm_bytes(strategy: str, *, batch: int, seq_len: int, num_heads: int, num_k
         too; the ring's dK/dV accumulators are float32 whatever it is.
       backward: count forward + backward (``jax.value_and_grad``) instead of forward.
       with_segment_ids: packed documents: segment ids travel with the keys.
+      window: ``None``, an int or ``(left, right)``: the sliding window, with
+        the per-shard functions' default (contiguous) positions.
+      causal: only matters with a window (a causal window reaches no later shard).
 
     Returns:
       Bytes one device sends, as a float (fractions of ``(P-1)/P``).
@@ -220,7 +263,8 @@ def comm_bytes(strategy: str, *, batch: int, seq_len: int, num_heads: int, num_k
         return (_ulysses_bytes(seq_len=seq_len // outer, num_heads=num_heads,
                                num_kv_heads=num_kv_heads, axis_size=inner, **shape)
                 + _ring_bytes(seq_len=seq_len, kv_heads=kv_heads_after_ulysses,
-                              axis_size=outer, **shape))
+                              axis_size=outer,
+                              reach=_window_reach(window, causal, seq_len, outer), **shape))
     if strategy == "ulysses":
         if num_heads % devices:
             raise ValueError(f"num_heads={num_heads} is not divisible by the ulysses axis "
@@ -228,9 +272,10 @@ def comm_bytes(strategy: str, *, batch: int, seq_len: int, num_heads: int, num_k
         return _ulysses_bytes(seq_len=seq_len, num_heads=num_heads,
                               num_kv_heads=num_kv_heads, axis_size=devices, **shape)
     if strategy == "ring":
-        return _ring_bytes(seq_len=seq_len, kv_heads=num_kv_heads, axis_size=devices, **shape)
+        return _ring_bytes(seq_len=seq_len, kv_heads=num_kv_heads, axis_size=devices,
+                           reach=_window_reach(window, causal, seq_len, devices), **shape)
     return _allgather_bytes(seq_len=seq_len, num_kv_heads=num_kv_heads, axis_size=devices,
-                            **shape)
+                            reach=_window_reach(window, causal, seq_len, devices), **shape)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,6 +26,8 @@ def attention(
     kv_positions: Optional[jax.Array] = None,
     window=None,
     scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[jax.Array] = None,
     return_lse: bool = False,
 ):
     """Exact softmax attention.
@@ -39,11 +41,17 @@ def attention(
         default to ``arange(q_seq)``. The ``kv_`` variants default to the query
         ones (self-attention).
       scale: defaults to ``1/sqrt(d_qk)``.
-      return_lse: also return the log-sum-exp ``float32[batch, q_seq, heads]``.
+      softcap: logits ``s = scale * q.k`` become ``softcap * tanh(s / softcap)``
+        before masking (Gemma 2), or None.
+      sinks: ``float32[heads]`` logits of one extra virtual key per head whose
+        value is zero (gpt-oss): it joins every row's softmax denominator and is
+        never masked. None: no sink.
+      return_lse: also return the log-sum-exp ``float32[batch, q_seq, heads]``
+        (including the sink).
 
     Returns:
       ``out: [batch, q_seq, heads, d_v]`` in ``q.dtype`` (and ``lse``). A query
-      that sees no key gets zeros and ``lse = EMPTY_LSE``.
+      that sees no key gets zeros and ``lse = EMPTY_LSE`` (or the sink's logit).
     """
     batch, q_seq, heads, d_qk = q.shape
     kv_seq, kv_heads = k.shape[1], k.shape[2]
@@ -62,6 +70,15 @@ def attention(
     group = heads // kv_heads
     qg = q.astype(jnp.float32).reshape(batch, q_seq, kv_heads, group, d_qk)
     s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32)) * scale
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    if sinks is not None:  # one more key per head, always visible, value zero
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(kv_heads, group, 1, 1),
+                                s.shape[:-1] + (1,))
+        s = jnp.concatenate([s, sink], axis=-1)
+        v = jnp.concatenate([v, jnp.zeros((batch, 1) + v.shape[2:], v.dtype)], axis=1)
+        if mask is not None:
+            mask = jnp.concatenate([mask, jnp.ones(mask.shape[:-1] + (1,), bool)], axis=-1)
     if mask is not None:
         s = jnp.where(mask[:, None, None], s, -jnp.inf)
     m = jnp.max(s, axis=-1, keepdims=True)

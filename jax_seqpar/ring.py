@@ -8,7 +8,13 @@ the next device and computes attention against it, merging the partial result
 into a float32 ``(out, lse)`` carry. The backward is a second ring (a
 ``custom_vjp``): the forward saves only ``q, k, v, out, lse``; the backward
 re-rotates K/V and carries float32 dK/dV accumulators around the ring and home,
-so memory stays O(S/P) per device. Only the ``Hkv`` heads given are sent.
+so memory stays O(S/P) per device. Each backward step computes its own fresh
+dK/dV and only then adds the accumulator that arrived, so the accumulator's hop
+overlaps the step's kernel. Only the ``Hkv`` heads given are sent.
+
+With a sliding window on the contiguous split (the default positions), the ring
+becomes a halo exchange (:mod:`jax_seqpar.halo`): a device receives just the
+``left`` / ``right`` tokens its window reaches, not all P-1 shards.
 """
 
 from __future__ import annotations
@@ -18,14 +24,15 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jax_seqpar import _compat
+from jax_seqpar import _compat, halo
 from jax_seqpar._inputs import axis_size, prepare
-from jax_seqpar.merge import merge
+from jax_seqpar.merge import merge, with_sinks
 from jax_seqpar.masks import EMPTY_LSE
 
 
 def ring_attention(q, k, v, *, axis_name, causal=False, segment_ids=None, positions=None,
-                   window=None, scale=None, kernel="auto", block_sizes=None):
+                   window=None, scale=None, kernel="auto", block_sizes=None, softcap=None,
+                   sinks=None, kv_segment_ids=None, return_lse=False):
     """Exact attention of a sequence sharded over ``axis_name`` (call inside ``shard_map``).
 
     Args:
@@ -35,32 +42,55 @@ def ring_attention(q, k, v, *, axis_name, causal=False, segment_ids=None, positi
       causal, window: mask (see :class:`jax_seqpar.masks.MaskSpec`), on global positions.
       segment_ids: ``int32[B, S/P]`` document ids of the local tokens, or None.
       positions: ``int32[B, S/P]`` global positions of the local tokens; default
-        is the contiguous split (pass :mod:`jax_seqpar.layout` positions for zigzag).
+        (None) is the contiguous split, and only then does a window shrink the
+        ring to a halo exchange (given positions are honoured with the full ring).
       scale: defaults to ``1/sqrt(Dqk)``.
       kernel: ``"auto"``, ``"xla"`` or ``"pallas"``; block_sizes: the kernel's tiles.
+      softcap: logits become ``softcap * tanh(s / softcap)`` before masking, or None.
+      sinks: ``[H]`` float logits of a zero-valued virtual key per head (gpt-oss),
+        or None. Pass it replicated (``P()``); its gradient sums over the shards.
+      kv_segment_ids: ``int32[B, S/P]`` the keys' own segment ids where they differ
+        from the queries' (e.g. padded keys), or None: ``segment_ids``.
+      return_lse: also return the float32 ``[B, S/P, H]`` log-sum-exp of each row
+        (sinks included), for callers that merge partial results.
 
     Returns:
-      ``[B, S/P, H, Dv]`` in ``q.dtype`` (softmax statistics and carries in float32).
+      ``[B, S/P, H, Dv]`` in ``q.dtype`` (softmax statistics and carries in float32),
+      and with ``return_lse`` the log-sum-exp.
 
     >>> out = jax.shard_map(functools.partial(ring_attention, axis_name="sp", causal=True),
     ...                     mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
     """
-    tokens, options = prepare(q, k, v, axis_name=axis_name, causal=causal,
-                              segment_ids=segment_ids, positions=positions, window=window,
-                              scale=scale, kernel=kernel, block_sizes=block_sizes)
-    return ring_over(axis_name, options, q, k, v, tokens)
+    contiguous = positions is None
+    q_tokens, kv_tokens, options = prepare(
+        q, k, v, axis_name=axis_name, causal=causal, segment_ids=segment_ids,
+        positions=positions, window=window, scale=scale, kernel=kernel,
+        block_sizes=block_sizes, softcap=softcap, sinks=sinks, kv_segment_ids=kv_segment_ids)
+    out, lse = ring_over(axis_name, options, q, k, v, q_tokens, kv_tokens,
+                         contiguous=contiguous)
+    out, lse = with_sinks(out, lse, sinks)
+    return (out.astype(q.dtype), lse) if return_lse else out.astype(q.dtype)
 
 
-def ring_over(axis_name, options, q, k, v, tokens):
+def ring_over(axis_name, options, q, k, v, q_tokens, kv_tokens, *, contiguous=False):
     """The ring core on prepared inputs (used by :func:`ring_attention` and the hybrid).
 
     Args:
       axis_name: the ring's mesh axis; options: the call's static ``Options``.
-      q, k, v: ``[B, S/P, H|Hkv, D]`` local shards; tokens: their metadata.
+      q, k, v: ``[B, S/P, H|Hkv, D]`` local shards; q_tokens, kv_tokens: their
+        metadata (the keys' travels with them).
+      contiguous: the tokens' positions are known to be the contiguous split
+        (``axis_index * S/P + arange``), so a window may skip unreachable shards.
     Returns:
-      ``[B, S/P, H, Dv]`` in ``q.dtype``.
+      ``out float32[B, S/P, H, Dv]`` and ``lse float32[B, S/P, H]``, both
+      differentiable (the backward accepts the ``lse`` cotangent).
     """
-    return _ring(axis_name, options, q, k, v, tokens)
+    if contiguous:
+        reach = halo.halo_sizes(options.spec, q.shape[1], axis_size(axis_name))
+        if reach is not None:
+            return halo.halo_attention(axis_name, options, reach, q, k, v, q_tokens,
+                                       kv_tokens)
+    return _ring(axis_name, options, q, k, v, q_tokens, kv_tokens)
 
 
 def _shift(tree, axis_name):
@@ -71,17 +101,16 @@ def _shift(tree, axis_name):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ring(axis_name, options, q, k, v, tokens):
-    out, _ = _ring_forward(axis_name, options, q, k, v, tokens)
-    return out
+def _ring(axis_name, options, q, k, v, q_tokens, kv_tokens):
+    return _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens)
 
 
-def _ring_forward(axis_name, options, q, k, v, tokens):
+def _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens):
     batch, local_len, heads, _ = q.shape
     d_v = v.shape[-1]
 
     def attend(carry, kv):
-        o, lse = options.forward(q, kv[0], kv[1], tokens, kv[2])
+        o, lse = options.forward(q, kv[0], kv[1], q_tokens, kv[2])
         return merge(*carry, o, lse)
 
     def step(carry, _):
@@ -92,38 +121,56 @@ def _ring_forward(axis_name, options, q, k, v, tokens):
     acc = (jnp.zeros((batch, local_len, heads, d_v), jnp.float32),
            jnp.full((batch, local_len, heads), EMPTY_LSE, jnp.float32))
     acc = _compat.match_varying(acc, q)
-    (acc, kv), _ = jax.lax.scan(step, (acc, (k, v, tokens)), length=axis_size(axis_name) - 1)
-    out, lse = attend(acc, kv)
-    return out.astype(q.dtype), lse
+    (acc, kv), _ = jax.lax.scan(step, (acc, (k, v, kv_tokens)),
+                                length=axis_size(axis_name) - 1)
+    return attend(acc, kv)
 
 
-def _ring_fwd(axis_name, options, q, k, v, tokens):
-    out, lse = _ring_forward(axis_name, options, q, k, v, tokens)
-    return out, (q, k, v, tokens, out, lse)
+def _ring_fwd(axis_name, options, q, k, v, q_tokens, kv_tokens):
+    out, lse = _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens)
+    # The output is kept in the input dtype: what the caller returns, at its memory cost.
+    return (out, lse), (q, k, v, q_tokens, kv_tokens, out.astype(q.dtype), lse)
 
 
-def _ring_bwd(axis_name, options, residuals, dout):
-    q, k, v, tokens, out, lse = residuals
-    delta = jnp.einsum("bqhd,bqhd->bqh", dout.astype(jnp.float32), out.astype(jnp.float32))
+def _ring_bwd(axis_name, options, residuals, cotangents):
+    q, k, v, q_tokens, kv_tokens, out, lse = residuals
+    dout, dlse = cotangents
+    delta = jnp.einsum("bqhd,bqhd->bqh", dout.astype(jnp.float32),
+                       out.astype(jnp.float32)) - dlse
+    dout = dout.astype(q.dtype)
+    zeros = _compat.match_varying(
+        tuple(jnp.zeros(x.shape, jnp.float32) for x in (k, v)), q)
 
-    def grads(carry, kv):
-        return options.backward(q, kv[0], kv[1], tokens, kv[2], lse, delta, dout,
-                                accumulate=carry)
+    def grads(dq, kv):
+        """dq accumulated in place; this step's dK/dV fresh (no wait on the hop)."""
+        dq, *dkv = options.backward(q, kv[0], kv[1], q_tokens, kv[2], lse, delta, dout,
+                                    accumulate=(dq, *zeros))
+        return dq, tuple(dkv)
+
+    def add(a, b):
+        return tuple(x + y for x, y in zip(a, b))
 
     def step(carry, _):
         dq, kv, dkv = carry
         next_kv = _shift(kv, axis_name)
-        dq, *dkv = grads((dq, *dkv), kv)
-        return (dq, next_kv, _shift(tuple(dkv), axis_name)), None
+        arrived = _shift(dkv, axis_name)  # in flight during this step's kernel
+        dq, fresh = grads(dq, kv)
+        return (dq, next_kv, add(fresh, arrived)), None
 
-    zeros = _compat.match_varying(
-        tuple(jnp.zeros(x.shape, jnp.float32) for x in (q, k, v)), q)
-    (dq, kv, dkv), _ = jax.lax.scan(step, (zeros[0], (k, v, tokens), zeros[1:]),
-                                    length=axis_size(axis_name) - 1)
-    dq, *dkv = grads((dq, *dkv), kv)
-    dk, dv = _shift(tuple(dkv), axis_name)  # the accumulators' last hop brings them home
-    no_grad = jax.tree.map(lambda _: None, tokens)
-    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), no_grad
+    size = axis_size(axis_name)
+    dq = _compat.match_varying(jnp.zeros(q.shape, jnp.float32), q)
+    kv = (k, v, kv_tokens)
+    if size > 1:
+        next_kv = _shift(kv, axis_name)
+        dq, dkv = grads(dq, kv)
+        (dq, kv, dkv), _ = jax.lax.scan(step, (dq, next_kv, dkv), length=size - 2)
+        arrived = _shift(dkv, axis_name)
+        dq, fresh = grads(dq, kv)
+        dk, dv = _shift(add(fresh, arrived), axis_name)  # the accumulators' last hop home
+    else:
+        dq, (dk, dv) = grads(dq, kv)
+    no_grad = jax.tree.map(lambda _: None, (q_tokens, kv_tokens))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *no_grad
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -17,7 +17,7 @@ import math
 import jax
 
 from jax_seqpar._inputs import axis_size, prepare
-from jax_seqpar.masks import Tokens
+from jax_seqpar.merge import with_sinks
 
 
 def kv_replication(num_heads: int, num_kv_heads: int, num_shards: int) -> int:
@@ -42,22 +42,40 @@ def heads_to_seq(x, axis_name):
     return jax.lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
 
 
-def gather_tokens(tokens: Tokens, axis_name) -> Tokens:
-    """``[B, S/P]`` metadata of the local tokens -> ``[B, S]`` of the whole sequence."""
-    return jax.tree.map(
-        lambda x: jax.lax.all_gather(x, axis_name, axis=1, tiled=True), tokens)
+def gather_tokens(tokens, axis_name):
+    """``[B, S/P]`` metadata of the local tokens (a :class:`~jax_seqpar.masks.Tokens` or a
+    tree of them) -> ``[B, S]`` of the whole sequence; an array that appears more than
+    once (query and key positions) is gathered once."""
+    gathered = {}
+
+    def gather(x):
+        if id(x) not in gathered:
+            gathered[id(x)] = jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+        return gathered[id(x)]
+
+    return jax.tree.map(gather, tokens)
+
+
+def local_heads(x, axis_name):
+    """This device's slice of a per-head ``[H]`` array after :func:`seq_to_heads`: ``[H/P]``."""
+    if x is None:
+        return None
+    size = x.shape[0] // axis_size(axis_name)
+    return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis_name) * size, size)
 
 
 def ulysses_attention(q, k, v, *, axis_name, causal=False, segment_ids=None, positions=None,
-                      window=None, scale=None, kernel="auto", block_sizes=None):
+                      window=None, scale=None, kernel="auto", block_sizes=None, softcap=None,
+                      sinks=None, kv_segment_ids=None, return_lse=False):
     """Exact attention of a sequence sharded over ``axis_name`` (call inside ``shard_map``).
 
     Args:
       q: ``[B, S/P, H, Dqk]``; k: ``[B, S/P, Hkv, Dqk]``; v: ``[B, S/P, Hkv, Dv]``
         this device's shard. ``H`` must be divisible by P.
       axis_name: mesh axis (or tuple of axes) along which the sequence is split.
-      causal, window, segment_ids, positions, scale, kernel, block_sizes: as in
-        :func:`jax_seqpar.ring.ring_attention`.
+      causal, window, segment_ids, positions, scale, kernel, block_sizes, softcap,
+        sinks, kv_segment_ids, return_lse: as in :func:`jax_seqpar.ring.ring_attention`
+        (``sinks`` replicated).
 
     Returns:
       ``[B, S/P, H, Dv]`` in ``q.dtype`` (softmax statistics in float32).
@@ -65,13 +83,16 @@ def ulysses_attention(q, k, v, *, axis_name, causal=False, segment_ids=None, pos
     >>> out = jax.shard_map(functools.partial(ulysses_attention, axis_name="sp"),
     ...                     mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
     """
-    tokens, options = prepare(q, k, v, axis_name=axis_name, causal=causal,
-                              segment_ids=segment_ids, positions=positions, window=window,
-                              scale=scale, kernel=kernel, block_sizes=block_sizes)
+    q_tokens, kv_tokens, options = prepare(
+        q, k, v, axis_name=axis_name, causal=causal, segment_ids=segment_ids,
+        positions=positions, window=window, scale=scale, kernel=kernel,
+        block_sizes=block_sizes, softcap=softcap, sinks=sinks, kv_segment_ids=kv_segment_ids)
     repeats = kv_replication(q.shape[2], k.shape[2], axis_size(axis_name))
     if repeats > 1:
         k, v = (x.repeat(repeats, axis=2) for x in (k, v))  # [B, S/P, Hkv*r, D]
     q, k, v = (seq_to_heads(x, axis_name) for x in (q, k, v))  # [B, S, h/P, D]
-    tokens = gather_tokens(tokens, axis_name)  # [B, S]
-    out, _ = options.attention(q, k, v, tokens, tokens)  # [B, S, H/P, Dv] float32
-    return heads_to_seq(out.astype(q.dtype), axis_name)  # [B, S/P, H, Dv]
+    q_tokens, kv_tokens = gather_tokens((q_tokens, kv_tokens), axis_name)  # [B, S]
+    out, lse = options.attention(q, k, v, q_tokens, kv_tokens)  # [B, S, H/P, Dv] float32
+    out, lse = with_sinks(out, lse, local_heads(sinks, axis_name))
+    out = heads_to_seq(out.astype(q.dtype), axis_name)  # [B, S/P, H, Dv]
+    return (out, heads_to_seq(lse[..., None], axis_name)[..., 0]) if return_lse else out

@@ -41,9 +41,10 @@ def test_unknown_strategy_is_refused(capsys):
 def test_tiny_demo_writes_the_plot(tmp_path, capsys):
     out = tmp_path / "losses.png"
     status = main(["demo", "--steps", "3", "--seq-len", "128", "--batch", "1",
-                   "--strategies", "ulysses,ring", "--out", str(out), "--no-progress"])
+                   "--strategies", "ring", "--fsdp", "--out", str(out), "--no-progress"])
     assert status == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
-    for expected in ("unsharded", "ulysses", "ring", "tokens/s", str(out)):
+    for expected in ("unsharded", "ring+fsdp", "tokens/s", str(out),
+                     "parameters + optimizer state per device", "x of replicated"):
         assert expected in text

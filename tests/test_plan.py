@@ -216,7 +216,7 @@ def test_plan_validates_through_comm_bytes():
         plan(1001, 8, 8, 64, 8)
 
 
-# --- the model against the compiled program (DESIGN.md §4: traffic) -------------------
+# --- the model against the compiled program (traffic) ------------------------------------
 
 def _compiled_bytes(per_shard, mesh, backward, with_segment_ids):
     """Bytes one device sends in the compiled per-shard attention (fwd, or fwd + vjp)."""

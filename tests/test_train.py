@@ -3,6 +3,7 @@
 import jax
 import numpy as np
 import pytest
+from jax.sharding import PartitionSpec as P
 
 from jax_seqpar.examples import (ModelConfig, Parallelism, TrainConfig, init_params, mesh_for,
                                  pack_documents, train, training_batches)
@@ -44,10 +45,27 @@ def test_unsharded_loss_falls(unsharded):
     assert losses[-3:].mean() < losses[:3].mean() - 0.5
 
 
-@pytest.mark.parametrize("strategy", ["ulysses", "ring"])
-def test_sharded_training_matches_unsharded(strategy, data, unsharded):
+@pytest.mark.parametrize("strategy,fsdp", [("ulysses", False), ("ring", True)],
+                         ids=["ulysses", "ring-fsdp"])
+def test_sharded_training_matches_unsharded(strategy, fsdp, data, unsharded):
+    """Each batch laid out once (zigzag for the ring); with FSDP the parameters and
+    optimizer state are split over the 8 devices too, at the same losses."""
     mesh, seq_axes = mesh_for(strategy)
     assert mesh.size == jax.device_count() == 8
-    result = train(MODEL, TRAIN, Parallelism(mesh, seq_axes, strategy),
+    result = train(MODEL, TRAIN, Parallelism(mesh, seq_axes, strategy, fsdp=fsdp),
                    params=init_params(MODEL, TRAIN.seed), data=data)
     np.testing.assert_allclose(result.losses, unsharded.losses, rtol=1e-4)
+    if fsdp:  # every matrix splits 8 ways; norms and biases stay whole
+        assert result.state_bytes < unsharded.state_bytes / 4, (result.state_bytes,
+                                                                unsharded.state_bytes)
+    else:
+        assert result.state_bytes == unsharded.state_bytes
+
+
+def test_fsdp_sharding_splits_the_largest_divisible_dim():
+    from jax_seqpar.examples._train import fsdp_sharding
+
+    mesh, _ = mesh_for("ring")
+    assert fsdp_sharding(mesh, np.zeros((256, 24))).spec == P("sp", None)
+    assert fsdp_sharding(mesh, np.zeros((12, 64))).spec == P(None, "sp")
+    assert fsdp_sharding(mesh, np.zeros((12,))).spec == P()

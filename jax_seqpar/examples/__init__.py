@@ -1,7 +1,13 @@
 """A worked example: a byte-level decoder LM trained with sequence-parallel attention.
 
 ``jax-seqpar demo`` runs :func:`run_demo`; the pieces are reusable on their own.
+Needs the ``[examples]`` extra (Flax, optax, matplotlib, tqdm).
 """
+
+from jax_seqpar._extras import require
+
+for _module in ("flax", "optax"):
+    require(_module, "examples", "jax_seqpar.examples (jax-seqpar demo)")
 
 from jax_seqpar.examples._data import PackedRows as PackedRows
 from jax_seqpar.examples._data import pack_documents as pack_documents

@@ -8,6 +8,7 @@ import jax
 import numpy as np
 
 from jax_seqpar import api
+from jax_seqpar._extras import require
 from jax_seqpar.examples._data import training_batches
 from jax_seqpar.examples._model import ModelConfig, Parallelism
 from jax_seqpar.examples._train import TrainConfig, TrainResult, init_params, mesh_for, train
@@ -43,10 +44,20 @@ def format_table(results: dict[str, TrainResult], train_config: TrainConfig) -> 
     return "\n".join(lines)
 
 
+def format_state_memory(results: dict[str, TrainResult]) -> str:
+    """Per-device parameter + optimizer-state bytes (from the compiled step's
+    ``memory_analysis``) of every run, and of each FSDP run against its replicated twin."""
+    lines = ["parameters + optimizer state per device (compiled step's arguments less the batch):"]
+    for name, result in results.items():
+        twin = results.get(name.removesuffix("+fsdp")) if name.endswith("+fsdp") else None
+        ratio = f"  ({result.state_bytes / twin.state_bytes:.3f}x of replicated)" if twin else ""
+        lines.append(f"{name:>16}: {result.state_bytes / 2**20:8.3f} MiB{ratio}")
+    return "\n".join(lines)
+
+
 def plot_losses(results: dict[str, TrainResult], path: str) -> None:
     """Write the loss curves of every run to ``path`` (PNG, matplotlib Agg)."""
-    import matplotlib
-
+    matplotlib = require("matplotlib", "examples", "the demo's loss plot")
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -76,6 +87,7 @@ def run_demo(
     model_config: ModelConfig = ModelConfig(),
     progress: bool = True,
     print_fn: Callable[[str], None] = print,
+    fsdp: bool = False,
 ) -> dict[str, TrainResult]:
     """Train one byte-level LM from the same parameters and data, unsharded and with
     each strategy on all devices, then print a loss table and plot the curves.
@@ -88,6 +100,9 @@ def run_demo(
       model_config: the model.
       progress: show tqdm progress bars.
       print_fn: where the report goes.
+      fsdp: also run each strategy with parameters and optimizer state sharded over
+        its devices (run name ``"<strategy>+fsdp"``), and report their per-device
+        bytes next to the replicated run's.
 
     Returns:
       ``{run name: TrainResult}``, the unsharded run first.
@@ -104,11 +119,15 @@ def run_demo(
     for strategy in strategies:
         mesh, seq_axes = mesh_for(strategy, devices)
         runs[strategy] = Parallelism(mesh, seq_axes, strategy)
+        if fsdp:
+            runs[f"{strategy}+fsdp"] = Parallelism(mesh, seq_axes, strategy, fsdp=True)
     results = {}
     for name, parallelism in runs.items():
         results[name] = train(model_config, train_config, parallelism, params=params,
                               data=data, progress=progress, description=f"{name:>9}")
     print_fn(format_table(results, train_config))
+    if fsdp:
+        print_fn(format_state_memory(results))
     plot_losses(results, out)
     print_fn(f"loss curves written to {out}")
     return results

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import Optional, Union
 
 import jax
@@ -43,12 +44,31 @@ class Parallelism:
       seq_axes: the mesh axis splitting the sequence, or ``(outer, inner)`` for hybrid.
       strategy: ``"auto"``, ``"ulysses"``, ``"ring"``, ``"hybrid"`` or ``"allgather"``.
       kernel: the local attention kernel, ``"auto"``, ``"xla"`` or ``"pallas"``.
+      fsdp: also shard parameters and optimizer state over the mesh's devices
+        (ZeRO-3 / FSDP on the devices that split the sequence).
     """
 
     mesh: Optional[jax.sharding.Mesh] = None
     seq_axes: Union[str, tuple] = "sp"
     strategy: str = "auto"
     kernel: str = "auto"
+    fsdp: bool = False
+
+    @property
+    def layout(self) -> str:
+        """The token order each batch is put in once: zigzag balances the causal work of
+        ring, hybrid and all-gather (and costs Ulysses nothing); none without a mesh."""
+        if self.mesh is None or self.strategy == "ulysses":
+            return "contiguous"
+        return "zigzag"
+
+    @property
+    def num_shards(self) -> int:
+        """Sequence shards: the product of the ``seq_axes`` sizes (1 without a mesh)."""
+        if self.mesh is None:
+            return 1
+        axes = (self.seq_axes,) if isinstance(self.seq_axes, str) else self.seq_axes
+        return math.prod(self.mesh.shape[a] for a in axes)
 
 
 class Block(nnx.Module):
@@ -64,8 +84,9 @@ class Block(nnx.Module):
         self.mlp_in = nnx.Linear(config.d_model, config.mlp_hidden, rngs=rngs)
         self.mlp_out = nnx.Linear(config.mlp_hidden, config.d_model, rngs=rngs)
 
-    def __call__(self, x, *, segment_ids):
-        x = x + self.attention(self.attention_norm(x), segment_ids=segment_ids)
+    def __call__(self, x, *, segment_ids, positions):
+        x = x + self.attention(self.attention_norm(x), segment_ids=segment_ids,
+                               positions=positions)
         return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))))
 
 
@@ -94,9 +115,11 @@ class TransformerLM(nnx.Module):
                                 for _ in range(config.num_layers)])
         self.final_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
 
-    def __call__(self, tokens: jax.Array, *, segment_ids: Optional[jax.Array] = None):
-        """``int32[B, S]`` tokens (and document ids) -> ``float32[B, S, vocab]`` logits."""
+    def __call__(self, tokens: jax.Array, *, segment_ids: Optional[jax.Array] = None,
+                 positions: Optional[jax.Array] = None):
+        """``int32[B, S]`` tokens (document ids, and global positions of the tokens
+        as given: see :func:`jax_seqpar.permute_batch`) -> ``float32[B, S, vocab]`` logits."""
         x = self.embed(tokens)  # [B, S, d_model]
         for block in self.blocks:
-            x = block(x, segment_ids=segment_ids)
+            x = block(x, segment_ids=segment_ids, positions=positions)
         return self.embed.attend(self.final_norm(x)).astype(jnp.float32)  # [B, S, vocab]

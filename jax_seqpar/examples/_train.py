@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from typing import Optional
 
@@ -13,6 +14,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_seqpar._extras import require
+from jax_seqpar.batch_layout import permute_batch
 from jax_seqpar.examples._data import PackedRows, training_batches
 from jax_seqpar.examples._model import ModelConfig, Parallelism, TransformerLM
 
@@ -50,12 +53,15 @@ class TrainResult:
       compile_seconds: wall time of the first step (tracing, compiling, running).
       seconds: wall time of the other steps.
       tokens_per_second: tokens of the other steps / ``seconds``.
+      state_bytes: per-device bytes of the parameters and optimizer state, from
+        the compiled step's ``memory_analysis`` (its arguments less the batch).
     """
 
     losses: np.ndarray
     compile_seconds: float
     seconds: float
     tokens_per_second: float
+    state_bytes: int = 0
 
 
 def mesh_for(strategy: str, devices=None):
@@ -92,9 +98,27 @@ def make_optimizer(config: TrainConfig) -> optax.GradientTransformation:
                     mask=decay_matrices))
 
 
+def fsdp_sharding(mesh: jax.sharding.Mesh, x) -> NamedSharding:
+    """ZeRO-3 / FSDP placement of one parameter (or optimizer moment) over all devices.
+
+    Its largest dimension that the device count divides is split over every mesh
+    axis; arrays with none (biases, norms, scalars) stay replicated. Inside the
+    step, jit gathers each weight where it is used and reduce-scatters its gradient.
+    """
+    devices = mesh.devices.size
+    dims = sorted(range(np.ndim(x)), key=lambda d: -np.shape(x)[d])
+    for dim in dims:
+        if np.shape(x)[dim] % devices == 0:
+            spec = [None] * np.ndim(x)
+            spec[dim] = tuple(mesh.axis_names)
+            return NamedSharding(mesh, P(*spec))
+    return NamedSharding(mesh, P())
+
+
 def _loss(graphdef, params, batch):
     model = nnx.merge(graphdef, params)
-    logits = model(batch["tokens"], segment_ids=batch["segment_ids"])  # [B, S, V]
+    logits = model(batch["tokens"], segment_ids=batch["segment_ids"],
+                   positions=batch.get("positions"))  # [B, S, V]
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     weights = batch["weights"]
     return jnp.sum(losses * weights) / jnp.maximum(jnp.sum(weights), 1.0)
@@ -114,10 +138,13 @@ def train(
 
     Args:
       model_config, train_config: the model and the run.
-      parallelism: mesh and attention strategy; the token batches are placed
-        sequence-sharded (``P(None, seq_axes)``) on the mesh and the parameters
-        replicated, so attention is sequence-parallel and everything else is
-        per-token work on each shard. ``Parallelism()`` trains unsharded.
+      parallelism: mesh and attention strategy; each token batch is put into the
+        strategy's layout once (:func:`jax_seqpar.permute_batch`; the loss, a mean
+        over tokens, does not depend on their order) and placed sequence-sharded
+        (``P(None, seq_axes)``), so attention is sequence-parallel, no layer moves
+        tokens, and everything else is per-token work on each shard. Parameters and
+        optimizer state are replicated, or sharded with ``parallelism.fsdp``.
+        ``Parallelism()`` trains unsharded.
       params: initial parameters (default: :func:`init_params` with the seed).
       data: the batches (default: :func:`training_batches` with the seed).
       progress: show a tqdm progress bar labelled ``description``.
@@ -138,33 +165,51 @@ def train(
         raise ValueError(f"data has {data.tokens.shape[0]} batches for "
                          f"{train_config.steps} steps.")
     optimizer = make_optimizer(train_config)
-    if parallelism.mesh is None:
+    mesh = parallelism.mesh
+    if mesh is None:
         place_params = place_batch = jax.device_put
     else:
-        replicated = NamedSharding(parallelism.mesh, P())
-        seq_sharded = NamedSharding(parallelism.mesh, P(None, parallelism.seq_axes))
-        place_params = lambda tree: jax.device_put(tree, replicated)
+        seq_sharded = NamedSharding(mesh, P(None, parallelism.seq_axes))
+        if parallelism.fsdp:
+            place_params = lambda tree: jax.tree.map(
+                lambda x: jax.device_put(x, fsdp_sharding(mesh, x)), tree)
+        else:
+            place_params = lambda tree: jax.device_put(tree, NamedSharding(mesh, P()))
         place_batch = lambda tree: jax.device_put(tree, seq_sharded)
     params = place_params(params)
     opt_state = place_params(optimizer.init(params))
 
-    @jax.jit
+    def batch_at(index):
+        batch = {"tokens": data.tokens[index], "targets": data.targets[index],
+                 "segment_ids": data.segment_ids[index], "weights": data.weights[index]}
+        if mesh is not None:
+            batch, batch["positions"] = permute_batch(batch, parallelism.layout,
+                                                      parallelism.num_shards)
+        return place_batch(batch)
+
+    shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)
+
+    # The state keeps its placement from step to step (replicated, or FSDP-sharded).
+    @functools.partial(jax.jit, out_shardings=(shardings(params), shardings(opt_state), None))
     def step(params, opt_state, batch):
         loss, grads = jax.value_and_grad(_loss, argnums=1)(graphdef, params, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 
+    start = time.perf_counter()
+    first = batch_at(0)
+    compiled = step.lower(params, opt_state, first).compile()
+    batch_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(first))
+    state_bytes = compiled.memory_analysis().argument_size_in_bytes - batch_bytes
+
     steps = range(train_config.steps)
     if progress:
-        from tqdm import tqdm
-
+        tqdm = require("tqdm", "examples", "the progress bar").tqdm
         steps = tqdm(steps, desc=description, unit="step", leave=True)
-    losses, start, compile_seconds = [], time.perf_counter(), 0.0
+    losses, compile_seconds = [], 0.0
     for index in steps:
-        batch = place_batch({"tokens": data.tokens[index], "targets": data.targets[index],
-                             "segment_ids": data.segment_ids[index],
-                             "weights": data.weights[index]})
-        params, opt_state, loss = step(params, opt_state, batch)
+        params, opt_state, loss = compiled(params, opt_state, first if index == 0 else
+                                           batch_at(index))
         losses.append(float(loss))  # waits for the step: honest timing
         if index == 0:
             compile_seconds = time.perf_counter() - start
@@ -175,4 +220,5 @@ def train(
     timed_tokens = (train_config.steps - 1) * train_config.batch * train_config.seq_len
     return TrainResult(losses=np.asarray(losses, np.float32), compile_seconds=compile_seconds,
                        seconds=seconds,
-                       tokens_per_second=timed_tokens / seconds if timed_tokens else float("nan"))
+                       tokens_per_second=timed_tokens / seconds if timed_tokens else float("nan"),
+                       state_bytes=int(state_bytes))

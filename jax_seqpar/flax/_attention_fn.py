@@ -18,24 +18,27 @@ from typing import Optional, Union
 import jax
 import jax.numpy as jnp
 
-from jax_seqpar._inputs import Options, check_self_attention
+from jax_seqpar._inputs import Options, check_ids, check_self_attention
 from jax_seqpar.api import sequence_parallel_attention
 from jax_seqpar.masks import Tokens
 
 
 def attend(q, k, v, *, mesh, seq_axes="sp", strategy="auto", causal=False, segment_ids=None,
-           window=None, scale=None, layout="auto", kernel="auto", block_sizes=None):
+           positions=None, window=None, scale=None, layout="auto", kernel="auto",
+           block_sizes=None):
     """Self-attention of ``[B, S, H, D]`` arrays, sequence-parallel over ``mesh`` or local.
 
     With ``mesh=None`` it runs the local kernel (blockwise, memory O(block), not
     the dense reference) on the caller's devices; otherwise it is
-    :func:`jax_seqpar.sequence_parallel_attention`. Both see the tokens in the
-    caller's order at positions ``arange(S)``.
+    :func:`jax_seqpar.sequence_parallel_attention`. Tokens sit at ``positions``
+    (default ``arange(S)``: the caller's order is the natural order).
 
     Args:
       q: ``[B, S, H, Dqk]``; k: ``[B, S, Hkv, Dqk]``; v: ``[B, S, Hkv, Dv]``.
       mesh: a ``jax.sharding.Mesh`` or ``None`` (unsharded).
-      segment_ids: ``int32[B, S]`` or None. The other keywords are those of
+      segment_ids: ``int32[B, S]`` or None.
+      positions: ``int32[B, S]`` global positions of the tokens as given, or None.
+        The other keywords are those of
         :func:`jax_seqpar.sequence_parallel_attention` (``seq_axes``,
         ``strategy`` and ``layout`` are unused without a mesh).
 
@@ -45,12 +48,15 @@ def attend(q, k, v, *, mesh, seq_axes="sp", strategy="auto", causal=False, segme
     if mesh is not None:
         return sequence_parallel_attention(
             q, k, v, mesh=mesh, seq_axes=seq_axes, strategy=strategy, causal=causal,
-            segment_ids=segment_ids, window=window, scale=scale, layout=layout, kernel=kernel,
-            block_sizes=block_sizes)
+            segment_ids=segment_ids, positions=positions, window=window, scale=scale,
+            layout=layout, kernel=kernel, block_sizes=block_sizes)
     check_self_attention(q, k, v, segment_ids)
     batch, seq_len = q.shape[:2]
-    positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
-    tokens = Tokens(positions, None if segment_ids is None else segment_ids.astype(jnp.int32))
+    check_ids("positions", positions, batch, seq_len)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
+    tokens = Tokens(positions.astype(jnp.int32),
+                    None if segment_ids is None else segment_ids.astype(jnp.int32))
     options = Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
                            block_sizes=block_sizes)
     out, _ = options.attention(q, k, v, tokens, tokens)  # [B, S, H, Dv] float32

@@ -17,10 +17,11 @@ class SelfAttention(nnx.Module):
     """Multi-head self-attention whose sequence may be split over a device mesh.
 
     ``x [B, S, d_model] -> q [B, S, H, Dh], k/v [B, S, Hkv, Dh]`` (RoPE on q and
-    k at positions ``arange(S)``) ``->`` exact attention ``-> [B, S, d_model]``.
-    Tokens are in the caller's (natural) order: the attention call relayouts
-    them for load balance internally and returns them in that order, so RoPE on
-    caller-order positions is correct for every strategy and layout. Attention
+    k at the tokens' positions) ``->`` exact attention ``-> [B, S, d_model]``.
+    Models put each batch into a layout once (:func:`jax_seqpar.permute_batch`)
+    and pass its ``positions`` to every layer, so no layer moves tokens; without
+    ``positions`` the tokens are in natural order and each call relayouts them for
+    load balance internally and back. Attention
     is Ulysses (arXiv:2309.14509), ring (arXiv:2310.01889), hybrid USP
     (arXiv:2405.07719) or all-gather; see
     :func:`jax_seqpar.sequence_parallel_attention`.
@@ -104,12 +105,16 @@ class SelfAttention(nnx.Module):
         self.v_proj = projection(d_model, (num_kv_heads, head_dim))
         self.o_proj = projection((num_heads, head_dim), d_model, axis=(-2, -1))
 
-    def __call__(self, x: jax.Array, *, segment_ids: Optional[jax.Array] = None) -> jax.Array:
+    def __call__(self, x: jax.Array, *, segment_ids: Optional[jax.Array] = None,
+                 positions: Optional[jax.Array] = None) -> jax.Array:
         """Attend.
 
         Args:
-          x: ``[B, S, d_model]``, tokens in natural order (sequence-sharded or not).
+          x: ``[B, S, d_model]`` (sequence-sharded or not).
           segment_ids: ``int32[B, S]`` document ids of packed sequences, or None.
+          positions: ``int32[B, S]`` global positions of the tokens as given (RoPE
+            and masks use them, and no layer relayouts: see
+            :func:`jax_seqpar.permute_batch`), or None for natural order.
 
         Returns:
           ``[B, S, d_model]``.
@@ -117,11 +122,12 @@ class SelfAttention(nnx.Module):
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [batch, seq, d_model={self.d_model}]. "
                              f"Got x.shape={x.shape}.")
-        positions = jnp.arange(x.shape[1], dtype=jnp.int32)  # [S], caller order
-        q = apply_rope(self.q_proj(x), positions, base=self.rope_base)  # [B, S, H, Dh]
-        k = apply_rope(self.k_proj(x), positions, base=self.rope_base)  # [B, S, Hkv, Dh]
+        rope_positions = jnp.arange(x.shape[1], dtype=jnp.int32) if positions is None \
+            else positions  # [S] natural order, or [B, S] as given
+        q = apply_rope(self.q_proj(x), rope_positions, base=self.rope_base)  # [B, S, H, Dh]
+        k = apply_rope(self.k_proj(x), rope_positions, base=self.rope_base)  # [B, S, Hkv, Dh]
         v = self.v_proj(x)  # [B, S, Hkv, Dh]
         out = attend(q, k, v, mesh=self.mesh, seq_axes=self.seq_axes, strategy=self.strategy,
-                     causal=self.causal, segment_ids=segment_ids, window=self.window,
-                     layout=self.layout, kernel=self.kernel)  # [B, S, H, Dh]
+                     causal=self.causal, segment_ids=segment_ids, positions=positions,
+                     window=self.window, layout=self.layout, kernel=self.kernel)  # [B, S, H, Dh]
         return self.o_proj(out)  # [B, S, d_model]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import inspect
 from typing import Mapping
 
 KERNELS = ("auto", "xla", "pallas")
@@ -32,6 +33,10 @@ _PLATFORM_KERNELS: Mapping[str, Mapping[str, str]] = {
 
 def _module(name: str):
     return importlib.import_module(f"jax_seqpar.kernels.{name.split('-')[0]}")
+
+
+def _keywords(module, method: str):
+    return inspect.signature(getattr(module, method)).parameters
 
 
 def _fits_triton(block_sizes) -> bool:
@@ -85,6 +90,13 @@ class PerPlatform:
         branches, no_triton = {}, False
         for platform, kernel in self.platforms:
             module = _module(kernel)
+            missing = [k for k in static if k not in _keywords(module, method)]
+            if missing and self.name == "auto":
+                # The automatic choice is the best kernel that has the call's options.
+                kernel, module = "xla", _module("xla")
+            elif missing:
+                raise ValueError(f"{missing[0]}={static[missing[0]]!r} is not supported by "
+                                 f"kernel={self.name!r}; use kernel='xla' or 'auto'.")
             kwargs = dict(static)
             if block_sizes is not None and isinstance(block_sizes, module.BlockSizes):
                 kwargs["block_sizes"] = block_sizes
@@ -116,22 +128,28 @@ class PerPlatform:
         return jax.lax.platform_dependent(*args, default=default, **branches)
 
     def forward(self, q, k, v, q_tokens, kv_tokens, *, block_sizes=None, interpret=None,
-                **static):
+                softcap=None, **static):
         """The forward of the platform's kernel (see :func:`jax_seqpar.kernels.xla.forward`)."""
         return self._call("forward", (q, k, v, q_tokens, kv_tokens), block_sizes, interpret,
-                          static)
+                          _with_softcap(static, softcap))
 
     def backward(self, q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, accumulate=None,
-                 block_sizes=None, interpret=None, **static):
+                 block_sizes=None, interpret=None, softcap=None, **static):
         """The backward of the platform's kernel (see :func:`jax_seqpar.kernels.xla.backward`)."""
         return self._call("backward", (q, k, v, q_tokens, kv_tokens, lse, delta, dout),
-                          block_sizes, interpret, dict(static, accumulate=accumulate))
+                          block_sizes, interpret,
+                          _with_softcap(dict(static, accumulate=accumulate), softcap))
 
     def attention(self, q, k, v, q_tokens, kv_tokens, *, block_sizes=None, interpret=None,
-                  **static):
+                  softcap=None, **static):
         """Differentiable forward of the platform's kernel: ``(out float32, lse float32)``."""
         return self._call("attention", (q, k, v, q_tokens, kv_tokens), block_sizes, interpret,
-                          static)
+                          _with_softcap(static, softcap))
+
+
+def _with_softcap(static: dict, softcap) -> dict:
+    # Kernels without soft-capping never see the keyword (see jax_seqpar._inputs.Options).
+    return static if softcap is None else dict(static, softcap=softcap)
 
 
 def get(kernel: str = "auto"):
@@ -139,7 +157,9 @@ def get(kernel: str = "auto"):
 
     ``"xla"``: the XLA kernel everywhere. ``"pallas"``: Triton when lowered for
     CUDA, the Pallas interpreter elsewhere. ``"auto"``: Triton when lowered for
-    CUDA, the XLA kernel elsewhere (TPU included, until a Mosaic kernel exists).
+    CUDA, the XLA kernel elsewhere (TPU included, until a Mosaic kernel exists),
+    and the XLA kernel wherever a call needs an option (e.g. ``softcap``) the
+    platform's kernel lacks.
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}.")

@@ -14,7 +14,9 @@ The kernel contract, shared with :mod:`jax_seqpar.kernels.pallas`:
   given; strategies that merge partial results (the ring) call it with the
   statistics of the merged result;
 * :func:`attention` is both, wired as a ``custom_vjp`` that accepts cotangents
-  for ``out`` AND ``lse``, so any composition of merges differentiates exactly.
+  for ``out`` AND ``lse``, so any composition of merges differentiates exactly;
+* every function takes ``softcap``: logits ``s = scale * q.k`` become
+  ``softcap * tanh(s / softcap)`` before masking (Gemma 2, arXiv:2408.00118).
 
 GQA/MQA (``H % Hkv == 0``) are computed group-wise without repeating K/V.
 A query row that sees no key gets zeros and ``lse = EMPTY_LSE``.
@@ -98,22 +100,39 @@ def _tile_mask(spec, q_pos, q_seg, kv_pos, kv_seg):
     return None if mask is None else mask[:, None, None]
 
 
-def _scores(q_tile, k_tile, scale):
+def _scores(q_tile, k_tile, scale, softcap=None):
+    """Scaled (and soft-capped) logits, and the cap's derivative ``1 - tanh**2`` (or None)."""
     # [B, Hkv, G, bq, D] x [B, Hkv, bk, D] -> [B, Hkv, G, bq, bk]
-    return jnp.einsum("bhgqd,bhkd->bhgqk", q_tile, k_tile, preferred_element_type=_F32) * scale
+    s = jnp.einsum("bhgqd,bhkd->bhgqk", q_tile, k_tile, preferred_element_type=_F32) * scale
+    if softcap is None:
+        return s, None
+    capped = jnp.tanh(s / softcap)
+    return softcap * capped, 1.0 - capped * capped
+
+
+def check_softcap(softcap):
+    """``None`` or a positive float, else ``ValueError``."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
+        raise ValueError(f"softcap must be a positive float (e.g. 50.0) or None. "
+                         f"Got {softcap=!r}.")
+    return float(softcap)
 
 
 def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
-            block_sizes: BlockSizes = BlockSizes()):
+            block_sizes: BlockSizes = BlockSizes(), softcap=None):
     """Attention of ``q`` against one run of keys.
 
     Args:
       q: ``[B, Sq, H, Dqk]``; k: ``[B, Sk, Hkv, Dqk]``; v: ``[B, Sk, Hkv, Dv]``.
       q_tokens, kv_tokens: metadata of the queries (``[B, Sq]``) and keys (``[B, Sk]``).
       spec: causal / window; scale: score multiplier.
+      softcap: cap of the logits (``softcap * tanh(s / softcap)``), or None.
     Returns:
       ``out float32[B, Sq, H, Dv]`` (normalized) and ``lse float32[B, Sq, H]``.
     """
+    softcap = check_softcap(softcap)
     t = _tiling(q, k, block_sizes.block_q, block_sizes.block_k)
     q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # classes [nq, nk]
     d_v = v.shape[-1]
@@ -128,7 +147,7 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
 
         def update(carry, k_tile, v_tile, mask):
             m, l, acc = carry  # [B, Hkv, G, bq], same, [B, Hkv, G, bq, Dv]
-            s = _scores(q_tile, k_tile, scale)
+            s, _ = _scores(q_tile, k_tile, scale, softcap)
             if mask is not None:
                 s = jnp.where(mask, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=-1))
@@ -170,11 +189,11 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
 
 def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
              spec: MaskSpec, scale: float, block_sizes: BlockSizes = BlockSizes(),
-             accumulate=None):
+             accumulate=None, softcap=None):
     """Gradients of attention given the softmax statistics of the full result.
 
     Args:
-      q, k, v, q_tokens, kv_tokens, spec, scale: as in :func:`forward`.
+      q, k, v, q_tokens, kv_tokens, spec, scale, softcap: as in :func:`forward`.
       lse: ``float32[B, Sq, H]`` log-sum-exp of the (possibly merged) result.
       delta: ``float32[B, Sq, H]`` = ``sum(dout * out, -1) - dlse``.
       dout: ``[B, Sq, H, Dv]`` cotangent of the (merged) output.
@@ -184,6 +203,7 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
       float32 ``dq [B, Sq, H, Dqk]``, ``dk [B, Sk, Hkv, Dqk]``, ``dv [B, Sk, Hkv, Dv]``
       (plus ``accumulate``).
     """
+    softcap = check_softcap(softcap)
     t = _tiling(q, k, block_sizes.block_q_bwd, block_sizes.block_k_bwd)
     q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # classes [nq, nk]
     hg = (t.kv_heads, t.group)
@@ -202,13 +222,14 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
 
         def grads(carry, q_tile, do_tile, lse_tile, delta_tile, mask):
             dk, dv = carry
-            s = _scores(q_tile, k_tile, scale)
+            s, cap_slope = _scores(q_tile, k_tile, scale, softcap)
             if mask is not None:  # before exp: rows with EMPTY_LSE must not overflow
                 s = jnp.where(mask, s, -jnp.inf)
             p = jnp.exp(s - lse_tile[..., None])
             dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p, do_tile)
             dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_tile, v_tile)
-            ds = p * (dp - delta_tile[..., None]) * scale
+            ds = p * (dp - delta_tile[..., None])
+            ds = (ds if cap_slope is None else ds * cap_slope) * scale
             dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds, q_tile)
             return (dk, dv), jnp.einsum("bhgqk,bhkd->bhgqd", ds, k_tile)
 
@@ -245,30 +266,32 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
 
 
 def attention(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
-              block_sizes: BlockSizes = BlockSizes()):
+              block_sizes: BlockSizes = BlockSizes(), softcap=None):
     """Differentiable :func:`forward`: ``(out float32, lse float32)``.
 
     The backward accepts cotangents for both ``out`` and ``lse``.
     """
-    return _attention(spec, float(scale), block_sizes, q, k, v, q_tokens, kv_tokens)
+    return _attention(spec, float(scale), block_sizes, check_softcap(softcap),
+                      q, k, v, q_tokens, kv_tokens)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _attention(spec, scale, block_sizes, q, k, v, q_tokens, kv_tokens):
-    return forward(q, k, v, q_tokens, kv_tokens, spec=spec, scale=scale, block_sizes=block_sizes)
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
+def _attention(spec, scale, block_sizes, softcap, q, k, v, q_tokens, kv_tokens):
+    return forward(q, k, v, q_tokens, kv_tokens, spec=spec, scale=scale, block_sizes=block_sizes,
+                   softcap=softcap)
 
 
-def _attention_fwd(spec, scale, block_sizes, q, k, v, q_tokens, kv_tokens):
-    out, lse = _attention(spec, scale, block_sizes, q, k, v, q_tokens, kv_tokens)
+def _attention_fwd(spec, scale, block_sizes, softcap, q, k, v, q_tokens, kv_tokens):
+    out, lse = _attention(spec, scale, block_sizes, softcap, q, k, v, q_tokens, kv_tokens)
     return (out, lse), (q, k, v, q_tokens, kv_tokens, out, lse)
 
 
-def _attention_bwd(spec, scale, block_sizes, residuals, cotangents):
+def _attention_bwd(spec, scale, block_sizes, softcap, residuals, cotangents):
     q, k, v, q_tokens, kv_tokens, out, lse = residuals
     dout, dlse = cotangents
     delta = jnp.einsum("bqhd,bqhd->bqh", dout.astype(_F32), out) - dlse
     dq, dk, dv = backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout,
-                          spec=spec, scale=scale, block_sizes=block_sizes)
+                          spec=spec, scale=scale, block_sizes=block_sizes, softcap=softcap)
     no_grad = jax.tree.map(lambda _: None, (q_tokens, kv_tokens))
     return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *no_grad)
 

@@ -1,0 +1,146 @@
+"""How the global entry point places arrays on a mesh: kept shardings and padding.
+
+Two decisions the global view makes before ``shard_map``:
+
+* which batch and head shardings (data and tensor parallelism) stay in place,
+  read from the arrays' types on Explicit meshes, from concrete arrays'
+  shardings or ``batch_axes=`` on Auto meshes;
+* how far the sequence is padded so that every shard holds whole layout pieces,
+  with the padding masked out by a reserved segment id.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from jax_seqpar.kernels.tiling import pad_seq
+
+#: Segment id of the padding the global entry point adds: reserved, never a real document.
+PAD_SEGMENT = -(2**31)
+
+
+def is_explicit(mesh) -> bool:
+    return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
+
+
+def place(x, mesh, spec):
+    """Put ``x`` in ``spec`` sharding: explicit meshes need it before ``shard_map``."""
+    if is_explicit(mesh):
+        return jax.reshard(x, NamedSharding(mesh, spec))
+    return x
+
+
+def entry_size(mesh, entry) -> int:
+    """Number of devices a PartitionSpec entry (None, a name or a tuple) spans."""
+    if entry is None:
+        return 1
+    names = entry if isinstance(entry, tuple) else (entry,)
+    return math.prod(mesh.shape[name] for name in names)
+
+
+def _known_spec(x):
+    """The PartitionSpec ``x`` is known to have: its type's (Explicit meshes) or, for a
+    concrete array, its NamedSharding's; None when unknown (a tracer on an Auto mesh)."""
+    spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
+    if spec is not None and any(e is not None for e in spec):
+        return spec
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
+        sharding = getattr(x, "sharding", None)
+        if isinstance(sharding, NamedSharding):
+            return sharding.spec
+    return spec
+
+
+def _entry(spec, dim: int, seq_axes: tuple):
+    """The mesh axes ``spec`` shards ``dim`` over, unless they include a sequence axis."""
+    entry = spec[dim] if spec is not None and dim < len(spec) else None
+    names = entry if isinstance(entry, tuple) else (entry,)
+    return None if entry is None or set(names) & set(seq_axes) else entry
+
+
+def kept_entries(q, k, v, mesh, seq_axes: tuple, batch_axes=None):
+    """``(batch_entry, head_entry)``: the batch and head shardings to keep in ``shard_map``.
+
+    The batch sharding comes from ``batch_axes`` when given, else from ``q``'s known
+    sharding, else (a traced array on an Auto mesh, whose sharding is unknown) from
+    the mesh axes outside the sequence, taken in order while their product divides
+    the batch: data parallelism is kept rather than replicating the compute. The head
+    sharding is kept only when q, k and v share it: a head split of q alone would
+    pair local query heads with the wrong K/V heads, so q is resharded instead.
+
+    Raises:
+      ValueError: ``batch_axes`` naming an unknown or sequence axis, or not dividing
+        the batch.
+    """
+    specs = [_known_spec(x) for x in (q, k, v)]
+    head = _entry(specs[0], 2, seq_axes)
+    if any(_entry(spec, 2, seq_axes) != head for spec in specs[1:]):
+        head = None
+    batch_size = q.shape[0]
+    if batch_axes is not None:
+        names = (batch_axes,) if isinstance(batch_axes, str) else tuple(batch_axes)
+        for name in names:
+            if name not in mesh.shape or name in seq_axes:
+                raise ValueError(f"batch_axes names {name!r}, which is not a mesh axis outside "
+                                 f"the sequence axes {seq_axes} of the mesh {dict(mesh.shape)}.")
+        batch = names[0] if len(names) == 1 else (names or None)
+        if batch_size % entry_size(mesh, batch):
+            raise ValueError(f"batch {batch_size} is not divisible by the {entry_size(mesh, batch)} "
+                             f"devices of batch_axes={batch_axes!r}; pick axes whose sizes "
+                             "divide the batch.")
+    elif specs[0] is not None and any(e is not None for e in specs[0]) or is_explicit(mesh):
+        batch = _entry(specs[0], 0, seq_axes)
+    else:
+        names, size = [], 1
+        for name in mesh.axis_names:
+            if name in seq_axes or (head is not None and name in _names(head)):
+                continue
+            if batch_size % (size * mesh.shape[name]) == 0:
+                names.append(name)
+                size *= mesh.shape[name]
+        batch = None if not names else names[0] if len(names) == 1 else tuple(names)
+    return batch, head
+
+
+def _names(entry) -> tuple:
+    return entry if isinstance(entry, tuple) else (entry,)
+
+
+def padded_length(seq_len: int, chunks: int) -> int:
+    """The smallest multiple of ``chunks`` that holds ``seq_len`` tokens."""
+    return -(-seq_len // chunks) * chunks
+
+
+def pad_inputs(length: int, q, k, v, segment_ids, kv_segment_ids, positions):
+    """Pad q, k, v, segment ids (both) and positions along the sequence to ``length``.
+
+    The padding gets segment :data:`PAD_SEGMENT`, so no real token sees it (padded
+    queries see only padding; their rows are sliced off), and positions after the
+    last real one, so causal tile skipping is unaffected.
+
+    Returns:
+      ``(q, k, v, segment_ids int32[B, length], kv_segment_ids (likewise, or None),
+      positions int32[B, length] or None)``.
+    """
+    batch, seq_len = q.shape[:2]
+    q, k, v = (pad_seq(x, length) for x in (q, k, v))  # [B, length, heads, D]
+    if segment_ids is None:
+        segment_ids = jnp.zeros((batch, seq_len), jnp.int32)
+    segment_ids, kv_segment_ids = (
+        None if x is None else pad_seq(x.astype(jnp.int32), length, PAD_SEGMENT)
+        for x in (segment_ids, kv_segment_ids))
+    if positions is not None:
+        after = jnp.max(positions) + 1 + jnp.arange(length - seq_len, dtype=jnp.int32)
+        positions = jnp.concatenate(
+            [positions.astype(jnp.int32), jnp.broadcast_to(after, (batch, after.shape[0]))], 1)
+    return q, k, v, segment_ids, kv_segment_ids, positions
+
+
+def unpad(x, seq_len: int, axis: int = 1):
+    """The first ``seq_len`` tokens of ``x`` (a slice, valid on sharded arrays)."""
+    return x if x.shape[axis] == seq_len else jax.lax.slice_in_dim(x, 0, seq_len, axis=axis)

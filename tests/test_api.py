@@ -1,0 +1,259 @@
+"""The global entry points on real-model inputs: laid-out batches, padding, data and tensor
+parallelism, unequal lengths, and the jax.nn-compatible ``dot_product_attention``."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+import jax_seqpar as sp
+from jax_seqpar import hlo, plan, reference
+
+STRATEGIES = ["ring", "ulysses", "hybrid", "allgather"]
+
+
+def _mesh(strategy):
+    devices = np.array(jax.devices())
+    if strategy == "hybrid":
+        return Mesh(devices.reshape(2, 4), ("dcn", "ici")), ("dcn", "ici")
+    return Mesh(devices, ("sp",)), "sp"
+
+
+def _segments(batch, seq, seed=3):
+    ids = jax.random.randint(jax.random.key(seed), (batch, seq), 0, 3)
+    return jnp.sort(ids, axis=1).astype(jnp.int32)
+
+
+def _assert_out_and_grads(ours, theirs, args, tolerances, argnums=(0, 1, 2)):
+    """``ours(*args)`` equals ``theirs(*args)``, and so do their gradients in ``argnums``."""
+    out = jax.jit(ours)(*args)
+    expected = theirs(*args)
+    assert out.shape == expected.shape and out.dtype == expected.dtype
+    np.testing.assert_allclose(out, expected, **tolerances(out.dtype))
+    weights = jax.random.normal(jax.random.key(7), out.shape)
+    loss = lambda f: lambda *a: jnp.sum(f(*a) * weights)  # noqa: E731
+    grads = jax.jit(jax.grad(loss(ours), argnums=argnums))(*args)
+    expected_grads = jax.grad(loss(theirs), argnums=argnums)(*args)
+    for got, want in zip(grads, expected_grads):
+        scale = max(1.0, float(jnp.abs(want).max()))
+        np.testing.assert_allclose(got / scale, want / scale, **tolerances(got.dtype, "grad"))
+
+
+# --- unequal local lengths: an error, never a silent answer ------------------------------
+
+@pytest.mark.parametrize("strategy", ["ring", "ulysses", "allgather"])
+def test_per_shard_unequal_lengths_raise(strategy, make_qkv):
+    q, _, _ = make_qkv(batch=1, seq=128, heads=8, head_dim=8)
+    _, k, v = make_qkv(batch=1, seq=64, heads=8, head_dim=8)
+    mesh = Mesh(np.array(jax.devices()[:2]), ("sp",))
+    fn = functools.partial(getattr(sp, f"{strategy}_attention"), axis_name="sp", causal=True)
+    mapped = jax.shard_map(fn, mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+    with pytest.raises(ValueError, match="64 local query tokens and 32 local key/value"):
+        mapped(q, k, v)
+
+
+# --- positions=: the batch is laid out once, no layer relayouts ---------------------------
+
+@pytest.mark.parametrize("layout", ["zigzag", "striped"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
+def test_positions_on_permuted_inputs(strategy, layout, make_qkv, tolerances):
+    q, k, v = make_qkv(batch=2, seq=128, heads=8, kv_heads=2, head_dim=8, seed=4)
+    segment_ids = _segments(2, 128)
+    mesh, axes = _mesh(strategy)
+    batch, positions = sp.permute_batch((q, k, v, segment_ids), layout, num_shards=8)
+
+    def ours(q, k, v):
+        out = sp.sequence_parallel_attention(
+            q, k, v, mesh=mesh, seq_axes=axes, strategy=strategy, causal=True, window=(40, 5),
+            segment_ids=batch[3], positions=positions)
+        return sp.unpermute_batch(out, layout, num_shards=8)
+
+    def theirs(q, k, v):
+        q, k, v = sp.unpermute_batch((q, k, v), layout, num_shards=8)
+        return reference.attention(q, k, v, causal=True, window=(40, 5), segment_ids=segment_ids)
+
+    _assert_out_and_grads(ours, theirs, batch[:3], tolerances)
+
+
+def test_permute_batch_round_trip_and_positions():
+    tokens = jnp.arange(2 * 32).reshape(2, 32)
+    batch, positions = sp.permute_batch({"tokens": tokens, "x": tokens[..., None] * 1.0},
+                                        "zigzag", num_shards=4)
+    np.testing.assert_array_equal(batch["tokens"], sp.zigzag_permute(tokens, 4))
+    np.testing.assert_array_equal(positions, jnp.broadcast_to(sp.zigzag_positions(32, 4),
+                                                               (2, 32)))
+    back = sp.unpermute_batch(batch, "zigzag", num_shards=4)
+    np.testing.assert_array_equal(back["tokens"], tokens)
+    with pytest.raises(ValueError, match="share its leading"):
+        sp.permute_batch({"a": tokens, "b": tokens[:, :16]}, "zigzag", num_shards=4)
+
+
+def test_positions_with_a_layout_is_refused(make_qkv):
+    q, k, v = make_qkv(batch=1, seq=64, heads=8, head_dim=8)
+    mesh, _ = _mesh("ring")
+    positions = jnp.broadcast_to(jnp.arange(64, dtype=jnp.int32), (1, 64))
+    with pytest.raises(ValueError, match="would relayout them again"):
+        sp.sequence_parallel_attention(q, k, v, mesh=mesh, positions=positions,
+                                       layout="zigzag")
+
+
+def test_layer_with_positions_sends_exactly_comm_bytes():
+    """A ring layer fed laid-out tokens: the whole program's bytes are the model's."""
+    mesh, _ = _mesh("ring")
+    batch, seq, heads, kv_heads, dim = 1, 1024, 8, 1, 64
+    q = jnp.ones((batch, seq, heads, dim), jnp.float32)
+    k = v = jnp.ones((batch, seq, kv_heads, dim), jnp.float32)
+    positions = jnp.broadcast_to(sp.zigzag_positions(seq, 8), (batch, seq))
+    f = functools.partial(sp.sequence_parallel_attention, mesh=mesh, strategy="ring",
+                          causal=True, positions=positions)
+    model = functools.partial(plan.comm_bytes, "ring", batch=batch, seq_len=seq,
+                              num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
+                              axis_sizes=8, dtype_bytes=4)
+    fwd = hlo.collective_bytes(jax.jit(f).lower(q, k, v).compile())
+    assert sum(fwd.values()) == model(), fwd
+    vjp = lambda q, k, v, dout: jax.vjp(f, q, k, v)[1](dout)  # noqa: E731
+    both = hlo.collective_bytes(jax.jit(lambda *a: (f(*a[:3]), vjp(*a))).lower(
+        q, k, v, jnp.ones_like(q)).compile())
+    assert sum(both.values()) == model(backward=True), both
+
+
+# --- any length: padding inside -------------------------------------------------------------
+
+LENGTH_CASES = [
+    pytest.param(1000, dict(causal=True, segments=True), id="1000-causal-segments"),
+    pytest.param(1023, dict(window=(70, 20), segments=True), id="1023-window-segments"),
+    pytest.param(999, dict(causal=True, window=90), id="999-causal-window"),
+]
+
+
+@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("seq,mask", LENGTH_CASES)
+def test_any_sequence_length(strategy, seq, mask, make_qkv, tolerances):
+    q, k, v = make_qkv(batch=1, seq=seq, heads=8, kv_heads=2, head_dim=8, seed=seq)
+    mask = dict(mask)
+    if mask.pop("segments", False):
+        mask["segment_ids"] = _segments(1, seq, seed=seq)
+    mesh, axes = _mesh(strategy)
+    ours = functools.partial(sp.sequence_parallel_attention, mesh=mesh, seq_axes=axes,
+                             strategy=strategy, **mask)
+    _assert_out_and_grads(ours, functools.partial(reference.attention, **mask), (q, k, v),
+                          tolerances)
+
+
+# --- data and tensor parallelism kept ------------------------------------------------------
+
+def _auto_dp_sp():
+    return Mesh(np.array(jax.devices()).reshape(2, 4), ("dp", "sp"))
+
+
+def test_auto_mesh_keeps_the_batch_sharding(make_qkv, tolerances):
+    q, k, v = make_qkv(batch=2, seq=128, heads=8, kv_heads=2, head_dim=8, seed=5)
+    mesh = _auto_dp_sp()
+    placed = [jax.device_put(x, NamedSharding(mesh, P("dp", "sp"))) for x in (q, k, v)]
+    ours = functools.partial(sp.sequence_parallel_attention, mesh=mesh, strategy="ring",
+                             causal=True)
+    assert jax.jit(ours)(*placed).sharding.spec[:2] == ("dp", "sp")
+    _assert_out_and_grads(ours, functools.partial(reference.attention, causal=True), placed,
+                          tolerances)
+
+
+def test_auto_mesh_dp_sp_sends_the_groups_bytes():
+    """Auto mesh (dp=2, sp=4): each sequence group runs its own ring on its batch half."""
+    mesh = _auto_dp_sp()
+    batch, seq, heads, kv_heads, dim = 2, 512, 8, 2, 32
+    sharding = NamedSharding(mesh, P("dp", "sp"))
+    q = jax.ShapeDtypeStruct((batch, seq, heads, dim), jnp.float32, sharding=sharding)
+    k = jax.ShapeDtypeStruct((batch, seq, kv_heads, dim), jnp.float32, sharding=sharding)
+    f = functools.partial(sp.sequence_parallel_attention, mesh=mesh, strategy="ring",
+                          causal=True, layout="contiguous")
+    sent = hlo.collective_bytes(jax.jit(f).lower(q, k, k).compile())
+    assert sum(sent.values()) == plan.comm_bytes(
+        "ring", batch=batch // 2, seq_len=seq, num_heads=heads, num_kv_heads=kv_heads,
+        head_dim=dim, axis_sizes=4, dtype_bytes=4), sent
+
+
+def test_batch_axes_errors(make_qkv):
+    q, k, v = make_qkv(batch=3, seq=64, heads=8, head_dim=8)
+    mesh = _auto_dp_sp()
+    with pytest.raises(ValueError, match="not divisible by the 2 devices"):
+        sp.sequence_parallel_attention(q, k, v, mesh=mesh, batch_axes="dp")
+    with pytest.raises(ValueError, match="not a mesh axis outside"):
+        sp.sequence_parallel_attention(q, k, v, mesh=mesh, batch_axes="sp")
+
+
+def test_auto_strategy_counts_the_heads_each_group_holds(make_qkv, tolerances):
+    """Explicit (tp=2, sp=4), 4 heads over tp: 2 heads per group, so not Ulysses over 4."""
+    q, k, v = make_qkv(batch=1, seq=64, heads=4, kv_heads=4, head_dim=8, seed=6)
+    mesh = jax.make_mesh((2, 4), ("tp", "sp"))
+    ours = functools.partial(sp.sequence_parallel_attention, mesh=mesh, strategy="auto",
+                             causal=True)
+    with jax.set_mesh(mesh):
+        placed = [jax.reshard(x, P(None, None, "tp")) for x in (q, k, v)]
+        _assert_out_and_grads(ours, functools.partial(reference.attention, causal=True),
+                              placed, tolerances)
+
+
+# --- jax.nn.dot_product_attention's contract ------------------------------------------------
+
+DPA_CASES = [  # (strategy or None for no mesh, jax.nn keywords)
+    pytest.param(None, dict(is_causal=True), id="local-causal"),
+    pytest.param(None, dict(local_window_size=(9, 3)), id="local-window"),
+    pytest.param(None, dict(local_window_size=6, is_causal=True), id="local-causal-window-int"),
+    pytest.param(None, dict(is_causal=True, lengths=True), id="local-causal-lengths"),
+    pytest.param(None, dict(lengths=True, scale=0.3), id="local-lengths-scale"),
+    pytest.param("ring", dict(is_causal=True), id="ring-causal"),
+    pytest.param("ulysses", dict(local_window_size=(9, 3)), id="ulysses-window"),
+    pytest.param("allgather", dict(local_window_size=6, is_causal=True),
+                 id="allgather-causal-window-int"),
+    pytest.param("ring", dict(is_causal=True, lengths=True), id="ring-causal-lengths"),
+    pytest.param("ulysses", dict(lengths=True, scale=0.3), id="ulysses-lengths-scale"),
+]
+
+
+@pytest.mark.parametrize("strategy,kwargs", DPA_CASES)
+def test_dot_product_attention_matches_jax_nn(strategy, kwargs, make_qkv, tolerances):
+    q, k, v = make_qkv(batch=2, seq=60, heads=8, kv_heads=2, head_dim=8, seed=8)
+    kwargs = dict(kwargs)
+    if kwargs.pop("lengths", False):
+        kwargs["query_seq_lengths"] = jnp.array([60, 37], jnp.int32)
+        kwargs["key_value_seq_lengths"] = jnp.array([25, 51], jnp.int32)
+    mesh = None if strategy is None else _mesh(strategy)[0]
+    ours = functools.partial(sp.dot_product_attention, mesh=mesh, strategy=strategy or "auto",
+                             **kwargs)
+    _assert_out_and_grads(ours, functools.partial(jax.nn.dot_product_attention, **kwargs),
+                          (q, k, v), tolerances)
+
+
+def test_dot_product_attention_cross_lengths_and_3d(make_qkv, tolerances):
+    q, _, _ = make_qkv(batch=1, seq=24, heads=4, kv_heads=2, head_dim=8, seed=9)
+    _, k, v = make_qkv(batch=1, seq=40, heads=4, kv_heads=2, head_dim=8, seed=10)
+    expected = jax.nn.dot_product_attention(q[0], k[0], v[0], is_causal=True)
+    np.testing.assert_allclose(sp.dot_product_attention(q[0], k[0], v[0], is_causal=True),
+                               expected, **tolerances(q.dtype))
+
+
+def test_dot_product_attention_dense_inputs(make_qkv, tolerances):
+    q, k, v = make_qkv(batch=1, seq=32, heads=4, head_dim=8, seed=11)
+    mask = jax.random.bernoulli(jax.random.key(1), 0.7, (1, 4, 32, 32)).at[..., 0].set(True)
+    np.testing.assert_allclose(sp.dot_product_attention(q, k, v, mask=mask),
+                               jax.nn.dot_product_attention(q, k, v, mask=mask),
+                               **tolerances(q.dtype))
+    mesh, _ = _mesh("ring")
+    with pytest.raises(ValueError, match=r"dense mask of shape \(1, 4, 32, 32\) cannot be"):
+        sp.dot_product_attention(q, k, v, mask=mask, mesh=mesh)
+    with pytest.raises(ValueError, match="dense bias"):
+        sp.dot_product_attention(q, k, v, bias=jnp.zeros((1, 4, 32, 32)), mesh=mesh)
+    with pytest.raises(ValueError, match="query length 32 and key/value length 16"):
+        sp.dot_product_attention(q, k[:, :16], v[:, :16], mesh=mesh)
+    with pytest.raises(ValueError, match=r"query_seq_lengths must be an int32 \[batch\]"):
+        sp.dot_product_attention(q, k, v, query_seq_lengths=jnp.array([1.0, 2.0]))
+
+
+def test_missing_extra_names_it():
+    from jax_seqpar._extras import require
+
+    with pytest.raises(ImportError, match=r"pip install 'jax_seqpar\[flax\]'"):
+        require("no_such_module_here", "flax", "a test")

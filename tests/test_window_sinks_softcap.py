@@ -1,0 +1,299 @@
+"""Sliding windows (halo exchange), attention sinks and logit soft-capping.
+
+Every per-shard strategy against the reference (outputs and gradients, including
+d``sinks``), on every token order: the contiguous split with default positions
+(where a window turns the ring and the all-gather into a halo exchange), and
+zigzag / striped / explicitly given positions (where the full ring must run).
+The halo's traffic is read from the compiled HLO and held to ``comm_bytes``.
+"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, PartitionSpec as P
+
+import jax_seqpar as sp
+from jax_seqpar import halo, hlo, layout, reference
+from jax_seqpar.kernels import xla
+from jax_seqpar.masks import MaskSpec, Tokens
+from jax_seqpar.plan import comm_bytes
+
+B, S, H, D, DV = 1, 128, 8, 16, 8
+SINKS = jnp.array([0.5, -1.0, 2.0, 0.0, 1.5, -3.0, 0.25, 4.0], jnp.float32)
+
+
+def _segments(seq, seed=3):
+    ids = jax.random.randint(jax.random.key(seed), (B, seq), 0, 3)
+    return jnp.sort(ids, axis=1).astype(jnp.int32)
+
+
+def _order(name, num_shards=8):
+    """Global positions of the tokens in ``name`` order (``x[:, order]`` permutes)."""
+    if name == "zigzag":
+        return layout.zigzag_positions(S, num_shards)
+    if name == "striped":
+        return layout.striped_positions(S, num_shards)
+    return jnp.arange(S, dtype=jnp.int32)
+
+
+def _per_shard(strategy):
+    devices = np.array(jax.devices())
+    if strategy == "hybrid":
+        mesh = Mesh(devices.reshape(2, 4), ("dcn", "ici"))
+        fn = functools.partial(sp.hybrid_attention, ring_axis="dcn", ulysses_axis="ici")
+        return mesh, fn, ("dcn", "ici")
+    return Mesh(devices, ("sp",)), functools.partial(
+        getattr(sp, f"{strategy}_attention"), axis_name="sp"), "sp"
+
+
+def _check(strategy, tolerances, *, order="contiguous", kv_heads=2, use_sinks=True,
+           segments=False, pass_positions=False, block_sizes=None, dtype=jnp.float32,
+           **options):
+    """Run ``strategy`` on tokens in ``order`` and compare out and d(q, k, v, sinks)."""
+    mesh, fn, axes = _per_shard(strategy)
+    kq, kk, kv, kw = jax.random.split(jax.random.key(len(str(options))), 4)
+    q = jax.random.normal(kq, (B, S, H, D), dtype)
+    k = jax.random.normal(kk, (B, S, kv_heads, D), dtype)
+    v = jax.random.normal(kv, (B, S, kv_heads, DV), dtype)
+    weights = jax.random.normal(kw, (B, S, H, DV))
+    positions = jnp.broadcast_to(_order(order), (B, S))
+    segment_ids = _segments(S)[:, positions[0]] if segments else None
+    # Default positions (None) are the contiguous split; anything else is passed.
+    given = positions if (order != "contiguous" or pass_positions) else None
+    seq = P(None, axes)
+    extras = {name: x for name, x in (("segment_ids", segment_ids), ("positions", given))
+              if x is not None}
+
+    def ours(q, k, v, sinks):
+        def body(q, k, v, sinks, extras):
+            return fn(q, k, v, sinks=sinks if use_sinks else None, kernel="xla",
+                      block_sizes=block_sizes, **extras, **options)
+
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(seq, seq, seq, P(), seq),
+                               out_specs=seq)
+        return mapped(q, k, v, sinks, extras)
+
+    def theirs(q, k, v, sinks):
+        q, k, v = (x.astype(jnp.float32) for x in (q, k, v))
+        return reference.attention(q, k, v, positions=positions, segment_ids=segment_ids,
+                                   sinks=sinks if use_sinks else None, **options)
+
+    out = jax.jit(ours)(q, k, v, SINKS)
+    expected = jax.jit(theirs)(q, k, v, SINKS)
+    assert out.shape == expected.shape and out.dtype == q.dtype
+    np.testing.assert_allclose(out.astype(jnp.float32), expected, **tolerances(q.dtype))
+
+    def loss(fn):
+        return lambda *args: jnp.sum(fn(*args).astype(jnp.float32) * weights)
+
+    grads = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2, 3)))(q, k, v, SINKS)
+    expected_grads = jax.jit(jax.grad(loss(theirs), argnums=(0, 1, 2, 3)))(
+        *(x.astype(jnp.float32) for x in (q, k, v)), SINKS)
+    for name, got, want in zip(["q", "k", "v", "sinks"], grads, expected_grads):
+        assert got.shape == want.shape and got.dtype == (q.dtype if name != "sinks"
+                                                         else SINKS.dtype), name
+        scale = max(1.0, float(jnp.abs(want).max()))
+        np.testing.assert_allclose(got.astype(jnp.float32) / scale, want / scale,
+                                   **tolerances(q.dtype, "grad"), err_msg=f"d{name}")
+    if use_sinks:
+        assert float(jnp.abs(grads[3]).max()) > 1e-3  # the sinks really are used
+
+
+CASES = [
+    # ring, contiguous split (L = 16): halo exchange, one and several hops each way.
+    pytest.param("ring", dict(causal=True, window=(20, 3), kv_heads=1),
+                 id="ring-mqa-causal-window-2hops"),
+    pytest.param("ring", dict(window=(7, 33), softcap=2.0, segments=True,
+                              block_sizes=xla.BlockSizes(8, 8, 8, 8)),
+                 id="ring-window-segments-softcap-tiles"),
+    pytest.param("ring", dict(window=(0, 5), use_sinks=False), id="ring-right-only"),
+    pytest.param("ring", dict(causal=True, window=(24, 0), dtype=jnp.bfloat16, segments=True),
+                 id="ring-causal-window-bf16"),
+    pytest.param("ring", dict(window=(3, 200)), id="ring-wide-window-full-ring"),
+    # given positions: the full ring, never the halo.
+    pytest.param("ring", dict(causal=True, window=(20, 0), pass_positions=True),
+                 id="ring-explicit-contiguous-positions"),
+    pytest.param("ring", dict(order="zigzag", window=(12, 30), segments=True, softcap=3.0),
+                 id="ring-zigzag-window-segments-softcap"),
+    pytest.param("ring", dict(order="striped", causal=True, window=(9, 0)),
+                 id="ring-striped-causal-window"),
+    pytest.param("hybrid", dict(causal=True, window=(20, 0), segments=True, softcap=2.5),
+                 id="hybrid-causal-window-segments-softcap"),
+    pytest.param("hybrid", dict(order="zigzag", window=(5, 70)), id="hybrid-zigzag-window"),
+    pytest.param("allgather", dict(window=(7, 33), segments=True), id="allgather-window-segments"),
+    pytest.param("allgather", dict(causal=True, window=(40, 0), softcap=2.0),
+                 id="allgather-causal-window-3hops-softcap"),
+    pytest.param("allgather", dict(order="striped", causal=True, softcap=2.0),
+                 id="allgather-striped-causal-softcap"),
+    pytest.param("ulysses", dict(window=(9, 4), segments=True, softcap=2.0),
+                 id="ulysses-window-segments-softcap"),
+    pytest.param("ulysses", dict(order="zigzag", causal=True, kv_heads=1), id="ulysses-zigzag-mqa"),
+]
+
+
+@pytest.mark.parametrize("strategy, options", CASES)
+def test_matches_reference(strategy, options, tolerances):
+    _check(strategy, tolerances, **options)
+
+
+def test_decode_sinks_softcap(tolerances):
+    capacity, new = 64, 2
+    kq, kk, kv = jax.random.split(jax.random.key(6), 3)
+    q = jax.random.normal(kq, (2, new, H, D))
+    k = jax.random.normal(kk, (2, capacity, 2, D))
+    v = jax.random.normal(kv, (2, capacity, 2, DV))
+    kv_length = jnp.array([64, 3], jnp.int32)
+    mesh = Mesh(np.array(jax.devices()), ("sp",))
+    f = jax.shard_map(
+        lambda q, k, v, n, s: sp.decode_attention(q, k, v, axis_name="sp", kv_length=n,
+                                                  kernel="xla", softcap=2.0, sinks=s),
+        mesh=mesh, in_specs=(P(), P(None, "sp"), P(None, "sp"), P(), P()), out_specs=P())
+    out = jax.jit(f)(q, k, v, kv_length, SINKS)
+    # The valid cache entries as one segment, the empty slots as another.
+    positions = kv_length[:, None] - new + jnp.arange(new, dtype=jnp.int32)[None]
+    cache_positions = jnp.broadcast_to(jnp.arange(capacity, dtype=jnp.int32), (2, capacity))
+    expected = jax.jit(functools.partial(reference.attention, causal=True, softcap=2.0))(
+        q, k, v, sinks=SINKS, positions=positions, kv_positions=cache_positions,
+        segment_ids=jnp.zeros((2, new), jnp.int32),
+        kv_segment_ids=(cache_positions >= kv_length[:, None]).astype(jnp.int32))
+    np.testing.assert_allclose(out, expected, **tolerances(q.dtype))
+
+
+def test_xla_kernel_softcap_out_lse_and_grads(tolerances):
+    """The kernel alone: soft-capped logits, lse, and gradients through out AND lse."""
+    kq, kk, kv = jax.random.split(jax.random.key(1), 3)
+    q = 3 * jax.random.normal(kq, (2, 40, 4, D))
+    k = jax.random.normal(kk, (2, 40, 2, D))
+    v = jax.random.normal(kv, (2, 40, 2, DV))
+    tokens = Tokens(jnp.broadcast_to(jnp.arange(40, dtype=jnp.int32), (2, 40)))
+    spec = MaskSpec.make(True, (9, 0))
+
+    def ours(q, k, v):
+        return xla.attention(q, k, v, tokens, tokens, spec=spec, scale=0.5, softcap=1.5,
+                             block_sizes=xla.BlockSizes(16, 8, 8, 16))
+
+    def theirs(q, k, v):
+        return reference.attention(q, k, v, causal=True, window=(9, 0), scale=0.5,
+                                   softcap=1.5, return_lse=True)
+
+    for got, want in zip(jax.jit(ours)(q, k, v), jax.jit(theirs)(q, k, v)):
+        np.testing.assert_allclose(got, want, **tolerances(q.dtype))
+    loss = lambda f: lambda *a: jnp.sum(f(*a)[0] ** 2) + jnp.sum(jnp.sin(f(*a)[1]))  # noqa: E731
+    for got, want in zip(jax.jit(jax.grad(loss(ours), (0, 1, 2)))(q, k, v),
+                         jax.jit(jax.grad(loss(theirs), (0, 1, 2)))(q, k, v)):
+        np.testing.assert_allclose(got, want, **tolerances(q.dtype, "grad"))
+
+
+def test_softcap_bounds_the_logits():
+    """With a tiny cap every visible key gets (nearly) the same weight: a mean of v."""
+    q = 100 * jnp.ones((1, 8, 1, 4))
+    k = jnp.arange(32.0).reshape(1, 8, 1, 4)
+    v = jnp.arange(8.0).reshape(1, 8, 1, 1)
+    out = jax.jit(functools.partial(reference.attention, softcap=1e-3))(q, k, v)
+    np.testing.assert_allclose(out[0, :, 0, 0], np.full(8, 3.5), atol=1e-2)
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    pytest.param(dict(kernel="pallas", softcap=2.0), "softcap=2.0 is not supported by the "
+                 "kernel", id="pallas-softcap"),
+    pytest.param(dict(softcap=-1.0), "softcap must be a positive float", id="negative-softcap"),
+    pytest.param(dict(sinks=jnp.zeros((4,))), r"sinks must be a float array of shape "
+                 r"\[num_heads\]=\(8,\). Got shape \(4,\)", id="sinks-shape"),
+    pytest.param(dict(sinks=jnp.zeros((8,), jnp.int32)), "dtype int32", id="sinks-dtype"),
+])
+def test_bad_input_raises(kwargs, message):
+    import inspect
+
+    from jax_seqpar.kernels import pallas
+
+    if kwargs.get("kernel") == "pallas" and "softcap" in inspect.signature(
+            pallas.forward).parameters:
+        kwargs = dict(kwargs, softcap=-1.0)  # the Pallas kernel caps now: check its validation
+        message = "softcap must be a positive float"
+    mesh = Mesh(np.array(jax.devices()), ("sp",))
+    q = jnp.zeros((1, 64, 8, 16))
+    f = jax.shard_map(lambda q: sp.ring_attention(q, q, q, axis_name="sp", **kwargs),
+                      mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))
+    with pytest.raises(ValueError, match=message):
+        f(q)
+
+
+@pytest.mark.parametrize("strategy, causal, window, kwargs, expected", [
+    ("ring", True, None, {}, "zigzag"),
+    ("ring", True, (4096, 0), {}, "contiguous"),
+    ("allgather", False, 128, {}, "contiguous"),
+    ("ulysses", True, None, {}, "contiguous"),
+    ("hybrid", True, (64, 0), dict(seq_len=1024, num_shards=8), "contiguous"),
+    # A window reaching every shard has no halo: the causal imbalance is back.
+    ("hybrid", True, (1024, 0), dict(seq_len=1024, num_shards=8), "zigzag"),
+])
+def test_default_layout(strategy, causal, window, kwargs, expected):
+    assert halo.default_layout(strategy, causal, window, **kwargs) == expected
+
+
+# --- traffic: compiled HLO against comm_bytes ----------------------------------------
+
+SHAPE = dict(batch=1, seq_len=512, num_heads=4, num_kv_heads=2, head_dim=16, v_head_dim=8,
+             dtype_bytes=4)
+
+
+def _hlo_bytes(strategy, num_shards, window, causal=True, segments=False, mesh_shape=None):
+    """Bytes one device sends in the compiled fwd + vjp (cotangent given) of ``strategy``."""
+    devices = np.array(jax.devices()[:num_shards])
+    if strategy == "hybrid":
+        mesh = Mesh(devices.reshape(mesh_shape), ("outer", "inner"))
+        fn = functools.partial(sp.hybrid_attention, ring_axis="outer", ulysses_axis="inner")
+    else:
+        mesh = Mesh(devices, ("sp",))
+        fn = functools.partial(getattr(sp, f"{strategy}_attention"), axis_name="sp")
+    seq = P(None, tuple(mesh.axis_names))
+    n = SHAPE["seq_len"]
+    q = jax.ShapeDtypeStruct((1, n, 4, 16), jnp.float32)
+    k = jax.ShapeDtypeStruct((1, n, 2, 16), jnp.float32)
+    v = jax.ShapeDtypeStruct((1, n, 2, 8), jnp.float32)
+    ids = jax.ShapeDtypeStruct((1, n), jnp.int32)
+    cot = jax.ShapeDtypeStruct((1, n, 4, 8), jnp.float32)
+    attend = jax.shard_map(
+        lambda q, k, v, ids: fn(q, k, v, causal=causal, window=window, kernel="xla",
+                                segment_ids=ids if segments else None),
+        mesh=mesh, in_specs=(seq,) * 4, out_specs=seq)
+
+    def f_and_vjp(q, k, v, ids, cot):
+        out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, ids), q, k, v)
+        return out, vjp(cot)
+
+    return sum(hlo.collective_bytes(jax.jit(f_and_vjp).lower(q, k, v, ids, cot).compile())
+               .values())
+
+
+@pytest.mark.parametrize("num_shards", [2, 4, 8])
+def test_causal_window_ring_bytes_constant_in_p(num_shards):
+    window = (SHAPE["seq_len"] // 8, 0)  # W = S/8 <= S/P
+    measured = _hlo_bytes("ring", num_shards, window)
+    expected = comm_bytes("ring", axis_sizes=num_shards, backward=True, window=window,
+                          causal=True, **SHAPE)
+    assert measured == expected
+    # W tokens of K/V forward, W tokens of float32 dK/dV back: no P in it.
+    assert expected == 64 * 2 * (16 + 8) * 4 * 2
+    if num_shards == 8:
+        full = comm_bytes("ring", axis_sizes=8, backward=True, **SHAPE)
+        assert full == _hlo_bytes("ring", 8, None)
+        assert measured <= full / 2
+
+
+@pytest.mark.parametrize("strategy, window, causal, segments, mesh_shape", [
+    pytest.param("ring", (100, 30), False, True, None, id="ring-both-sides-segments"),
+    pytest.param("allgather", (100, 30), False, True, None, id="allgather-both-sides-segments"),
+    pytest.param("allgather", (64, 0), True, False, None, id="allgather-causal"),
+    pytest.param("hybrid", (100, 0), True, False, (4, 2), id="hybrid-causal"),
+])
+def test_window_bytes_match_comm_bytes(strategy, window, causal, segments, mesh_shape):
+    measured = _hlo_bytes(strategy, 8, window, causal, segments, mesh_shape)
+    expected = comm_bytes(strategy, axis_sizes=mesh_shape or 8, backward=True, window=window,
+                          causal=causal, with_segment_ids=segments, **SHAPE)
+    assert measured == expected
+    assert expected < comm_bytes(strategy, axis_sizes=mesh_shape or 8, backward=True,
+                                 with_segment_ids=segments, **SHAPE)
