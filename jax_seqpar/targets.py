@@ -140,6 +140,9 @@ def _devices(name: str) -> tuple:
             platform="cuda", topology_name=target.kind, topology=target.topology,
             target_config=gpu_target_config(target.kind))
     else:
+        # libtpu locks /tmp/libtpu_lockfile so one process owns the TPUs; compile-only
+        # topologies own none, so compiling processes (CI, a bench) may run side by side.
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
         extra = {"chip_config_name": "megacore"} if target.kind == "v4" else {}
         topology = topologies.get_topology_desc(topology_name=target.topology,
                                                 platform="tpu", **extra)
