@@ -178,7 +178,9 @@ def max_seq(target: str, strategy: str, axes: dict, shape: bench.BenchShape, *,
     """The longest sequence ``strategy`` fits on ``target``, by compiling and bisecting.
 
     A length fits when :func:`footprint_bytes` of the compiled forward (or forward
-    + vjp with ``backward``) is at most ``(1 - reserve)`` of a device's HBM.
+    + vjp with ``backward``) is at most ``(1 - reserve)`` of a device's HBM (a
+    compiler that refuses the program for lack of memory, as XLA:TPU does, means
+    it does not fit).
     Lengths are multiples of ``2 * devices * 128`` (whole zigzag chunks of 128
     tokens); the search stops within :data:`MAX_SEQ_TOLERANCE` of the answer.
 
@@ -199,7 +201,13 @@ def max_seq(target: str, strategy: str, axes: dict, shape: bench.BenchShape, *,
 
     def fits(seq_len):
         sized = dataclasses.replace(shape, seq_len=seq_len)
-        program = compile_strategy(target, strategy, axes, sized, kernel, backward=backward)
+        try:
+            program = compile_strategy(target, strategy, axes, sized, kernel, backward=backward)
+        except jax.errors.JaxRuntimeError as error:  # XLA:TPU refuses programs over HBM
+            if "RESOURCE_EXHAUSTED" not in str(error):
+                raise
+            footprints[seq_len] = None
+            return False
         footprints[seq_len] = footprint_bytes(program[mode].compiled)
         return footprints[seq_len] <= budget
 
