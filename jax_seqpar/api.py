@@ -52,13 +52,13 @@ def axis_name_of(axes: tuple):
 def can_check_vma(kernel: str) -> bool:
     """Whether ``shard_map`` may check varying axes around ``kernel``.
 
-    The Pallas interpreter (the Pallas kernel off GPU, the Mosaic kernel off TPU)
-    loses the varying-axes types inside ``shard_map``; JAX's own error asks for
-    ``check_vma=False`` there.
+    The Pallas interpreter (``kernel="pallas"`` lowered for anything but CUDA,
+    ``kernel="mosaic"`` for anything but TPU) loses the varying-axes types inside
+    ``shard_map``; JAX's own error asks for ``check_vma=False`` there. The lowering
+    platform is not known when ``shard_map`` traces, so a program that may interpret
+    never checks.
     """
-    name = kernels.get(kernel).__name__
-    return not ((name.endswith("pallas") and jax.default_backend() != "gpu")
-                or (name.endswith("mosaic") and jax.default_backend() != "tpu"))
+    return not kernels.may_interpret(kernel)
 
 
 def per_shard_fn(strategy: str, axes: tuple):

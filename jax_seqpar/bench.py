@@ -31,7 +31,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax_seqpar import api, hlo, layout, plan, reference
 
 STRATEGIES = ("ulysses", "ring", "hybrid", "allgather")
-KERNELS = ("xla", "pallas")
+KERNELS = ("auto", "xla", "pallas")
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MESHES = ("sp=8", "dcn=2,ici=4")
 #: B*H*S*S above which only the output is checked (in query chunks), not gradients.
@@ -243,7 +243,7 @@ def _configurations(shapes, meshes, strategies, kernels):
 
 def run(shape: BenchShape = BenchShape(), meshes: Sequence = DEFAULT_MESHES, *,
         seq_lens: Optional[Sequence[int]] = None, strategies: Sequence[str] = STRATEGIES,
-        kernels: Sequence[str] = ("xla",), warmup: int = 1, runs: int = 3, check: bool = True,
+        kernels: Sequence[str] = ("auto",), warmup: int = 1, runs: int = 3, check: bool = True,
         progress: bool = True) -> dict:
     """Compiles, times and measures every applicable (seq_len, mesh, kernel, strategy).
 

@@ -3,40 +3,24 @@
 Subcommands:
   demo   train a small byte-level LM unsharded and with each sequence-parallel
          strategy on emulated CPU devices, and compare the loss curves.
-  bench  time, memory and traffic of every strategy, next to the cost model.
+  bench  time, memory and traffic of every strategy, next to the cost model;
+         or compiled for a GPU/TPU target without running (``--target``).
   tune   predict every strategy and factorization, time the best, cache the winner.
   generate  greedy text from the demo LM, decoding against a sequence-sharded KV cache.
 
-The work lives in :mod:`jax_seqpar.examples`; this module only parses arguments
-and prepares the JAX environment before a backend starts.
+The work lives in :mod:`jax_seqpar.examples` and :mod:`jax_seqpar.bench_report`;
+this module only parses arguments and prepares the JAX environment before a
+backend starts.
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from typing import Optional, Sequence
 
 DEMO_DEVICES = 8
-_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
-
-
-def _emulate_cpu_devices(count: int) -> None:
-    """Ask for ``count`` CPU devices on the CPU platform, unless the user chose already.
-
-    XLA_FLAGS takes effect when JAX starts a backend (importing ``jax`` does not
-    start one), so this runs before any device is touched; the platform is set in
-    JAX's config, which reads JAX_PLATFORMS at import.
-    """
-    flags = os.environ.get("XLA_FLAGS", "")
-    if _DEVICE_COUNT_FLAG not in flags:
-        os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_COUNT_FLAG}={count}".strip()
-    if "JAX_PLATFORMS" not in os.environ:
-        import jax
-
-        jax.config.update("jax_platforms", "cpu")
 
 
 def _positive_int(text: str) -> int:
@@ -47,7 +31,9 @@ def _positive_int(text: str) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
-    _emulate_cpu_devices(DEMO_DEVICES)
+    from jax_seqpar.targets import emulate_cpu_devices
+
+    emulate_cpu_devices(DEMO_DEVICES, cpu_only=True)
     from jax_seqpar.examples import _demo as demo
 
     try:
@@ -121,8 +107,9 @@ def build_parser() -> argparse.ArgumentParser:
             "Train a small byte-level decoder LM on Python's standard-library sources, "
             "packed into long rows with segment ids, from the same initial parameters: "
             "once without sequence parallelism and once per strategy, with the sequence "
-            f"split over {DEMO_DEVICES} emulated CPU devices (XLA_FLAGS={_DEVICE_COUNT_FLAG}="
-            f"{DEMO_DEVICES} unless already set; JAX_PLATFORMS=cpu unless set). Prints the "
+            f"split over {DEMO_DEVICES} emulated CPU devices (XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={DEMO_DEVICES} unless already set; "
+            "JAX_PLATFORMS=cpu unless set). Prints the "
             "losses at matching steps, the largest loss difference from the unsharded run, "
             "tokens/s, and writes a loss-curve PNG."),
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -154,11 +141,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = commands.add_parser(
         "bench",
-        help="time, memory and traffic of every strategy, next to the cost model",
+        help="time, memory and traffic of every strategy, next to the cost model; or "
+             "compiled (not run) for a GPU/TPU target",
         description="Benchmark the sequence-parallel strategies: compile and run every "
-        "applicable strategy forward and forward+backward on emulated CPU devices and print "
-        "time, per-device memory, bytes sent (from the compiled HLO) next to "
-        "jax_seqpar.plan.comm_bytes, the error against the reference and plan's choice.",
+        "applicable strategy forward and forward+backward on this machine (its accelerator, "
+        "else emulated CPU devices) and print time, per-device memory, bytes sent (from the "
+        "compiled HLO) next to jax_seqpar.plan.comm_bytes, the error against the reference "
+        "and plan's choice. With --target NAME (h100:8, v5p:2x2x2, ...) compile for that "
+        "target without running (needs the [aot] extra): memory per device, bytes per "
+        "collective, overlap scheduled, Triton kernel registers/spills/shared memory and "
+        "compile time; with --max-seq the longest sequence each strategy fits.",
         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     bench_report.add_bench_arguments(bench)
     bench.set_defaults(run=bench_report.run_bench)

@@ -1,4 +1,4 @@
-"""Read a compiled XLA program: bytes each device sends, and memory it needs.
+"""Read a compiled XLA program: bytes each device sends, memory, kernels, overlap.
 
 This is the one place that measures what a program really does. Tests hold
 :func:`jax_seqpar.plan.comm_bytes` against :func:`collective_bytes`, the CLI
@@ -26,10 +26,11 @@ the ``*-start`` op (``all-gather-start``, ``collective-permute-start``,
 wrapped computation); ``*-done`` ops are skipped.
 
 Collectives inside ``while`` bodies count once per iteration: the body's
-multiplier is the loop's ``known_trip_count`` (from its ``backend_config``)
-times the multiplier of the computation that holds the loop, so nested loops
-multiply. Each branch of a ``conditional`` counts as if it ran once (an upper
-bound when branches differ).
+multiplier is the loop's ``known_trip_count`` (from its ``backend_config``;
+XLA:TPU prints none, so a counted loop ``i = c0; i < n; i += step`` is
+recognized from its condition, initial tuple and body) times the multiplier of
+the computation that holds the loop, so nested loops multiply. Each branch of a
+``conditional`` counts as if it ran once (an upper bound when branches differ).
 
 Known honest limits:
 
@@ -40,6 +41,11 @@ Known honest limits:
 * ``ragged-all-to-all`` and ``collective-broadcast`` are rejected with a
   ``ValueError`` rather than guessed (their volume is data-dependent or not
   covered by the counting rules above).
+
+:func:`async_collectives` reads the schedule of a compiled program (its text is
+in execution order): which compute each asynchronous collective's start/done
+pair encloses, i.e. whether its transfer is scheduled to overlap compute.
+:func:`kernel_calls` counts hand-written kernels (Triton on GPU, Mosaic on TPU).
 """
 
 from __future__ import annotations
@@ -49,7 +55,10 @@ import math
 import re
 from typing import Any, Callable, Mapping
 
-__all__ = ["COLLECTIVE_KINDS", "Cost", "collective_bytes", "memory_bytes", "measure"]
+from jax_seqpar._hlo_text import Instruction, multipliers, parse_module, shape_bytes
+
+__all__ = ["COLLECTIVE_KINDS", "AsyncCollective", "Cost", "async_collectives",
+           "collective_bytes", "kernel_calls", "memory_bytes", "measure"]
 
 #: Keys of the dict returned by :func:`collective_bytes`, always all present.
 COLLECTIVE_KINDS = ("all-to-all", "all-gather", "reduce-scatter", "all-reduce",
@@ -67,169 +76,14 @@ for _suffix in ("", "-start"):
 _OPCODES["send"] = ("collective-permute", lambda p: 1)
 _UNSUPPORTED = ("ragged-all-to-all", "collective-broadcast")
 
-# Bits per element of every HLO primitive type that can appear in a shape.
-_ELEMENT_BITS = {
-    "pred": 8, "s1": 1, "u1": 1, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8,
-    "s16": 16, "u16": 16, "s32": 32, "u32": 32, "s64": 64, "u64": 64,
-    "f16": 16, "bf16": 16, "f32": 32, "f64": 64, "c64": 64, "c128": 128,
-    "f4e2m1fn": 4, "f8e8m0fnu": 8, "f8e3m4": 8, "f8e4m3": 8, "f8e4m3fn": 8,
-    "f8e4m3b11fnuz": 8, "f8e4m3fnuz": 8, "f8e5m2": 8, "f8e5m2fnuz": 8,
-    "token": 0,
-}
-_ARRAY_RE = re.compile(r"\b([a-z][a-z0-9]*)\[([^\]]*)\]")
-_HEADER_RE = re.compile(r"^\s*(ENTRY\s+)?%?([\w.\-]+)\s*\(.*\)\s*->\s*.*\{\s*$")
-_CALL_RE = re.compile(
-    r"\b(body|condition|calls|to_apply|true_computation|false_computation)=%?([\w.\-]+)")
-_CALL_LIST_RE = re.compile(r"\b(?:branch_computations|called_computations)=\{([^}]*)\}")
-_TRIP_RE = re.compile(r'"known_trip_count"\s*:\s*\{\s*"n"\s*:\s*"?(\d+)')
 _EXPLICIT_GROUPS_RE = re.compile(r"replica_groups=\{(\{[\d,\s]*\}(?:\s*,\s*\{[\d,\s]*\})*)?\}")
 _IOTA_GROUPS_RE = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[")
 _PARTITIONS_RE = re.compile(r"\bnum_partitions=(\d+)")
 _REPLICAS_RE = re.compile(r"\breplica_count=(\d+)")
+_CALLS_RE = re.compile(r"\bcalls=%?([\w.\-]+)")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Instruction:
-    name: str
-    shape: str
-    opcode: str
-    operands: tuple[str, ...]
-    attributes: str
-
-
-def shape_bytes(shape: str) -> float:
-    """Bytes of an HLO shape string; tuples are summed, layouts ignored.
-
-    >>> shape_bytes("(f32[8,2]{1,0}, bf16[4]{0}, s32[])")
-    76.0
-    """
-    total_bits = 0
-    for element_type, dims in _ARRAY_RE.findall(shape):
-        if element_type not in _ELEMENT_BITS:
-            raise ValueError(f"unknown HLO element type {element_type!r} in shape {shape!r}")
-        count = math.prod(int(d.strip().lstrip("<=")) for d in dims.split(",") if d.strip())
-        total_bits += _ELEMENT_BITS[element_type] * count
-    return total_bits / 8
-
-
-def _split_balanced(text: str, start: int) -> tuple[str, int]:
-    """Returns the text inside the bracket opening at ``start`` and the index after it."""
-    pairs = {"(": ")", "{": "}", "[": "]"}
-    depth, i = 0, start
-    while i < len(text):
-        ch = text[i]
-        if ch in pairs:
-            depth += 1
-        elif ch in pairs.values():
-            depth -= 1
-            if depth == 0:
-                return text[start + 1:i], i + 1
-        i += 1
-    raise ValueError(f"unbalanced brackets in HLO line: {text!r}")
-
-
-def _split_top_level(text: str) -> list[str]:
-    parts, depth, current = [], 0, []
-    for ch in text:
-        if ch in "([{":
-            depth += 1
-        elif ch in ")]}":
-            depth -= 1
-        if ch == "," and depth == 0:
-            parts.append("".join(current))
-            current = []
-        else:
-            current.append(ch)
-    if current:
-        parts.append("".join(current))
-    return [p.strip() for p in parts if p.strip()]
-
-
-def _parse_instruction(line: str) -> _Instruction | None:
-    body = line.strip()
-    if body.startswith("ROOT "):
-        body = body[5:]
-    if " = " not in body or not body.startswith("%") and not re.match(r"[\w.\-]+ = ", body):
-        return None
-    name, rest = body.split(" = ", 1)
-    rest = re.sub(r"/\*.*?\*/", "", rest).lstrip()
-    if rest.startswith("("):
-        _, end = _split_balanced(rest, 0)
-        shape = rest[:end]
-    else:
-        end = rest.find(" ")
-        shape = rest[:end]
-    rest = rest[end:].lstrip()
-    paren = rest.find("(")
-    if paren < 0:
-        return None
-    opcode = rest[:paren].strip()
-    operand_text, after = _split_balanced(rest, paren)
-    operands = tuple(op.split()[-1].lstrip("%") for op in _split_top_level(operand_text))
-    return _Instruction(name.lstrip("%"), shape, opcode, operands, rest[after:])
-
-
-def _parse_module(text: str):
-    """Splits HLO text into computations; returns (computations, entry name)."""
-    computations: dict[str, list[_Instruction]] = {}
-    entry, current = None, None
-    for line in text.splitlines():
-        header = _HEADER_RE.match(line)
-        if header and " = " not in line.split("(", 1)[0]:
-            current = header.group(2)
-            computations[current] = []
-            if header.group(1):
-                entry = current
-            continue
-        if current is None:
-            continue
-        if line.strip() == "}":
-            current = None
-            continue
-        instruction = _parse_instruction(line)
-        if instruction is not None:
-            computations[current].append(instruction)
-    if entry is None:
-        raise ValueError("no ENTRY computation found: pass compiled HLO text "
-                         "(jax.jit(f).lower(...).compile().as_text()), not StableHLO")
-    return computations, entry
-
-
-def _multipliers(computations, entry, default_trip_count):
-    """How many times each computation runs per program execution."""
-    callers: dict[str, list[tuple[str, int]]] = {name: [] for name in computations}
-    for caller, instructions in computations.items():
-        for inst in instructions:
-            trip = None
-            if inst.opcode == "while":
-                found = _TRIP_RE.search(inst.attributes)
-                if found:
-                    trip = int(found.group(1))
-                elif default_trip_count is not None:
-                    trip = default_trip_count
-                else:  # unknown: an error only if a collective runs inside (see below)
-                    trip = math.nan
-            for role, callee in _CALL_RE.findall(inst.attributes):
-                factor = trip if role == "body" else (trip + 1 if role == "condition" else 1)
-                if callee in callers:
-                    callers[callee].append((caller, factor))
-            for group in _CALL_LIST_RE.findall(inst.attributes):
-                for callee in _split_top_level(group):
-                    callee = callee.lstrip("%")
-                    if callee in callers:
-                        callers[callee].append((caller, 1))
-    memo: dict[str, int] = {entry: 1}
-
-    def multiplier(name):
-        if name not in memo:
-            memo[name] = 0  # the call graph is a DAG; this only guards bad input
-            memo[name] = sum(multiplier(caller) * factor for caller, factor in callers[name])
-        return memo[name]
-
-    return {name: multiplier(name) for name in computations}
-
-
-def _group_size(inst: _Instruction, num_devices: int) -> int:
+def _group_size(inst: Instruction, num_devices: int) -> int:
     iota = _IOTA_GROUPS_RE.search(inst.attributes)
     if iota:
         return int(iota.group(2))
@@ -270,16 +124,16 @@ def collective_bytes(compiled_or_text: Any, *, default_trip_count: int | None = 
     3584.0
     """
     text = _as_text(compiled_or_text)
-    computations, entry = _parse_module(text)
+    computations, entry = parse_module(text)
     partitions = _PARTITIONS_RE.search(text)
     replicas = _REPLICAS_RE.search(text)
     num_devices = (int(partitions.group(1)) if partitions else 1) * (
         int(replicas.group(1)) if replicas else 1)
-    multipliers = _multipliers(computations, entry, default_trip_count)
+    loop_runs = multipliers(computations, entry, default_trip_count)
     shapes = {inst.name: inst.shape for insts in computations.values() for inst in insts}
     totals = dict.fromkeys(COLLECTIVE_KINDS, 0.0)
     for name, instructions in computations.items():
-        if multipliers[name] == 0:
+        if loop_runs[name] == 0:
             continue
         for inst in instructions:
             if inst.opcode in _UNSUPPORTED:
@@ -287,7 +141,7 @@ def collective_bytes(compiled_or_text: Any, *, default_trip_count: int | None = 
                                  "modelled by collective_bytes")
             if inst.opcode not in _OPCODES:
                 continue
-            if math.isnan(multipliers[name]):
+            if math.isnan(loop_runs[name]):
                 raise ValueError(
                     f"%{inst.name} runs inside a while loop with no known_trip_count in its "
                     "backend_config; pass default_trip_count=<iterations> to count it")
@@ -296,8 +150,119 @@ def collective_bytes(compiled_or_text: Any, *, default_trip_count: int | None = 
             if inst.opcode == "send" or "slice_sizes=" in inst.attributes:
                 operands = operands[:1]  # token / in-place offsets are not payload
             payload = sum(shape_bytes(shapes[op]) for op in operands)
-            totals[kind] += multipliers[name] * factor(_group_size(inst, num_devices)) * payload
+            totals[kind] += loop_runs[name] * factor(_group_size(inst, num_devices)) * payload
     return totals
+
+
+#: ``custom_call_target`` of a Pallas kernel: Triton on GPU, Mosaic on TPU.
+KERNEL_TARGETS = {"__gpu$xla.gpu.triton": "triton", "tpu_custom_call": "mosaic"}
+# Ops that do work a transfer can hide behind (the rest move or name buffers).
+_COMPUTE = ("fusion", "custom-call", "dot", "convolution", "while", "conditional", "call")
+_TARGET_RE = re.compile(r'custom_call_target="([^"]+)"')
+_KERNEL_NAME_RE = re.compile(r'\bname = "([^"]+)"|"kernel_name"\s*:\s*"([^"]+)"')
+
+
+def _label(inst: Instruction) -> str:
+    """``"triton:seqpar_flash_forward"`` for a kernel call, else the opcode."""
+    target = _TARGET_RE.search(inst.attributes) if inst.opcode == "custom-call" else None
+    if target is None:
+        return inst.opcode
+    kind = KERNEL_TARGETS.get(target.group(1))
+    if kind is None:
+        return f"custom-call:{target.group(1)}"
+    name = _KERNEL_NAME_RE.search(inst.attributes)
+    return f"{kind}:{(name.group(1) or name.group(2)) if name else inst.name}"
+
+
+def kernel_calls(compiled_or_text: Any) -> dict[str, int]:
+    """``{"triton:<kernel name>" | "mosaic:<kernel name>": call sites}`` in the program.
+
+    A Pallas kernel lowered for a GPU is a ``custom_call_target="__gpu$xla.gpu.triton"``
+    custom call, for a TPU a ``"tpu_custom_call"``; the Pallas interpreter leaves none.
+    Call sites are counted once wherever they are (a loop body is one site).
+    """
+    computations, _ = parse_module(_as_text(compiled_or_text))
+    counts: dict[str, int] = {}
+    for instructions in computations.values():
+        for inst in instructions:
+            label = _label(inst)
+            if label.split(":")[0] in KERNEL_TARGETS.values():
+                counts[label] = counts.get(label, 0) + 1
+    return counts
+
+
+@dataclasses.dataclass(frozen=True)
+class AsyncCollective:
+    """One asynchronous collective as scheduled: what runs between its start and done.
+
+    Attributes:
+      name: the ``*-start`` (or ``async-start``) instruction.
+      kind: its kind, one of :data:`COLLECTIVE_KINDS`.
+      computation: the computation holding it (a loop body for the ring's steps).
+      runs: how many times it runs per program run (loop trips multiplied).
+      enclosed: labels of the compute scheduled between start and done, in order:
+        ``"triton:<kernel>"``, ``"mosaic:<kernel>"``, ``"fusion"``, ``"while"``, ...
+    """
+
+    name: str
+    kind: str
+    computation: str
+    runs: float
+    enclosed: tuple[str, ...]
+
+    @property
+    def overlapped(self) -> bool:
+        """Whether any compute is scheduled while the transfer is in flight."""
+        return bool(self.enclosed)
+
+
+def _async_kind(inst: Instruction, computations) -> str | None:
+    if inst.opcode.endswith("-start") and inst.opcode in _OPCODES:
+        return _OPCODES[inst.opcode][0]
+    if inst.opcode == "async-start":
+        called = _CALLS_RE.search(inst.attributes)
+        for wrapped in computations.get(called.group(1), ()) if called else ():
+            if wrapped.opcode in _OPCODES:
+                return _OPCODES[wrapped.opcode][0]
+    return None
+
+
+def async_collectives(compiled_or_text: Any, *, default_trip_count: int | None = None
+                      ) -> list[AsyncCollective]:
+    """Every asynchronous collective of a scheduled program and the compute it encloses.
+
+    The optimized HLO of ``jax.jit(f).lower(...).compile()`` is printed in schedule
+    order (``is_scheduled=true``), so the instructions between a ``*-start`` and
+    its ``*-done`` in the same computation are what the device runs while the
+    transfer is in flight. GPU and TPU programs have such pairs; CPU runs
+    collectives synchronously and has none.
+
+    Args:
+      compiled_or_text: as in :func:`collective_bytes`.
+      default_trip_count: as in :func:`collective_bytes` (for ``runs``).
+
+    Returns:
+      :class:`AsyncCollective` s in program order, one per start/done pair.
+    """
+    text = _as_text(compiled_or_text)
+    computations, entry = parse_module(text)
+    loop_runs = multipliers(computations, entry, default_trip_count)
+    found = []
+    for computation, instructions in computations.items():
+        for i, inst in enumerate(instructions):
+            kind = _async_kind(inst, computations)
+            if kind is None:
+                continue
+            done = next((j for j, later in enumerate(instructions[i + 1:], i + 1)
+                         if later.operands[:1] == (inst.name,)
+                         and later.opcode.endswith("-done")), None)
+            if done is None:
+                raise ValueError(f"%{inst.name} has no matching *-done in {computation}")
+            enclosed = tuple(_label(between) for between in instructions[i + 1:done]
+                             if between.opcode in _COMPUTE)
+            found.append(AsyncCollective(inst.name, kind, computation, loop_runs[computation],
+                                         enclosed))
+    return found
 
 
 def memory_bytes(compiled: Any) -> dict[str, int]:

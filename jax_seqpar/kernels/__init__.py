@@ -2,22 +2,172 @@
 
 Every kernel module offers the same three functions, ``forward``, ``backward`` and
 ``attention`` (see :mod:`jax_seqpar.kernels.xla` for the contract). Strategies get
-one with :func:`get`, which picks the backend when called, never at import.
+one with :func:`get`.
+
+The kernel that runs follows the platform the program is LOWERED for, not the
+host's backend: ``"auto"`` and ``"pallas"`` stage every candidate with
+:func:`jax.lax.platform_dependent`, and lowering keeps only the branch of its
+platform. So a program compiled ahead of time for 8 H100s on a CPU host
+(:mod:`jax_seqpar.targets`), or exported with :func:`jax.export.export`, carries
+the Triton kernel, and the same program jitted on CPU runs the XLA kernel.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import importlib
-
-import jax
+import inspect
+from typing import Mapping
 
 KERNELS = ("auto", "xla", "pallas", "mosaic")
 
+# The kernel each choice lowers to, per lowering platform ("default": every other).
+# ``pallas-interpret`` is the Pallas kernel run by the Pallas interpreter.
+_PLATFORM_KERNELS: Mapping[str, Mapping[str, str]] = {
+    "auto": {"cuda": "pallas", "tpu": "mosaic", "default": "xla"},
+    "pallas": {"cuda": "pallas", "default": "pallas-interpret"},
+}
+
+
+def _module(name: str):
+    return importlib.import_module(f"jax_seqpar.kernels.{name.split('-')[0]}")
+
+
+def _keywords(module, method: str):
+    return inspect.signature(getattr(module, method)).parameters
+
+
+def _fits_triton(block_sizes) -> bool:
+    if block_sizes is None:  # the kernel's defaults
+        return True
+    try:
+        block_sizes.check_gpu()
+    except ValueError:
+        return False
+    return True
+
+
+@dataclasses.dataclass(frozen=True)
+class PerPlatform:
+    """A kernel that is a different kernel module on each lowering platform.
+
+    It has the kernel contract (``forward``, ``backward``, ``attention``, taking the
+    keywords of the modules it stands for) and stages one branch per platform with
+    :func:`jax.lax.platform_dependent`, so nothing is decided before lowering.
+
+    Attributes:
+      name: the ``kernel=`` choice (``"auto"`` or ``"pallas"``).
+      platforms: ``{platform or "default": kernel}``, kernels from
+        :data:`_PLATFORM_KERNELS` (``"pallas-interpret"`` runs the Pallas interpreter).
+    """
+
+    name: str
+    platforms: tuple
+
+    @property
+    def __name__(self) -> str:  # noqa: A003 - read like a module's name by callers
+        return f"jax_seqpar.kernels.{self.name}"
+
+    @property
+    def BlockSizes(self):  # noqa: N802 - the attribute every kernel module has
+        """The tile-size class(es) this kernel takes (a tuple when its kernels differ).
+
+        Tile sizes tune the kernel they belong to wherever it runs; the other
+        kernels of ``"auto"`` keep their defaults.
+        """
+        classes = tuple(dict.fromkeys(_module(k).BlockSizes for _, k in self.platforms))
+        return classes[0] if len(classes) == 1 else classes
+
+    @property
+    def may_interpret(self) -> bool:
+        """Whether some platform runs the Pallas interpreter."""
+        return any(k == "pallas-interpret" for _, k in self.platforms)
+
+    def _branches(self, method: str, block_sizes, static: dict) -> dict:
+        """``{platform or "default": fn(*args)}`` of ``method`` of each platform's kernel."""
+        branches, no_triton = {}, False
+        for platform, kernel in self.platforms:
+            module = _module(kernel)
+            missing = [k for k in static if k not in _keywords(module, method)]
+            if missing and self.name == "auto":
+                # The automatic choice is the best kernel that has the call's options.
+                kernel, module = "xla", _module("xla")
+            elif missing:
+                raise ValueError(f"{missing[0]}={static[missing[0]]!r} is not supported by "
+                                 f"kernel={self.name!r}; use kernel='xla' or 'auto'.")
+            kwargs = dict(static)
+            if block_sizes is not None and isinstance(block_sizes, module.BlockSizes):
+                kwargs["block_sizes"] = block_sizes
+            if module.__name__.endswith("pallas"):
+                kwargs["interpret"] = kernel == "pallas-interpret"
+                if not kwargs["interpret"] and not _fits_triton(kwargs.get("block_sizes")):
+                    no_triton = True
+                    continue
+            branches[platform] = functools.partial(getattr(module, method), **kwargs)
+        if no_triton and "default" in branches:
+            # Tiles Triton cannot take leave no GPU branch, and the default stops at
+            # CPU and TPU: lowering for a GPU fails rather than running another kernel.
+            default = branches.pop("default")
+            branches = {"cpu": default, "tpu": default, **branches}
+        return branches
+
+    def _call(self, method: str, args: tuple, block_sizes, interpret, static: dict):
+        import jax
+
+        if interpret is not None:  # the caller pinned how Pallas lowers: no choice left
+            if not self.may_interpret:
+                raise ValueError(f"interpret={interpret} is an option of kernel='pallas', "
+                                 f"not of kernel={self.name!r}.")
+            if block_sizes is not None:
+                static = dict(static, block_sizes=block_sizes)
+            return getattr(_module("pallas"), method)(*args, interpret=interpret, **static)
+        branches = self._branches(method, block_sizes, static)
+        default = branches.pop("default", None)
+        return jax.lax.platform_dependent(*args, default=default, **branches)
+
+    def forward(self, q, k, v, q_tokens, kv_tokens, *, block_sizes=None, interpret=None,
+                softcap=None, **static):
+        """The forward of the platform's kernel (see :func:`jax_seqpar.kernels.xla.forward`)."""
+        return self._call("forward", (q, k, v, q_tokens, kv_tokens), block_sizes, interpret,
+                          _with_softcap(static, softcap))
+
+    def backward(self, q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, accumulate=None,
+                 block_sizes=None, interpret=None, softcap=None, **static):
+        """The backward of the platform's kernel (see :func:`jax_seqpar.kernels.xla.backward`)."""
+        return self._call("backward", (q, k, v, q_tokens, kv_tokens, lse, delta, dout),
+                          block_sizes, interpret,
+                          _with_softcap(dict(static, accumulate=accumulate), softcap))
+
+    def attention(self, q, k, v, q_tokens, kv_tokens, *, block_sizes=None, interpret=None,
+                  softcap=None, **static):
+        """Differentiable forward of the platform's kernel: ``(out float32, lse float32)``."""
+        return self._call("attention", (q, k, v, q_tokens, kv_tokens), block_sizes, interpret,
+                          _with_softcap(static, softcap))
+
+
+def _with_softcap(static: dict, softcap) -> dict:
+    # Kernels without soft-capping never see the keyword (see jax_seqpar._inputs.Options).
+    return static if softcap is None else dict(static, softcap=softcap)
+
 
 def get(kernel: str = "auto"):
-    """The kernel module for ``kernel`` (``"auto"``: Pallas on GPU, XLA elsewhere)."""
+    """The kernel for ``kernel``: a module, or a :class:`PerPlatform` of modules.
+
+    ``"xla"``: the XLA kernel everywhere. ``"pallas"``: Triton when lowered for
+    CUDA, the Pallas interpreter elsewhere. ``"mosaic"``: the Mosaic kernel when
+    lowered for TPU, the Pallas interpreter elsewhere (the module chooses itself).
+    ``"auto"``: Triton when lowered for CUDA, Mosaic for TPU, the XLA kernel
+    elsewhere, and the XLA kernel wherever a call needs an option the platform's
+    kernel lacks.
+    """
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}.")
-    if kernel == "auto":
-        kernel = "pallas" if jax.default_backend() == "gpu" else "xla"
-    return importlib.import_module(f"jax_seqpar.kernels.{kernel}")
+    if kernel in ("xla", "mosaic"):
+        return _module(kernel)
+    return PerPlatform(kernel, tuple(_PLATFORM_KERNELS[kernel].items()))
+
+
+def may_interpret(kernel: str) -> bool:
+    """Whether ``kernel`` runs the Pallas interpreter on some lowering platform."""
+    return kernel == "mosaic" or getattr(get(kernel), "may_interpret", False)
