@@ -68,8 +68,8 @@ def test_strategy_compiles(target, strategy):
         calls = set(hlo.kernel_calls(program.compiled))
         if target == GPU:
             assert calls == (TRITON_FORWARD if mode == "fwd" else TRITON_ALL), mode
-        else:  # kernel="auto" is the XLA kernel on TPU until the Mosaic kernel lands
-            assert not any(c.startswith("triton:") for c in calls), mode
+        else:  # kernel="auto" is the Mosaic kernel on TPU
+            assert calls and all(c.startswith("mosaic:") for c in calls), (mode, calls)
 
 
 def _is_kernel(label: str) -> bool:
@@ -100,26 +100,6 @@ KERNEL_CASES = {"d64": (64, 64, 16, 4), "d128": (128, 128, 16, 4), "d256": (256,
                 "mla": (576, 512, 16, 1)}
 
 
-def _kernel_xfail(reason):
-    return [pytest.mark.xfail(strict=True, raises=jax.errors.JaxRuntimeError,
-                              reason="measured on h100, default tiles: " + reason)]
-
-
-_SPILLS_FORWARD_D64 = "seqpar_flash_forward spills (255 registers, 452 B spill stores)"
-_SPILLS_D256 = ("seqpar_flash_forward spills (255 registers, 360 B stores); the backward's "
-                "dq (288 B) and dkv (284 B) too")
-_KERNEL_XFAILS = {
-    ("d64", False): _kernel_xfail(_SPILLS_FORWARD_D64),
-    ("d64", True): _kernel_xfail(_SPILLS_FORWARD_D64 + "; dq and dkv are clean"),
-    ("d256", False): _kernel_xfail(_SPILLS_D256),
-    ("d256", True): _kernel_xfail(_SPILLS_D256),
-    ("mla", False): _kernel_xfail("Shared memory size limit exceeded: requested 524288, "
-                                  "available 232448"),
-    ("mla", True): _kernel_xfail("Shared memory size limit exceeded: requested 393216, "
-                                 "available 232448 (the forward: 524288)"),
-}
-
-
 def _kernel_program(case: str, backward: bool, seq: int = 2048):
     """The auto kernel alone on one device: forward, or the gradient of out and lse."""
     d_qk, d_v, heads, kv_heads = KERNEL_CASES[case]
@@ -146,7 +126,7 @@ def _kernel_program(case: str, backward: bool, seq: int = 2048):
 
 @pytest.mark.parametrize("case, backward", [
     pytest.param(case, backward, id=f"{case}-{'fwd_bwd' if backward else 'fwd'}",
-                 marks=[_needs(GPU), *_KERNEL_XFAILS.get((case, backward), [])])
+                 marks=[_needs(GPU)])
     for case in KERNEL_CASES for backward in (False, True)])
 def test_pallas_kernel_compiles_clean(case, backward):
     """The Pallas kernel alone, bf16, causal: Triton kernels with no spill and within
