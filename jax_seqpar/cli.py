@@ -56,7 +56,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _generate(args: argparse.Namespace) -> int:
-    _emulate_cpu_devices(DEMO_DEVICES)
+    from jax_seqpar.targets import emulate_cpu_devices
+
+    emulate_cpu_devices(DEMO_DEVICES, cpu_only=True)
     from jax_seqpar.examples import _generate_demo
 
     try:
