@@ -45,11 +45,11 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
 def run_tune(args: argparse.Namespace) -> int:
     """Runs ``jax-seqpar tune``; returns the exit status."""
     from jax_seqpar.bench import mesh_label, parse_mesh
-    from jax_seqpar.cli import _emulate_cpu_devices  # before JAX starts a backend
+    from jax_seqpar.targets import emulate_cpu_devices  # before JAX starts a backend
 
     try:
         axes = parse_mesh(args.mesh)
-        _emulate_cpu_devices(math.prod(axes.values()))
+        emulate_cpu_devices(math.prod(axes.values()))
         import jax
         import numpy as np
         from jax.sharding import Mesh
