@@ -125,6 +125,19 @@ def test_decode_rows_fold_the_group(tolerances):
     _check(Case(64, 64, heads=8, q_len=2, kv_len=40, causal=True), jnp.float32, tolerances)
 
 
+def test_decode_splits_the_cache(monkeypatch, tolerances):
+    """A decode step with few programs splits the cache into runs (split-K, the last
+    run padded) and merges them exactly; a long call that fills the GPU does not."""
+    assert _pallas_core.kv_splits(8, 1, 65536, 64) == 16  # 8 programs -> 128
+    assert _pallas_core.kv_splits(8, 1, 2048, 64) == 8  # runs keep 256 keys
+    assert _pallas_core.kv_splits(8, 2, 65536, 64) == 1  # two query tiles: prefill
+    assert _pallas_core.kv_splits(256, 1, 65536, 64) == 1  # the GPU is full
+    monkeypatch.setattr(_pallas_core, "MIN_SPLIT_KEYS", 16)
+    assert _pallas_core.kv_splits(1, 1, 45, 16) == 2
+    _check(Case(64, 64, heads=4, kv_heads=1, q_len=1, kv_len=45, causal=True, segments=True),
+           jnp.float32, tolerances)  # MQA group folded, then 2 runs of 23 keys
+
+
 def test_head_dim_chunks():
     """Wide head dims become few power-of-two chunks; narrow ones one masked chunk."""
     assert _pallas_core.HeadDim.of(576).widths == (256, 256, 64)

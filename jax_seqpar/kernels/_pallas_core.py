@@ -7,6 +7,8 @@
   run of ``FULL`` tiles inside, so each kernel runs a masked loop, an unmasked loop
   and a masked loop whose loads all sit at the loop's top level (Triton's software
   pipeliner only pipelines those);
+* split-K for short calls (decode): :func:`kv_splits`, :func:`split_kv`,
+  :func:`merge_splits`;
 * :func:`call`: ``pallas_call`` lowered by the platform the program is lowered for
   (Triton for CUDA/ROCm, the interpreter elsewhere), not by the default backend.
 """
@@ -25,7 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_seqpar import masks
-from jax_seqpar.kernels.tiling import Tiling
+from jax_seqpar.kernels.tiling import Tiling, pad_seq, padded_tokens
 from jax_seqpar.masks import MaskSpec, Tokens
 
 F32 = jnp.float32
@@ -73,6 +75,63 @@ def unfold(x, group: int):
 def fold_tokens(tokens: Tokens, group: int) -> Tokens:
     """Each query token's metadata repeated for the ``group`` heads folded into rows."""
     return jax.tree.map(lambda x: jnp.repeat(x, group, axis=1), tokens)
+
+
+#: Programs a call should launch to fill a GPU (132 SMs on H100, 108 on A100).
+FILL_PROGRAMS = 128
+#: Fewest keys one split of a decode call's cache gets.
+MIN_SPLIT_KEYS = 256
+
+
+def kv_splits(programs: int, num_q: int, kv_len: int, block_k: int) -> int:
+    """Runs a short call's keys are split into (split-K, "flash decoding").
+
+    A call with one query tile per (batch, head) launches ``programs`` programs,
+    e.g. 8 for a decode step of one sequence with 8 K/V heads: a few SMs stream the
+    whole cache. Doubling the splits while the programs stay under
+    :data:`FILL_PROGRAMS` and every split keeps :data:`MIN_SPLIT_KEYS` keys (and a
+    tile) gives each program its own run of the cache; the partial results are
+    merged by :func:`merge_splits`. 1: the call already fills the GPU.
+    """
+    splits = 1
+    while (num_q == 1 and programs * splits * 2 <= FILL_PROGRAMS
+           and kv_len // (splits * 2) >= max(MIN_SPLIT_KEYS, block_k)):
+        splits *= 2
+    return splits
+
+
+def split_kv(splits: int, q, k, v, q_tokens: Tokens, kv_tokens: Tokens, t: Tiling):
+    """Each batch row's keys cut into ``splits`` equal runs (the last padded), each run
+    a batch row of its own, the queries repeated for each: ``k [B, Sk, Hkv, D] ->
+    [B * splits, Sk / splits, Hkv, D]``, ``q [B, Sq, H, D] -> [B * splits, Sq, H, D]``
+    (rows ordered (batch, split), a free reshape of the cache)."""
+    run = -(-t.kv_len // splits)
+    q_tokens, kv_tokens = padded_tokens(
+        dataclasses.replace(t, block_q=t.q_len, block_k=run), q_tokens, kv_tokens)
+
+    def by_run(x):  # [B, Sk, ...] -> [B * splits, run, ...]
+        x = pad_seq(x, splits * run)
+        return x.reshape(x.shape[0] * splits, run, *x.shape[2:])
+
+    def repeated(x):
+        return jnp.repeat(x, splits, axis=0)
+
+    return (repeated(q), by_run(k), by_run(v), jax.tree.map(repeated, q_tokens),
+            jax.tree.map(by_run, kv_tokens))
+
+
+def merge_splits(splits: int, out, lse):
+    """Softmax-merge the partial results of :func:`split_kv`'s runs:
+    ``out f32[B * splits, Sq, H, Dv], lse f32[B * splits, Sq, H] -> [B, ...]``.
+    A row no run sees keeps zeros and ``EMPTY_LSE``."""
+    out = out.reshape(-1, splits, *out.shape[1:])
+    lse = lse.reshape(-1, splits, *lse.shape[1:])
+    top = lse.max(axis=1)
+    weights = jnp.exp(lse - top[:, None])  # [B, splits, Sq, H]
+    total = weights.sum(axis=1)
+    out = jnp.einsum("bnqh,bnqhd->bqhd", weights, out) / total[..., None]
+    seen = top > masks.EMPTY_LSE / 2
+    return out, jnp.where(seen, top + jnp.log(total), masks.EMPTY_LSE)
 
 
 def query_row_specs(t: Tiling, q_tokens, kv_tokens, d_qk: "HeadDim", d_v: "HeadDim"):

@@ -37,7 +37,10 @@ How the work is cut:
   the GPU's arithmetic to the float32 tolerance. Head dims over 128 in float32
   still spill in the backward (bf16 / fp16 do not): cast, or use ``kernel="xla"``;
 * decode-sized queries (under 16 tokens) of a GQA/MQA group are folded into the
-  rows of one program per kv head: each K/V tile is read once per group.
+  rows of one program per kv head: each K/V tile is read once per group; a call
+  with one query tile per (batch, head) and too few programs to fill the GPU
+  splits the keys into runs, one program each, merged by their softmax statistics
+  (split-K, :func:`._pallas_core.kv_splits`).
 
 Lowering: by the platform the program is lowered for (``jax.lax.platform_dependent``):
 Triton when lowering for CUDA / ROCm, the Pallas interpreter elsewhere, so AOT
@@ -173,19 +176,25 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
                     block_sizes=block_sizes, interpret=interpret)
 
 
-def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, softcap, block_sizes, interpret):
+def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, softcap, block_sizes, interpret,
+             may_split=True):
     # Inside shard_map every operand must vary over the same axes (e.g. replicated
     # decode queries against a sharded cache).
     q, k, v, q_tokens, kv_tokens = _compat.match_varying(
         (q, k, v, q_tokens, kv_tokens), (q, k, v, q_tokens, kv_tokens))
     (q_len, heads), kv_heads = q.shape[1:3], k.shape[2]
+    options = dict(spec=spec, scale=scale, softcap=softcap, block_sizes=block_sizes,
+                   interpret=interpret)
     if core.folds_group(q_len, heads, kv_heads):
         out, lse = _forward(core.fold(q, kv_heads), k, v,
-                            core.fold_tokens(q_tokens, heads // kv_heads), kv_tokens,
-                            spec=spec, scale=scale, softcap=softcap, block_sizes=block_sizes,
-                            interpret=interpret)
+                            core.fold_tokens(q_tokens, heads // kv_heads), kv_tokens, **options)
         return core.unfold(out, heads // kv_heads), core.unfold(lse, heads // kv_heads)
     t = core.tiling(q, k, block_sizes.block_q, block_sizes.block_k)
+    splits = core.kv_splits(t.batch * heads, t.num_q, t.kv_len, t.block_k) if may_split else 1
+    if splits > 1:  # a decode step: split-K over the cache, then merge
+        out, lse = _forward(*core.split_kv(splits, q, k, v, q_tokens, kv_tokens, t),
+                            **options, may_split=False)
+        return core.merge_splits(splits, out, lse)
     q_tokens, kv_tokens = padded_tokens(t, q_tokens, kv_tokens)
     d_qk, d_v = HeadDim.of(q.shape[-1]), HeadDim.of(v.shape[-1])
     q_pad, kv_pad = t.num_q * t.block_q, t.num_k * t.block_k
