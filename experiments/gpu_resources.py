@@ -4,7 +4,7 @@ Deviceless ahead-of-time compilation: a compile-only GPU from a target descripti
 (``jax.experimental.topologies``), XLA:GPU with Triton -> PTX -> ptxas, no GPU needed.
 Per kernel (forward, dq, dk/dv) it reports registers per thread and spill bytes
 (``ptxas -v`` on the PTX that XLA dumps), threads, grid and shared memory (XLA's
-thunk sequence), or the compile error (shared memory over the limit, or a spill
+thunk sequence), the estimated occupancy (warps an SM holds / 64), or the compile error (shared memory over the limit, or a spill
 when ``--spills-as-errors``).
 
 Needs the CUDA plugin and the nvcc wheel (``pip install "jax[cuda12]==<jax version>"``)::
@@ -63,6 +63,7 @@ TARGETS = {
                            major=8, name="NVIDIA A100-SXM4-80GB"),
 }
 GPU_ARCH = {"h100": "sm_90a", "a100": "sm_80"}
+SMEM_PER_SM = {"h100": 233472, "a100": 167936}
 KERNEL_NAMES = ("seqpar_flash_forward", "seqpar_flash_dq", "seqpar_flash_dkv")
 #: (Dqk, Dv) pairs the kernels must compile for: standard heads, DeepSeek's 192/128
 #: and MLA absorbed 576/512.
@@ -106,6 +107,19 @@ class Resources:
     shared_memory: int = None
     threads: int = None
     grid: str = None
+
+    def occupancy(self, target: str):
+        """Estimated share of the SM's 64 warp slots the kernel's blocks can hold,
+        limited by registers (allocated per warp in units of 256), shared memory
+        (plus 1 KiB per block the driver reserves) and threads; None if unknown."""
+        if None in (self.registers, self.shared_memory, self.threads):
+            return None
+        warps = self.threads // 32
+        per_warp = -(-self.registers * 32 // 256) * 256
+        smem_core = SMEM_PER_SM[target]
+        blocks = min(32, 2048 // self.threads, 65536 // (per_warp * warps),
+                     smem_core // (self.shared_memory + 1024))
+        return blocks * warps / 64
 
 
 def attention_grads(spec: MaskSpec, block_sizes, interpret=None):
@@ -178,6 +192,10 @@ def read_resources(dump_dir: str, arch: str) -> dict:
     return found
 
 
+def _percent(share) -> str:
+    return "?" if share is None else f"{share:.0%}"
+
+
 def _override_launch(overrides):
     """Replace the kernels' warps / stages for the kinds named (``kind:warps:stages``)."""
     from jax.experimental.pallas import triton as plgpu
@@ -225,7 +243,7 @@ def main(argv=None) -> int:
     print(f"B=1 S={args.seq} H={args.heads} Hkv={args.kv_heads} causal, fwd+bwd, "
           f"spills as errors: {args.spills_as_errors}")
     print(f"{'target':6} {'dims':>7} {'dtype':>8} {'kernel':>7} {'regs':>5} {'spill st/ld':>12} "
-          f"{'smem B':>7} {'thr':>4} {'grid':>10} {'compile s':>9}")
+          f"{'smem B':>7} {'thr':>4} {'occ':>4} {'grid':>10} {'compile s':>9}")
     failures = 0
     for target in args.target:
         for dtype in args.dtype:
@@ -249,7 +267,8 @@ def main(argv=None) -> int:
                     short = name.replace("seqpar_flash_", "")
                     print(f"{label} {short:>7} {res.registers!s:>5} "
                           f"{f'{res.spill_stores}/{res.spill_loads}':>12} "
-                          f"{res.shared_memory!s:>7} {res.threads!s:>4} {res.grid!s:>10} "
+                          f"{res.shared_memory!s:>7} {res.threads!s:>4} "
+                          f"{_percent(res.occupancy(target)):>4} {res.grid!s:>10} "
                           f"{seconds:9.1f}")
     return 1 if failures else 0
 

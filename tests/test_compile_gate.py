@@ -2,12 +2,14 @@
 
 Every strategy, forward and forward + vjp with ``kernel="auto"``, is compiled on this
 CPU-only host for 8 H100s (XLA:GPU, Triton and ptxas for sm_90a) and a TPU v5p 2x2x2
-slice (XLA:TPU), through :mod:`jax_seqpar.targets`. A compile error, a register spill
-(a compile error here: ``xla_gpu_fail_ptx_compilation_on_register_spilling``) or a
-missing Triton kernel fails the gate; so does a ring whose K/V transfer is not
-scheduled around the step's kernel. The Pallas kernel is also compiled alone for
-the head dims models use. Compiling needs the ``[aot]`` extra (CI installs it); the
-tests that compile skip, saying so, where its plugins are missing.
+slice (XLA:TPU), through :mod:`jax_seqpar.targets`; ring and Ulysses with
+``kernel="pallas"`` for 8 H100s and 8 A100s at every head dim the Pallas kernel is
+built for, in bf16 and fp16. A compile error, a register spill (a compile error
+here: ``xla_gpu_fail_ptx_compilation_on_register_spilling``), shared memory over
+the limit or a missing Triton kernel fails the gate; so does a ring whose K/V
+transfer is not scheduled around the step's kernel. Compiling needs the ``[aot]``
+extra (CI installs it); the tests that compile skip, saying so, where its plugins
+are missing.
 """
 
 import argparse
@@ -96,45 +98,48 @@ def test_ring_transfer_overlaps_the_step_kernel(target):
         assert len(hiding) == (1 if mode == "fwd" else 2), (mode, steps)
 
 
-# (head dim of q/k, of v, query heads, K/V heads) of the Pallas kernel alone.
-KERNEL_CASES = {"d64": (64, 64, 16, 4), "d128": (128, 128, 16, 4), "d256": (256, 256, 16, 4),
-                "mla": (576, 512, 16, 1)}
+# (head dim of q/k, of v): every head dim the Pallas kernel is built for, DeepSeek's
+# 192/128 and MLA absorbed (576/512, one K/V head).
+HEAD_DIMS = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128),
+             (576, 512))
 
 
-def _kernel_program(case: str, backward: bool, seq: int = 2048):
-    """The auto kernel alone on one device: forward, or the gradient of out and lse."""
-    d_qk, d_v, heads, kv_heads = KERNEL_CASES[case]
-    sharding = NamedSharding(targets.target_mesh("h100:1"), P())
-    q, k, v = (jax.ShapeDtypeStruct((1, seq, h, d), jnp.bfloat16, sharding=sharding)
-               for h, d in ((heads, d_qk), (kv_heads, d_qk), (kv_heads, d_v)))
-    kernel = kernels.get("auto")
-    options = dict(spec=MaskSpec.make(causal=True), scale=d_qk**-0.5)
+def _global_program(target: str, d_qk: int, d_v: int, seq: int = 1024):
+    """Ring and Ulysses through the global API with ``kernel="pallas"``, forward and
+    vjp, in bfloat16 and float16: one program, ``(fn, operands)``."""
+    mesh = targets.target_mesh(target)
+    sharding = NamedSharding(mesh, P(None, "sp"))
+    heads, kv_heads = (16, 1) if d_qk > 256 else (16, 2)
+    operands = [jax.ShapeDtypeStruct((1, seq, h, d), dtype, sharding=sharding)
+                for dtype in (jnp.bfloat16, jnp.float16)
+                for h, d in ((heads, d_qk), (kv_heads, d_qk), (kv_heads, d_v), (heads, d_v))]
 
-    def run(q, k, v):
-        positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (1, seq))
-        tokens = Tokens(positions)
-        if not backward:
-            return kernel.forward(q, k, v, tokens, tokens, **options)
+    def attend(q, k, v):
+        return [api.sequence_parallel_attention(q, k, v, mesh=mesh, strategy=strategy,
+                                                causal=True, kernel="pallas")
+                for strategy in ("ring", "ulysses")]
 
-        def loss(q, k, v):
-            out, lse = kernel.attention(q, k, v, tokens, tokens, **options)
-            return out.sum() + lse.sum()
+    def run(*operands):
+        results = []
+        for q, k, v, dout in zip(*[iter(operands)] * 4):  # per dtype
+            outs, vjp = jax.vjp(attend, q, k, v)
+            results.append((outs, vjp([dout, dout])))
+        return results
 
-        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-
-    return run, (q, k, v)
+    return run, operands
 
 
-@pytest.mark.parametrize("case, backward", [
-    pytest.param(case, backward, id=f"{case}-{'fwd_bwd' if backward else 'fwd'}",
-                 marks=[_needs(GPU)])
-    for case in KERNEL_CASES for backward in (False, True)])
-def test_pallas_kernel_compiles_clean(case, backward):
-    """The Pallas kernel alone, bf16, causal: Triton kernels with no spill and within
-    shared memory for the head dims of common models (MLA: 576 / 512, one K/V head)."""
-    program = aot.compile_for(*_kernel_program(case, backward), "cuda", fail_on_spills=True)
-    assert set(hlo.kernel_calls(program.compiled)) == (TRITON_ALL if backward
-                                                       else TRITON_FORWARD)
+@pytest.mark.parametrize("target, d_qk, d_v", [
+    _on(target, d_qk, d_v) for target in (GPU, "a100:8") for d_qk, d_v in HEAD_DIMS])
+def test_pallas_through_the_global_api(target, d_qk, d_v):
+    """Ring and Ulysses with ``kernel="pallas"`` on 8 GPUs, forward + backward, bf16 and
+    fp16, causal: every Triton kernel is in the program, none spills (a compile error
+    here) and each fits its shared memory."""
+    program = aot.compile_for(*_global_program(target, d_qk, d_v), "cuda",
+                              fail_on_spills=True)
+    calls = hlo.kernel_calls(program.compiled)
+    assert set(calls) == TRITON_ALL
+    assert min(calls.values()) >= 4  # each kernel in both strategies and both dtypes
 
 
 @_needs(GPU)
