@@ -95,7 +95,7 @@ def ours(mesh, tile):
     ``tile=None`` keeps the kernel's default tiles.
     """
     import jax_seqpar
-    from jax_seqpar.kernels.xla import BlockSizes
+    from jax_seqpar.kernels import BlockSizes
 
     return functools.partial(
         jax_seqpar.sequence_parallel_attention, mesh=mesh, seq_axes="sp", strategy="ring",

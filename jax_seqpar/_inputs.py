@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_seqpar import layout, masks
+from jax_seqpar.kernels.contract import BlockSizes, Kernel
 
 
 def check_qkv(q, k, v) -> None:
@@ -56,30 +57,30 @@ class Options:
     Attributes:
       spec: causal / window mask.
       scale: score multiplier.
-      kernel: the kernel module (see :func:`jax_seqpar.kernels.get`).
-      block_sizes: the kernel's tile sizes, or None for its defaults.
+      kernel: the kernel (see :func:`jax_seqpar.kernels.get`).
+      block_sizes: the tile sizes, or None for the kernel's defaults.
       softcap: logit soft-cap (``softcap * tanh(s / softcap)``), or None.
     """
 
     spec: masks.MaskSpec
     scale: float
-    kernel: object
-    block_sizes: Optional[object] = None
+    kernel: Kernel
+    block_sizes: Optional[BlockSizes] = None
     softcap: Optional[float] = None
 
     @classmethod
     def make(cls, q, *, causal, window, scale, kernel, block_sizes=None,
              softcap=None) -> "Options":
         from jax_seqpar import kernels
-        from jax_seqpar.kernels.xla import check_softcap
+        from jax_seqpar.kernels.contract import check_softcap
 
         scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
         module = kernels.get(kernel)
         if block_sizes is not None and not isinstance(block_sizes, module.BlockSizes):
             raise ValueError(
-                f"block_sizes={block_sizes!r} is not a {module.__name__}.BlockSizes, the tile "
-                f"sizes of the kernel this call uses (kernel={kernel!r}); pass that class, or "
-                "name the kernel explicitly.")
+                f"block_sizes={block_sizes!r} is not a jax_seqpar.kernels.BlockSizes, the tile "
+                f"sizes every kernel takes (kernel={kernel!r}); pass e.g. "
+                "BlockSizes(block_q=256, block_k=256), or None for the kernel's defaults.")
         softcap = check_softcap(softcap)
         if softcap is not None and "softcap" not in inspect.signature(module.forward).parameters:
             raise ValueError(f"softcap={softcap} is not supported by the kernel "

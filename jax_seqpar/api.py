@@ -150,7 +150,8 @@ def sequence_parallel_attention(
         all-gather then exchange only the halo the window reaches); must be
         ``"auto"`` or ``"contiguous"`` with ``positions``.
       kernel: ``"auto"`` (Pallas on GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``.
-      block_sizes: the kernel's tile sizes (its ``BlockSizes``), or None.
+      block_sizes: tile sizes (:class:`jax_seqpar.kernels.BlockSizes`, one class for every
+        kernel; a size left None is the running kernel's default), or None.
       batch_axes: mesh axes the batch is sharded over (data parallelism), or None:
         read from the inputs' sharding, and on Auto meshes under ``jit`` the mesh
         axes outside ``seq_axes`` that divide the batch.

@@ -1,4 +1,5 @@
-"""Local attention kernels (``xla``, ``pallas``) against :mod:`jax_seqpar.reference`.
+"""Local attention kernels (``xla``, ``pallas``) against :mod:`jax_seqpar.reference`,
+and the contract every kernel shares (:mod:`jax_seqpar.kernels.contract`).
 
 Every case checks ``out``, ``lse`` and the gradients of a random-weighted sum of
 both (so the ``lse`` cotangent path is exercised) w.r.t. q, k and v. Tiles are 16
@@ -11,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import importlib
+import re
 from typing import NamedTuple, Optional
 
 import jax
@@ -273,3 +276,126 @@ def test_backward_accumulates(kernel):
     summed = module.backward(*args, accumulate=totals, **kwargs)
     for got, grad, total in zip(summed, plain, totals):
         np.testing.assert_allclose(got, grad + total, atol=1e-5, rtol=1e-5)
+
+
+# The kernel contract (jax_seqpar.kernels.contract): one BlockSizes, one custom_vjp.
+
+def test_one_block_sizes_class_for_every_kernel():
+    from jax_seqpar.kernels import contract, mosaic, pallas, xla
+
+    assert (xla.BlockSizes is pallas.BlockSizes is mosaic.BlockSizes is kernels.BlockSizes
+            is contract.BlockSizes)
+    for name in kernels.KERNELS:
+        assert kernels.get(name).BlockSizes is kernels.BlockSizes
+
+
+@pytest.mark.parametrize("sizes", [dict(block_q=0), dict(block_k=1.5), dict(block_q_bwd=True),
+                                   dict(block_k_bwd="64")])
+def test_block_sizes_must_be_positive_ints(sizes):
+    name = next(iter(sizes))
+    with pytest.raises(ValueError, match=f"{name}=.* must be a positive int"):
+        kernels.BlockSizes(**sizes)
+
+
+@pytest.mark.parametrize("kernel,defaults", [
+    ("xla", (256, 256, 256, 256)),
+    ("pallas", (64, 32, 32, 32)),  # float32 at head dims <= 64
+    ("mosaic", (512, 512, 256, 512)),
+])
+def test_sizes_left_none_are_the_kernels_defaults(kernel, defaults, monkeypatch):
+    """A partial BlockSizes is completed from the kernel's ``default_block_sizes``."""
+    module = importlib.import_module(f"jax_seqpar.kernels.{kernel}")
+    q = jnp.zeros((1, 32, 2, 16))
+    tokens = Tokens(jnp.zeros((1, 32), jnp.int32))
+    assert module.default_block_sizes(16, 16, jnp.float32) == kernels.BlockSizes(*defaults)
+    seen = []
+    monkeypatch.setattr(module, "_forward", lambda *args, block_sizes, **kw: seen.append(
+        block_sizes))
+    extra = dict(interpret=True) if kernel == "pallas" else {}
+    for given in (None, kernels.BlockSizes(block_k=128)):
+        module.forward(q, q, q, tokens, tokens, spec=MaskSpec(), scale=1.0, block_sizes=given,
+                       **extra)
+    assert seen == [kernels.BlockSizes(*defaults),
+                    kernels.BlockSizes(defaults[0], 128, *defaults[2:])]
+    assert kernels.BlockSizes(block_k=128).resolve(kernels.BlockSizes(1, 2, 3, 4)) == (
+        kernels.BlockSizes(1, 128, 3, 4))
+
+
+@pytest.mark.parametrize("sizes,check,message", [
+    (dict(block_q=24), "check_gpu",
+     "block_q=24 must be a power of two >= 16 for the Triton (GPU) lowering; use e.g. 32."),
+    (dict(block_k_bwd=8), "check_gpu",
+     "block_k_bwd=8 must be a power of two >= 16 for the Triton (GPU) lowering; use e.g. 16."),
+    (dict(block_k=200), "check_tpu",
+     "block_k=200 must be a positive multiple of 128 (the TPU lane width); use e.g. 256."),
+    (dict(block_q_bwd=64), "check_tpu",
+     "block_q_bwd=64 must be a positive multiple of 128 (the TPU lane width); use e.g. 128."),
+])
+def test_block_sizes_platform_checks(sizes, check, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        getattr(kernels.BlockSizes(**sizes), check)()
+    every = kernels.BlockSizes(128, 256, None, 512)  # None: the kernel's default
+    every.check_gpu()
+    every.check_tpu()
+
+
+@pytest.mark.parametrize("kernel,sizes,fragments", [
+    ("auto", dict(block_q=8), ["pallas: block_q=8 must be a power of two >= 16",
+                               "mosaic: block_q=8 must be a positive multiple of 128",
+                               "multiples of 128 such as 128/256/512"]),
+    ("auto", dict(block_k=64), ["mosaic: block_k=64 must be a positive multiple of 128"]),
+    ("pallas", dict(block_q_bwd=24), ["pallas: block_q_bwd=24 must be a power of two >= 16"]),
+])
+@pytest.mark.parametrize("method", ["forward", "attention"])
+def test_per_platform_tiles_every_kernel_takes(kernel, sizes, fragments, method):
+    """Under ``auto`` / ``pallas`` tiles apply to whichever kernel runs: sizes that some
+    platform's kernel cannot take are a ValueError in the call, naming the fix."""
+    q = jax.ShapeDtypeStruct((1, 32, 2, 16), jnp.bfloat16)
+    tokens = Tokens(jnp.zeros((1, 32), jnp.int32))
+
+    def call(sizes):
+        fn = getattr(kernels.get(kernel), method)
+        return jax.eval_shape(lambda q: fn(q, q, q, tokens, tokens, spec=MaskSpec(), scale=1.0,
+                                           block_sizes=sizes), q)
+
+    with pytest.raises(ValueError) as error:
+        call(kernels.BlockSizes(**sizes))
+    for fragment in [*fragments, "kernel='xla'"]:
+        assert fragment in str(error.value)
+    out, lse = call(kernels.BlockSizes(128, 256, 128, 512))  # every kernel takes these
+    assert out.shape == (1, 32, 2, 16) and lse.dtype == jnp.float32
+
+
+def test_options_reject_other_tile_objects():
+    from jax_seqpar._inputs import Options
+
+    q = jnp.zeros((1, 32, 2, 16))
+    with pytest.raises(ValueError, match="is not a jax_seqpar.kernels.BlockSizes"):
+        Options.make(q, causal=True, window=None, scale=None, kernel="auto",
+                     block_sizes=(128, 128, 128, 128))
+
+
+@pytest.mark.parametrize("kernel", ["xla", "pallas", "mosaic"])
+def test_residual_out_is_kept_in_the_input_dtype(kernel):
+    """The custom_vjp saves ``out`` in bf16 for bf16 inputs (``lse`` in float32)."""
+    module = importlib.import_module(f"jax_seqpar.kernels.{kernel}")
+    extra = dict(interpret=True) if kernel == "pallas" else {}
+    batch, seq, heads, kv_heads, d_qk, d_v = 1, 32, 4, 2, 32, 16  # out's shape is its own
+    keys = jax.random.split(jax.random.key(0), 3)
+    q = jax.random.normal(keys[0], (batch, seq, heads, d_qk), jnp.bfloat16)
+    k = jax.random.normal(keys[1], (batch, seq, kv_heads, d_qk), jnp.bfloat16)
+    v = jax.random.normal(keys[2], (batch, seq, kv_heads, d_v), jnp.bfloat16)
+    tokens = Tokens(jnp.arange(seq, dtype=jnp.int32)[None])
+    (out, lse), vjp = jax.vjp(
+        lambda q, k, v: module.attention(q, k, v, tokens, tokens, spec=MaskSpec.make(True),
+                                         scale=0.25, **extra), q, k, v)
+    assert out.dtype == lse.dtype == jnp.float32
+    residuals = [x for x in jax.tree.leaves(vjp) if hasattr(x, "dtype")]
+    saved_out = [x for x in residuals if x.shape == (batch, seq, heads, d_v)]
+    assert saved_out and all(x.dtype == jnp.bfloat16 for x in saved_out), [
+        (x.shape, x.dtype) for x in residuals]
+    assert any(x.shape == (batch, seq, heads) and x.dtype == jnp.float32 for x in residuals)
+    np.testing.assert_array_equal(np.asarray(saved_out[0], np.float32),
+                                  np.asarray(out.astype(jnp.bfloat16), np.float32))
+    grads = vjp((jnp.ones_like(out), jnp.zeros_like(lse)))
+    assert [g.dtype for g in grads] == [jnp.bfloat16] * 3

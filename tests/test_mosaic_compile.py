@@ -56,7 +56,8 @@ def test_kernel_compiles_at_default_tiles(target, heads, kv_heads, d_qk, d_v):
     """Forward, dq and dk/dv at the default (largest) tiles fit VMEM and lower."""
     mesh = _tpu_mesh(target)
     chip = NamedSharding(jax.sharding.Mesh(mesh.devices.flat[:1], ("x",)), P())
-    seq = 2 * mosaic.BlockSizes().block_q  # several tiles of every kernel
+    # Several tiles of every kernel.
+    seq = 2 * mosaic.default_block_sizes(d_qk, d_v, jnp.bfloat16).block_q
 
     def fwd_bwd(q, k, v):
         tokens = Tokens(jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (1, seq)),

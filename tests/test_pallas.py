@@ -157,7 +157,7 @@ def test_row_bounds():
 def test_softcap_validation():
     q = jnp.zeros((1, 16, 1, 16))
     tokens = Tokens(jnp.zeros((1, 16), jnp.int32))
-    with pytest.raises(ValueError, match="softcap=-1.0 must be a positive"):
+    with pytest.raises(ValueError, match="softcap must be a positive float"):
         pallas.forward(q, q, q, tokens, tokens, spec=MaskSpec(), scale=1.0, softcap=-1.0)
 
 

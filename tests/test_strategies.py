@@ -210,7 +210,7 @@ def test_decode_matches_reference(kernel, make_qkv, tolerances):
     pytest.param(dict(bad_segments=True), "segment_ids must have shape", id="segments"),
     pytest.param(dict(rank3=True), "must have rank 4", id="rank"),
     pytest.param(dict(block_sizes="256", kernel="xla"),
-                 "is not a jax_seqpar.kernels.xla.BlockSizes",
+                 "is not a jax_seqpar.kernels.BlockSizes",
                  id="block-sizes"),
     pytest.param(dict(k_dim=8), "must share head_dim", id="head-dim"),
     pytest.param(dict(k_batch=1), "share the batch size", id="batch"),

@@ -1,8 +1,9 @@
 """Local attention kernels: ``(q, k, v, token metadata) -> (out, lse)``, no communication.
 
 Every kernel module offers the same three functions, ``forward``, ``backward`` and
-``attention`` (see :mod:`jax_seqpar.kernels.xla` for the contract). Strategies get
-one with :func:`get`.
+``attention``, and takes the same tile sizes, :class:`BlockSizes` (the
+:class:`~jax_seqpar.kernels.contract.Kernel` protocol of
+:mod:`jax_seqpar.kernels.contract`). Strategies get one with :func:`get`.
 
 The kernel that runs follows the platform the program is LOWERED for, not the
 host's backend: ``"auto"`` and ``"pallas"`` stage every candidate with
@@ -18,7 +19,11 @@ import dataclasses
 import functools
 import importlib
 import inspect
-from typing import Mapping
+from typing import Mapping, Optional
+
+from jax_seqpar.kernels.contract import BlockSizes, Kernel
+
+__all__ = ["KERNELS", "BlockSizes", "Kernel", "PerPlatform", "get", "may_interpret"]
 
 KERNELS = ("auto", "xla", "pallas", "mosaic")
 
@@ -38,14 +43,26 @@ def _keywords(module, method: str):
     return inspect.signature(getattr(module, method)).parameters
 
 
-def _fits_triton(block_sizes) -> bool:
-    if block_sizes is None:  # the kernel's defaults
-        return True
-    try:
-        block_sizes.check_gpu()
-    except ValueError:
-        return False
-    return True
+def _check_tiles(choice: str, block_sizes: Optional[BlockSizes], kernels: set) -> None:
+    """Raise ``ValueError`` unless every kernel a ``choice`` may lower to takes the tiles."""
+    if block_sizes is None:
+        return
+    problems = []
+    for kernel, check in (("pallas", block_sizes.check_gpu), ("mosaic", block_sizes.check_tpu)):
+        if kernel in kernels:
+            try:
+                check()
+            except ValueError as error:
+                problems.append(f"{kernel}: {str(error).rstrip('.')}")
+    if not problems:
+        return
+    every = ("powers of two that are multiples of 128 such as 128/256/512, which every "
+             "kernel takes" if "mosaic" in kernels else
+             "powers of two >= 16 such as 16/32/64/128, which Triton takes")
+    raise ValueError(
+        f"block_sizes={block_sizes} do not suit every kernel that kernel={choice!r} may run: "
+        f"tile sizes apply to whichever kernel the platform lowers to. {'; '.join(problems)}. "
+        f"Use kernel='xla' for tiles under 16 (it takes any positive size), or {every}.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -69,15 +86,10 @@ class PerPlatform:
     def __name__(self) -> str:  # noqa: A003 - read like a module's name by callers
         return f"jax_seqpar.kernels.{self.name}"
 
-    @property
-    def BlockSizes(self):  # noqa: N802 - the attribute every kernel module has
-        """The tile-size class(es) this kernel takes (a tuple when its kernels differ).
-
-        Tile sizes tune the kernel they belong to wherever it runs; the other
-        kernels of ``"auto"`` keep their defaults.
-        """
-        classes = tuple(dict.fromkeys(_module(k).BlockSizes for _, k in self.platforms))
-        return classes[0] if len(classes) == 1 else classes
+    #: The tile sizes every kernel takes. They apply to whichever kernel runs (a
+    #: size left None: that kernel's default); sizes some platform's kernel cannot
+    #: take are a ``ValueError`` in the call.
+    BlockSizes = BlockSizes
 
     @property
     def may_interpret(self) -> bool:
@@ -86,7 +98,7 @@ class PerPlatform:
 
     def _branches(self, method: str, block_sizes, static: dict) -> dict:
         """``{platform or "default": fn(*args)}`` of ``method`` of each platform's kernel."""
-        branches, no_triton = {}, False
+        branches, kernels = {}, set()
         for platform, kernel in self.platforms:
             module = _module(kernel)
             missing = [k for k in static if k not in _keywords(module, method)]
@@ -97,19 +109,13 @@ class PerPlatform:
                 raise ValueError(f"{missing[0]}={static[missing[0]]!r} is not supported by "
                                  f"kernel={self.name!r}; use kernel='xla' or 'auto'.")
             kwargs = dict(static)
-            if block_sizes is not None and isinstance(block_sizes, module.BlockSizes):
+            if block_sizes is not None:
                 kwargs["block_sizes"] = block_sizes
             if module.__name__.endswith("pallas"):
                 kwargs["interpret"] = kernel == "pallas-interpret"
-                if not kwargs["interpret"] and not _fits_triton(kwargs.get("block_sizes")):
-                    no_triton = True
-                    continue
+            kernels.add(kernel)
             branches[platform] = functools.partial(getattr(module, method), **kwargs)
-        if no_triton and "default" in branches:
-            # Tiles Triton cannot take leave no GPU branch, and the default stops at
-            # CPU and TPU: lowering for a GPU fails rather than running another kernel.
-            default = branches.pop("default")
-            branches = {"cpu": default, "tpu": default, **branches}
+        _check_tiles(self.name, block_sizes, kernels)
         return branches
 
     def _call(self, method: str, args: tuple, block_sizes, interpret, static: dict):
@@ -151,7 +157,7 @@ def _with_softcap(static: dict, softcap) -> dict:
     return static if softcap is None else dict(static, softcap=softcap)
 
 
-def get(kernel: str = "auto"):
+def get(kernel: str = "auto") -> Kernel:
     """The kernel for ``kernel``: a module, or a :class:`PerPlatform` of modules.
 
     ``"xla"``: the XLA kernel everywhere. ``"pallas"``: Triton when lowered for
@@ -159,7 +165,10 @@ def get(kernel: str = "auto"):
     lowered for TPU, the Pallas interpreter elsewhere (the module chooses itself).
     ``"auto"``: Triton when lowered for CUDA, Mosaic for TPU, the XLA kernel
     elsewhere, and the XLA kernel wherever a call needs an option the platform's
-    kernel lacks.
+    kernel lacks. Every kernel takes :class:`BlockSizes`; under ``"auto"`` and
+    ``"pallas"`` they apply to whichever kernel runs, and sizes that one of them
+    cannot take (Triton: powers of two >= 16; Mosaic: multiples of 128) are a
+    ``ValueError`` in the call.
     """
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}.")

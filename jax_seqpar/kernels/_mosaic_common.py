@@ -20,9 +20,6 @@ block index and the pipeline issues no copy for it.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Optional
-
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -35,37 +32,10 @@ from jax_seqpar.masks import Tokens
 
 F32 = jnp.float32
 LANES = 128
-_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+#: The dtypes the kernels take (the MXU inputs).
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 #: Low bits of a plan entry that hold the tile class (EMPTY / PARTIAL / FULL).
 _CLASS_BITS = 2
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tile sizes in tokens: multiples of 128 (the TPU lane width).
-
-    A sequence shorter than its tile is one tile of its own length (rounded up to
-    128); a longer one is padded to whole tiles (padded tokens see nothing and are
-    seen by nobody).
-
-    Attributes:
-      block_q: query tokens per forward tile.
-      block_k: key/value tokens per forward tile.
-      block_q_bwd: query tokens per tile in both backward kernels.
-      block_k_bwd: key/value tokens per tile in both backward kernels.
-    """
-
-    block_q: int = 512
-    block_k: int = 512
-    block_q_bwd: int = 256
-    block_k_bwd: int = 512
-
-    def __post_init__(self):
-        for name, size in dataclasses.asdict(self).items():
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1 or size % LANES:
-                hint = LANES * max(1, -(-size // LANES)) if isinstance(size, int) else 512
-                raise ValueError(f"{name}={size!r} must be a positive multiple of {LANES} (the "
-                                 f"TPU lane width); use e.g. {hint}.")
 
 
 def _tile_size(block: int, length: int) -> int:
@@ -80,31 +50,6 @@ def tiling(q, k, block_q: int, block_k: int) -> Tiling:
     kv_len, kv_heads = k.shape[1], k.shape[2]
     return Tiling(batch, kv_heads, heads // kv_heads, q_len, kv_len,
                   _tile_size(block_q, q_len), _tile_size(block_k, kv_len))
-
-
-def validate(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, softcap: Optional[float]):
-    """Raise ``ValueError`` unless the operands form one kernel call."""
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"q, k, v must be [batch, seq, heads, dim]. Got {q.shape=}, "
-                         f"{k.shape=}, {v.shape=}.")
-    (batch, q_len, heads, d_qk), (kv_len, kv_heads) = q.shape, k.shape[1:3]
-    if k.shape[0] != batch or v.shape[:3] != k.shape[:3] or k.shape[3] != d_qk:
-        raise ValueError(f"k must be [{batch}, kv_seq, kv_heads, {d_qk}] and v "
-                         f"[{batch}, kv_seq, kv_heads, d_v]. Got {k.shape=}, {v.shape=}.")
-    if heads % kv_heads:
-        raise ValueError(f"{heads=} must be a multiple of {kv_heads=} (GQA/MQA).")
-    if not q.dtype == k.dtype == v.dtype or q.dtype not in _DTYPES:
-        raise ValueError(f"q, k, v must share one of {[str(d) for d in _DTYPES]} (the TPU "
-                         f"kernel's MXU inputs). Got {q.dtype=}, {k.dtype=}, {v.dtype=}; "
-                         "cast them first.")
-    for name, tokens, shape in (("q", q_tokens, (batch, q_len)),
-                                ("kv", kv_tokens, (batch, kv_len))):
-        for field in ("positions", "segment_ids"):
-            x = getattr(tokens, field)
-            if x is not None and x.shape != shape:
-                raise ValueError(f"{name}_tokens.{field} must have shape {shape}. Got {x.shape}.")
-    if softcap is not None and not softcap > 0:
-        raise ValueError(f"softcap={softcap!r} must be a positive float (or None).")
 
 
 def heads_first(x, length):

@@ -8,49 +8,14 @@ held by ``tests/test_pallas_compile.py``).
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Optional
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_seqpar.kernels._pallas_core import MIN_DIM, HeadDim
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tile sizes (clipped to the padded sequence length; ragged tails are padded).
-
-    On GPU every size must be a power of two >= 16 (Triton); the CPU interpreter
-    takes any positive size. ``None`` of the kernels' ``block_sizes`` means
-    :func:`default_block_sizes` for the head dims and dtype.
-
-    Attributes:
-      block_q: query tokens per forward program.
-      block_k: key tokens per forward loop step.
-      block_q_bwd: query tokens per tile in both backward kernels.
-      block_k_bwd: key tokens per tile in both backward kernels.
-    """
-
-    block_q: int = 128
-    block_k: int = 64
-    block_q_bwd: int = 64
-    block_k_bwd: int = 64
-
-    def __post_init__(self):
-        for name, size in dataclasses.asdict(self).items():
-            if not isinstance(size, int) or isinstance(size, bool) or size < 1:
-                raise ValueError(f"{name}={size!r} must be a positive int.")
-
-    def check_gpu(self):
-        """Raise unless every size suits the Triton lowering."""
-        for name, size in dataclasses.asdict(self).items():
-            if size < MIN_DIM or size & (size - 1):
-                raise ValueError(
-                    f"{name}={size} must be a power of two >= {MIN_DIM} for the Triton "
-                    f"(GPU) lowering; use e.g. {max(MIN_DIM, pl.next_power_of_2(size))}.")
+from jax_seqpar.kernels._pallas_core import HeadDim
+from jax_seqpar.kernels.contract import BlockSizes
 
 
 def _width(d_qk: int, d_v: int) -> int:
@@ -59,7 +24,8 @@ def _width(d_qk: int, d_v: int) -> int:
 
 
 def default_block_sizes(d_qk: int, d_v: int, dtype) -> BlockSizes:
-    """Tiles that compile without spills and within shared memory on both sm_80 and
+    """The Pallas kernel's tiles for these head dims and dtype (what a size left ``None``
+    becomes): they compile without spills and within shared memory on both sm_80 and
     sm_90 (measured with ``experiments/gpu_resources.py``): the per-thread
     accumulators shrink as the head dims grow, so the tiles do; float32 (TF32x3
     dots, three registers per operand value) takes smaller ones."""

@@ -1,7 +1,7 @@
 """Mosaic flash attention: the TPU kernel, with the contract of ``xla.py``.
 
-Same functions, arguments and results as :mod:`jax_seqpar.kernels.xla`:
-:func:`forward` -> ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])``,
+The kernel contract (:mod:`jax_seqpar.kernels.contract`), like
+:mod:`jax_seqpar.kernels.xla`: :func:`forward` -> ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])``,
 :func:`backward` (given the final ``lse`` and ``delta = sum(dout * out, -1) - dlse``)
 -> float32 ``(dq, dk, dv)``, and :func:`attention`, a ``custom_vjp`` of both that
 takes cotangents for ``out`` AND ``lse``. Every function takes ``softcap``: scores
@@ -22,7 +22,9 @@ How the work is cut (FlashAttention-2):
   ``PARTIAL`` tiles apply :func:`jax_seqpar.masks.visible` to the tokens' positions
   and segment ids;
 * GQA/MQA read K/V head ``h // group`` through the BlockSpec index map, never a
-  repeated copy; the head dim is any size (64 .. 576, ``Dv != Dqk`` for MLA).
+  repeated copy; the head dim is any size (64 .. 576, ``Dv != Dqk`` for MLA);
+* tiles are multiples of 128 tokens (``BlockSizes.check_tpu``), by default
+  :func:`default_block_sizes`.
 
 Lowering: Mosaic when the program is lowered for TPU; the Pallas interpreter on any
 other platform (chosen with ``lax.platform_dependent``, not the host's backend).
@@ -40,11 +42,30 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_seqpar import _compat, masks
-from jax_seqpar.kernels import _mosaic_bwd
+from jax_seqpar.kernels import _mosaic_bwd, contract
 from jax_seqpar.kernels import _mosaic_common as mc
-from jax_seqpar.kernels._mosaic_common import BlockSizes as BlockSizes
+from jax_seqpar.kernels.contract import BlockSizes
 from jax_seqpar.kernels.tiling import schedule
 from jax_seqpar.masks import MaskSpec, Tokens
+
+__all__ = ["BlockSizes", "attention", "backward", "default_block_sizes", "forward"]
+
+
+def default_block_sizes(d_qk: int, d_v: int, dtype) -> BlockSizes:
+    """512-token tiles, 256 queries per backward tile, whatever the head dims and dtype:
+    the largest that fit VMEM on v5e, v5p and v6e up to MLA's 576/512 head dims
+    (held by ``tests/test_mosaic_compile.py``)."""
+    del d_qk, d_v, dtype
+    return BlockSizes(512, 512, 256, 512)
+
+
+def _checked(q, k, v, q_tokens, kv_tokens, block_sizes, softcap):
+    """Validated operands; ``(block sizes resolved, softcap as float or None)``."""
+    contract.check_operands(q, k, v, q_tokens, kv_tokens, dtypes=mc.DTYPES, kernel_name=__name__)
+    block_sizes = contract.resolve_block_sizes(
+        block_sizes, default_block_sizes(q.shape[-1], v.shape[-1], q.dtype), __name__)
+    block_sizes.check_tpu()
+    return block_sizes, contract.check_softcap(softcap)
 
 
 def _forward_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, out_ref, lse_ref,
@@ -87,7 +108,7 @@ def _forward_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, out_ref, lse_r
 
 
 def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
-            block_sizes: BlockSizes = BlockSizes(), softcap: Optional[float] = None):
+            block_sizes: Optional[BlockSizes] = None, softcap: Optional[float] = None):
     """Attention of ``q`` against one run of keys (the contract of :func:`xla.forward`).
 
     Args:
@@ -95,7 +116,8 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
         one dtype, float32 or bfloat16 (the MXU inputs), ``H % Hkv == 0``.
       q_tokens, kv_tokens: metadata of the queries (``[B, Sq]``) and keys (``[B, Sk]``).
       spec: causal / window; scale: score multiplier.
-      block_sizes: tile sizes.
+      block_sizes: tile sizes, multiples of 128; None, or a size left None:
+        :func:`default_block_sizes`.
       softcap: optional logit soft cap ``c``: ``s -> c * tanh(s / c)``.
     Returns:
       ``out float32[B, Sq, H, Dv]`` (normalized) and ``lse float32[B, Sq, H]``;
@@ -107,7 +129,12 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
     >>> out.shape, out.dtype, lse.shape
     ((1, 32, 2, 64), dtype('float32'), (1, 32, 2))
     """
-    mc.validate(q, k, v, q_tokens, kv_tokens, softcap)
+    block_sizes, softcap = _checked(q, k, v, q_tokens, kv_tokens, block_sizes, softcap)
+    return _forward(q, k, v, q_tokens, kv_tokens, spec=spec, scale=scale,
+                    block_sizes=block_sizes, softcap=softcap)
+
+
+def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, block_sizes, softcap):
     # Inside shard_map every operand must vary over the same axes (e.g. replicated
     # decode queries against a sharded cache).
     q, k, v, q_tokens, kv_tokens = _compat.match_varying(
@@ -150,7 +177,7 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
 
 
 def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
-             spec: MaskSpec, scale: float, block_sizes: BlockSizes = BlockSizes(),
+             spec: MaskSpec, scale: float, block_sizes: Optional[BlockSizes] = None,
              softcap: Optional[float] = None, accumulate=None):
     """Gradients of attention given the softmax statistics of the full result.
 
@@ -166,24 +193,21 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
       float32 ``dq [B, Sq, H, Dqk]``, ``dk [B, Sk, Hkv, Dqk]``, ``dv [B, Sk, Hkv, Dv]``
       (plus ``accumulate``).
     """
-    mc.validate(q, k, v, q_tokens, kv_tokens, softcap)
-    rows, dout_shape = q.shape[:3], q.shape[:3] + v.shape[3:]
-    if lse.shape != rows or delta.shape != rows or dout.shape != dout_shape:
-        raise ValueError(f"lse and delta must be {rows} and dout {dout_shape}. Got "
-                         f"{lse.shape=}, {delta.shape=}, {dout.shape=}.")
+    block_sizes, softcap = _checked(q, k, v, q_tokens, kv_tokens, block_sizes, softcap)
+    contract.check_backward_operands(q, v, lse, delta, dout)
     grads = _mosaic_bwd.backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, spec=spec,
                                  scale=scale, block_sizes=block_sizes, softcap=softcap)
-    if accumulate is None:
-        return grads
-    return tuple(total + g for total, g in zip(accumulate, grads))
+    return contract.add_accumulated(grads, accumulate)
 
 
 def attention(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
-              block_sizes: BlockSizes = BlockSizes(), softcap: Optional[float] = None):
-    """Differentiable :func:`forward`: ``(out float32, lse float32)``.
+              block_sizes: Optional[BlockSizes] = None, softcap: Optional[float] = None):
+    """Differentiable :func:`forward`: ``(out float32, lse float32)``, through
+    :func:`jax_seqpar.kernels.contract.differentiable`.
 
-    The backward (:func:`backward`) accepts cotangents for both ``out`` and ``lse``,
-    so merged partial results (ring attention) differentiate exactly.
+    Its VJP runs the Mosaic ``dq`` and ``dk, dv`` kernels (:func:`backward`) and takes
+    cotangents for ``out`` AND ``lse`` (merged ring results differentiate exactly);
+    it saves ``out`` in the input dtype and ``lse`` in float32.
 
     >>> q = k = v = jnp.ones((1, 32, 2, 64), jnp.float32)
     >>> tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
@@ -191,30 +215,9 @@ def attention(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, s
     >>> jax.grad(loss)(q).shape
     (1, 32, 2, 64)
     """
-    mc.validate(q, k, v, q_tokens, kv_tokens, softcap)
-    softcap = None if softcap is None else float(softcap)
-    return _attention(spec, float(scale), block_sizes, softcap, q, k, v, q_tokens, kv_tokens)
+    block_sizes, softcap = _checked(q, k, v, q_tokens, kv_tokens, block_sizes, softcap)
+    return _attention(q, k, v, q_tokens, kv_tokens, spec=spec, scale=float(scale),
+                      block_sizes=block_sizes, softcap=softcap)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _attention(spec, scale, block_sizes, softcap, q, k, v, q_tokens, kv_tokens):
-    return forward(q, k, v, q_tokens, kv_tokens, spec=spec, scale=scale,
-                   block_sizes=block_sizes, softcap=softcap)
-
-
-def _attention_fwd(spec, scale, block_sizes, softcap, q, k, v, q_tokens, kv_tokens):
-    out, lse = _attention(spec, scale, block_sizes, softcap, q, k, v, q_tokens, kv_tokens)
-    return (out, lse), (q, k, v, q_tokens, kv_tokens, out, lse)
-
-
-def _attention_bwd(spec, scale, block_sizes, softcap, residuals, cotangents):
-    q, k, v, q_tokens, kv_tokens, out, lse = residuals
-    dout, dlse = cotangents
-    delta = jnp.einsum("bqhd,bqhd->bqh", dout.astype(mc.F32), out) - dlse
-    dq, dk, dv = backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, spec=spec,
-                          scale=scale, block_sizes=block_sizes, softcap=softcap)
-    no_grad = jax.tree.map(lambda _: None, (q_tokens, kv_tokens))
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *no_grad)
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = contract.differentiable(_forward, _mosaic_bwd.backward)

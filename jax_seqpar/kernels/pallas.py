@@ -1,7 +1,7 @@
 """Pallas flash attention (FlashAttention-2): the GPU kernel, with the contract of ``xla.py``.
 
-Same functions, arguments and results as :mod:`jax_seqpar.kernels.xla`:
-:func:`forward` -> ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])``,
+The kernel contract (:mod:`jax_seqpar.kernels.contract`), like
+:mod:`jax_seqpar.kernels.xla`: :func:`forward` -> ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])``,
 :func:`backward` (given the final ``lse`` and ``delta = sum(dout * out, -1) - dlse``)
 -> float32 ``(dq, dk, dv)``, and :func:`attention`, a ``custom_vjp`` of both that
 takes cotangents for ``out`` AND ``lse``.
@@ -59,10 +59,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_seqpar import _compat, masks
-from jax_seqpar.kernels import _pallas_bwd
+from jax_seqpar.kernels import _pallas_bwd, contract
 from jax_seqpar.kernels import _pallas_config as config
 from jax_seqpar.kernels import _pallas_core as core
-from jax_seqpar.kernels._pallas_config import BlockSizes, default_block_sizes
+from jax_seqpar.kernels._pallas_config import default_block_sizes
+from jax_seqpar.kernels.contract import BlockSizes
 from jax_seqpar.kernels._pallas_core import HeadDim
 from jax_seqpar.kernels.tiling import pad_seq, padded_tokens
 from jax_seqpar.masks import MaskSpec, Tokens
@@ -110,37 +111,18 @@ def _forward_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, out_ref, lse
     lse_ref[...] = jnp.where(seen, (m + jnp.log2(l)) * core.LN2, masks.EMPTY_LSE)
 
 
-def _validate(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, block_sizes: BlockSizes,
+def _validate(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, block_sizes: Optional[BlockSizes],
               interpret: Optional[bool], softcap):
-    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
-        raise ValueError(f"q, k, v must be [batch, seq, heads, dim]. Got {q.shape=}, "
-                         f"{k.shape=}, {v.shape=}.")
-    (batch, q_len, heads, d_qk), (kv_len, kv_heads) = q.shape, k.shape[1:3]
-    if k.shape[0] != batch or v.shape[:3] != k.shape[:3] or k.shape[3] != d_qk:
-        raise ValueError(f"k must be [{batch}, kv_seq, kv_heads, {d_qk}] and v "
-                         f"[{batch}, kv_seq, kv_heads, d_v]. Got {k.shape=}, {v.shape=}.")
-    if heads % kv_heads:
-        raise ValueError(f"{heads=} must be a multiple of {kv_heads=} (GQA/MQA).")
-    if not q.dtype == k.dtype == v.dtype or q.dtype not in core.DTYPES:
-        raise ValueError(f"q, k, v must share one of {[str(d) for d in core.DTYPES]}. Got "
-                         f"{q.dtype=}, {k.dtype=}, {v.dtype=}; cast them first.")
-    for name, tokens, shape in (("q", q_tokens, (batch, q_len)),
-                                ("kv", kv_tokens, (batch, kv_len))):
-        for field in ("positions", "segment_ids"):
-            x = getattr(tokens, field)
-            if x is not None and x.shape != shape:
-                raise ValueError(f"{name}_tokens.{field} must have shape {shape}. Got {x.shape}.")
-    if softcap is not None and not float(softcap) > 0:
-        raise ValueError(f"softcap={softcap!r} must be a positive float (or None).")
-    if not isinstance(block_sizes, BlockSizes):
-        raise ValueError(f"block_sizes={block_sizes!r} must be a {__name__}.BlockSizes.")
+    """Checked operands; ``(block sizes resolved against :func:`default_block_sizes`,
+    softcap as float or None)``. Tiles must suit Triton unless ``interpret=True``."""
+    contract.check_operands(q, k, v, q_tokens, kv_tokens, dtypes=core.DTYPES,
+                            kernel_name=__name__)
+    softcap = contract.check_softcap(softcap)
+    block_sizes = contract.resolve_block_sizes(
+        block_sizes, default_block_sizes(q.shape[-1], v.shape[-1], q.dtype), __name__)
     if interpret is not True:  # the program may be lowered for a GPU
         block_sizes.check_gpu()
-
-
-def _resolve(q, v, block_sizes):
-    return (default_block_sizes(q.shape[-1], v.shape[-1], q.dtype) if block_sizes is None
-            else block_sizes)
+    return block_sizes, softcap
 
 
 def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
@@ -155,7 +137,8 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
       spec: causal / window; scale: score multiplier.
       softcap: logits ``s = scale * q.k`` become ``softcap * tanh(s / softcap)``
         before masking (Gemma 2); None: no cap.
-      block_sizes: tile sizes; None: :func:`default_block_sizes` for the head dims.
+      block_sizes: tile sizes (powers of two >= 16 unless ``interpret=True``); None,
+        or a size left None: :func:`default_block_sizes` for the head dims and dtype.
       interpret: None: Triton when the program is lowered for a GPU, the Pallas
         interpreter elsewhere; True / False force one.
     Returns:
@@ -169,11 +152,10 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
     >>> out.shape, out.dtype, lse.shape
     ((1, 32, 2, 16), dtype('float32'), (1, 32, 2))
     """
-    block_sizes = _resolve(q, v, block_sizes)
-    _validate(q, k, v, q_tokens, kv_tokens, block_sizes, interpret, softcap)
+    block_sizes, softcap = _validate(q, k, v, q_tokens, kv_tokens, block_sizes, interpret,
+                                     softcap)
     return _forward(q, k, v, q_tokens, kv_tokens, spec=spec, scale=float(scale),
-                    softcap=None if softcap is None else float(softcap),
-                    block_sizes=block_sizes, interpret=interpret)
+                    softcap=softcap, block_sizes=block_sizes, interpret=interpret)
 
 
 def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, softcap, block_sizes, interpret,
@@ -236,19 +218,13 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
       float32 ``dq [B, Sq, H, Dqk]``, ``dk [B, Sk, Hkv, Dqk]``, ``dv [B, Sk, Hkv, Dv]``
       (plus ``accumulate``).
     """
-    block_sizes = _resolve(q, v, block_sizes)
-    _validate(q, k, v, q_tokens, kv_tokens, block_sizes, interpret, softcap)
-    rows, dout_shape = q.shape[:3], q.shape[:3] + v.shape[3:]
-    if lse.shape != rows or delta.shape != rows or dout.shape != dout_shape:
-        raise ValueError(f"lse and delta must be {rows} and dout {dout_shape}. Got "
-                         f"{lse.shape=}, {delta.shape=}, {dout.shape=}.")
+    block_sizes, softcap = _validate(q, k, v, q_tokens, kv_tokens, block_sizes, interpret,
+                                     softcap)
+    contract.check_backward_operands(q, v, lse, delta, dout)
     grads = _pallas_bwd.backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, spec=spec,
-                                 scale=float(scale),
-                                 softcap=None if softcap is None else float(softcap),
+                                 scale=float(scale), softcap=softcap,
                                  block_sizes=block_sizes, interpret=interpret)
-    if accumulate is None:
-        return grads
-    return tuple(total + g for total, g in zip(accumulate, grads))
+    return contract.add_accumulated(grads, accumulate)
 
 
 def attention(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
@@ -266,35 +242,10 @@ def attention(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, s
     >>> jax.grad(loss)(q).shape
     (1, 32, 2, 16)
     """
-    block_sizes = _resolve(q, v, block_sizes)
-    _validate(q, k, v, q_tokens, kv_tokens, block_sizes, interpret, softcap)
-    static = (spec, float(scale), None if softcap is None else float(softcap), block_sizes,
-              interpret)
-    return _attention(static, q, k, v, q_tokens, kv_tokens)
+    block_sizes, softcap = _validate(q, k, v, q_tokens, kv_tokens, block_sizes, interpret,
+                                     softcap)
+    return _attention(q, k, v, q_tokens, kv_tokens, spec=spec, scale=float(scale),
+                      softcap=softcap, block_sizes=block_sizes, interpret=interpret)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(static, q, k, v, q_tokens, kv_tokens):
-    spec, scale, softcap, block_sizes, interpret = static
-    return _forward(q, k, v, q_tokens, kv_tokens, spec=spec, scale=scale, softcap=softcap,
-                    block_sizes=block_sizes, interpret=interpret)
-
-
-def _attention_fwd(static, q, k, v, q_tokens, kv_tokens):
-    out, lse = _attention(static, q, k, v, q_tokens, kv_tokens)
-    return (out, lse), (q, k, v, q_tokens, kv_tokens, out.astype(q.dtype), lse)
-
-
-def _attention_bwd(static, residuals, cotangents):
-    spec, scale, softcap, block_sizes, interpret = static
-    q, k, v, q_tokens, kv_tokens, out, lse = residuals
-    dout, dlse = cotangents
-    delta = jnp.einsum("bqhd,bqhd->bqh", dout.astype(_F32), out.astype(_F32)) - dlse
-    dq, dk, dv = _pallas_bwd.backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout,
-                                      spec=spec, scale=scale, softcap=softcap,
-                                      block_sizes=block_sizes, interpret=interpret)
-    no_grad = jax.tree.map(lambda _: None, (q_tokens, kv_tokens))
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *no_grad)
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention = contract.differentiable(_forward, _pallas_bwd.backward)

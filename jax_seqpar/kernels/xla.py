@@ -6,17 +6,14 @@ metadata (:func:`jax_seqpar.masks.classify`) and is skipped when ``EMPTY``,
 computed without a mask when ``FULL``, and masked when ``PARTIAL``. Scores,
 softmax statistics and accumulators are float32 whatever the input dtype.
 
-The kernel contract, shared with :mod:`jax_seqpar.kernels.pallas`:
-
-* :func:`forward` -> ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])``;
-* :func:`backward` takes the (final) ``lse`` and ``delta = sum(dout * out, -1)
-  - dlse`` and returns float32 ``(dq, dk, dv)``, added to ``accumulate`` when
-  given; strategies that merge partial results (the ring) call it with the
-  statistics of the merged result;
-* :func:`attention` is both, wired as a ``custom_vjp`` that accepts cotangents
-  for ``out`` AND ``lse``, so any composition of merges differentiates exactly;
-* every function takes ``softcap``: logits ``s = scale * q.k`` become
-  ``softcap * tanh(s / softcap)`` before masking (Gemma 2, arXiv:2408.00118).
+It has the kernel contract (:mod:`jax_seqpar.kernels.contract`), shared with
+:mod:`jax_seqpar.kernels.pallas` and :mod:`jax_seqpar.kernels.mosaic`:
+:func:`forward` -> ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])``,
+:func:`backward` (given the final ``lse`` and ``delta = sum(dout * out, -1) - dlse``)
+-> float32 ``(dq, dk, dv)``, and :func:`attention`, a ``custom_vjp`` of both that
+takes cotangents for ``out`` AND ``lse``. Every function takes ``softcap`` (logits
+``s = scale * q.k`` become ``softcap * tanh(s / softcap)`` before masking) and
+any positive tile sizes (:class:`~jax_seqpar.kernels.contract.BlockSizes`).
 
 GQA/MQA (``H % Hkv == 0``) are computed group-wise without repeating K/V.
 A query row that sees no key gets zeros and ``lse = EMPTY_LSE``.
@@ -25,43 +22,39 @@ Paper: FlashAttention-2, arXiv:2307.08691.
 
 from __future__ import annotations
 
-import dataclasses
-import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
 from jax_seqpar import _compat, masks
+from jax_seqpar.kernels import contract
+from jax_seqpar.kernels.contract import BlockSizes, check_softcap
 from jax_seqpar.kernels.tiling import Tiling, pad_seq, schedule
 from jax_seqpar.masks import MaskSpec, Tokens
+
+__all__ = ["BlockSizes", "attention", "backward", "check_softcap", "default_block_sizes",
+           "forward"]
 
 _F32 = jnp.float32
 
 
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tile sizes (clipped to the sequence length; ragged tails are padded).
+def default_block_sizes(d_qk: int, d_v: int, dtype) -> BlockSizes:
+    """256 tokens everywhere, whatever the head dims and dtype.
 
     256 tokens keep a tile's float32 scores ([B, H, 256, 256]) in cache-sized
     pieces on CPU and skip masked work finely; the backward may use other sizes
     (it holds four score-sized temporaries per tile to the forward's two).
-
-    Attributes:
-      block_q: query tokens per forward tile.
-      block_k: key/value tokens per forward tile.
-      block_q_bwd: query tokens per backward tile.
-      block_k_bwd: key/value tokens per backward tile.
     """
+    del d_qk, d_v, dtype
+    return BlockSizes(256, 256, 256, 256)
 
-    block_q: int = 256
-    block_k: int = 256
-    block_q_bwd: int = 256
-    block_k_bwd: int = 256
 
-    def __post_init__(self):
-        sizes = dataclasses.astuple(self)
-        if not all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in sizes):
-            raise ValueError(f"block sizes must be positive ints. Got {self}.")
+def _checked(q, k, v, q_tokens, kv_tokens, block_sizes, softcap):
+    """Validated operands; ``(block sizes resolved, softcap as float or None)``."""
+    contract.check_operands(q, k, v, q_tokens, kv_tokens, kernel_name=__name__)
+    defaults = default_block_sizes(q.shape[-1], v.shape[-1], q.dtype)
+    return contract.resolve_block_sizes(block_sizes, defaults, __name__), check_softcap(softcap)
 
 
 def _tiling(q, k, block_q: int, block_k: int) -> Tiling:
@@ -110,29 +103,26 @@ def _scores(q_tile, k_tile, scale, softcap=None):
     return softcap * capped, 1.0 - capped * capped
 
 
-def check_softcap(softcap):
-    """``None`` or a positive float, else ``ValueError``."""
-    if softcap is None:
-        return None
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not softcap > 0:
-        raise ValueError(f"softcap must be a positive float (e.g. 50.0) or None. "
-                         f"Got {softcap=!r}.")
-    return float(softcap)
-
-
 def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
-            block_sizes: BlockSizes = BlockSizes(), softcap=None):
+            block_sizes: Optional[BlockSizes] = None, softcap: Optional[float] = None):
     """Attention of ``q`` against one run of keys.
 
     Args:
       q: ``[B, Sq, H, Dqk]``; k: ``[B, Sk, Hkv, Dqk]``; v: ``[B, Sk, Hkv, Dv]``.
       q_tokens, kv_tokens: metadata of the queries (``[B, Sq]``) and keys (``[B, Sk]``).
       spec: causal / window; scale: score multiplier.
+      block_sizes: tile sizes, any positive ints; None (or a size left None):
+        :func:`default_block_sizes`.
       softcap: cap of the logits (``softcap * tanh(s / softcap)``), or None.
     Returns:
       ``out float32[B, Sq, H, Dv]`` (normalized) and ``lse float32[B, Sq, H]``.
     """
-    softcap = check_softcap(softcap)
+    block_sizes, softcap = _checked(q, k, v, q_tokens, kv_tokens, block_sizes, softcap)
+    return _forward(q, k, v, q_tokens, kv_tokens, spec=spec, scale=scale,
+                    block_sizes=block_sizes, softcap=softcap)
+
+
+def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, block_sizes, softcap):
     t = _tiling(q, k, block_sizes.block_q, block_sizes.block_k)
     q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # classes [nq, nk]
     d_v = v.shape[-1]
@@ -188,12 +178,13 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
 
 
 def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
-             spec: MaskSpec, scale: float, block_sizes: BlockSizes = BlockSizes(),
-             accumulate=None, softcap=None):
+             spec: MaskSpec, scale: float, block_sizes: Optional[BlockSizes] = None,
+             accumulate=None, softcap: Optional[float] = None):
     """Gradients of attention given the softmax statistics of the full result.
 
     Args:
-      q, k, v, q_tokens, kv_tokens, spec, scale, softcap: as in :func:`forward`.
+      q, k, v, q_tokens, kv_tokens, spec, scale, block_sizes, softcap: as in
+        :func:`forward`.
       lse: ``float32[B, Sq, H]`` log-sum-exp of the (possibly merged) result.
       delta: ``float32[B, Sq, H]`` = ``sum(dout * out, -1) - dlse``.
       dout: ``[B, Sq, H, Dv]`` cotangent of the (merged) output.
@@ -203,7 +194,14 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
       float32 ``dq [B, Sq, H, Dqk]``, ``dk [B, Sk, Hkv, Dqk]``, ``dv [B, Sk, Hkv, Dv]``
       (plus ``accumulate``).
     """
-    softcap = check_softcap(softcap)
+    block_sizes, softcap = _checked(q, k, v, q_tokens, kv_tokens, block_sizes, softcap)
+    contract.check_backward_operands(q, v, lse, delta, dout)
+    return _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, spec=spec, scale=scale,
+                     block_sizes=block_sizes, accumulate=accumulate, softcap=softcap)
+
+
+def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, block_sizes,
+              softcap, accumulate=None):
     t = _tiling(q, k, block_sizes.block_q_bwd, block_sizes.block_k_bwd)
     q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # classes [nq, nk]
     hg = (t.kv_heads, t.group)
@@ -265,35 +263,17 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
     return dq, dk[:, :t.kv_len], dv[:, :t.kv_len]
 
 
+_attention = contract.differentiable(_forward, _backward)
+
+
 def attention(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
-              block_sizes: BlockSizes = BlockSizes(), softcap=None):
-    """Differentiable :func:`forward`: ``(out float32, lse float32)``.
+              block_sizes: Optional[BlockSizes] = None, softcap: Optional[float] = None):
+    """Differentiable :func:`forward`: ``(out float32, lse float32)``, through
+    :func:`jax_seqpar.kernels.contract.differentiable`.
 
-    The backward accepts cotangents for both ``out`` and ``lse``.
+    The backward accepts cotangents for both ``out`` and ``lse``; the residual
+    ``out`` is kept in the input dtype (``lse`` in float32).
     """
-    return _attention(spec, float(scale), block_sizes, check_softcap(softcap),
-                      q, k, v, q_tokens, kv_tokens)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3))
-def _attention(spec, scale, block_sizes, softcap, q, k, v, q_tokens, kv_tokens):
-    return forward(q, k, v, q_tokens, kv_tokens, spec=spec, scale=scale, block_sizes=block_sizes,
-                   softcap=softcap)
-
-
-def _attention_fwd(spec, scale, block_sizes, softcap, q, k, v, q_tokens, kv_tokens):
-    out, lse = _attention(spec, scale, block_sizes, softcap, q, k, v, q_tokens, kv_tokens)
-    return (out, lse), (q, k, v, q_tokens, kv_tokens, out, lse)
-
-
-def _attention_bwd(spec, scale, block_sizes, softcap, residuals, cotangents):
-    q, k, v, q_tokens, kv_tokens, out, lse = residuals
-    dout, dlse = cotangents
-    delta = jnp.einsum("bqhd,bqhd->bqh", dout.astype(_F32), out) - dlse
-    dq, dk, dv = backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout,
-                          spec=spec, scale=scale, block_sizes=block_sizes, softcap=softcap)
-    no_grad = jax.tree.map(lambda _: None, (q_tokens, kv_tokens))
-    return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *no_grad)
-
-
-_attention.defvjp(_attention_fwd, _attention_bwd)
+    block_sizes, softcap = _checked(q, k, v, q_tokens, kv_tokens, block_sizes, softcap)
+    return _attention(q, k, v, q_tokens, kv_tokens, spec=spec, scale=float(scale),
+                      block_sizes=block_sizes, softcap=softcap)

@@ -1,0 +1,255 @@
+"""The kernel contract, in one place: what every local attention kernel takes and returns.
+
+A kernel (:mod:`.xla`, :mod:`.pallas`, :mod:`.mosaic`, or the per-platform choice
+of :func:`jax_seqpar.kernels.get`) is a :class:`Kernel`:
+
+* ``forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, softcap=None,
+  block_sizes=None)`` -> ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])``;
+  a query row that sees no key gets zeros and ``lse = EMPTY_LSE``;
+* ``backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, ..., accumulate=None)``
+  takes the (final) ``lse`` and ``delta = sum(dout * out, -1) - dlse`` and returns
+  float32 ``(dq, dk, dv)``, added to ``accumulate`` when given; strategies that
+  merge partial results (the ring) call it with the statistics of the merged result;
+* ``attention(...)`` is both, wired by :func:`differentiable` as a ``custom_vjp``
+  that accepts cotangents for ``out`` AND ``lse``, so any composition of merges
+  differentiates exactly;
+* ``softcap``: logits ``s = scale * q.k`` become ``softcap * tanh(s / softcap)``
+  before masking (Gemma 2, arXiv:2408.00118);
+* ``block_sizes``: one :class:`BlockSizes` for every kernel; a size left ``None``
+  is the kernel's default for the head dims and dtype (its ``default_block_sizes``).
+
+Shapes: ``q [B, Sq, H, Dqk]``, ``k [B, Sk, Hkv, Dqk]``, ``v [B, Sk, Hkv, Dv]``,
+``H % Hkv == 0`` (GQA/MQA), token metadata (:class:`jax_seqpar.masks.Tokens`)
+``[B, Sq]`` and ``[B, Sk]``. This module also holds the checks the kernels share
+(:func:`check_operands`, :func:`check_softcap`, :func:`check_backward_operands`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import numbers
+from typing import Callable, Optional, Protocol, Sequence
+
+import jax
+import jax.numpy as jnp
+
+from jax_seqpar.masks import MaskSpec, Tokens
+
+F32 = jnp.float32
+#: Smallest tile the Triton (GPU) lowering takes; tiles there are powers of two.
+GPU_MIN_TILE = 16
+#: TPU lane width: Mosaic tiles are multiples of it.
+TPU_LANES = 128
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes in tokens, the same class for every kernel.
+
+    A size left ``None`` is the default of the kernel that runs, for the call's
+    head dims and dtype (each kernel module's ``default_block_sizes``). Tiles are
+    clipped to the sequence (the XLA kernel: its length; Triton: the next power of
+    two; Mosaic: whole 128-token lanes) and ragged tails are padded. What a kernel
+    takes: the XLA kernel any positive size; the Pallas kernel powers of two >= 16
+    when lowered for GPU (:meth:`check_gpu`), any size in the interpreter; the
+    Mosaic kernel multiples of 128 (:meth:`check_tpu`). Powers of two that are
+    multiples of 128 (128, 256, 512) suit every kernel.
+
+    Attributes:
+      block_q: query tokens per forward tile.
+      block_k: key/value tokens per forward tile.
+      block_q_bwd: query tokens per tile in the backward.
+      block_k_bwd: key/value tokens per tile in the backward.
+    """
+
+    block_q: Optional[int] = None
+    block_k: Optional[int] = None
+    block_q_bwd: Optional[int] = None
+    block_k_bwd: Optional[int] = None
+
+    def __post_init__(self):
+        for name, size in self._sizes():
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name}={size!r} must be a positive int (or None for the "
+                                 f"kernel's default). Got {self}.")
+
+    def _sizes(self):
+        """``(name, size)`` of the sizes that are set."""
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not None]
+
+    def check_gpu(self) -> None:
+        """Raise ``ValueError`` unless every size set suits the Triton (GPU) lowering:
+        powers of two >= 16."""
+        for name, size in self._sizes():
+            if size < GPU_MIN_TILE or size & (size - 1):
+                raise ValueError(
+                    f"{name}={size} must be a power of two >= {GPU_MIN_TILE} for the Triton "
+                    f"(GPU) lowering; use e.g. {max(GPU_MIN_TILE, _next_power_of_two(size))}.")
+
+    def check_tpu(self) -> None:
+        """Raise ``ValueError`` unless every size set suits the Mosaic (TPU) kernel:
+        multiples of 128, the TPU lane width."""
+        for name, size in self._sizes():
+            if size % TPU_LANES:
+                raise ValueError(
+                    f"{name}={size} must be a positive multiple of {TPU_LANES} (the TPU lane "
+                    f"width); use e.g. {TPU_LANES * -(-size // TPU_LANES)}.")
+
+    def resolve(self, defaults: "BlockSizes") -> "BlockSizes":
+        """These sizes with every ``None`` taken from ``defaults``."""
+        return dataclasses.replace(defaults, **dict(self._sizes()))
+
+
+def resolve_block_sizes(block_sizes: Optional[BlockSizes], defaults: BlockSizes,
+                        kernel_name: str) -> BlockSizes:
+    """``block_sizes`` (``None`` or partly ``None``) completed from ``defaults``.
+
+    Raises ``ValueError`` unless ``block_sizes`` is a :class:`BlockSizes` or None.
+    """
+    if block_sizes is None:
+        return defaults
+    if not isinstance(block_sizes, BlockSizes):
+        raise ValueError(f"block_sizes={block_sizes!r} must be a jax_seqpar.kernels.BlockSizes "
+                         f"(the tile sizes of {kernel_name}) or None.")
+    return block_sizes.resolve(defaults)
+
+
+def check_softcap(softcap) -> Optional[float]:
+    """``None`` or a positive float, else ``ValueError``."""
+    if softcap is None:
+        return None
+    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not softcap > 0:
+        raise ValueError(f"softcap must be a positive float (e.g. 50.0) or None. "
+                         f"Got {softcap=!r}.")
+    return float(softcap)
+
+
+def check_operands(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *,
+                   dtypes: Optional[Sequence] = None, kernel_name: str) -> None:
+    """Raise ``ValueError`` unless the operands form one kernel call.
+
+    Args:
+      q: ``[B, Sq, H, Dqk]``; k: ``[B, Sk, Hkv, Dqk]``; v: ``[B, Sk, Hkv, Dv]``,
+        ``H % Hkv == 0``.
+      q_tokens, kv_tokens: metadata, each field None or ``[B, Sq]`` / ``[B, Sk]``.
+      dtypes: the dtypes the kernel takes (q, k and v share one of them); None:
+        any, unchecked.
+      kernel_name: the kernel, for the messages.
+    """
+    if q.ndim != 4 or k.ndim != 4 or v.ndim != 4:
+        raise ValueError(f"q, k, v must be [batch, seq, heads, dim]. Got {q.shape=}, "
+                         f"{k.shape=}, {v.shape=}.")
+    (batch, q_len, heads, d_qk), (kv_len, kv_heads) = q.shape, k.shape[1:3]
+    if k.shape[0] != batch or v.shape[:3] != k.shape[:3] or k.shape[3] != d_qk:
+        raise ValueError(f"k must be [{batch}, kv_seq, kv_heads, {d_qk}] and v "
+                         f"[{batch}, kv_seq, kv_heads, d_v]. Got {k.shape=}, {v.shape=}.")
+    if heads % kv_heads:
+        raise ValueError(f"{heads=} must be a multiple of {kv_heads=} (GQA/MQA).")
+    if dtypes is not None:
+        dtypes = [jnp.dtype(d) for d in dtypes]
+        if not q.dtype == k.dtype == v.dtype or q.dtype not in dtypes:
+            raise ValueError(f"q, k, v must share one of {[str(d) for d in dtypes]} (the "
+                             f"dtypes {kernel_name} takes). Got {q.dtype=}, {k.dtype=}, "
+                             f"{v.dtype=}; cast them first.")
+    for name, tokens, shape in (("q", q_tokens, (batch, q_len)),
+                                ("kv", kv_tokens, (batch, kv_len))):
+        for field in ("positions", "segment_ids"):
+            x = getattr(tokens, field)
+            if x is not None and x.shape != shape:
+                raise ValueError(f"{name}_tokens.{field} must have shape {shape}. Got {x.shape}.")
+
+
+def check_backward_operands(q, v, lse, delta, dout) -> None:
+    """Raise ``ValueError`` unless ``lse, delta`` are ``[B, Sq, H]`` and ``dout``
+    ``[B, Sq, H, Dv]`` for ``q [B, Sq, H, Dqk]`` and ``v [.., Dv]``."""
+    rows, dout_shape = q.shape[:3], q.shape[:3] + v.shape[3:]
+    if lse.shape != rows or delta.shape != rows or dout.shape != dout_shape:
+        raise ValueError(f"lse and delta must be {rows} and dout {dout_shape}. Got "
+                         f"{lse.shape=}, {delta.shape=}, {dout.shape=}.")
+
+
+def add_accumulated(grads, accumulate):
+    """``grads`` (float32 ``(dq, dk, dv)``) plus ``accumulate`` when it is given."""
+    if accumulate is None:
+        return grads
+    return tuple(total + g for total, g in zip(accumulate, grads))
+
+
+def differentiable(forward_impl: Callable, backward_impl: Callable) -> Callable:
+    """The kernels' ``attention``: ``forward_impl`` with ``backward_impl`` as its VJP.
+
+    Args:
+      forward_impl: ``(q, k, v, q_tokens, kv_tokens, **static) -> (out f32, lse f32)``.
+      backward_impl: ``(q, k, v, q_tokens, kv_tokens, lse, delta, dout, **static)
+        -> float32 (dq, dk, dv)``.
+    Returns:
+      ``attention_impl(q, k, v, q_tokens, kv_tokens, **static) -> (out, lse)``,
+      differentiable in q, k, v with cotangents for ``out`` AND ``lse``. ``static``
+      (spec, scale, softcap, resolved block sizes, ...) must be hashable: both impls
+      get it as given. The residuals are ``q, k, v``, the token metadata, ``out`` in
+      the input dtype (half the activation memory of float32 in bf16 training) and
+      ``lse`` in float32; the backward computes ``delta = sum(dout * out, -1) - dlse``
+      in float32, casts the gradients to the input dtypes, and gives the token
+      metadata no gradient.
+    """
+
+    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+    def attention_vjp(static, q, k, v, q_tokens, kv_tokens):
+        return forward_impl(q, k, v, q_tokens, kv_tokens, **dict(static))
+
+    def attention_fwd(static, q, k, v, q_tokens, kv_tokens):
+        out, lse = forward_impl(q, k, v, q_tokens, kv_tokens, **dict(static))
+        return (out, lse), (q, k, v, q_tokens, kv_tokens, out.astype(q.dtype), lse)
+
+    def attention_bwd(static, residuals, cotangents):
+        q, k, v, q_tokens, kv_tokens, out, lse = residuals
+        dout, dlse = cotangents
+        delta = jnp.einsum("bqhd,bqhd->bqh", dout.astype(F32), out.astype(F32),
+                           precision=jax.lax.Precision.HIGHEST) - dlse
+        dq, dk, dv = backward_impl(q, k, v, q_tokens, kv_tokens, lse, delta, dout,
+                                   **dict(static))
+        no_grad = jax.tree.map(lambda _: None, (q_tokens, kv_tokens))
+        return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *no_grad)
+
+    attention_vjp.defvjp(attention_fwd, attention_bwd)
+
+    def attention_impl(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, **static):
+        return attention_vjp(tuple(sorted(static.items())), q, k, v, q_tokens, kv_tokens)
+
+    return attention_impl
+
+
+class Kernel(Protocol):
+    """What :func:`jax_seqpar.kernels.get` returns: a kernel module (:mod:`.xla`,
+    :mod:`.pallas`, :mod:`.mosaic`) or a per-platform choice of them.
+
+    Kernels may take more keywords (the Pallas kernel's ``interpret``); a kernel
+    without soft-capping has no ``softcap`` keyword and is never given one.
+    """
+
+    #: The tile-size class, :class:`BlockSizes` for every kernel.
+    BlockSizes: type
+
+    def forward(self, q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec,
+                scale: float, softcap: Optional[float] = None,
+                block_sizes: Optional[BlockSizes] = None):
+        """``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])`` of ``q [B, Sq, H, Dqk]``
+        against ``k [B, Sk, Hkv, Dqk]``, ``v [B, Sk, Hkv, Dv]``."""
+
+    def backward(self, q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
+                 spec: MaskSpec, scale: float, softcap: Optional[float] = None,
+                 block_sizes: Optional[BlockSizes] = None, accumulate=None):
+        """float32 ``(dq [B, Sq, H, Dqk], dk [B, Sk, Hkv, Dqk], dv [B, Sk, Hkv, Dv])``
+        given ``lse, delta float32[B, Sq, H]`` (``delta = sum(dout * out, -1) - dlse``)
+        and ``dout [B, Sq, H, Dv]``, plus ``accumulate`` when given."""
+
+    def attention(self, q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec,
+                  scale: float, softcap: Optional[float] = None,
+                  block_sizes: Optional[BlockSizes] = None):
+        """Differentiable :meth:`forward` (cotangents for ``out`` and ``lse``)."""
