@@ -186,7 +186,7 @@ def test_kernel_choice_follows_the_lowering_platform():
     possible: Pallas lowers a Triton call for every platform of the module."""
     q = k = v = jax.ShapeDtypeStruct((1, 64, 2, 16), jnp.bfloat16)
 
-    def exported(kernel, platforms):
+    def exported(kernel, platforms, q=q, k=k, v=v):
         def run(q, k, v):
             tokens = Tokens(jnp.broadcast_to(jnp.arange(64, dtype=jnp.int32), (1, 64)))
             return kernels.get(kernel).forward(q, k, v, tokens, tokens, scale=0.25,
@@ -201,6 +201,11 @@ def test_kernel_choice_follows_the_lowering_platform():
         assert triton in exported(kernel, ["cuda"]), kernel
         assert triton not in exported(kernel, ["cpu"]), kernel
     assert triton not in exported("xla", ["cuda"])
+    # float32 heads over 128 would spill in Triton's backward: "auto" runs the XLA kernel.
+    wide, narrow = (jax.ShapeDtypeStruct((1, 64, 2, d), jnp.float32) for d in (256, 128))
+    assert triton not in exported("auto", ["cuda"], wide, wide, wide)
+    assert triton in exported("auto", ["cuda"], narrow, narrow, narrow)
+    assert triton in exported("pallas", ["cuda"], wide, wide, wide)  # asked for by name
     assert api.can_check_vma("auto") and api.can_check_vma("xla")
     assert not api.can_check_vma("pallas")  # its CPU branch is the Pallas interpreter
 

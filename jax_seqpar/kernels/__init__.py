@@ -65,6 +65,15 @@ def _check_tiles(choice: str, block_sizes: Optional[BlockSizes], kernels: set) -
         f"Use kernel='xla' for tiles under 16 (it takes any positive size), or {every}.")
 
 
+def _compiles_clean(kernel: str, args: tuple) -> bool:
+    """Whether ``kernel`` compiles without spills for the operands ``(q, k, v, ...)``:
+    Triton for float32 head dims over 128 does not (its backward spills)."""
+    if kernel != "pallas":
+        return True
+    q, _, v = args[:3]
+    return _module("pallas").compiles_clean(q.shape[-1], v.shape[-1], q.dtype)
+
+
 @dataclasses.dataclass(frozen=True)
 class PerPlatform:
     """A kernel that is a different kernel module on each lowering platform.
@@ -96,14 +105,15 @@ class PerPlatform:
         """Whether some platform runs the Pallas interpreter."""
         return any(k == "pallas-interpret" for _, k in self.platforms)
 
-    def _branches(self, method: str, block_sizes, static: dict) -> dict:
+    def _branches(self, method: str, args: tuple, block_sizes, static: dict) -> dict:
         """``{platform or "default": fn(*args)}`` of ``method`` of each platform's kernel."""
         branches, kernels = {}, set()
         for platform, kernel in self.platforms:
             module = _module(kernel)
             missing = [k for k in static if k not in _keywords(module, method)]
-            if missing and self.name == "auto":
-                # The automatic choice is the best kernel that has the call's options.
+            if self.name == "auto" and (missing or not _compiles_clean(kernel, args)):
+                # The automatic choice is the best kernel that has the call's options
+                # and compiles cleanly for its operands.
                 kernel, module = "xla", _module("xla")
             elif missing:
                 raise ValueError(f"{missing[0]}={static[missing[0]]!r} is not supported by "
@@ -128,7 +138,7 @@ class PerPlatform:
             if block_sizes is not None:
                 static = dict(static, block_sizes=block_sizes)
             return getattr(_module("pallas"), method)(*args, interpret=interpret, **static)
-        branches = self._branches(method, block_sizes, static)
+        branches = self._branches(method, args, block_sizes, static)
         default = branches.pop("default", None)
         return jax.lax.platform_dependent(*args, default=default, **branches)
 
@@ -165,7 +175,8 @@ def get(kernel: str = "auto") -> Kernel:
     lowered for TPU, the Pallas interpreter elsewhere (the module chooses itself).
     ``"auto"``: Triton when lowered for CUDA, Mosaic for TPU, the XLA kernel
     elsewhere, and the XLA kernel wherever a call needs an option the platform's
-    kernel lacks. Every kernel takes :class:`BlockSizes`; under ``"auto"`` and
+    kernel lacks or the platform's kernel would spill registers (float32 head dims
+    over 128 on GPU). Every kernel takes :class:`BlockSizes`; under ``"auto"`` and
     ``"pallas"`` they apply to whichever kernel runs, and sizes that one of them
     cannot take (Triton: powers of two >= 16; Mosaic: multiples of 128) are a
     ``ValueError`` in the call.

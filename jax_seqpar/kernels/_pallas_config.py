@@ -41,6 +41,17 @@ def default_block_sizes(d_qk: int, d_v: int, dtype) -> BlockSizes:
     return BlockSizes(32, 16, 16, 16)  # MLA absorbed (576/512)
 
 
+#: Widest head dim the float32 (TF32x3) kernels compile for without spilling.
+MAX_F32_WIDTH = 128
+
+
+def compiles_clean(d_qk: int, d_v: int, dtype) -> bool:
+    """Whether the default tiles compile without register spills on sm_80 and sm_90:
+    every bf16 / fp16 head dim; float32 up to :data:`MAX_F32_WIDTH` (wider float32
+    heads spill in the backward). ``kernel="auto"`` runs the XLA kernel otherwise."""
+    return jnp.dtype(dtype) != jnp.float32 or _width(d_qk, d_v) <= MAX_F32_WIDTH
+
+
 def gpu_generation() -> Optional[int]:
     """Compute-capability major of the local GPU (9: H100/H200, 8: A100), or None when
     there is none (e.g. compiling for a GPU from a CPU host): defaults then take the

@@ -35,7 +35,8 @@ How the work is cut:
   3e-7 relative error on the output against float64, like float32's 5e-7), never
   the IEEE-FMA path; the interpreter emulates the same split, so CPU tests hold
   the GPU's arithmetic to the float32 tolerance. Head dims over 128 in float32
-  still spill in the backward (bf16 / fp16 do not): cast, or use ``kernel="xla"``;
+  still spill in the backward (bf16 / fp16 do not; :func:`compiles_clean`), so
+  ``kernel="auto"`` runs the XLA kernel for them on GPU: cast to run this one;
 * decode-sized queries (under 16 tokens) of a GQA/MQA group are folded into the
   rows of one program per kv head: each K/V tile is read once per group; a call
   with one query tile per (batch, head) and too few programs to fill the GPU
@@ -62,13 +63,14 @@ from jax_seqpar import _compat, masks
 from jax_seqpar.kernels import _pallas_bwd, contract
 from jax_seqpar.kernels import _pallas_config as config
 from jax_seqpar.kernels import _pallas_core as core
-from jax_seqpar.kernels._pallas_config import default_block_sizes
+from jax_seqpar.kernels._pallas_config import compiles_clean, default_block_sizes
 from jax_seqpar.kernels.contract import BlockSizes
 from jax_seqpar.kernels._pallas_core import HeadDim
 from jax_seqpar.kernels.tiling import pad_seq, padded_tokens
 from jax_seqpar.masks import MaskSpec, Tokens
 
-__all__ = ["BlockSizes", "attention", "backward", "default_block_sizes", "forward"]
+__all__ = ["BlockSizes", "attention", "backward", "compiles_clean", "default_block_sizes",
+           "forward"]
 
 _F32 = core.F32
 
