@@ -154,7 +154,8 @@ def compile_kernels(target: str, d_qk: int, d_v: int, dtype, *, seq=1024, heads=
     positions = jax.ShapeDtypeStruct((1, seq), jnp.int32, sharding=sharding)
     fn = attention_grads(MaskSpec.make(causal=causal), block_sizes, interpret)
     dump_dir = dump_dir or tempfile.mkdtemp(prefix="seqpar_gpu_")
-    options = {"xla_dump_to": dump_dir,
+    from jax_seqpar import aot
+    options = {**aot.PRODUCTION_CODEGEN, "xla_dump_to": dump_dir,
                "xla_gpu_fail_ptx_compilation_on_register_spilling": bool(spills_as_errors)}
     start = time.perf_counter()
     lowered = jax.jit(fn).trace(q, k, v, positions).lower(lowering_platforms=("cuda",))

@@ -62,6 +62,11 @@ class Compiled:
     kernels: Optional[Mapping[str, KernelResources]] = None
 
 
+#: XLA's default backend (LLVM) optimization options, pinned for GPU and TPU programs.
+PRODUCTION_CODEGEN = {"xla_backend_optimization_level": 3,
+                      "xla_llvm_disable_expensive_passes": False}
+
+
 def compile_for(fn: Callable, args, platform: str, *, fail_on_spills: bool = False,
                 kernel_resources: bool = False) -> Compiled:
     """Lower ``jax.jit(fn)(*args)`` for ``platform`` and compile it; nothing runs.
@@ -80,7 +85,9 @@ def compile_for(fn: Callable, args, platform: str, *, fail_on_spills: bool = Fal
     """
     import jax
 
-    options = {}
+    # The backend's production code generation, whatever XLA_FLAGS the process has
+    # (the test suite lowers LLVM's effort for its many small CPU programs).
+    options = {} if platform == "cpu" else dict(PRODUCTION_CODEGEN)
     if platform == "cuda" and fail_on_spills:
         options["xla_gpu_fail_ptx_compilation_on_register_spilling"] = True
     dump = tempfile.mkdtemp(prefix="jax_seqpar_aot_") if (

@@ -6,8 +6,13 @@ the test modules), because the device count is fixed when the backend starts.
 
 import os
 
-os.environ["XLA_FLAGS"] = " ".join(
-    filter(None, [os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8"]))
+# LLVM at its lowest effort: the suite compiles hundreds of small CPU programs and
+# runs each once or twice, so code generation, not execution, is its cost (about a
+# fifth less time). Programs compiled for GPU / TPU (jax_seqpar.aot) pin XLA's
+# production options instead.
+os.environ["XLA_FLAGS"] = " ".join(filter(None, [
+    os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
+    "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]))
 os.environ["JAX_PLATFORMS"] = "cpu"
 
 import jax  # noqa: E402
