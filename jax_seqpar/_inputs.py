@@ -28,6 +28,10 @@ def check_qkv(q, k, v) -> None:
     if q.shape[3] != k.shape[3]:
         raise ValueError(f"q and k must share head_dim. Got q head_dim={q.shape[3]}, "
                          f"k head_dim={k.shape[3]}.")
+    if not q.dtype == k.dtype == v.dtype or not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q, k, v must share one floating dtype (as jax.nn.dot_product_attention "
+                         f"requires). Got q.dtype={q.dtype}, k.dtype={k.dtype}, "
+                         f"v.dtype={v.dtype}; cast them to one dtype first.")
     heads, kv_heads = q.shape[2], k.shape[2]
     if heads % kv_heads:
         raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads} "

@@ -11,6 +11,7 @@ Two decisions the global view makes before ``shard_map``:
 
 from __future__ import annotations
 
+import contextlib
 import math
 from typing import Optional
 
@@ -151,3 +152,57 @@ def pad_inputs(length: int, q, k, v, segment_ids, kv_segment_ids, positions):
 def unpad(x, seq_len: int, axis: int = 1):
     """The first ``seq_len`` tokens of ``x`` (a slice, valid on sharded arrays)."""
     return x if x.shape[axis] == seq_len else jax.lax.slice_in_dim(x, 0, seq_len, axis=axis)
+
+
+def onto(mesh, *arrays):
+    """``arrays`` (None kept), with each concrete array that lives on devices outside
+    ``mesh`` copied onto it, replicated: one program cannot take inputs from another
+    device set (a shape-only or traced array is left to its caller)."""
+    devices = set(mesh.devices.flat)
+
+    def moved(x):
+        if (isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+                and x.sharding.device_set != devices):
+            return jax.device_put(x, NamedSharding(mesh, P()))
+        return x
+
+    return tuple(None if x is None else moved(x) for x in arrays)
+
+
+def caller_spec(q, mesh) -> Optional[P]:
+    """The sharding the caller's ``q [B, S, H, D]`` has on an Explicit ``mesh`` (its type's
+    batch, sequence and head entries; None for the head dim), which the output keeps;
+    None on Auto meshes, where XLA propagates shardings."""
+    if not is_explicit(mesh):
+        return None
+    spec = tuple(getattr(getattr(jax.typeof(q), "sharding", None), "spec", None) or ())
+    spec = (spec + (None,) * 4)[:3]
+    return P(*spec, None)
+
+
+def on_mesh(mesh, user_mesh):
+    """The context for placing arrays on, and ``shard_map`` over, ``mesh``: the caller's
+    context as it is, or, for a mesh split from the caller's (same devices, other axes),
+    that mesh as the abstract context, which ``shard_map`` and explicit shardings need."""
+    if mesh is user_mesh:
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
+
+
+def finish(x, mesh, seq_len: int, seq_spec: P, out_spec: Optional[P]):
+    """A result ``[B, L, ...]`` of ``shard_map`` back on the caller's ``mesh`` at the
+    caller's length ``seq_len <= L``.
+
+    Explicit meshes (``out_spec`` given): sharded ``out_spec``, like the caller's
+    queries; a padded result is first gathered along the sequence (an Explicit type
+    cannot slice a sharded dimension to a length its devices do not divide). Auto
+    meshes (``out_spec`` None): constrained to ``seq_spec`` on ``mesh`` (the result
+    may come from a mesh split from it) and sliced.
+    """
+    if out_spec is None:
+        x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, seq_spec))
+        return unpad(x, seq_len)
+    if x.shape[1] != seq_len:
+        whole = P(out_spec[0], None, *out_spec[2:])
+        x = unpad(jax.reshard(x, NamedSharding(mesh, whole)), seq_len)
+    return jax.reshard(x, NamedSharding(mesh, out_spec))

@@ -13,6 +13,7 @@ shardings (data and tensor parallelism) are kept.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 from typing import Optional, Union
@@ -21,9 +22,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_seqpar import _placement, kernels, layout as layouts
+from jax_seqpar import _placement, kernels, layout as layouts, masks
 from jax_seqpar._inputs import check_ids, check_self_attention
 from jax_seqpar.halo import default_layout
+from jax_seqpar.local import local_attention
 from jax_seqpar.meshes import split_axis
 from jax_seqpar.ring import ring_attention
 from jax_seqpar.ulysses import ulysses_attention
@@ -86,6 +88,8 @@ def _choose_strategy(q, k, v, mesh, axes: tuple, causal: bool, window, batch_sha
     from jax_seqpar import planner
 
     batch, seq_len, heads, head_dim = q.shape
+    # Planned at the length the call pads to (whole zigzag chunks on every device).
+    seq_len = _placement.padded_length(seq_len, 2 * math.prod(mesh.shape[a] for a in axes))
     local = (batch // batch_shards, seq_len, heads // head_shards, head_dim)
     return planner.auto_choice(local, k.shape[2] // head_shards, v.shape[3], q.dtype.itemsize,
                                mesh, axes, causal=causal, window=window)
@@ -96,7 +100,7 @@ def sequence_parallel_attention(
     k: jax.Array,
     v: jax.Array,
     *,
-    mesh: jax.sharding.Mesh,
+    mesh: Optional[jax.sharding.Mesh],
     seq_axes: Union[str, tuple] = "sp",
     strategy: str = "auto",
     causal: bool = False,
@@ -129,7 +133,10 @@ def sequence_parallel_attention(
     Args:
       q: ``[B, S, H, Dqk]`` global queries.
       k: ``[B, S, Hkv, Dqk]``; v: ``[B, S, Hkv, Dv]`` (``H % Hkv == 0``).
-      mesh: the device mesh (Explicit or Auto axis types).
+      mesh: the device mesh (Explicit or Auto axis types), or None: attend on the
+        caller's devices without splitting the sequence (the same kernels and masks;
+        ``seq_axes``, ``strategy``, ``layout``, ``batch_axes`` and ``ulysses_size``
+        are then unused).
       seq_axes: the mesh axis splitting the sequence, or ``(outer, inner)``:
         ``"hybrid"`` runs Ulysses over ``inner`` and the ring over ``outer``.
       strategy: ``"ulysses"``, ``"ring"``, ``"hybrid"``, ``"allgather"`` or
@@ -165,7 +172,9 @@ def sequence_parallel_attention(
         devices (:func:`jax_seqpar.meshes.split_axis`: one axis works too).
 
     Returns:
-      ``[B, S, H, Dv]`` in ``q.dtype``, in the caller's token order; with
+      ``[B, S, H, Dv]`` in ``q.dtype``, in the caller's token order, sharded like
+      ``q`` on Explicit meshes (its type's batch, sequence and head entries; an
+      unsharded ``q`` gives an unsharded output, as ``jax.nn`` would); with
       ``return_lse``, ``(out, lse)``.
 
     Raises:
@@ -179,6 +188,12 @@ def sequence_parallel_attention(
     batch, seq_len = q.shape[:2]
     check_ids("positions", positions, batch, seq_len)
     check_ids("kv_segment_ids", kv_segment_ids, batch, seq_len)
+    if mesh is None:
+        return local_attention(
+            q, k, v, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+            positions=positions, kv_positions=positions, window=window, scale=scale,
+            kernel=kernel, block_sizes=block_sizes, softcap=softcap, sinks=sinks,
+            return_lse=return_lse)
     axes = (seq_axes,) if isinstance(seq_axes, str) else tuple(seq_axes)
     for name in axes:
         if name not in mesh.shape:
@@ -193,29 +208,67 @@ def sequence_parallel_attention(
                          f"layout={layout!r} would relayout them again. Put the batch into "
                          "the layout once (jax_seqpar.permute_batch) and drop layout=.")
     batch_entry, head_entry = _placement.kept_entries(q, k, v, mesh, axes, batch_axes)
-    axis_sizes = {name: mesh.shape[name] for name in axes}
     if strategy == "auto":
         strategy, ulysses_size = _choose_strategy(
             q, k, v, mesh, axes, causal, window, _placement.entry_size(mesh, batch_entry),
             _placement.entry_size(mesh, head_entry))
-    user_mesh, user_axes = mesh, axes
-    if ulysses_size is not None:  # hybrid on a (ring, ulysses) split of the same devices
-        if strategy != "hybrid":
-            raise ValueError(f'ulysses_size={ulysses_size} needs strategy="hybrid" (or '
-                             f'"auto"). Got strategy={strategy!r}.')
-        mesh, axes = split_axis(mesh, axes, ulysses_size)
-        axis_sizes = {name: mesh.shape[name] for name in axes}
-    num_shards = math.prod(axis_sizes.values())
-    if positions is not None:
-        layout = "contiguous"
-    elif layout == "auto":
-        layout = default_layout(strategy, causal, window, seq_len=seq_len, num_shards=num_shards)
+    if ulysses_size is not None and strategy != "hybrid":
+        raise ValueError(f'ulysses_size={ulysses_size} needs strategy="hybrid" (or "auto"). '
+                         f"Got strategy={strategy!r}.")
+    call = _Call(mesh=mesh, axes=axes, strategy=strategy, ulysses_size=ulysses_size,
+                 layout="contiguous" if positions is not None else layout, causal=causal,
+                 window=masks.normalize_window(window),
+                 scale=None if scale is None else float(scale), kernel=kernel,
+                 block_sizes=block_sizes, softcap=None if softcap is None else float(softcap),
+                 return_lse=return_lse,
+                 batch_entry=batch_entry, head_entry=head_entry,
+                 out_spec=_placement.caller_spec(q, mesh))
+    arrays = _placement.onto(mesh, q, k, v, segment_ids, kv_segment_ids, positions,
+                             None if sinks is None else jnp.asarray(sinks))
+    return _on_mesh(*arrays, call=call)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """Everything static about one global call (hashable: the key of its compiled program)."""
+
+    mesh: jax.sharding.Mesh
+    axes: tuple
+    strategy: str
+    ulysses_size: Optional[int]
+    layout: str
+    causal: bool
+    window: Optional[tuple]
+    scale: Optional[float]
+    kernel: str
+    block_sizes: object
+    softcap: Optional[float]
+    return_lse: bool
+    batch_entry: object
+    head_entry: object
+    out_spec: Optional[P]
+
+
+# One jitted program per call signature: padding, placement, shard_map and the way back
+# are staged together (eager op-by-op execution cannot transpose a reshard of a padded
+# array whose length the devices do not divide), and eager callers run one program.
+@functools.partial(jax.jit, static_argnames="call")
+def _on_mesh(q, k, v, segment_ids, kv_segment_ids, positions, sinks, *, call: _Call):
+    seq_len = q.shape[1]
+    mesh, axes = call.mesh, call.axes
+    if call.ulysses_size is not None:  # hybrid on a (ring, ulysses) split of the same devices
+        mesh, axes = split_axis(mesh, axes, call.ulysses_size)
+    num_shards = math.prod(mesh.shape[name] for name in axes)
+    layout = call.layout
+    if layout == "auto":
+        layout = default_layout(call.strategy, call.causal, call.window, seq_len=seq_len,
+                                num_shards=num_shards)
     per_shard = {"contiguous": 1, "zigzag": 2, "striped": num_shards}[layout]
     length = _placement.padded_length(seq_len, num_shards * per_shard)
     if length != seq_len:
         q, k, v, segment_ids, kv_segment_ids, positions = _placement.pad_inputs(
             length, q, k, v, segment_ids, kv_segment_ids, positions)
-    attend = per_shard_fn(strategy, axes)
+    attend = per_shard_fn(call.strategy, axes)
     axis_name = axis_name_of(axes)
     relayout_in, relayout_out = _RELAYOUTS[layout]
 
@@ -228,28 +281,35 @@ def sequence_parallel_attention(
         if positions is None and layout != "contiguous":
             positions = layouts.shard_positions(layout, q.shape[1], axis_name=axis_name)
             positions = jnp.broadcast_to(positions, q.shape[:2])  # [B, L]
-        result = attend(q, k, v, causal=causal, window=window, segment_ids=segment_ids,
-                        kv_segment_ids=kv_segment_ids, positions=positions, scale=scale,
-                        kernel=kernel, block_sizes=block_sizes, softcap=softcap, sinks=sinks,
-                        return_lse=return_lse)  # [B, L, H, Dv] (and lse [B, L, H])
+        result = attend(q, k, v, causal=call.causal, window=call.window,
+                        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+                        positions=positions, scale=call.scale, kernel=call.kernel,
+                        block_sizes=call.block_sizes, softcap=call.softcap, sinks=sinks,
+                        return_lse=call.return_lse)  # [B, L, H, Dv] (and lse [B, L, H])
         return jax.tree.map(lambda x: relayout_out(x, axis_name=axis_name), result)
 
+    batch_entry, head_entry = call.batch_entry, call.head_entry
     qkv_spec = P(batch_entry, axis_name, head_entry, None)
     ids_spec = P(batch_entry, axis_name)
-    q, k, v = (_placement.place(x, mesh, qkv_spec) for x in (q, k, v))
-    ids = [None if x is None else _placement.place(x, mesh, ids_spec)
-           for x in (segment_ids, kv_segment_ids, positions)]
-    if sinks is not None:
-        sinks = _placement.place(jnp.asarray(sinks), mesh, P(head_entry))
-    out_specs = (qkv_spec, P(batch_entry, axis_name, head_entry)) if return_lse else qkv_spec
-    mapped = jax.shard_map(body, mesh=mesh,
-                           in_specs=(qkv_spec,) * 3 + tuple(P() if x is None else ids_spec
-                                                            for x in ids)
-                           + (P(head_entry),),
-                           out_specs=out_specs, check_vma=can_check_vma(kernel))
-    result = mapped(q, k, v, *ids, sinks)
-    if mesh is not user_mesh:  # back on the caller's mesh: same devices, no data moves
-        user_axis = axis_name_of(user_axes)
-        result = jax.tree.map(lambda x: _placement.place_on(
-            x, user_mesh, P(*(batch_entry, user_axis, head_entry, None)[:x.ndim])), result)
-    return jax.tree.map(lambda x: _placement.unpad(x, seq_len), result)
+    ids = (segment_ids, kv_segment_ids, positions)
+    out_specs = qkv_spec
+    if call.return_lse:
+        out_specs = (qkv_spec, P(batch_entry, axis_name, head_entry))
+    mapped = jax.shard_map(
+        body, mesh=mesh,
+        in_specs=(qkv_spec,) * 3 + tuple(P() if x is None else ids_spec for x in ids)
+        + (P(head_entry),), out_specs=out_specs, check_vma=can_check_vma(call.kernel))
+    with _placement.on_mesh(mesh, call.mesh):  # a split mesh is the context of its shard_map
+        q, k, v = (_placement.place(x, mesh, qkv_spec) for x in (q, k, v))
+        ids = [None if x is None else _placement.place(x, mesh, ids_spec) for x in ids]
+        if sinks is not None:
+            sinks = _placement.place(sinks, mesh, P(head_entry))
+        result = mapped(q, k, v, *ids, sinks)
+    # Back on the caller's mesh (a split mesh has the same devices: no data moves there)
+    # at the caller's length, sharded like q.
+    seq_spec = P(batch_entry, axis_name_of(call.axes), head_entry, None)
+    out_spec = call.out_spec
+    return jax.tree.map(
+        lambda x: _placement.finish(x, call.mesh, seq_len, P(*seq_spec[:x.ndim]),
+                                    None if out_spec is None else P(*out_spec[:x.ndim])),
+        result)

@@ -38,6 +38,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_seqpar.kernels import tiling
 from jax_seqpar._inputs import check_qkv, check_self_attention
+from jax_seqpar import _placement
 from jax_seqpar._placement import place as _place
 from jax_seqpar.api import axis_name_of, can_check_vma, sequence_parallel_attention
 from jax_seqpar.decode import EMPTY_POSITION, decode_attention
@@ -214,23 +215,19 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
         raise ValueError(f"lengths must have shape [batch]=({batch},). "
                          f"Got {tuple(jnp.shape(lengths))}.")
     lengths = jnp.minimum(jnp.asarray(lengths, jnp.int32), seq_len)
-    shards = cache.num_shards
-    # The divisibility every layout needs: 2P (zigzag), P**2 (striped).
-    multiple = shards * shards if layout == "striped" else 2 * shards
-    padded = -(-seq_len // multiple) * multiple
-    q, k, v = (jnp.pad(x, ((0, 0), (0, padded - seq_len), (0, 0), (0, 0))) for x in (q, k, v))
     segment_ids = None
     if not causal:  # causal prompts never see their own later padding; others must not
-        segment_ids = (jnp.arange(padded)[None] >= lengths[:, None]).astype(jnp.int32)
+        segment_ids = (jnp.arange(seq_len)[None] >= lengths[:, None]).astype(jnp.int32)
     seq_axes = cache.seq_axes if len(cache.seq_axes) > 1 else cache.seq_axes[0]
     out = sequence_parallel_attention(
         q, k, v, mesh=cache.mesh, seq_axes=seq_axes, strategy=strategy, causal=causal,
         segment_ids=segment_ids, window=window, scale=scale, layout=layout, kernel=kernel,
-        block_sizes=block_sizes, softcap=softcap, sinks=sinks)  # [B, S_padded, H, Dv]
-    if seq_len % shards:  # an uneven length cannot stay sequence-sharded
-        out = _place(out, cache.mesh, P())
-    out = out[:, :seq_len]  # [B, S, H, Dv]
+        block_sizes=block_sizes, softcap=softcap, sinks=sinks)  # [B, S, H, Dv], like q
 
+    # The cache write deals whole shards: the prompt padded to a length they divide (the
+    # padding is past ``lengths``, so it is never written).
+    padded = _placement.padded_length(seq_len, cache.num_shards)
+    k, v = (tiling.pad_seq(x, padded) for x in (k, v))  # [B, S', Hkv, D]
     axis_name = axis_name_of(cache.seq_axes)
     seq = P(None, axis_name)
     k, v = (_place(x, cache.mesh, seq) for x in (k, v))

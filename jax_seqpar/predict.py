@@ -157,10 +157,13 @@ def _ring_seconds(hardware: Hardware, link, compute: list, hop_bytes: float,
 
 
 def _shard_positions(seq_len: int, shards: int, zigzag: bool) -> np.ndarray:
-    """``[shards, seq_len / shards]`` global positions of each shard's tokens."""
+    """``[shards, L]`` global positions of each shard's tokens, the sequence padded to
+    the whole chunks its layout needs (as the global entry point pads it)."""
+    chunks = 2 * shards if zigzag else shards
+    positions = np.arange(-(-seq_len // chunks) * chunks)
     if not zigzag:
-        return np.arange(seq_len).reshape(shards, -1)
-    chunks = np.arange(seq_len).reshape(2 * shards, -1)
+        return positions.reshape(shards, -1)
+    chunks = positions.reshape(2 * shards, -1)
     return np.concatenate([chunks[:shards], chunks[::-1][:shards]], axis=1)
 
 

@@ -18,53 +18,7 @@ from typing import Optional, Union
 import jax
 import jax.numpy as jnp
 
-from jax_seqpar._inputs import Options, check_ids, check_self_attention
 from jax_seqpar.api import sequence_parallel_attention
-from jax_seqpar.masks import Tokens
-from jax_seqpar.merge import check_sinks, with_sinks
-
-
-def attend(q, k, v, *, mesh, seq_axes="sp", strategy="auto", causal=False, segment_ids=None,
-           positions=None, window=None, scale=None, layout="auto", kernel="auto",
-           block_sizes=None, softcap=None, sinks=None):
-    """Self-attention of ``[B, S, H, D]`` arrays, sequence-parallel over ``mesh`` or local.
-
-    With ``mesh=None`` it runs the local kernel (blockwise, memory O(block), not
-    the dense reference) on the caller's devices; otherwise it is
-    :func:`jax_seqpar.sequence_parallel_attention`. Tokens sit at ``positions``
-    (default ``arange(S)``: the caller's order is the natural order).
-
-    Args:
-      q: ``[B, S, H, Dqk]``; k: ``[B, S, Hkv, Dqk]``; v: ``[B, S, Hkv, Dv]``.
-      mesh: a ``jax.sharding.Mesh`` or ``None`` (unsharded).
-      segment_ids: ``int32[B, S]`` or None.
-      positions: ``int32[B, S]`` global positions of the tokens as given, or None.
-      softcap, sinks: logit soft-capping and ``[H]`` attention-sink logits, or None.
-        The other keywords are those of
-        :func:`jax_seqpar.sequence_parallel_attention` (``seq_axes``,
-        ``strategy`` and ``layout`` are unused without a mesh).
-
-    Returns:
-      ``[B, S, H, Dv]`` in ``q.dtype`` (softmax statistics in float32).
-    """
-    if mesh is not None:
-        return sequence_parallel_attention(
-            q, k, v, mesh=mesh, seq_axes=seq_axes, strategy=strategy, causal=causal,
-            segment_ids=segment_ids, positions=positions, window=window, scale=scale,
-            layout=layout, kernel=kernel, block_sizes=block_sizes, softcap=softcap, sinks=sinks)
-    check_self_attention(q, k, v, segment_ids)
-    batch, seq_len = q.shape[:2]
-    check_ids("positions", positions, batch, seq_len)
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), (batch, seq_len))
-    tokens = Tokens(positions.astype(jnp.int32),
-                    None if segment_ids is None else segment_ids.astype(jnp.int32))
-    check_sinks(sinks, q.shape[2])
-    options = Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
-                           block_sizes=block_sizes, softcap=softcap)
-    out, lse = options.attention(q, k, v, tokens, tokens)  # [B, S, H, Dv] float32
-    out, _ = with_sinks(out, lse, sinks)
-    return out.astype(q.dtype)
 
 
 def _refuse(name: str, value, fix: str) -> None:
@@ -164,10 +118,11 @@ def make_attention_fn(
                 raise ValueError(f"segment_ids must have shape [batch..., length]={expected}. "
                                  f"Got {tuple(segment_ids.shape)}.")
             segment_ids = segment_ids.reshape(flat, query.shape[1])
-        out = attend(query, key, value, mesh=mesh, seq_axes=seq_axes, strategy=strategy,
-                     causal=bool(causal or is_causal), segment_ids=segment_ids, window=window,
-                     scale=scale, layout=layout, kernel=kernel, block_sizes=block_sizes,
-                     softcap=softcap, sinks=sinks)
+        out = sequence_parallel_attention(
+            query, key, value, mesh=mesh, seq_axes=seq_axes, strategy=strategy,
+            causal=bool(causal or is_causal), segment_ids=segment_ids, window=window,
+            scale=scale, layout=layout, kernel=kernel, block_sizes=block_sizes,
+            softcap=softcap, sinks=sinks)
         return out.reshape(*batch_dims, *out.shape[1:])  # [batch..., S, H, Dv]
 
     return attention_fn

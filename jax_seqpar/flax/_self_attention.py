@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_seqpar import inference
-from jax_seqpar.flax._attention_fn import attend
+from jax_seqpar.api import sequence_parallel_attention
 from jax_seqpar.flax._rope import apply_rope
 
 
@@ -133,9 +133,10 @@ class SelfAttention(nnx.Module):
         rope_positions = jnp.arange(x.shape[1], dtype=jnp.int32) if positions is None \
             else positions  # [S] natural order, or [B, S] as given
         q, k, v = self._rotated_qkv(x, rope_positions)  # [B, S, H | Hkv, Dh]
-        out = attend(q, k, v, mesh=self.mesh, seq_axes=self.seq_axes, strategy=self.strategy,
-                     causal=self.causal, segment_ids=segment_ids, positions=positions,
-                     **self._mask_options())  # [B, S, H, Dh]
+        out = sequence_parallel_attention(
+            q, k, v, mesh=self.mesh, seq_axes=self.seq_axes, strategy=self.strategy,
+            causal=self.causal, segment_ids=segment_ids, positions=positions,
+            **self._mask_options())  # [B, S, H, Dh]
         return self.o_proj(out)  # [B, S, d_model]
 
     # --- decode mode: prefill and decode against a sequence-sharded KV cache ---------

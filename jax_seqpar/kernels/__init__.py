@@ -65,13 +65,14 @@ def _check_tiles(choice: str, block_sizes: Optional[BlockSizes], kernels: set) -
         f"Use kernel='xla' for tiles under 16 (it takes any positive size), or {every}.")
 
 
-def _compiles_clean(kernel: str, args: tuple) -> bool:
-    """Whether ``kernel`` compiles without spills for the operands ``(q, k, v, ...)``:
-    Triton for float32 head dims over 128 does not (its backward spills)."""
-    if kernel != "pallas":
-        return True
+def _serves(kernel: str, args: tuple) -> bool:
+    """Whether ``kernel`` takes the operands ``(q, k, v, ...)`` and compiles them without
+    spills: Mosaic takes no float16; Triton's float32 backward spills for head dims over 128."""
     q, _, v = args[:3]
-    return _module("pallas").compiles_clean(q.shape[-1], v.shape[-1], q.dtype)
+    module = _module(kernel)
+    if module.DTYPES is not None and q.dtype not in module.DTYPES:
+        return False
+    return kernel != "pallas" or module.compiles_clean(q.shape[-1], v.shape[-1], q.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,9 +112,10 @@ class PerPlatform:
         for platform, kernel in self.platforms:
             module = _module(kernel)
             missing = [k for k in static if k not in _keywords(module, method)]
-            if self.name == "auto" and (missing or not _compiles_clean(kernel, args)):
-                # The automatic choice is the best kernel that has the call's options
-                # and compiles cleanly for its operands.
+            if self.name == "auto" and (missing or not _serves(kernel, args)):
+                # The automatic choice is the best kernel that has the call's options,
+                # takes the operands' dtype and compiles cleanly for them. Each branch
+                # is traced, so one a platform's kernel cannot serve must not be staged.
                 kernel, module = "xla", _module("xla")
             elif missing:
                 raise ValueError(f"{missing[0]}={static[missing[0]]!r} is not supported by "
@@ -175,8 +177,8 @@ def get(kernel: str = "auto") -> Kernel:
     lowered for TPU, the Pallas interpreter elsewhere (the module chooses itself).
     ``"auto"``: Triton when lowered for CUDA, Mosaic for TPU, the XLA kernel
     elsewhere, and the XLA kernel wherever a call needs an option the platform's
-    kernel lacks or the platform's kernel would spill registers (float32 head dims
-    over 128 on GPU). Every kernel takes :class:`BlockSizes`; under ``"auto"`` and
+    kernel lacks, a dtype it does not take (float16 on TPU: Mosaic takes float32 and
+    bfloat16) or where it would spill registers (float32 head dims over 128 on GPU). Every kernel takes :class:`BlockSizes`; under ``"auto"`` and
     ``"pallas"`` they apply to whichever kernel runs, and sizes that one of them
     cannot take (Triton: powers of two >= 16; Mosaic: multiples of 128) are a
     ``ValueError`` in the call.

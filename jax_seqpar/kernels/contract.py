@@ -236,6 +236,9 @@ class Kernel(Protocol):
     #: The tile-size class, :class:`BlockSizes` for every kernel.
     BlockSizes: type
 
+    #: The input dtypes the kernel takes (q, k and v share one), or None: any float.
+    DTYPES: Optional[tuple]
+
     def forward(self, q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec,
                 scale: float, softcap: Optional[float] = None,
                 block_sizes: Optional[BlockSizes] = None):

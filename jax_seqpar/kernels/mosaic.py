@@ -48,7 +48,10 @@ from jax_seqpar.kernels.contract import BlockSizes
 from jax_seqpar.kernels.tiling import schedule
 from jax_seqpar.masks import MaskSpec, Tokens
 
-__all__ = ["BlockSizes", "attention", "backward", "default_block_sizes", "forward"]
+#: The input dtypes the kernel takes (q, k and v share one): the MXU's; no float16.
+DTYPES = mc.DTYPES
+
+__all__ = ["DTYPES", "BlockSizes", "attention", "backward", "default_block_sizes", "forward"]
 
 
 def default_block_sizes(d_qk: int, d_v: int, dtype) -> BlockSizes:

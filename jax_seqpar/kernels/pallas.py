@@ -68,8 +68,11 @@ from jax_seqpar.kernels._pallas_core import HeadDim
 from jax_seqpar.kernels.tiling import pad_seq, padded_tokens
 from jax_seqpar.masks import MaskSpec, Tokens
 
-__all__ = ["BlockSizes", "attention", "backward", "compiles_clean", "default_block_sizes",
-           "forward"]
+#: The input dtypes the kernel takes (q, k and v share one).
+DTYPES = core.DTYPES
+
+__all__ = ["DTYPES", "BlockSizes", "attention", "backward", "compiles_clean",
+           "default_block_sizes", "forward"]
 
 _F32 = core.F32
 

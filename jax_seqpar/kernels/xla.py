@@ -33,7 +33,10 @@ from jax_seqpar.kernels.contract import BlockSizes, check_softcap
 from jax_seqpar.kernels.tiling import Tiling, pad_seq, schedule
 from jax_seqpar.masks import MaskSpec, Tokens
 
-__all__ = ["BlockSizes", "attention", "backward", "check_softcap", "default_block_sizes",
+#: The input dtypes the kernel takes: any float (q, k and v share one).
+DTYPES = None
+
+__all__ = ["DTYPES", "BlockSizes", "attention", "backward", "check_softcap", "default_block_sizes",
            "forward"]
 
 _F32 = jnp.float32
