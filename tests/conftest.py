@@ -20,6 +20,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+import contexts  # noqa: E402  (tests/contexts.py: the ways a user calls the entry points)
+
 jax.config.update("jax_numpy_rank_promotion", "raise")
 
 NUM_DEVICES = 8
@@ -30,6 +32,8 @@ NUM_DEVICES = 8
 _TOLERANCES = {
     np.dtype(jnp.float32): {"out": (2e-5, 2e-5), "grad": (2e-5, 2e-5)},
     np.dtype(jnp.bfloat16): {"out": (2e-2, 2e-2), "grad": (5e-2, 5e-2)},
+    # jax.nn.dot_product_attention's own test tolerances for float16.
+    np.dtype(jnp.float16): {"out": (1e-2, 1e-2), "grad": (2e-2, 2e-2)},
 }
 
 
@@ -74,3 +78,11 @@ def make_qkv():
         return q, k, v
 
     return make
+
+
+@pytest.fixture(params=sorted(contexts.CONTEXTS))
+def context(request):
+    """A :class:`contexts.Context`: each global-API test runs once per way of calling
+    (Explicit mesh inside ``jax.set_mesh``, Explicit without a context, Auto mesh, ``jit``
+    with replicated inputs, ``jit`` with sequence-sharded inputs and ``out_shardings``)."""
+    return contexts.Context(request.param)

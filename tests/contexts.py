@@ -1,0 +1,135 @@
+"""The contexts a user calls the global entry points in, as one test helper.
+
+Every global-API test runs its function under each context (the ``context`` fixture of
+``conftest.py``), so the README's usage (an Explicit mesh from ``jax.make_mesh`` inside
+``jax.set_mesh``, inputs made without a sharding) is tested beside Auto meshes, ``jit``
+with replicated inputs and ``jit`` with sequence-sharded inputs and ``out_shardings``.
+
+A test builds its function from a mesh, because the mesh's axis types depend on the
+context: ``context.check(build, args, expected, ...)``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+#: Each context: (mesh axis type, under jax.set_mesh, under jit, inputs placed).
+CONTEXTS = {
+    "explicit-set-mesh": (AxisType.Explicit, True, False, None),
+    "explicit": (AxisType.Explicit, False, False, None),
+    "auto": (AxisType.Auto, False, False, None),
+    "jit-replicated": (AxisType.Explicit, True, True, "replicated"),
+    "jit-sharded": (AxisType.Explicit, True, True, "sequence"),
+}
+
+
+def make_mesh(shape: tuple, names: tuple, axis_type=AxisType.Explicit) -> Mesh:
+    """A mesh over the first ``prod(shape)`` devices, every axis of ``axis_type``."""
+    devices = np.array(jax.devices()[:int(np.prod(shape))]).reshape(shape)
+    return Mesh(devices, names, axis_types=(axis_type,) * len(names))
+
+
+@dataclasses.dataclass(frozen=True)
+class Context:
+    """One way of calling: ``run(build, args, seq_axes)`` returns what ``build(mesh)(*args)``
+    returns there, and its gradients.
+
+    Attributes:
+      name: a key of :data:`CONTEXTS`.
+    """
+
+    name: str
+
+    @property
+    def axis_type(self):
+        return CONTEXTS[self.name][0]
+
+    def mesh(self, shape=(8,), names=("sp",)) -> Mesh:
+        """The mesh this context calls with."""
+        return make_mesh(shape, names, self.axis_type)
+
+    def _place(self, mesh, x, seq_axes):
+        placed = CONTEXTS[self.name][3]
+        if placed is None or x is None:
+            return x
+        entry = seq_axes if isinstance(seq_axes, str) else tuple(seq_axes)
+        devices = int(np.prod([mesh.shape[a] for a in (entry if isinstance(entry, tuple)
+                                                       else (entry,))]))
+        shard = placed == "sequence" and x.ndim >= 2 and x.shape[1] % devices == 0
+        spec = P(None, entry) if shard else P()
+        return jax.device_put(x, NamedSharding(mesh, spec))
+
+    def run(self, build: Callable, args: tuple, *, mesh: Mesh, seq_axes="sp",
+            cotangent=None, argnums=(0, 1, 2)):
+        """``(out, grads)``: ``build(mesh)(*args)`` and the vjp of ``cotangent`` (or None:
+        no gradients) with respect to ``args[i]`` for ``i`` in ``argnums``, computed in
+        one program under ``jit`` contexts."""
+        _, under_mesh, under_jit, _ = CONTEXTS[self.name]
+        fn = build(mesh)
+        args = tuple(self._place(mesh, x, seq_axes) for x in args)
+        cotangent = self._place(mesh, cotangent, seq_axes)
+
+        def out_and_grads(args, cotangent):
+            def on(*diff):
+                full = list(args)
+                for i, x in zip(argnums, diff):
+                    full[i] = x
+                return fn(*full)
+
+            if cotangent is None:
+                return on(*(args[i] for i in argnums)), None
+            out, vjp = jax.vjp(on, *(args[i] for i in argnums))
+            return out, vjp(cotangent)
+
+        with jax.set_mesh(mesh) if under_mesh else contextlib.nullcontext():
+            if under_jit:
+                out_shardings = None
+                if CONTEXTS[self.name][3] == "sequence":  # the caller states where out goes
+                    out_shardings = (jax.typeof(args[0]).sharding,
+                                     tuple(jax.typeof(args[i]).sharding for i in argnums)
+                                     if cotangent is not None else None)
+                return jax.jit(out_and_grads, out_shardings=out_shardings)(args, cotangent)
+            return out_and_grads(args, cotangent)
+
+    def check(self, build: Callable, args: tuple, reference: Callable, tolerances, *,
+              mesh: Mesh, seq_axes="sp", argnums=(0, 1, 2), grads: bool = True):
+        """Assert ``build(mesh)(*args)`` and its gradients equal ``reference(*args)``'s
+        (computed in float32 from the same inputs) within ``tolerances`` of the inputs'
+        dtype; the output keeps the shape and dtype of the reference's and, on Explicit
+        meshes, the sharding of ``args[0]``."""
+        expected, vjp = jax.vjp(lambda *d: reference(*_with(args, argnums, d)),
+                                *(args[i] for i in argnums))
+        cotangent = jax.random.normal(jax.random.key(7), expected.shape, expected.dtype)
+        out, got = self.run(build, args, mesh=mesh, seq_axes=seq_axes,
+                            cotangent=cotangent if grads else None, argnums=argnums)
+        assert out.shape == expected.shape and out.dtype == expected.dtype, (
+            out.shape, out.dtype, expected.shape, expected.dtype)
+        if self.axis_type == AxisType.Explicit:
+            q_spec = jax.typeof(self._place(mesh, args[0], seq_axes)).sharding.spec
+            assert tuple(jax.typeof(out).sharding.spec)[:3] == tuple(q_spec)[:3], (
+                jax.typeof(out), q_spec)
+        np.testing.assert_allclose(np.asarray(out, np.float32),
+                                   np.asarray(expected, np.float32),
+                                   **tolerances(expected.dtype))
+        if not grads:
+            return
+        for g, want in zip(got, vjp(cotangent)):
+            assert g.shape == want.shape and g.dtype == want.dtype
+            scale = max(1.0, float(jnp.abs(want.astype(jnp.float32)).max()))
+            np.testing.assert_allclose(np.asarray(g, np.float32) / scale,
+                                       np.asarray(want, np.float32) / scale,
+                                       **tolerances(want.dtype, "grad"))
+
+
+def _with(args, argnums, diff):
+    full = list(args)
+    for i, x in zip(argnums, diff):
+        full[i] = x
+    return full
