@@ -1,5 +1,6 @@
-"""The global entry points on real-model inputs: laid-out batches, padding, data and tensor
-parallelism, unequal lengths, and the jax.nn-compatible ``dot_product_attention``."""
+"""The global entry point on real-model inputs: laid-out batches, padding, data and tensor
+parallelism, unequal lengths (the jax.nn-compatible ``dot_product_attention``:
+tests/test_dot_product.py)."""
 
 import functools
 
@@ -194,62 +195,6 @@ def test_auto_strategy_counts_the_heads_each_group_holds(make_qkv, tolerances):
         placed = [jax.reshard(x, P(None, None, "tp")) for x in (q, k, v)]
         _assert_out_and_grads(ours, functools.partial(reference.attention, causal=True),
                               placed, tolerances)
-
-
-# --- jax.nn.dot_product_attention's contract ------------------------------------------------
-
-DPA_CASES = [  # (strategy or None for no mesh, jax.nn keywords)
-    pytest.param(None, dict(is_causal=True), id="local-causal"),
-    pytest.param(None, dict(local_window_size=(9, 3)), id="local-window"),
-    pytest.param(None, dict(local_window_size=6, is_causal=True), id="local-causal-window-int"),
-    pytest.param(None, dict(is_causal=True, lengths=True), id="local-causal-lengths"),
-    pytest.param(None, dict(lengths=True, scale=0.3), id="local-lengths-scale"),
-    pytest.param("ring", dict(is_causal=True), id="ring-causal"),
-    pytest.param("ulysses", dict(local_window_size=(9, 3)), id="ulysses-window"),
-    pytest.param("allgather", dict(local_window_size=6, is_causal=True),
-                 id="allgather-causal-window-int"),
-    pytest.param("ring", dict(is_causal=True, lengths=True), id="ring-causal-lengths"),
-    pytest.param("ulysses", dict(lengths=True, scale=0.3), id="ulysses-lengths-scale"),
-]
-
-
-@pytest.mark.parametrize("strategy,kwargs", DPA_CASES)
-def test_dot_product_attention_matches_jax_nn(strategy, kwargs, make_qkv, tolerances):
-    q, k, v = make_qkv(batch=2, seq=60, heads=8, kv_heads=2, head_dim=8, seed=8)
-    kwargs = dict(kwargs)
-    if kwargs.pop("lengths", False):
-        kwargs["query_seq_lengths"] = jnp.array([60, 37], jnp.int32)
-        kwargs["key_value_seq_lengths"] = jnp.array([25, 51], jnp.int32)
-    mesh = None if strategy is None else _mesh(strategy)[0]
-    ours = functools.partial(sp.dot_product_attention, mesh=mesh, strategy=strategy or "auto",
-                             **kwargs)
-    _assert_out_and_grads(ours, functools.partial(jax.nn.dot_product_attention, **kwargs),
-                          (q, k, v), tolerances)
-
-
-def test_dot_product_attention_cross_lengths_and_3d(make_qkv, tolerances):
-    q, _, _ = make_qkv(batch=1, seq=24, heads=4, kv_heads=2, head_dim=8, seed=9)
-    _, k, v = make_qkv(batch=1, seq=40, heads=4, kv_heads=2, head_dim=8, seed=10)
-    expected = jax.nn.dot_product_attention(q[0], k[0], v[0], is_causal=True)
-    np.testing.assert_allclose(sp.dot_product_attention(q[0], k[0], v[0], is_causal=True),
-                               expected, **tolerances(q.dtype))
-
-
-def test_dot_product_attention_dense_inputs(make_qkv, tolerances):
-    q, k, v = make_qkv(batch=1, seq=32, heads=4, head_dim=8, seed=11)
-    mask = jax.random.bernoulli(jax.random.key(1), 0.7, (1, 4, 32, 32)).at[..., 0].set(True)
-    np.testing.assert_allclose(sp.dot_product_attention(q, k, v, mask=mask),
-                               jax.nn.dot_product_attention(q, k, v, mask=mask),
-                               **tolerances(q.dtype))
-    mesh, _ = _mesh("ring")
-    with pytest.raises(ValueError, match=r"dense mask of shape \(1, 4, 32, 32\) cannot be"):
-        sp.dot_product_attention(q, k, v, mask=mask, mesh=mesh)
-    with pytest.raises(ValueError, match="dense bias"):
-        sp.dot_product_attention(q, k, v, bias=jnp.zeros((1, 4, 32, 32)), mesh=mesh)
-    with pytest.raises(ValueError, match="query length 32 and key/value length 16"):
-        sp.dot_product_attention(q, k[:, :16], v[:, :16], mesh=mesh)
-    with pytest.raises(ValueError, match=r"query_seq_lengths must be an int32 \[batch\]"):
-        sp.dot_product_attention(q, k, v, query_seq_lengths=jnp.array([1.0, 2.0]))
 
 
 def test_missing_extra_names_it():
