@@ -34,15 +34,18 @@ import re
 import shlex
 import subprocess
 import sys
-import tomllib
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 import jax_seqpar
 from jax_seqpar import reference
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pytest depends on tomli there
+    import tomli as tomllib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 README = os.path.join(REPO, "README.md")
@@ -142,17 +145,17 @@ SHELL = [b for b in BLOCKS if b.language in SHELLS or b.language == "indented"]
 
 # --- checks of what the README says about a python block's result ----------------------
 
-def _check_usage(ns):
+def _check_usage(ns, tolerances):
     # "out: [1, 4096, 8, 64], exactly softmax(q k^T / sqrt(64)) v with a causal mask":
     # causal, so the first 1024 rows need only the first 1024 keys.
     out, q, k, v = (ns[name] for name in ("out", "q", "k", "v"))
     assert out.shape == (1, 4096, 8, 64) and out.dtype == q.dtype
     rows = slice(0, 1024)
     expected = reference.attention(q[:, rows], k[:, rows], v[:, rows], causal=True)
-    np.testing.assert_allclose(out[:, rows], expected, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(out[:, rows], expected, **tolerances(out.dtype))
 
 
-def _check_models(ns):
+def _check_models(ns, tolerances):
     # The layer saw the tokens in zigzag order with their positions and documents:
     # back in natural order, it is causal attention within each document.
     out = jax_seqpar.unpermute_batch(ns["out"], "zigzag", num_shards=8)
@@ -163,10 +166,10 @@ def _check_models(ns):
     rows = slice(0, 1536)  # both documents start here
     expected = reference.attention(q[:, rows], k[:, rows], v[:, rows], causal=True,
                                    segment_ids=natural["segment_ids"][:, rows])
-    np.testing.assert_allclose(out[:, rows], expected, atol=2e-5, rtol=2e-5)
+    np.testing.assert_allclose(out[:, rows], expected, **tolerances(out.dtype))
 
 
-#: {block title: check(namespace after the block)}
+#: {block title: check(namespace after the block, tolerances fixture)}
 CHECKS = {"Usage": _check_usage, "Models: lay the batch out once.": _check_models}
 
 
@@ -178,7 +181,7 @@ class _Session:
         self.done = 0
         self.failed = None
 
-    def run_through(self, index: int):
+    def run_through(self, index: int, tolerances):
         while self.done <= index:
             if self.failed is not None:
                 pytest.fail(f"an earlier README block failed ({self.failed})")
@@ -188,7 +191,7 @@ class _Session:
                 code = compile("\n" * (block.line - 1) + block.code, README, "exec")
                 exec(code, self.namespace)  # noqa: S102 - the README's own code
                 if block.title in CHECKS:
-                    CHECKS[block.title](self.namespace)
+                    CHECKS[block.title](self.namespace, tolerances)
             except BaseException:
                 self.failed = f"README.md line {block.line}"
                 raise
@@ -210,9 +213,9 @@ def session(tmp_path_factory):
 
 
 @pytest.mark.parametrize("index", range(len(PYTHON)), ids=[b.test_id for b in PYTHON])
-def test_python_block(index, session):
+def test_python_block(index, session, tolerances):
     with jax.numpy_rank_promotion("allow"):  # a user's default, not the suite's strict one
-        session.run_through(index)
+        session.run_through(index, tolerances)
 
 
 def test_every_block_has_a_rule_and_every_check_a_block():
@@ -255,11 +258,12 @@ def check_command(argv: list[str], *, parse: bool) -> None:
                    if a.startswith("--") and a.split("=")[0] not in options]
         assert not unknown, f"jax-seqpar {sub} has no options {unknown}"
         if parse:
-            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(io.StringIO()):
+            errors = io.StringIO()
+            with contextlib.redirect_stdout(io.StringIO()), contextlib.redirect_stderr(errors):
                 try:
                     parser.parse_args(args)
                 except SystemExit as exit_info:
-                    assert exit_info.code == 0, f"jax-seqpar does not parse {args}"
+                    assert exit_info.code == 0, f"jax-seqpar: {errors.getvalue().strip()}"
     elif program == "python" or program.endswith(".py"):
         script = args[0] if program == "python" else program
         path = os.path.join(REPO, script)
@@ -277,12 +281,13 @@ def check_command(argv: list[str], *, parse: bool) -> None:
         raise AssertionError(f"no rule to check {shlex.join(argv)!r}: add one here")
 
 
-def run_command(argv: list[str], tmp_path) -> None:
+def run_command(argv: list[str], monkeypatch, tmp_path) -> None:
     """Runs a README command; it must exit 0."""
     if argv[0] == "jax-seqpar":
         main, _ = _cli()
         out = io.StringIO()
-        with contextlib.chdir(tmp_path), contextlib.redirect_stdout(out):
+        monkeypatch.chdir(tmp_path)  # where anything it writes lands
+        with contextlib.redirect_stdout(out):
             try:
                 status = main(argv[1:])
             except SystemExit as exit_info:  # --help exits
@@ -305,10 +310,10 @@ SHELL_COMMANDS = [(b, argv) for b in SHELL for argv in commands(b)]
 
 @pytest.mark.parametrize("block,argv", SHELL_COMMANDS,
                          ids=[f"line{b.line}-{shlex.join(a)}" for b, a in SHELL_COMMANDS])
-def test_shell_command(block, argv, tmp_path):
+def test_shell_command(block, argv, monkeypatch, tmp_path):
     reason = skip_reason(argv)
     if reason is None:
-        run_command(argv, tmp_path)
+        run_command(argv, monkeypatch, tmp_path)
     else:
         check_command(argv, parse=True)
         pytest.skip(f"checked, not run: {reason}")
