@@ -344,7 +344,7 @@ def test_inline_commands_paths_and_names_exist():
     for span in {" ".join(s.split()) for s in re.findall(r"`([^`]+)`", prose(TEXT))}:
         checks = []
         if re.match(r"(jax-seqpar|pip install|python)\b|experiments/\S+\.py ", span):
-            checks.append(lambda: check_command(shlex.split(span), parse=False))
+            checks.append(lambda span=span: check_command(shlex.split(span), parse=False))
         for path in re.findall(r"(?:^|\s)((?:experiments|tests|jax_seqpar|docs|\.ci)/[\w./]*)",
                                span):
             checks.append(lambda path=path: _exists(path))
