@@ -135,3 +135,17 @@ def test_no_mesh_attends_locally(make_qkv, tolerances):
                                          return_lse=True)
     np.testing.assert_allclose(out, want, **tolerances(q.dtype))
     np.testing.assert_allclose(lse, want_lse, **tolerances(q.dtype))
+
+
+def test_vmap_and_checkpoint_in_every_context(context, make_qkv, tolerances):
+    """``jax.vmap`` over a leading axis and ``jax.checkpoint`` around the call."""
+    mesh = context.mesh()
+    q, k, v = make_qkv(batch=2, seq=60, heads=H, kv_heads=HKV, head_dim=D)
+
+    def build(mesh):
+        attend = jax.checkpoint(functools.partial(sp.sequence_parallel_attention, mesh=mesh,
+                                                  strategy="ring", causal=True))
+        return jax.vmap(lambda q, k, v: attend(q[None], k[None], v[None])[0])
+
+    context.check(build, (q, k, v), functools.partial(reference.attention, causal=True),
+                  tolerances, mesh=mesh)
