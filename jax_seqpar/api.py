@@ -156,7 +156,9 @@ def sequence_parallel_attention(
         ``causal=True`` and no window; contiguous with a window, whose ring and
         all-gather then exchange only the halo the window reaches); must be
         ``"auto"`` or ``"contiguous"`` with ``positions``.
-      kernel: ``"auto"`` (Pallas on GPU, XLA elsewhere), ``"xla"`` or ``"pallas"``.
+      kernel: ``"auto"`` (Triton on GPU, Mosaic on TPU, XLA elsewhere: chosen by the
+        platform the program is lowered for; :func:`jax_seqpar.kernels.get`), ``"xla"``,
+        ``"pallas"`` or ``"mosaic"``.
       block_sizes: tile sizes (:class:`jax_seqpar.kernels.BlockSizes`, one class for every
         kernel; a size left None is the running kernel's default), or None.
       batch_axes: mesh axes the batch is sharded over (data parallelism), or None:

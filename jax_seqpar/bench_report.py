@@ -213,7 +213,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
              "run are listed as skipped with the reason (an error if nothing is left)")
     add("--kernels", type=_comma_list(str), default=["auto"],
         help=f"comma-separated local kernels from {','.join(KERNELS)} (auto: Triton when "
-             "compiled for CUDA, XLA elsewhere); pallas runs in the Pallas interpreter on CPU, "
+             "compiled for CUDA, Mosaic for TPU, XLA elsewhere); pallas runs in the Pallas interpreter on CPU, "
              "which is very slow (use a small --seq); with --target, one kernel")
     add("--warmup", type=int, default=1, help="untimed calls before timing")
     add("--runs", type=int, default=3, help="timed calls; the median is reported")

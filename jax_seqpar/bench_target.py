@@ -146,7 +146,8 @@ def _notes(parsed: targets.Target, kernel: str) -> list[str]:
     notes = [f"compiled for {parsed.name}, not run: memory is XLA's memory_analysis per "
              "device, bytes are read from the compiled HLO."]
     if parsed.platform == "tpu" and kernel == "auto":
-        notes.append("kernel=auto lowers to the XLA kernel on TPU (no Mosaic kernel yet).")
+        notes.append("kernel=auto lowers to the Mosaic kernel on TPU (the XLA kernel for "
+                     "float16).")
     return notes
 
 

@@ -63,7 +63,8 @@ def decode_attention(q, k_cache, v_cache, *, axis_name, kv_length, scale=None, k
       axis_name: the mesh axis (or tuple of axes) the cache is split over.
       kv_length: ``int32[B]`` tokens in the cache (positions ``0 .. kv_length-1``),
         including the T new tokens.
-      scale: defaults to ``1/sqrt(Dqk)``; kernel: ``"auto"``, ``"xla"``, ``"pallas"``.
+      scale: defaults to ``1/sqrt(Dqk)``; kernel: ``"auto"``, ``"xla"``, ``"pallas"``,
+        ``"mosaic"``.
       kv_positions: ``int32[B, C/P]`` the global position held by each local slot
         (:data:`EMPTY_POSITION` or negative: empty). Default: the contiguous split,
         slot ``i`` of device ``r`` holds position ``r*C/P + i``.

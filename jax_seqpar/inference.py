@@ -129,6 +129,12 @@ class KVCache:
         seq = P(None, axis_name_of(self.seq_axes))
         return seq, seq, seq
 
+    def _placed(self):
+        """``(k, v, positions)`` sharded along the sequence, as ``shard_map`` takes them (a
+        cache made or carried inside ``jit`` may have lost its sharding in its type)."""
+        return tuple(_place(x, self.mesh, spec)
+                     for x, spec in zip((self.k, self.v, self.positions), self._specs()))
+
 
 def _check_against_cache(k, v, cache: KVCache) -> None:
     expected = (cache.k.shape[0], cache.k.shape[2], cache.k.shape[3], cache.v.shape[3])
@@ -235,7 +241,7 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
     write = jax.shard_map(functools.partial(_deal_round_robin, axis_name=axis_name),
                           mesh=cache.mesh, in_specs=(seq, seq, P(), seq, seq),
                           out_specs=cache._specs())
-    new_k, new_v, positions = write(k, v, lengths, cache.k, cache.v)
+    new_k, new_v, positions = write(k, v, lengths, *cache._placed()[:2])
     return out, dataclasses.replace(cache, k=new_k, v=new_v, positions=positions,
                                     length=lengths)
 
@@ -311,7 +317,7 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, window=N
     q, k, v, length = (_place(x, cache.mesh, P()) for x in (q, k, v, cache.length))
     if sinks is not None:
         sinks = _place(jnp.asarray(sinks), cache.mesh, P())
-    out, new_k, new_v, positions = step(q, k, v, cache.k, cache.v, cache.positions, length,
+    out, new_k, new_v, positions = step(q, k, v, *cache._placed(), length,
                                         sinks)
     return out, dataclasses.replace(cache, k=new_k, v=new_v, positions=positions,
                                     length=cache.length + new_tokens)

@@ -45,7 +45,8 @@ def ring_attention(q, k, v, *, axis_name, causal=False, segment_ids=None, positi
         (None) is the contiguous split, and only then does a window shrink the
         ring to a halo exchange (given positions are honoured with the full ring).
       scale: defaults to ``1/sqrt(Dqk)``.
-      kernel: ``"auto"``, ``"xla"`` or ``"pallas"``; block_sizes: the kernel's tiles.
+      kernel: ``"auto"``, ``"xla"``, ``"pallas"`` or ``"mosaic"`` (see
+        :func:`jax_seqpar.kernels.get`); block_sizes: the kernel's tiles.
       softcap: logits become ``softcap * tanh(s / softcap)`` before masking, or None.
       sinks: ``[H]`` float logits of a zero-valued virtual key per head (gpt-oss),
         or None. Pass it replicated (``P()``); its gradient sums over the shards.

@@ -6,6 +6,11 @@ import sys
 
 import pytest
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pytest depends on tomli there
+    import tomli as tomllib
+
 from jax_seqpar.cli import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -48,3 +53,29 @@ def test_tiny_demo_writes_the_plot(tmp_path, capsys):
     for expected in ("unsharded", "ring+fsdp", "tokens/s", str(out),
                      "parameters + optimizer state per device", "x of replicated"):
         assert expected in text
+
+
+def test_the_core_needs_only_jax_and_numpy():
+    """``import jax_seqpar`` and a call import no extra; importing ``jax_seqpar.flax``
+    without Flax installed is an ImportError naming the extra."""
+    script = (
+        "import sys, importlib.abc\n"
+        "class Missing(importlib.abc.MetaPathFinder):\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('flax', 'optax', 'matplotlib', 'tqdm'):\n"
+        "            raise ModuleNotFoundError(name)\n"
+        "sys.meta_path.insert(0, Missing())\n"
+        "import jax, jax.numpy as jnp, jax_seqpar\n"
+        "q = jnp.ones((1, 16, 2, 8))\n"
+        "jax_seqpar.sequence_parallel_attention(q, q, q, mesh=None, causal=True)\n"
+        "try:\n"
+        "    import jax_seqpar.flax\n"
+        "except ImportError as error:\n"
+        "    print(error)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [REPO, os.environ.get("PYTHONPATH")])), "JAX_PLATFORMS": "cpu"}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                          text=True, timeout=120, check=True)
+    assert "pip install 'jax_seqpar[flax]'" in done.stdout, done.stdout + done.stderr
+    with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
+        assert tomllib.load(f)["project"]["dependencies"] == ["jax>=0.7", "numpy"]

@@ -188,7 +188,8 @@ def test_kernel_choice_follows_the_lowering_platform():
 
     def exported(kernel, platforms, q=q, k=k, v=v):
         def run(q, k, v):
-            tokens = Tokens(jnp.broadcast_to(jnp.arange(64, dtype=jnp.int32), (1, 64)))
+            n = q.shape[1]
+            tokens = Tokens(jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (1, n)))
             return kernels.get(kernel).forward(q, k, v, tokens, tokens, scale=0.25,
                                                spec=MaskSpec.make(causal=True))
 
@@ -206,6 +207,11 @@ def test_kernel_choice_follows_the_lowering_platform():
     assert triton not in exported("auto", ["cuda"], wide, wide, wide)
     assert triton in exported("auto", ["cuda"], narrow, narrow, narrow)
     assert triton in exported("pallas", ["cuda"], wide, wide, wide)  # asked for by name
+    # Mosaic takes float32 and bfloat16: "auto" lowers float16 for TPU to the XLA kernel.
+    mosaic = "tpu_custom_call"
+    half, brain = (jax.ShapeDtypeStruct((1, 256, 2, 128), d) for d in (jnp.float16, jnp.bfloat16))
+    assert mosaic in exported("auto", ["tpu"], brain, brain, brain)
+    assert mosaic not in exported("auto", ["tpu"], half, half, half)
     assert api.can_check_vma("auto") and api.can_check_vma("xla")
     assert not api.can_check_vma("pallas")  # its CPU branch is the Pallas interpreter
 

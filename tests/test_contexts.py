@@ -12,11 +12,14 @@ import itertools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 
 import contexts
 import jax_seqpar as sp
-from jax_seqpar import reference
+from jax_seqpar import inference, reference
+from jax_seqpar.flax import SelfAttention, make_attention_fn
 
 B, H, HKV, D = 1, 8, 2, 8
 LENGTHS = (64, 60)  # divisible by the 8 devices (and the 16 zigzag chunks); not divisible
@@ -56,3 +59,93 @@ def test_every_strategy_in_every_context(context_name, strategy, seq, causal, dt
 
     context.check(build, (q, k, v), functools.partial(reference.attention, causal=causal),
                   tolerances, mesh=mesh, seq_axes=seq_axes)
+
+
+# --- the other global entry points, in every context ---------------------------------------
+
+def test_prefill_pads_in_every_context(context, make_qkv, tolerances):
+    """A prompt the zigzag layout pads (24 tokens, 16 chunks) fills the cache and attends."""
+    mesh = context.mesh()
+    q, k, v = make_qkv(batch=2, seq=24, heads=H, kv_heads=HKV, head_dim=D, dtype=jnp.float16)
+
+    def build(mesh):
+        def prefill(q, k, v):
+            cache = inference.KVCache.create(mesh, batch=2, capacity=32, num_kv_heads=HKV,
+                                             head_dim=D, dtype=q.dtype)
+            return inference.prefill(q, k, v, cache, strategy="ring")[0]
+        return prefill
+
+    context.check(build, (q, k, v), functools.partial(reference.attention, causal=True),
+                  tolerances, mesh=mesh, grads=False)
+
+
+def test_decode_after_prefill_in_every_context(context, make_qkv, tolerances):
+    mesh = context.mesh()
+    q, k, v = make_qkv(batch=2, seq=21, heads=H, kv_heads=HKV, head_dim=D, dtype=jnp.bfloat16)
+
+    def build(mesh):
+        def decode(q, k, v):
+            cache = inference.KVCache.create(mesh, batch=2, capacity=32, num_kv_heads=HKV,
+                                             head_dim=D, dtype=q.dtype)
+            _, cache = inference.prefill(q[:, :20], k[:, :20], v[:, :20], cache)
+            return inference.decode(q[:, 20:], k[:, 20:], v[:, 20:], cache)[0]
+        return decode
+
+    context.check(build, (q, k, v), lambda q, k, v: reference.attention(q, k, v, causal=True)
+                  [:, 20:], tolerances, mesh=mesh, grads=False)
+
+
+def test_flax_attention_fn_in_every_context(context, make_qkv, tolerances):
+    mesh = context.mesh()
+    q, k, v = make_qkv(batch=1, seq=60, heads=H, kv_heads=HKV, head_dim=D, dtype=jnp.bfloat16)
+    context.check(lambda mesh: make_attention_fn(mesh, strategy="ring", causal=True),
+                  (q, k, v), functools.partial(reference.attention, causal=True), tolerances,
+                  mesh=mesh)
+
+
+def test_flax_self_attention_in_every_context(context, tolerances):
+    mesh = context.mesh()
+    x = jax.random.normal(jax.random.key(0), (2, 60, 32), jnp.float32)
+
+    def layer(mesh):
+        return SelfAttention(32, H, num_kv_heads=HKV, head_dim=D, causal=True, mesh=mesh,
+                             strategy="ulysses", rngs=nnx.Rngs(0))
+
+    context.check(layer, (x,), layer(None), tolerances, mesh=mesh, argnums=(0,))
+
+
+# --- one rule for every strategy, and no mesh ---------------------------------------------
+
+@pytest.mark.parametrize("strategy", ["auto", "ring", "ulysses", "allgather", "hybrid"])
+def test_mixed_dtypes_are_refused_by_every_strategy(strategy, make_qkv):
+    q, k, v = make_qkv(batch=1, seq=64, heads=H, kv_heads=HKV, head_dim=D)
+    mesh = contexts.make_mesh((8,), ("sp",))
+    kwargs = dict(ulysses_size=4) if strategy == "hybrid" else {}
+    with pytest.raises(ValueError, match="share one floating dtype.*k.dtype=bfloat16"):
+        sp.sequence_parallel_attention(q, k.astype(jnp.bfloat16), v, mesh=mesh,
+                                       strategy=strategy, **kwargs)
+
+
+def test_no_mesh_attends_locally(make_qkv, tolerances):
+    q, k, v = make_qkv(batch=2, seq=60, heads=H, kv_heads=HKV, head_dim=D)
+    segments = (jnp.arange(60)[None] >= jnp.array([[20], [45]])).astype(jnp.int32)
+    out, lse = sp.sequence_parallel_attention(q, k, v, mesh=None, causal=True,
+                                              segment_ids=segments, return_lse=True)
+    want, want_lse = reference.attention(q, k, v, causal=True, segment_ids=segments,
+                                         return_lse=True)
+    np.testing.assert_allclose(out, want, **tolerances(q.dtype))
+    np.testing.assert_allclose(lse, want_lse, **tolerances(q.dtype))
+
+
+def test_vmap_and_checkpoint_in_every_context(context, make_qkv, tolerances):
+    """``jax.vmap`` over a leading axis and ``jax.checkpoint`` around the call."""
+    mesh = context.mesh()
+    q, k, v = make_qkv(batch=2, seq=60, heads=H, kv_heads=HKV, head_dim=D)
+
+    def build(mesh):
+        attend = jax.checkpoint(functools.partial(sp.sequence_parallel_attention, mesh=mesh,
+                                                  strategy="ring", causal=True))
+        return jax.vmap(lambda q, k, v: attend(q[None], k[None], v[None])[0])
+
+    context.check(build, (q, k, v), functools.partial(reference.attention, causal=True),
+                  tolerances, mesh=mesh)

@@ -49,8 +49,8 @@ class SelfAttention(nnx.Module):
       window: sliding window ``(left, right)`` or one int, or ``None`` (default).
       layout: token order for the sharded call; ``"auto"`` (default) is zigzag
         where it balances causal work.
-      kernel: local kernel, ``"auto"`` (default: Pallas on GPU, XLA elsewhere),
-        ``"xla"`` or ``"pallas"``.
+      kernel: local kernel, ``"auto"`` (default: Triton on GPU, Mosaic on TPU, XLA
+        elsewhere), ``"xla"``, ``"pallas"`` or ``"mosaic"``.
       rope_base: wavelength base of RoPE; default 10000.
       softcap: logit soft-cap (Gemma 2), or ``None`` (default).
       sinks: learn one attention-sink logit per head (gpt-oss), an ``nnx.Param``
