@@ -151,11 +151,10 @@ def dot_product_attention(
 
     It runs under ``jax.jit``, ``jax.grad``, ``jax.vjp`` and ``jax.vmap``, on
     Explicit meshes (inside ``jax.set_mesh`` or not; inputs replicated, or sharded
-    over the sequence, batch or heads) and on Auto meshes. Two limits: with a mesh,
-    ``jax.vmap`` of a call with lengths or a mask needs ``kernel="xla"`` (the
-    ``"auto"`` kernel's staged Pallas branch does not batch inside ``shard_map``);
-    without a mesh, inputs sharded over an Explicit mesh are refused by the local
-    kernel (pass ``mesh=``).
+    over the sequence, batch or heads) and on Auto meshes; without a mesh, inputs
+    sharded over an Explicit mesh attend on their own devices (batch rows and heads
+    stay where they are, the sequence is gathered) and the output keeps their sharding.
+    ``jax.vmap`` folds its axis into the batch: one kernel call.
 
     Args:
       query: ``[B, T, N, H]`` (or ``[T, N, H]``).

@@ -12,7 +12,9 @@ from typing import Optional
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import AxisType, PartitionSpec as P
 
+from jax_seqpar import kernels
 from jax_seqpar._inputs import Options, check_ids, check_qkv
 from jax_seqpar.masks import Tokens
 from jax_seqpar.merge import check_sinks, with_sinks
@@ -70,7 +72,40 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     check_sinks(sinks, heads)
     options = Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
                            block_sizes=block_sizes, softcap=softcap)
-    out, lse = options.attention(q, k, v, q_tokens, kv_tokens)  # f32 [B, T, H, Dv], [B, T, H]
-    out, lse = with_sinks(out, lse, sinks)
-    out = out.astype(q.dtype)
+
+    def attend(q, k, v, q_tokens, kv_tokens, sinks):
+        out, lse = options.attention(q, k, v, q_tokens, kv_tokens)  # f32 [B, T, H, Dv], [B, T, H]
+        out, lse = with_sinks(out, lse, sinks)
+        return out.astype(q.dtype), lse
+
+    out, lse = _per_shard(attend, kernel, q, k, v, q_tokens, kv_tokens, sinks)
     return (out, lse) if return_lse else out
+
+
+def _per_shard(attend, kernel: str, q, k, v, q_tokens, kv_tokens, sinks):
+    """``attend(q, k, v, q_tokens, kv_tokens, sinks)`` on arrays typed with an Explicit
+    sharding: each device attends its own batch rows and heads (``shard_map`` over q's
+    batch and head axes; the sequence gathered whole), and the output keeps q's sharding,
+    as ``jax.nn`` gives it. Unsharded or Auto-mesh arrays are attended as they are."""
+    sharding = getattr(jax.typeof(q), "sharding", None)
+    spec = tuple(getattr(sharding, "spec", None) or ())
+    mesh = getattr(sharding, "mesh", None)
+    if not any(spec) or not any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        return attend(q, k, v, q_tokens, kv_tokens, sinks)
+    spec = (spec + (None,) * 4)[:4]
+    batch_entry, head_entry = spec[0], spec[2]
+    kv_spec = [tuple(getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ())
+               for x in (k, v)]
+    if head_entry is not None and any((s + (None,) * 3)[2] != head_entry for s in kv_spec):
+        head_entry = None  # q's head split alone would pair local heads with wrong K/V heads
+    qkv, ids = P(batch_entry, None, head_entry, None), P(batch_entry, None)
+    placed = [jax.reshard(x, qkv) for x in (q, k, v)]
+    placed += [jax.tree.map(lambda x: jax.reshard(x, ids), t) for t in (q_tokens, kv_tokens)]
+    placed.append(None if sinks is None else jax.reshard(sinks, P(head_entry)))
+    token_specs = [jax.tree.map(lambda _: ids, t) for t in (q_tokens, kv_tokens)]
+    out, lse = jax.shard_map(
+        attend, mesh=mesh,
+        in_specs=(qkv,) * 3 + tuple(token_specs) + (P(head_entry),),
+        out_specs=(qkv, P(batch_entry, None, head_entry)),
+        check_vma=not kernels.may_interpret(kernel))(*placed)
+    return jax.reshard(out, P(*spec[:3], None)), jax.reshard(lse, P(*spec[:3]))

@@ -209,11 +209,12 @@ def test_per_head_mask_with_sinks(placement, context_name, make_qkv, tolerances)
 # --- transformations and shardings a jax.nn user has ----------------------------------------
 
 @pytest.mark.parametrize("placement,axis_type,lengths,kernel", [
-    ("local", None, True, "auto"), ("ring", "explicit", True, "xla"),
-    ("allgather", "auto", False, "auto")])
+    ("local", None, True, "auto"), ("ring", "explicit", True, "auto"),
+    ("ring", "explicit", True, "xla"), ("allgather", "auto", False, "auto")])
 def test_vmap_jit_and_grad(placement, axis_type, lengths, kernel, make_qkv, tolerances):
-    """``jax.jit(jax.grad(...))`` of a loss over ``jax.vmap`` of ``[T, N, H]`` inputs (with a
-    mesh and lengths, kernel="xla": see the docstring's note on vmap)."""
+    """``jax.jit(jax.grad(...))`` of a loss over ``jax.vmap`` of ``[T, N, H]`` inputs (the
+    vmapped axis folds into the kernels' batch: the staged Pallas branch of ``"auto"``
+    too, which ``vmap`` could not batch inside ``shard_map`` before)."""
     q, k, v = make_qkv(batch=2, seq=32, heads=N, kv_heads=2, head_dim=D, seed=22)
     kv_lengths = jnp.array([32, 20], jnp.int32)
     mesh = None if axis_type is None else contexts.Context(axis_type).mesh()
@@ -274,7 +275,28 @@ def test_output_sharding_is_jax_nns(make_qkv):
         assert jax.typeof(got).sharding.spec == jax.typeof(want).sharding.spec
 
 
-# --- without a mesh: two sequences, and what only jax.nn serves -----------------------------
+# --- without a mesh: two sequences, sharded inputs, and what only jax.nn serves ---------------
+
+@pytest.mark.parametrize("spec", [P("dp"), P(None, None, "tp"), P("dp", "sp", "tp")],
+                         ids=["batch", "heads", "batch-seq-heads"])
+def test_sharded_inputs_without_a_mesh(spec, make_qkv, tolerances):
+    """Inputs sharded over an Explicit mesh, no ``mesh=``: each device attends its rows and
+    heads (as jax.nn's XLA path would run), and out keeps the inputs' sharding."""
+    mesh = jax.make_mesh((2, 2, 2), ("dp", "sp", "tp"))
+    q, k, v = make_qkv(batch=2, seq=32, heads=4, kv_heads=2, head_dim=D, seed=25)
+    with jax.set_mesh(mesh):
+        placed = [jax.reshard(x, spec) for x in (q, k, v)]
+        loss = lambda attend: lambda *a: jnp.sum(attend(*a, is_causal=True) ** 2)  # noqa: E731
+        out = jax.jit(functools.partial(sp.dot_product_attention, is_causal=True))(*placed)
+        grads = jax.jit(jax.grad(loss(sp.dot_product_attention), argnums=(0, 1, 2)))(*placed)
+    want = reference.attention(q, k, v, causal=True)
+    want_grads = jax.grad(loss(lambda *a, is_causal: reference.attention(*a, causal=is_causal)),
+                          argnums=(0, 1, 2))(q, k, v)
+    assert tuple(jax.typeof(out).sharding.spec)[:3] == (tuple(spec) + (None,) * 3)[:3]
+    np.testing.assert_allclose(out, want, **tolerances(q.dtype))
+    for g, w in zip(grads, want_grads):
+        np.testing.assert_allclose(g, w, **tolerances(q.dtype, "grad"))
+
 
 def test_cross_attention_3d_without_a_mesh(make_qkv, tolerances):
     q, _, _ = make_qkv(batch=1, seq=24, heads=4, kv_heads=2, head_dim=D, seed=9)

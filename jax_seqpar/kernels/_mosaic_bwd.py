@@ -19,7 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_seqpar import _compat
-from jax_seqpar.kernels import _mosaic_common as mc
+from jax_seqpar.kernels import _mosaic_common as mc, contract
 from jax_seqpar.kernels.tiling import pad_seq, schedule
 
 
@@ -89,6 +89,7 @@ def _dkv_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref, d
         dv_ref[...] = dv_acc[...]
 
 
+@contract.folds_vmap
 def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, block_sizes,
              softcap):
     """:func:`jax_seqpar.kernels.mosaic.backward` after validation."""

@@ -19,7 +19,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 
 from jax_seqpar import _compat
-from jax_seqpar.kernels import _pallas_config as config
+from jax_seqpar.kernels import _pallas_config as config, contract
 from jax_seqpar.kernels import _pallas_core as core
 from jax_seqpar.kernels._pallas_core import HeadDim
 from jax_seqpar.kernels.tiling import pad_seq, padded_tokens
@@ -115,6 +115,7 @@ def _head_splits(programs: int, group: int) -> int:
     return group
 
 
+@contract.folds_vmap
 def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, softcap,
              block_sizes, interpret):
     """:func:`jax_seqpar.kernels.pallas.backward` after validation."""

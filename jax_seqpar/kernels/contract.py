@@ -33,6 +33,7 @@ from typing import Callable, Optional, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_seqpar.masks import MaskSpec, Tokens
 
@@ -179,6 +180,42 @@ def add_accumulated(grads, accumulate):
     if accumulate is None:
         return grads
     return tuple(total + g for total, g in zip(accumulate, grads))
+
+
+def _has_arrays(tree) -> bool:
+    return any(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree.leaves(tree))
+
+
+def folds_vmap(impl: Callable) -> Callable:
+    """``impl`` whose array operands all lead with the batch axis (``[B, ...]``), made to
+    fold a ``jax.vmap`` axis into that batch axis: one kernel call on ``[V*B, ...]``.
+
+    Without it ``vmap`` would batch the kernel's internals: a Pallas call by a loop (whose
+    carry, inside ``shard_map``, fails the varying-axes check), the XLA kernel's tile
+    ``switch`` by computing every branch (no tile skipped). Keyword arguments holding
+    arrays (``accumulate``) are operands too; the others are static.
+    """
+
+    @functools.wraps(impl)
+    def folded(*args, **kwargs):
+        dynamic = {name: x for name, x in kwargs.items() if _has_arrays(x)}
+        static = {name: x for name, x in kwargs.items() if name not in dynamic}
+        call = jax.custom_batching.custom_vmap(
+            lambda args, dynamic: impl(*args, **dynamic, **static))
+
+        @call.def_vmap
+        def rule(axis_size, in_batched, args, dynamic):
+            operands = jax.tree.map(
+                lambda x, batched: x if batched else jnp.broadcast_to(x, (axis_size, *x.shape)),
+                (args, dynamic), tuple(in_batched))
+            args, dynamic = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), operands)
+            out = folded(*args, **dynamic, **static)  # [V*B, ...]; nested vmaps fold again
+            out = jax.tree.map(lambda x: x.reshape(axis_size, -1, *x.shape[1:]), out)
+            return out, jax.tree.map(lambda _: True, out)
+
+        return call(args, dynamic)
+
+    return folded
 
 
 def differentiable(forward_impl: Callable, backward_impl: Callable) -> Callable:

@@ -137,6 +137,7 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
                     block_sizes=block_sizes, softcap=softcap)
 
 
+@contract.folds_vmap
 def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, block_sizes, softcap):
     # Inside shard_map every operand must vary over the same axes (e.g. replicated
     # decode queries against a sharded cache).

@@ -162,6 +162,7 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
                     softcap=softcap, block_sizes=block_sizes, interpret=interpret)
 
 
+@contract.folds_vmap
 def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, softcap, block_sizes, interpret,
              may_split=True):
     # Inside shard_map every operand must vary over the same axes (e.g. replicated

@@ -125,6 +125,7 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
                     block_sizes=block_sizes, softcap=softcap)
 
 
+@contract.folds_vmap
 def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, block_sizes, softcap):
     t = _tiling(q, k, block_sizes.block_q, block_sizes.block_k)
     q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # classes [nq, nk]
@@ -203,6 +204,7 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
                      block_sizes=block_sizes, accumulate=accumulate, softcap=softcap)
 
 
+@contract.folds_vmap
 def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, block_sizes,
               softcap, accumulate=None):
     t = _tiling(q, k, block_sizes.block_q_bwd, block_sizes.block_k_bwd)
