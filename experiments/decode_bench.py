@@ -3,7 +3,7 @@
 For a Llama-3-8B-shaped attention layer (32 query heads, 8 KV heads, head_dim 128,
 bfloat16 cache, batch 1, one new token per step) and growing cache lengths:
 
-* ``sharded``: :func:`jax_seqpar.inference.decode` with the cache split over the 8
+* ``sharded``: :func:`jax_seqpar.api.inference.decode` with the cache split over the 8
   devices (round-robin slots; one ``pmax`` and two ``psum`` s per token);
 * ``one device``: the same decode with the whole (gathered) cache on one device.
 
@@ -38,7 +38,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jax_seqpar import hlo, inference  # noqa: E402
+from jax_seqpar.tools import hlo
+from jax_seqpar.api import inference  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 32, 8, 128  # Llama-3-8B attention
 _MIB = 2**20

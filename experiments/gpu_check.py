@@ -2,7 +2,7 @@
 
 1. The Pallas kernel alone (one GPU), for every head dim it supports, bf16 and
    fp16, causal + packed documents + GQA, and softcap: ``out``, ``lse`` and the
-   gradients against :mod:`jax_seqpar.reference` (float32 on the same GPU).
+   gradients against :mod:`jax_seqpar.core.reference` (float32 on the same GPU).
 2. Every strategy (ring, Ulysses, hybrid, all-gather) through the global API over
    all local GPUs, ``kernel="pallas"`` and ``"xla"``: output and gradients against
    the reference.
@@ -26,10 +26,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_seqpar import reference
-from jax_seqpar.api import sequence_parallel_attention
-from jax_seqpar.kernels import pallas
-from jax_seqpar.masks import MaskSpec, Tokens
+from jax_seqpar.core import reference
+from jax_seqpar.api.attention import sequence_parallel_attention
+from jax_seqpar.kernels.gpu import pallas
+from jax_seqpar.core.masks import MaskSpec, Tokens
 
 sys.path.insert(0, os.path.dirname(__file__))
 import kernel_bench  # noqa: E402

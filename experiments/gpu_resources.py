@@ -35,8 +35,8 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jax_seqpar.kernels import pallas  # noqa: E402
-from jax_seqpar.masks import MaskSpec, Tokens  # noqa: E402
+from jax_seqpar.kernels.gpu import pallas  # noqa: E402
+from jax_seqpar.core.masks import MaskSpec, Tokens  # noqa: E402
 
 _TARGET = """gpu_device_info {{
   threads_per_block_limit: 1024 threads_per_warp: 32 shared_memory_per_block: 49152
@@ -154,7 +154,7 @@ def compile_kernels(target: str, d_qk: int, d_v: int, dtype, *, seq=1024, heads=
     positions = jax.ShapeDtypeStruct((1, seq), jnp.int32, sharding=sharding)
     fn = attention_grads(MaskSpec.make(causal=causal), block_sizes, interpret)
     dump_dir = dump_dir or tempfile.mkdtemp(prefix="seqpar_gpu_")
-    from jax_seqpar import aot
+    from jax_seqpar.tools import aot
     options = {**aot.PRODUCTION_CODEGEN, "xla_dump_to": dump_dir,
                "xla_gpu_fail_ptx_compilation_on_register_spilling": bool(spills_as_errors)}
     start = time.perf_counter()
@@ -200,7 +200,7 @@ def _percent(share) -> str:
 def _override_launch(overrides):
     """Replace the kernels' warps / stages for the kinds named (``kind:warps:stages``)."""
     from jax.experimental.pallas import triton as plgpu
-    from jax_seqpar.kernels import _pallas_config
+    from jax_seqpar.kernels.gpu import _config as _pallas_config
 
     table = {kind: (int(w), int(s)) for kind, w, s in (o.split(":") for o in overrides)}
     default = _pallas_config.launch

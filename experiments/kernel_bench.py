@@ -29,8 +29,9 @@ import time
 import jax
 import jax.numpy as jnp
 
-from jax_seqpar.kernels import pallas, xla
-from jax_seqpar.masks import MaskSpec, Tokens
+from jax_seqpar.kernels.gpu import pallas
+from jax_seqpar.kernels import xla
+from jax_seqpar.core.masks import MaskSpec, Tokens
 
 CPU_MAX_SEQ = 1024
 IMPLEMENTATIONS = ("pallas", "cudnn", "xla")

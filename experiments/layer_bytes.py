@@ -2,13 +2,13 @@
 
 For each strategy on 8 emulated CPU devices, compiles one global
 ``sequence_parallel_attention`` call two ways and reads the bytes each device sends
-from the compiled HLO (``jax_seqpar.hlo``), forward and forward+backward:
+from the compiled HLO (``jax_seqpar.tools.hlo``), forward and forward+backward:
 
 * ``natural order``: tokens in natural order, relayouted (zigzag) inside every call
   and back, in the forward and the backward;
 * ``positions=``: the batch already laid out once (``permute_batch``), no relayout;
 
-next to ``plan.comm_bytes``. Default shape: ring, causal, H=8, Hkv=1, D=64, fp32,
+next to ``jax_seqpar.comm_bytes``. Default shape: ring, causal, H=8, Hkv=1, D=64, fp32,
 S=1024 (XLA:CPU sends bf16 as f32, so fp32 is what a CPU program measures).
 
     PYTHONPATH=. python experiments/layer_bytes.py
@@ -27,7 +27,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_seqpar as sp  # noqa: E402
-from jax_seqpar import hlo, plan  # noqa: E402
+from jax_seqpar.tools import hlo
+from jax_seqpar.planning import plan  # noqa: E402
 
 
 def layer_bytes(strategy, *, batch, seq, heads, kv_heads, dim, laid_out):
@@ -65,9 +66,9 @@ def main():
     print(f"{'strategy':>10} {'pass':>8} {'natural order':>14} {'positions=':>12} "
           f"{'comm_bytes':>12} {'natural/laid':>13}")
     for strategy in args.strategies.split(","):
-        model = functools.partial(plan.comm_bytes, strategy, batch=1, seq_len=args.seq,
+        model = functools.partial(comm_bytes, strategy, batch=1, seq_len=args.seq,
                                   num_heads=args.heads, num_kv_heads=args.kv_heads,
-                                  head_dim=args.head_dim, axis_sizes=8, dtype_bytes=4)
+                                  head_dim=args.head_dim, seq_axes=8, dtype_bytes=4)
         natural = layer_bytes(strategy, laid_out=False, **shape)
         laid = layer_bytes(strategy, laid_out=True, **shape)
         for name, a, b, m in (("fwd", natural[0], laid[0], model()),

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jax_seqpar as sp
-from jax_seqpar import aot, hlo, targets
+from jax_seqpar.tools import aot, hlo, targets
 
 S = 4096
 for target in ("v5e:2x4", "v5p:2x2x2", "v6e:2x4"):

@@ -94,7 +94,7 @@ def strategy_mesh(target, strategy):
 def kernel_fn(module_name, *, causal=True, block_sizes=None):
     """Forward+backward of one kernel call on ``[B, S, H, D]`` inputs."""
     from jax_seqpar import kernels
-    from jax_seqpar.masks import MaskSpec, Tokens
+    from jax_seqpar.core.masks import MaskSpec, Tokens
 
     module = kernels.get(module_name)
     extra = {} if block_sizes is None else {"block_sizes": block_sizes}
@@ -187,7 +187,7 @@ def main(argv=None):
         one_chip = NamedSharding(jax.sharding.Mesh(mesh.devices.flat[:1], ("x",)), P())
         inputs = [jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=one_chip)
                   for x in strategy_args(mesh, "sp", **shape)]
-        from jax_seqpar.kernels import mosaic
+        from jax_seqpar.kernels.tpu import mosaic
 
         candidates = {"mosaic": kernel_fn("mosaic")}
         if args.report == "splash":

@@ -4,7 +4,7 @@
     python experiments/mosaic_tpu_check.py --seq 32768 --head-dim 128 --kv-heads 8
 
 1. Correctness: ``kernel="mosaic"`` (compiled by Mosaic, not interpreted) against
-   :mod:`jax_seqpar.reference` on small cases (MHA/GQA/MQA, causal, window,
+   :mod:`jax_seqpar.core.reference` on small cases (MHA/GQA/MQA, causal, window,
    segments, ragged, MLA 576/512, softcap-free), out, lse, dq, dk, dv, float32
    and bfloat16, with the test suite's tolerances; exits non-zero on a mismatch.
 2. Speed: forward and forward+backward of one chip's attention at the given
@@ -24,8 +24,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_seqpar import kernels, reference
-from jax_seqpar.masks import MaskSpec, Tokens
+from jax_seqpar import kernels
+from jax_seqpar.core import reference
+from jax_seqpar.core.masks import MaskSpec, Tokens
 
 TOLERANCES = {jnp.float32: (2e-5, 2e-5), jnp.bfloat16: (2e-2, 5e-2)}
 CASES = [  # (batch, seq, heads, kv_heads, d_qk, d_v, causal, window, segments)

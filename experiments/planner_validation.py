@@ -1,6 +1,6 @@
 """The planner's predicted time against measured time on 8 emulated CPU devices.
 
-Calibrates the ``"cpu"`` hardware preset (``jax_seqpar.calibrate.calibrate_cpu``),
+Calibrates the ``"cpu"`` hardware preset (``jax_seqpar.tools.calibrate.calibrate_cpu``),
 then, for every shape of ``SHAPES`` and every candidate the planner considers
 on one axis of 8 devices (Ulysses 1x8, ring 8x1, all-gather, hybrids 4x2 and
 2x4 where the heads allow), predicts one layer's forward + backward and times
@@ -35,8 +35,10 @@ import jax  # noqa: E402  (after XLA_FLAGS)
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jax_seqpar import bench, calibrate, hardware, layout, plan, predict  # noqa: E402
-from jax_seqpar.projection import text_table  # noqa: E402
+from jax_seqpar.tools import bench, calibrate
+from jax_seqpar.planning import hardware, plan, predict
+from jax_seqpar.core import layout  # noqa: E402
+from jax_seqpar.planning.projection import text_table  # noqa: E402
 
 # (seq_len, heads, kv_heads, head_dim, causal): MHA, GQA, MQA; 8, 12 and 16 heads
 # (12: no Ulysses over 8); compute-heavy and communication-heavy ends.

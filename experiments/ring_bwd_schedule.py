@@ -32,7 +32,7 @@ import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_seqpar as sp  # noqa: E402
-from jax_seqpar import hlo  # noqa: E402
+from jax_seqpar.tools import hlo  # noqa: E402
 
 _EVENT = re.compile(r"\s*(?:ROOT )?%?([\w.\-]+) = (.*?) (collective-permute-start|"
                     r"collective-permute-done|collective-permute|while)\(")
@@ -73,7 +73,7 @@ def main(argv=None) -> None:
     args = parser.parse_args(argv)
     mesh = _mesh(args.gpu_target_config)
     spec = P(None, "sp")
-    attend = jax.shard_map(functools.partial(sp.ring_attention, axis_name="sp", causal=True,
+    attend = jax.shard_map(functools.partial(sp.ring_attention, seq_axes="sp", causal=True,
                                              kernel="xla"),
                            mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
     x = jax.ShapeDtypeStruct((1, args.seq, 8, 64), jnp.float32,

@@ -8,9 +8,9 @@ programs, not real interconnects). For each sequence length S it reports:
   ``jax.jit(jax.value_and_grad(sum(out * w)))`` w.r.t. q, k, v, median of
   ``--repeats`` runs after ``--warmup`` runs;
 * per-device temp memory from ``compiled.memory_analysis()`` (fwd+bwd and fwd);
-* bytes one device sends, read from the compiled HLO (:mod:`jax_seqpar.hlo`);
+* bytes one device sends, read from the compiled HLO (:mod:`jax_seqpar.tools.hlo`);
 * max abs error of out and of dq/dk/dv against an exact reference computed in
-  query chunks (``jax_seqpar.reference`` per chunk, rematerialized), or against
+  query chunks (``jax_seqpar.core.reference`` per chunk, rematerialized), or against
   the other implementation when S exceeds ``--reference-max-seq``.
 
 Theirs: ``ring_attention(q, k, v, attn_bias, segment_ids, cache_idx, axis_name,
@@ -53,7 +53,8 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jax_seqpar import hlo, reference  # noqa: E402
+from jax_seqpar.tools import hlo
+from jax_seqpar.core import reference  # noqa: E402
 
 BATCH, HEADS, HEAD_DIM = 1, 8, 64
 MIB = 2**20

@@ -5,13 +5,13 @@ forward + backward (``jax.vjp`` with a given cotangent) of the window ring (halo
 exchange), the full ring (the same window with explicit positions, which forbid
 skipping), the windowed all-gather and Ulysses, with ``kernel="auto"``, and prints
 per device: the bytes every collective sends (read from the compiled HLO by
-:mod:`jax_seqpar.hlo`), the model's :func:`jax_seqpar.plan.comm_bytes`, XLA's temp
+:mod:`jax_seqpar.tools.hlo`), the model's :func:`jax_seqpar.comm_bytes`, XLA's temp
 memory and the hand-written kernels in the program (``xla`` when there are none).
 
 By default the programs are compiled for this host's CPU mesh (8 emulated devices);
 ``--time`` also runs each one there (median of ``--runs`` calls, with the load
 average). ``--target`` compiles, without running, for a target of
-:mod:`jax_seqpar.targets` (``h100:8``, ``v5p:2x2x2``, ...) on the first ``P`` of its
+:mod:`jax_seqpar.tools.targets` (``h100:8``, ``v5p:2x2x2``, ...) on the first ``P`` of its
 devices, with register spills as compile errors on GPU; ``kernel="auto"`` lowers to
 the Triton kernel there where the call's options allow it. ``--json`` writes the
 table, ``--plot`` a PNG of the bytes per device vs ``P`` (log scale), one line per
@@ -36,7 +36,7 @@ import time
 
 os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")  # compile-only GPUs
 
-from jax_seqpar import targets  # noqa: E402
+from jax_seqpar.tools import targets  # noqa: E402
 
 targets.emulate_cpu_devices(8, cpu_only=True)
 
@@ -45,8 +45,8 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
 import jax_seqpar as sp  # noqa: E402
-from jax_seqpar import aot, hlo  # noqa: E402
-from jax_seqpar.plan import comm_bytes  # noqa: E402
+from jax_seqpar.tools import aot, hlo  # noqa: E402
+from jax_seqpar import comm_bytes  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 8, 64
 # (label, per-shard function, comm_bytes strategy, whether the window is modelled)
@@ -72,7 +72,7 @@ def _program(strategy: str, mesh: Mesh, seq: int, window, full_ring: bool):
         if full_ring:  # explicit (contiguous) positions: the ring may not skip a hop
             positions = sp.layout.shard_positions("contiguous", q.shape[1], axis_name="sp")
             positions = jnp.broadcast_to(positions, q.shape[:2])
-        return fn(q, k, v, axis_name="sp", causal=True, window=window, positions=positions,
+        return fn(q, k, v, seq_axes="sp", causal=True, window=window, positions=positions,
                   kernel="auto")
 
     attend = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
@@ -122,7 +122,7 @@ def measure(target: str, seq: int, window: int, num_shards: int, label: str, str
         hlo_bytes=sum(hlo.collective_bytes(compiled).values()),
         model_bytes=comm_bytes(strategy, batch=1, seq_len=seq, num_heads=HEADS,
                                num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                               axis_sizes=num_shards, dtype_bytes=4, backward=True,
+                               seq_axes=num_shards, dtype_bytes=4, backward=True,
                                window=(window, 0) if windowed else None, causal=True),
         temp_mib=hlo.memory_bytes(compiled)["temp"] / 2**20, kernels=_kernels(compiled),
         compile_s=program.seconds)
@@ -179,7 +179,7 @@ def main(argv=None) -> None:
     parser.add_argument("--windows", type=int, nargs="+", default=[128, 1024, 4096])
     parser.add_argument("--shards", type=int, nargs="+", default=[2, 4, 8])
     parser.add_argument("--target", default="cpu",
-                        help="a jax_seqpar.targets name (h100:8, v5p:2x2x2, ...); default: "
+                        help="a jax_seqpar.tools.targets name (h100:8, v5p:2x2x2, ...); default: "
                              "this host's CPU mesh")
     parser.add_argument("--time", action="store_true", help="also run (CPU mesh only)")
     parser.add_argument("--runs", type=int, default=3)

@@ -8,12 +8,14 @@ import os
 
 # LLVM at its lowest effort: the suite compiles hundreds of small CPU programs and
 # runs each once or twice, so code generation, not execution, is its cost (about a
-# fifth less time). Programs compiled for GPU / TPU (jax_seqpar.aot) pin XLA's
+# fifth less time). Programs compiled for GPU / TPU (jax_seqpar.tools.aot) pin XLA's
 # production options instead.
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [
     os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
     "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]))
 os.environ["JAX_PLATFORMS"] = "cpu"
+# strategy="auto" reads tuned plans only when asked (jax_seqpar.planning.tuned): never here.
+os.environ.pop("JAX_SEQPAR_TUNED_PLANS", None)
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -26,7 +28,7 @@ jax.config.update("jax_numpy_rank_promotion", "raise")
 
 NUM_DEVICES = 8
 
-# (atol, rtol) against jax_seqpar.reference, which computes in float32; bf16 results
+# (atol, rtol) against jax_seqpar.core.reference, which computes in float32; bf16 results
 # are upcast before comparing. Gradients accumulate over the whole sequence, so their
 # bf16 tolerance is looser than the output's.
 _TOLERANCES = {

@@ -11,7 +11,10 @@ import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 import jax_seqpar as sp
-from jax_seqpar import hlo, plan, reference
+from jax_seqpar.tools import hlo
+from jax_seqpar import comm_bytes
+from jax_seqpar.planning import plan
+from jax_seqpar.core import reference
 
 STRATEGIES = ["ring", "ulysses", "hybrid", "allgather"]
 
@@ -50,7 +53,7 @@ def test_per_shard_unequal_lengths_raise(strategy, make_qkv):
     q, _, _ = make_qkv(batch=1, seq=128, heads=8, head_dim=8)
     _, k, v = make_qkv(batch=1, seq=64, heads=8, head_dim=8)
     mesh = Mesh(np.array(jax.devices()[:2]), ("sp",))
-    fn = functools.partial(getattr(sp, f"{strategy}_attention"), axis_name="sp", causal=True)
+    fn = functools.partial(getattr(sp, f"{strategy}_attention"), seq_axes="sp", causal=True)
     mapped = jax.shard_map(fn, mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))
     with pytest.raises(ValueError, match="64 local query tokens and 32 local key/value"):
         mapped(q, k, v)
@@ -110,9 +113,9 @@ def test_layer_with_positions_sends_exactly_comm_bytes():
     positions = jnp.broadcast_to(sp.zigzag_positions(seq, 8), (batch, seq))
     f = functools.partial(sp.sequence_parallel_attention, mesh=mesh, strategy="ring",
                           causal=True, positions=positions)
-    model = functools.partial(plan.comm_bytes, "ring", batch=batch, seq_len=seq,
+    model = functools.partial(comm_bytes, "ring", batch=batch, seq_len=seq,
                               num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
-                              axis_sizes=8, dtype_bytes=4)
+                              seq_axes=8, dtype_bytes=4)
     fwd = hlo.collective_bytes(jax.jit(f).lower(q, k, v).compile())
     assert sum(fwd.values()) == model(), fwd
     vjp = lambda q, k, v, dout: jax.vjp(f, q, k, v)[1](dout)  # noqa: E731
@@ -171,9 +174,9 @@ def test_auto_mesh_dp_sp_sends_the_groups_bytes():
     f = functools.partial(sp.sequence_parallel_attention, mesh=mesh, strategy="ring",
                           causal=True, layout="contiguous")
     sent = hlo.collective_bytes(jax.jit(f).lower(q, k, k).compile())
-    assert sum(sent.values()) == plan.comm_bytes(
+    assert sum(sent.values()) == comm_bytes(
         "ring", batch=batch // 2, seq_len=seq, num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=dim, axis_sizes=4, dtype_bytes=4), sent
+        head_dim=dim, seq_axes=4, dtype_bytes=4), sent
 
 
 def test_batch_axes_errors(make_qkv):
@@ -198,7 +201,7 @@ def test_auto_strategy_counts_the_heads_each_group_holds(make_qkv, tolerances):
 
 
 def test_missing_extra_names_it():
-    from jax_seqpar._extras import require
+    from jax_seqpar.core.extras import require
 
     with pytest.raises(ImportError, match=r"pip install 'jax_seqpar\[flax\]'"):
         require("no_such_module_here", "flax", "a test")
@@ -237,7 +240,7 @@ def test_global_window_ring_sends_only_the_halo():
     f = functools.partial(sp.sequence_parallel_attention, mesh=mesh, strategy="ring",
                           causal=True, window=(64, 0))
     sent = sum(hlo.collective_bytes(jax.jit(f).lower(q, k, k).compile()).values())
-    model = functools.partial(plan.comm_bytes, "ring", batch=1, seq_len=1024, num_heads=8,
-                              num_kv_heads=2, head_dim=16, axis_sizes=8, dtype_bytes=4,
+    model = functools.partial(comm_bytes, "ring", batch=1, seq_len=1024, num_heads=8,
+                              num_kv_heads=2, head_dim=16, seq_axes=8, dtype_bytes=4,
                               causal=True)
     assert sent == model(window=(64, 0)) < model() / 4

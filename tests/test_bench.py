@@ -1,4 +1,4 @@
-"""jax_seqpar.bench (measured, on 8 emulated CPU devices) and jax_seqpar.projection (model).
+"""jax_seqpar.tools.bench (measured, on 8 emulated CPU devices) and jax_seqpar.planning.projection (model).
 
 The bench runs are tiny (S=256) so this file stays fast: one run of every strategy
 (Ulysses, ring, all-gather over 8 devices, the hybrid as a ring of 4 x Ulysses of 2,
@@ -11,8 +11,10 @@ import json
 
 import pytest
 
-from jax_seqpar import bench, bench_report, projection
-from jax_seqpar.plan import comm_bytes, plan
+from jax_seqpar.tools import bench, bench_report
+from jax_seqpar.planning import projection
+from jax_seqpar import comm_bytes
+from jax_seqpar.planning.plan import plan
 
 TINY = bench.BenchShape(batch=1, seq_len=256, num_heads=8, num_kv_heads=2, head_dim=16)
 
@@ -35,7 +37,7 @@ def test_run_measures_every_strategy(tiny_result):
                                                          rel=0.01), row
         assert row["err_out"] < 1e-4 and row["err_grad"] < 1e-4, row
     assert rows[("ring", "sp=8")]["model_fwd_bytes"] == comm_bytes(
-        "ring", axis_sizes=8, dtype_bytes=4, **TINY.model_kwargs())
+        "ring", seq_axes=8, dtype_bytes=4, **TINY.model_kwargs())
     assert rows[("ring", "sp=8")]["layout"] == "zigzag"  # causal ring: balanced order
     assert rows[("ulysses", "sp=8")]["layout"] == "contiguous"
 
@@ -144,7 +146,7 @@ def test_projection_bytes_are_comm_bytes_and_plan_is_marked():
             assert "not divisible" in row["reason"]  # ulysses: 64 heads on 256 chips
             continue
         assert row["bytes_per_device"] == pytest.approx(comm_bytes(
-            row["strategy"], batch=1, seq_len=131072, axis_sizes=sizes, backward=True, **GQA))
+            row["strategy"], batch=1, seq_len=131072, seq_axes=sizes, backward=True, **GQA))
     for chips, mesh in ((8, {"ici": 8}), (256, {"dcn": 32, "ici": 8})):
         planned = [r["strategy"] for r in rows if r["chips"] == chips and r["planned"]]
         assert planned == [plan(131072, 64, 8, 128, mesh).strategy]

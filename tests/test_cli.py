@@ -11,7 +11,7 @@ try:
 except ModuleNotFoundError:  # Python 3.10: pytest depends on tomli there
     import tomli as tomllib
 
-from jax_seqpar.cli import main
+from jax_seqpar.tools.cli import main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -19,7 +19,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def test_help_runs_as_a_program():
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         filter(None, [REPO, os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-m", "jax_seqpar.cli", "--help"], env=env,
+    done = subprocess.run([sys.executable, "-m", "jax_seqpar.tools.cli", "--help"], env=env,
                           capture_output=True, text=True, timeout=120, check=True)
     assert "demo" in done.stdout
 

@@ -2,7 +2,7 @@
 
 Every strategy, forward and forward + vjp with ``kernel="auto"``, is compiled on this
 CPU-only host for 8 H100s (XLA:GPU, Triton and ptxas for sm_90a) and a TPU v5p 2x2x2
-slice (XLA:TPU), through :mod:`jax_seqpar.targets`; ring and Ulysses with
+slice (XLA:TPU), through :mod:`jax_seqpar.tools.targets`; ring and Ulysses with
 ``kernel="pallas"`` for 8 H100s and 8 A100s at every head dim the Pallas kernel is
 built for, in bf16 and fp16. A compile error, a register spill (a compile error
 here: ``xla_gpu_fail_ptx_compilation_on_register_spilling``), shared memory over
@@ -23,8 +23,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_seqpar import aot, api, bench, bench_report, bench_target, hlo, kernels, targets
-from jax_seqpar.masks import MaskSpec, Tokens
+from jax_seqpar.tools import aot, bench, bench_report, bench_target, hlo, targets
+from jax_seqpar.api import attention as api
+from jax_seqpar import kernels
+from jax_seqpar.core.masks import MaskSpec, Tokens
 
 GPU, TPU = "h100:8", "v5p:2x2x2"
 SHAPE = bench.BenchShape(batch=1, seq_len=4096, num_heads=16, num_kv_heads=4, head_dim=128,

@@ -18,7 +18,8 @@ from flax import nnx
 
 import contexts
 import jax_seqpar as sp
-from jax_seqpar import inference, reference
+from jax_seqpar.api import inference
+from jax_seqpar.core import reference
 from jax_seqpar.flax import SelfAttention, make_attention_fn
 
 B, H, HKV, D = 1, 8, 2, 8

@@ -20,7 +20,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 import contexts
 import jax_seqpar as sp
-from jax_seqpar import reference
+from jax_seqpar.core import reference
 
 N, D = 8, 8  # query heads, head dim
 #: placement -> (mesh shape, axis names, strategy); None: no mesh.

@@ -8,7 +8,7 @@ import pytest
 from flax import nnx
 
 import jax_seqpar
-from jax_seqpar import reference
+from jax_seqpar.core import reference
 from jax_seqpar.flax import SelfAttention, apply_rope, make_attention_fn
 
 BATCH, SEQ, HEADS, FEATURES = 2, 64, 8, 32

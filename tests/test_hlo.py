@@ -1,4 +1,4 @@
-"""jax_seqpar.hlo: bytes read from compiled programs equal hand-computed values exactly.
+"""jax_seqpar.tools.hlo: bytes read from compiled programs equal hand-computed values exactly.
 
 Programs run on the 8 emulated CPU devices. What XLA's CPU backend emits, checked with
 ``jax.jit(f).lower(x).compile().as_text()``: every collective stays a collective (none
@@ -18,7 +18,7 @@ import pytest
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jax_seqpar import hlo
+from jax_seqpar.tools import hlo
 
 # Every program below takes the global f32[64, 16]; each of the 8 devices holds
 # f32[8, 16] = 512 bytes (f32[16, 16] = 1024 bytes on the 4 devices of an inner group).

@@ -1,4 +1,4 @@
-"""jax_seqpar.inference against the reference: prefill into a sequence-sharded KV cache,
+"""jax_seqpar.api.inference against the reference: prefill into a sequence-sharded KV cache,
 many decode steps (T=1 and T>1) over ragged rows, every placement, generation, traffic."""
 
 import functools
@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jax_seqpar import hlo, inference, reference
-from jax_seqpar.decode import EMPTY_POSITION, decode_attention
-from jax_seqpar.plan import comm_bytes
+from jax_seqpar.tools import hlo
+from jax_seqpar.api import inference
+from jax_seqpar.core import reference
+from jax_seqpar.strategies.decode import EMPTY_POSITION, decode_attention
+from jax_seqpar import comm_bytes
 
 
 def _mesh(kind):
@@ -130,7 +132,7 @@ def test_decode_attention_is_exact_for_any_placement(new_tokens, tolerances):
     mesh, axes = _mesh("auto")
     seq = P(None, axes)
     f = jax.shard_map(
-        lambda q, k, v, n, pos: decode_attention(q, k, v, axis_name=axes, kv_length=n,
+        lambda q, k, v, n, pos: decode_attention(q, k, v, seq_axes=axes, kv_length=n,
                                                  kv_positions=pos),
         mesh=mesh, in_specs=(P(), seq, seq, P(), seq), out_specs=P())
     out = jax.jit(f)(q, placed(k), placed(v), jnp.asarray(kv_length), jnp.asarray(positions))
@@ -156,7 +158,7 @@ def test_comm_bytes_decode_matches_compiled_hlo(new_tokens, heads, kv_heads, hea
     measured = hlo.collective_bytes(jax.jit(inference.decode).lower(q, k, v, cache).compile())
     predicted = comm_bytes("decode", batch=batch, seq_len=new_tokens, num_heads=heads,
                            num_kv_heads=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim,
-                           axis_sizes=8, dtype_bytes=dtype(0).itemsize)
+                           seq_axes=8, dtype_bytes=dtype(0).itemsize)
     assert sum(measured.values()) == measured["all-reduce"] == predicted, measured
     # One pmax of the lse and the psums of the weights and outputs, all float32.
     assert predicted == 2 * 7 / 8 * 4 * batch * new_tokens * heads * (v_head_dim + 2)
@@ -240,7 +242,7 @@ def test_decode_mode_errors():
 
 
 def test_cli_generate_trains_saves_then_loads(tmp_path, capsys):
-    from jax_seqpar.cli import main
+    from jax_seqpar.tools.cli import main
 
     path = str(tmp_path / "params.npz")
     args = ["generate", "--prompt", "def ", "--tokens", "5", "--params", path]

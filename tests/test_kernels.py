@@ -1,4 +1,4 @@
-"""Local attention kernels (``xla``, ``pallas``) against :mod:`jax_seqpar.reference`,
+"""Local attention kernels (``xla``, ``pallas``) against :mod:`jax_seqpar.core.reference`,
 and the contract every kernel shares (:mod:`jax_seqpar.kernels.contract`).
 
 Every case checks ``out``, ``lse`` and the gradients of a random-weighted sum of
@@ -21,8 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_seqpar import kernels, masks, reference
-from jax_seqpar.masks import MaskSpec, Tokens
+from jax_seqpar import kernels
+from jax_seqpar.core import masks, reference
+from jax_seqpar.core.masks import MaskSpec, Tokens
 
 KERNELS = ["xla", "pallas"]
 BLOCK = 16
@@ -281,7 +282,9 @@ def test_backward_accumulates(kernel):
 # The kernel contract (jax_seqpar.kernels.contract): one BlockSizes, one custom_vjp.
 
 def test_one_block_sizes_class_for_every_kernel():
-    from jax_seqpar.kernels import contract, mosaic, pallas, xla
+    from jax_seqpar.kernels import contract, xla
+    from jax_seqpar.kernels.tpu import mosaic
+    from jax_seqpar.kernels.gpu import pallas
 
     assert (xla.BlockSizes is pallas.BlockSizes is mosaic.BlockSizes is kernels.BlockSizes
             is contract.BlockSizes)
@@ -367,7 +370,7 @@ def test_per_platform_tiles_every_kernel_takes(kernel, sizes, fragments, method)
 
 
 def test_options_reject_other_tile_objects():
-    from jax_seqpar._inputs import Options
+    from jax_seqpar.strategies.inputs import Options
 
     q = jnp.zeros((1, 32, 2, 16))
     with pytest.raises(ValueError, match="is not a jax_seqpar.kernels.BlockSizes"):

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
-from jax_seqpar import layout
+from jax_seqpar.core import layout
 
 NUM_SHARDS = 8
 

@@ -1,4 +1,4 @@
-"""The TPU (Mosaic) kernel in interpret mode against :mod:`jax_seqpar.reference`.
+"""The TPU (Mosaic) kernel in interpret mode against :mod:`jax_seqpar.core.reference`.
 
 Kernel cases check ``out``, ``lse`` and the gradients of a random-weighted sum of
 both (so the ``lse`` cotangent path runs) w.r.t. q, k and v. Tiles are 128 tokens
@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 
 import jax_seqpar as sp
-from jax_seqpar import masks, reference
-from jax_seqpar.kernels import mosaic
-from jax_seqpar.masks import MaskSpec, Tokens
+from jax_seqpar.core import masks, reference
+from jax_seqpar.kernels.tpu import mosaic
+from jax_seqpar.core.masks import MaskSpec, Tokens
 
 BLOCK = 128
 BLOCKS = mosaic.BlockSizes(BLOCK, BLOCK, BLOCK, BLOCK)
@@ -218,7 +218,7 @@ def test_empty_tiles_are_skipped(case, poison, tolerances):
 def test_plan_fetches_no_new_tile_on_empty_steps():
     """An EMPTY step re-requests the previous block (no copy); a row's first EMPTY
     steps request its first visible tile, which the pipeline then keeps."""
-    from jax_seqpar.kernels import _mosaic_common
+    from jax_seqpar.kernels.tpu import _common as _mosaic_common
 
     e, p, f = masks.EMPTY, masks.PARTIAL, masks.FULL
     classes = jnp.array([[e, e, p, f, e, p], [e, e, e, e, e, e], [f, e, e, p, e, e]], jnp.int32)

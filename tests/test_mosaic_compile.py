@@ -23,8 +23,8 @@ pytest.importorskip("libtpu", reason="compiling for TPU needs libtpu (jax[tpu])"
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax_seqpar as sp  # noqa: E402
-from jax_seqpar.kernels import mosaic  # noqa: E402
-from jax_seqpar.masks import MaskSpec, Tokens  # noqa: E402
+from jax_seqpar.kernels.tpu import mosaic  # noqa: E402
+from jax_seqpar.core.masks import MaskSpec, Tokens  # noqa: E402
 
 MOSAIC_CALL = 'custom_call_target="tpu_custom_call"'
 

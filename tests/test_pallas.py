@@ -1,7 +1,7 @@
 """The Pallas kernel (interpret mode) on every head dim it supports, softcap and decode rows.
 
 Each case checks ``out``, ``lse`` and the gradients of a random-weighted sum of both
-w.r.t. q, k and v against :mod:`jax_seqpar.reference`, with 16-token tiles so a few
+w.r.t. q, k and v against :mod:`jax_seqpar.core.reference`, with 16-token tiles so a few
 dozen tokens give several tiles and a ragged tail. Each head-dim case also carries a
 different mask / GQA combination, so the suite stays small.
 """
@@ -15,9 +15,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_seqpar import reference
-from jax_seqpar.kernels import _pallas_core, pallas
-from jax_seqpar.masks import MaskSpec, Tokens
+from jax_seqpar.core import reference
+from jax_seqpar.kernels.gpu import _core as _pallas_core, pallas
+from jax_seqpar.core.masks import MaskSpec, Tokens
 
 BLOCKS = pallas.BlockSizes(16, 16, 16, 16)
 
@@ -192,7 +192,7 @@ def test_lowering_follows_the_platform():
 @pytest.mark.parametrize("by_key", [False, True])
 def test_tile_bounds_in_chunks(by_key, monkeypatch):
     """Bounds built a few rows at a time (remainder included) match the whole table's."""
-    from jax_seqpar import masks
+    from jax_seqpar.core import masks
     from jax_seqpar.kernels.tiling import Tiling
 
     monkeypatch.setattr(_pallas_core, "BOUNDS_CHUNK", 3)

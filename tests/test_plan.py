@@ -1,4 +1,4 @@
-"""jax_seqpar.plan: the traffic model on hand-computed cases and the seed notes, the
+"""jax_seqpar.planning.plan: the traffic model on hand-computed cases and the seed notes, the
 planner's choices, its errors, and the model against the compiled HLO.
 
 Seed formulas (shared/seeds/002_*), per global token N, P devices, in elements:
@@ -24,8 +24,9 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_seqpar
-from jax_seqpar import hlo
-from jax_seqpar.plan import Plan, comm_bytes, plan
+from jax_seqpar.tools import hlo
+from jax_seqpar import comm_bytes
+from jax_seqpar.planning.plan import Plan, plan
 
 N = 1024  # tokens; divisible by every P used here
 MHA = dict(num_heads=64, num_kv_heads=64, head_dim=128)  # the seed's h=64, d=128
@@ -38,15 +39,15 @@ def _positions_per_token(p):
 
 @pytest.mark.parametrize("p, seed_elements", [(4, 6144), (8, 3584), (16, 1920), (64, 504)])
 def test_ulysses_matches_seed_formula(p, seed_elements):
-    sent = comm_bytes("ulysses", batch=1, seq_len=N, axis_sizes=p, dtype_bytes=1, **MHA)
+    sent = comm_bytes("ulysses", batch=1, seq_len=N, seq_axes=p, dtype_bytes=1, **MHA)
     assert sent / N == seed_elements + _positions_per_token(p)
     assert seed_elements == 4 * 64 * 128 * (p - 1) / p**2
 
 
 def test_ring_seed_cases():
-    ring_mha = comm_bytes("ring", batch=1, seq_len=N, axis_sizes=8, dtype_bytes=1, **MHA)
+    ring_mha = comm_bytes("ring", batch=1, seq_len=N, seq_axes=8, dtype_bytes=1, **MHA)
     assert ring_mha / N == 64 * 128 * 2 * 7 / 8 + _positions_per_token(8)  # seed: 224
-    ring_mla = comm_bytes("ring", batch=1, seq_len=N, axis_sizes=8, dtype_bytes=1, **MLA)
+    ring_mla = comm_bytes("ring", batch=1, seq_len=N, seq_axes=8, dtype_bytes=1, **MLA)
     assert ring_mla / N == (576 + 512) * 7 / 8 + _positions_per_token(8)  # seed: 576 * 7/8
 
 
@@ -60,7 +61,7 @@ def test_ring_seed_cases():
 def test_ulysses_replicates_kv_heads(heads, kv_heads, p, kv_heads_sent):
     assert kv_heads_sent == kv_heads * p // math.gcd(kv_heads, p)
     sent = comm_bytes("ulysses", batch=2, seq_len=N, num_heads=heads, num_kv_heads=kv_heads,
-                      head_dim=16, v_head_dim=8, axis_sizes=p, dtype_bytes=2)
+                      head_dim=16, v_head_dim=8, seq_axes=p, dtype_bytes=2)
     local_tokens = 2 * N // p
     per_token = heads * 16 + kv_heads_sent * 16 + kv_heads_sent * 8 + heads * 8
     assert sent == local_tokens * per_token * 2 * (p - 1) / p + (p - 1) * local_tokens * 4
@@ -88,7 +89,7 @@ SMALL = dict(batch=2, seq_len=256, num_heads=8, num_kv_heads=2, head_dim=16, v_h
     ("allgather", True, True, 7 / 8 * (98304 + 4096) + 7 / 8 * 98304),
 ])
 def test_comm_bytes_hand_computed(strategy, backward, segments, expected):
-    assert comm_bytes(strategy, axis_sizes=8, backward=backward, with_segment_ids=segments,
+    assert comm_bytes(strategy, seq_axes=8, backward=backward, with_segment_ids=segments,
                       **SMALL) == expected
 
 
@@ -102,25 +103,25 @@ def test_hybrid_hand_computed():
     gather_positions = 3 * 128 * 4
     rotation = 1 * (512 * 1 * 32 * 2 + 512 * 4)
     accumulators = 2 * 512 * 1 * 32 * 4
-    assert comm_bytes("hybrid", axis_sizes=(2, 4), **shape) == a2a + gather_positions + rotation
-    assert comm_bytes("hybrid", axis_sizes=(2, 4), backward=True, **shape) == (
+    assert comm_bytes("hybrid", seq_axes=(2, 4), **shape) == a2a + gather_positions + rotation
+    assert comm_bytes("hybrid", seq_axes=(2, 4), backward=True, **shape) == (
         2 * a2a + gather_positions + 2 * rotation + accumulators)
 
 
 @pytest.mark.parametrize("backward", [False, True])
 def test_hybrid_degenerates(backward):
     shape = dict(SMALL, backward=backward)
-    assert comm_bytes("hybrid", axis_sizes=(1, 8), **shape) == comm_bytes(
-        "ulysses", axis_sizes=8, **shape)
-    assert comm_bytes("hybrid", axis_sizes=(8, 1), **shape) == comm_bytes(
-        "ring", axis_sizes=8, **shape)
-    assert comm_bytes("ring", axis_sizes=(2, 4), **shape) == comm_bytes(
-        "ring", axis_sizes=8, **shape)
+    assert comm_bytes("hybrid", seq_axes=(1, 8), **shape) == comm_bytes(
+        "ulysses", seq_axes=8, **shape)
+    assert comm_bytes("hybrid", seq_axes=(8, 1), **shape) == comm_bytes(
+        "ring", seq_axes=8, **shape)
+    assert comm_bytes("ring", seq_axes=(2, 4), **shape) == comm_bytes(
+        "ring", seq_axes=8, **shape)
 
 
 @pytest.mark.parametrize("strategy", ["ulysses", "ring", "allgather"])
 def test_one_device_sends_nothing(strategy):
-    assert comm_bytes(strategy, axis_sizes=1, backward=True, **SMALL) == 0.0
+    assert comm_bytes(strategy, seq_axes=1, backward=True, **SMALL) == 0.0
 
 
 def test_crossover_near_4hd_over_dkv():
@@ -128,8 +129,8 @@ def test_crossover_near_4hd_over_dkv():
     latent = dict(num_heads=64, num_kv_heads=1, head_dim=288, v_head_dim=288)  # 576 per token
     crossover = 4 * 64 * 128 / 576
     for p in (2, 4, 8, 16, 32, 64):
-        ulysses = comm_bytes("ulysses", batch=1, seq_len=N * 64, axis_sizes=p, **MHA)
-        ring = comm_bytes("ring", batch=1, seq_len=N * 64, axis_sizes=p, **latent)
+        ulysses = comm_bytes("ulysses", batch=1, seq_len=N * 64, seq_axes=p, **MHA)
+        ring = comm_bytes("ring", batch=1, seq_len=N * 64, seq_axes=p, **latent)
         assert (ulysses > ring) == (p < crossover), p
 
 
@@ -141,13 +142,13 @@ def test_crossover_near_4hd_over_dkv():
     (dict(num_kv_heads=3), "num_heads=8 must be a multiple of num_kv_heads=3"),
     (dict(head_dim=0), "head_dim must be a positive int. Got head_dim=0"),
     (dict(dtype_bytes=0), "dtype_bytes must be a positive number"),
-    (dict(axis_sizes=(2, 0)), "axis_sizes must be a positive int"),
-    (dict(strategy="hybrid"), r"hybrid needs axis_sizes=\(outer, inner\). Got 8"),
-    (dict(strategy="hybrid", axis_sizes=(1, 8), num_heads=4, num_kv_heads=4),
+    (dict(seq_axes=(2, 0)), "seq_axes must be a positive int"),
+    (dict(strategy="hybrid"), r"hybrid needs seq_axes=\(outer, inner\). Got \(8,\)"),
+    (dict(strategy="hybrid", seq_axes=(1, 8), num_heads=4, num_kv_heads=4),
      "num_heads=4 is not divisible by the ulysses \\(inner\\) axis size 8"),
 ])
 def test_comm_bytes_errors(kwargs, message):
-    args = dict(SMALL, strategy="ulysses", axis_sizes=8)
+    args = dict(SMALL, strategy="ulysses", seq_axes=8)
     args.update(kwargs)
     strategy = args.pop("strategy")
     with pytest.raises(ValueError, match=message):
@@ -186,13 +187,13 @@ def test_plan_choices(args, kwargs, strategy, reason):
     assert chosen.reason == reason
     assert chosen.bytes_per_device == chosen.candidates[strategy] == min(
         chosen.candidates.values())
-    seq_len, heads, kv_heads, head_dim, mesh_axes = args
-    sizes = mesh_axes if isinstance(mesh_axes, int) else tuple(mesh_axes.values())
+    seq_len, heads, kv_heads, head_dim, seq_axes = args
+    sizes = seq_axes if isinstance(seq_axes, int) else tuple(seq_axes.values())
     sizes = sizes[0] if isinstance(sizes, tuple) and len(sizes) == 1 else sizes
     assert chosen.axis_sizes == sizes
     assert chosen.bytes_per_device == comm_bytes(
         strategy, batch=1, seq_len=seq_len, num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=head_dim, v_head_dim=kwargs.get("v_head_dim"), axis_sizes=sizes,
+        head_dim=head_dim, v_head_dim=kwargs.get("v_head_dim"), seq_axes=sizes,
         backward=True)
 
 
@@ -205,10 +206,10 @@ def test_plan_from_mesh_shape():
     assert plan(4096, 8, 8, 64, {"seq": 8}).seq_axes == "seq"
 
 
-@pytest.mark.parametrize("mesh_axes", ["sp", {}, {"a": 2, "b": 2, "c": 2}, {"sp": 0}])
-def test_plan_rejects_bad_mesh_axes(mesh_axes):
-    with pytest.raises(ValueError, match="mesh_axes|axis_sizes"):
-        plan(4096, 8, 8, 64, mesh_axes)
+@pytest.mark.parametrize("seq_axes", ["sp", {}, {"a": 2, "b": 2, "c": 2}, {"sp": 0}])
+def test_plan_rejects_bad_mesh_axes(seq_axes):
+    with pytest.raises(ValueError, match="seq_axes"):
+        plan(4096, 8, 8, 64, seq_axes)
 
 
 def test_plan_validates_through_comm_bytes():
@@ -244,8 +245,8 @@ def _compiled_bytes(per_shard, mesh, backward, with_segment_ids):
 def _per_shard(strategy):
     fn = getattr(jax_seqpar, f"{strategy}_attention")
     if strategy == "hybrid":
-        return functools.partial(fn, ring_axis="outer", ulysses_axis="inner")
-    return functools.partial(fn, axis_name="sp")
+        return functools.partial(fn, seq_axes=("outer", "inner"))
+    return functools.partial(fn, seq_axes="sp")
 
 
 @pytest.mark.parametrize("with_segment_ids", [False, True], ids=["plain", "segments"])
@@ -260,6 +261,6 @@ def test_comm_bytes_matches_compiled_hlo(strategy, backward, with_segment_ids):
     else:
         mesh, axis_sizes = Mesh(devices, ("sp",)), 8
     measured = _compiled_bytes(_per_shard(strategy), mesh, backward, with_segment_ids)
-    predicted = comm_bytes(strategy, axis_sizes=axis_sizes, backward=backward,
+    predicted = comm_bytes(strategy, seq_axes=axis_sizes, backward=backward,
                            with_segment_ids=with_segment_ids, **SMALL)
     assert sum(measured.values()) == predicted, measured

@@ -12,12 +12,14 @@ import pytest
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jax_seqpar
-from jax_seqpar import calibrate, hardware, hlo, planner, predict, reference, tune
-from jax_seqpar.meshes import split_axis
-from jax_seqpar.plan import plan
+from jax_seqpar.tools import calibrate, hlo, tune
+from jax_seqpar.planning import hardware, plan as planner, predict, tuned
+from jax_seqpar.core import reference
+from jax_seqpar.core.meshes import split_axis
+from jax_seqpar.planning.plan import plan
 
 GIB = 2.0**30
-SHAPES = [  # (seq_len, heads, kv_heads, head_dim, v_head_dim, mesh_axes, causal, window)
+SHAPES = [  # (seq_len, heads, kv_heads, head_dim, v_head_dim, seq_axes, causal, window)
     pytest.param(32768, 32, 8, 128, None, 8, True, None, id="gqa_8"),
     pytest.param(32768, 12, 12, 64, None, 8, True, None, id="12_heads_8"),
     pytest.param(131072, 128, 1, 576, 512, {"dcn": 4, "ici": 8}, True, None, id="mla_4x8"),
@@ -27,13 +29,13 @@ SHAPES = [  # (seq_len, heads, kv_heads, head_dim, v_head_dim, mesh_axes, causal
 
 
 @pytest.mark.parametrize("preset", sorted(hardware.PRESETS))
-@pytest.mark.parametrize("seq_len, heads, kv_heads, head_dim, v_head_dim, mesh_axes, causal, "
+@pytest.mark.parametrize("seq_len, heads, kv_heads, head_dim, v_head_dim, seq_axes, causal, "
                          "window", SHAPES)
 def test_every_prediction_is_finite_and_positive(preset, seq_len, heads, kv_heads, head_dim,
-                                                 v_head_dim, mesh_axes, causal, window):
-    chosen = plan(seq_len, heads, kv_heads, head_dim, mesh_axes, v_head_dim=v_head_dim,
+                                                 v_head_dim, seq_axes, causal, window):
+    chosen = plan(seq_len, heads, kv_heads, head_dim, seq_axes, v_head_dim=v_head_dim,
                   causal=causal, window=window, hardware=preset, memory_budget=1e15)
-    devices = mesh_axes if isinstance(mesh_axes, int) else math.prod(mesh_axes.values())
+    devices = seq_axes if isinstance(seq_axes, int) else math.prod(seq_axes.values())
     labels = {c.label for c in predict.candidates(devices, heads)}
     assert set(chosen.predicted_seconds) == set(chosen.memory_bytes) == labels
     for label, seconds in chosen.predicted_seconds.items():
@@ -210,9 +212,10 @@ def test_ulysses_size_needs_the_hybrid(make_qkv):
 
 # --- measured tuning and its cache ----------------------------------------------------
 
-def test_tuned_plan_is_cached_and_reused_by_auto(tmp_path, monkeypatch, make_qkv, tolerances):
+def test_tuned_plan_is_stored_and_reused_by_auto_on_request(tmp_path, monkeypatch, make_qkv,
+                                                            tolerances):
     cache = tmp_path / "tuned.json"
-    monkeypatch.setenv(tune.ENV_VAR, str(cache))
+    monkeypatch.setenv(tuned.ENV_VAR, str(cache))
     mesh = jax.make_mesh((8,), ("sp",))
     chosen = tune.tune(128, 4, 4, 8, mesh, causal=True, dtype_bytes=4, top=1, runs=1)
     (label, seconds), = chosen.measured_seconds.items()
@@ -222,12 +225,15 @@ def test_tuned_plan_is_cached_and_reused_by_auto(tmp_path, monkeypatch, make_qkv
     (key, entry), = json.loads(cache.read_text()).items()
     assert entry["label"] == label
 
-    # auto reuses the cached entry, whatever the model says: make it all-gather
+    # auto reuses the stored entry, whatever the model says: make it all-gather
     entry.update(strategy="allgather", ulysses_size=None, label="allgather")
     cache.write_text(json.dumps({key: entry}))
     q, k, v = make_qkv(batch=1, seq=128, heads=4, head_dim=8)
     assert planner.auto_choice(q.shape, 4, 8, 4, mesh, ("sp",), causal=True) == (
         "allgather", None)
+    monkeypatch.delenv(tuned.ENV_VAR)  # not asked for: the file is not read
+    assert planner.auto_choice(q.shape, 4, 8, 4, mesh, ("sp",), causal=True)[0] != "allgather"
+    monkeypatch.setenv(tuned.ENV_VAR, str(cache))
     attend = functools.partial(jax_seqpar.sequence_parallel_attention, mesh=mesh, causal=True)
     compiled = jax.jit(attend).lower(q, k, v).compile()
     sent = hlo.collective_bytes(compiled)
@@ -237,7 +243,7 @@ def test_tuned_plan_is_cached_and_reused_by_auto(tmp_path, monkeypatch, make_qkv
 
 
 def test_auto_without_a_cache_entry_uses_the_device_preset(tmp_path, monkeypatch):
-    monkeypatch.setenv(tune.ENV_VAR, str(tmp_path / "empty.json"))
+    monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "empty.json"))
     mesh = jax.make_mesh((8,), ("sp",))
     strategy, ulysses_size = planner.auto_choice((1, 1024, 12, 64), 12, 64, 4, mesh, ("sp",),
                                                  causal=True)
@@ -249,7 +255,7 @@ def test_unreadable_cache_is_an_error(tmp_path):
     bad = tmp_path / "bad.json"
     bad.write_text("{not json")
     with pytest.raises(ValueError, match="is not readable JSON"):
-        tune.lookup("key", cache=bad)
+        tuned.lookup("key", cache=bad)
 
 
 def test_calibrated_cpu_preset_is_measured():
@@ -264,7 +270,7 @@ def test_calibrated_cpu_preset_is_measured():
 
 
 def test_tune_command(tmp_path, capsys):
-    from jax_seqpar.cli import main
+    from jax_seqpar.tools.cli import main
 
     cache = tmp_path / "cli.json"
     assert main(["tune", "--seq", "128", "--heads", "4", "--kv-heads", "4", "--head-dim", "8",

@@ -41,7 +41,7 @@ import numpy as np
 import pytest
 
 import jax_seqpar
-from jax_seqpar import reference
+from jax_seqpar.core import reference
 
 try:
     import tomllib
@@ -213,17 +213,8 @@ class _Session:
 
 
 @pytest.fixture(scope="module")
-def session(tmp_path_factory):
-    # strategy="auto" consults the tuning cache; the user's must not steer the test.
-    saved = os.environ.get("JAX_SEQPAR_TUNE_CACHE")
-    os.environ["JAX_SEQPAR_TUNE_CACHE"] = str(tmp_path_factory.mktemp("tune") / "plans.json")
-    try:
-        yield _Session()
-    finally:
-        if saved is None:
-            os.environ.pop("JAX_SEQPAR_TUNE_CACHE")
-        else:
-            os.environ["JAX_SEQPAR_TUNE_CACHE"] = saved
+def session():
+    return _Session()  # tuned plans are off in the tests (tests/conftest.py)
 
 
 @pytest.mark.parametrize("index", range(len(PYTHON)), ids=[b.test_id for b in PYTHON])
@@ -244,7 +235,7 @@ def test_every_block_has_a_rule_and_every_check_a_block():
 # --- commands ----------------------------------------------------------------------------
 
 def _cli():
-    from jax_seqpar import cli
+    from jax_seqpar.tools import cli
 
     module, name = PYPROJECT["project"]["scripts"]["jax-seqpar"].split(":")
     assert module == cli.__name__

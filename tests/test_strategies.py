@@ -10,7 +10,7 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 import jax_seqpar as sp
-from jax_seqpar import reference
+from jax_seqpar.core import reference
 
 B, S, H, D = 2, 64, 8, 16
 
@@ -95,8 +95,8 @@ def test_bf16(strategy, make_qkv, tolerances):
 
 def _plain_scan_ring(q, k, v, tokens, *, axis_name, options):
     """The ring written naively: differentiated by JAX autodiff through the scan."""
-    from jax_seqpar.merge import merge
-    from jax_seqpar.masks import EMPTY_LSE
+    from jax_seqpar.core.merge import merge
+    from jax_seqpar.core.masks import EMPTY_LSE
 
     size = jax.lax.axis_size(axis_name)
     perm = [(i, (i + 1) % size) for i in range(size)]
@@ -108,7 +108,7 @@ def _plain_scan_ring(q, k, v, tokens, *, axis_name, options):
         kv = jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, perm), kv)
         return (out, lse, kv), None
 
-    from jax_seqpar import _compat
+    from jax_seqpar.core import compat as _compat
 
     init = _compat.match_varying(
         (jnp.zeros(q.shape[:3] + v.shape[3:]), jnp.full(q.shape[:3], EMPTY_LSE)), q)
@@ -118,7 +118,7 @@ def _plain_scan_ring(q, k, v, tokens, *, axis_name, options):
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_custom_ring_backward_matches_autodiff_of_plain_ring(causal, make_qkv):
-    from jax_seqpar._inputs import Options, shard_tokens
+    from jax_seqpar.strategies.inputs import Options, shard_tokens
 
     q, k, v = make_qkv(batch=B, seq=S, heads=H, kv_heads=2, head_dim=D, v_head_dim=8, seed=4)
     segment_ids = _segments(B, S, seed=9)
@@ -130,7 +130,7 @@ def test_custom_ring_backward_matches_autodiff_of_plain_ring(causal, make_qkv):
         return _plain_scan_ring(q, k, v, tokens, axis_name=axes, options=options)
 
     def ours(q, k, v, segment_ids):
-        return sp.ring_attention(q, k, v, axis_name=axes, causal=causal, segment_ids=segment_ids)
+        return sp.ring_attention(q, k, v, seq_axes=axes, causal=causal, segment_ids=segment_ids)
 
     weights = jax.random.normal(jax.random.key(2), q.shape[:3] + (8,))
     grads = []
@@ -178,8 +178,8 @@ def test_vmap_and_checkpoint(make_qkv, tolerances):
 
 @pytest.mark.parametrize("kernel", ["xla", "pallas"])
 def test_decode_matches_reference(kernel, make_qkv, tolerances):
-    from jax_seqpar.api import can_check_vma
-    from jax_seqpar.decode import decode_attention
+    from jax_seqpar.api.attention import can_check_vma
+    from jax_seqpar.strategies.decode import decode_attention
 
     capacity, new = 64, 2
     _, k, v = make_qkv(batch=3, seq=capacity, heads=4, kv_heads=2, head_dim=D, seed=6)
@@ -187,7 +187,7 @@ def test_decode_matches_reference(kernel, make_qkv, tolerances):
     kv_length = jnp.array([64, 20, 3], jnp.int32)  # full, mid-shard, first shard only
     mesh, axes = _mesh("ring")
     f = jax.shard_map(
-        lambda q, k, v, n: decode_attention(q, k, v, axis_name=axes, kv_length=n, kernel=kernel),
+        lambda q, k, v, n: decode_attention(q, k, v, seq_axes=axes, kv_length=n, kernel=kernel),
         mesh=mesh, in_specs=(P(), P(None, axes), P(None, axes), P()), out_specs=P(),
         check_vma=can_check_vma(kernel))
     out = jax.jit(f)(q, k, v, kv_length)
@@ -284,7 +284,7 @@ def test_tensor_parallel_heads_shared_by_q_and_kv(make_qkv, tolerances):
 
 @pytest.mark.parametrize("kv_heads,expected", [(8, "ulysses"), (1, "ring")])
 def test_auto_strategy(kv_heads, expected, make_qkv, tolerances):
-    from jax_seqpar import plan
+    from jax_seqpar.planning import plan
 
     q, k, v = make_qkv(batch=1, seq=S, heads=H, kv_heads=kv_heads, head_dim=D,
                        v_head_dim=8 if kv_heads == 1 else None)

@@ -16,10 +16,12 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_seqpar as sp
-from jax_seqpar import halo, hlo, layout, reference
+from jax_seqpar.strategies import halo
+from jax_seqpar.tools import hlo
+from jax_seqpar.core import layout, reference
 from jax_seqpar.kernels import xla
-from jax_seqpar.masks import MaskSpec, Tokens
-from jax_seqpar.plan import comm_bytes
+from jax_seqpar.core.masks import MaskSpec, Tokens
+from jax_seqpar import comm_bytes
 
 B, S, H, D, DV = 1, 128, 8, 16, 8
 SINKS = jnp.array([0.5, -1.0, 2.0, 0.0, 1.5, -3.0, 0.25, 4.0], jnp.float32)
@@ -43,10 +45,10 @@ def _per_shard(strategy):
     devices = np.array(jax.devices())
     if strategy == "hybrid":
         mesh = Mesh(devices.reshape(2, 4), ("dcn", "ici"))
-        fn = functools.partial(sp.hybrid_attention, ring_axis="dcn", ulysses_axis="ici")
+        fn = functools.partial(sp.hybrid_attention, seq_axes=("dcn", "ici"))
         return mesh, fn, ("dcn", "ici")
     return Mesh(devices, ("sp",)), functools.partial(
-        getattr(sp, f"{strategy}_attention"), axis_name="sp"), "sp"
+        getattr(sp, f"{strategy}_attention"), seq_axes="sp"), "sp"
 
 
 def _check(strategy, tolerances, *, order="contiguous", kv_heads=2, use_sinks=True,
@@ -148,7 +150,7 @@ def test_decode_sinks_softcap(tolerances):
     kv_length = jnp.array([64, 3], jnp.int32)
     mesh = Mesh(np.array(jax.devices()), ("sp",))
     f = jax.shard_map(
-        lambda q, k, v, n, s: sp.decode_attention(q, k, v, axis_name="sp", kv_length=n,
+        lambda q, k, v, n, s: sp.decode_attention(q, k, v, seq_axes="sp", kv_length=n,
                                                   kernel="xla", softcap=2.0, sinks=s),
         mesh=mesh, in_specs=(P(), P(None, "sp"), P(None, "sp"), P(), P()), out_specs=P())
     out = jax.jit(f)(q, k, v, kv_length, SINKS)
@@ -207,7 +209,7 @@ def test_softcap_bounds_the_logits():
 def test_bad_input_raises(kwargs, message):
     import inspect
 
-    from jax_seqpar.kernels import pallas
+    from jax_seqpar.kernels.gpu import pallas
 
     if kwargs.get("kernel") == "pallas" and "softcap" in inspect.signature(
             pallas.forward).parameters:
@@ -215,7 +217,7 @@ def test_bad_input_raises(kwargs, message):
         message = "softcap must be a positive float"
     mesh = Mesh(np.array(jax.devices()), ("sp",))
     q = jnp.zeros((1, 64, 8, 16))
-    f = jax.shard_map(lambda q: sp.ring_attention(q, q, q, axis_name="sp", **kwargs),
+    f = jax.shard_map(lambda q: sp.ring_attention(q, q, q, seq_axes="sp", **kwargs),
                       mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))
     with pytest.raises(ValueError, match=message):
         f(q)
@@ -245,10 +247,10 @@ def _hlo_bytes(strategy, num_shards, window, causal=True, segments=False, mesh_s
     devices = np.array(jax.devices()[:num_shards])
     if strategy == "hybrid":
         mesh = Mesh(devices.reshape(mesh_shape), ("outer", "inner"))
-        fn = functools.partial(sp.hybrid_attention, ring_axis="outer", ulysses_axis="inner")
+        fn = functools.partial(sp.hybrid_attention, seq_axes=("outer", "inner"))
     else:
         mesh = Mesh(devices, ("sp",))
-        fn = functools.partial(getattr(sp, f"{strategy}_attention"), axis_name="sp")
+        fn = functools.partial(getattr(sp, f"{strategy}_attention"), seq_axes="sp")
     seq = P(None, tuple(mesh.axis_names))
     n = SHAPE["seq_len"]
     q = jax.ShapeDtypeStruct((1, n, 4, 16), jnp.float32)
@@ -273,13 +275,13 @@ def _hlo_bytes(strategy, num_shards, window, causal=True, segments=False, mesh_s
 def test_causal_window_ring_bytes_constant_in_p(num_shards):
     window = (SHAPE["seq_len"] // 8, 0)  # W = S/8 <= S/P
     measured = _hlo_bytes("ring", num_shards, window)
-    expected = comm_bytes("ring", axis_sizes=num_shards, backward=True, window=window,
+    expected = comm_bytes("ring", seq_axes=num_shards, backward=True, window=window,
                           causal=True, **SHAPE)
     assert measured == expected
     # W tokens of K/V forward, W tokens of float32 dK/dV back: no P in it.
     assert expected == 64 * 2 * (16 + 8) * 4 * 2
     if num_shards == 8:
-        full = comm_bytes("ring", axis_sizes=8, backward=True, **SHAPE)
+        full = comm_bytes("ring", seq_axes=8, backward=True, **SHAPE)
         assert full == _hlo_bytes("ring", 8, None)
         assert measured <= full / 2
 
@@ -292,8 +294,8 @@ def test_causal_window_ring_bytes_constant_in_p(num_shards):
 ])
 def test_window_bytes_match_comm_bytes(strategy, window, causal, segments, mesh_shape):
     measured = _hlo_bytes(strategy, 8, window, causal, segments, mesh_shape)
-    expected = comm_bytes(strategy, axis_sizes=mesh_shape or 8, backward=True, window=window,
+    expected = comm_bytes(strategy, seq_axes=mesh_shape or 8, backward=True, window=window,
                           causal=causal, with_segment_ids=segments, **SHAPE)
     assert measured == expected
-    assert expected < comm_bytes(strategy, axis_sizes=mesh_shape or 8, backward=True,
+    assert expected < comm_bytes(strategy, seq_axes=mesh_shape or 8, backward=True,
                                  with_segment_ids=segments, **SHAPE)

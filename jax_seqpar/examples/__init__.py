@@ -4,7 +4,7 @@
 Needs the ``[examples]`` extra (Flax, optax, matplotlib, tqdm).
 """
 
-from jax_seqpar._extras import require
+from jax_seqpar.core.extras import require
 
 for _module in ("flax", "optax"):
     require(_module, "examples", "jax_seqpar.examples (jax-seqpar demo)")
@@ -22,7 +22,10 @@ from jax_seqpar.examples._train import init_params as init_params
 from jax_seqpar.examples._train import make_optimizer as make_optimizer
 from jax_seqpar.examples._train import mesh_for as mesh_for
 from jax_seqpar.examples._train import train as train
+from jax_seqpar.examples._demo import DEFAULT_STRATEGIES as DEFAULT_STRATEGIES
+from jax_seqpar.examples._demo import as_strategy_list as as_strategy_list
 from jax_seqpar.examples._demo import run_demo as run_demo
+from jax_seqpar.examples._generate_demo import run_generate as run_generate
 from jax_seqpar.examples._generate import Generation as Generation
 from jax_seqpar.examples._generate import generate as generate
 from jax_seqpar.examples._generate import load_params as load_params

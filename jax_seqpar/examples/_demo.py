@@ -7,8 +7,8 @@ from typing import Callable, Sequence
 import jax
 import numpy as np
 
-from jax_seqpar import api
-from jax_seqpar._extras import require
+from jax_seqpar.api import attention as api
+from jax_seqpar.core.extras import require
 from jax_seqpar.examples._data import training_batches
 from jax_seqpar.examples._model import ModelConfig, Parallelism
 from jax_seqpar.examples._train import TrainConfig, TrainResult, init_params, mesh_for, train

@@ -3,7 +3,7 @@
 The prompt is prefilled sequence-parallel (the model's strategy), then every new
 token is decoded against the cache, which stays sharded along the sequence: each
 layer appends the token's K/V on one device (round-robin) and merges the
-devices' partial attention (:mod:`jax_seqpar.inference`). The whole generation
+devices' partial attention (:mod:`jax_seqpar.api.inference`). The whole generation
 loop is one compiled program (a ``lax.scan`` over the new tokens).
 """
 

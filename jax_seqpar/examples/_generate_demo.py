@@ -28,7 +28,7 @@ def train_params(model_config: ModelConfig, train_config: _train.TrainConfig, *,
 
     @jax.jit
     def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(_train._loss, argnums=1)(graphdef, params, batch)
+        loss, grads = jax.value_and_grad(_train.next_byte_loss, argnums=1)(graphdef, params, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 

@@ -14,8 +14,8 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_seqpar._extras import require
-from jax_seqpar.batch_layout import permute_batch
+from jax_seqpar.core.extras import require
+from jax_seqpar.core.batch_layout import permute_batch
 from jax_seqpar.examples._data import PackedRows, training_batches
 from jax_seqpar.examples._model import ModelConfig, Parallelism, TransformerLM
 
@@ -115,7 +115,7 @@ def fsdp_sharding(mesh: jax.sharding.Mesh, x) -> NamedSharding:
     return NamedSharding(mesh, P())
 
 
-def _loss(graphdef, params, batch):
+def next_byte_loss(graphdef, params, batch):
     model = nnx.merge(graphdef, params)
     logits = model(batch["tokens"], segment_ids=batch["segment_ids"],
                    positions=batch.get("positions"))  # [B, S, V]
@@ -192,7 +192,7 @@ def train(
     # The state keeps its placement from step to step (replicated, or FSDP-sharded).
     @functools.partial(jax.jit, out_shardings=(shardings(params), shardings(opt_state), None))
     def step(params, opt_state, batch):
-        loss, grads = jax.value_and_grad(_loss, argnums=1)(graphdef, params, batch)
+        loss, grads = jax.value_and_grad(next_byte_loss, argnums=1)(graphdef, params, batch)
         updates, opt_state = optimizer.update(grads, opt_state, params)
         return optax.apply_updates(params, updates), opt_state, loss
 

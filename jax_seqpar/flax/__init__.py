@@ -1,7 +1,7 @@
 """Flax integration: an ``attention_fn`` adapter for Flax's multi-head attention
 layers (NNX and Linen) and a ready NNX ``SelfAttention`` layer (extra ``[flax]``)."""
 
-from jax_seqpar._extras import require
+from jax_seqpar.core.extras import require
 
 require("flax", "flax", "jax_seqpar.flax")
 

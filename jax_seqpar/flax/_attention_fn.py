@@ -18,7 +18,7 @@ from typing import Optional, Union
 import jax
 import jax.numpy as jnp
 
-from jax_seqpar.api import sequence_parallel_attention
+from jax_seqpar.api.attention import sequence_parallel_attention
 
 
 def _refuse(name: str, value, fix: str) -> None:

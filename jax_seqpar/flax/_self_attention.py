@@ -9,8 +9,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_seqpar import inference
-from jax_seqpar.api import sequence_parallel_attention
+from jax_seqpar.api import inference
+from jax_seqpar.api.attention import sequence_parallel_attention
 from jax_seqpar.flax._rope import apply_rope
 
 
@@ -57,7 +57,7 @@ class SelfAttention(nnx.Module):
         ``float32[H]`` initialized to zero; default ``False``.
       q_proj, k_proj, v_proj, o_proj: the ``nnx.LinearGeneral`` projections.
       cache: decode mode's ``nnx.Cache`` holding a sequence-sharded
-        :class:`~jax_seqpar.inference.KVCache` (``None`` until :meth:`init_cache`);
+        :class:`~jax_seqpar.api.inference.KVCache` (``None`` until :meth:`init_cache`);
         :meth:`prefill` fills it, :meth:`decode` appends to it.
 
     >>> mesh = jax.make_mesh((8,), ("sp",))
@@ -142,7 +142,7 @@ class SelfAttention(nnx.Module):
     # --- decode mode: prefill and decode against a sequence-sharded KV cache ---------
 
     def init_cache(self, batch: int, capacity: int, *, dtype=jnp.bfloat16) -> None:
-        """Enter decode mode: an empty :class:`~jax_seqpar.inference.KVCache` as NNX state.
+        """Enter decode mode: an empty :class:`~jax_seqpar.api.inference.KVCache` as NNX state.
 
         The cache is an ``nnx.Cache`` variable (``self.cache``), sharded along
         ``seq_axes`` of ``mesh`` (without a mesh: on one device), so ``nnx.split``

@@ -9,7 +9,7 @@ The kernel that runs follows the platform the program is LOWERED for, not the
 host's backend: ``"auto"`` and ``"pallas"`` stage every candidate with
 :func:`jax.lax.platform_dependent`, and lowering keeps only the branch of its
 platform. So a program compiled ahead of time for 8 H100s on a CPU host
-(:mod:`jax_seqpar.targets`), or exported with :func:`jax.export.export`, carries
+(:mod:`jax_seqpar.tools.targets`), or exported with :func:`jax.export.export`, carries
 the Triton kernel, and the same program jitted on CPU runs the XLA kernel.
 """
 
@@ -18,7 +18,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import inspect
 from typing import Mapping, Optional
 
 from jax_seqpar.kernels.contract import BlockSizes, Kernel
@@ -35,12 +34,13 @@ _PLATFORM_KERNELS: Mapping[str, Mapping[str, str]] = {
 }
 
 
+#: The module of each kernel (``"pallas-interpret"``: the Pallas module, interpreted).
+_MODULES = {"xla": "jax_seqpar.kernels.xla", "pallas": "jax_seqpar.kernels.gpu.pallas",
+            "mosaic": "jax_seqpar.kernels.tpu.mosaic"}
+
+
 def _module(name: str):
-    return importlib.import_module(f"jax_seqpar.kernels.{name.split('-')[0]}")
-
-
-def _keywords(module, method: str):
-    return inspect.signature(getattr(module, method)).parameters
+    return importlib.import_module(_MODULES[name.split('-')[0]])
 
 
 def _check_tiles(choice: str, block_sizes: Optional[BlockSizes], kernels: set) -> None:
@@ -111,15 +111,11 @@ class PerPlatform:
         branches, kernels = {}, set()
         for platform, kernel in self.platforms:
             module = _module(kernel)
-            missing = [k for k in static if k not in _keywords(module, method)]
-            if self.name == "auto" and (missing or not _serves(kernel, args)):
-                # The automatic choice is the best kernel that has the call's options,
-                # takes the operands' dtype and compiles cleanly for them. Each branch
-                # is traced, so one a platform's kernel cannot serve must not be staged.
+            if self.name == "auto" and not _serves(kernel, args):
+                # The automatic choice is the best kernel that takes the operands' dtype
+                # and compiles cleanly for them. Each branch is traced, so one a
+                # platform's kernel cannot serve must not be staged.
                 kernel, module = "xla", _module("xla")
-            elif missing:
-                raise ValueError(f"{missing[0]}={static[missing[0]]!r} is not supported by "
-                                 f"kernel={self.name!r}; use kernel='xla' or 'auto'.")
             kwargs = dict(static)
             if block_sizes is not None:
                 kwargs["block_sizes"] = block_sizes
@@ -145,28 +141,22 @@ class PerPlatform:
         return jax.lax.platform_dependent(*args, default=default, **branches)
 
     def forward(self, q, k, v, q_tokens, kv_tokens, *, block_sizes=None, interpret=None,
-                softcap=None, **static):
+                **static):
         """The forward of the platform's kernel (see :func:`jax_seqpar.kernels.xla.forward`)."""
         return self._call("forward", (q, k, v, q_tokens, kv_tokens), block_sizes, interpret,
-                          _with_softcap(static, softcap))
+                          static)
 
     def backward(self, q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, accumulate=None,
-                 block_sizes=None, interpret=None, softcap=None, **static):
+                 block_sizes=None, interpret=None, **static):
         """The backward of the platform's kernel (see :func:`jax_seqpar.kernels.xla.backward`)."""
         return self._call("backward", (q, k, v, q_tokens, kv_tokens, lse, delta, dout),
-                          block_sizes, interpret,
-                          _with_softcap(dict(static, accumulate=accumulate), softcap))
+                          block_sizes, interpret, dict(static, accumulate=accumulate))
 
     def attention(self, q, k, v, q_tokens, kv_tokens, *, block_sizes=None, interpret=None,
-                  softcap=None, **static):
+                  **static):
         """Differentiable forward of the platform's kernel: ``(out float32, lse float32)``."""
         return self._call("attention", (q, k, v, q_tokens, kv_tokens), block_sizes, interpret,
-                          _with_softcap(static, softcap))
-
-
-def _with_softcap(static: dict, softcap) -> dict:
-    # Kernels without soft-capping never see the keyword (see jax_seqpar._inputs.Options).
-    return static if softcap is None else dict(static, softcap=softcap)
+                          static)
 
 
 def get(kernel: str = "auto") -> Kernel:

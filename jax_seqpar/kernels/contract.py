@@ -19,7 +19,7 @@ of :func:`jax_seqpar.kernels.get`) is a :class:`Kernel`:
   is the kernel's default for the head dims and dtype (its ``default_block_sizes``).
 
 Shapes: ``q [B, Sq, H, Dqk]``, ``k [B, Sk, Hkv, Dqk]``, ``v [B, Sk, Hkv, Dv]``,
-``H % Hkv == 0`` (GQA/MQA), token metadata (:class:`jax_seqpar.masks.Tokens`)
+``H % Hkv == 0`` (GQA/MQA), token metadata (:class:`jax_seqpar.core.masks.Tokens`)
 ``[B, Sq]`` and ``[B, Sk]``. This module also holds the checks the kernels share
 (:func:`check_operands`, :func:`check_softcap`, :func:`check_backward_operands`).
 """
@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_seqpar.masks import MaskSpec, Tokens
+from jax_seqpar.core.masks import MaskSpec, Tokens
 
 F32 = jnp.float32
 #: Smallest tile the Triton (GPU) lowering takes; tiles there are powers of two.
@@ -263,11 +263,12 @@ def differentiable(forward_impl: Callable, backward_impl: Callable) -> Callable:
 
 
 class Kernel(Protocol):
-    """What :func:`jax_seqpar.kernels.get` returns: a kernel module (:mod:`.xla`,
-    :mod:`.pallas`, :mod:`.mosaic`) or a per-platform choice of them.
+    """What :func:`jax_seqpar.kernels.get` returns: a kernel module
+    (:mod:`jax_seqpar.kernels.xla`, :mod:`jax_seqpar.kernels.gpu.pallas`,
+    :mod:`jax_seqpar.kernels.tpu.mosaic`) or a per-platform choice of them.
 
-    Kernels may take more keywords (the Pallas kernel's ``interpret``); a kernel
-    without soft-capping has no ``softcap`` keyword and is never given one.
+    Every kernel takes every keyword below (``softcap=None``: no soft-capping); kernels
+    may take more (the Pallas kernel's ``interpret``).
     """
 
     #: The tile-size class, :class:`BlockSizes` for every kernel.

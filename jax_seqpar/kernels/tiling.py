@@ -6,8 +6,8 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from jax_seqpar import masks
-from jax_seqpar.masks import MaskSpec, Tokens
+from jax_seqpar.core import masks
+from jax_seqpar.core.masks import MaskSpec, Tokens
 
 # Padded tokens get segment ids that match nothing real (and not each other).
 _PAD_Q_SEGMENT = -(2**31) + 1

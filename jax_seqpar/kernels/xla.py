@@ -2,12 +2,12 @@
 
 Queries are cut into blocks of ``block_q`` tokens and keys into blocks of
 ``block_k``; every (query block, key block) pair is classified from the token
-metadata (:func:`jax_seqpar.masks.classify`) and is skipped when ``EMPTY``,
+metadata (:func:`jax_seqpar.core.masks.classify`) and is skipped when ``EMPTY``,
 computed without a mask when ``FULL``, and masked when ``PARTIAL``. Scores,
 softmax statistics and accumulators are float32 whatever the input dtype.
 
 It has the kernel contract (:mod:`jax_seqpar.kernels.contract`), shared with
-:mod:`jax_seqpar.kernels.pallas` and :mod:`jax_seqpar.kernels.mosaic`:
+:mod:`jax_seqpar.kernels.gpu.pallas` and :mod:`jax_seqpar.kernels.tpu.mosaic`:
 :func:`forward` -> ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])``,
 :func:`backward` (given the final ``lse`` and ``delta = sum(dout * out, -1) - dlse``)
 -> float32 ``(dq, dk, dv)``, and :func:`attention`, a ``custom_vjp`` of both that
@@ -27,11 +27,11 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jax_seqpar import _compat, masks
+from jax_seqpar.core import compat as _compat, masks
 from jax_seqpar.kernels import contract
 from jax_seqpar.kernels.contract import BlockSizes, check_softcap
 from jax_seqpar.kernels.tiling import Tiling, pad_seq, schedule
-from jax_seqpar.masks import MaskSpec, Tokens
+from jax_seqpar.core.masks import MaskSpec, Tokens
 
 #: The input dtypes the kernel takes: any float (q, k and v share one).
 DTYPES = None

@@ -23,7 +23,7 @@ def main(port: int, process_id: int) -> None:
     jax.distributed.initialize(f"127.0.0.1:{port}", num_processes=2, process_id=process_id,
                                initialization_timeout=60)
     import jax_seqpar as sp
-    from jax_seqpar import reference
+    from jax_seqpar.core import reference
 
     assert jax.device_count() == 8 and jax.local_device_count() == 4
     devices = np.array(jax.devices()).reshape(2, 4)

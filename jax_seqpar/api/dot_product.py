@@ -1,0 +1,318 @@
+"""``dot_product_attention``: the arguments and results of ``jax.nn.dot_product_attention``.
+
+A user swaps one call: the same ``BTNH`` (or ``TNH``) layout, GQA, ``is_causal``,
+``local_window_size``, padding by ``query_seq_lengths`` / ``key_value_seq_lengths``,
+``scale``, a boolean key-padding ``mask`` and ``return_residual``. Everything is
+expressed as per-token metadata (segment ids), never as a ``[T, S]`` array, so it
+runs sequence-parallel with a mesh (:func:`jax_seqpar.sequence_parallel_attention`)
+and locally without one (:func:`jax_seqpar.strategies.local.local_attention`).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional, Union
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
+
+from jax_seqpar.strategies.inputs import check_qkv
+from jax_seqpar.api.attention import sequence_parallel_attention
+from jax_seqpar.strategies.local import local_attention
+from jax_seqpar.core.merge import with_sinks
+
+# Segment ids of the metadata: a query sees a key when their ids are equal, so a padded
+# (or masked) key and a padded query, each with an id of its own, see nothing.
+_REAL, _MASKED_KEY, _PADDED_QUERY = 0, 1, 2
+
+
+def _ensure_4d(x):
+    """``x`` with leading unit dims up to rank 4 (``jax.nn``'s rule for ``TNH`` inputs)."""
+    x = jnp.asarray(x)
+    return jnp.expand_dims(x, tuple(range(4 - x.ndim))) if x.ndim < 4 else x
+
+
+def _lengths(name: str, lengths, batch: int):
+    if lengths is None:
+        return None
+    lengths = jnp.asarray(lengths)
+    if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
+        raise ValueError(f"{name} must be an int32 [batch]=({batch},) array. "
+                         f"Got {lengths.dtype}{list(lengths.shape)}.")
+    return lengths.astype(jnp.int32)
+
+
+def _below(lengths, seq: int):
+    """``bool[B, seq]``: token ``i`` of row ``b`` is within ``lengths[b]``."""
+    return jnp.arange(seq, dtype=jnp.int32)[None, :] < lengths[:, None]
+
+
+def _check_mask(mask, shape: tuple):
+    """``mask`` as a 4-D bool array broadcastable to ``shape = (B, N, T, S)``."""
+    mask = _ensure_4d(mask)
+    if mask.dtype != jnp.bool_:
+        raise ValueError(f"mask must be boolean (True: the pair attends), as in jax.nn. Got "
+                         f"dtype {mask.dtype}; pass an additive mask as bias= instead.")
+    if mask.ndim != 4 or any(m not in (1, n) for m, n in zip(mask.shape, shape)):
+        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to "
+                         f"[B, N, T, S]={shape}; each dimension must be 1 or the full size.")
+    return mask
+
+
+def _key_segments(mask, kv_lengths, batch: int, kv_len: int):
+    """``int32[B, S]`` (or ``[B, N, S]`` for a per-head mask): which keys are visible,
+    from the key lengths and a ``[B|1, N|1, 1, S|1]`` mask; None when all are."""
+    visible = None if kv_lengths is None else _below(kv_lengths, kv_len)[:, None]  # [B, 1, S]
+    if mask is not None:
+        heads = mask.shape[1]
+        keys = jnp.broadcast_to(mask[:, :, 0, :], (batch, heads, kv_len))  # [B, N|1, S]
+        visible = keys if visible is None else visible & keys
+    if visible is None:
+        return None
+    segments = jnp.where(visible, _REAL, _MASKED_KEY).astype(jnp.int32)
+    return segments[:, 0] if segments.shape[1] == 1 else segments
+
+
+def _entries(x) -> tuple:
+    """The PartitionSpec entry of each dim of ``x``'s type (all None off Explicit meshes)."""
+    spec = tuple(getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ())
+    return (spec + (None,) * x.ndim)[:x.ndim]
+
+
+def _reshape(x, shape: tuple, spec: tuple):
+    """``x.reshape(shape)``, sharded ``spec`` where ``x``'s type is sharded (an Explicit
+    reshape that merges or splits sharded dims must name its result's sharding)."""
+    if all(e is None for e in _entries(x)):
+        return x.reshape(shape)
+    return jax.lax.reshape(x, shape, out_sharding=jax.typeof(x).sharding.update(spec=P(*spec)))
+
+
+def _joined(*entries):
+    """One PartitionSpec entry sharding a merged dim over the axes of ``entries`` in order."""
+    names = tuple(name for entry in entries if entry is not None
+                  for name in (entry if isinstance(entry, tuple) else (entry,)))
+    return None if not names else names[0] if len(names) == 1 else names
+
+
+def _fold_heads(x, groups: int):
+    """``[B, L, K, D] -> [B*N, L, 1, D]`` (``N = K * groups``): every head a batch row of its
+    own, key/value heads repeated to the query head they serve."""
+    x = jnp.repeat(x, groups, axis=2) if groups > 1 else x  # [B, L, N, D]
+    batch, length, heads, dim = x.shape
+    batch_entry, seq_entry, head_entry, _ = _entries(x)
+    x = _reshape(jnp.moveaxis(x, 2, 1), (batch * heads, length, dim),
+                 (_joined(batch_entry, head_entry), seq_entry, None))  # [B*N, L, D]
+    return x[:, :, None]
+
+
+def _unfold_heads(x, query):
+    """``[B*N, T, 1, ...] -> [B, T, N, ...]`` sharded like ``query``: the inverse of
+    :func:`_fold_heads` on a result."""
+    batch, _, heads = query.shape[:3]
+    batch_entry, seq_entry, head_entry = _entries(query)[:3]
+    x = x[:, :, 0]  # [B*N, T, ...]
+    rest = (None,) * (x.ndim - 2)
+    x = _reshape(x, (batch, heads) + x.shape[1:], (batch_entry, head_entry, seq_entry) + rest)
+    return jnp.moveaxis(x, 1, 2)  # [B, T, N, ...]
+
+
+def dot_product_attention(
+    query: jax.Array,
+    key: jax.Array,
+    value: jax.Array,
+    bias: Optional[jax.Array] = None,
+    mask: Optional[jax.Array] = None,
+    *,
+    scale: Optional[float] = None,
+    is_causal: bool = False,
+    query_seq_lengths: Optional[jax.Array] = None,
+    key_value_seq_lengths: Optional[jax.Array] = None,
+    local_window_size: Union[None, int, tuple[int, int]] = None,
+    implementation: Optional[str] = None,
+    return_residual: bool = False,
+    mesh: Optional[jax.sharding.Mesh] = None,
+    seq_axes: Union[str, tuple] = "sp",
+    strategy: str = "auto",
+    layout: str = "auto",
+    kernel: str = "auto",
+    block_sizes=None,
+    softcap: Optional[float] = None,
+    sinks: Optional[jax.Array] = None,
+):
+    """Scaled dot-product attention, exact, sequence-parallel over ``mesh`` when given.
+
+    Semantics are those of ``jax.nn.dot_product_attention``: ``query`` token ``i``
+    sees key ``j`` when ``j <= i`` (``is_causal``), ``i - left <= j <= i + right``
+    (``local_window_size``), ``j < key_value_seq_lengths[b]`` and ``mask[b, n, 0, j]``;
+    rows ``i >= query_seq_lengths[b]`` are zeros. Differences: a real query that
+    sees no key at all returns zeros (``jax.nn``'s XLA path returns the mean of
+    every value there), and the residual is differentiable.
+
+    It runs under ``jax.jit``, ``jax.grad``, ``jax.vjp`` and ``jax.vmap``, on
+    Explicit meshes (inside ``jax.set_mesh`` or not; inputs replicated, or sharded
+    over the sequence, batch or heads) and on Auto meshes; without a mesh, inputs
+    sharded over an Explicit mesh attend on their own devices (batch rows and heads
+    stay where they are, the sequence is gathered) and the output keeps their sharding.
+    ``jax.vmap`` folds its axis into the batch: one kernel call.
+
+    Args:
+      query: ``[B, T, N, H]`` (or ``[T, N, H]``).
+      key: ``[B, S, K, H]``; value: ``[B, S, K, Hv]`` (one floating dtype;
+        ``N % K == 0``: MHA, GQA, MQA).
+      bias: an additive bias broadcastable to ``[B, N, T, S]``: handed to ``jax.nn``
+        without a mesh, refused with one (see Raises).
+      mask: a boolean mask broadcastable to ``[B, N, T, S]`` (True: the pair attends).
+        A key-padding mask, ``[B|1, N|1, 1, S]``, becomes per-key metadata and works
+        with and without a mesh. Shared by the heads (``[B|1, 1, 1, S]``) it costs
+        nothing; per head (``[B|1, N, 1, S]``, ``N > 1``) every head runs as a batch
+        row of its own, with K/V heads repeated to the ``N`` query heads (GQA's saving
+        is lost) and no Ulysses or hybrid split (they divide heads). A mask with a
+        query dimension (``[.., T, S]``, ``T > 1``) is dense: handed to ``jax.nn``
+        without a mesh, refused with one.
+      scale: logit scale; default ``1/sqrt(H)``.
+      is_causal: causal mask (top-left aligned, as in ``jax.nn``).
+      query_seq_lengths, key_value_seq_lengths: ``int32[B]`` valid lengths (padding).
+      local_window_size: ``int`` (both sides) or ``(left, right)``.
+      implementation: ``None`` for ours; a ``jax.nn`` implementation name
+        (``"xla"``, ``"cudnn"``) hands the call to ``jax.nn`` (without a mesh only).
+      return_residual: also return the log-sum-exp of every row's logits.
+      mesh: a device mesh to split the sequence over (Explicit or Auto axes), or
+        ``None``: attend locally (queries and keys may then differ in length).
+      seq_axes, strategy, layout, kernel, block_sizes: as in
+        :func:`jax_seqpar.sequence_parallel_attention` (``strategy="auto"`` picks one
+        the shapes allow; ``kernel`` and ``block_sizes`` also apply without a mesh).
+      softcap, sinks: logit soft-capping and per-head attention sinks ``[N]`` (not in
+        ``jax.nn``; see :func:`jax_seqpar.sequence_parallel_attention`).
+
+    Returns:
+      ``[B, T, N, Hv]`` (or ``[T, N, Hv]``) in ``query.dtype``, sharded like ``query``
+      on Explicit meshes (as ``jax.nn`` shards it where ``jax.nn`` runs); with
+      ``return_residual``, ``(out, residual)``, the residual ``[B, T, N]`` (or
+      ``[T, N]``) in ``key.dtype`` as in ``jax.nn``, computed in float32 and
+      differentiable (``jax.nn`` stops its gradient; a call handed to ``jax.nn``
+      keeps ``jax.nn``'s). A row that sees no key (including rows past
+      ``query_seq_lengths``) has residual ``-1e30`` (``jax.nn``: about ``-2.4e38``;
+      both are ``-inf`` in float16).
+
+    Raises:
+      ValueError: bad shapes, lengths or mask dtype; with a mesh: a ``bias``, a dense
+        ``mask`` (an ``[T, S]`` input needs every device to hold whole rows of scores,
+        which is what sequence parallelism avoids: express the mask with
+        ``is_causal``, ``local_window_size``, the sequence lengths and a key-padding
+        mask, or packed documents with ``sequence_parallel_attention(segment_ids=)``),
+        query and key lengths that differ, an ``implementation``, a per-head mask with
+        ``strategy="ulysses"`` or ``"hybrid"``, or a strategy the shapes do not allow
+        (e.g. Ulysses over more devices than heads).
+
+    >>> out = dot_product_attention(q, k, v, is_causal=True, mesh=jax.make_mesh((8,), ("sp",)))
+    """
+    ndim = jnp.ndim(query)
+    query, key, value = (_ensure_4d(x) for x in (query, key, value))
+    check_qkv(query, key, value)
+    batch, q_len, heads = query.shape[:3]
+    kv_len = key.shape[1]
+    if mask is not None:
+        mask = _check_mask(mask, (batch, heads, q_len, kv_len))
+    key_mask = mask is not None and mask.shape[2] == 1  # varies along keys only
+    dense = {name: x for name, x in (("bias", bias), ("mask", None if key_mask else mask))
+             if x is not None}
+    if mesh is None and (dense or implementation is not None):
+        if softcap is not None or sinks is not None:
+            raise ValueError("softcap= and sinks= are ours, not jax.nn's: they cannot combine "
+                             "with a bias, a dense mask or a jax.nn implementation.")
+        result = jax.nn.dot_product_attention(
+            query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+            query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
+            local_window_size=local_window_size, implementation=implementation,
+            return_residual=return_residual)
+        return jax.tree.map(lambda x: _squeeze(x, ndim), result)
+    if mesh is not None:
+        _check_mesh_call(dense, implementation, q_len, kv_len)
+    q_lengths = _lengths("query_seq_lengths", query_seq_lengths, batch)
+    kv_segments = _key_segments(mask if key_mask else None,
+                                _lengths("key_value_seq_lengths", key_value_seq_lengths, batch),
+                                batch, kv_len)
+    q_segments = None
+    if q_lengths is not None:
+        q_segments = jnp.where(_below(q_lengths, q_len), _REAL, _PADDED_QUERY).astype(jnp.int32)
+    elif kv_segments is not None:
+        q_segments = jnp.zeros((batch, q_len), jnp.int32)
+    if mesh is None:
+        attend = local_attention
+    else:
+        attend = functools.partial(sequence_parallel_attention, mesh=mesh, seq_axes=seq_axes,
+                                   strategy=strategy, layout=layout)
+    attend = functools.partial(attend, causal=is_causal, window=local_window_size, scale=scale,
+                               kernel=kernel, block_sizes=block_sizes, softcap=softcap)
+    if kv_segments is not None and kv_segments.ndim == 3:  # a per-head mask
+        if mesh is not None and strategy in ("ulysses", "hybrid"):
+            raise ValueError(
+                f"a per-head mask of shape {tuple(mask.shape)} runs each of the {heads} heads "
+                f"as a batch row of its own (one head each), which strategy={strategy!r} "
+                "cannot split over devices by heads; use strategy='ring', 'allgather' or "
+                "'auto', or a mask shared by the heads ([B, 1, 1, S]).")
+        result = _per_head(attend, query, key, value, q_segments, kv_segments, sinks,
+                           return_residual)
+    else:
+        result = attend(query, key, value, segment_ids=q_segments, kv_segment_ids=kv_segments,
+                        sinks=sinks, return_lse=return_residual)
+    if not return_residual:
+        return _squeeze(result, ndim)  # [B, T, N, Hv]
+    out, lse = result  # [B, T, N, Hv], float32 [B, T, N]
+    return _squeeze(out, ndim), _squeeze(lse.astype(key.dtype), ndim)
+
+
+def _squeeze(x, ndim: int):
+    """``x`` without the leading unit dims :func:`_ensure_4d` gave an ``ndim``-D input."""
+    return jnp.squeeze(x, tuple(range(4 - ndim)))
+
+
+def _per_head(attend, query, key, value, q_segments, kv_segments, sinks, return_lse: bool):
+    """``attend`` with per-head key segments ``int32[B, N, S]``: each head a batch row.
+
+    Sinks are per head, so they are folded in after the heads are unfolded.
+    """
+    batch, _, heads = query.shape[:3]
+    groups = heads // key.shape[2]
+    folded = [_fold_heads(x, g) for x, g in ((query, 1), (key, groups), (value, groups))]
+    batch_entry, head_entry, seq_entry = _entries(kv_segments)
+    kv_segments = _reshape(kv_segments, (batch * heads, kv_segments.shape[2]),
+                           (_joined(batch_entry, head_entry), seq_entry))  # [B*N, S]
+    with_lse = return_lse or sinks is not None
+    result = attend(*folded, segment_ids=jnp.repeat(q_segments, heads, axis=0),
+                    kv_segment_ids=kv_segments, return_lse=with_lse)  # [B*N, T, 1, Hv]
+    out, lse = result if with_lse else (result, None)
+    out = _unfold_heads(out, query)  # [B, T, N, Hv]
+    if lse is not None:
+        lse = _unfold_heads(lse[..., None], query)[..., 0]  # float32 [B, T, N]
+    if sinks is not None:
+        out, lse = with_sinks(out.astype(jnp.float32), lse, sinks)
+        out = out.astype(query.dtype)
+    return (out, lse) if return_lse else out
+
+
+def _check_mesh_call(dense: dict, implementation, q_len: int, kv_len: int) -> None:
+    """Raise ``ValueError`` for what cannot run sequence-parallel."""
+    if "bias" in dense:
+        raise ValueError(
+            f"a bias of shape {tuple(jnp.shape(dense['bias']))} cannot be sequence-parallel: "
+            "the kernels take masks as per-token metadata, not additive scores. Express it "
+            "with is_causal=, local_window_size=, the sequence lengths or a boolean "
+            "key-padding mask=[B, 1, 1, S], or call without mesh= to attend locally.")
+    if "mask" in dense:
+        raise ValueError(
+            f"a dense mask of shape {tuple(dense['mask'].shape)} cannot be sequence-parallel: "
+            "it holds a score for every (query, key) pair, so each device would need "
+            "whole [T, S] rows, which is what splitting the sequence avoids. Express the "
+            "mask with is_causal=, local_window_size=, the sequence lengths and a key-padding "
+            "mask of shape [B, 1, 1, S] (or packed documents with "
+            "jax_seqpar.sequence_parallel_attention(segment_ids=)), or call without mesh= "
+            "to attend locally.")
+    if implementation is not None:
+        raise ValueError(f"implementation={implementation!r} names a jax.nn kernel, which "
+                         "cannot run sequence-parallel; drop it (use kernel=) or mesh=.")
+    if q_len != kv_len:
+        raise ValueError(f"with a mesh, query and key/value split ONE sequence: got query "
+                         f"length {q_len} and key/value length {kv_len}. Call without "
+                         "mesh= for attention between two sequences.")

@@ -1,0 +1,7 @@
+"""Layer 0, ``core``: data and math that know no kernel and no mesh.
+
+Masks from per-token metadata (:mod:`.masks`), the online-softmax merge (:mod:`.merge`),
+token orders (:mod:`.layout`, :mod:`.batch_layout`), the plain-jnp oracle
+(:mod:`.reference`), mesh splitting (:mod:`.meshes`), JAX-version shims
+(:mod:`.compat`) and optional dependencies (:mod:`.extras`).
+"""

@@ -1,0 +1,94 @@
+"""Plain-jnp exact attention: the oracle every test compares against.
+
+It materializes the full ``[B, H, Sq, Sk]`` score matrix in float32, so use it
+for small shapes only.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jax_seqpar.core import masks
+
+
+def attention(
+    q: jax.Array,
+    k: jax.Array,
+    v: jax.Array,
+    *,
+    causal: bool = False,
+    segment_ids: Optional[jax.Array] = None,
+    positions: Optional[jax.Array] = None,
+    kv_segment_ids: Optional[jax.Array] = None,
+    kv_positions: Optional[jax.Array] = None,
+    window=None,
+    scale: Optional[float] = None,
+    softcap: Optional[float] = None,
+    sinks: Optional[jax.Array] = None,
+    return_lse: bool = False,
+):
+    """Exact softmax attention.
+
+    Args:
+      q: ``[batch, q_seq, heads, d_qk]``.
+      k: ``[batch, kv_seq, kv_heads, d_qk]``; ``heads % kv_heads == 0`` (GQA/MQA).
+      v: ``[batch, kv_seq, kv_heads, d_v]``.
+      causal, window: see :class:`jax_seqpar.core.masks.MaskSpec`.
+      segment_ids, positions: ``int32[batch, q_seq]`` for the queries; positions
+        default to ``arange(q_seq)``. The ``kv_`` variants default to the query
+        ones (self-attention).
+      scale: defaults to ``1/sqrt(d_qk)``.
+      softcap: logits ``s = scale * q.k`` become ``softcap * tanh(s / softcap)``
+        before masking (Gemma 2), or None.
+      sinks: ``float32[heads]`` logits of one extra virtual key per head whose
+        value is zero (gpt-oss): it joins every row's softmax denominator and is
+        never masked. None: no sink.
+      return_lse: also return the log-sum-exp ``float32[batch, q_seq, heads]``
+        (including the sink).
+
+    Returns:
+      ``out: [batch, q_seq, heads, d_v]`` in ``q.dtype`` (and ``lse``). A query
+      that sees no key gets zeros and ``lse = EMPTY_LSE`` (or the sink's logit).
+    """
+    batch, q_seq, heads, d_qk = q.shape
+    kv_seq, kv_heads = k.shape[1], k.shape[2]
+    scale = d_qk**-0.5 if scale is None else scale
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(q_seq, dtype=jnp.int32), (batch, q_seq))
+    if kv_positions is None:
+        kv_positions = positions if kv_seq == q_seq else jnp.broadcast_to(
+            jnp.arange(kv_seq, dtype=jnp.int32), (batch, kv_seq))
+    if kv_segment_ids is None:
+        kv_segment_ids = segment_ids
+    spec = masks.MaskSpec.make(causal, window)
+    mask = masks.visible_tokens(
+        spec, masks.Tokens(positions, segment_ids), masks.Tokens(kv_positions, kv_segment_ids))
+
+    group = heads // kv_heads
+    qg = q.astype(jnp.float32).reshape(batch, q_seq, kv_heads, group, d_qk)
+    s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32)) * scale
+    if softcap is not None:
+        s = softcap * jnp.tanh(s / softcap)
+    if sinks is not None:  # one more key per head, always visible, value zero
+        sink = jnp.broadcast_to(sinks.astype(jnp.float32).reshape(kv_heads, group, 1, 1),
+                                s.shape[:-1] + (1,))
+        s = jnp.concatenate([s, sink], axis=-1)
+        v = jnp.concatenate([v, jnp.zeros((batch, 1) + v.shape[2:], v.dtype)], axis=1)
+        if mask is not None:
+            mask = jnp.concatenate([mask, jnp.ones(mask.shape[:-1] + (1,), bool)], axis=-1)
+    if mask is not None:
+        s = jnp.where(mask[:, None, None], s, -jnp.inf)
+    m = jnp.max(s, axis=-1, keepdims=True)
+    m = jnp.where(jnp.isfinite(m), m, 0.0)
+    p = jnp.exp(s - m)
+    l = p.sum(axis=-1, keepdims=True)
+    o = jnp.einsum("bhgqk,bkhd->bqhgd", p / jnp.where(l == 0, 1.0, l), v.astype(jnp.float32))
+    out = o.reshape(batch, q_seq, heads, v.shape[-1]).astype(q.dtype)
+    if not return_lse:
+        return out
+    lse = jnp.where(l == 0, masks.EMPTY_LSE, m + jnp.log(jnp.where(l == 0, 1.0, l)))
+    lse = lse[..., 0].transpose(0, 3, 1, 2).reshape(batch, q_seq, heads)
+    return out, lse

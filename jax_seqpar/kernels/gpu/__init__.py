@@ -1,0 +1,2 @@
+"""The Pallas flash-attention kernels for GPUs (Triton; interpreted elsewhere):
+:mod:`.pallas` is the kernel, ``_core``/``_config``/``_bwd`` its parts."""

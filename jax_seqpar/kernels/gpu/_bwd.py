@@ -1,0 +1,196 @@
+"""Backward kernels of :mod:`jax_seqpar.kernels.gpu.pallas` (FlashAttention-2, arXiv:2307.08691).
+
+Two kernels recompute the probabilities from the saved ``lse`` instead of storing
+them: ``dq`` per (query tile, batch, head) looping over key tiles, and ``dk, dv``
+per (key tile, batch, kv head, head split) looping over its share of the GQA
+group's heads and over the query tiles. With few kv heads (MQA, MLA) the group is
+split across programs (:func:`_head_splits`) so a GPU has enough programs; the
+splits' partial ``dk, dv`` are summed afterwards. Both kernels use the forward's
+schedule (:func:`._pallas_core.run_tiles`): only non-``EMPTY`` tiles, masks only
+outside the row's run of ``FULL`` tiles, loads at the loops' top level.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jax_seqpar.core import compat as _compat
+from jax_seqpar.kernels.gpu import _config as config
+from jax_seqpar.kernels import contract
+from jax_seqpar.kernels.gpu import _core as core
+from jax_seqpar.kernels.gpu._core import HeadDim
+from jax_seqpar.kernels.tiling import pad_seq, padded_tokens
+
+_F32 = core.F32
+#: Enough dk/dv programs to fill a GPU (about twice the SMs of an H100).
+_MIN_PROGRAMS = 256
+
+
+def _grad_tile(q_chunks, k_chunks, v_chunks, do_chunks, lse2, delta, mask, *, scale,
+               softcap, precision):
+    """``(p, ds)`` of one tile ``[bq, bk]``: probabilities from the row log-sum-exp
+    (log2 units) and the gradient of the raw (pre-softcap) scores, unscaled."""
+    s, tanh = core.scores(q_chunks, k_chunks, scale=scale, softcap=softcap,
+                          precision=precision)
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
+    p = jnp.exp2(s - lse2[:, None])
+    ds = p * (core.dot_chunks(do_chunks, v_chunks, (1, 1), precision) - delta[:, None])
+    if tanh is not None:
+        ds = ds * (1.0 - tanh * tanh)
+    return p, ds
+
+
+def _dq_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref, delta_ref,
+               dq_ref, *, spec, scale, softcap, block_k, d_qk, d_v, has_mask, precision):
+    rows = slice(None)
+    q_tile = core.token_tile(q_tok, rows)
+    q_chunks = None if d_qk.count > 1 else d_qk.load_all(q_ref, rows)
+    do_chunks = d_v.load_all(do_ref, rows)
+    lse2, delta = lse_ref[...] * core.LOG2E, delta_ref[...]  # [bq]
+
+    def step(j, dq, masked):
+        window = pl.ds(j * block_k, block_k)
+        k_chunks = d_qk.load_all(k_ref, window)
+        v_chunks = d_v.load_all(v_ref, window)
+        q_now = d_qk.load_all(q_ref, rows) if q_chunks is None else q_chunks
+        mask = core.tile_mask(spec, q_tile, core.token_tile(kv_tok, window)) if masked else None
+        _, ds = _grad_tile(q_now, k_chunks, v_chunks, do_chunks, lse2, delta, mask,
+                           scale=scale, softcap=softcap, precision=precision)
+        ds = ds.astype(k_chunks[0].dtype)
+        return tuple(a + core.dot(ds, k, (1, 0), precision) for a, k in zip(dq, k_chunks))
+
+    init = d_qk.zeros(q_ref.shape[0])
+    dq = core.run_tiles(bounds_ref, step, init, has_mask=has_mask)
+    for c, a in enumerate(dq):
+        d_qk.store(dq_ref, c, a * scale)
+
+
+def _dkv_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref, delta_ref,
+                dk_ref, dv_ref, *, spec, scale, softcap, block_q, d_qk, d_v, has_mask,
+                precision):
+    cols = slice(None)
+    kv_tile = core.token_tile(kv_tok, cols)
+    k_chunks = d_qk.load_all(k_ref, cols)
+    v_chunks = d_v.load_all(v_ref, cols)
+    heads = q_ref.shape[1]  # q_ref: [Sq, heads of this split, Dqk]
+
+    def head_body(head, carry):
+        def step(i, carry, masked):
+            dk, dv = carry
+            window = pl.ds(i * block_q, block_q)
+            q_chunks = d_qk.load_all(q_ref, window, head)
+            do_chunks = d_v.load_all(do_ref, window, head)
+            lse2 = lse_ref[head, window] * core.LOG2E
+            mask = (core.tile_mask(spec, core.token_tile(q_tok, window), kv_tile) if masked
+                    else None)
+            p, ds = _grad_tile(q_chunks, k_chunks, v_chunks, do_chunks, lse2,
+                               delta_ref[head, window], mask, scale=scale, softcap=softcap,
+                               precision=precision)
+            p, ds = p.astype(do_chunks[0].dtype), ds.astype(q_chunks[0].dtype)
+            dv = tuple(a + core.dot(p, do, (0, 0), precision) for a, do in zip(dv, do_chunks))
+            dk = tuple(a + core.dot(ds, q, (0, 0), precision) for a, q in zip(dk, q_chunks))
+            return dk, dv
+
+        return core.run_tiles(bounds_ref, step, carry, has_mask=has_mask)
+
+    block_k = k_ref.shape[0]
+    init = (d_qk.zeros(block_k), d_v.zeros(block_k))
+    dk, dv = (head_body(jnp.int32(0), init) if heads == 1
+              else lax.fori_loop(0, heads, head_body, init))
+    for c, a in enumerate(dk):
+        d_qk.store(dk_ref, c, a * scale)
+    for c, a in enumerate(dv):
+        d_v.store(dv_ref, c, a)
+
+
+def _head_splits(programs: int, group: int) -> int:
+    """Smallest divisor of ``group`` that gives at least ``_MIN_PROGRAMS`` programs."""
+    for splits in range(1, group + 1):
+        if group % splits == 0 and programs * splits >= _MIN_PROGRAMS:
+            return splits
+    return group
+
+
+@contract.folds_vmap
+def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, softcap,
+             block_sizes, interpret):
+    """:func:`jax_seqpar.kernels.gpu.pallas.backward` after validation."""
+    operands = (q, k, v, q_tokens, kv_tokens, lse, delta, dout)
+    q, k, v, q_tokens, kv_tokens, lse, delta, dout = _compat.match_varying(operands, operands)
+    (q_len, heads), kv_heads = q.shape[1:3], k.shape[2]
+    if core.folds_group(q_len, heads, kv_heads):
+        group = heads // kv_heads
+        q, lse, delta, dout = (core.fold(x, kv_heads) for x in (q, lse, delta, dout))
+        dq, dk, dv = backward(q, k, v, core.fold_tokens(q_tokens, group), kv_tokens, lse,
+                              delta, dout, spec=spec, scale=scale, softcap=softcap,
+                              block_sizes=block_sizes, interpret=interpret)
+        return core.unfold(dq, group), dk, dv
+    t = core.tiling(q, k, block_sizes.block_q_bwd, block_sizes.block_k_bwd)
+    q_tokens, kv_tokens = padded_tokens(t, q_tokens, kv_tokens)
+    heads = q.shape[2]
+    d_qk, d_v = HeadDim.of(q.shape[-1]), HeadDim.of(v.shape[-1])
+    q_pad, kv_pad = t.num_q * t.block_q, t.num_k * t.block_k
+    static = dict(spec=spec, scale=scale, softcap=softcap, d_qk=d_qk, d_v=d_v,
+                  has_mask=core.masked(spec, q_tokens))
+    inputs = (
+        pad_seq(q, q_pad), pad_seq(k, kv_pad), pad_seq(v, kv_pad), q_tokens, kv_tokens,
+        pad_seq(dout.astype(v.dtype), q_pad),
+        jnp.swapaxes(pad_seq(lse, q_pad), 1, 2), jnp.swapaxes(pad_seq(delta, q_pad), 1, 2),
+    )  # statistics as [B, H, Sq_pad]: contiguous rows per head
+
+    dq = core.call(
+        functools.partial(_dq_kernel, block_k=t.block_k, **static),
+        interpret=interpret, precision_dtype=q.dtype,
+        grid=(t.num_q, t.batch, heads),
+        in_specs=core.query_row_specs(t, q_tokens, kv_tokens, d_qk, d_v) + [
+            pl.BlockSpec((None, t.block_q, None, d_v.padded), lambda i, b, h: (b, i, h, 0)),
+            pl.BlockSpec((None, None, t.block_q), lambda i, b, h: (b, h, i)),
+            pl.BlockSpec((None, None, t.block_q), lambda i, b, h: (b, h, i)),
+        ],
+        out_specs=pl.BlockSpec((None, t.block_q, None, d_qk.padded),
+                               lambda i, b, h: (b, i, h, 0)),
+        out_shape=_compat.shape_struct((t.batch, q_pad, heads, d_qk.size), _F32, q),
+        compiler_params=config.launch("dq", t.block_q, d_qk.size, d_v.size, q.dtype),
+        name="seqpar_flash_dq",
+    )(core.tile_bounds(spec, t, q_tokens, kv_tokens), *inputs)
+
+    # Programs (key tile, batch, kv head * splits); split s of kv head g holds query
+    # heads [(g * splits + s) * per_split, ...): one BlockSpec block of the H axis.
+    splits = _head_splits(t.num_k * t.batch * t.kv_heads, t.group)
+    per_split = t.group // splits
+    dk, dv = core.call(
+        functools.partial(_dkv_kernel, block_q=t.block_q, **static),
+        interpret=interpret, precision_dtype=q.dtype,
+        grid=(t.num_k, t.batch, t.kv_heads * splits),
+        in_specs=[
+            pl.BlockSpec((None, 4), lambda j, b, g: (j, 0)),
+            pl.BlockSpec((None, q_pad, per_split, d_qk.padded), lambda j, b, g: (b, 0, g, 0)),
+            pl.BlockSpec((None, t.block_k, None, d_qk.padded),
+                         lambda j, b, g: (b, j, g // splits, 0)),
+            pl.BlockSpec((None, t.block_k, None, d_v.padded),
+                         lambda j, b, g: (b, j, g // splits, 0)),
+            core.token_specs(q_tokens, q_pad, lambda j, b, g: (b, 0)),
+            core.token_specs(kv_tokens, t.block_k, lambda j, b, g: (b, j)),
+            pl.BlockSpec((None, q_pad, per_split, d_v.padded), lambda j, b, g: (b, 0, g, 0)),
+            pl.BlockSpec((None, per_split, q_pad), lambda j, b, g: (b, g, 0)),
+            pl.BlockSpec((None, per_split, q_pad), lambda j, b, g: (b, g, 0)),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, t.block_k, None, d_qk.padded), lambda j, b, g: (b, j, g, 0)),
+            pl.BlockSpec((None, t.block_k, None, d_v.padded), lambda j, b, g: (b, j, g, 0)),
+        ],
+        out_shape=[
+            _compat.shape_struct((t.batch, kv_pad, t.kv_heads * splits, d_qk.size), _F32, q),
+            _compat.shape_struct((t.batch, kv_pad, t.kv_heads * splits, d_v.size), _F32, q)],
+        compiler_params=config.launch("dkv", t.block_k, d_qk.size, d_v.size, q.dtype),
+        name="seqpar_flash_dkv",
+    )(core.tile_bounds(spec, t, q_tokens, kv_tokens, by_key=True), *inputs)
+    if splits > 1:  # [B, Sk, Hkv * splits, D] -> [B, Sk, Hkv, D]
+        dk, dv = (x.reshape(*x.shape[:2], t.kv_heads, splits, x.shape[-1]).sum(3)
+                  for x in (dk, dv))
+    return dq[:, :t.q_len], dk[:, :t.kv_len], dv[:, :t.kv_len]

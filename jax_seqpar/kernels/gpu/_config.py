@@ -1,0 +1,82 @@
+"""Tiles, warps and pipeline stages of the Pallas kernels, per head dim, dtype and GPU.
+
+The defaults compile without register spills and within shared memory on sm_80
+(A100) and sm_90 (H100/H200) for head dims 64 ... 256, DeepSeek's 192/128 and MLA's
+576/512, in bf16, fp16 and float32 (measured with ``experiments/gpu_resources.py``,
+held by ``tests/test_pallas_compile.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental.pallas import triton as plgpu
+
+from jax_seqpar.kernels.gpu._core import HeadDim
+from jax_seqpar.kernels.contract import BlockSizes
+
+
+def _width(d_qk: int, d_v: int) -> int:
+    """Padded columns a program holds: the wider of the two head dims."""
+    return max(HeadDim.of(d_qk).padded, HeadDim.of(d_v).padded)
+
+
+def default_block_sizes(d_qk: int, d_v: int, dtype) -> BlockSizes:
+    """The Pallas kernel's tiles for these head dims and dtype (what a size left ``None``
+    becomes): they compile without spills and within shared memory on both sm_80 and
+    sm_90 (measured with ``experiments/gpu_resources.py``): the per-thread
+    accumulators shrink as the head dims grow, so the tiles do; float32 (TF32x3
+    dots, three registers per operand value) takes smaller ones."""
+    width = _width(d_qk, d_v)
+    if jnp.dtype(dtype) == jnp.float32:
+        if width <= 64:
+            return BlockSizes(64, 32, 32, 32)
+        return BlockSizes(32, 16, 16, 16) if width <= 128 else BlockSizes(16, 16, 16, 16)
+    if width <= 128:
+        return BlockSizes(128, 64, 64, 64)
+    if width <= 256:
+        return BlockSizes(64, 32, 32, 32)
+    return BlockSizes(32, 16, 16, 16)  # MLA absorbed (576/512)
+
+
+#: Widest head dim the float32 (TF32x3) kernels compile for without spilling.
+MAX_F32_WIDTH = 128
+
+
+def compiles_clean(d_qk: int, d_v: int, dtype) -> bool:
+    """Whether the default tiles compile without register spills on sm_80 and sm_90:
+    every bf16 / fp16 head dim; float32 up to :data:`MAX_F32_WIDTH` (wider float32
+    heads spill in the backward). ``kernel="auto"`` runs the XLA kernel otherwise."""
+    return jnp.dtype(dtype) != jnp.float32 or _width(d_qk, d_v) <= MAX_F32_WIDTH
+
+
+def gpu_generation() -> Optional[int]:
+    """Compute-capability major of the local GPU (9: H100/H200, 8: A100), or None when
+    there is none (e.g. compiling for a GPU from a CPU host): defaults then take the
+    values that compile on both."""
+    if jax.default_backend() != "gpu":
+        return None
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    return int(str(capability).split(".")[0]) if capability else None
+
+
+def launch(kind: str, rows: int, d_qk: int, d_v: int, dtype) -> plgpu.CompilerParams:
+    """Warps and software-pipeline stages of one kernel (``kind``: fwd, dq, dkv) whose
+    programs own ``rows`` tokens (measured with ``experiments/gpu_resources.py``:
+    no spills on sm_80 or sm_90 at the default tiles)."""
+    width = _width(d_qk, d_v)
+    if jnp.dtype(dtype) == jnp.float32:  # TF32x3 operands: three registers per value
+        return plgpu.CompilerParams(num_warps=4 if width <= 128 else 8,
+                                    num_stages=1 if kind == "dkv" or width > 128 else 2)
+    size = rows * width
+    if kind == "dq":
+        warps = 4 if size <= 64 * 128 else 8
+    else:  # fwd and dkv hold two [rows, width] float32 accumulators' worth
+        warps = 4 if size <= 32 * 64 else 8
+    if kind != "dkv":
+        stages = 3 if width <= 128 else 2
+    else:  # sm_80's dk/dv at width 256 spills with two stages, sm_90's does not
+        stages = 2 if width <= 128 or gpu_generation() == 9 else 1
+    return plgpu.CompilerParams(num_warps=warps, num_stages=stages)

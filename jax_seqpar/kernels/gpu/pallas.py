@@ -1,0 +1,257 @@
+"""Pallas flash attention (FlashAttention-2): the GPU kernel, with the contract of ``xla.py``.
+
+The kernel contract (:mod:`jax_seqpar.kernels.contract`), like
+:mod:`jax_seqpar.kernels.xla`: :func:`forward` -> ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])``,
+:func:`backward` (given the final ``lse`` and ``delta = sum(dout * out, -1) - dlse``)
+-> float32 ``(dq, dk, dv)``, and :func:`attention`, a ``custom_vjp`` of both that
+takes cotangents for ``out`` AND ``lse``.
+
+How the work is cut:
+
+* forward: one program per (query tile, batch, head) loops over key tiles with an
+  online softmax (scores, statistics and accumulator in float32, ``exp2`` domain);
+* backward: one kernel per (query tile, batch, head) accumulates ``dq`` over key
+  tiles, one per (key tile, batch, kv head, head split) accumulates ``dk, dv`` over
+  the query tiles of its share of the GQA group (:mod:`._pallas_bwd`);
+* the tile classes of :func:`jax_seqpar.core.masks.classify` are reduced, outside the
+  kernels and a few hundred rows at a time (O(S) memory, no ``[nq, nk]`` table), to
+  per-row loop bounds: the first..last non-``EMPTY`` tile and the run of ``FULL``
+  tiles inside it. Each program runs three plain loops (masked,
+  unmasked, masked) with every load at a loop's top level, so Triton pipelines
+  them; the elementwise mask (:func:`jax_seqpar.core.masks.visible` on the position /
+  segment tiles) is computed only outside the ``FULL`` run, and an ``EMPTY`` tile
+  between visible ones is computed fully masked;
+* GQA/MQA read K/V head ``h // group`` through the BlockSpec index map, never a
+  repeated copy; ragged lengths are padded to whole tiles with segment sentinels
+  (padded queries see nothing, padded keys are seen by nobody); head dims are
+  never padded in memory: a dim up to 256 is one power-of-two chunk with masked
+  loads and stores past the real dim, a wider one (MLA's 576 / 512) a loop of
+  few power-of-two chunks (:class:`._pallas_core.HeadDim`);
+* tiles, warps and pipeline stages default per head dim and dtype
+  (:func:`default_block_sizes`, :mod:`._pallas_config`) to sizes that compile
+  without register spills and within shared memory on A100 (sm_80) and H100/H200
+  (sm_90);
+* float32 inputs: every dot is TF32x3 (three TF32 tensor-core products, about
+  3e-7 relative error on the output against float64, like float32's 5e-7), never
+  the IEEE-FMA path; the interpreter emulates the same split, so CPU tests hold
+  the GPU's arithmetic to the float32 tolerance. Head dims over 128 in float32
+  still spill in the backward (bf16 / fp16 do not; :func:`compiles_clean`), so
+  ``kernel="auto"`` runs the XLA kernel for them on GPU: cast to run this one;
+* decode-sized queries (under 16 tokens) of a GQA/MQA group are folded into the
+  rows of one program per kv head: each K/V tile is read once per group; a call
+  with one query tile per (batch, head) and too few programs to fill the GPU
+  splits the keys into runs, one program each, merged by their softmax statistics
+  (split-K, :func:`._pallas_core.kv_splits`).
+
+Lowering: by the platform the program is lowered for (``jax.lax.platform_dependent``):
+Triton when lowering for CUDA / ROCm, the Pallas interpreter elsewhere, so AOT
+compilation and ``jax.export`` for a GPU from a CPU host produce the real kernel.
+Paper: FlashAttention-2, arXiv:2307.08691.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from jax_seqpar.core import compat as _compat, masks
+from jax_seqpar.kernels.gpu import _bwd as _pallas_bwd
+from jax_seqpar.kernels import contract
+from jax_seqpar.kernels.gpu import _config as config
+from jax_seqpar.kernels.gpu import _core as core
+from jax_seqpar.kernels.gpu._config import compiles_clean, default_block_sizes
+from jax_seqpar.kernels.contract import BlockSizes
+from jax_seqpar.kernels.gpu._core import HeadDim
+from jax_seqpar.kernels.tiling import pad_seq, padded_tokens
+from jax_seqpar.core.masks import MaskSpec, Tokens
+
+#: The input dtypes the kernel takes (q, k and v share one).
+DTYPES = core.DTYPES
+
+__all__ = ["DTYPES", "BlockSizes", "attention", "backward", "compiles_clean",
+           "default_block_sizes", "forward"]
+
+_F32 = core.F32
+
+
+def _forward_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, out_ref, lse_ref, *,
+                    spec, scale, softcap, block_k, d_qk, d_v, has_mask, precision):
+    rows = slice(None)
+    q_tile = core.token_tile(q_tok, rows)
+    # Wide (chunked) queries are re-read per step (L2 hits) rather than held in
+    # registers next to a wide accumulator.
+    q_chunks = None if d_qk.count > 1 else d_qk.load_all(q_ref, rows)
+
+    def step(j, carry, masked):
+        acc, m, l = carry  # chunks of [bq, Dv], [bq], [bq]; scores in log2 units
+        window = pl.ds(j * block_k, block_k)
+        k_chunks = d_qk.load_all(k_ref, window)
+        v_chunks = d_v.load_all(v_ref, window)
+        q_now = d_qk.load_all(q_ref, rows) if q_chunks is None else q_chunks
+        s, _ = core.scores(q_now, k_chunks, scale=scale,
+                           softcap=softcap, precision=precision)  # [bq, bk]
+        if masked:
+            s = jnp.where(core.tile_mask(spec, q_tile, core.token_tile(kv_tok, window)), s,
+                          -jnp.inf)
+        # m starts at EMPTY_LSE (finite), so fully masked rows give exp2(-inf) = 0.
+        m_new = jnp.maximum(m, s.max(axis=-1))
+        p = jnp.exp2(s - m_new[:, None])
+        alpha = jnp.exp2(m - m_new)
+        acc = tuple(a * alpha[:, None] + core.dot(p.astype(v.dtype), v, (1, 0), precision)
+                    for a, v in zip(acc, v_chunks))
+        return acc, m_new, l * alpha + p.sum(axis=-1)
+
+    block_q = q_ref.shape[0]
+    init = (d_v.zeros(block_q),
+            jnp.full((block_q,), masks.EMPTY_LSE, _F32), jnp.zeros((block_q,), _F32))
+    acc, m, l = core.run_tiles(bounds_ref, step, init, has_mask=has_mask)
+    seen = l > 0
+    l = jnp.where(seen, l, 1.0)
+    for c, a in enumerate(acc):
+        d_v.store(out_ref, c, a / l[:, None])
+    lse_ref[...] = jnp.where(seen, (m + jnp.log2(l)) * core.LN2, masks.EMPTY_LSE)
+
+
+def _validate(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, block_sizes: Optional[BlockSizes],
+              interpret: Optional[bool], softcap):
+    """Checked operands; ``(block sizes resolved against :func:`default_block_sizes`,
+    softcap as float or None)``. Tiles must suit Triton unless ``interpret=True``."""
+    contract.check_operands(q, k, v, q_tokens, kv_tokens, dtypes=core.DTYPES,
+                            kernel_name=__name__)
+    softcap = contract.check_softcap(softcap)
+    block_sizes = contract.resolve_block_sizes(
+        block_sizes, default_block_sizes(q.shape[-1], v.shape[-1], q.dtype), __name__)
+    if interpret is not True:  # the program may be lowered for a GPU
+        block_sizes.check_gpu()
+    return block_sizes, softcap
+
+
+def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
+            softcap: Optional[float] = None, block_sizes: Optional[BlockSizes] = None,
+            interpret: Optional[bool] = None):
+    """Attention of ``q`` against one run of keys (the contract of :func:`xla.forward`).
+
+    Args:
+      q: ``[B, Sq, H, Dqk]``; k: ``[B, Sk, Hkv, Dqk]``; v: ``[B, Sk, Hkv, Dv]``;
+        one dtype among float32 / bfloat16 / float16, ``H % Hkv == 0``.
+      q_tokens, kv_tokens: metadata of the queries (``[B, Sq]``) and keys (``[B, Sk]``).
+      spec: causal / window; scale: score multiplier.
+      softcap: logits ``s = scale * q.k`` become ``softcap * tanh(s / softcap)``
+        before masking (Gemma 2); None: no cap.
+      block_sizes: tile sizes (powers of two >= 16 unless ``interpret=True``); None,
+        or a size left None: :func:`default_block_sizes` for the head dims and dtype.
+      interpret: None: Triton when the program is lowered for a GPU, the Pallas
+        interpreter elsewhere; True / False force one.
+    Returns:
+      ``out float32[B, Sq, H, Dv]`` (normalized) and ``lse float32[B, Sq, H]``;
+      softmax statistics and accumulators in float32 whatever the input dtype.
+      float32 inputs take TF32x3 dots on GPU (float32-level error on tensor cores).
+
+    >>> q = k = v = jnp.ones((1, 32, 2, 16), jnp.bfloat16)
+    >>> tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
+    >>> out, lse = forward(q, k, v, tokens, tokens, spec=MaskSpec.make(causal=True), scale=0.25)
+    >>> out.shape, out.dtype, lse.shape
+    ((1, 32, 2, 16), dtype('float32'), (1, 32, 2))
+    """
+    block_sizes, softcap = _validate(q, k, v, q_tokens, kv_tokens, block_sizes, interpret,
+                                     softcap)
+    return _forward(q, k, v, q_tokens, kv_tokens, spec=spec, scale=float(scale),
+                    softcap=softcap, block_sizes=block_sizes, interpret=interpret)
+
+
+@contract.folds_vmap
+def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, softcap, block_sizes, interpret,
+             may_split=True):
+    # Inside shard_map every operand must vary over the same axes (e.g. replicated
+    # decode queries against a sharded cache).
+    q, k, v, q_tokens, kv_tokens = _compat.match_varying(
+        (q, k, v, q_tokens, kv_tokens), (q, k, v, q_tokens, kv_tokens))
+    (q_len, heads), kv_heads = q.shape[1:3], k.shape[2]
+    options = dict(spec=spec, scale=scale, softcap=softcap, block_sizes=block_sizes,
+                   interpret=interpret)
+    if core.folds_group(q_len, heads, kv_heads):
+        out, lse = _forward(core.fold(q, kv_heads), k, v,
+                            core.fold_tokens(q_tokens, heads // kv_heads), kv_tokens, **options)
+        return core.unfold(out, heads // kv_heads), core.unfold(lse, heads // kv_heads)
+    t = core.tiling(q, k, block_sizes.block_q, block_sizes.block_k)
+    splits = core.kv_splits(t.batch * heads, t.num_q, t.kv_len, t.block_k) if may_split else 1
+    if splits > 1:  # a decode step: split-K over the cache, then merge
+        out, lse = _forward(*core.split_kv(splits, q, k, v, q_tokens, kv_tokens, t),
+                            **options, may_split=False)
+        return core.merge_splits(splits, out, lse)
+    q_tokens, kv_tokens = padded_tokens(t, q_tokens, kv_tokens)
+    d_qk, d_v = HeadDim.of(q.shape[-1]), HeadDim.of(v.shape[-1])
+    q_pad, kv_pad = t.num_q * t.block_q, t.num_k * t.block_k
+    kernel = functools.partial(_forward_kernel, spec=spec, scale=scale, softcap=softcap,
+                               block_k=t.block_k, d_qk=d_qk, d_v=d_v,
+                               has_mask=core.masked(spec, q_tokens))
+    out, lse = core.call(
+        kernel, interpret=interpret, precision_dtype=q.dtype,
+        grid=(t.num_q, t.batch, heads),
+        in_specs=core.query_row_specs(t, q_tokens, kv_tokens, d_qk, d_v),
+        out_specs=[
+            pl.BlockSpec((None, t.block_q, None, d_v.padded), lambda i, b, h: (b, i, h, 0)),
+            pl.BlockSpec((None, None, t.block_q), lambda i, b, h: (b, h, i)),
+        ],
+        out_shape=[_compat.shape_struct((t.batch, q_pad, heads, d_v.size), _F32, q),
+                   _compat.shape_struct((t.batch, heads, q_pad), _F32, q)],
+        compiler_params=config.launch("fwd", t.block_q, d_qk.size, d_v.size, q.dtype),
+        name="seqpar_flash_forward",
+    )(core.tile_bounds(spec, t, q_tokens, kv_tokens), pad_seq(q, q_pad), pad_seq(k, kv_pad), pad_seq(v, kv_pad),
+      q_tokens, kv_tokens)
+    return out[:, :t.q_len], jnp.swapaxes(lse, 1, 2)[:, :t.q_len]
+
+
+def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
+             spec: MaskSpec, scale: float, softcap: Optional[float] = None,
+             block_sizes: Optional[BlockSizes] = None, interpret: Optional[bool] = None,
+             accumulate=None):
+    """Gradients of attention given the softmax statistics of the full result.
+
+    Args:
+      q, k, v, q_tokens, kv_tokens, spec, scale, softcap, block_sizes, interpret: as
+        in :func:`forward`.
+      lse: ``float32[B, Sq, H]`` log-sum-exp of the (possibly merged) result.
+      delta: ``float32[B, Sq, H]`` = ``sum(dout * out, -1) - dlse``.
+      dout: ``[B, Sq, H, Dv]`` cotangent of the (merged) output; it enters the
+        matmuls in ``v.dtype``.
+      accumulate: optional float32 ``(dq, dk, dv)`` the gradients are added to.
+    Returns:
+      float32 ``dq [B, Sq, H, Dqk]``, ``dk [B, Sk, Hkv, Dqk]``, ``dv [B, Sk, Hkv, Dv]``
+      (plus ``accumulate``).
+    """
+    block_sizes, softcap = _validate(q, k, v, q_tokens, kv_tokens, block_sizes, interpret,
+                                     softcap)
+    contract.check_backward_operands(q, v, lse, delta, dout)
+    grads = _pallas_bwd.backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, spec=spec,
+                                 scale=float(scale), softcap=softcap,
+                                 block_sizes=block_sizes, interpret=interpret)
+    return contract.add_accumulated(grads, accumulate)
+
+
+def attention(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
+              softcap: Optional[float] = None, block_sizes: Optional[BlockSizes] = None,
+              interpret: Optional[bool] = None):
+    """Differentiable :func:`forward`: ``(out float32, lse float32)``.
+
+    The backward (:func:`backward`) accepts cotangents for both ``out`` and ``lse``,
+    so merged partial results (ring attention) differentiate exactly. The residual
+    ``out`` is kept in the input dtype (``lse`` in float32).
+
+    >>> q = k = v = jnp.ones((1, 32, 2, 16), jnp.float32)
+    >>> tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
+    >>> loss = lambda q: attention(q, k, v, tokens, tokens, spec=MaskSpec(), scale=0.25)[0].sum()
+    >>> jax.grad(loss)(q).shape
+    (1, 32, 2, 16)
+    """
+    block_sizes, softcap = _validate(q, k, v, q_tokens, kv_tokens, block_sizes, interpret,
+                                     softcap)
+    return _attention(q, k, v, q_tokens, kv_tokens, spec=spec, scale=float(scale),
+                      softcap=softcap, block_sizes=block_sizes, interpret=interpret)
+
+
+_attention = contract.differentiable(_forward, _pallas_bwd.backward)

@@ -1,0 +1,2 @@
+"""The Pallas flash-attention kernels for TPUs (Mosaic; interpreted elsewhere):
+:mod:`.mosaic` is the kernel, ``_common``/``_bwd`` its parts."""

@@ -1,0 +1,176 @@
+"""Backward kernels of :mod:`jax_seqpar.kernels.tpu.mosaic` (FlashAttention-2, arXiv:2307.08691).
+
+Both recompute the probabilities from the saved ``lse`` instead of storing them.
+``dq`` runs on the forward's grid ``(batch, head, query tile, key tile)``. ``dk, dv``
+runs on ``(batch, kv head, key tile, head of the group, query tile)`` and works in
+the transposed orientation ``[key, query]`` (scores ``k @ q.T``), so every matmul
+is a plain or ``b``-transposed MXU product and the GQA group's gradients add up in
+VMEM scratch without repeating K/V. Both follow the scalar-prefetched plan of the
+forward: ``EMPTY`` tiles are skipped and not copied in, masks on ``PARTIAL`` only.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jax_seqpar.core import compat as _compat
+from jax_seqpar.kernels.tpu import _common as mc
+from jax_seqpar.kernels import contract
+from jax_seqpar.kernels.tiling import pad_seq, schedule
+
+
+def _grad_scores(s, t, p, dp, delta, softcap):
+    """``dS`` w.r.t. the raw scaled scores: ``p * (dp - delta)``, times the soft
+    cap's derivative ``1 - tanh**2`` when there is one."""
+    ds = p * (dp - delta)
+    return ds if softcap is None else ds * (1.0 - t * t)
+
+
+def _dq_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref, delta_ref,
+               dq_ref, dq_acc, lse_col, delta_col, *, spec, scale, softcap, precision):
+    q_tile, kv_tile = pl.program_id(2), pl.program_id(3)
+
+    @pl.when(kv_tile == 0)
+    def _init():
+        dq_acc[...] = jnp.zeros(dq_acc.shape, mc.F32)
+        lse_col[...] = mc.row_to_column(lse_ref[...])  # [1, bq] -> [bq, 128]
+        delta_col[...] = mc.row_to_column(delta_ref[...])
+
+    def tile(is_partial):
+        k = k_ref[...]
+        s, t = mc.logits(q_ref[...], k, scale=scale, softcap=softcap,
+                         precision=precision)  # [bq, bk]
+        if is_partial:
+            s = mc.masked(s, spec, q_tok, kv_tok, rows_are_queries=True)
+        p = jnp.exp(s - lse_col[:, :1])
+        dp = mc.dot(do_ref[...], v_ref[...], transpose_b=True, precision=precision)
+        ds = _grad_scores(s, t, p, dp, delta_col[:, :1], softcap)
+        dq_acc[...] += mc.dot(ds.astype(k.dtype), k, precision=precision)
+
+    mc.run_tile(plan_ref, q_tile, kv_tile, tile)
+
+    @pl.when(kv_tile == pl.num_programs(3) - 1)
+    def _finish():
+        dq_ref[...] = dq_acc[...] * scale
+
+
+def _dkv_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref, delta_ref,
+                dk_ref, dv_ref, dk_acc, dv_acc, *, spec, scale, softcap, precision):
+    kv_tile, head, q_tile = pl.program_id(2), pl.program_id(3), pl.program_id(4)
+    first = (head == 0) & (q_tile == 0)
+    last = (head == pl.num_programs(3) - 1) & (q_tile == pl.num_programs(4) - 1)
+
+    @pl.when(first)
+    def _init():
+        dk_acc[...] = jnp.zeros(dk_acc.shape, mc.F32)
+        dv_acc[...] = jnp.zeros(dv_acc.shape, mc.F32)
+
+    def tile(is_partial):
+        q, do = q_ref[...], do_ref[...]
+        s, t = mc.logits(k_ref[...], q, scale=scale, softcap=softcap,
+                         precision=precision)  # [bk, bq]
+        if is_partial:
+            s = mc.masked(s, spec, kv_tok, q_tok, rows_are_queries=False)
+        p = jnp.exp(s - lse_ref[...])  # lse [1, bq]
+        dv_acc[...] += mc.dot(p.astype(do.dtype), do, precision=precision)
+        dp = mc.dot(v_ref[...], do, transpose_b=True, precision=precision)  # [bk, bq]
+        ds = _grad_scores(s, t, p, dp, delta_ref[...], softcap)
+        dk_acc[...] += mc.dot(ds.astype(q.dtype), q, precision=precision)
+
+    mc.run_tile(plan_ref, kv_tile, q_tile, tile)
+
+    @pl.when(last)
+    def _finish():
+        dk_ref[...] = dk_acc[...] * scale
+        dv_ref[...] = dv_acc[...]
+
+
+@contract.folds_vmap
+def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, block_sizes,
+             softcap):
+    """:func:`jax_seqpar.kernels.tpu.mosaic.backward` after validation."""
+    operands = (q, k, v, q_tokens, kv_tokens, lse, delta, dout)
+    q, k, v, q_tokens, kv_tokens, lse, delta, dout = _compat.match_varying(operands, operands)
+    t = mc.tiling(q, k, block_sizes.block_q_bwd, block_sizes.block_k_bwd)
+    q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # classes [nq, nk]
+    (batch, q_len, heads, d_qk), (kv_len, kv_heads), d_v = q.shape, k.shape[1:3], v.shape[-1]
+    q_pad, kv_pad, group = t.num_q * t.block_q, t.num_k * t.block_k, t.group
+    kernel_args = dict(spec=spec, scale=scale, softcap=softcap, precision=mc.precision(q.dtype))
+    q_h, do_h = mc.heads_first(q, q_pad), mc.heads_first(dout.astype(v.dtype), q_pad)
+    k_h, v_h = mc.heads_first(k, kv_pad), mc.heads_first(v, kv_pad)
+    # Statistics lane-dense, [B, H, 1, Sq_pad]: a trailing dim of 1 would be padded to
+    # 128 lanes in HBM.
+    lse_h, delta_h = (jnp.swapaxes(pad_seq(x, q_pad), 1, 2)[:, :, None] for x in (lse, delta))
+
+    def kv_map(b, h, i, j, plan_ref):
+        return b, lax.div(h, group), mc.fetched(plan_ref, i, j), 0
+
+    def q_map(b, h, i, j, _):
+        return b, h, i, 0
+
+    dq_call = mc.pallas(
+        functools.partial(_dq_kernel, **kernel_args),
+        name="seqpar_mosaic_dq",
+        grid=(batch, heads, t.num_q, t.num_k),
+        in_specs=[
+            pl.BlockSpec((None, None, t.block_q, d_qk), q_map),
+            pl.BlockSpec((None, None, t.block_k, d_qk), kv_map),
+            pl.BlockSpec((None, None, t.block_k, d_v), kv_map),
+            mc.token_specs(q_tokens, (None, t.block_q, 1), lambda b, h, i, j, _: (b, i, 0)),
+            mc.token_specs(kv_tokens, (None, 1, t.block_k),
+                           lambda b, h, i, j, plan_ref: (b, 0, mc.fetched(plan_ref, i, j))),
+            pl.BlockSpec((None, None, t.block_q, d_v), q_map),
+            pl.BlockSpec((None, None, 1, t.block_q), lambda b, h, i, j, _: (b, h, 0, i)),
+            pl.BlockSpec((None, None, 1, t.block_q), lambda b, h, i, j, _: (b, h, 0, i)),
+        ],
+        out_specs=pl.BlockSpec((None, None, t.block_q, d_qk), q_map),
+        out_shape=jax.ShapeDtypeStruct((batch, heads, q_pad, d_qk), mc.F32),
+        scratch_shapes=[mc.vmem((t.block_q, d_qk)), mc.vmem((t.block_q, mc.LANES)),
+                        mc.vmem((t.block_q, mc.LANES))],
+        semantics=("parallel", "parallel", "parallel", "arbitrary"),
+        like=q,
+    )
+    dq = dq_call(mc.plan(classes), q_h, k_h, v_h, mc.column(q_tokens), mc.row(kv_tokens),
+                 do_h, lse_h, delta_h)
+
+    def q_row_map(b, g, j, r, i, plan_ref):  # query rows of head g * group + r
+        return b, g * group + r, mc.fetched(plan_ref, j, i), 0
+
+    def stats_map(b, g, j, r, i, plan_ref):
+        return b, g * group + r, 0, mc.fetched(plan_ref, j, i)
+
+    def kv_own_map(b, g, j, r, i, _):
+        return b, g, j, 0
+
+    dkv_call = mc.pallas(
+        functools.partial(_dkv_kernel, **kernel_args),
+        name="seqpar_mosaic_dkv",
+        grid=(batch, kv_heads, t.num_k, group, t.num_q),
+        in_specs=[
+            pl.BlockSpec((None, None, t.block_q, d_qk), q_row_map),
+            pl.BlockSpec((None, None, t.block_k, d_qk), kv_own_map),
+            pl.BlockSpec((None, None, t.block_k, d_v), kv_own_map),
+            mc.token_specs(q_tokens, (None, 1, t.block_q),
+                           lambda b, g, j, r, i, plan_ref: (b, 0, mc.fetched(plan_ref, j, i))),
+            mc.token_specs(kv_tokens, (None, t.block_k, 1), lambda b, g, j, r, i, _: (b, j, 0)),
+            pl.BlockSpec((None, None, t.block_q, d_v), q_row_map),
+            pl.BlockSpec((None, None, 1, t.block_q), stats_map),
+            pl.BlockSpec((None, None, 1, t.block_q), stats_map),
+        ],
+        out_specs=[pl.BlockSpec((None, None, t.block_k, d_qk), kv_own_map),
+                   pl.BlockSpec((None, None, t.block_k, d_v), kv_own_map)],
+        out_shape=[jax.ShapeDtypeStruct((batch, kv_heads, kv_pad, d_qk), mc.F32),
+                   jax.ShapeDtypeStruct((batch, kv_heads, kv_pad, d_v), mc.F32)],
+        scratch_shapes=[mc.vmem((t.block_k, d_qk)), mc.vmem((t.block_k, d_v))],
+        semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
+        like=q,
+    )
+    dk, dv = dkv_call(mc.plan(classes.T), q_h, k_h, v_h, mc.row(q_tokens),
+                      mc.column(kv_tokens), do_h, lse_h, delta_h)
+    return (mc.tokens_first(dq, q_len), mc.tokens_first(dk, kv_len),
+            mc.tokens_first(dv, kv_len))

@@ -1,0 +1,228 @@
+"""Mosaic flash attention: the TPU kernel, with the contract of ``xla.py``.
+
+The kernel contract (:mod:`jax_seqpar.kernels.contract`), like
+:mod:`jax_seqpar.kernels.xla`: :func:`forward` -> ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])``,
+:func:`backward` (given the final ``lse`` and ``delta = sum(dout * out, -1) - dlse``)
+-> float32 ``(dq, dk, dv)``, and :func:`attention`, a ``custom_vjp`` of both that
+takes cotangents for ``out`` AND ``lse``. Every function takes ``softcap``: scores
+``s = scale * q.k`` become ``softcap * tanh(s / softcap)`` before masking.
+
+How the work is cut (FlashAttention-2):
+
+* forward: grid ``(batch, head, query tile, key tile)``; the key axis is the
+  sequential (``"arbitrary"``) one and carries the online softmax in VMEM scratch
+  (statistics and accumulator in float32; MXU inputs in the input dtype);
+* backward: a ``dq`` kernel on the same grid, and a ``dk, dv`` kernel on
+  ``(batch, kv head, key tile, head of the group, query tile)`` that computes the
+  transposed scores ``k @ q.T`` (no in-kernel transposes) and sums its GQA group
+  in VMEM, without atomics (:mod:`._mosaic_bwd`);
+* every (query tile, key tile) pair is classified outside the kernel
+  (:func:`jax_seqpar.core.masks.classify`) into a scalar-prefetched plan: ``EMPTY``
+  tiles are neither computed nor copied in, ``FULL`` tiles are not masked, and
+  ``PARTIAL`` tiles apply :func:`jax_seqpar.core.masks.visible` to the tokens' positions
+  and segment ids;
+* GQA/MQA read K/V head ``h // group`` through the BlockSpec index map, never a
+  repeated copy; the head dim is any size (64 .. 576, ``Dv != Dqk`` for MLA);
+* tiles are multiples of 128 tokens (``BlockSizes.check_tpu``), by default
+  :func:`default_block_sizes`.
+
+Lowering: Mosaic when the program is lowered for TPU; the Pallas interpreter on any
+other platform (chosen with ``lax.platform_dependent``, not the host's backend).
+Paper: FlashAttention-2, arXiv:2307.08691.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+
+from jax_seqpar.core import compat as _compat, masks
+from jax_seqpar.kernels.tpu import _bwd as _mosaic_bwd
+from jax_seqpar.kernels import contract
+from jax_seqpar.kernels.tpu import _common as mc
+from jax_seqpar.kernels.contract import BlockSizes
+from jax_seqpar.kernels.tiling import schedule
+from jax_seqpar.core.masks import MaskSpec, Tokens
+
+#: The input dtypes the kernel takes (q, k and v share one): the MXU's; no float16.
+DTYPES = mc.DTYPES
+
+__all__ = ["DTYPES", "BlockSizes", "attention", "backward", "default_block_sizes", "forward"]
+
+
+def default_block_sizes(d_qk: int, d_v: int, dtype) -> BlockSizes:
+    """512-token tiles, 256 queries per backward tile, whatever the head dims and dtype:
+    the largest that fit VMEM on v5e, v5p and v6e up to MLA's 576/512 head dims
+    (held by ``tests/test_mosaic_compile.py``)."""
+    del d_qk, d_v, dtype
+    return BlockSizes(512, 512, 256, 512)
+
+
+def _checked(q, k, v, q_tokens, kv_tokens, block_sizes, softcap):
+    """Validated operands; ``(block sizes resolved, softcap as float or None)``."""
+    contract.check_operands(q, k, v, q_tokens, kv_tokens, dtypes=mc.DTYPES, kernel_name=__name__)
+    block_sizes = contract.resolve_block_sizes(
+        block_sizes, default_block_sizes(q.shape[-1], v.shape[-1], q.dtype), __name__)
+    block_sizes.check_tpu()
+    return block_sizes, contract.check_softcap(softcap)
+
+
+def _forward_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, out_ref, lse_ref,
+                    m_ref, l_ref, acc_ref, *, spec, scale, softcap, precision):
+    q_tile, kv_tile = pl.program_id(2), pl.program_id(3)
+
+    @pl.when(kv_tile == 0)
+    def _init():
+        m_ref[...] = jnp.full(m_ref.shape, masks.EMPTY_LSE, mc.F32)
+        l_ref[...] = jnp.zeros(l_ref.shape, mc.F32)
+        acc_ref[...] = jnp.zeros(acc_ref.shape, mc.F32)
+
+    def tile(is_partial):
+        s, _ = mc.logits(q_ref[...], k_ref[...], scale=scale, softcap=softcap,
+                         precision=precision)  # [bq, bk]
+        if is_partial:
+            s = mc.masked(s, spec, q_tok, kv_tok, rows_are_queries=True)
+        # Statistics are lane-replicated [bq, 128]. m starts at EMPTY_LSE (finite),
+        # so a row masked so far gets exp(-inf) = 0, never NaN.
+        m_prev = m_ref[...]
+        m_next = jnp.maximum(m_prev, s.max(axis=-1, keepdims=True))
+        p = jnp.exp(s - m_next[:, :1])
+        alpha = jnp.exp(m_prev - m_next)
+        l_ref[...] = alpha * l_ref[...] + p.sum(axis=-1, keepdims=True)
+        v = v_ref[...]
+        acc_ref[...] = acc_ref[...] * alpha[:, :1] + mc.dot(p.astype(v.dtype), v,
+                                                            precision=precision)
+        m_ref[...] = m_next
+
+    mc.run_tile(plan_ref, q_tile, kv_tile, tile)
+
+    @pl.when(kv_tile == pl.num_programs(3) - 1)
+    def _finish():
+        l = l_ref[...]  # [bq, 128]
+        seen = l > 0
+        l = jnp.where(seen, l, 1.0)
+        out_ref[...] = acc_ref[...] / l[:, :1]
+        lse = jnp.where(seen, m_ref[...] + jnp.log(l), masks.EMPTY_LSE)
+        lse_ref[...] = mc.column_to_row(lse)
+
+
+def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
+            block_sizes: Optional[BlockSizes] = None, softcap: Optional[float] = None):
+    """Attention of ``q`` against one run of keys (the contract of :func:`xla.forward`).
+
+    Args:
+      q: ``[B, Sq, H, Dqk]``; k: ``[B, Sk, Hkv, Dqk]``; v: ``[B, Sk, Hkv, Dv]``;
+        one dtype, float32 or bfloat16 (the MXU inputs), ``H % Hkv == 0``.
+      q_tokens, kv_tokens: metadata of the queries (``[B, Sq]``) and keys (``[B, Sk]``).
+      spec: causal / window; scale: score multiplier.
+      block_sizes: tile sizes, multiples of 128; None, or a size left None:
+        :func:`default_block_sizes`.
+      softcap: optional logit soft cap ``c``: ``s -> c * tanh(s / c)``.
+    Returns:
+      ``out float32[B, Sq, H, Dv]`` (normalized) and ``lse float32[B, Sq, H]``;
+      softmax statistics and accumulators in float32 whatever the input dtype.
+
+    >>> q = k = v = jnp.ones((1, 32, 2, 64), jnp.bfloat16)
+    >>> tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
+    >>> out, lse = forward(q, k, v, tokens, tokens, spec=MaskSpec.make(causal=True), scale=0.125)
+    >>> out.shape, out.dtype, lse.shape
+    ((1, 32, 2, 64), dtype('float32'), (1, 32, 2))
+    """
+    block_sizes, softcap = _checked(q, k, v, q_tokens, kv_tokens, block_sizes, softcap)
+    return _forward(q, k, v, q_tokens, kv_tokens, spec=spec, scale=scale,
+                    block_sizes=block_sizes, softcap=softcap)
+
+
+@contract.folds_vmap
+def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, block_sizes, softcap):
+    # Inside shard_map every operand must vary over the same axes (e.g. replicated
+    # decode queries against a sharded cache).
+    q, k, v, q_tokens, kv_tokens = _compat.match_varying(
+        (q, k, v, q_tokens, kv_tokens), (q, k, v, q_tokens, kv_tokens))
+    t = mc.tiling(q, k, block_sizes.block_q, block_sizes.block_k)
+    q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # classes [nq, nk]
+    (batch, q_len, heads, d_qk), d_v = q.shape, v.shape[-1]
+    q_pad, kv_pad, group = t.num_q * t.block_q, t.num_k * t.block_k, t.group
+
+    def kv_map(b, h, i, j, plan_ref):
+        return b, lax.div(h, group), mc.fetched(plan_ref, i, j), 0
+
+    call = mc.pallas(
+        functools.partial(_forward_kernel, spec=spec, scale=scale, softcap=softcap,
+                          precision=mc.precision(q.dtype)),
+        name="seqpar_mosaic_forward",
+        grid=(batch, heads, t.num_q, t.num_k),
+        in_specs=[
+            pl.BlockSpec((None, None, t.block_q, d_qk), lambda b, h, i, j, _: (b, h, i, 0)),
+            pl.BlockSpec((None, None, t.block_k, d_qk), kv_map),
+            pl.BlockSpec((None, None, t.block_k, d_v), kv_map),
+            mc.token_specs(q_tokens, (None, t.block_q, 1), lambda b, h, i, j, _: (b, i, 0)),
+            mc.token_specs(kv_tokens, (None, 1, t.block_k),
+                           lambda b, h, i, j, plan_ref: (b, 0, mc.fetched(plan_ref, i, j))),
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, t.block_q, d_v), lambda b, h, i, j, _: (b, h, i, 0)),
+            pl.BlockSpec((None, None, 1, t.block_q), lambda b, h, i, j, _: (b, h, 0, i)),
+        ],
+        out_shape=[jax.ShapeDtypeStruct((batch, heads, q_pad, d_v), mc.F32),
+                   jax.ShapeDtypeStruct((batch, heads, 1, q_pad), mc.F32)],
+        scratch_shapes=[mc.vmem((t.block_q, mc.LANES)), mc.vmem((t.block_q, mc.LANES)),
+                        mc.vmem((t.block_q, d_v))],
+        semantics=("parallel", "parallel", "parallel", "arbitrary"),
+        like=q,
+    )
+    out, lse = call(mc.plan(classes), mc.heads_first(q, q_pad), mc.heads_first(k, kv_pad),
+                    mc.heads_first(v, kv_pad), mc.column(q_tokens), mc.row(kv_tokens))
+    return mc.tokens_first(out, q_len), jnp.swapaxes(lse[:, :, 0, :q_len], 1, 2)
+
+
+def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
+             spec: MaskSpec, scale: float, block_sizes: Optional[BlockSizes] = None,
+             softcap: Optional[float] = None, accumulate=None):
+    """Gradients of attention given the softmax statistics of the full result.
+
+    Args:
+      q, k, v, q_tokens, kv_tokens, spec, scale, block_sizes, softcap: as in
+        :func:`forward`.
+      lse: ``float32[B, Sq, H]`` log-sum-exp of the (possibly merged) result.
+      delta: ``float32[B, Sq, H]`` = ``sum(dout * out, -1) - dlse``.
+      dout: ``[B, Sq, H, Dv]`` cotangent of the (merged) output; it enters the
+        matmuls in ``v.dtype``.
+      accumulate: optional float32 ``(dq, dk, dv)`` the gradients are added to.
+    Returns:
+      float32 ``dq [B, Sq, H, Dqk]``, ``dk [B, Sk, Hkv, Dqk]``, ``dv [B, Sk, Hkv, Dv]``
+      (plus ``accumulate``).
+    """
+    block_sizes, softcap = _checked(q, k, v, q_tokens, kv_tokens, block_sizes, softcap)
+    contract.check_backward_operands(q, v, lse, delta, dout)
+    grads = _mosaic_bwd.backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, spec=spec,
+                                 scale=scale, block_sizes=block_sizes, softcap=softcap)
+    return contract.add_accumulated(grads, accumulate)
+
+
+def attention(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
+              block_sizes: Optional[BlockSizes] = None, softcap: Optional[float] = None):
+    """Differentiable :func:`forward`: ``(out float32, lse float32)``, through
+    :func:`jax_seqpar.kernels.contract.differentiable`.
+
+    Its VJP runs the Mosaic ``dq`` and ``dk, dv`` kernels (:func:`backward`) and takes
+    cotangents for ``out`` AND ``lse`` (merged ring results differentiate exactly);
+    it saves ``out`` in the input dtype and ``lse`` in float32.
+
+    >>> q = k = v = jnp.ones((1, 32, 2, 64), jnp.float32)
+    >>> tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
+    >>> loss = lambda q: attention(q, k, v, tokens, tokens, spec=MaskSpec(), scale=0.125)[0].sum()
+    >>> jax.grad(loss)(q).shape
+    (1, 32, 2, 64)
+    """
+    block_sizes, softcap = _checked(q, k, v, q_tokens, kv_tokens, block_sizes, softcap)
+    return _attention(q, k, v, q_tokens, kv_tokens, spec=spec, scale=float(scale),
+                      block_sizes=block_sizes, softcap=softcap)
+
+
+_attention = contract.differentiable(_forward, _mosaic_bwd.backward)

@@ -1,0 +1,313 @@
+"""The choice of strategy: by predicted time on a hardware description, else by bytes.
+
+:func:`plan` picks the strategy for one attention layer on a mesh. With a
+:class:`~jax_seqpar.planning.hardware.Hardware` (:func:`plan_for_hardware`) every
+strategy and ``ring x ulysses`` factorization is predicted
+(:mod:`jax_seqpar.planning.predict`) and the fastest within memory wins. Without, it
+refines the decision tree of the seed notes (ring whenever ``num_kv_heads < P``):
+Ulysses needs the axis size to divide the query heads only, since K/V heads are
+replicated up to it, and then the bytes (:func:`jax_seqpar.comm_bytes`)
+decide; the ring has no limit; on a two-level mesh the hybrid runs Ulysses on the fast
+inner axis and the ring on the slow outer one (USP, arXiv:2405.07719).
+
+:func:`auto_choice` is what ``strategy="auto"`` of
+:func:`jax_seqpar.sequence_parallel_attention` runs: a tuned plan when the caller asks
+for them (:mod:`jax_seqpar.planning.tuned`), else the prediction for the mesh's device
+kind, else (an unknown device) fewest bytes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Mapping, Optional
+
+from jax_seqpar.core import masks
+from jax_seqpar.planning import hardware as hardware_lib, predict, tuned
+from jax_seqpar.strategies.registry import comm_bytes
+from jax_seqpar.strategies.traffic import axis_sizes_tuple, is_count, replicated_kv_heads
+
+__all__ = ["Plan", "auto_choice", "choose", "plan", "plan_for_hardware"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """The planner's choice for one attention layer on one mesh.
+
+    Attributes:
+      strategy: ``"ulysses"``, ``"ring"`` or ``"hybrid"``.
+      seq_axes: mesh axis name, or ``(outer, inner)`` names for a two-axis mesh
+        (the ring then runs over both axes flattened).
+      axis_sizes: devices per axis: an int, or ``(outer, inner)``.
+      bytes_per_device: :func:`comm_bytes` of the choice.
+      reason: one sentence with the numbers behind the choice.
+      candidates: ``{label: bytes}`` of every feasible candidate considered
+        (labels as in ``predicted_seconds``; strategy names without hardware).
+      predicted_seconds: ``{label: seconds}`` per layer (forward + backward) of
+        every candidate within the memory budget, when planned for a
+        :class:`~jax_seqpar.planning.hardware.Hardware` (else empty). Labels: ``"ulysses"``,
+        ``"ring"``, ``"allgather"``, ``"hybrid OxI"`` (ring over O groups of I).
+      factorization: ``(ring, ulysses)`` devices: ``(P, 1)`` ring / all-gather,
+        ``(1, P)`` Ulysses, ``(O, I)`` hybrid.
+      memory_bytes: ``{label: bytes}`` predicted per-device peak memory.
+      rejected: ``{label: why}`` candidates over the memory budget.
+      measured_seconds: ``{label: seconds}`` timed on the mesh (``jax-seqpar tune``).
+    """
+
+    strategy: str
+    seq_axes: str | tuple[str, str]
+    axis_sizes: int | tuple[int, int]
+    bytes_per_device: float
+    reason: str
+    candidates: Mapping[str, float]
+    predicted_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    factorization: Optional[tuple[int, int]] = None
+    memory_bytes: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    rejected: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    measured_seconds: Mapping[str, float] = dataclasses.field(default_factory=dict)
+
+    @property
+    def ulysses_size(self) -> Optional[int]:
+        """Devices per Ulysses group of a hybrid choice (None for other strategies)."""
+        return self.factorization[1] if self.strategy == "hybrid" else None
+
+
+# Ties go to the first: Ulysses cannot overlap its all_to_alls with compute but
+# has the fewest, largest messages (lowest latency).
+_PREFERENCE = ("ulysses", "hybrid", "ring")
+
+
+def _ratio(numerator: float, denominator: float) -> float:
+    return 1.0 if numerator == denominator else numerator / denominator
+
+
+def _seq_sizes(seq_axes) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    if is_count(seq_axes):
+        return ("sp",), axis_sizes_tuple(seq_axes)
+    if isinstance(seq_axes, Mapping) and 1 <= len(seq_axes) <= 2:
+        names = tuple(seq_axes)
+        return names, axis_sizes_tuple(tuple(seq_axes[n] for n in names))
+    raise ValueError(f"seq_axes must be an int or a dict {{axis_name: size}} of one or two "
+                     f"axes ordered outer->inner (e.g. mesh.shape). Got {seq_axes!r}.")
+
+
+def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
+         seq_axes: int | Mapping[str, int], *, batch: int = 1, v_head_dim: int | None = None,
+         dtype_bytes: float = 2, causal: bool = False, backward: bool = True,
+         hardware=None, memory_budget: Optional[float] = None, window=None) -> Plan:
+    """Chooses the sequence-parallel strategy: fastest on ``hardware``, else fewest bytes.
+
+    With ``hardware`` (a :class:`~jax_seqpar.planning.hardware.Hardware` or preset name),
+    see :func:`plan_for_hardware`: every ``ring x ulysses`` factorization predicted, the
+    fastest within ``memory_budget`` wins (``jax-seqpar tune`` times the best on a mesh:
+    :func:`jax_seqpar.tools.tune.tune`). Without, the choice by bytes:
+
+    One axis of ``P`` devices: Ulysses when ``P`` divides ``num_heads`` (K/V
+    heads are replicated up to ``lcm(num_kv_heads, P)``), else the ring; when
+    both work the cheaper by :func:`comm_bytes` wins, Ulysses on ties. Two axes
+    ``{outer: O, inner: I}``: the hybrid (Ulysses over the inner axis, which
+    must divide ``num_heads``; ring over the outer) against the ring over both
+    axes flattened. ``allgather`` is never chosen: its K/V memory is O(S).
+
+    Args:
+      seq_len, num_heads, num_kv_heads, head_dim: global attention sizes.
+      seq_axes: devices along the sequence: an int (axis named ``"sp"``) or
+        ``{axis_name: size}`` of one or two axes ordered outer->inner
+        (``mesh.shape`` of a ``jax.sharding.Mesh`` works).
+      batch, v_head_dim, dtype_bytes, backward: as in :func:`comm_bytes`.
+      causal: only worded into ``reason`` (zigzag balances the ring; traffic is equal).
+
+    Returns:
+      A :class:`Plan`.
+
+    >>> plan(32768, 32, 32, 128, 8).strategy
+    'ulysses'
+    >>> plan(32768, 128, 1, 576, {"sp": 8}, v_head_dim=512).reason
+    'ring: only 1 KV head (MQA/MLA) and ulysses would move 7.9x more bytes'
+    """
+    if hardware is not None:
+        return plan_for_hardware(
+            seq_len, num_heads, num_kv_heads, head_dim, seq_axes, batch=batch,
+            v_head_dim=v_head_dim, dtype_bytes=dtype_bytes, causal=causal, backward=backward,
+            hardware=hardware, memory_budget=memory_budget, window=window)
+    names, sizes = _seq_sizes(seq_axes)
+    devices = math.prod(sizes)
+    shape = dict(batch=batch, seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                 head_dim=head_dim, v_head_dim=v_head_dim, dtype_bytes=dtype_bytes,
+                 backward=backward)
+    # comm_bytes validates everything else (divisibility, positivity).
+    ring = comm_bytes("ring", seq_axes=devices, **shape)
+    balance = "; zigzag layout balances causal work" if causal else ""
+
+    if len(sizes) == 1:
+        (axis,), (size,) = names, sizes
+        candidates = {"ring": ring}
+        if num_heads % size == 0:
+            candidates["ulysses"] = comm_bytes("ulysses", seq_axes=size, **shape)
+        strategy = min(candidates, key=lambda s: (candidates[s], _PREFERENCE.index(s)))
+        seq_axes, axis_sizes = axis, size
+        if strategy == "ulysses":
+            kv_heads = replicated_kv_heads(num_kv_heads, size)
+            replicated = (f" ({num_kv_heads} KV heads replicated to {kv_heads})"
+                          if kv_heads != num_kv_heads else "")
+            reason = (f"ulysses: {num_heads} heads divisible by {size}{replicated} and a2a "
+                      f"traffic {_ratio(candidates['ulysses'], ring):.2f}x of ring")
+        elif "ulysses" not in candidates:
+            reason = (f"ring: num_heads={num_heads} is not divisible by the axis size {size}, "
+                      f"so ulysses cannot split heads{balance}")
+        else:
+            factor = _ratio(candidates["ulysses"], ring)
+            why = ("only 1 KV head (MQA/MLA)" if num_kv_heads == 1
+                   else f"only {num_kv_heads} of {num_heads} heads are K/V heads")
+            reason = f"ring: {why} and ulysses would move {factor:.1f}x more bytes{balance}"
+    else:
+        (outer, inner), (outer_size, inner_size) = names, sizes
+        seq_axes, axis_sizes = (outer, inner), (outer_size, inner_size)
+        candidates = {"ring": ring}
+        if num_heads % inner_size == 0:
+            candidates["hybrid"] = comm_bytes("hybrid", seq_axes=sizes, **shape)
+        strategy = min(candidates, key=lambda s: (candidates[s], _PREFERENCE.index(s)))
+        if strategy == "hybrid":
+            reason = (f"hybrid: ulysses over {inner!r} ({inner_size} divides {num_heads} heads) "
+                      f"and ring over {outer!r} send "
+                      f"{_ratio(candidates['hybrid'], ring):.2f}x the bytes of a ring over "
+                      f"both axes")
+        elif "hybrid" not in candidates:
+            reason = (f"ring over ({outer!r}, {inner!r}): num_heads={num_heads} is not "
+                      f"divisible by the inner axis size {inner_size}, so hybrid cannot use "
+                      f"ulysses{balance}")
+        else:
+            reason = (f"ring over ({outer!r}, {inner!r}): hybrid would move "
+                      f"{_ratio(candidates['hybrid'], ring):.1f}x more bytes{balance}")
+    if devices == 1:
+        reason += " (one device: nothing is sent)"
+    factorization = {"ulysses": (1, devices), "hybrid": tuple(sizes)}.get(strategy, (devices, 1))
+    return Plan(strategy=strategy, seq_axes=seq_axes, axis_sizes=axis_sizes,
+                bytes_per_device=candidates[strategy], reason=reason, candidates=candidates,
+                factorization=factorization)
+
+
+_GIB = 2.0**30
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
+
+
+def _gib(num_bytes: float) -> str:
+    return f"{num_bytes / _GIB:.3g} GiB"
+
+
+def plan_for_hardware(seq_len, num_heads, num_kv_heads, head_dim, seq_axes, *, batch=1,
+                      v_head_dim=None, dtype_bytes=2, causal=False, backward=True,
+                      hardware, memory_budget=None, window=None):
+    """The fastest predicted candidate within the memory budget (``plan(hardware=...)``).
+
+    Every strategy and every ``ring x ulysses`` factorization of the devices
+    (:func:`jax_seqpar.planning.predict.candidates`) is predicted on ``hardware`` (time
+    and per-device memory, :func:`jax_seqpar.planning.predict.predict`); candidates over
+    ``memory_budget`` bytes (default: the hardware's HBM) are rejected with the
+    reason; the fastest of the rest wins (:func:`jax_seqpar.tools.tune.tune` then times
+    the best on a mesh). ``window`` cuts the predicted compute. Other arguments as in
+    :func:`plan`.
+
+    Returns:
+      A :class:`Plan` with ``predicted_seconds``, ``memory_bytes``, ``rejected`` and
+      ``factorization``; its ``reason`` names the predicted times.
+
+    >>> plan_for_hardware(32768, 12, 12, 64, {"sp": 8}, hardware="tpu-v5p",
+    ...                   causal=True).factorization
+    (4, 2)
+    """
+    names, sizes = _seq_sizes(seq_axes)
+    devices = math.prod(sizes)
+    hardware = hardware_lib.get(hardware)
+    budget = hardware.hbm_bytes if memory_budget is None else float(memory_budget)
+    if not budget > 0:
+        raise ValueError(f"memory_budget must be a positive number of bytes. Got "
+                         f"{memory_budget!r}.")
+    shape = predict.Shape(batch=batch, seq_len=seq_len, num_heads=num_heads,
+                          num_kv_heads=num_kv_heads, head_dim=head_dim,
+                          v_head_dim=head_dim if v_head_dim is None else v_head_dim,
+                          dtype_bytes=dtype_bytes, causal=causal,
+                          window=masks.normalize_window(window), backward=backward)
+    # Validates the shape (divisibility, positivity) with comm_bytes' messages.
+    comm_bytes("ring", seq_axes=devices, **shape.traffic())
+    found = {c.label: c for c in predict.candidates(devices, num_heads)}
+    predictions = {label: predict.predict(c, shape, hardware) for label, c in found.items()}
+    rejected = {label: f"needs {_gib(p['memory'])} per device, over the budget of "
+                       f"{_gib(budget)}" for label, p in predictions.items()
+                if p["memory"] > budget}
+    seconds = {label: p["seconds"] for label, p in predictions.items() if label not in rejected}
+    if not seconds:
+        raise ValueError(
+            f"every candidate is over the memory budget of {_gib(budget)} per device: "
+            + "; ".join(f"{label} {why}" for label, why in rejected.items())
+            + ". Use more devices, a smaller batch, or a larger memory_budget.")
+    chosen = min(seconds, key=seconds.get)
+    predicted = Plan(
+        strategy="", seq_axes="", axis_sizes=0, bytes_per_device=0.0, reason="",
+        candidates={label: p["bytes"] for label, p in predictions.items()},
+        predicted_seconds=seconds,
+        memory_bytes={label: p["memory"] for label, p in predictions.items()},
+        rejected=rejected)
+    return choose(predicted, found[chosen], names, sizes, hardware)
+
+
+def choose(predicted: Plan, candidate: predict.Candidate, names, sizes, hardware,
+           measured=None) -> Plan:
+    """``predicted`` (a plan's predictions) with ``candidate`` chosen: the fastest
+    predicted, or the fastest ``measured`` (``{label: seconds}`` timed on a mesh)."""
+    if candidate.strategy == "hybrid" and len(sizes) == 2 and candidate.ulysses == sizes[1]:
+        seq_axes, axis_sizes = tuple(names), tuple(sizes)
+    else:
+        seq_axes = names[0] if len(names) == 1 else tuple(names)
+        axis_sizes = sizes[0] if len(sizes) == 1 else tuple(sizes)
+    return dataclasses.replace(
+        predicted, strategy=candidate.strategy, seq_axes=seq_axes, axis_sizes=axis_sizes,
+        bytes_per_device=predicted.candidates[candidate.label],
+        reason=_reason(candidate.label, predicted.predicted_seconds, measured or {},
+                       predicted.rejected, hardware),
+        factorization=(candidate.ring, candidate.ulysses), measured_seconds=measured or {})
+
+
+def _reason(chosen, seconds, measured, rejected, hardware) -> str:
+    if measured:
+        others = sorted((s, label) for label, s in measured.items() if label != chosen)
+        text = (f"{chosen}: fastest measured on this mesh, {_ms(measured[chosen])} per layer "
+                f"(predicted {_ms(seconds[chosen])})")
+        timed = "measured"
+    else:
+        others = sorted((s, label) for label, s in seconds.items() if label != chosen)
+        text = f"{chosen}: fastest predicted on {hardware.name}, {_ms(seconds[chosen])} per layer"
+        timed = "predicted"
+    if others:
+        text += f"; {timed}: " + ", ".join(f"{label} {_ms(s)}" for s, label in others)
+    if rejected:
+        text += "; over the memory budget: " + ", ".join(sorted(rejected))
+    return text
+
+
+def auto_choice(q_shape, kv_heads: int, v_head_dim: int, dtype_bytes: float, mesh, axes,
+                *, causal: bool, window=None) -> tuple[str, Optional[int]]:
+    """``(strategy, ulysses_size)`` for ``strategy="auto"`` on the ``axes`` of ``mesh``.
+
+    A plan tuned on this mesh wins when the caller asks for tuned plans
+    (:data:`jax_seqpar.planning.tuned.ENV_VAR` names the file; unset, none is read);
+    else the prediction for the preset of the mesh's device kind; else (no preset)
+    fewest bytes. ``ulysses_size`` is set for a hybrid only.
+    """
+    batch, seq_len, heads, head_dim = q_shape
+    axis_sizes = {name: mesh.shape[name] for name in axes}
+    shape = dict(batch=batch, v_head_dim=v_head_dim, dtype_bytes=dtype_bytes, causal=causal)
+    device_kind = mesh.devices.flat[0].device_kind
+    hardware = hardware_lib.for_device_kind(device_kind)
+    tuned_plan = tuned.lookup(tuned.cache_key(
+        predict.Shape(seq_len=seq_len, num_heads=heads, num_kv_heads=kv_heads,
+                      head_dim=head_dim, window=masks.normalize_window(window), **shape),
+        axis_sizes, device_kind, hardware))
+    if tuned_plan is not None:
+        return tuned_plan["strategy"], tuned_plan["ulysses_size"]
+    chosen = plan(seq_len, heads, kv_heads, head_dim, axis_sizes, hardware=hardware,
+                  window=window, **shape)
+    return chosen.strategy, chosen.ulysses_size

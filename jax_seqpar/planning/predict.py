@@ -1,0 +1,321 @@
+"""Predicted time and memory of every way to split one attention layer over a mesh.
+
+A candidate is a strategy and a factorization of the sequence devices
+``P = ring x ulysses``: ``ulysses`` is ``1 x P``, ``ring`` and ``allgather``
+``P x 1``, and ``hybrid`` every ``O x I`` with ``1 < I < P`` dividing the query
+heads (USP, arXiv:2405.07719): Ulysses over ``I`` neighbouring devices, the
+ring over the ``O`` groups. One mesh axis can be split that way (see
+:func:`jax_seqpar.core.meshes.split_axis`), so the hybrid is not limited to the
+mesh's own two axes.
+
+Per layer, forward + backward, on one device (:class:`Hardware` figures):
+
+* compute: attention FLOPs ``2 B H (Dqk + Dv)`` per visible (query, key) pair,
+  the backward ``(3 Dqk + 2 Dv) / (Dqk + Dv)`` times the forward, causal and
+  window masks counting only visible pairs, split evenly over the ``P`` devices
+  (zigzag balances causal rings; Ulysses is balanced by construction), at
+  ``peak_flops * attention_efficiency``;
+* the ring: ``O`` steps of ``max(compute, hop) + latency`` (``compute + hop +
+  latency`` where the hardware cannot overlap), hops of the bytes
+  :func:`jax_seqpar.comm_bytes` counts: ``O - 1`` K/V rotations forward,
+  ``O`` steps carrying K/V and float32 dK/dV backward;
+* all-to-all and all-gather: not overlapped, ``bytes / bandwidth`` plus one
+  latency per collective (``P - 1`` for all-gather / reduce-scatter: ring
+  algorithm); a group that spans domains sends its remote share on the slow link;
+* memory: q, k, v, out and their gradients, Ulysses' K/V heads replicated to
+  ``lcm(Hkv, I)``, the ring's K/V and float32 dK/dV in flight, all-gather's
+  O(S) K/V and its cotangent, float32 accumulators and score tiles.
+
+Bytes always come from :func:`~jax_seqpar.comm_bytes` (tests hold it
+against the compiled HLO), so this module models time, not traffic.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Optional
+
+import numpy as np
+
+from jax_seqpar.strategies import registry
+from jax_seqpar.strategies.registry import comm_bytes
+from jax_seqpar.planning.hardware import Hardware
+
+__all__ = ["Candidate", "Shape", "candidates", "predict", "tile_pairs", "visible_pairs"]
+
+_ALL_TO_ALLS = 9  # q, k, v, out forward; dout, dq, dk, dv backward; positions gather
+
+
+@dataclasses.dataclass(frozen=True)
+class Shape:
+    """One attention layer: global ``q [batch, seq_len, num_heads, head_dim]``,
+    ``k [.., num_kv_heads, head_dim]``, ``v [.., num_kv_heads, v_head_dim]``."""
+
+    batch: int
+    seq_len: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    dtype_bytes: float = 2
+    causal: bool = False
+    window: Optional[tuple[int, int]] = None
+    backward: bool = True
+    tile: int = 256
+
+    def traffic(self) -> dict:
+        """The shape keywords of :func:`jax_seqpar.comm_bytes`."""
+        return dict(batch=self.batch, seq_len=self.seq_len, num_heads=self.num_heads,
+                    num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
+                    v_head_dim=self.v_head_dim, dtype_bytes=self.dtype_bytes)
+
+
+@dataclasses.dataclass(frozen=True)
+class Candidate:
+    """A strategy over ``ring x ulysses`` devices (``label`` names it in a plan)."""
+
+    strategy: str
+    ring: int
+    ulysses: int
+
+    @property
+    def label(self) -> str:
+        if registry.get(self.strategy).seq_axes == 2:
+            return f"{self.strategy} {self.ring}x{self.ulysses}"
+        return self.strategy
+
+
+def candidates(devices: int, num_heads: int) -> list[Candidate]:
+    """Every registered strategy and factorization of ``devices`` the heads allow: a
+    two-axis strategy over every ``O x I`` with ``1 < I < P`` dividing the heads."""
+    found = []
+    for strategy in registry.STRATEGIES.values():
+        if strategy.seq_axes == 2:
+            found += [Candidate(strategy.name, devices // inner, inner)
+                      for inner in range(2, devices)
+                      if devices % inner == 0 and num_heads % inner == 0]
+        elif not strategy.splits_heads or num_heads % devices == 0:
+            found.append(Candidate(strategy.name, *strategy.factorization(devices, 1)))
+    return found
+
+
+def visible_pairs(seq_len: int, causal: bool, window: Optional[tuple[int, int]]) -> float:
+    """(query, key) pairs a causal and/or ``(left, right)`` window mask keeps (exact)."""
+    left = seq_len - 1 if window is None else min(window[0], seq_len - 1)
+    right = 0 if causal else (seq_len - 1 if window is None else min(window[1], seq_len - 1))
+
+    def clipped_sum(limit):  # sum over i < seq_len of min(i, limit)
+        return limit * (limit + 1) / 2 + (seq_len - 1 - limit) * limit
+
+    return float(seq_len + clipped_sum(left) + clipped_sum(right))
+
+
+def _comm_bytes(strategy, shape: Shape, axis_sizes, backward):
+    """:func:`~jax_seqpar.comm_bytes` of ``shape`` (window-aware)."""
+    return comm_bytes(strategy, seq_axes=axis_sizes, backward=backward, window=shape.window,
+                      **shape.traffic())
+
+
+def _collective_seconds(hardware: Hardware, num_bytes: float, size: int, steps: int) -> float:
+    """An all-to-all style collective over ``size`` consecutive devices, not overlapped.
+
+    Within one domain it runs at the fast link's collective bandwidth; across
+    domains the share bound for other domains, ``(size - D) / (size - 1)``,
+    goes on the slow link while the rest goes on the fast one.
+    """
+    if size == 1 or num_bytes == 0:
+        return 0.0
+    link = hardware.link(size)
+    if link is hardware.ici:
+        return link.seconds(num_bytes, steps, collective=True)
+    local = min(hardware.devices_per_domain, size)
+    remote = num_bytes * (size - local) / (size - 1)
+    return steps * link.latency + max(
+        (num_bytes - remote) / hardware.ici.collective_bandwidth,
+        remote / hardware.dcn.collective_bandwidth)
+
+
+def _ring_seconds(hardware: Hardware, link, compute: list, hop_bytes: float,
+                  home: bool = False) -> float:
+    """Ring steps of ``compute[i]`` seconds each; every step but the last sends a hop of
+    ``hop_bytes`` (the backward's last hop, ``home``, brings dK/dV back after it)."""
+    hop = hop_bytes / link.bandwidth
+    seconds = 0.0
+    for index, step in enumerate(compute):
+        last = index == len(compute) - 1
+        if last and not home:
+            seconds += step
+        elif last:  # the accumulators' trip home starts when the last step ends
+            seconds += step + hop + link.latency
+        elif hardware.overlap:
+            seconds += max(step, hop) + link.latency
+        else:
+            seconds += step + hop + link.latency
+    return seconds
+
+
+def _shard_positions(seq_len: int, shards: int, zigzag: bool) -> np.ndarray:
+    """``[shards, L]`` global positions of each shard's tokens, the sequence padded to
+    the whole chunks its layout needs (as the global entry point pads it)."""
+    chunks = 2 * shards if zigzag else shards
+    positions = np.arange(-(-seq_len // chunks) * chunks)
+    if not zigzag:
+        return positions.reshape(shards, -1)
+    chunks = positions.reshape(2 * shards, -1)
+    return np.concatenate([chunks[:shards], chunks[::-1][:shards]], axis=1)
+
+
+def tile_pairs(q_positions, kv_positions, shape: Shape) -> float:
+    """(query, key) pairs a kernel computes: whole tiles that are not EMPTY.
+
+    Tiles are ``shape.tile`` tokens clipped to the lengths, classified from
+    their position ranges as the kernels do (conservatively), so a tile that
+    holds two far-apart zigzag chunks is computed whole.
+    """
+    def ranges(positions, tile):
+        tile = min(tile, positions.size)
+        padded = -(-positions.size // tile) * tile
+        edge = np.pad(positions, (0, padded - positions.size), mode="edge").reshape(-1, tile)
+        return edge.min(axis=1), edge.max(axis=1), tile
+
+    q_lo, q_hi, tile_q = ranges(q_positions, shape.tile)
+    k_lo, k_hi, tile_k = ranges(kv_positions, shape.tile)
+    q_lo, q_hi, k_lo, k_hi = q_lo[:, None], q_hi[:, None], k_lo[None, :], k_hi[None, :]
+    empty = np.zeros((q_lo.size, k_lo.size), bool)
+    if shape.causal:
+        empty |= k_lo > q_hi
+    if shape.window is not None:
+        left, right = shape.window
+        empty |= (k_lo > q_hi + right) | (k_hi < q_lo - left)
+    return float((~empty).sum()) * tile_q * tile_k
+
+
+def _step_pairs(candidate: Candidate, shape: Shape) -> list[float]:
+    """Computed pairs per ring step on the busiest device (one step: no ring).
+
+    Token orders as the package runs them: Ulysses contiguous; ring, hybrid and
+    all-gather zigzag over all ``P`` shards when causal. A hybrid device
+    attends for its ring group's ``I`` shards gathered by the all-to-all.
+    """
+    devices = candidate.ring * candidate.ulysses
+    zigzag = shape.causal and candidate.strategy != "ulysses"
+    shards = _shard_positions(shape.seq_len, devices, zigzag)
+    if candidate.strategy == "allgather":
+        kv = shards.reshape(-1)
+        return [max(tile_pairs(q, kv, shape) for q in _sampled(shards))]
+    groups = shards.reshape(candidate.ring, -1)  # a ring group's tokens after the a2a
+    sampled_groups = _sampled(range(candidate.ring))
+    steps = {}
+    for step in _sampled(range(candidate.ring), 16):
+        steps[step] = max(tile_pairs(groups[g], groups[(g - step) % candidate.ring], shape)
+                          for g in sampled_groups)
+    # Long rings: steps not classified take the mean of the sampled later steps.
+    later = [pairs for step, pairs in steps.items() if step] or [steps[0]]
+    return [steps.get(step, sum(later) / len(later)) for step in range(candidate.ring)]
+
+
+def _sampled(items, limit: int = 8):
+    """All items when few, else ``limit`` of them spread evenly (for large meshes)."""
+    items = list(items)
+    if len(items) <= limit:
+        return items
+    return [items[i] for i in np.linspace(0, len(items) - 1, limit).round().astype(int)]
+
+
+def _step_seconds(candidate: Candidate, shape: Shape, hardware: Hardware):
+    """Forward and backward compute seconds per ring step (tile-level, busiest device)."""
+    d_qk, d_v = shape.head_dim, shape.v_head_dim
+    heads = shape.num_heads // candidate.ulysses
+    if _tile_count(candidate, shape) <= _MAX_TILE_PAIRS:
+        pairs = _step_pairs(candidate, shape)
+    else:  # too many tiles to classify: exact visible pairs, spread evenly
+        per_device = visible_pairs(shape.seq_len, shape.causal, shape.window) / candidate.ring
+        steps = 1 if candidate.strategy == "allgather" else candidate.ring
+        pairs = [per_device / steps] * steps
+    forward = [2 * shape.batch * heads * (d_qk + d_v) * p / hardware.attention_flops
+               for p in pairs]
+    ratio = (3 * d_qk + 2 * d_v) / (d_qk + d_v) if shape.backward else 0.0
+    return forward, [f * ratio for f in forward]
+
+
+_MAX_TILE_PAIRS = 2**20  # beyond, tiles are a negligible fraction of a chunk
+
+
+def _tile_count(candidate: Candidate, shape: Shape) -> float:
+    tiles = shape.seq_len / shape.tile
+    return tiles * tiles / candidate.ring * min(candidate.ring, 8)
+
+
+def _seconds(candidate: Candidate, shape: Shape, hardware: Hardware) -> dict:
+    devices = candidate.ring * candidate.ulysses
+    compute_fwd, compute_bwd = _step_seconds(candidate, shape, hardware)
+    compute = sum(compute_fwd) + sum(compute_bwd)
+    total_bytes = _comm_bytes(candidate.strategy, shape, devices if candidate.strategy != "hybrid"
+                              else (candidate.ring, candidate.ulysses), shape.backward)
+    if candidate.strategy == "ulysses":
+        comm = _collective_seconds(hardware, total_bytes, devices,
+                                   _ALL_TO_ALLS if shape.backward else 5)
+        return dict(seconds=compute + comm, compute=compute, comm=comm, bytes=total_bytes)
+    if candidate.strategy == "allgather":
+        steps = (devices - 1) * (5 if shape.backward else 3)
+        comm = _collective_seconds(hardware, total_bytes, devices, steps)
+        return dict(seconds=compute + comm, compute=compute, comm=comm, bytes=total_bytes)
+    inner, ring = candidate.ulysses, candidate.ring
+    a2a_bytes = fwd_a2a = 0.0
+    if inner > 1:
+        inner_shape = dataclasses.replace(shape, seq_len=shape.seq_len // ring)
+        a2a_bytes = _comm_bytes("ulysses", inner_shape, inner, shape.backward)
+        fwd_a2a = _comm_bytes("ulysses", inner_shape, inner, False)
+    fwd_ring = _comm_bytes(candidate.strategy, shape, (ring, inner) if inner > 1 else ring,
+                           False) - fwd_a2a
+    bwd_ring = total_bytes - a2a_bytes - fwd_ring
+    a2a = _collective_seconds(hardware, a2a_bytes, inner, _ALL_TO_ALLS if shape.backward else 5)
+    link = hardware.link(ring, inner)
+    ring_time = _ring_seconds(hardware, link, compute_fwd, fwd_ring / max(ring - 1, 1))
+    if shape.backward:
+        ring_time += _ring_seconds(hardware, link, compute_bwd, bwd_ring / ring, home=True)
+    return dict(seconds=a2a + ring_time, compute=compute, comm=a2a + ring_time - compute,
+                bytes=total_bytes)
+
+
+def _memory(candidate: Candidate, shape: Shape) -> float:
+    """Per-device bytes the layer holds at its peak (forward + backward)."""
+    b, s, h, h_kv = shape.batch, shape.seq_len, shape.num_heads, shape.num_kv_heads
+    d_qk, d_v, size = shape.head_dim, shape.v_head_dim, shape.dtype_bytes
+    devices = candidate.ring * candidate.ulysses
+    local = b * s / devices  # batch x local tokens
+    grads = 2 if shape.backward else 1
+    q_o = h * (d_qk + d_v)
+    kv = h_kv * (d_qk + d_v)
+    memory = local * (grads * (q_o + kv) * size + h * 4)  # q, k, v, out (+ grads), lse
+    heads, kv_heads, tokens = h, h_kv, local
+    if candidate.ulysses > 1:
+        inner = candidate.ulysses
+        kv_heads = math.lcm(h_kv, inner) // inner
+        heads = h // inner
+        tokens = local * inner  # [B, S/O, H/I, D] after the all-to-all
+        memory += grads * tokens * (heads * (d_qk + d_v) + kv_heads * (d_qk + d_v)) * size
+        memory += b * s / candidate.ring * 4  # gathered int32 positions
+    kv_local = tokens * kv_heads * (d_qk + d_v)
+    if candidate.strategy == "allgather":
+        memory += b * s * (kv * size + 4) + (b * s * kv * 4 if shape.backward else 0.0)
+    elif candidate.ring > 1:
+        memory += 2 * kv_local * size  # the K/V being computed on and the next
+        memory += 2 * kv_local * 4 if shape.backward else 0.0  # dK/dV accumulators
+    memory += tokens * heads * (d_v + (d_qk if shape.backward else 0)) * 4  # f32 carries
+    memory += b * heads * min(shape.tile, s) ** 2 * 4 * (4 if shape.backward else 2)  # score tiles
+    return float(memory)
+
+
+def predict(candidate: Candidate, shape: Shape, hardware: Hardware) -> dict:
+    """``{seconds, compute, comm, bytes, memory}`` of ``candidate`` on ``hardware``.
+
+    ``seconds`` is one layer's forward (+ backward with ``shape.backward``) on
+    one device; ``compute`` its attention compute, ``comm`` the time beyond it
+    (unhidden communication), ``bytes`` what one device sends, ``memory`` its
+    peak per-device bytes.
+    """
+    result = _seconds(candidate, shape, hardware)
+    result["memory"] = _memory(candidate, shape)
+    return result

@@ -1,0 +1,205 @@
+"""Halo exchange: windowed attention on the contiguous split sends only what the window reaches.
+
+With ``window=(left, right)`` (``right = 0`` when causal) a query of shard ``r``
+(positions ``r*L .. r*L+L-1``, ``L = S/P``) sees keys from ``r*L - left`` to
+``r*L + L - 1 + right``. So shard ``r`` needs the last ``left`` tokens before its
+own and the first ``right`` after: ``ceil(left/L)`` hops from the lower
+neighbours and ``ceil(right/L)`` from the higher ones, the far hop carrying only
+the remainder. Each hop forwards the needed suffix (prefix) of what the previous
+hop brought, so a device sends exactly ``left + right`` tokens of K/V, whatever P.
+The positions of the halo are known (the split is contiguous), so only K/V and
+segment ids travel. Permutations do not wrap around the sequence ends: shard 0
+gets zeros from "the left", at positions (mod S) the window never reaches.
+
+Used only when ``left + right < S - L`` (else the window reaches nearly every
+shard and the full ring is as cheap) and only for the contiguous split: with any
+other positions the halo would not hold the keys the window needs.
+
+:func:`halo_attention` is the ring's form (a ``custom_vjp``: the backward sends
+float32 dK/dV back along the same hops); :func:`gather_window` is the
+all-gather form (one kernel call over ``[left halo, own, right halo]``, autodiff).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jax_seqpar.core import compat as _compat
+from jax_seqpar.strategies.inputs import axis_size
+from jax_seqpar.core.masks import MaskSpec, Tokens
+from jax_seqpar.core.merge import merge
+
+
+def halo_sizes(spec: MaskSpec, local_len: int, num_shards: int) -> Optional[tuple[int, int]]:
+    """Tokens ``(left, right)`` a shard needs from its neighbours, or None for the full ring.
+
+    Args:
+      spec: the mask; only a window bounds the reach (``causal`` makes ``right`` 0).
+      local_len: ``L = S/P`` tokens per shard; num_shards: ``P``.
+    Returns:
+      ``(left, right)`` with ``left + right < (P-1)*L``, or None when there is no
+      window or it reaches (nearly) every shard.
+    """
+    if spec.window is None:
+        return None
+    left, right = spec.window
+    if spec.causal:
+        right = 0
+    if left + right >= (num_shards - 1) * local_len:
+        return None
+    return left, right
+
+
+#: Strategies whose causal work zigzag balances (Ulysses is balanced by construction).
+def _hops(tokens: int, local_len: int) -> list[int]:
+    """Tokens carried by each hop: whole shards, then the remainder (farthest last)."""
+    return [min(local_len, tokens - start) for start in range(0, tokens, local_len)]
+
+
+def _pull(tree, tokens: int, axis_name, from_lower: bool):
+    """The ``tokens`` tokens just before (``from_lower``) or after this shard's, in order.
+
+    Args:
+      tree: arrays ``[B, L, ...]`` (None leaves are kept None).
+      tokens: how many to bring; ``from_lower``: from shards ``r-1, r-2, ..``
+        (their suffixes) or from ``r+1, r+2, ..`` (their prefixes).
+    Returns:
+      ``tree`` of ``[B, tokens, ...]`` in position order (zeros past the sequence ends).
+    """
+    size = axis_size(axis_name)
+    perm = ([(i, i + 1) for i in range(size - 1)] if from_lower
+            else [(i + 1, i) for i in range(size - 1)])
+
+    def hop(x, n):
+        piece = x[:, x.shape[1] - n:] if from_lower else x[:, :n]  # [B, n, ...]
+        return jax.lax.ppermute(piece, axis_name, perm)
+
+    pieces, current = [], tree
+    for n in _hops(tokens, _seq_len(tree)):
+        current = jax.tree.map(functools.partial(hop, n=n), current)
+        pieces.append(current)
+    if from_lower:
+        pieces.reverse()  # the farthest hop holds the earliest positions
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *pieces)
+
+
+def _seq_len(tree) -> int:
+    """Sequence length (axis 1) shared by the arrays of ``tree``."""
+    return jax.tree.leaves(tree)[0].shape[1]
+
+
+def _halo_positions(reach, local_len: int, axis_name, batch: int):
+    """``int32[B, left + right]`` positions of the halo (mod S: wrapped zeros stay unseen)."""
+    left, right = reach
+    seq_len = local_len * axis_size(axis_name)
+    start = jax.lax.axis_index(axis_name) * local_len
+    offsets = jnp.concatenate([jnp.arange(-left, 0), local_len + jnp.arange(right)])
+    positions = ((start + offsets) % seq_len).astype(jnp.int32)
+    return jnp.broadcast_to(positions, (batch, left + right))
+
+
+def exchange(axis_name, reach, tree):
+    """The halo of ``tree`` (``[B, L, ...]`` arrays): ``[B, left + right, ...]``, left then right."""
+    left, right = reach
+    parts = []
+    if left:
+        parts.append(_pull(tree, left, axis_name, from_lower=True))
+    if right:
+        parts.append(_pull(tree, right, axis_name, from_lower=False))
+    return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *parts)
+
+
+def _halo_tokens(axis_name, reach, tokens: Tokens) -> Tokens:
+    batch, local_len = tokens.positions.shape
+    segment_ids = None if tokens.segment_ids is None else exchange(
+        axis_name, reach, tokens.segment_ids)
+    return Tokens(_halo_positions(reach, local_len, axis_name, batch), segment_ids)
+
+
+def gather_window(axis_name, reach, k, v, tokens: Tokens):
+    """K/V and metadata of ``[left halo, own shard, right halo]``: all a window can see.
+
+    Differentiable by autodiff (the cotangents travel back along the same hops).
+
+    Returns:
+      ``k [B, left+L+right, Hkv, Dqk]``, ``v [.., Dv]`` and their :class:`Tokens`.
+    """
+    left = reach[0]
+    if sum(reach) == 0:
+        return k, v, tokens
+    halo_k, halo_v = exchange(axis_name, reach, (k, v))
+    halo = _halo_tokens(axis_name, reach, tokens)
+
+    def around(own, pulled):
+        return jnp.concatenate([pulled[:, :left], own, pulled[:, left:]], axis=1)
+
+    return (around(k, halo_k), around(v, halo_v),
+            jax.tree.map(around, tokens, halo))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def halo_attention(axis_name, options, reach, q, k, v, q_tokens, kv_tokens):
+    """Windowed ring attention by halo exchange: ``(out float32, lse float32)``.
+
+    Args:
+      axis_name: the sequence axis; options: the call's static ``Options``;
+      reach: ``(left, right)`` from :func:`halo_sizes`.
+      q, k, v: ``[B, L, H|Hkv, D]`` local shards of a contiguous split; q_tokens,
+        kv_tokens: their metadata.
+    Returns:
+      ``out float32[B, L, H, Dv]``, ``lse float32[B, L, H]``; the backward takes
+      cotangents of both, re-uses the received halo (saved, ``left + right``
+      tokens) and sends float32 dK/dV back along the hops.
+    """
+    return _forward(axis_name, options, reach, q, k, v, q_tokens, kv_tokens)[0]
+
+
+def _forward(axis_name, options, reach, q, k, v, q_tokens, kv_tokens):
+    halo_kv = exchange(axis_name, reach, (k, v)) if sum(reach) else None
+    out, lse = options.forward(q, k, v, q_tokens, kv_tokens)  # hides the exchange
+    if halo_kv is None:
+        return (out, lse), (None, None)
+    halo_tokens = _halo_tokens(axis_name, reach, kv_tokens)
+    out, lse = merge(out, lse, *options.forward(q, *halo_kv, q_tokens, halo_tokens))
+    return (out, lse), (halo_kv, halo_tokens)
+
+
+def _halo_fwd(axis_name, options, reach, q, k, v, q_tokens, kv_tokens):
+    (out, lse), halo = _forward(axis_name, options, reach, q, k, v, q_tokens, kv_tokens)
+    return (out, lse), (q, k, v, q_tokens, kv_tokens, out.astype(q.dtype), lse, halo)
+
+
+def _halo_bwd(axis_name, options, reach, residuals, cotangents):
+    q, k, v, q_tokens, kv_tokens, out, lse, (halo_kv, halo_tokens) = residuals
+    dout, dlse = cotangents
+    delta = jnp.einsum("bqhd,bqhd->bqh", dout.astype(jnp.float32),
+                       out.astype(jnp.float32)) - dlse
+    dout = dout.astype(q.dtype)
+    dq = _compat.match_varying(jnp.zeros(q.shape, jnp.float32), q)
+    returned = None
+    if halo_kv is not None:
+        dq, *halo_dkv = options.backward(q, *halo_kv, q_tokens, halo_tokens, lse, delta, dout,
+                                         accumulate=(dq, *_zeros_like(halo_kv, q)))
+        # The exchange is linear in (k, v): its transpose sends the float32
+        # gradients back along the same hops, while the local kernel below runs.
+        like = tuple(x.astype(jnp.float32) for x in (k, v))
+        send_back = jax.linear_transpose(functools.partial(exchange, axis_name, reach), like)
+        (returned,) = send_back(tuple(halo_dkv))
+    dq, dk, dv = options.backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout,
+                                  accumulate=(dq, *_zeros_like((k, v), q)))
+    if returned is not None:
+        dk, dv = dk + returned[0], dv + returned[1]
+    no_grad = jax.tree.map(lambda _: None, (q_tokens, kv_tokens))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *no_grad
+
+
+def _zeros_like(arrays, like):
+    """float32 zeros shaped like ``arrays``, varying like ``like`` (fresh kernel buffers)."""
+    return _compat.match_varying(tuple(jnp.zeros(x.shape, jnp.float32) for x in arrays), like)
+
+
+halo_attention.defvjp(_halo_fwd, _halo_bwd)

@@ -1,0 +1,89 @@
+"""Hybrid attention: Ulysses inside the fast axis, the ring across the slow one.
+
+Papers: USP, Fang & Zhao, arXiv:2405.07719; Megatron-LM's ``a2a+p2p`` context
+parallelism.
+
+The sequence is sharded over ``(ring_axis, ulysses_axis)`` jointly
+(``P(None, (outer, inner))``). An all-to-all over the inner (ICI/NVLink) axis
+turns ``[B, S/(O*I), H, D]`` into ``[B, S/O, H/I, D]``; the ring (with its own
+O(S/P)-memory backward) then runs over the outer (DCN) axis on that
+sub-sequence; a second all-to-all returns the output to sequence shards. K/V
+heads are replicated only as far as the inner all-to-all needs; the ring
+circulates exactly the heads each device holds after it.
+
+Causal balance: with the zigzag order over all ``O*I`` shards (what
+``sequence_parallel_attention`` applies), every ring step gives every device the
+same number of visible key blocks.
+"""
+
+from __future__ import annotations
+
+from jax_seqpar.strategies.inputs import axis_size, prepare
+from jax_seqpar.core.merge import with_sinks
+from jax_seqpar.strategies.ring import ring_over
+from jax_seqpar.strategies.ulysses import (gather_tokens, heads_to_seq, kv_replication, local_heads,
+                                seq_to_heads)
+
+
+def hybrid_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None,
+                     positions=None, window=None, scale=None, kernel="auto", block_sizes=None,
+                     softcap=None, sinks=None, kv_segment_ids=None,
+                     return_lse=False):
+    """Exact attention of a sequence sharded over ``seq_axes=(outer, inner)`` (in ``shard_map``).
+
+    Args:
+      q: ``[B, S/(O*I), H, Dqk]``; k: ``[B, S/(O*I), Hkv, Dqk]``; v: ``[B, S/(O*I), Hkv, Dv]``
+        this device's shard; ``H`` must be divisible by the inner size ``I``.
+      seq_axes: ``(outer, inner)`` mesh axes: the ring runs over the outer (slow) axis,
+        of size ``O``, Ulysses over the inner (fast) one, of size ``I``.
+      causal, window, segment_ids, positions, scale, kernel, block_sizes, softcap,
+        sinks, kv_segment_ids, return_lse: as in :func:`jax_seqpar.strategies.ring.ring_attention`;
+        default positions are
+        the contiguous split over ``(outer, inner)``, with which a
+        window shrinks the ring part to a halo exchange.
+
+    Returns:
+      ``[B, S/(O*I), H, Dv]`` in ``q.dtype``.
+
+    >>> f = functools.partial(hybrid_attention, seq_axes=("dcn", "ici"))
+    >>> out = jax.shard_map(f, mesh=mesh, in_specs=P(None, ("dcn", "ici")),
+    ...                     out_specs=P(None, ("dcn", "ici")))(q, k, v)
+    """
+    ring_axis, ulysses_axis = _outer_inner(seq_axes)
+    q_tokens, kv_tokens, options = prepare(
+        q, k, v, axis_name=(ring_axis, ulysses_axis), causal=causal, segment_ids=segment_ids,
+        positions=positions, window=window, scale=scale, kernel=kernel,
+        block_sizes=block_sizes, softcap=softcap, sinks=sinks, kv_segment_ids=kv_segment_ids)
+    contiguous = positions is None  # then each ring shard holds S/O contiguous tokens
+    inner = axis_size(ulysses_axis)
+    try:
+        repeats = kv_replication(q.shape[2], k.shape[2], inner)
+    except ValueError:
+        raise ValueError(
+            f"num_heads={q.shape[2]} is not divisible by the ulysses (inner) axis "
+            f"{ulysses_axis!r} of size {inner}; choose an inner axis size that divides the heads "
+            f"(e.g. {_divisor_hint(q.shape[2], inner)}) and put the rest on the ring axis, "
+            f'or use strategy="ring".') from None
+    if repeats > 1:
+        k, v = (x.repeat(repeats, axis=2) for x in (k, v))  # [B, S/P, Hkv*r, D]
+    q, k, v = (seq_to_heads(x, ulysses_axis) for x in (q, k, v))  # [B, S/O, h/I, D]
+    q_tokens, kv_tokens = gather_tokens((q_tokens, kv_tokens), ulysses_axis)  # [B, S/O]
+    out, lse = ring_over(ring_axis, options, q, k, v, q_tokens, kv_tokens,
+                         contiguous=contiguous)  # [B, S/O, H/I, Dv] float32
+    out, lse = with_sinks(out, lse, local_heads(sinks, ulysses_axis))
+    out = heads_to_seq(out.astype(q.dtype), ulysses_axis)  # [B, S/(O*I), H, Dv]
+    return (out, heads_to_seq(lse[..., None], ulysses_axis)[..., 0]) if return_lse else out
+
+
+def _divisor_hint(heads: int, inner: int) -> int:
+    """The largest inner size <= ``inner`` that divides ``heads``."""
+    return max(d for d in range(1, inner + 1) if heads % d == 0)
+
+
+def _outer_inner(seq_axes) -> tuple:
+    """``(ring_axis, ulysses_axis)`` from ``seq_axes=(outer, inner)``."""
+    if isinstance(seq_axes, str) or len(seq_axes) != 2 or seq_axes[0] == seq_axes[1]:
+        raise ValueError(f"hybrid attention needs seq_axes=(outer, inner): two different mesh "
+                         f"axes, the ring over the outer and Ulysses over the inner. Got "
+                         f"{seq_axes!r}.")
+    return tuple(seq_axes)

@@ -1,0 +1,165 @@
+"""Validation of attention inputs and the per-shard token metadata every strategy uses."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jax_seqpar.core import layout, masks
+from jax_seqpar.kernels.contract import BlockSizes, Kernel
+
+
+def check_qkv(q, k, v) -> None:
+    """Raise ``ValueError`` unless q, k, v form a valid ``[B, S, H, D]`` triple."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        if x.ndim != 4:
+            raise ValueError(f"{name} must have rank 4 [batch, seq, heads, head_dim]. "
+                             f"Got {name}.shape={x.shape}.")
+    if not q.shape[0] == k.shape[0] == v.shape[0]:
+        raise ValueError(f"q, k, v must share the batch size. Got {q.shape=}, {k.shape=}, "
+                         f"{v.shape=}.")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must agree on [batch, seq, kv_heads]. Got {k.shape=}, "
+                         f"{v.shape=}.")
+    if q.shape[3] != k.shape[3]:
+        raise ValueError(f"q and k must share head_dim. Got q head_dim={q.shape[3]}, "
+                         f"k head_dim={k.shape[3]}.")
+    if not q.dtype == k.dtype == v.dtype or not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q, k, v must share one floating dtype (as jax.nn.dot_product_attention "
+                         f"requires). Got q.dtype={q.dtype}, k.dtype={k.dtype}, "
+                         f"v.dtype={v.dtype}; cast them to one dtype first.")
+    heads, kv_heads = q.shape[2], k.shape[2]
+    if heads % kv_heads:
+        raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads} "
+                         "(MHA, GQA or MQA).")
+
+
+def check_self_attention(q, k, v, segment_ids) -> None:
+    """:func:`check_qkv` plus one sequence length for q and k, and ``[B, S]`` segment ids."""
+    check_qkv(q, k, v)
+    batch, seq_len = q.shape[:2]
+    if k.shape[1] != seq_len:
+        raise ValueError(f"self-attention needs q and k of one sequence length. "
+                         f"Got q seq={seq_len}, k seq={k.shape[1]}.")
+    check_ids("segment_ids", segment_ids, batch, seq_len)
+
+
+def check_ids(name: str, ids, batch: int, seq: int) -> None:
+    if ids is not None and tuple(ids.shape) != (batch, seq):
+        raise ValueError(f"{name} must have shape [batch, seq]=({batch}, {seq}). "
+                         f"Got {tuple(ids.shape)}.")
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The static options of one attention call (hashable, for custom_vjp).
+
+    Attributes:
+      spec: causal / window mask.
+      scale: score multiplier.
+      kernel: the kernel (see :func:`jax_seqpar.kernels.get`).
+      block_sizes: the tile sizes, or None for the kernel's defaults.
+      softcap: logit soft-cap (``softcap * tanh(s / softcap)``), or None.
+    """
+
+    spec: masks.MaskSpec
+    scale: float
+    kernel: Kernel
+    block_sizes: Optional[BlockSizes] = None
+    softcap: Optional[float] = None
+
+    @classmethod
+    def make(cls, q, *, causal, window, scale, kernel, block_sizes=None,
+             softcap=None) -> "Options":
+        from jax_seqpar import kernels
+        from jax_seqpar.kernels.contract import check_softcap
+
+        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        module = kernels.get(kernel)
+        if block_sizes is not None and not isinstance(block_sizes, module.BlockSizes):
+            raise ValueError(
+                f"block_sizes={block_sizes!r} is not a jax_seqpar.kernels.BlockSizes, the tile "
+                f"sizes every kernel takes (kernel={kernel!r}); pass e.g. "
+                "BlockSizes(block_q=256, block_k=256), or None for the kernel's defaults.")
+        softcap = check_softcap(softcap)
+        return cls(masks.MaskSpec.make(causal, window), scale, module, block_sizes, softcap)
+
+    def _kwargs(self):
+        kwargs = dict(spec=self.spec, scale=self.scale, softcap=self.softcap)
+        if self.block_sizes is not None:
+            kwargs["block_sizes"] = self.block_sizes
+        return kwargs
+
+    def forward(self, q, k, v, q_tokens, kv_tokens):
+        return self.kernel.forward(q, k, v, q_tokens, kv_tokens, **self._kwargs())
+
+    def backward(self, q, k, v, q_tokens, kv_tokens, lse, delta, dout, accumulate=None):
+        return self.kernel.backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout,
+                                    accumulate=accumulate, **self._kwargs())
+
+    def attention(self, q, k, v, q_tokens, kv_tokens):
+        return self.kernel.attention(q, k, v, q_tokens, kv_tokens, **self._kwargs())
+
+
+def shard_tokens(q, *, axis_name, segment_ids=None, positions=None) -> masks.Tokens:
+    """Metadata of this shard's tokens; positions default to the contiguous split.
+
+    Args:
+      q: the local ``[B, S_local, H, D]`` queries (for shapes).
+      axis_name: the mesh axis (or tuple of axes) the sequence is split over.
+      segment_ids, positions: ``int32[B, S_local]`` or None.
+    """
+    batch, local_len = q.shape[:2]
+    check_ids("segment_ids", segment_ids, batch, local_len)
+    check_ids("positions", positions, batch, local_len)
+    if positions is None:
+        positions = layout.shard_positions("contiguous", local_len, axis_name=axis_name)
+        positions = jnp.broadcast_to(positions, (batch, local_len))
+    positions = positions.astype(jnp.int32)
+    if segment_ids is not None:
+        segment_ids = segment_ids.astype(jnp.int32)
+    return masks.Tokens(positions, segment_ids)
+
+
+def axis_size(axis_name) -> int:
+    """Number of shards along ``axis_name`` (a name or a tuple of names)."""
+    return jax.lax.axis_size(axis_name)
+
+
+def prepare(q, k, v, *, axis_name, causal, segment_ids, positions, window, scale, kernel,
+            block_sizes, softcap=None, sinks=None, kv_segment_ids=None):
+    """The common prologue of every per-shard strategy: validate, then build metadata.
+
+    ``sinks`` (``[H]`` float, or None) is only validated here; strategies fold it
+    into their merged result with :func:`jax_seqpar.core.merge.with_sinks`.
+
+    Returns:
+      ``(q_tokens, kv_tokens, options)``: this shard's query and key/value
+      :class:`~jax_seqpar.core.masks.Tokens` (the same positions; the keys' segment ids
+      are ``kv_segment_ids`` when given) and the call's static :class:`Options`.
+    """
+    from jax_seqpar.core.merge import check_sinks
+
+    check_qkv(q, k, v)
+    check_sinks(sinks, q.shape[2])
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(
+            f"sequence-parallel attention splits ONE sequence, so every shard holds as many "
+            f"query as key/value tokens. Got {q.shape[1]} local query tokens and {k.shape[1]} "
+            "local key/value tokens: shard q, k and v along the same split of the same "
+            "sequence (for attention to another sequence, run "
+            "jax_seqpar.dot_product_attention without a mesh).")
+    q_tokens = shard_tokens(q, axis_name=axis_name, segment_ids=segment_ids, positions=positions)
+    kv_tokens = q_tokens
+    if kv_segment_ids is not None:
+        if segment_ids is None:
+            raise ValueError("kv_segment_ids needs segment_ids for the queries too (a query "
+                             "sees a key when their segment ids are equal).")
+        check_ids("kv_segment_ids", kv_segment_ids, *q.shape[:2])
+        kv_tokens = masks.Tokens(q_tokens.positions, kv_segment_ids.astype(jnp.int32))
+    options = Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
+                           block_sizes=block_sizes, softcap=softcap)
+    return q_tokens, kv_tokens, options

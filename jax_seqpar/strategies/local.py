@@ -1,0 +1,111 @@
+"""Attention on the caller's devices, no sequence split: the one local path.
+
+Every entry point that runs without a mesh (``sequence_parallel_attention(mesh=None)``,
+``dot_product_attention`` without ``mesh=``, the Flax ``attention_fn`` with
+``mesh=None``) comes here: the same kernels, masks and sinks as the strategies, on
+whole arrays (the blockwise kernel, memory O(block), never the dense reference).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, PartitionSpec as P
+
+from jax_seqpar import kernels
+from jax_seqpar.strategies.inputs import Options, check_ids, check_qkv
+from jax_seqpar.core.masks import Tokens
+from jax_seqpar.core.merge import check_sinks, with_sinks
+
+
+def _tokens(name: str, positions, segment_ids, batch: int, length: int) -> Tokens:
+    check_ids(f"{name}positions", positions, batch, length)
+    check_ids(f"{name}segment_ids", segment_ids, batch, length)
+    if positions is None:
+        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    return Tokens(positions.astype(jnp.int32),
+                  None if segment_ids is None else segment_ids.astype(jnp.int32))
+
+
+def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
+                    segment_ids: Optional[jax.Array] = None,
+                    kv_segment_ids: Optional[jax.Array] = None,
+                    positions: Optional[jax.Array] = None,
+                    kv_positions: Optional[jax.Array] = None, window=None,
+                    scale: Optional[float] = None, kernel: str = "auto", block_sizes=None,
+                    softcap: Optional[float] = None, sinks: Optional[jax.Array] = None,
+                    return_lse: bool = False):
+    """Exact attention of ``q`` against ``k, v`` on whole arrays (queries and keys may
+    differ in length).
+
+    Args:
+      q: ``[B, T, H, Dqk]``; k: ``[B, S, Hkv, Dqk]``; v: ``[B, S, Hkv, Dv]`` (one dtype).
+      causal, window: the mask on token positions (see ``masks.MaskSpec``).
+      segment_ids: ``int32[B, T]`` the queries' documents, or None.
+      kv_segment_ids: ``int32[B, S]`` the keys' documents, or None (``segment_ids``
+        when ``T == S``).
+      positions: ``int32[B, T]`` the queries' positions (default ``arange(T)``);
+        kv_positions: ``int32[B, S]`` the keys' (default ``arange(S)``).
+      scale, kernel, block_sizes, softcap, sinks: as in
+        :func:`jax_seqpar.sequence_parallel_attention`.
+      return_lse: also return the ``float32[B, T, H]`` log-sum-exp (sinks included).
+
+    Returns:
+      ``[B, T, H, Dv]`` in ``q.dtype`` (softmax in float32); with ``return_lse``,
+      ``(out, lse)``. A query that sees no key gets zeros.
+    """
+    check_qkv(q, k, v)
+    batch, q_len, heads = q.shape[:3]
+    kv_len = k.shape[1]
+    if kv_segment_ids is None and segment_ids is not None:
+        if q_len != kv_len:
+            raise ValueError(f"segment_ids of {q_len} queries cannot serve {kv_len} keys; "
+                             "pass kv_segment_ids= for the keys.")
+        kv_segment_ids = segment_ids
+    if segment_ids is None and kv_segment_ids is not None:
+        raise ValueError("kv_segment_ids needs segment_ids for the queries too (a query "
+                         "sees a key when their segment ids are equal).")
+    q_tokens = _tokens("", positions, segment_ids, batch, q_len)
+    kv_tokens = _tokens("kv_", kv_positions, kv_segment_ids, batch, kv_len)
+    check_sinks(sinks, heads)
+    options = Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
+                           block_sizes=block_sizes, softcap=softcap)
+
+    def attend(q, k, v, q_tokens, kv_tokens, sinks):
+        out, lse = options.attention(q, k, v, q_tokens, kv_tokens)  # f32 [B, T, H, Dv], [B, T, H]
+        out, lse = with_sinks(out, lse, sinks)
+        return out.astype(q.dtype), lse
+
+    out, lse = _per_shard(attend, kernel, q, k, v, q_tokens, kv_tokens, sinks)
+    return (out, lse) if return_lse else out
+
+
+def _per_shard(attend, kernel: str, q, k, v, q_tokens, kv_tokens, sinks):
+    """``attend(q, k, v, q_tokens, kv_tokens, sinks)`` on arrays typed with an Explicit
+    sharding: each device attends its own batch rows and heads (``shard_map`` over q's
+    batch and head axes; the sequence gathered whole), and the output keeps q's sharding,
+    as ``jax.nn`` gives it. Unsharded or Auto-mesh arrays are attended as they are."""
+    sharding = getattr(jax.typeof(q), "sharding", None)
+    spec = tuple(getattr(sharding, "spec", None) or ())
+    mesh = getattr(sharding, "mesh", None)
+    if not any(spec) or not any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
+        return attend(q, k, v, q_tokens, kv_tokens, sinks)
+    spec = (spec + (None,) * 4)[:4]
+    batch_entry, head_entry = spec[0], spec[2]
+    kv_spec = [tuple(getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ())
+               for x in (k, v)]
+    if head_entry is not None and any((s + (None,) * 3)[2] != head_entry for s in kv_spec):
+        head_entry = None  # q's head split alone would pair local heads with wrong K/V heads
+    qkv, ids = P(batch_entry, None, head_entry, None), P(batch_entry, None)
+    placed = [jax.reshard(x, qkv) for x in (q, k, v)]
+    placed += [jax.tree.map(lambda x: jax.reshard(x, ids), t) for t in (q_tokens, kv_tokens)]
+    placed.append(None if sinks is None else jax.reshard(sinks, P(head_entry)))
+    token_specs = [jax.tree.map(lambda _: ids, t) for t in (q_tokens, kv_tokens)]
+    out, lse = jax.shard_map(
+        attend, mesh=mesh,
+        in_specs=(qkv,) * 3 + tuple(token_specs) + (P(head_entry),),
+        out_specs=(qkv, P(batch_entry, None, head_entry)),
+        check_vma=not kernels.may_interpret(kernel))(*placed)
+    return jax.reshard(out, P(*spec[:3], None)), jax.reshard(lse, P(*spec[:3]))

@@ -1,0 +1,204 @@
+"""The one list of strategies: every module that lists, chooses, models or benchmarks
+strategies iterates :data:`STRATEGIES` (the API, the planner, the bench, the CLI, tests).
+
+Each :class:`Strategy` holds what the rest of the package needs to know about it: its
+per-shard function, the bytes it sends (:mod:`.traffic`), the token order that balances
+its causal work, its head constraint and the features it serves. A new strategy is one
+module and one entry here.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, Mapping
+
+from jax_seqpar.core.masks import MaskSpec
+from jax_seqpar.strategies import traffic
+from jax_seqpar.strategies.allgather import allgather_attention
+from jax_seqpar.strategies.decode import decode_attention
+from jax_seqpar.strategies.halo import halo_sizes
+from jax_seqpar.strategies.hybrid import hybrid_attention
+from jax_seqpar.strategies.ring import ring_attention
+from jax_seqpar.strategies.ulysses import ulysses_attention
+
+__all__ = ["DECODE", "STRATEGIES", "Strategy", "comm_bytes", "default_layout", "get"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Strategy:
+    """One way to split attention over the sequence devices.
+
+    Attributes:
+      name: what ``strategy=`` takes.
+      attention: the per-shard function, ``attention(q, k, v, *, seq_axes, ...)``
+        inside ``jax.shard_map``.
+      bytes: its traffic model, ``bytes(sizes, **shape) -> bytes one device sends``
+        (:func:`comm_bytes`).
+      seq_axes: how many sequence axes it runs over: 1, or 2 (``(outer, inner)``: the
+        ring over the outer, Ulysses over the inner).
+      splits_heads: whether it splits heads over its (inner) axis, whose size must then
+        divide the query heads (K/V heads are replicated up to it).
+      zigzag_balances: whether the zigzag order balances its causal work (a ring's
+        steps); Ulysses attends the whole sequence on every device: balanced already.
+      windows, sinks: whether it serves sliding windows and attention sinks.
+      global_view: whether :func:`jax_seqpar.sequence_parallel_attention` runs it
+        (decode runs against a KV cache: :mod:`jax_seqpar.api.inference`).
+    """
+
+    name: str
+    attention: Callable
+    bytes: Callable
+    seq_axes: int = 1
+    splits_heads: bool = False
+    zigzag_balances: bool = False
+    windows: bool = True
+    sinks: bool = True
+    global_view: bool = True
+
+    def factorization(self, devices: int, ulysses: int) -> tuple[int, int]:
+        """``(ring, ulysses)`` devices of this strategy over ``devices`` (``ulysses``: the
+        inner group of a two-axis strategy)."""
+        if self.seq_axes == 2:
+            return devices // ulysses, ulysses
+        return (1, devices) if self.splits_heads else (devices, 1)
+
+
+#: Every strategy the global entry point runs, in the order tables list them.
+STRATEGIES: Mapping[str, Strategy] = {s.name: s for s in (
+    Strategy("ulysses", ulysses_attention, traffic.ulysses_bytes, splits_heads=True),
+    Strategy("ring", ring_attention, traffic.ring_bytes, zigzag_balances=True),
+    Strategy("allgather", allgather_attention, traffic.allgather_bytes, zigzag_balances=True),
+    Strategy("hybrid", hybrid_attention, traffic.hybrid_bytes, seq_axes=2, splits_heads=True,
+             zigzag_balances=True),
+)}
+
+#: Attention of new tokens to a sequence-sharded KV cache (forward only).
+DECODE = Strategy("decode", decode_attention, traffic.decode_bytes, global_view=False)
+
+
+def get(name: str) -> Strategy:
+    """The strategy called ``name`` (:data:`STRATEGIES` or ``"decode"``)."""
+    if name == DECODE.name:
+        return DECODE
+    if name not in STRATEGIES:
+        raise ValueError(f"strategy={name!r} is not one of {tuple(STRATEGIES)}.")
+    return STRATEGIES[name]
+
+
+def default_layout(strategy: str, causal: bool, window=None, *, seq_len=None,
+                   num_shards=None) -> str:
+    """The token order ``layout="auto"`` uses: balance and locality.
+
+    A window bounds every query's keys, so work per query is (nearly) the same
+    everywhere and the contiguous split is balanced; it is also the only order
+    whose shards are local, where the ring and the all-gather exchange just a
+    halo. Without a window, zigzag where it balances causal work
+    (:attr:`Strategy.zigzag_balances`); everything else is contiguous.
+
+    Args:
+      strategy: a name of :data:`STRATEGIES`.
+      causal, window: the mask.
+      seq_len, num_shards: when both are given, a window that reaches (nearly)
+        every shard (no halo, see :func:`jax_seqpar.strategies.halo.halo_sizes`)
+        counts as no window.
+    Returns:
+      ``"contiguous"`` or ``"zigzag"``.
+
+    >>> default_layout("ring", True, window=(4096, 0))
+    'contiguous'
+    >>> default_layout("ring", True)
+    'zigzag'
+    """
+    spec = MaskSpec.make(causal, window)
+    if spec.window is not None:
+        if seq_len is None or num_shards is None:
+            return "contiguous"
+        if halo_sizes(spec, seq_len // num_shards, num_shards) is not None:
+            return "contiguous"
+    return "zigzag" if spec.causal and get(strategy).zigzag_balances else "contiguous"
+
+
+def seq_sizes(seq_axes) -> tuple[int, ...]:
+    """Devices per sequence axis from an int, a tuple of ints or ``{name: size}``."""
+    if isinstance(seq_axes, Mapping):
+        seq_axes = tuple(seq_axes.values())
+    return traffic.axis_sizes_tuple(seq_axes)
+
+
+def comm_bytes(strategy: str, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
+               head_dim: int, v_head_dim: int | None = None, seq_axes,
+               dtype_bytes: float = 2, backward: bool = False,
+               with_segment_ids: bool = False, window=None, causal: bool = False) -> float:
+    """Bytes ONE device sends in one attention call.
+
+    Shapes are global: q ``[batch, seq_len, num_heads, head_dim]``, k
+    ``[batch, seq_len, num_kv_heads, head_dim]``, v ``[..., v_head_dim]``.
+
+    * ``"ulysses"``: all_to_all of q, k, v (K/V heads replicated to
+      ``lcm(num_kv_heads, P)``) and of the output, backward doubles it; plus
+      one all_gather of the int32 positions (and segment ids) to ``[B, S]``.
+    * ``"ring"``: ``P-1`` ppermutes of the local K/V plus int32 positions
+      (``B*S/P*4`` bytes a step; ``with_segment_ids`` adds as much again);
+      backward re-rotates them and sends ``P`` float32 dK/dV accumulators.
+    * ``"allgather"``: all_gather of K/V and positions; backward reduce-scatters dK/dV.
+    * ``"hybrid"`` with ``seq_axes=(outer, inner)``: Ulysses over ``inner`` on
+      the local shard ``[B, S/(outer*inner), ...]``, then the ring over ``outer``
+      on ``[B, S/outer, lcm(Hkv, inner)/inner, .]`` (positions gathered over
+      ``inner``, then rotated over ``outer``).
+    * ``window=(left, right)`` (``right`` is 0 with ``causal``) on the contiguous
+      split: the ring (hybrid: its ring part) and the all-gather exchange only
+      the halo of ``left + right`` tokens of K/V (and segment ids, no positions):
+      constant in ``P``. The ring's backward sends float32 dK/dV back, the
+      all-gather's in the input dtype. A window reaching ``(P-1)*S/P`` tokens or
+      more is the full ring / gather. Ulysses is unchanged by a window.
+
+    * ``"decode"``: decoding against a sequence-sharded KV cache; ``seq_len`` is
+      the number of new tokens ``T`` (any, not divided); only the float32 merge
+      of the partial results is sent (one ``pmax``, two ``psum`` s).
+
+    A group of one device sends nothing. For non-hybrid strategies a tuple of
+    axis sizes is flattened (the product is the group size).
+
+    What the model leaves out, measured with :mod:`jax_seqpar.tools.hlo`:
+
+    * the zigzag relayout of :func:`jax_seqpar.sequence_parallel_attention`
+      (q, k, v in and out back: one local shard of each, twice with backward);
+      models that apply the layout once to their inputs do not pay it per call;
+    * with a ring of 2 compiled together with its backward, XLA merges the
+      backward's single K/V hop with the forward's (CSE), sending one rotation
+      less than counted here; rings of 3 or more match exactly;
+    * XLA:CPU sends bf16 collectives as f32 (use ``dtype_bytes=4`` to compare).
+
+    Args:
+      strategy: a name of :data:`STRATEGIES`.
+      batch, seq_len, num_heads, num_kv_heads, head_dim: global sizes.
+      v_head_dim: ``Dv``, defaults to ``head_dim`` (MLA absorbed: 576 / 512).
+      seq_axes: the sequence axes' sizes: an int, ``(outer, inner)``, or
+        ``{name: size}`` (``mesh.shape`` of the sequence axes).
+      dtype_bytes: bytes per element of q/k/v (2 for bf16). Cotangents use it
+        too; the ring's dK/dV accumulators are float32 whatever it is.
+      backward: count forward + backward (``jax.value_and_grad``) instead of forward.
+      with_segment_ids: packed documents: segment ids travel with the keys.
+      window: ``None``, an int or ``(left, right)``: the sliding window, with
+        the per-shard functions' default (contiguous) positions.
+      causal: only matters with a window (a causal window reaches no later shard).
+
+    Returns:
+      Bytes one device sends, as a float (fractions of ``(P-1)/P``).
+
+    >>> comm_bytes("ulysses", batch=1, seq_len=1024, num_heads=64, num_kv_heads=64,
+    ...            head_dim=128, seq_axes=8, dtype_bytes=1) / 1024
+    3587.5
+
+    (the seed's ``N x 3584`` for q, k, v, out, plus 3.5 bytes of int32 positions.)
+    """
+    sizes = seq_sizes(seq_axes)
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    shape = dict(batch=batch, seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                 head_dim=head_dim, v_head_dim=v_head_dim, dtype_bytes=dtype_bytes)
+    entry = get(strategy)
+    if entry.global_view:  # decode's seq_len is the new tokens, any number
+        traffic.check_shape(sizes=sizes, **shape)
+    return float(entry.bytes(sizes, backward=backward, with_segment_ids=with_segment_ids,
+                             window=window, causal=causal, **shape))

@@ -1,0 +1,205 @@
+"""Ring attention: K/V blocks travel around the ring, queries stay.
+
+Paper: Liu et al., Ring Attention with Blockwise Transformers, arXiv:2310.01889.
+
+Every device keeps its query shard and, in P steps, sees every K/V shard: at
+each step it sends its current K/V shard (with the shard's token metadata) to
+the next device and computes attention against it, merging the partial result
+into a float32 ``(out, lse)`` carry. The backward is a second ring (a
+``custom_vjp``): the forward saves only ``q, k, v, out, lse``; the backward
+re-rotates K/V and carries float32 dK/dV accumulators around the ring and home,
+so memory stays O(S/P) per device. Each backward step computes its own fresh
+dK/dV and only then adds the accumulator that arrived, so the accumulator's hop
+overlaps the step's kernel. Only the ``Hkv`` heads given are sent.
+
+With a sliding window on the contiguous split (the default positions), the ring
+becomes a halo exchange (:mod:`jax_seqpar.strategies.halo`): a device receives just the
+``left`` / ``right`` tokens its window reaches, not all P-1 shards.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jax_seqpar.core import compat as _compat
+from jax_seqpar.strategies import halo
+from jax_seqpar.strategies.inputs import axis_size, prepare
+from jax_seqpar.core.merge import merge, with_sinks
+from jax_seqpar.core.masks import EMPTY_LSE
+
+
+def ring_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None, positions=None,
+                   window=None, scale=None, kernel="auto", block_sizes=None, softcap=None,
+                   sinks=None, kv_segment_ids=None, return_lse=False):
+    """Exact attention of a sequence sharded over ``seq_axes`` (call inside ``shard_map``).
+
+    Args:
+      q: ``[B, S/P, H, Dqk]`` this device's queries.
+      k: ``[B, S/P, Hkv, Dqk]``; v: ``[B, S/P, Hkv, Dv]`` this device's keys/values.
+      seq_axes: mesh axis (or tuple of axes) along which the sequence is split.
+      causal, window: mask (see :class:`jax_seqpar.core.masks.MaskSpec`), on global positions.
+      segment_ids: ``int32[B, S/P]`` document ids of the local tokens, or None.
+      positions: ``int32[B, S/P]`` global positions of the local tokens; default
+        (None) is the contiguous split, and only then does a window shrink the
+        ring to a halo exchange (given positions are honoured with the full ring).
+      scale: defaults to ``1/sqrt(Dqk)``.
+      kernel: ``"auto"``, ``"xla"``, ``"pallas"`` or ``"mosaic"`` (see
+        :func:`jax_seqpar.kernels.get`); block_sizes: the kernel's tiles.
+      softcap: logits become ``softcap * tanh(s / softcap)`` before masking, or None.
+      sinks: ``[H]`` float logits of a zero-valued virtual key per head (gpt-oss),
+        or None. Pass it replicated (``P()``); its gradient sums over the shards.
+      kv_segment_ids: ``int32[B, S/P]`` the keys' own segment ids where they differ
+        from the queries' (e.g. padded keys), or None: ``segment_ids``.
+      return_lse: also return the float32 ``[B, S/P, H]`` log-sum-exp of each row
+        (sinks included), for callers that merge partial results.
+
+    Returns:
+      ``[B, S/P, H, Dv]`` in ``q.dtype`` (softmax statistics and carries in float32),
+      and with ``return_lse`` the log-sum-exp.
+
+    >>> out = jax.shard_map(functools.partial(ring_attention, seq_axes="sp", causal=True),
+    ...                     mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
+    """
+    contiguous = positions is None
+    q_tokens, kv_tokens, options = prepare(
+        q, k, v, axis_name=seq_axes, causal=causal, segment_ids=segment_ids,
+        positions=positions, window=window, scale=scale, kernel=kernel,
+        block_sizes=block_sizes, softcap=softcap, sinks=sinks, kv_segment_ids=kv_segment_ids)
+    out, lse = ring_over(seq_axes, options, q, k, v, q_tokens, kv_tokens,
+                         contiguous=contiguous)
+    out, lse = with_sinks(out, lse, sinks)
+    return (out.astype(q.dtype), lse) if return_lse else out.astype(q.dtype)
+
+
+def ring_over(axis_name, options, q, k, v, q_tokens, kv_tokens, *, contiguous=False):
+    """The ring core on prepared inputs (used by :func:`ring_attention` and the hybrid).
+
+    Args:
+      axis_name: the ring's mesh axis; options: the call's static ``Options``.
+      q, k, v: ``[B, S/P, H|Hkv, D]`` local shards; q_tokens, kv_tokens: their
+        metadata (the keys' travels with them).
+      contiguous: the tokens' positions are known to be the contiguous split
+        (``axis_index * S/P + arange``), so a window may skip unreachable shards.
+    Returns:
+      ``out float32[B, S/P, H, Dv]`` and ``lse float32[B, S/P, H]``, both
+      differentiable (the backward accepts the ``lse`` cotangent).
+    """
+    if contiguous:
+        reach = halo.halo_sizes(options.spec, q.shape[1], axis_size(axis_name))
+        if reach is not None:
+            return halo.halo_attention(axis_name, options, reach, q, k, v, q_tokens,
+                                       kv_tokens)
+    return _ring(axis_name, options, q, k, v, q_tokens, kv_tokens)
+
+
+def _shift(tree, axis_name):
+    """Send every array in ``tree`` to the next device of the ring."""
+    size = axis_size(axis_name)
+    perm = [(i, (i + 1) % size) for i in range(size)]
+    return jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, perm), tree)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _ring(axis_name, options, q, k, v, q_tokens, kv_tokens):
+    return _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens)
+
+
+def _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens):
+    batch, local_len, heads, _ = q.shape
+    d_v = v.shape[-1]
+
+    def attend(carry, kv):
+        o, lse = options.forward(q, kv[0], kv[1], q_tokens, kv[2])
+        return merge(*carry, o, lse)
+
+    def step(carry, _):
+        acc, kv = carry
+        next_kv = _shift(kv, axis_name)  # issued before the compute it can hide behind
+        return (attend(acc, kv), next_kv), None
+
+    acc = (jnp.zeros((batch, local_len, heads, d_v), jnp.float32),
+           jnp.full((batch, local_len, heads), EMPTY_LSE, jnp.float32))
+    acc = _compat.match_varying(acc, q)
+    (acc, kv), _ = jax.lax.scan(step, (acc, (k, v, kv_tokens)),
+                                length=axis_size(axis_name) - 1)
+    return attend(acc, kv)
+
+
+def _ring_fwd(axis_name, options, q, k, v, q_tokens, kv_tokens):
+    out, lse = _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens)
+    # The output is kept in the input dtype: what the caller returns, at its memory cost.
+    return (out, lse), (q, k, v, q_tokens, kv_tokens, out.astype(q.dtype), lse)
+
+
+def _ring_bwd(axis_name, options, residuals, cotangents):
+    q, k, v, q_tokens, kv_tokens, out, lse = residuals
+    dout, dlse = cotangents
+    delta = jnp.einsum("bqhd,bqhd->bqh", dout.astype(jnp.float32),
+                       out.astype(jnp.float32)) - dlse
+    dout = dout.astype(q.dtype)
+
+    def grads(dq, kv, dkv):
+        """``(dq, dkv)`` plus this step's gradients (``dkv``: float32 accumulators)."""
+        dq, *dkv = options.backward(q, kv[0], kv[1], q_tokens, kv[2], lse, delta, dout,
+                                    accumulate=(dq, *dkv))
+        return dq, tuple(dkv)
+
+    # The schedule follows the platform the program is lowered for: where collectives
+    # run asynchronously (GPU, TPU) the dK/dV hop overlaps the next kernel, at the cost
+    # of one more float32 dK/dV pair; XLA:CPU's collectives are synchronous, so there
+    # the kernel accumulates in place.
+    loop = functools.partial(_backward_ring, axis_name, grads)
+    dq, dk, dv = jax.lax.platform_dependent(
+        q, k, v, kv_tokens, cpu=functools.partial(loop, overlap=False),
+        default=functools.partial(loop, overlap=True))
+    no_grad = jax.tree.map(lambda _: None, (q_tokens, kv_tokens))
+    return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *no_grad
+
+
+def _backward_ring(axis_name, grads, q, k, v, kv_tokens, *, overlap: bool):
+    """float32 ``(dq, dk, dv)``: K/V travel the ring again, dK/dV accumulators follow
+    them and take a last hop home.
+
+    ``overlap=False``: each step accumulates into the dK/dV that arrived, then sends
+    it (compute -> send -> compute). ``overlap=True``: each step computes fresh dK/dV
+    while the accumulator is in flight and adds it after the kernel.
+    """
+    zeros = _compat.match_varying(tuple(jnp.zeros(x.shape, jnp.float32) for x in (k, v)), q)
+    dq = _compat.match_varying(jnp.zeros(q.shape, jnp.float32), q)
+    kv, size = (k, v, kv_tokens), axis_size(axis_name)
+    if size == 1:
+        dq, (dk, dv) = grads(dq, kv, zeros)
+        return dq, dk, dv
+    if not overlap:
+        def step(carry, _):
+            dq, kv, dkv = carry
+            next_kv = _shift(kv, axis_name)
+            dq, dkv = grads(dq, kv, dkv)
+            return (dq, next_kv, _shift(dkv, axis_name)), None
+
+        (dq, kv, dkv), _ = jax.lax.scan(step, (dq, kv, zeros), length=size - 1)
+        dq, dkv = grads(dq, kv, dkv)
+        return (dq, *_shift(dkv, axis_name))  # the accumulators' last hop home
+
+    def fresh_plus(dq, kv, arrived):
+        dq, fresh = grads(dq, kv, zeros)
+        return dq, tuple(x + y for x, y in zip(fresh, arrived))
+
+    def step(carry, _):
+        dq, kv, dkv = carry
+        next_kv = _shift(kv, axis_name)
+        arrived = _shift(dkv, axis_name)  # in flight during this step's kernel
+        dq, dkv = fresh_plus(dq, kv, arrived)
+        return (dq, next_kv, dkv), None
+
+    next_kv = _shift(kv, axis_name)
+    dq, dkv = grads(dq, kv, zeros)
+    (dq, kv, dkv), _ = jax.lax.scan(step, (dq, next_kv, dkv), length=size - 2)
+    dq, dkv = fresh_plus(dq, kv, _shift(dkv, axis_name))
+    return (dq, *_shift(dkv, axis_name))  # the accumulators' last hop home
+
+
+_ring.defvjp(_ring_fwd, _ring_bwd)

@@ -1,0 +1,242 @@
+"""Compile, without running, every strategy for a GPU or TPU target; and the longest S it fits.
+
+:func:`run_target` compiles each applicable (seq_len, mesh, strategy) forward and
+forward + vjp (the programs of :func:`jax_seqpar.tools.bench.build`) for a target of
+:mod:`jax_seqpar.tools.targets` and reads, per device: ``memory_analysis`` (temp,
+arguments, outputs), the bytes each collective kind sends (:mod:`jax_seqpar.tools.hlo`)
+next to :func:`jax_seqpar.comm_bytes`, whether each asynchronous collective's
+start/done pair encloses compute in the schedule (overlap), the Triton kernels'
+registers, spills and shared memory (GPU), and compile time.
+
+:func:`run_max_seq` finds the longest sequence each strategy fits in a device's
+HBM less a reserve, by bisection on the compiled footprint (temp + arguments +
+outputs - aliased bytes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import sys
+from typing import Optional, Sequence
+
+import jax
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from jax_seqpar.tools import aot, bench, hlo, targets
+from jax_seqpar.planning import plan
+from jax_seqpar.strategies.registry import comm_bytes
+
+#: Share of a device's HBM kept for the runtime, collectives' buffers and the rest of
+#: the model: a program fits when its footprint is at most ``(1 - reserve) * HBM``.
+DEFAULT_RESERVE = 0.1
+#: Bisection stops when the bracket is this fraction of the longest length that fits.
+MAX_SEQ_TOLERANCE = 1 / 32
+
+
+def default_meshes(num_devices: int) -> list[dict]:
+    """One axis of every device, and ``dcn=2, ici=N/2`` for the hybrid (N even, N >= 4)."""
+    meshes = [{"sp": num_devices}]
+    if num_devices >= 4 and num_devices % 2 == 0:
+        meshes.append({"dcn": 2, "ici": num_devices // 2})
+    return meshes
+
+
+def compile_strategy(target: str, strategy: str, axes: dict, shape: bench.BenchShape,
+                     kernel: str = "auto", *, backward: Optional[bool] = None,
+                     fail_on_spills: bool = False, kernel_resources: bool = False):
+    """``{"fwd": aot.Compiled, "fwd_bwd": aot.Compiled}`` of ``strategy`` on ``target``.
+
+    ``axes`` is ``{name: size}`` (outer first; product: the target's devices);
+    ``backward``: only the forward (False), only forward + vjp (True), or both (None).
+    """
+    mesh = targets.target_mesh(target, tuple(axes), tuple(axes.values()))
+    forward, forward_and_vjp = bench.build(strategy, mesh, shape, kernel)
+    sharding = NamedSharding(mesh, P(None, tuple(axes)))
+    args = [jax.ShapeDtypeStruct(size, shape.dtype, sharding=sharding)
+            for size in shape.operand_shapes()]
+    platform = targets.target_platform(target)
+    options = dict(fail_on_spills=fail_on_spills, kernel_resources=kernel_resources)
+    programs = {}
+    if backward is not True:
+        programs["fwd"] = aot.compile_for(forward, args[:3], platform, **options)
+    if backward is not False:
+        programs["fwd_bwd"] = aot.compile_for(forward_and_vjp, args, platform, **options)
+    return programs
+
+
+def footprint_bytes(compiled) -> int:
+    """Device memory a program needs: temp + arguments + outputs - aliased."""
+    memory = hlo.memory_bytes(compiled)
+    return memory["temp"] + memory["argument"] + memory["output"] - memory["alias"]
+
+
+def _model(strategy: str, axes: dict, shape: bench.BenchShape, backward: bool) -> float:
+    sizes = tuple(axes.values())
+    return comm_bytes(strategy, **shape.model_kwargs(), backward=backward,
+                           dtype_bytes=np.dtype(shape.dtype).itemsize,
+                           seq_axes=sizes if strategy == "hybrid" else math.prod(sizes))
+
+
+def measure_program(program: aot.Compiled, model_bytes: float) -> dict:
+    """Everything :func:`run_target` reports about one compiled program."""
+    compiled = program.compiled
+    memory = hlo.memory_bytes(compiled)
+    sent = {k: v for k, v in hlo.collective_bytes(compiled).items() if v}
+    overlap = [dict(kind=a.kind, runs=a.runs, enclosed=list(a.enclosed))
+               for a in hlo.async_collectives(compiled)]
+    return dict(compile_s=program.seconds, temp_bytes=memory["temp"],
+                argument_bytes=memory["argument"], output_bytes=memory["output"],
+                footprint_bytes=footprint_bytes(compiled), hlo_bytes=sent,
+                hlo_total_bytes=sum(sent.values()), model_bytes=model_bytes, overlap=overlap,
+                kernel_calls=hlo.kernel_calls(compiled),
+                kernels=None if program.kernels is None else {
+                    name: dataclasses.asdict(r) for name, r in program.kernels.items()})
+
+
+def _configurations(target: str, shapes, meshes, strategies, kernel: str):
+    """``(todo, skipped, plans)`` over ``shapes x meshes x strategies`` (see bench)."""
+    devices = targets.parse(target).num_devices
+    for axes in meshes:
+        if math.prod(axes.values()) != devices:
+            raise ValueError(f"mesh {bench.mesh_label(axes)} has {math.prod(axes.values())} "
+                             f"devices but target {target!r} has {devices}.")
+    return bench.configurations(shapes, meshes, strategies, [kernel])
+
+
+def run_target(shape: bench.BenchShape, target: str, meshes: Optional[Sequence] = None, *,
+               seq_lens: Optional[Sequence[int]] = None,
+               strategies: Sequence[str] = bench.STRATEGIES, kernel: str = "auto",
+               progress: bool = True) -> dict:
+    """Compiles (runs nothing) every applicable (seq_len, mesh, strategy) for ``target``.
+
+    Args:
+      shape: the layer; ``seq_lens`` (if given) sweeps its ``seq_len``.
+      target: a name of :mod:`jax_seqpar.tools.targets` (``"h100:8"``, ``"v5p:2x2x2"``, ...).
+      meshes: ``"sp=8"`` strings or ``{name: size}`` dicts over all the target's
+        devices (default :func:`default_meshes`).
+      strategies, kernel: what to compile (``kernel="auto"``: Triton on GPU).
+
+    Returns:
+      ``{"target", "platform", "shape", "rows", "skipped", "plans", "notes"}``; each
+      row has ``seq_len, mesh, strategy, kernel, layout, planned`` and ``fwd`` /
+      ``fwd_bwd``: the dicts of :func:`measure_program`.
+    """
+    from tqdm.auto import tqdm
+
+    parsed = targets.parse(target)
+    meshes = [bench.parse_mesh(m) if isinstance(m, str) else dict(m)
+              for m in meshes or default_meshes(parsed.num_devices)]
+    shapes = [dataclasses.replace(shape, seq_len=int(s)) for s in seq_lens or [shape.seq_len]]
+    todo, skipped, plans = _configurations(target, shapes, meshes, strategies, kernel)
+    rows = []
+    for shape_, axes, _, strategy, chosen in tqdm(todo, desc=f"compile for {target}",
+                                                  disable=not progress, file=sys.stderr):
+        programs = compile_strategy(target, strategy, axes, shape_, kernel,
+                                    kernel_resources=parsed.platform == "cuda")
+        rows.append(dict(
+            seq_len=shape_.seq_len, mesh=bench.mesh_label(axes), strategy=strategy,
+            kernel=kernel, layout=bench.layout_for(strategy, shape_), planned=strategy == chosen,
+            **{mode: measure_program(program, _model(strategy, axes, shape_, mode != "fwd"))
+               for mode, program in programs.items()}))
+    return dict(target=target, platform=parsed.platform, shape=dataclasses.asdict(shape),
+                rows=rows, skipped=skipped, plans=plans, notes=_notes(parsed, kernel))
+
+
+def _notes(parsed: targets.Target, kernel: str) -> list[str]:
+    notes = [f"compiled for {parsed.name}, not run: memory is XLA's memory_analysis per "
+             "device, bytes are read from the compiled HLO."]
+    if parsed.platform == "tpu" and kernel == "auto":
+        notes.append("kernel=auto lowers to the Mosaic kernel on TPU (the XLA kernel for "
+                     "float16).")
+    return notes
+
+
+def _longest_fitting(fits, granule: int, start: int, limit: int) -> int:
+    """Largest multiple of ``granule`` up to ``limit`` that ``fits`` (0 if none), assuming
+    that what fits at a length fits at every shorter one: doubling, then bisection."""
+    low, high, length = 0, None, max(granule, start // granule * granule)
+    while length <= limit:
+        if not fits(length):
+            high = length
+            break
+        low, length = length, 2 * length
+    if high is None:
+        return low
+    while high - low > max(granule, low * MAX_SEQ_TOLERANCE):
+        middle = (low + high) // 2 // granule * granule
+        if middle <= low:
+            break
+        if fits(middle):
+            low = middle
+        else:
+            high = middle
+    return low
+
+
+def max_seq(target: str, strategy: str, axes: dict, shape: bench.BenchShape, *,
+            backward: bool, kernel: str = "auto", reserve: float = DEFAULT_RESERVE,
+            limit: int = 2**24) -> dict:
+    """The longest sequence ``strategy`` fits on ``target``, by compiling and bisecting.
+
+    A length fits when :func:`footprint_bytes` of the compiled forward (or forward
+    + vjp with ``backward``) is at most ``(1 - reserve)`` of a device's HBM (a
+    compiler that refuses the program for lack of memory, as XLA:TPU does, means
+    it does not fit).
+    Lengths are multiples of ``2 * devices * 128`` (whole zigzag chunks of 128
+    tokens); the search stops within :data:`MAX_SEQ_TOLERANCE` of the answer.
+
+    Returns:
+      ``{"max_seq", "footprint_bytes", "budget_bytes", "compiles"}`` (``max_seq`` 0
+      when even the smallest length does not fit).
+    """
+    parsed = targets.parse(target)
+    if parsed.hbm_bytes is None:
+        raise ValueError(f"target {target!r} has no known device memory; --max-seq needs a "
+                         "GPU or TPU target.")
+    if not 0 <= reserve < 1:
+        raise ValueError(f"reserve={reserve} must be a fraction in [0, 1).")
+    budget = (1 - reserve) * parsed.hbm_bytes
+    granule = 2 * math.prod(axes.values()) * 128
+    mode = "fwd_bwd" if backward else "fwd"
+    footprints = {}
+
+    def fits(seq_len):
+        sized = dataclasses.replace(shape, seq_len=seq_len)
+        try:
+            program = compile_strategy(target, strategy, axes, sized, kernel, backward=backward)
+        except jax.errors.JaxRuntimeError as error:  # XLA:TPU refuses programs over HBM
+            if "RESOURCE_EXHAUSTED" not in str(error):
+                raise
+            footprints[seq_len] = None
+            return False
+        footprints[seq_len] = footprint_bytes(program[mode].compiled)
+        return footprints[seq_len] <= budget
+
+    best = _longest_fitting(fits, granule, shape.seq_len, limit)
+    return dict(max_seq=best, footprint_bytes=footprints.get(best), budget_bytes=budget,
+                compiles=len(footprints))
+
+
+def run_max_seq(shape: bench.BenchShape, target: str, meshes: Optional[Sequence] = None, *,
+                strategies: Sequence[str] = bench.STRATEGIES, kernel: str = "auto",
+                reserve: float = DEFAULT_RESERVE, progress: bool = True) -> dict:
+    """:func:`max_seq` forward and forward + backward for every applicable strategy."""
+    from tqdm.auto import tqdm
+
+    parsed = targets.parse(target)
+    meshes = [bench.parse_mesh(m) if isinstance(m, str) else dict(m)
+              for m in meshes or default_meshes(parsed.num_devices)]
+    todo, skipped, _ = _configurations(target, [shape], meshes, strategies, kernel)
+    rows = []
+    for _, axes, _, strategy, _ in tqdm(todo, desc=f"max seq on {target}",
+                                        disable=not progress, file=sys.stderr):
+        row = dict(mesh=bench.mesh_label(axes), strategy=strategy, kernel=kernel)
+        for mode, backward in (("fwd", False), ("fwd_bwd", True)):
+            row[mode] = max_seq(target, strategy, axes, shape, backward=backward, kernel=kernel,
+                                reserve=reserve)
+        rows.append(row)
+    return dict(target=target, platform=parsed.platform, shape=dataclasses.asdict(shape),
+                hbm_bytes=parsed.hbm_bytes, reserve=reserve, rows=rows, skipped=skipped,
+                notes=_notes(parsed, kernel))

@@ -1,0 +1,184 @@
+"""The ``jax-seqpar`` command.
+
+Subcommands:
+  demo   train a small byte-level LM unsharded and with each sequence-parallel
+         strategy on emulated CPU devices, and compare the loss curves.
+  bench  time, memory and traffic of every strategy, next to the cost model;
+         or compiled for a GPU/TPU target without running (``--target``).
+  tune   predict every strategy and factorization, time the best, cache the winner.
+  generate  greedy text from the demo LM, decoding against a sequence-sharded KV cache.
+
+The work lives in :mod:`jax_seqpar.examples` and :mod:`jax_seqpar.tools.bench_report`;
+this module only parses arguments and prepares the JAX environment before a
+backend starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from typing import Optional, Sequence
+
+DEMO_DEVICES = 8
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from jax_seqpar.tools.targets import emulate_cpu_devices
+
+    emulate_cpu_devices(DEMO_DEVICES, cpu_only=True)
+    from jax_seqpar import examples as demo
+
+    try:
+        requested = getattr(args, "strategies", None)
+        strategies = (list(demo.DEFAULT_STRATEGIES) if requested is None
+                      else demo.as_strategy_list(requested))
+    except ValueError as error:
+        print(f"jax-seqpar demo: {error}", file=sys.stderr)
+        return 2
+    from jax_seqpar.examples import ModelConfig
+
+    model_config = ModelConfig(num_layers=args.layers, local_window=args.local_window,
+                               global_every=args.global_every)
+    start = time.perf_counter()
+    demo.run_demo(steps=args.steps, seq_len=args.seq_len, batch=args.batch,
+                  strategies=strategies, out=args.out, seed=args.seed,
+                  progress=not args.no_progress, fsdp=args.fsdp, model_config=model_config)
+    print(f"demo wall time: {time.perf_counter() - start:.1f} s")
+    return 0
+
+
+def _generate(args: argparse.Namespace) -> int:
+    from jax_seqpar.tools.targets import emulate_cpu_devices
+
+    emulate_cpu_devices(DEMO_DEVICES, cpu_only=True)
+    from jax_seqpar.examples import run_generate
+
+    try:
+        run_generate(prompt=args.prompt, num_tokens=args.tokens,
+                                    strategy=args.strategy, params_path=args.params or None,
+                                    train_steps=args.train_steps, seed=args.seed)
+    except ValueError as error:
+        print(f"jax-seqpar generate: {error}", file=sys.stderr)
+        return 2
+    return 0
+
+
+def _add_generate(commands) -> None:
+    from jax_seqpar.api.attention import STRATEGIES
+
+    generate = commands.add_parser(
+        "generate",
+        help="greedy text from the demo LM, decoding against a sequence-sharded KV cache",
+        description=(
+            "Load the byte-level LM's parameters from --params (or train it briefly on one "
+            "device and save them there), prefill the prompt sequence-parallel over "
+            f"{DEMO_DEVICES} emulated CPU devices, then decode greedily against the KV cache "
+            "sharded along the sequence. Prints the text and tokens/s."),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    generate.add_argument("--prompt", required=True, help="the text to continue")
+    generate.add_argument("--tokens", type=_positive_int, default=64,
+                          help="bytes to generate")
+    generate.add_argument("--strategy", default="auto",
+                          choices=STRATEGIES,
+                          help="prefill strategy (hybrid: 2 x 4 ('dcn', 'ici') mesh)")
+    generate.add_argument("--params", default="jax-seqpar-params.npz",
+                          help="parameters file: loaded if present, else written after "
+                               "training ('' to neither load nor save)")
+    generate.add_argument("--train-steps", type=_positive_int, default=150,
+                          help="training steps when no parameters file exists")
+    generate.add_argument("--seed", type=int, default=0, help="parameters and data order")
+    generate.set_defaults(run=_generate)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``jax-seqpar`` argument parser (one subparser per subcommand)."""
+    parser = argparse.ArgumentParser(
+        prog="jax-seqpar",
+        description="Sequence-parallel exact attention for JAX: demos and tools.")
+    commands = parser.add_subparsers(dest="command", metavar="COMMAND")
+    demo = commands.add_parser(
+        "demo",
+        help="train a small LM unsharded and with each strategy; compare the losses",
+        description=(
+            "Train a small byte-level decoder LM on Python's standard-library sources, "
+            "packed into long rows with segment ids, from the same initial parameters: "
+            "once without sequence parallelism and once per strategy, with the sequence "
+            f"split over {DEMO_DEVICES} emulated CPU devices (XLA_FLAGS="
+            f"--xla_force_host_platform_device_count={DEMO_DEVICES} unless already set; "
+            "JAX_PLATFORMS=cpu unless set). Prints the "
+            "losses at matching steps, the largest loss difference from the unsharded run, "
+            "tokens/s, and writes a loss-curve PNG."),
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    demo.add_argument("--steps", type=_positive_int, default=40, help="optimizer steps per run")
+    demo.add_argument("--seq-len", type=_positive_int, default=1024,
+                      help="tokens per row (a multiple of 2 x devices)")
+    demo.add_argument("--batch", type=_positive_int, default=4, help="rows per batch")
+    demo.add_argument("--strategies", default=argparse.SUPPRESS,
+                      help="comma-separated strategies from auto, ulysses, ring, hybrid, "
+                           "allgather (hybrid: 2 x 4 ('dcn', 'ici') mesh); default: "
+                           "ulysses,ring,hybrid")
+    demo.add_argument("--out", default="jax-seqpar-demo.png", help="loss-curve PNG path")
+    demo.add_argument("--seed", type=int, default=0, help="parameters and data order")
+    demo.add_argument("--no-progress", action="store_true", help="hide the progress bars")
+    demo.add_argument("--fsdp", action="store_true",
+                      help="also shard parameters and optimizer state over the devices that "
+                           "split the sequence (FSDP / ZeRO-3) and print their per-device "
+                           "memory, sharded vs replicated")
+    demo.add_argument("--layers", type=_positive_int, default=2, help="Transformer blocks")
+    demo.add_argument("--local-window", type=_positive_int, default=None,
+                      help="make layers local (causal sliding window of this many past tokens) "
+                           "except every --global-every-th, which stays global")
+    demo.add_argument("--global-every", type=_positive_int, default=2,
+                      help="with --local-window: one global layer in this many (Gemma 3: 6)")
+    demo.set_defaults(run=_demo)
+    _add_generate(commands)
+
+    from jax_seqpar.tools import bench_report
+
+    bench = commands.add_parser(
+        "bench",
+        help="time, memory and traffic of every strategy, next to the cost model; or "
+             "compiled (not run) for a GPU/TPU target",
+        description="Benchmark the sequence-parallel strategies: compile and run every "
+        "applicable strategy forward and forward+backward on this machine (its accelerator, "
+        "else emulated CPU devices) and print time, per-device memory, bytes sent (from the "
+        "compiled HLO) next to jax_seqpar.comm_bytes, the error against the reference "
+        "and plan's choice. With --target NAME (h100:8, v5p:2x2x2, ...) compile for that "
+        "target without running (needs the [aot] extra): memory per device, bytes per "
+        "collective, overlap scheduled, Triton kernel registers/spills/shared memory and "
+        "compile time; with --max-seq the longest sequence each strategy fits.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    bench_report.add_bench_arguments(bench)
+    bench.set_defaults(run=bench_report.run_bench)
+
+    from jax_seqpar.tools import tune_report
+
+    tune = commands.add_parser(
+        "tune", help="predict every strategy and factorization, time the best, cache the winner",
+        description=tune_report.__doc__.split("\n\n")[0],
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    tune_report.add_tune_arguments(tune)
+    tune.set_defaults(run=tune_report.run_tune)
+    return parser
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Entry point of ``jax-seqpar``; returns the exit status."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return 2
+    return args.run(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,217 @@
+"""Compile-only meshes of GPUs and TPUs, by name, on any host (deviceless AOT).
+
+``"h100:8"`` is eight H100 SXM GPUs on one host (``h200:N``, ``a100:N`` alike; more
+than 8 are hosts of 8), ``"v5p:2x2x2"`` a TPU v5p slice (``v5e:2x4``, ``v6e:2x4``,
+``v4:2x2x2``, ...: any topology libtpu knows), ``"cpu"`` / ``"cpu:N"`` this host's
+CPU devices. A target mesh holds devices that cannot run anything, but programs on
+it compile with the real compilers: XLA:GPU with Triton and ptxas for sm_90a /
+sm_80, XLA:TPU with Mosaic. Lower for the target's platform:
+
+    mesh = target_mesh("h100:8")
+    compiled = jax.jit(f).trace(*args).lower(
+        lowering_platforms=(target_platform("h100:8"),)).compile()
+
+GPU targets are described by the ``gpu_targets/*.txtpb`` files shipped with the
+package (``GpuTargetConfigProto``: compute capability, SM count, shared memory and
+register limits, HBM). Compiling for a GPU or TPU target needs the plugins of the
+``[aot]`` extra (``pip install 'jax_seqpar[aot]'``); JAX's platforms should then be
+CPU only (``JAX_PLATFORMS=cpu``), since nothing runs on the target devices.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib.resources
+import importlib.util
+import math
+import os
+import re
+from typing import Optional, Sequence
+
+import numpy as np
+
+#: GPU kinds: (target description file, GPUs per host).
+GPUS = {"h100": ("h100_sxm.txtpb", 8), "h200": ("h200.txtpb", 8), "a100": ("a100_sxm_80.txtpb", 8)}
+#: HBM per TPU device (one chip; v4 and v5p as one megacore device), bytes.
+TPU_HBM = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2**30}
+_PLUGINS = {"cuda": ("jax_cuda12_plugin", "the CUDA plugin (jax-cuda12-plugin)"),
+            "tpu": ("libtpu", "libtpu")}
+_TPU_NAME_RE = re.compile(r"^(v\d+[a-z]*):(\d+(?:x\d+)+)$")
+_DEVICE_MEMORY_RE = re.compile(r"\bdevice_memory_size:\s*(\d+)")
+_KNOWN = ("h100:N, h200:N, a100:N (N GPUs, hosts of 8 beyond 8), TPU topologies "
+          "v5p:2x2x2, v5e:2x4, v6e:2x4, v4:2x2x2, ..., cpu or cpu:N")
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """A parsed target name.
+
+    Attributes:
+      name: as given, e.g. ``"h100:8"``.
+      platform: the lowering platform, ``"cuda"``, ``"tpu"`` or ``"cpu"``.
+      kind: ``"h100"``, ``"v5p"``, ... or ``"cpu"``.
+      num_devices: devices in the mesh.
+      topology: the topology string of :func:`jax.experimental.topologies.get_topology_desc`.
+    """
+
+    name: str
+    platform: str
+    kind: str
+    num_devices: int
+    topology: str
+
+    @property
+    def hbm_bytes(self) -> Optional[int]:
+        """Memory of one device in bytes (None for CPU)."""
+        if self.platform == "cuda":
+            return int(_DEVICE_MEMORY_RE.search(gpu_target_config(self.kind)).group(1))
+        return TPU_HBM.get(self.kind) if self.platform == "tpu" else None
+
+
+def parse(name: str) -> Target:
+    """The :class:`Target` of ``name``; a ``ValueError`` naming the known forms if unknown."""
+    kind, _, count = name.partition(":")
+    if kind == "cpu" and (not count or count.isdigit() and int(count) > 0):
+        return Target(name, "cpu", "cpu", int(count) if count else 0, "")
+    if kind in GPUS:
+        per_host = GPUS[kind][1]
+        if not count.isdigit() or int(count) < 1:
+            raise ValueError(f"target {name!r} needs a GPU count, e.g. '{kind}:8'.")
+        n = int(count)
+        if n > per_host and n % per_host:
+            raise ValueError(f"target {name!r}: {n} GPUs beyond one host must be whole hosts "
+                             f"of {per_host}; use {kind}:{n - n % per_host} or "
+                             f"{kind}:{n + per_host - n % per_host}.")
+        hosts = max(1, n // per_host)
+        return Target(name, "cuda", kind, n, f"1x{hosts}x{n // hosts}")
+    found = _TPU_NAME_RE.match(name)
+    if found:
+        dims = [int(d) for d in found.group(2).split("x")]
+        return Target(name, "tpu", found.group(1), math.prod(dims), name)
+    raise ValueError(f"unknown target {name!r}; known forms: {_KNOWN}.")
+
+
+def target_platform(name: str) -> str:
+    """The platform to lower for: ``"cuda"``, ``"tpu"`` or ``"cpu"``.
+
+    >>> target_platform("h100:8"), target_platform("v5p:2x2x2")
+    ('cuda', 'tpu')
+    """
+    return parse(name).platform
+
+
+@functools.cache
+def gpu_target_config(kind: str) -> str:
+    """The ``GpuTargetConfigProto`` text of GPU ``kind`` (``"h100"``, ``"h200"``, ``"a100"``)."""
+    if kind not in GPUS:
+        raise ValueError(f"no GPU target description for {kind!r}; known: {sorted(GPUS)}.")
+    return (importlib.resources.files("jax_seqpar.tools") / "gpu_targets" / GPUS[kind][0]).read_text()
+
+
+def require_plugin(platform: str) -> None:
+    """Raise ``ImportError`` naming the ``[aot]`` extra unless ``platform`` can compile here."""
+    if platform == "cpu":
+        return
+    module, what = _PLUGINS[platform]
+    if importlib.util.find_spec(module) is None:
+        raise ImportError(f"compiling for {platform} targets needs {what}: "
+                          "pip install 'jax_seqpar[aot]' (the [aot] extra).")
+
+
+@functools.cache
+def _devices(name: str) -> tuple:
+    from jax.experimental import topologies
+
+    target = parse(name)
+    require_plugin(target.platform)
+    if target.platform == "cpu":
+        import jax
+
+        devices = jax.devices("cpu")
+        count = target.num_devices or len(devices)
+        if count > len(devices):
+            raise ValueError(
+                f"target {name!r} needs {count} CPU devices but JAX has {len(devices)}; set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={count} before JAX starts.")
+        return tuple(devices[:count])
+    if target.platform == "cuda":
+        topology = topologies.get_topology_desc(
+            platform="cuda", topology_name=target.kind, topology=target.topology,
+            target_config=gpu_target_config(target.kind))
+    else:
+        # libtpu locks /tmp/libtpu_lockfile so one process owns the TPUs; compile-only
+        # topologies own none, so compiling processes (CI, a bench) may run side by side.
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+        extra = {"chip_config_name": "megacore"} if target.kind == "v4" else {}
+        topology = topologies.get_topology_desc(topology_name=target.topology,
+                                                platform="tpu", **extra)
+    # Host-major order: an inner mesh axis stays within a host (NVLink / one TPU host).
+    return tuple(sorted(topology.devices, key=lambda d: (d.process_index, d.id)))
+
+
+def target_mesh(name: str, axis_names: Sequence[str] = ("sp",),
+                shape: Optional[Sequence[int]] = None):
+    """A :class:`jax.sharding.Mesh` of the devices of target ``name`` (compile-only on GPU/TPU).
+
+    Args:
+      name: a target name (see the module docstring), e.g. ``"h100:8"``, ``"v5p:2x2x2"``.
+      axis_names: the mesh axes, outer first.
+      shape: the size of each axis (product: the target's devices). Default: all
+        devices on one axis; with two axes, ``(hosts, devices per host)``.
+
+    Raises:
+      ValueError: an unknown name, or a shape that does not fit the target.
+      ImportError: the plugin the target needs is not installed (the ``[aot]`` extra).
+
+    >>> mesh = target_mesh("h100:16", ("dcn", "ici"))  # 2 hosts x 8 GPUs
+    """
+    from jax.sharding import Mesh
+
+    devices = _devices(name)
+    axis_names = tuple(axis_names)
+    if shape is None:
+        hosts = len({d.process_index for d in devices})
+        if len(axis_names) == 1:
+            shape = (len(devices),)
+        elif len(axis_names) == 2 and hosts > 1:
+            shape = (hosts, len(devices) // hosts)
+        else:
+            raise ValueError(f"target {name!r} ({len(devices)} devices on {hosts} host(s)) "
+                             f"has no default shape for axes {axis_names}; pass shape=.")
+    shape = tuple(int(s) for s in shape)
+    if len(shape) != len(axis_names) or math.prod(shape) != len(devices):
+        raise ValueError(f"mesh shape {shape} for axes {axis_names} must have one size per "
+                         f"axis and {len(devices)} devices in all (target {name!r}).")
+    return Mesh(np.array(devices, dtype=object).reshape(shape), axis_names)
+
+
+_DEVICE_COUNT_FLAG = "--xla_force_host_platform_device_count"
+
+
+def emulate_cpu_devices(count: int, *, cpu_only: bool = False) -> None:
+    """Ask for ``count`` CPU devices (unless XLA_FLAGS chose already); call it before
+    JAX starts a backend (importing ``jax`` does not start one).
+
+    With ``cpu_only``, JAX's platforms are set to CPU unless JAX_PLATFORMS is set;
+    otherwise JAX keeps its default backend: an accelerator when one is present,
+    else the ``count`` emulated CPU devices.
+    """
+    flags = os.environ.get("XLA_FLAGS", "")
+    if _DEVICE_COUNT_FLAG not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {_DEVICE_COUNT_FLAG}={count}".strip()
+    if cpu_only:
+        compile_only_environment()
+
+
+def compile_only_environment() -> None:
+    """Make JAX start only its CPU backend, unless the user chose platforms.
+
+    Compiling for a target runs nothing on it, and an installed GPU or TPU plugin
+    without its device would otherwise be initialized (and checked) for nothing.
+    Call it before JAX starts a backend.
+    """
+    if "JAX_PLATFORMS" not in os.environ:
+        import jax
+
+        jax.config.update("jax_platforms", "cpu")
