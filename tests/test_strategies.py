@@ -4,6 +4,7 @@ import functools
 import re
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -143,6 +144,22 @@ def test_custom_ring_backward_matches_autodiff_of_plain_ring(causal, make_qkv):
         np.testing.assert_allclose(got, want, atol=2e-5, rtol=2e-5)
 
 
+def _shard_map_in_specs(f, *args):
+    """The ``in_specs`` of the (first) ``shard_map`` in ``f``'s program: what stays sharded
+    inside, whatever sharding the output is given back in."""
+    def find(jaxpr):
+        for eqn in jaxpr.eqns:
+            if eqn.primitive.name == "shard_map":
+                return eqn.params["in_specs"]
+            for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+                found = find(sub)
+                if found is not None:
+                    return found
+        return None
+
+    return find(jax.make_jaxpr(f)(*args).jaxpr)
+
+
 @pytest.mark.parametrize("strategy", ["ring", "ulysses"])
 def test_explicit_mesh_with_data_axis(strategy, make_qkv, tolerances):
     """``jax.make_mesh`` (Explicit axes): batch sharding over "dp" is kept."""
@@ -153,7 +170,8 @@ def test_explicit_mesh_with_data_axis(strategy, make_qkv, tolerances):
         f = jax.jit(functools.partial(sp.sequence_parallel_attention, mesh=mesh,
                                       strategy=strategy, causal=True))
         out = f(q_s, k_s, v_s)
-        assert out.sharding.spec[:2] == ("dp", "sp")
+        assert out.sharding.spec[:2] == ("dp", None)  # like q's
+        assert _shard_map_in_specs(f, q_s, k_s, v_s)[0] == P("dp", "sp", None, None)
         grad = jax.grad(lambda q: f(q, k_s, v_s).sum())(q_s)
     np.testing.assert_allclose(out, reference.attention(q, k, v, causal=True),
                                **tolerances(q.dtype))
@@ -275,9 +293,11 @@ def test_tensor_parallel_heads_shared_by_q_and_kv(make_qkv, tolerances):
     mesh = jax.make_mesh((2, 4), ("tp", "sp"))
     with jax.set_mesh(mesh):
         q_s, k_s, v_s = (jax.reshard(x, P(None, None, "tp")) for x in (q, k, v))
-        out = jax.jit(functools.partial(sp.sequence_parallel_attention, mesh=mesh,
-                                        strategy="ulysses", causal=True))(q_s, k_s, v_s)
-        assert out.sharding.spec[:3] == (None, "sp", "tp")
+        f = jax.jit(functools.partial(sp.sequence_parallel_attention, mesh=mesh,
+                                      strategy="ulysses", causal=True))
+        out = f(q_s, k_s, v_s)
+        assert out.sharding.spec[:3] == (None, None, "tp")  # like q's
+        assert _shard_map_in_specs(f, q_s, k_s, v_s)[0] == P(None, "sp", "tp", None)
     np.testing.assert_allclose(out, reference.attention(q, k, v, causal=True),
                                **tolerances(q.dtype))
 
