@@ -72,12 +72,12 @@ def measure(candidate: predict.Candidate, shape, runs: int) -> float:
                                    num_kv_heads=kv_heads, head_dim=head_dim, causal=causal)
     _, forward_and_vjp = bench.build(candidate.strategy, mesh, bench_shape)
     sharding = NamedSharding(mesh, P(None, tuple(axes)))
-    zigzag = bench._layout(candidate.strategy, bench_shape) == "zigzag"
+    zigzag = bench.layout_for(candidate.strategy, bench_shape) == "zigzag"
     args = [jax.random.normal(key, size, np.float32) for key, size in
             zip(jax.random.split(jax.random.key(0), 4), bench_shape.operand_shapes())]
     args = [jax.device_put(layout.zigzag_permute(x, 8) if zigzag else x, sharding) for x in args]
     compiled = jax.jit(forward_and_vjp).lower(*args).compile()
-    seconds, _ = bench._median_ms(compiled, args, warmup=1, runs=runs)
+    seconds, _ = bench.median_ms(compiled, args, warmup=1, runs=runs)
     return seconds / 1e3
 
 

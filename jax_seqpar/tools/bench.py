@@ -122,7 +122,8 @@ def skip_reason(strategy: str, axes: dict, shape: BenchShape,
 
 
 def layout_for(strategy: str, shape: BenchShape) -> str:
-    return api.default_layout(strategy, shape.causal)
+    """The token order the strategy runs ``shape`` in (zigzag for causal rings)."""
+    return registry.default_layout(strategy, shape.causal)
 
 
 def build(strategy: str, mesh, shape: BenchShape, kernel: str = "xla"):
@@ -207,7 +208,8 @@ def _max_error(actual, expected) -> float:
     return float(np.max(np.abs(np.asarray(actual, np.float32) - np.asarray(expected, np.float32))))
 
 
-def _median_ms(compiled, args, warmup: int, runs: int):
+def median_ms(compiled, args, warmup: int, runs: int):
+    """``(median milliseconds of runs calls after warmup calls, the last result)``."""
     for _ in range(warmup):
         jax.block_until_ready(compiled(*args))
     times = []
@@ -289,8 +291,8 @@ def run(shape: BenchShape = BenchShape(), meshes: Sequence = DEFAULT_MESHES, *,
                    zip(jax.random.split(jax.random.key(0), 4), shape_.operand_shapes())]
         args = [jax.device_put(layout.zigzag_permute(x, shards) if zigzag else x,
                                NamedSharding(mesh, P(None, tuple(axes)))) for x in natural]
-        fwd_ms, out = _median_ms(compiled[0], args[:3], warmup, runs)
-        fwd_bwd_ms, (_, grads) = _median_ms(compiled[1], args, warmup, runs)
+        fwd_ms, out = median_ms(compiled[0], args[:3], warmup, runs)
+        fwd_bwd_ms, (_, grads) = median_ms(compiled[1], args, warmup, runs)
         row = dict(seq_len=shape_.seq_len, mesh=mesh_label(axes), strategy=strategy,
                    kernel=kernel, layout="zigzag" if zigzag else "contiguous", fwd_ms=fwd_ms,
                    fwd_bwd_ms=fwd_bwd_ms, **costs(strategy, axes, shape_, compiled),
