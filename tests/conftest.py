@@ -6,13 +6,15 @@ the test modules), because the device count is fixed when the backend starts.
 
 import os
 
-# LLVM at its lowest effort: the suite compiles hundreds of small CPU programs and
-# runs each once or twice, so code generation, not execution, is its cost (about a
-# fifth less time). Programs compiled for GPU / TPU (jax_seqpar.tools.aot) pin XLA's
-# production options instead.
+# LLVM at its lowest effort, and XLA:CPU's classic loop emitters instead of its MLIR
+# fusion emitters: the suite compiles hundreds of small CPU programs and runs each once
+# or twice, so code generation, not execution, is its cost (the fusion emitters alone
+# take half of a kernel's compile time here). Programs compiled for GPU / TPU
+# (jax_seqpar.tools.aot) pin XLA's production options instead.
 os.environ["XLA_FLAGS"] = " ".join(filter(None, [
     os.environ.get("XLA_FLAGS", ""), "--xla_force_host_platform_device_count=8",
-    "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true"]))
+    "--xla_backend_optimization_level=0", "--xla_llvm_disable_expensive_passes=true",
+    "--xla_cpu_use_fusion_emitters=false"]))
 os.environ["JAX_PLATFORMS"] = "cpu"
 # strategy="auto" reads tuned plans only when asked (jax_seqpar.planning.tuned): never here.
 os.environ.pop("JAX_SEQPAR_TUNED_PLANS", None)
@@ -22,6 +24,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
+import checks  # noqa: E402  (tests/checks.py: host-made inputs, the comparison)
 import contexts  # noqa: E402  (tests/contexts.py: the ways a user calls the entry points)
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
@@ -46,6 +49,18 @@ def pytest_configure(config):
             "initialized before tests/conftest.py could set XLA_FLAGS.")
 
 
+#: The slow tiers (``pyproject.toml`` describes each): a test marked with one of them is
+#: also marked ``slow``, which the default run (``addopts``: ``-m "not slow"``) leaves out.
+SLOW_TIERS = ("interpret", "compile_gate", "experiments", "multiprocess")
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest selects by marker
+def pytest_collection_modifyitems(items):
+    for item in items:
+        if any(item.get_closest_marker(tier) for tier in SLOW_TIERS):
+            item.add_marker(pytest.mark.slow)
+
+
 @pytest.fixture
 def tolerances():
     """``tolerances(dtype, kind="out") -> {"atol": float, "rtol": float}``.
@@ -64,7 +79,8 @@ def tolerances():
 @pytest.fixture
 def make_qkv():
     """``make_qkv(batch=2, seq=64, heads=4, kv_heads=None, head_dim=16, v_head_dim=None,
-    dtype=jnp.float32, seed=0) -> (q, k, v)``, standard-normal, ``[B, S, H, D]``.
+    dtype=jnp.float32, seed=0) -> (q, k, v)``, standard-normal (drawn on the host:
+    :func:`checks.normals`), ``[B, S, H, D]``.
 
     ``kv_heads`` defaults to ``heads`` (MHA), ``v_head_dim`` to ``head_dim``.
     """
@@ -73,11 +89,9 @@ def make_qkv():
              dtype=jnp.float32, seed=0):
         kv_heads = heads if kv_heads is None else kv_heads
         v_head_dim = head_dim if v_head_dim is None else v_head_dim
-        kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-        q = jax.random.normal(kq, (batch, seq, heads, head_dim), dtype)
-        k = jax.random.normal(kk, (batch, seq, kv_heads, head_dim), dtype)
-        v = jax.random.normal(kv, (batch, seq, kv_heads, v_head_dim), dtype)
-        return q, k, v
+        return tuple(checks.normals([(batch, seq, heads, head_dim),
+                                     (batch, seq, kv_heads, head_dim),
+                                     (batch, seq, kv_heads, v_head_dim)], dtype, seed))
 
     return make
 

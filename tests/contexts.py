@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+import checks
+
 #: Each context: (mesh axis type, under jax.set_mesh, under jit, inputs placed).
 CONTEXTS = {
     "explicit-set-mesh": (AxisType.Explicit, True, False, None),
@@ -72,21 +74,9 @@ class Context:
         no gradients) with respect to ``args[i]`` for ``i`` in ``argnums``, computed in
         one program under ``jit`` contexts."""
         _, under_mesh, under_jit, _ = CONTEXTS[self.name]
-        fn = build(mesh)
+        out_and_grads = checks.with_vjp(build(mesh), argnums)
         args = tuple(self._place(mesh, x, seq_axes) for x in args)
         cotangent = self._place(mesh, cotangent, seq_axes)
-
-        def out_and_grads(args, cotangent):
-            def on(*diff):
-                full = list(args)
-                for i, x in zip(argnums, diff):
-                    full[i] = x
-                return fn(*full)
-
-            if cotangent is None:
-                return on(*(args[i] for i in argnums)), None
-            out, vjp = jax.vjp(on, *(args[i] for i in argnums))
-            return out, vjp(cotangent)
 
         with jax.set_mesh(mesh) if under_mesh else contextlib.nullcontext():
             if under_jit:
@@ -104,32 +94,18 @@ class Context:
         (computed in float32 from the same inputs) within ``tolerances`` of the inputs'
         dtype; the output keeps the shape and dtype of the reference's and, on Explicit
         meshes, the sharding of ``args[0]``."""
-        expected, vjp = jax.vjp(lambda *d: reference(*_with(args, argnums, d)),
-                                *(args[i] for i in argnums))
-        cotangent = jax.random.normal(jax.random.key(7), expected.shape, expected.dtype)
-        out, got = self.run(build, args, mesh=mesh, seq_axes=seq_axes,
-                            cotangent=cotangent if grads else None, argnums=argnums)
-        assert out.shape == expected.shape and out.dtype == expected.dtype, (
-            out.shape, out.dtype, expected.shape, expected.dtype)
+        upcast = checks.upcast(args)
+        shape = jax.eval_shape(reference, *upcast).shape
+        cotangent = checks.normal(shape, args[0].dtype, seed=7) if grads else None
+        out, got = self.run(build, args, mesh=mesh, seq_axes=seq_axes, cotangent=cotangent,
+                            argnums=argnums)
         if self.axis_type == AxisType.Explicit:
             q_spec = jax.typeof(self._place(mesh, args[0], seq_axes)).sharding.spec
             assert tuple(jax.typeof(out).sharding.spec)[:3] == tuple(q_spec)[:3], (
                 jax.typeof(out), q_spec)
-        np.testing.assert_allclose(np.asarray(out, np.float32),
-                                   np.asarray(expected, np.float32),
-                                   **tolerances(expected.dtype))
-        if not grads:
-            return
-        for g, want in zip(got, vjp(cotangent)):
-            assert g.shape == want.shape and g.dtype == want.dtype
-            scale = max(1.0, float(jnp.abs(want.astype(jnp.float32)).max()))
-            np.testing.assert_allclose(np.asarray(g, np.float32) / scale,
-                                       np.asarray(want, np.float32) / scale,
-                                       **tolerances(want.dtype, "grad"))
-
-
-def _with(args, argnums, diff):
-    full = list(args)
-    for i, x in zip(argnums, diff):
-        full[i] = x
-    return full
+        if grads:
+            expected, want = checks.out_and_vjp(reference, upcast,
+                                                cotangent.astype(jnp.float32), argnums)
+        else:
+            expected, want, got = jax.jit(reference)(*upcast), (), ()
+        checks.assert_close(out, got, expected, want, tolerances, args=args, argnums=argnums)

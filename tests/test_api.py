@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+import checks
 import jax_seqpar as sp
 from jax_seqpar.tools import hlo
 from jax_seqpar import comm_bytes
@@ -24,26 +25,6 @@ def _mesh(strategy):
     if strategy == "hybrid":
         return Mesh(devices.reshape(2, 4), ("dcn", "ici")), ("dcn", "ici")
     return Mesh(devices, ("sp",)), "sp"
-
-
-def _segments(batch, seq, seed=3):
-    ids = jax.random.randint(jax.random.key(seed), (batch, seq), 0, 3)
-    return jnp.sort(ids, axis=1).astype(jnp.int32)
-
-
-def _assert_out_and_grads(ours, theirs, args, tolerances, argnums=(0, 1, 2)):
-    """``ours(*args)`` equals ``theirs(*args)``, and so do their gradients in ``argnums``."""
-    out = jax.jit(ours)(*args)
-    expected = theirs(*args)
-    assert out.shape == expected.shape and out.dtype == expected.dtype
-    np.testing.assert_allclose(out, expected, **tolerances(out.dtype))
-    weights = jax.random.normal(jax.random.key(7), out.shape)
-    loss = lambda f: lambda *a: jnp.sum(f(*a) * weights)  # noqa: E731
-    grads = jax.jit(jax.grad(loss(ours), argnums=argnums))(*args)
-    expected_grads = jax.grad(loss(theirs), argnums=argnums)(*args)
-    for got, want in zip(grads, expected_grads):
-        scale = max(1.0, float(jnp.abs(want).max()))
-        np.testing.assert_allclose(got / scale, want / scale, **tolerances(got.dtype, "grad"))
 
 
 # --- unequal local lengths: an error, never a silent answer ------------------------------
@@ -65,7 +46,7 @@ def test_per_shard_unequal_lengths_raise(strategy, make_qkv):
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_positions_on_permuted_inputs(strategy, layout, make_qkv, tolerances):
     q, k, v = make_qkv(batch=2, seq=128, heads=8, kv_heads=2, head_dim=8, seed=4)
-    segment_ids = _segments(2, 128)
+    segment_ids = checks.segments(2, 128, documents=3)
     mesh, axes = _mesh(strategy)
     batch, positions = sp.permute_batch((q, k, v, segment_ids), layout, num_shards=8)
 
@@ -79,7 +60,7 @@ def test_positions_on_permuted_inputs(strategy, layout, make_qkv, tolerances):
         q, k, v = sp.unpermute_batch((q, k, v), layout, num_shards=8)
         return reference.attention(q, k, v, causal=True, window=(40, 5), segment_ids=segment_ids)
 
-    _assert_out_and_grads(ours, theirs, batch[:3], tolerances)
+    checks.assert_matches(ours, theirs, batch[:3], tolerances)
 
 
 def test_permute_batch_round_trip_and_positions():
@@ -139,11 +120,11 @@ def test_any_sequence_length(strategy, seq, mask, make_qkv, tolerances):
     q, k, v = make_qkv(batch=1, seq=seq, heads=8, kv_heads=2, head_dim=8, seed=seq)
     mask = dict(mask)
     if mask.pop("segments", False):
-        mask["segment_ids"] = _segments(1, seq, seed=seq)
+        mask["segment_ids"] = checks.segments(1, seq, seed=seq, documents=3)
     mesh, axes = _mesh(strategy)
     ours = functools.partial(sp.sequence_parallel_attention, mesh=mesh, seq_axes=axes,
                              strategy=strategy, **mask)
-    _assert_out_and_grads(ours, functools.partial(reference.attention, **mask), (q, k, v),
+    checks.assert_matches(ours, functools.partial(reference.attention, **mask), (q, k, v),
                           tolerances)
 
 
@@ -160,7 +141,7 @@ def test_auto_mesh_keeps_the_batch_sharding(make_qkv, tolerances):
     ours = functools.partial(sp.sequence_parallel_attention, mesh=mesh, strategy="ring",
                              causal=True)
     assert jax.jit(ours)(*placed).sharding.spec[:2] == ("dp", "sp")
-    _assert_out_and_grads(ours, functools.partial(reference.attention, causal=True), placed,
+    checks.assert_matches(ours, functools.partial(reference.attention, causal=True), placed,
                           tolerances)
 
 
@@ -196,7 +177,7 @@ def test_auto_strategy_counts_the_heads_each_group_holds(make_qkv, tolerances):
                              causal=True)
     with jax.set_mesh(mesh):
         placed = [jax.reshard(x, P(None, None, "tp")) for x in (q, k, v)]
-        _assert_out_and_grads(ours, functools.partial(reference.attention, causal=True),
+        checks.assert_matches(ours, functools.partial(reference.attention, causal=True),
                               placed, tolerances)
 
 
@@ -228,7 +209,7 @@ def test_global_sinks_softcap_window_and_lse(strategy, make_qkv, tolerances):
         out, lse = reference.attention(q, k, v, sinks=sinks, return_lse=True, **mask)
         return out + lse[..., None]
 
-    _assert_out_and_grads(ours, theirs, (q, k, v, SINKS), tolerances, argnums=(0, 1, 2, 3))
+    checks.assert_matches(ours, theirs, (q, k, v, SINKS), tolerances, argnums=(0, 1, 2, 3))
 
 
 def test_global_window_ring_sends_only_the_halo():

@@ -9,7 +9,9 @@ here: ``xla_gpu_fail_ptx_compilation_on_register_spilling``), shared memory over
 the limit or a missing Triton kernel fails the gate; so does a ring whose K/V
 transfer is not scheduled around the step's kernel. Compiling needs the ``[aot]``
 extra (CI installs it); the tests that compile skip, saying so, where its plugins
-are missing.
+are missing. They are the ``compile_gate`` tier (``pytest -m compile_gate``); the
+checks here that compile nothing (target names, the kernel each platform lowers to)
+are in the default tier.
 """
 
 import argparse
@@ -51,7 +53,9 @@ def _needs(target: str):
 
 
 def _on(target: str, *values, marks=()):
-    return pytest.param(target, *values, marks=[_needs(target), *marks],
+    """A case that compiles for ``target``: in the compile gate's tier, skipped without
+    the target's plugin."""
+    return pytest.param(target, *values, marks=[pytest.mark.compile_gate, _needs(target), *marks],
                         id="-".join([target, *map(str, values)]))
 
 
@@ -144,6 +148,35 @@ def test_pallas_through_the_global_api(target, d_qk, d_v):
     assert min(calls.values()) >= 4  # each kernel in both strategies and both dtypes
 
 
+@pytest.mark.parametrize("target, head_dim", [
+    _on(target, d) for target in ("h100:1", "a100:1") for d in (64, 128)])
+def test_pallas_float32_compiles_without_spills(target, head_dim):
+    """The kernel alone in float32 (TF32x3 dots; bf16 and fp16 at every head dim are
+    above), up to head dim 128 (wider float32 still spills in the backward): forward
+    and both backward kernels at the default tiles compile, ptxas counts no spill."""
+    sharding = NamedSharding(targets.target_mesh(target), P())
+    q, k, v = (jax.ShapeDtypeStruct((1, 512, heads, head_dim), jnp.float32, sharding=sharding)
+               for heads in (8, 2, 2))
+
+    def grads(q, k, v):
+        tokens = Tokens(jnp.arange(512, dtype=jnp.int32)[None])
+
+        def loss(q, k, v):
+            out, lse = kernels.get("pallas").attention(
+                q, k, v, tokens, tokens, spec=MaskSpec.make(causal=True),
+                scale=head_dim**-0.5)
+            return out.sum() + lse.sum()
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    program = aot.compile_for(grads, (q, k, v), "cuda", fail_on_spills=True,
+                              kernel_resources=True)
+    assert {f"triton:{name}" for name in program.kernels} == TRITON_ALL
+    for name, resources in program.kernels.items():
+        assert resources.spill_stores == resources.spill_loads == 0, (name, resources)
+
+
+@pytest.mark.compile_gate
 @_needs(GPU)
 def test_a_spill_is_a_compile_error():
     """The gate's spill check is live: a kernel that spills does not compile, and the
@@ -165,6 +198,7 @@ def test_a_spill_is_a_compile_error():
         aot.compile_for(f, (x,), "cuda", fail_on_spills=True)
 
 
+@pytest.mark.compile_gate
 @_needs(GPU)
 def test_bench_target_cli(tmp_path, capsys):
     """``jax-seqpar bench --target``: compiled, not run; table and JSON."""

@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import checks
 import contexts
 import jax_seqpar as sp
 from jax_seqpar.api import inference
@@ -64,17 +65,18 @@ def test_every_strategy_in_every_context(context_name, strategy, seq, causal, dt
 
 # --- the other global entry points, in every context ---------------------------------------
 
+def _cache(mesh, q):
+    return inference.KVCache.create(mesh, batch=q.shape[0], capacity=32, num_kv_heads=HKV,
+                                    head_dim=D, dtype=q.dtype)
+
+
 def test_prefill_pads_in_every_context(context, make_qkv, tolerances):
     """A prompt the zigzag layout pads (24 tokens, 16 chunks) fills the cache and attends."""
     mesh = context.mesh()
     q, k, v = make_qkv(batch=2, seq=24, heads=H, kv_heads=HKV, head_dim=D, dtype=jnp.float16)
 
     def build(mesh):
-        def prefill(q, k, v):
-            cache = inference.KVCache.create(mesh, batch=2, capacity=32, num_kv_heads=HKV,
-                                             head_dim=D, dtype=q.dtype)
-            return inference.prefill(q, k, v, cache, strategy="ring")[0]
-        return prefill
+        return lambda q, k, v: inference.prefill(q, k, v, _cache(mesh, q), strategy="ring")[0]
 
     context.check(build, (q, k, v), functools.partial(reference.attention, causal=True),
                   tolerances, mesh=mesh, grads=False)
@@ -86,9 +88,7 @@ def test_decode_after_prefill_in_every_context(context, make_qkv, tolerances):
 
     def build(mesh):
         def decode(q, k, v):
-            cache = inference.KVCache.create(mesh, batch=2, capacity=32, num_kv_heads=HKV,
-                                             head_dim=D, dtype=q.dtype)
-            _, cache = inference.prefill(q[:, :20], k[:, :20], v[:, :20], cache)
+            _, cache = inference.prefill(q[:, :20], k[:, :20], v[:, :20], _cache(mesh, q))
             return inference.decode(q[:, 20:], k[:, 20:], v[:, 20:], cache)[0]
         return decode
 
@@ -106,7 +106,7 @@ def test_flax_attention_fn_in_every_context(context, make_qkv, tolerances):
 
 def test_flax_self_attention_in_every_context(context, tolerances):
     mesh = context.mesh()
-    x = jax.random.normal(jax.random.key(0), (2, 60, 32), jnp.float32)
+    x = checks.normal((2, 60, 32))
 
     def layer(mesh):
         return SelfAttention(32, H, num_kv_heads=HKV, head_dim=D, causal=True, mesh=mesh,

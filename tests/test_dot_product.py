@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+import checks
 import contexts
 import jax_seqpar as sp
 from jax_seqpar.core import reference
@@ -74,7 +75,7 @@ def _cases():
 def _key_mask(kind, batch, heads, seq, seed=3):
     """A boolean key-padding mask ``[B, 1, 1, S]`` ("keys") or ``[B, N, 1, S]`` ("heads")."""
     shape = (batch, 1 if kind == "keys" else heads, 1, seq)
-    return jax.random.bernoulli(jax.random.key(seed), 0.75, shape)
+    return jnp.asarray(np.random.default_rng(seed).random(shape) < 0.75)
 
 
 def _seen(residual):
@@ -247,8 +248,7 @@ def test_vjp_with_sharded_cotangents_outside_jit(make_qkv, tolerances):
     placed = [jax.device_put(x, NamedSharding(mesh, P(None, "sp"))) for x in (q, k, v)]
     _, vjp = jax.vjp(functools.partial(sp.dot_product_attention, is_causal=True, mesh=mesh,
                                        strategy="ring", return_residual=True), *placed)
-    cotangents = (jax.random.normal(jax.random.key(8), q.shape),
-                  jax.random.normal(jax.random.key(9), q.shape[:3]))
+    cotangents = tuple(checks.normals([q.shape, q.shape[:3]], seed=8))
     grads = vjp(tuple(jax.device_put(x, NamedSharding(mesh, P(None, "sp")))
                       for x in cotangents))
     expected = jax.jit(lambda *a: jax.vjp(functools.partial(
@@ -313,8 +313,9 @@ def test_cross_attention_3d_without_a_mesh(make_qkv, tolerances):
 
 def test_dense_mask_and_bias_are_jax_nns_without_a_mesh(make_qkv, tolerances):
     q, k, v = make_qkv(batch=1, seq=32, heads=4, head_dim=D, seed=11)
-    mask = jax.random.bernoulli(jax.random.key(1), 0.7, (1, 4, 32, 32)).at[..., 0].set(True)
-    bias = jax.random.normal(jax.random.key(2), (1, 1, 32, 32))
+    mask = np.random.default_rng(1).random((1, 4, 32, 32)) < 0.7
+    mask[..., 0] = True
+    mask, bias = jnp.asarray(mask), checks.normal((1, 1, 32, 32), seed=2)
     for got, want in zip(
             jax.jit(functools.partial(sp.dot_product_attention, return_residual=True))(
                 q, k, v, bias, mask),

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+import checks
 import jax_seqpar
 from jax_seqpar.core import reference
 from jax_seqpar.flax import SelfAttention, apply_rope, make_attention_fn
@@ -23,7 +24,7 @@ def _hybrid_mesh():
 
 
 def _x(seed=0, features=FEATURES):
-    return jax.random.normal(jax.random.key(seed), (BATCH, SEQ, features), jnp.float32)
+    return checks.normal((BATCH, SEQ, features), seed=seed)
 
 
 def _segments():
@@ -179,7 +180,7 @@ def test_dropout_is_accepted_when_deterministic(tolerances):
 
 
 def test_rope_depends_on_relative_position():
-    q, k = jax.random.normal(jax.random.key(0), (2, 1, 1, 1, 16))
+    q, k = checks.normal((2, 1, 1, 1, 16))
     score = lambda i, j: jnp.sum(apply_rope(q, jnp.array([i])) * apply_rope(k, jnp.array([j])))
     np.testing.assert_allclose(score(3, 1), score(10, 8), rtol=1e-5)
     assert not np.isclose(score(3, 1), score(3, 2))

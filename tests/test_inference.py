@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
+import checks
 from jax_seqpar.tools import hlo
 from jax_seqpar.api import inference
 from jax_seqpar.core import reference
@@ -27,10 +28,9 @@ def _mesh(kind):
 
 def _stream(batch, tokens, heads, kv_heads, head_dim, v_head_dim, dtype, seed=0):
     """q, k, v of every position each row will ever hold: ``[B, tokens, ., .]``."""
-    kq, kk, kv = jax.random.split(jax.random.key(seed), 3)
-    return (jax.random.normal(kq, (batch, tokens, heads, head_dim), dtype),
-            jax.random.normal(kk, (batch, tokens, kv_heads, head_dim), dtype),
-            jax.random.normal(kv, (batch, tokens, kv_heads, v_head_dim), dtype))
+    return tuple(checks.normals([(batch, tokens, heads, head_dim),
+                                 (batch, tokens, kv_heads, head_dim),
+                                 (batch, tokens, kv_heads, v_head_dim)], dtype, seed))
 
 
 def _as_f32(*arrays):
@@ -122,7 +122,7 @@ def test_decode_attention_is_exact_for_any_placement(new_tokens, tolerances):
     """Slots shuffled across shards, empty slots marked -1 or EMPTY_POSITION."""
     batch, capacity, heads, kv_heads, dim = 2, 64, 4, 2, 16
     _, k, v = _stream(batch, capacity, heads, kv_heads, dim, dim, jnp.float32, seed=4)
-    q = jax.random.normal(jax.random.key(5), (batch, new_tokens, heads, dim))
+    q = checks.normal((batch, new_tokens, heads, dim), seed=5)
     kv_length = np.array([45, 6], np.int32)
     rng = np.random.default_rng(0)
     slots = np.stack([rng.permutation(capacity) for _ in range(batch)])  # slot -> position

@@ -1,54 +1,32 @@
-"""Local attention kernels (``xla``, ``pallas``) against :mod:`jax_seqpar.core.reference`,
-and the contract every kernel shares (:mod:`jax_seqpar.kernels.contract`).
+"""Every local kernel (``xla``, ``pallas``, ``mosaic``) against :mod:`jax_seqpar.core.reference`
+on one matrix of cases (``tests/kernel_cases.py``), and the contract every kernel shares
+(:mod:`jax_seqpar.kernels.contract`).
 
-Every case checks ``out``, ``lse`` and the gradients of a random-weighted sum of
-both (so the ``lse`` cotangent path is exercised) w.r.t. q, k and v. Tiles are 16
-tokens, so a few dozen tokens already give several tiles and a ragged tail. The
-Pallas kernel runs in interpret mode here (CPU); its Triton lowering is checked
-separately, without a GPU.
+Each case checks ``out``, ``lse`` and the gradients of a random-weighted sum of both (so
+the ``lse`` cotangent path is exercised) w.r.t. q, k and v, on every kernel at its tile
+(16 tokens; Mosaic: 128, the case scaled by 8). The Pallas and Mosaic kernels run in the
+Pallas interpreter here (CPU); their Triton and Mosaic lowerings are checked in
+``test_pallas.py`` / ``test_mosaic.py`` and compiled by the compile gate. The default tier
+runs every case on the XLA kernel and a few on the interpreted kernels (:data:`DEFAULT`);
+the rest of the interpreted matrix is the ``interpret`` tier.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import functools
 import importlib
 import re
-from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import checks
+import kernel_cases as kc
 from jax_seqpar import kernels
-from jax_seqpar.core import masks, reference
+from jax_seqpar.core import masks
 from jax_seqpar.core.masks import MaskSpec, Tokens
-
-KERNELS = ["xla", "pallas"]
-BLOCK = 16
-
-
-class Case(NamedTuple):
-    """One attention problem; its tokens are a function of it (:func:`_tokens`)."""
-
-    batch: int = 2
-    q_len: int = 32
-    kv_len: Optional[int] = None  # None: self-attention (kv_len = q_len)
-    heads: int = 2
-    kv_heads: int = 2
-    d_qk: int = 16
-    d_v: int = 16
-    causal: bool = False
-    window: Optional[tuple[int, int]] = None
-    segments: bool = False  # documents ending at different tokens in each row
-    q_start: Optional[int] = None  # first query position; None: the last q_len keys
-    hole: bool = False  # keys 16..31 are a document that no query belongs to
-
-    @property
-    def keys(self):
-        return self.kv_len or self.q_len
-
+from kernel_cases import Case
 
 CASES = [
     pytest.param(Case(), id="mha"),
@@ -56,128 +34,46 @@ CASES = [
     pytest.param(Case(heads=4, kv_heads=1, window=(7, 3)), id="mqa_window"),
     pytest.param(Case(q_len=48, causal=True, window=(12, 0)), id="causal_window"),
     pytest.param(Case(q_len=48, causal=True, segments=True), id="segments_causal"),
-    pytest.param(Case(d_qk=24, d_v=8), id="dv_ne_dqk"),
+    pytest.param(Case(heads=4, kv_heads=1, d_qk=24, d_v=8, causal=True), id="mqa_dv_ne_dqk"),
     pytest.param(Case(q_len=37, heads=4, kv_heads=2, causal=True, segments=True), id="ragged"),
     pytest.param(Case(q_len=24, kv_len=40, causal=True), id="cross_positions"),
+    pytest.param(Case(q_len=24, kv_len=40), id="cross_full"),
+    # Softcap 2.0 bends scores of size ~1-3: the forward and the (1 - tanh^2) backward.
+    pytest.param(Case(heads=4, kv_heads=2, d_qk=32, d_v=32, causal=True, segments=True,
+                      softcap=2.0), id="gqa_segments_softcap"),
 ]
-BF16_CASES = [p for p in CASES if p.id in ("gqa_causal", "segments_causal", "ragged")]
+BF16_CASES = [p for p in CASES if p.id in ("gqa_causal", "segments_causal", "ragged",
+                                           "gqa_segments_softcap")]
+#: What the default tier runs of the interpreted kernels (the XLA kernel runs every case):
+#: each forward and backward on GQA, causal, documents and a ragged tail, and soft-capping.
+DEFAULT = {"fp32": {"ragged", "gqa_segments_softcap"}, "bf16": {"ragged"}}
 
 
-def _tokens(case: Case):
-    """``(q_tokens, kv_tokens)`` of a case."""
-    kv_positions = jnp.broadcast_to(jnp.arange(case.keys, dtype=jnp.int32),
-                                    (case.batch, case.keys))
-    start = case.keys - case.q_len if case.q_start is None else case.q_start
-    q_positions = jnp.broadcast_to(jnp.arange(start, start + case.q_len, dtype=jnp.int32),
-                                   (case.batch, case.q_len))
-    if case.hole:
-        kv_segments = ((kv_positions >= 16) & (kv_positions < 32)).astype(jnp.int32)
-        return Tokens(q_positions, jnp.zeros_like(q_positions)), Tokens(kv_positions, kv_segments)
-    if not case.segments:
-        return Tokens(q_positions), Tokens(kv_positions)
-    ends = jnp.array([[case.keys // 3], [case.keys // 2]])[: case.batch]
-    kv_segments = (kv_positions >= ends).astype(jnp.int32) + (kv_positions >= case.keys - 5)
-    return Tokens(q_positions, kv_segments[:, start:start + case.q_len]), Tokens(
-        kv_positions, kv_segments)
+def _tier(table):
+    def marks(kernel, case_id):
+        return [] if kernel == "xla" or case_id in table else [pytest.mark.interpret]
+    return marks
 
 
-def _inputs(case: Case, dtype):
-    """``(q, k, v)`` in ``dtype`` and float32 weights for ``out`` and ``lse``."""
-    keys = jax.random.split(jax.random.key(0), 5)
-    q = jax.random.normal(keys[0], (case.batch, case.q_len, case.heads, case.d_qk), dtype)
-    k = jax.random.normal(keys[1], (case.batch, case.keys, case.kv_heads, case.d_qk), dtype)
-    v = jax.random.normal(keys[2], (case.batch, case.keys, case.kv_heads, case.d_v), dtype)
-    out_weights = jax.random.normal(keys[3], (case.batch, case.q_len, case.heads, case.d_v))
-    lse_weights = jax.random.normal(keys[4], (case.batch, case.q_len, case.heads))
-    return (q, k, v), (out_weights, lse_weights)
-
-
-def _value_and_grads(attend, inputs, weights):
-    """``(out, lse, (dq, dk, dv))`` of ``sum(out * w_out) + sum(lse * w_lse)``."""
-    out_weights, lse_weights = weights
-
-    def loss(q, k, v):
-        out, lse = attend(q, k, v)
-        value = jnp.sum(out.astype(jnp.float32) * out_weights) + jnp.sum(lse * lse_weights)
-        return value, (out, lse)
-
-    grads, (out, lse) = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(*inputs)
-    return out, lse, grads
-
-
-@functools.cache
-def _expected(case: Case, dtype):
-    """Reference results on the case's inputs (bf16 inputs upcast), shared by kernels."""
-    spec = MaskSpec.make(case.causal, case.window)
-    q_tokens, kv_tokens = _tokens(case)
-
-    def attend(q, k, v):
-        return reference.attention(
-            *(x.astype(jnp.float32) for x in (q, k, v)), causal=spec.causal,
-            window=spec.window, scale=case.d_qk**-0.5,
-            positions=q_tokens.positions, segment_ids=q_tokens.segment_ids,
-            kv_positions=kv_tokens.positions, kv_segment_ids=kv_tokens.segment_ids,
-            return_lse=True)
-
-    return _value_and_grads(attend, *_inputs(case, dtype))
-
-
-def _run_kernel(kernel: str, case: Case, dtype, poison: Optional[slice] = None):
-    """Kernel results on the case's inputs, keys/values in ``poison`` set to NaN."""
-    module = kernels.get(kernel)
-    block_sizes = module.BlockSizes(
-        **{f.name: BLOCK for f in dataclasses.fields(module.BlockSizes)})
-    spec = MaskSpec.make(case.causal, case.window)
-    q_tokens, kv_tokens = _tokens(case)
-    (q, k, v), weights = _inputs(case, dtype)
-    if poison is not None:
-        k, v = k.at[:, poison].set(jnp.nan), v.at[:, poison].set(jnp.nan)
-
-    def attend(q, k, v):
-        return module.attention(q, k, v, q_tokens, kv_tokens, spec=spec,
-                                scale=case.d_qk**-0.5, block_sizes=block_sizes)
-
-    return _value_and_grads(attend, (q, k, v), weights)
-
-
-def _check(kernel: str, case: Case, dtype, tolerances, poison=None):
-    """Shapes and dtypes first, then values against the reference."""
-    results = _run_kernel(kernel, case, dtype, poison)
-    out, lse, grads = results
-    assert out.shape == (case.batch, case.q_len, case.heads, case.d_v)
-    assert lse.shape == (case.batch, case.q_len, case.heads)
-    assert out.dtype == lse.dtype == jnp.float32
-    assert [g.shape for g in grads] == [x.shape for x in _inputs(case, dtype)[0]]
-    assert [g.dtype for g in grads] == [dtype] * 3
-    names = ("out", "lse", "dq", "dk", "dv")
-    for name, got, wanted in zip(names, jax.tree.leaves(results),
-                                 jax.tree.leaves(_expected(case, dtype))):
-        kind = "grad" if name.startswith("d") else "out"
-        np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(wanted, np.float32),
-                                   err_msg=name, **tolerances(dtype, kind))
-    return results
-
-
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("kernel,case", kc.matrix(CASES, marks=_tier(DEFAULT["fp32"])))
 def test_matches_reference_fp32(kernel, case, tolerances):
-    _check(kernel, case, jnp.float32, tolerances)
+    kc.check(kernel, kc.for_kernel(case, kernel), jnp.float32, tolerances)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("case", BF16_CASES)
+@pytest.mark.parametrize("kernel,case", kc.matrix(BF16_CASES, marks=_tier(DEFAULT["bf16"])))
 def test_matches_reference_bf16(kernel, case, tolerances):
-    _check(kernel, case, jnp.bfloat16, tolerances)
+    kc.check(kernel, kc.for_kernel(case, kernel), jnp.bfloat16, tolerances)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", kc.KERNELS)
 def test_query_that_sees_no_key(kernel, tolerances):
-    """Queries at positions -8..-1 (causal, keys at 0..) get zeros, EMPTY_LSE, finite grads."""
-    case = Case(batch=1, q_len=16, kv_len=32, causal=True, q_start=-8)
-    out, lse, grads = _check(kernel, case, jnp.float32, tolerances)
-    assert np.all(np.asarray(out[:, :8]) == 0)
-    assert np.all(np.asarray(lse[:, :8]) == masks.EMPTY_LSE)
-    assert np.all(np.asarray(grads[0][:, :8]) == 0)
+    """Queries before every key (causal) get zeros, EMPTY_LSE and zero, finite grads."""
+    case = kc.for_kernel(Case(batch=1, q_len=16, kv_len=32, causal=True, q_start=-8), kernel)
+    blind = -case.q_start  # the first queries, at positions -8..-1 (scaled)
+    out, lse, grads = kc.check(kernel, case, jnp.float32, tolerances)
+    assert np.all(np.asarray(out[:, :blind]) == 0)
+    assert np.all(np.asarray(lse[:, :blind]) == masks.EMPTY_LSE)
+    assert np.all(np.asarray(grads[0][:, :blind]) == 0)
     assert all(np.isfinite(np.asarray(g)).all() for g in grads)
 
 
@@ -188,93 +84,54 @@ SKIP_CASES = [
     # loop bounds, skipped by its class.
     pytest.param(Case(batch=1, q_len=32, kv_len=48, hole=True), id="segment_hole"),
 ]
+#: Whether a kernel skips an EMPTY tile between visible ones. The Pallas kernel skips
+#: EMPTY tiles through per-row loop bounds (no branch per tile, so its loads pipeline):
+#: an EMPTY tile between visible ones is computed fully masked, exact for finite keys
+#: and values, so it gets no NaN there.
+SKIPS_INTERIOR_TILES = {"xla": True, "pallas": False, "mosaic": True}
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("case", SKIP_CASES)
+@pytest.mark.parametrize("kernel,case", kc.matrix(
+    SKIP_CASES, marks=lambda kernel, _: [pytest.mark.interpret] if kernel == "mosaic" else []))
 def test_empty_tiles_are_skipped(kernel, case, tolerances):
     """NaN keys and values in EMPTY tiles leave every result exact, so those tiles are
-    never computed (a masked computation would still give ``0 * NaN = NaN``).
-
-    The Pallas kernel skips EMPTY tiles through per-row loop bounds (no branch per
-    tile, so its loads pipeline): an EMPTY tile between visible ones is computed
-    fully masked, exact for finite keys and values, so it gets no NaN there.
-    """
-    poison = slice(16, 48) if case.causal else slice(16, 32)
-    interior = not case.causal
-    q_tokens, kv_tokens = _tokens(case)
-    classes = np.asarray(masks.classify(MaskSpec.make(case.causal, case.window),
-                                        masks.summarize(q_tokens, BLOCK),
-                                        masks.summarize(kv_tokens, BLOCK)))
-    assert (classes[:, poison.start // BLOCK:poison.stop // BLOCK] == masks.EMPTY).all()
-    results = _check(kernel, case, jnp.float32, tolerances,
-                     None if interior and kernel == "pallas" else poison)
+    never computed (a masked computation would still give ``0 * NaN = NaN``), and no
+    gradient flows into them."""
+    case = kc.for_kernel(case, kernel)
+    tile = case.tile
+    poison = slice(tile, 3 * tile) if case.causal else slice(tile, 2 * tile)
+    classes = np.asarray(jax.jit(lambda q_tokens, kv_tokens: masks.classify(
+        MaskSpec.make(case.causal, case.window), masks.summarize(q_tokens, tile),
+        masks.summarize(kv_tokens, tile)))(*kc.tokens(case)))
+    assert (classes[:, poison.start // tile:poison.stop // tile] == masks.EMPTY).all()
+    poisoned = case.causal or SKIPS_INTERIOR_TILES[kernel]
+    results = kc.check(kernel, case, jnp.float32, tolerances, poison if poisoned else None)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(results))
+    _, _, (_, dk, dv) = results
+    assert np.all(np.asarray(dk[:, poison]) == 0) and np.all(np.asarray(dv[:, poison]) == 0)
 
 
-def test_pallas_lowers_to_triton():
-    """Forward and both backward kernels lower to Triton (GPU) IR without a GPU.
-
-    Compiling and running them on a GPU is left to ``experiments/kernel_bench.py``.
-    """
-    pallas = kernels.get("pallas")
-    q = jax.ShapeDtypeStruct((1, 200, 6, 40), jnp.bfloat16)  # ragged, GQA, odd head dims
-    k = jax.ShapeDtypeStruct((1, 200, 2, 40), jnp.bfloat16)
-    v = jax.ShapeDtypeStruct((1, 200, 2, 24), jnp.bfloat16)
-    ids = jax.ShapeDtypeStruct((1, 200), jnp.int32)
-
-    def grads(q, k, v, positions, segment_ids):
-        tokens = Tokens(positions, segment_ids)
-
-        def loss(q, k, v):
-            out, lse = pallas.attention(q, k, v, tokens, tokens, scale=0.1, interpret=False,
-                                        spec=MaskSpec.make(causal=True, window=(64, 0)))
-            return out.sum() + lse.sum()
-
-        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
-
-    exported = jax.export.export(
-        jax.jit(grads), platforms=["cuda"],
-        disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-    )(q, k, v, ids, ids)
-    module = exported.mlir_module()
-    for name in ("seqpar_flash_forward", "seqpar_flash_dq", "seqpar_flash_dkv"):
-        assert f'name = "{name}"' in module
-
-
-def test_pallas_validation():
-    pallas = kernels.get("pallas")
-    with pytest.raises(ValueError, match="block_q=0"):
-        pallas.BlockSizes(block_q=0)
-    q = jnp.zeros((1, 32, 3, 16))
-    k = jnp.zeros((1, 32, 2, 16))
-    tokens = Tokens(jnp.zeros((1, 32), jnp.int32))
-    with pytest.raises(ValueError, match="heads=3 must be a multiple of kv_heads=2"):
-        pallas.forward(q, k, k, tokens, tokens, spec=MaskSpec(), scale=1.0)
-    with pytest.raises(ValueError, match="power of two >= 16"):
-        pallas.forward(q, q, q, tokens, tokens, spec=MaskSpec(), scale=1.0, interpret=False,
-                       block_sizes=pallas.BlockSizes(block_q=24))
-    with pytest.raises(ValueError, match="share one of"):
-        pallas.forward(q, q.astype(jnp.bfloat16), q, tokens, tokens, spec=MaskSpec(), scale=1.0)
-
-
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", kc.KERNELS)
 def test_backward_accumulates(kernel):
     """``backward(..., accumulate=g)`` returns the gradients plus ``g`` (ragged tiles too)."""
     module = kernels.get(kernel)
-    case = Case(q_len=37, heads=4, kv_heads=2, causal=True, segments=True)
-    spec = MaskSpec.make(case.causal, case.window)
-    q_tokens, kv_tokens = _tokens(case)
-    (q, k, v), (dout, _) = _inputs(case, jnp.float32)
-    block_sizes = module.BlockSizes(
-        **{f.name: BLOCK for f in dataclasses.fields(module.BlockSizes)})
-    kwargs = dict(spec=spec, scale=case.d_qk**-0.5, block_sizes=block_sizes)
-    out, lse = module.forward(q, k, v, q_tokens, kv_tokens, **kwargs)
-    delta = jnp.sum(dout * out, axis=-1)
-    args = (q, k, v, q_tokens, kv_tokens, lse, delta, dout)
-    plain = module.backward(*args, **kwargs)
-    totals = tuple(jax.random.normal(jax.random.key(i), g.shape) for i, g in enumerate(plain))
-    summed = module.backward(*args, accumulate=totals, **kwargs)
+    case = kc.for_kernel(Case(q_len=37, heads=4, kv_heads=2, causal=True, segments=True),
+                         kernel)
+    q_tokens, kv_tokens = kc.tokens(case)
+    (q, k, v), (dout, _) = kc.inputs(case, jnp.float32)
+    kwargs = dict(spec=MaskSpec.make(case.causal, case.window), scale=case.d_qk**-0.5,
+                  block_sizes=kc.block_sizes(kernel, case.tile))
+
+    @jax.jit
+    def plain_and_summed(q, k, v, totals):
+        out, lse = module.forward(q, k, v, q_tokens, kv_tokens, **kwargs)
+        delta = jnp.sum(dout * out, axis=-1)
+        args = (q, k, v, q_tokens, kv_tokens, lse, delta, dout)
+        return (module.backward(*args, **kwargs),
+                module.backward(*args, accumulate=totals, **kwargs))
+
+    totals = tuple(checks.normals((q.shape, k.shape, v.shape), seed=2))
+    plain, summed = plain_and_summed(q, k, v, totals)
     for got, grad, total in zip(summed, plain, totals):
         np.testing.assert_allclose(got, grad + total, atol=1e-5, rtol=1e-5)
 
@@ -384,14 +241,13 @@ def test_residual_out_is_kept_in_the_input_dtype(kernel):
     module = importlib.import_module(f"jax_seqpar.kernels.{kernel}")
     extra = dict(interpret=True) if kernel == "pallas" else {}
     batch, seq, heads, kv_heads, d_qk, d_v = 1, 32, 4, 2, 32, 16  # out's shape is its own
-    keys = jax.random.split(jax.random.key(0), 3)
-    q = jax.random.normal(keys[0], (batch, seq, heads, d_qk), jnp.bfloat16)
-    k = jax.random.normal(keys[1], (batch, seq, kv_heads, d_qk), jnp.bfloat16)
-    v = jax.random.normal(keys[2], (batch, seq, kv_heads, d_v), jnp.bfloat16)
+    q, k, v = checks.normals([(batch, seq, heads, d_qk), (batch, seq, kv_heads, d_qk),
+                              (batch, seq, kv_heads, d_v)], jnp.bfloat16)
     tokens = Tokens(jnp.arange(seq, dtype=jnp.int32)[None])
-    (out, lse), vjp = jax.vjp(
+    # jitted (one program each way): the vjp function is a pytree of the residuals
+    (out, lse), vjp = jax.jit(lambda q, k, v: jax.vjp(
         lambda q, k, v: module.attention(q, k, v, tokens, tokens, spec=MaskSpec.make(True),
-                                         scale=0.25, **extra), q, k, v)
+                                         scale=0.25, **extra), q, k, v))(q, k, v)
     assert out.dtype == lse.dtype == jnp.float32
     residuals = [x for x in jax.tree.leaves(vjp) if hasattr(x, "dtype")]
     saved_out = [x for x in residuals if x.shape == (batch, seq, heads, d_v)]
@@ -400,5 +256,6 @@ def test_residual_out_is_kept_in_the_input_dtype(kernel):
     assert any(x.shape == (batch, seq, heads) and x.dtype == jnp.float32 for x in residuals)
     np.testing.assert_array_equal(np.asarray(saved_out[0], np.float32),
                                   np.asarray(out.astype(jnp.bfloat16), np.float32))
-    grads = vjp((jnp.ones_like(out), jnp.zeros_like(lse)))
+    grads = jax.jit(lambda vjp, cotangents: vjp(cotangents))(
+        vjp, (jnp.ones_like(out), jnp.zeros_like(lse)))
     assert [g.dtype for g in grads] == [jnp.bfloat16] * 3

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import checks
 from jax_seqpar.core import layout
 
 NUM_SHARDS = 8
@@ -36,7 +37,7 @@ def _per_shard(f, mesh):
 @pytest.mark.parametrize("num_shards", [1, 2, 3, 8])
 @pytest.mark.parametrize("axis", [0, 1, -1])
 def test_permute_round_trip(num_shards, axis):
-    x = jax.random.normal(jax.random.key(0), (4 * num_shards, 4 * num_shards, 2 * num_shards))
+    x = checks.normal((4 * num_shards, 4 * num_shards, 2 * num_shards))
     y = layout.zigzag_permute(x, num_shards, axis=axis)
     assert y.shape == x.shape and y.dtype == x.dtype
     np.testing.assert_array_equal(layout.zigzag_unpermute(y, num_shards, axis=axis), x)
@@ -104,7 +105,7 @@ def test_shard_positions(mesh_kind, layout_name):
 @pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
 def test_to_and_from_zigzag_match_global_permutation(mesh_kind):
     mesh, place = _sharded(mesh_kind)
-    x = jax.random.normal(jax.random.key(1), (2, 6 * NUM_SHARDS, 3, 5))
+    x = checks.normal((2, 6 * NUM_SHARDS, 3, 5), seed=1)
     to_zigzag = _per_shard(functools.partial(layout.to_zigzag, axis_name="sp"), mesh)
     from_zigzag = _per_shard(functools.partial(layout.from_zigzag, axis_name="sp"), mesh)
     with _mesh_context(mesh_kind, mesh):
@@ -134,7 +135,7 @@ def test_to_zigzag_odd_local_length_raises():
 @pytest.mark.parametrize("mesh_kind", ["auto", "explicit"])
 def test_to_zigzag_gradient(mesh_kind):
     mesh, place = _sharded(mesh_kind)
-    x = jax.random.normal(jax.random.key(2), (2, 4 * NUM_SHARDS, 3))
+    x = checks.normal((2, 4 * NUM_SHARDS, 3), seed=2)
     weights = jnp.arange(x.size, dtype=x.dtype).reshape(x.shape) / x.size
     to_zigzag = _per_shard(functools.partial(layout.to_zigzag, axis_name="sp"), mesh)
 

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+pytestmark = pytest.mark.compile_gate
 pytest.importorskip("libtpu", reason="compiling for TPU needs libtpu (jax[tpu])")
 # Several compile-only processes may load libtpu at once on a shared host.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")

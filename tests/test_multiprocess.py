@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+pytestmark = pytest.mark.multiprocess
+
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "hybrid_two_process.py")
 TIMEOUT_S = 300
 

@@ -24,6 +24,7 @@ def test_the_experiment_notebooks_exist():
     assert {"comm_volume.ipynb", "memory_scaling.ipynb", "load_balance.ipynb"} <= names, names
 
 
+@pytest.mark.experiments
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=[path.stem for path in NOTEBOOKS])
 def test_notebook_executes(path, monkeypatch):
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(

@@ -1,128 +1,62 @@
-"""The Pallas kernel (interpret mode) on every head dim it supports, softcap and decode rows.
+"""What only the Pallas (Triton) kernel has: every head dim it is built for, decode rows,
+its tile bounds, its validation and its Triton lowering.
 
-Each case checks ``out``, ``lse`` and the gradients of a random-weighted sum of both
-w.r.t. q, k and v against :mod:`jax_seqpar.core.reference`, with 16-token tiles so a few
-dozen tokens give several tiles and a ragged tail. Each head-dim case also carries a
-different mask / GQA combination, so the suite stays small.
+Head-dim and decode cases are cases of the kernel matrix (``tests/kernel_cases.py``):
+``out``, ``lse`` and the gradients of a random-weighted sum of both against
+:mod:`jax_seqpar.core.reference`, with 16-token tiles, in the Pallas interpreter. Each
+head-dim case also carries a different mask / GQA combination, so the suite stays small.
+The kernel on the common matrix is in ``test_kernels.py``; its compilation for H100 and
+A100 in the compile gate.
 """
 
 from __future__ import annotations
-
-from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jax_seqpar.core import reference
-from jax_seqpar.kernels.gpu import _core as _pallas_core, pallas
+import kernel_cases as kc
+from jax_seqpar.core import masks
 from jax_seqpar.core.masks import MaskSpec, Tokens
+from jax_seqpar.kernels.gpu import _core as _pallas_core, pallas
+from jax_seqpar.kernels.tiling import Tiling
+from kernel_cases import Case
 
-BLOCKS = pallas.BlockSizes(16, 16, 16, 16)
 
-
-class Case(NamedTuple):
-    d_qk: int
-    d_v: int
-    heads: int = 2
-    kv_heads: int = 1
-    q_len: int = 24
-    kv_len: int = 24
-    causal: bool = False
-    window: Optional[tuple[int, int]] = None
-    segments: bool = False  # a second document starts at key 10
-    softcap: Optional[float] = None
+def _head_dims(d_qk, d_v, heads=2, kv_heads=1, q_len=24, kv_len=24, **mask):
+    return Case(batch=1, q_len=q_len, kv_len=kv_len, heads=heads, kv_heads=kv_heads,
+                d_qk=d_qk, d_v=d_v, **mask)
 
 
 HEAD_DIM_CASES = [
-    pytest.param(Case(64, 64, heads=4, window=(5, 3)), id="64-mqa-window"),
-    pytest.param(Case(80, 80, heads=4, kv_heads=2, causal=True, segments=True),
-                 id="80-gqa-causal-segments"),
-    pytest.param(Case(96, 96, q_len=20, kv_len=40, causal=True), id="96-cross"),
-    pytest.param(Case(128, 128, causal=True, window=(9, 0)), id="128-causal-window"),
-    pytest.param(Case(192, 192, kv_heads=2, segments=True), id="192-segments"),
-    pytest.param(Case(256, 256, causal=True), id="256-causal"),
-    pytest.param(Case(192, 128, heads=4, causal=True), id="192_128-deepseek"),
-    pytest.param(Case(576, 512, heads=4, causal=True), id="576_512-mla"),
+    pytest.param(_head_dims(64, 64, heads=4, window=(5, 3)), id="64-mqa-window"),
+    pytest.param(_head_dims(80, 80, heads=4, kv_heads=2, causal=True, segments=True),
+                 id="80-gqa-causal-segments", marks=pytest.mark.interpret),
+    pytest.param(_head_dims(96, 96, q_len=20, kv_len=40, causal=True), id="96-cross",
+                 marks=pytest.mark.interpret),
+    pytest.param(_head_dims(128, 128, causal=True, window=(9, 0)), id="128-causal-window",
+                 marks=pytest.mark.interpret),
+    pytest.param(_head_dims(192, 192, kv_heads=2, segments=True), id="192-segments",
+                 marks=pytest.mark.interpret),
+    pytest.param(_head_dims(256, 256, causal=True), id="256-causal",
+                 marks=pytest.mark.interpret),
+    pytest.param(_head_dims(192, 128, heads=4, causal=True), id="192_128-deepseek",
+                 marks=pytest.mark.interpret),
+    pytest.param(_head_dims(576, 512, heads=4, causal=True), id="576_512-mla"),
 ]
-
-
-def _tokens(case: Case):
-    kv_positions = jnp.arange(case.kv_len, dtype=jnp.int32)[None]
-    q_positions = kv_positions[:, case.kv_len - case.q_len:]
-    if not case.segments:
-        return Tokens(q_positions), Tokens(kv_positions)
-    kv_segments = (kv_positions >= 10).astype(jnp.int32)
-    return (Tokens(q_positions, kv_segments[:, case.kv_len - case.q_len:]),
-            Tokens(kv_positions, kv_segments))
-
-
-def _inputs(case: Case, dtype):
-    keys = jax.random.split(jax.random.key(case.d_qk + case.heads), 5)
-    q = jax.random.normal(keys[0], (1, case.q_len, case.heads, case.d_qk), dtype)
-    k = jax.random.normal(keys[1], (1, case.kv_len, case.kv_heads, case.d_qk), dtype)
-    v = jax.random.normal(keys[2], (1, case.kv_len, case.kv_heads, case.d_v), dtype)
-    weights = (jax.random.normal(keys[3], (1, case.q_len, case.heads, case.d_v)),
-               jax.random.normal(keys[4], (1, case.q_len, case.heads)))
-    return (q, k, v), weights
-
-
-def _value_and_grads(attend, inputs, weights):
-    def loss(q, k, v):
-        out, lse = attend(q, k, v)
-        value = jnp.sum(out.astype(jnp.float32) * weights[0]) + jnp.sum(lse * weights[1])
-        return value, (out, lse)
-
-    grads, (out, lse) = jax.jit(jax.grad(loss, argnums=(0, 1, 2), has_aux=True))(*inputs)
-    return out, lse, grads
-
-
-def _check(case: Case, dtype, tolerances):
-    q_tokens, kv_tokens = _tokens(case)
-    spec = MaskSpec.make(case.causal, case.window)
-    scale = case.d_qk**-0.5
-    inputs, weights = _inputs(case, dtype)
-
-    def kernel(q, k, v):
-        return pallas.attention(q, k, v, q_tokens, kv_tokens, spec=spec, scale=scale,
-                                softcap=case.softcap, block_sizes=BLOCKS)
-
-    def expected(q, k, v):
-        return reference.attention(
-            *(x.astype(jnp.float32) for x in (q, k, v)), causal=case.causal,
-            window=case.window, scale=scale, softcap=case.softcap,
-            positions=q_tokens.positions, segment_ids=q_tokens.segment_ids,
-            kv_positions=kv_tokens.positions, kv_segment_ids=kv_tokens.segment_ids,
-            return_lse=True)
-
-    got = _value_and_grads(kernel, inputs, weights)
-    wanted = _value_and_grads(expected, inputs, weights)
-    assert got[0].shape == (1, case.q_len, case.heads, case.d_v)
-    assert [g.dtype for g in got[2]] == [dtype] * 3
-    for name, a, b in zip(("out", "lse", "dq", "dk", "dv"), jax.tree.leaves(got),
-                          jax.tree.leaves(wanted)):
-        kind = "grad" if name.startswith("d") else "out"
-        np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
-                                   err_msg=name, **tolerances(dtype, kind))
 
 
 @pytest.mark.parametrize("case", HEAD_DIM_CASES)
 def test_head_dims(case, tolerances):
-    _check(case, jnp.float32, tolerances)
-
-
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_softcap(dtype, tolerances):
-    """Softcap 2.0 bends scores of size ~1-3: fwd and the (1 - tanh^2) backward."""
-    _check(Case(32, 32, heads=4, kv_heads=2, causal=True, segments=True, softcap=2.0), dtype,
-           tolerances)
+    kc.check("pallas", case, jnp.float32, tolerances)
 
 
 def test_decode_rows_fold_the_group(tolerances):
     """Two new tokens of an 8-head MQA group share one K/V pass (fold), exact."""
     assert _pallas_core.folds_group(2, 8, 1)
-    _check(Case(64, 64, heads=8, q_len=2, kv_len=40, causal=True), jnp.float32, tolerances)
+    kc.check("pallas", _head_dims(64, 64, heads=8, q_len=2, kv_len=40, causal=True),
+             jnp.float32, tolerances)
 
 
 def test_decode_splits_the_cache(monkeypatch, tolerances):
@@ -134,8 +68,9 @@ def test_decode_splits_the_cache(monkeypatch, tolerances):
     assert _pallas_core.kv_splits(256, 1, 65536, 64) == 1  # the GPU is full
     monkeypatch.setattr(_pallas_core, "MIN_SPLIT_KEYS", 16)
     assert _pallas_core.kv_splits(1, 1, 45, 16) == 2
-    _check(Case(64, 64, heads=4, kv_heads=1, q_len=1, kv_len=45, causal=True, segments=True),
-           jnp.float32, tolerances)  # MQA group folded, then 2 runs of 23 keys
+    # MQA group folded, then 2 runs of 23 keys
+    kc.check("pallas", _head_dims(64, 64, heads=4, q_len=1, kv_len=45, causal=True,
+                                  segments=True), jnp.float32, tolerances)
 
 
 def test_head_dim_chunks():
@@ -154,47 +89,9 @@ def test_row_bounds():
                                   [[0, 0, 2, 3], [0, 1, 3, 4], [1, 4, 4, 4], [0, 0, 0, 0]])
 
 
-def test_softcap_validation():
-    q = jnp.zeros((1, 16, 1, 16))
-    tokens = Tokens(jnp.zeros((1, 16), jnp.int32))
-    with pytest.raises(ValueError, match="softcap must be a positive float"):
-        pallas.forward(q, q, q, tokens, tokens, spec=MaskSpec(), scale=1.0, softcap=-1.0)
-
-
-def test_lowering_follows_the_platform():
-    """With ``interpret=None`` the kernel is Triton when lowered for CUDA and the
-    interpreter when lowered for CPU, whatever the default backend (here CPU)."""
-    q = jax.ShapeDtypeStruct((1, 32, 2, 80), jnp.bfloat16)
-    ids = jax.ShapeDtypeStruct((1, 32), jnp.int32)
-
-    def grads(q, positions):
-        tokens = Tokens(positions)
-
-        def loss(q):
-            out, lse = pallas.attention(q, q, q, tokens, tokens, scale=0.1,
-                                        spec=MaskSpec.make(causal=True))
-            return out.sum() + lse.sum()
-
-        return jax.grad(loss)(q)
-
-    def module(platform):
-        return jax.export.export(
-            jax.jit(grads), platforms=[platform],
-            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
-        )(q, ids).mlir_module()
-
-    cuda, cpu = module("cuda"), module("cpu")
-    for name in ("seqpar_flash_forward", "seqpar_flash_dq", "seqpar_flash_dkv"):
-        assert f'name = "{name}"' in cuda
-    assert "__gpu$xla.gpu.triton" in cuda and "__gpu$xla.gpu.triton" not in cpu
-
-
 @pytest.mark.parametrize("by_key", [False, True])
 def test_tile_bounds_in_chunks(by_key, monkeypatch):
     """Bounds built a few rows at a time (remainder included) match the whole table's."""
-    from jax_seqpar.core import masks
-    from jax_seqpar.kernels.tiling import Tiling
-
     monkeypatch.setattr(_pallas_core, "BOUNDS_CHUNK", 3)
     positions = jnp.arange(112, dtype=jnp.int32)[None]
     tokens = Tokens(positions, (positions // 40).astype(jnp.int32))
@@ -204,3 +101,55 @@ def test_tile_bounds_in_chunks(by_key, monkeypatch):
     expected = _pallas_core.row_bounds(classes.T if by_key else classes)
     np.testing.assert_array_equal(
         _pallas_core.tile_bounds(spec, t, tokens, tokens, by_key=by_key), expected)
+
+
+def test_validation():
+    with pytest.raises(ValueError, match="block_q=0"):
+        pallas.BlockSizes(block_q=0)
+    q = jnp.zeros((1, 32, 3, 16))
+    k = jnp.zeros((1, 32, 2, 16))
+    tokens = Tokens(jnp.zeros((1, 32), jnp.int32))
+    with pytest.raises(ValueError, match="heads=3 must be a multiple of kv_heads=2"):
+        pallas.forward(q, k, k, tokens, tokens, spec=MaskSpec(), scale=1.0)
+    with pytest.raises(ValueError, match="power of two >= 16"):
+        pallas.forward(q, q, q, tokens, tokens, spec=MaskSpec(), scale=1.0, interpret=False,
+                       block_sizes=pallas.BlockSizes(block_q=24))
+    with pytest.raises(ValueError, match="share one of"):
+        pallas.forward(q, q.astype(jnp.bfloat16), q, tokens, tokens, spec=MaskSpec(), scale=1.0)
+    with pytest.raises(ValueError, match="softcap must be a positive float"):
+        pallas.forward(q, q, q, tokens, tokens, spec=MaskSpec(), scale=1.0, softcap=-1.0)
+
+
+@pytest.mark.parametrize("interpret", [None, False])
+def test_lowering_follows_the_platform(interpret):
+    """Forward and both backward kernels lower to Triton (GPU) IR without a GPU: with
+    ``interpret=None`` when lowered for CUDA (the interpreter when lowered for CPU,
+    whatever the default backend, here CPU), and with ``interpret=False`` always.
+    Ragged length, GQA and odd head dims; compiling them is the compile gate's."""
+    q = jax.ShapeDtypeStruct((1, 200, 6, 40), jnp.bfloat16)
+    k = jax.ShapeDtypeStruct((1, 200, 2, 40), jnp.bfloat16)
+    v = jax.ShapeDtypeStruct((1, 200, 2, 24), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((1, 200), jnp.int32)
+
+    def grads(q, k, v, positions, segment_ids):
+        tokens = Tokens(positions, segment_ids)
+
+        def loss(q, k, v):
+            out, lse = pallas.attention(q, k, v, tokens, tokens, scale=0.1, interpret=interpret,
+                                        spec=MaskSpec.make(causal=True, window=(64, 0)))
+            return out.sum() + lse.sum()
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    def module(platform):
+        return jax.export.export(
+            jax.jit(grads), platforms=[platform],
+            disabled_checks=[jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")],
+        )(q, k, v, ids, ids).mlir_module()
+
+    cuda = module("cuda")
+    for name in ("seqpar_flash_forward", "seqpar_flash_dq", "seqpar_flash_dkv"):
+        assert f'name = "{name}"' in cuda
+    assert "__gpu$xla.gpu.triton" in cuda
+    if interpret is None:
+        assert "__gpu$xla.gpu.triton" not in module("cpu")

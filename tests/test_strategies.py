@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
+import checks
 import jax_seqpar as sp
+import kernel_cases as kc
 from jax_seqpar.core import reference
 
 B, S, H, D = 2, 64, 8, 16
@@ -23,37 +25,14 @@ def _mesh(strategy):
     return jax.sharding.Mesh(devices, ("sp",)), "sp"
 
 
-def _segments(batch, seq, seed=3):
-    """Packed documents: sorted random ids, a different packing per row."""
-    ids = jax.random.randint(jax.random.key(seed), (batch, seq), 0, 4)
-    return jnp.sort(ids, axis=1).astype(jnp.int32)
-
-
-def _loss(fn, weights):
-    return lambda q, k, v: jnp.sum(fn(q, k, v).astype(jnp.float32) * weights)
-
-
 def _check(strategy, q, k, v, tolerances, *, layout="auto", kernel="auto", block_sizes=None,
            **mask):
     mesh, axes = _mesh(strategy)
     ours = functools.partial(sp.sequence_parallel_attention, mesh=mesh, seq_axes=axes,
                              strategy=strategy, layout=layout, kernel=kernel,
                              block_sizes=block_sizes, **mask)
-    theirs = functools.partial(reference.attention, **mask)
-    out = jax.jit(ours)(q, k, v)
-    expected = theirs(q.astype(jnp.float32), k.astype(jnp.float32), v.astype(jnp.float32))
-    assert out.shape == expected.shape and out.dtype == q.dtype
-    np.testing.assert_allclose(out.astype(jnp.float32), expected, **tolerances(q.dtype))
-
-    weights = jax.random.normal(jax.random.key(7), out.shape)
-    grads = jax.jit(jax.grad(_loss(ours, weights), argnums=(0, 1, 2)))(q, k, v)
-    expected_grads = jax.grad(_loss(theirs, weights), argnums=(0, 1, 2))(
-        *(x.astype(jnp.float32) for x in (q, k, v)))
-    for name, got, want in zip("qkv", grads, expected_grads):
-        assert got.shape == want.shape and got.dtype == q.dtype, name
-        scale = max(1.0, float(jnp.abs(want).max()))
-        np.testing.assert_allclose(got.astype(jnp.float32) / scale, want / scale,
-                                   **tolerances(q.dtype, "grad"), err_msg=f"d{name}")
+    checks.assert_matches(ours, functools.partial(reference.attention, **mask), (q, k, v),
+                          tolerances)
 
 
 CASES = [
@@ -76,7 +55,7 @@ def test_matches_reference_fp32(strategy, shape, mask, make_qkv, tolerances):
     q, k, v = make_qkv(batch=B, seq=S, heads=H, head_dim=D, **shape)
     mask = dict(mask)
     if mask.pop("segments", False):
-        mask["segment_ids"] = _segments(B, S)
+        mask["segment_ids"] = checks.segments(B, S)
     _check(strategy, q, k, v, tolerances, **mask)
 
 
@@ -85,13 +64,13 @@ def test_matches_reference_fp32(strategy, shape, mask, make_qkv, tolerances):
 def test_layouts(strategy, layout, make_qkv, tolerances):
     q, k, v = make_qkv(batch=B, seq=S, heads=H, kv_heads=2, head_dim=D, seed=1)
     _check(strategy, q, k, v, tolerances, layout=layout, causal=True,
-           segment_ids=_segments(B, S, seed=5))
+           segment_ids=checks.segments(B, S, seed=5))
 
 
 @pytest.mark.parametrize("strategy", STRATEGY_NAMES)
 def test_bf16(strategy, make_qkv, tolerances):
     q, k, v = make_qkv(batch=B, seq=S, heads=H, kv_heads=2, head_dim=D, dtype=jnp.bfloat16)
-    _check(strategy, q, k, v, tolerances, causal=True, segment_ids=_segments(B, S))
+    _check(strategy, q, k, v, tolerances, causal=True, segment_ids=checks.segments(B, S))
 
 
 def _plain_scan_ring(q, k, v, tokens, *, axis_name, options):
@@ -122,7 +101,7 @@ def test_custom_ring_backward_matches_autodiff_of_plain_ring(causal, make_qkv):
     from jax_seqpar.strategies.inputs import Options, shard_tokens
 
     q, k, v = make_qkv(batch=B, seq=S, heads=H, kv_heads=2, head_dim=D, v_head_dim=8, seed=4)
-    segment_ids = _segments(B, S, seed=9)
+    segment_ids = checks.segments(B, S, seed=9)
     mesh, axes = _mesh("ring")
 
     def plain(q, k, v, segment_ids):
@@ -133,7 +112,7 @@ def test_custom_ring_backward_matches_autodiff_of_plain_ring(causal, make_qkv):
     def ours(q, k, v, segment_ids):
         return sp.ring_attention(q, k, v, seq_axes=axes, causal=causal, segment_ids=segment_ids)
 
-    weights = jax.random.normal(jax.random.key(2), q.shape[:3] + (8,))
+    weights = checks.normal(q.shape[:3] + (8,), seed=2)
     grads = []
     for fn in (plain, ours):
         mapped = jax.shard_map(fn, mesh=mesh, in_specs=(P(None, axes),) * 4,
@@ -201,7 +180,7 @@ def test_decode_matches_reference(kernel, make_qkv, tolerances):
 
     capacity, new = 64, 2
     _, k, v = make_qkv(batch=3, seq=capacity, heads=4, kv_heads=2, head_dim=D, seed=6)
-    q = jax.random.normal(jax.random.key(8), (3, new, 4, D))
+    q = checks.normal((3, new, 4, D), seed=8)
     kv_length = jnp.array([64, 20, 3], jnp.int32)  # full, mid-shard, first shard only
     mesh, axes = _mesh("ring")
     f = jax.shard_map(
@@ -255,12 +234,14 @@ def test_bad_input_raises_value_error(kwargs, message):
         sp.sequence_parallel_attention(q, k, v, mesh=mesh, strategy=strategy, **kwargs)
 
 
+@pytest.mark.parametrize("kernel", ["pallas", "mosaic"])
 @pytest.mark.parametrize("strategy", STRATEGY_NAMES)
-def test_pallas_kernel_end_to_end(strategy, make_qkv, tolerances):
-    """Every strategy runs on the Pallas kernel (interpret mode on CPU): out and grads."""
+def test_interpreted_kernels_end_to_end(strategy, kernel, make_qkv, tolerances):
+    """Every strategy runs on the Pallas and the Mosaic kernel (the Pallas interpreter on
+    CPU; Mosaic at 128-token tiles): causal GQA with packed documents, out and grads."""
     q, k, v = make_qkv(batch=1, seq=S, heads=H, kv_heads=2, head_dim=D, seed=11)
-    _check(strategy, q, k, v, tolerances, causal=True, segment_ids=_segments(1, S),
-           kernel="pallas")
+    _check(strategy, q, k, v, tolerances, causal=True, segment_ids=checks.segments(1, S),
+           kernel=kernel, block_sizes=kc.block_sizes(kernel, 128) if kernel == "mosaic" else None)
 
 
 @pytest.mark.parametrize("strategy", STRATEGY_NAMES)
@@ -271,7 +252,7 @@ def test_many_tiles_per_shard(strategy, make_qkv, tolerances):
     seq = 256
     q, k, v = make_qkv(batch=1, seq=seq, heads=H, kv_heads=2, head_dim=D, seed=12)
     _check(strategy, q, k, v, tolerances, kernel="xla", block_sizes=BlockSizes(16, 16, 8, 32),
-           causal=True, segment_ids=_segments(1, seq, seed=13))
+           causal=True, segment_ids=checks.segments(1, seq, seed=13))
 
 
 def test_tensor_parallel_heads_with_replicated_gqa_kv(make_qkv, tolerances):

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
+import checks
 import jax_seqpar as sp
 from jax_seqpar.strategies import halo, registry
 from jax_seqpar.tools import hlo
@@ -25,11 +26,6 @@ from jax_seqpar import comm_bytes
 
 B, S, H, D, DV = 1, 128, 8, 16, 8
 SINKS = jnp.array([0.5, -1.0, 2.0, 0.0, 1.5, -3.0, 0.25, 4.0], jnp.float32)
-
-
-def _segments(seq, seed=3):
-    ids = jax.random.randint(jax.random.key(seed), (B, seq), 0, 3)
-    return jnp.sort(ids, axis=1).astype(jnp.int32)
 
 
 def _order(name, num_shards=8):
@@ -56,13 +52,10 @@ def _check(strategy, tolerances, *, order="contiguous", kv_heads=2, use_sinks=Tr
            **options):
     """Run ``strategy`` on tokens in ``order`` and compare out and d(q, k, v, sinks)."""
     mesh, fn, axes = _per_shard(strategy)
-    kq, kk, kv, kw = jax.random.split(jax.random.key(len(str(options))), 4)
-    q = jax.random.normal(kq, (B, S, H, D), dtype)
-    k = jax.random.normal(kk, (B, S, kv_heads, D), dtype)
-    v = jax.random.normal(kv, (B, S, kv_heads, DV), dtype)
-    weights = jax.random.normal(kw, (B, S, H, DV))
+    q, k, v = checks.normals([(B, S, H, D), (B, S, kv_heads, D), (B, S, kv_heads, DV)], dtype,
+                             seed=len(str(options)))
     positions = jnp.broadcast_to(_order(order), (B, S))
-    segment_ids = _segments(S)[:, positions[0]] if segments else None
+    segment_ids = checks.segments(B, S, documents=3)[:, positions[0]] if segments else None
     # Default positions (None) are the contiguous split; anything else is passed.
     given = positions if (order != "contiguous" or pass_positions) else None
     seq = P(None, axes)
@@ -83,25 +76,10 @@ def _check(strategy, tolerances, *, order="contiguous", kv_heads=2, use_sinks=Tr
         return reference.attention(q, k, v, positions=positions, segment_ids=segment_ids,
                                    sinks=sinks if use_sinks else None, **options)
 
-    out = jax.jit(ours)(q, k, v, SINKS)
-    expected = jax.jit(theirs)(q, k, v, SINKS)
-    assert out.shape == expected.shape and out.dtype == q.dtype
-    np.testing.assert_allclose(out.astype(jnp.float32), expected, **tolerances(q.dtype))
-
-    def loss(fn):
-        return lambda *args: jnp.sum(fn(*args).astype(jnp.float32) * weights)
-
-    grads = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2, 3)))(q, k, v, SINKS)
-    expected_grads = jax.jit(jax.grad(loss(theirs), argnums=(0, 1, 2, 3)))(
-        *(x.astype(jnp.float32) for x in (q, k, v)), SINKS)
-    for name, got, want in zip(["q", "k", "v", "sinks"], grads, expected_grads):
-        assert got.shape == want.shape and got.dtype == (q.dtype if name != "sinks"
-                                                         else SINKS.dtype), name
-        scale = max(1.0, float(jnp.abs(want).max()))
-        np.testing.assert_allclose(got.astype(jnp.float32) / scale, want / scale,
-                                   **tolerances(q.dtype, "grad"), err_msg=f"d{name}")
+    _, grads = checks.assert_matches(ours, theirs, (q, k, v, SINKS), tolerances,
+                                     argnums=(0, 1, 2, 3))
     if use_sinks:
-        assert float(jnp.abs(grads[3]).max()) > 1e-3  # the sinks really are used
+        assert np.abs(np.asarray(grads[3])).max() > 1e-3  # the sinks really are used
 
 
 CASES = [
@@ -143,10 +121,8 @@ def test_matches_reference(strategy, options, tolerances):
 
 def test_decode_sinks_softcap(tolerances):
     capacity, new = 64, 2
-    kq, kk, kv = jax.random.split(jax.random.key(6), 3)
-    q = jax.random.normal(kq, (2, new, H, D))
-    k = jax.random.normal(kk, (2, capacity, 2, D))
-    v = jax.random.normal(kv, (2, capacity, 2, DV))
+    q, k, v = checks.normals([(2, new, H, D), (2, capacity, 2, D), (2, capacity, 2, DV)],
+                             seed=6)
     kv_length = jnp.array([64, 3], jnp.int32)
     mesh = Mesh(np.array(jax.devices()), ("sp",))
     f = jax.shard_map(
@@ -166,10 +142,8 @@ def test_decode_sinks_softcap(tolerances):
 
 def test_xla_kernel_softcap_out_lse_and_grads(tolerances):
     """The kernel alone: soft-capped logits, lse, and gradients through out AND lse."""
-    kq, kk, kv = jax.random.split(jax.random.key(1), 3)
-    q = 3 * jax.random.normal(kq, (2, 40, 4, D))
-    k = jax.random.normal(kk, (2, 40, 2, D))
-    v = jax.random.normal(kv, (2, 40, 2, DV))
+    q, k, v = checks.normals([(2, 40, 4, D), (2, 40, 2, D), (2, 40, 2, DV)], seed=1)
+    q = 3 * q
     tokens = Tokens(jnp.broadcast_to(jnp.arange(40, dtype=jnp.int32), (2, 40)))
     spec = MaskSpec.make(True, (9, 0))
 

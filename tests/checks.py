@@ -1,0 +1,96 @@
+"""Inputs made on the host, and the one comparison of a function against the reference.
+
+Inputs are drawn with numpy, not ``jax.random``: an eager JAX op compiles a program for
+every new shape and dtype (about 0.2 s each on CPU), and the suite makes inputs of
+hundreds of shapes. A function under test runs as one jitted program that returns its
+output and its vector-Jacobian product (never a second program for the gradients), and
+so does the reference, in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+
+def normals(shapes: Sequence[Sequence[int]], dtype=jnp.float32, seed: int = 0) -> list:
+    """Standard-normal ``dtype`` arrays of ``shapes``, drawn on the host in turn."""
+    rng = np.random.default_rng(seed)
+    return [jnp.asarray(rng.standard_normal(tuple(shape), np.float32).astype(jnp.dtype(dtype)))
+            for shape in shapes]
+
+
+def normal(shape: Sequence[int], dtype=jnp.float32, seed: int = 0) -> jax.Array:
+    """Standard-normal ``dtype[shape]``, drawn on the host."""
+    return normals([shape], dtype, seed)[0]
+
+
+def segments(batch: int, seq: int, seed: int = 3, documents: int = 4) -> jax.Array:
+    """``int32[batch, seq]`` packed documents: sorted random ids below ``documents``, a
+    different packing per row."""
+    ids = np.random.default_rng(seed).integers(0, documents, (batch, seq))
+    return jnp.asarray(np.sort(ids, axis=1), jnp.int32)
+
+
+def with_vjp(fn: Callable, argnums=(0, 1, 2)) -> Callable:
+    """``(args, cotangent) -> (fn(*args), the vjp of cotangent w.r.t. args[argnums])``;
+    ``cotangent=None``: no vjp (None)."""
+
+    def run(args, cotangent):
+        def on(*diff):
+            full = list(args)
+            for i, x in zip(argnums, diff):
+                full[i] = x
+            return fn(*full)
+
+        if cotangent is None:
+            return on(*(args[i] for i in argnums)), None
+        out, vjp = jax.vjp(on, *(args[i] for i in argnums))
+        return out, vjp(cotangent)
+
+    return run
+
+
+def out_and_vjp(fn: Callable, args: tuple, cotangent, argnums=(0, 1, 2)):
+    """``(fn(*args), its vjp of cotangent w.r.t. args[argnums])``, in one jitted program."""
+    return jax.jit(with_vjp(fn, argnums))(tuple(args), cotangent)
+
+
+def upcast(args: tuple) -> tuple:
+    """``args`` with every floating array in float32 (what the reference is given)."""
+    return tuple(x.astype(jnp.float32) if jnp.issubdtype(x.dtype, jnp.floating) else x
+                 for x in args)
+
+
+def assert_close(out, grads, expected, expected_grads, tolerances, *, args, argnums=(0, 1, 2)):
+    """Shapes and dtypes first (``out`` in ``args[0]``'s dtype, each gradient in its
+    argument's), then values: ``out`` within the out tolerance of that dtype, each
+    gradient divided by ``max(1, |expected|)`` within the gradient one."""
+    dtype = args[0].dtype
+    assert out.shape == expected.shape and out.dtype == dtype, (
+        out.shape, out.dtype, expected.shape, dtype)
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32),
+                               **tolerances(dtype))
+    assert len(grads) == len(expected_grads)
+    for i, got, want in zip(argnums, grads, expected_grads):
+        want = np.asarray(want, np.float32)
+        assert got.shape == want.shape and got.dtype == args[i].dtype, (
+            i, got.shape, got.dtype, want.shape, args[i].dtype)
+        scale = max(1.0, float(np.abs(want).max()))
+        np.testing.assert_allclose(np.asarray(got, np.float32) / scale, want / scale,
+                                   **tolerances(got.dtype, "grad"), err_msg=f"gradient {i}")
+
+
+def assert_matches(ours: Callable, reference: Callable, args: tuple, tolerances, *,
+                   argnums=(0, 1, 2), seed: int = 7):
+    """``ours(*args)`` and its gradients (w.r.t. ``args[argnums]``, for a random cotangent)
+    equal ``reference``'s on the float32-upcast arguments; ``out`` keeps ``args[0]``'s
+    dtype and each gradient its argument's. Returns ``(out, grads)``."""
+    cotangent = normal(jax.eval_shape(reference, *upcast(args)).shape, jnp.float32, seed)
+    out, grads = out_and_vjp(ours, args, cotangent.astype(args[0].dtype), argnums)
+    expected, expected_grads = out_and_vjp(reference, upcast(args), cotangent, argnums)
+    assert_close(out, grads, expected, expected_grads, tolerances, args=args, argnums=argnums)
+    return out, grads
