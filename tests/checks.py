@@ -37,7 +37,8 @@ def segments(batch: int, seq: int, seed: int = 3, documents: int = 4) -> jax.Arr
 
 def with_vjp(fn: Callable, argnums=(0, 1, 2)) -> Callable:
     """``(args, cotangent) -> (fn(*args), the vjp of cotangent w.r.t. args[argnums])``;
-    ``cotangent=None``: no vjp (None)."""
+    ``cotangent=None``: no vjp (None). On Explicit meshes the cotangent is placed like
+    the output."""
 
     def run(args, cotangent):
         def on(*diff):
@@ -49,6 +50,9 @@ def with_vjp(fn: Callable, argnums=(0, 1, 2)) -> Callable:
         if cotangent is None:
             return on(*(args[i] for i in argnums)), None
         out, vjp = jax.vjp(on, *(args[i] for i in argnums))
+        sharding = jax.typeof(out).sharding  # an Explicit mesh's axes are in out's type:
+        if any(entry is not None for entry in getattr(sharding, "spec", ())):
+            cotangent = jax.reshard(cotangent, sharding)  # the cotangent carries them too
         return out, vjp(cotangent)
 
     return run

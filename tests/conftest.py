@@ -51,7 +51,7 @@ def pytest_configure(config):
 
 #: The slow tiers (``pyproject.toml`` describes each): a test marked with one of them is
 #: also marked ``slow``, which the default run (``addopts``: ``-m "not slow"``) leaves out.
-SLOW_TIERS = ("interpret", "compile_gate", "experiments", "multiprocess")
+SLOW_TIERS = ("interpret", "compile_gate", "experiments", "multiprocess", "matrix")
 
 
 @pytest.hookimpl(tryfirst=True)  # before pytest selects by marker
@@ -96,9 +96,11 @@ def make_qkv():
     return make
 
 
-@pytest.fixture(params=sorted(contexts.CONTEXTS))
+@pytest.fixture(params=contexts.tiered(0))
 def context(request):
     """A :class:`contexts.Context`: each global-API test runs once per way of calling
     (Explicit mesh inside ``jax.set_mesh``, Explicit without a context, Auto mesh, ``jit``
-    with replicated inputs, ``jit`` with sequence-sharded inputs and ``out_shardings``)."""
+    with replicated inputs, ``jit`` with sequence-sharded inputs and ``out_shardings``).
+    A test picks the context its default-tier run takes with
+    ``@pytest.mark.parametrize("context", contexts.tiered(i), indirect=True)``."""
     return contexts.Context(request.param)

@@ -20,6 +20,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
+import pytest
+
 import checks
 
 #: Each context: (mesh axis type, under jax.set_mesh, under jit, inputs placed).
@@ -30,6 +32,18 @@ CONTEXTS = {
     "jit-replicated": (AxisType.Explicit, True, True, "replicated"),
     "jit-sharded": (AxisType.Explicit, True, True, "sequence"),
 }
+
+
+NAMES = sorted(CONTEXTS)
+
+
+def tiered(default: int) -> list:
+    """Every context as a test parameter; all but ``NAMES[default % 5]`` are in the
+    ``matrix`` tier (CI), so the default tier runs each test in one context, and tests
+    that pass different ``default`` s cover every context between them."""
+    keep = NAMES[default % len(NAMES)]
+    return [pytest.param(name, id=name, marks=() if name == keep else pytest.mark.matrix)
+            for name in NAMES]
 
 
 def make_mesh(shape: tuple, names: tuple, axis_type=AxisType.Explicit) -> Mesh:

@@ -4,7 +4,8 @@ Each strategy runs under each context, at a length the devices divide and one th
 not; causal masking and the dtypes (float32, bfloat16, float16) rotate over the cases so
 that every strategy meets each (causal, dtype) pair and every context several. Out and
 gradients are compared against the float32 reference, and on Explicit meshes the output
-must carry the queries' sharding.
+must carry the queries' sharding. The default tier runs each strategy, and each other
+entry point, in one context (every context between them); the ``matrix`` tier the rest.
 """
 
 import functools
@@ -33,15 +34,26 @@ STRATEGIES = {
     "hybrid-2-axes": ((2, 4), ("dcn", "ici"), dict(strategy="hybrid")),
     "hybrid-1-axis": ((8,), ("sp",), dict(strategy="hybrid", ulysses_size=4)),
 }
-_MASK_DTYPES = list(itertools.product((True, False), (jnp.float32, jnp.bfloat16, jnp.float16)))
+F32, BF16, F16 = jnp.float32, jnp.bfloat16, jnp.float16
+#: strategy -> its default-tier context (every context once) and (causal, dtype) at each
+#: length (every strategy causal, every dtype several times).
+DEFAULT = {"ring": ("explicit-set-mesh", (True, BF16), (True, F16)),
+           "ulysses": ("auto", (True, F32), (False, F16)),
+           "allgather": ("explicit", (True, F16), (False, BF16)),
+           "hybrid-2-axes": ("jit-sharded", (False, F32), (True, BF16)),
+           "hybrid-1-axis": ("jit-replicated", (True, F16), (True, F32))}
+_MASK_DTYPES = list(itertools.product((True, False), (F32, BF16, F16)))
 
 
 def _cases():
     for s, strategy in enumerate(STRATEGIES):
-        for c, name in enumerate(sorted(contexts.CONTEXTS)):
+        for c, name in enumerate(contexts.NAMES):
             for n, seq in enumerate(LENGTHS):
-                causal, dtype = _MASK_DTYPES[(2 * c + n + s) % len(_MASK_DTYPES)]
+                default = DEFAULT[strategy][0] == name
+                causal, dtype = (DEFAULT[strategy][1 + n] if default else
+                                 _MASK_DTYPES[(2 * c + n + s) % len(_MASK_DTYPES)])
                 yield pytest.param(name, strategy, seq, causal, dtype,
+                                   marks=() if default else pytest.mark.matrix,
                                    id=f"{name}-{strategy}-S{seq}-"
                                       f"{'causal' if causal else 'full'}-{jnp.dtype(dtype).name}")
 
@@ -70,6 +82,7 @@ def _cache(mesh, q):
                                     head_dim=D, dtype=q.dtype)
 
 
+@pytest.mark.parametrize("context", contexts.tiered(2), indirect=True)
 def test_prefill_pads_in_every_context(context, make_qkv, tolerances):
     """A prompt the zigzag layout pads (24 tokens, 16 chunks) fills the cache and attends."""
     mesh = context.mesh()
@@ -82,6 +95,7 @@ def test_prefill_pads_in_every_context(context, make_qkv, tolerances):
                   tolerances, mesh=mesh, grads=False)
 
 
+@pytest.mark.parametrize("context", contexts.tiered(3), indirect=True)
 def test_decode_after_prefill_in_every_context(context, make_qkv, tolerances):
     mesh = context.mesh()
     q, k, v = make_qkv(batch=2, seq=21, heads=H, kv_heads=HKV, head_dim=D, dtype=jnp.bfloat16)
@@ -96,6 +110,7 @@ def test_decode_after_prefill_in_every_context(context, make_qkv, tolerances):
                   [:, 20:], tolerances, mesh=mesh, grads=False)
 
 
+@pytest.mark.parametrize("context", contexts.tiered(4), indirect=True)
 def test_flax_attention_fn_in_every_context(context, make_qkv, tolerances):
     mesh = context.mesh()
     q, k, v = make_qkv(batch=1, seq=60, heads=H, kv_heads=HKV, head_dim=D, dtype=jnp.bfloat16)
@@ -104,6 +119,7 @@ def test_flax_attention_fn_in_every_context(context, make_qkv, tolerances):
                   mesh=mesh)
 
 
+@pytest.mark.parametrize("context", contexts.tiered(0), indirect=True)
 def test_flax_self_attention_in_every_context(context, tolerances):
     mesh = context.mesh()
     x = checks.normal((2, 60, 32))
@@ -138,6 +154,7 @@ def test_no_mesh_attends_locally(make_qkv, tolerances):
     np.testing.assert_allclose(lse, want_lse, **tolerances(q.dtype))
 
 
+@pytest.mark.parametrize("context", contexts.tiered(1), indirect=True)
 def test_vmap_and_checkpoint_in_every_context(context, make_qkv, tolerances):
     """``jax.vmap`` over a leading axis and ``jax.checkpoint`` around the call."""
     mesh = context.mesh()

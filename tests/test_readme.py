@@ -58,7 +58,7 @@ SHELLS = ("bash", "sh", "shell", "console")
 # (pattern matched at the start of a command, why the test does not run it).
 SKIPPED = (
     (r"pip install\b", "installs the package; the tests run from the source tree"),
-    (r"pytest$", "runs the suite this test belongs to"),
+    (r"pytest\b", "runs the suite this test belongs to"),
     (r"jax-seqpar demo$", "trains the LM four times at its full size (minutes on CPU); "
                           "tests/test_cli.py::test_tiny_demo_writes_the_plot runs the demo "
                           "at tiny sizes"),

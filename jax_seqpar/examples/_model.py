@@ -59,7 +59,7 @@ class Parallelism:
       mesh: the device mesh, or ``None`` for no sequence parallelism.
       seq_axes: the mesh axis splitting the sequence, or ``(outer, inner)`` for hybrid.
       strategy: ``"auto"``, ``"ulysses"``, ``"ring"``, ``"hybrid"`` or ``"allgather"``.
-      kernel: the local attention kernel, ``"auto"``, ``"xla"`` or ``"pallas"``.
+      kernel: the local attention kernel, ``"auto"``, ``"xla"``, ``"pallas"`` or ``"mosaic"``.
       fsdp: also shard parameters and optimizer state over the mesh's devices
         (ZeRO-3 / FSDP on the devices that split the sequence).
     """
