@@ -122,7 +122,7 @@ def skip_reason(strategy: str, axes: dict, shape: BenchShape,
 
 
 def layout_for(strategy: str, shape: BenchShape) -> str:
-    return api.default_layout(strategy, shape.causal)
+    return registry.default_layout(strategy, shape.causal)
 
 
 def build(strategy: str, mesh, shape: BenchShape, kernel: str = "xla"):
