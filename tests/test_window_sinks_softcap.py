@@ -16,7 +16,7 @@ import pytest
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_seqpar as sp
-from jax_seqpar.strategies import halo
+from jax_seqpar.strategies import halo, registry
 from jax_seqpar.tools import hlo
 from jax_seqpar.core import layout, reference
 from jax_seqpar.kernels import xla
@@ -233,7 +233,7 @@ def test_bad_input_raises(kwargs, message):
     ("hybrid", True, (1024, 0), dict(seq_len=1024, num_shards=8), "zigzag"),
 ])
 def test_default_layout(strategy, causal, window, kwargs, expected):
-    assert halo.default_layout(strategy, causal, window, **kwargs) == expected
+    assert registry.default_layout(strategy, causal, window, **kwargs) == expected
 
 
 # --- traffic: compiled HLO against comm_bytes ----------------------------------------
