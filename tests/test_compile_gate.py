@@ -53,8 +53,15 @@ def _needs(target: str):
     return pytest.mark.skipif(reason is not None, reason=f"{reason} (CI installs it)")
 
 
+def _compiles_for(target: str):
+    """A test that compiles for ``target``: marked ``compile_gate``, skipped without
+    the target's plugin."""
+    return lambda test: pytest.mark.compile_gate(_needs(target)(test))
+
+
 def _on(target: str, *values, marks=()):
-    return pytest.param(target, *values, marks=[_needs(target), *marks],
+    return pytest.param(target, *values,
+                        marks=[pytest.mark.compile_gate, _needs(target), *marks],
                         id="-".join([target, *map(str, values)]))
 
 
@@ -133,7 +140,7 @@ def test_ring_transfer_overlaps_the_step_kernel(target):
         assert len({r.computation for r in steps}) == (1 if mode == "fwd" else 2), (mode, steps)
 
 
-@_needs(TPU)
+@_compiles_for(TPU)
 def test_target_compile_options_make_tpu_collectives_asynchronous():
     """XLA:TPU runs all-to-all and all-gather synchronously unless asked; the library's
     target compile asks (:data:`targets.COMPILE_OPTIONS`), a user's compile may too."""
@@ -198,7 +205,7 @@ def test_pallas_through_the_global_api(target, d_qk, d_v):
     assert min(calls.values()) >= 4  # each kernel in both strategies and both dtypes
 
 
-@_needs(GPU)
+@_compiles_for(GPU)
 def test_a_spill_is_a_compile_error():
     """The gate's spill check is live: a kernel that spills does not compile, and the
     resources read without the check show the spill."""
@@ -219,7 +226,7 @@ def test_a_spill_is_a_compile_error():
         aot.compile_for(f, (x,), "cuda", fail_on_spills=True)
 
 
-@_needs(GPU)
+@_compiles_for(GPU)
 def test_bench_target_cli(tmp_path, capsys):
     """``jax-seqpar bench --target``: compiled, not run; table and JSON."""
     json_path = tmp_path / "h100.json"
@@ -290,7 +297,7 @@ def test_missing_plugin_names_the_extra(monkeypatch):
         targets.require_plugin("tpu")
 
 
-@_needs(GPU)
+@_compiles_for(GPU)
 def test_target_mesh_shapes():
     mesh = targets.target_mesh("h100:16", ("dcn", "ici"))
     assert dict(mesh.shape) == {"dcn": 2, "ici": 8}
