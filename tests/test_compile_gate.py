@@ -30,6 +30,8 @@ from jax_seqpar.tools import aot, bench, bench_report, bench_target, hlo, target
 from jax_seqpar.api import attention as api
 from jax_seqpar import kernels
 from jax_seqpar.core.masks import MaskSpec, Tokens
+from jax_seqpar.planning import hardware, predict
+from jax_seqpar.strategies import registry
 
 GPU, TPU = "h100:8", "v5p:2x2x2"
 SHAPE = bench.BenchShape(batch=1, seq_len=4096, num_heads=16, num_kv_heads=4, head_dim=128,
@@ -159,6 +161,64 @@ def test_target_compile_options_make_tpu_collectives_asynchronous():
         found = {r.kind: r.is_async for r in hlo.collective_schedule(program.compiled)}
         assert found == {"all-to-all": expected, "all-gather": expected}, (options, found)
     assert targets.libtpu_init_args().startswith("--xla_tpu_enable_async_all_to_all=true ")
+
+
+#: The planner's hardware preset of each compile target.
+PRESETS = {GPU: "h100", TPU: "tpu-v5p"}
+_NEXT = [(i, (i + 1) % 8) for i in range(8)]
+#: One collective of each kind the time model knows, over the 8 devices of "sp".
+_COLLECTIVES = {
+    "collective-permute": lambda x: jax.lax.ppermute(x, "sp", _NEXT),
+    "all-to-all": lambda x: jax.lax.all_to_all(x, "sp", 0, 0, tiled=True),
+    "all-gather": lambda x: jax.lax.all_gather(x, "sp", tiled=True)[:x.shape[0]] + 1,
+    "reduce-scatter": lambda x: jax.lax.psum_scatter(x, "sp", tiled=True),
+}
+
+
+@pytest.mark.parametrize("target, kind", [
+    _on(target, kind) for target in (GPU, TPU) for kind in hardware.COLLECTIVES])
+def test_time_model_overlaps_what_the_compiled_schedule_overlaps(target, kind):
+    """Next to a kernel on independent data (q, k, v ``[1, 1024, 8 | 2, 128]`` bf16 per
+    device, x ``[512, 1024]``), a collective of ``kind`` is scheduled around the kernel
+    exactly where the planner's hardware preset says the target overlaps that kind
+    (:attr:`jax_seqpar.planning.hardware.Hardware.overlaps`)."""
+    mesh = targets.target_mesh(target)
+    rows = NamedSharding(mesh, P("sp"))
+    q, k = (jax.ShapeDtypeStruct((8, 1024, heads, 128), jnp.bfloat16, sharding=rows)
+            for heads in (8, 2))
+    x = jax.ShapeDtypeStruct((8 * 512, 1024), jnp.bfloat16, sharding=rows)
+
+    def body(q, k, v, x):
+        n = q.shape[1]
+        tokens = Tokens(jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (1, n)))
+        out, _ = kernels.get("auto").forward(q, k, v, tokens, tokens, scale=0.1,
+                                             spec=MaskSpec.make(causal=True))
+        return out, _COLLECTIVES[kind](x)
+
+    f = jax.shard_map(body, mesh=mesh, in_specs=P("sp"), out_specs=P("sp"))
+    program = aot.compile_for(f, (q, k, k, x), targets.target_platform(target))
+    schedule = hlo.collective_schedule(program.compiled)
+    overlaps = kind in hardware.get(PRESETS[target]).overlaps
+    assert hlo.bytes_hidden(program.compiled)["fraction"] == (1.0 if overlaps else 0.0), (
+        kind, [(r.kind, r.is_async, r.enclosed) for r in schedule])
+
+
+@pytest.mark.parametrize("target, strategy", [
+    _on(target, strategy) for target in (GPU, TPU) for strategy in MESHES])
+def test_time_model_hides_no_more_than_the_compiled_program(target, strategy):
+    """The share of bytes the time model hides behind kernels (``predict``'s
+    ``hidden_bytes``) is at most what the compiled program hides, forward and forward +
+    vjp, and the ring's is what its program hides (within 5 points)."""
+    inner = list(MESHES[strategy].values())[-1]
+    candidate = predict.Candidate(strategy, *registry.get(strategy).factorization(8, inner))
+    for mode, program in _strategy(target, strategy).items():
+        model = predict.predict(candidate, SHAPE.replace(backward=mode == "fwd_bwd"),
+                                PRESETS[target])
+        modelled = model["hidden_bytes"] / model["bytes"]
+        compiled = hlo.bytes_hidden(program.compiled)["fraction"]
+        assert modelled <= compiled + 0.05, (mode, modelled, compiled)
+        if strategy == "ring":
+            assert modelled >= compiled - 0.05, (mode, modelled, compiled)
 
 
 # (head dim of q/k, of v): every head dim the Pallas kernel is built for, DeepSeek's
