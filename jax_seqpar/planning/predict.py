@@ -25,8 +25,8 @@ device (:class:`Hardware` figures):
 * the ring: ``O`` steps of ``max(compute, hop) + latency`` (``compute + hop +
   latency`` where the target does not overlap collective-permutes), hops of the bytes
   :func:`jax_seqpar.comm_bytes` counts: ``O - 1`` K/V rotations forward,
-  ``O`` steps carrying K/V and float32 dK/dV backward, on the link the ring's
-  slowest hop takes (:meth:`Hardware.link`);
+  ``O - 1`` steps carrying K/V and float32 dK/dV backward and dK/dV's hop home,
+  on the link the ring's slowest hop takes (:meth:`Hardware.link`);
 * all-to-all and all-gather: ``bytes / bandwidth`` plus one latency per step: an
   ``all_to_all`` is one step, an ``all_gather`` or ``psum_scatter`` ``P - 1`` (ring
   algorithm, as NCCL runs them); per pass (forward, backward) added to the pass's
@@ -148,19 +148,20 @@ def _collective(hardware: Hardware, num_bytes: float, size: int,
 
 
 def _ring(hardware: Hardware, link, compute: list, hop_bytes: float,
-          home: bool = False) -> tuple[float, float, float]:
+          home_bytes: Optional[float] = None) -> tuple[float, float, float]:
     """``(seconds, comm_seconds, hidden_bytes)`` of ring steps of ``compute[i]`` seconds
-    each: every step but the last sends a hop of ``hop_bytes`` (the backward's last hop,
-    ``home``, brings dK/dV back after it; a ring of one has no hop). ``comm_seconds``: the
-    hops alone; ``hidden_bytes``: those sent while a step's kernel computes."""
-    hop = hop_bytes / link.bandwidth
+    each: every step but the last sends a hop of ``hop_bytes``; the backward's last hop,
+    ``home_bytes`` (dK/dV alone), brings the accumulators back after it (a ring of one
+    has no hop). ``comm_seconds``: the hops alone; ``hidden_bytes``: those sent while a
+    step's kernel computes."""
     overlaps = "collective-permute" in hardware.overlaps
     seconds = comm = hidden = 0.0
     for index, step in enumerate(compute):
         last = index == len(compute) - 1
-        if last and (not home or len(compute) == 1):
+        if last and (home_bytes is None or len(compute) == 1):
             seconds += step
             continue
+        hop = (home_bytes if last else hop_bytes) / link.bandwidth
         comm += hop + link.latency
         if last or not overlaps:  # the trip home starts when the last step ends
             seconds += step + hop + link.latency
@@ -320,11 +321,12 @@ def _seconds(candidate: Candidate, shape: LayerShape, hardware: Hardware, tile: 
         a2a, ici_bytes, dcn_bytes = _collective(hardware, a2a_bytes, inner,
                                                 _ulysses_steps(inner, shape))
         link = hardware.link(ring, inner)
-        seconds, comm, hidden = _ring(hardware, link, compute_fwd,
-                                      fwd_ring / max(ring - 1, 1))
-        if shape.backward:
+        kv_hop = fwd_ring / max(ring - 1, 1)
+        seconds, comm, hidden = _ring(hardware, link, compute_fwd, kv_hop)
+        if shape.backward:  # P - 1 hops of K/V and dK/dV, then dK/dV home
+            dkv_hop = max(bwd_ring - (ring - 1) * kv_hop, 0.0) / ring
             bwd_seconds, bwd_comm, bwd_hidden = _ring(hardware, link, compute_bwd,
-                                                      bwd_ring / ring, home=True)
+                                                      kv_hop + dkv_hop, home_bytes=dkv_hop)
             seconds, comm, hidden = seconds + bwd_seconds, comm + bwd_comm, hidden + bwd_hidden
         seconds, comm = seconds + a2a, comm + a2a
         if link is hardware.ici:
