@@ -1,9 +1,9 @@
 """Issue 22: which XLA:TPU options make all-to-all / all-gather asynchronous and hidden?
 
 Compiles (deviceless, for v5p:2x2x2) two small pipelines that have a kernel to hide
-a collective behind, each under subsets of the options of
-``jax_seqpar.tools.targets.COMPILE_OPTIONS["tpu"]``, and prints per collective whether
-it is asynchronous and encloses a kernel (``jax_seqpar.tools.hlo.collective_schedule``):
+a collective behind, each under subsets of ``jax_seqpar.tools.targets.compile_options("tpu")``
+(every strategy's options), and prints per collective whether it is asynchronous and
+encloses a kernel (``jax_seqpar.tools.hlo.collective_schedule``):
 
 * ``a2a``: Ulysses over 2 head groups: group 1's q/k/v all-to-all can hide behind group
   0's kernel, group 0's output all-to-all behind group 1's kernel;
@@ -79,11 +79,11 @@ def compile_program(name, options):
 
 def main(argv):
     names = argv or list(PROGRAMS)
-    library = targets.COMPILE_OPTIONS["tpu"]
+    library = targets.compile_options("tpu")  # every strategy's
     for name in names:
-        variants = {"none": {k: None for k in library}, "library": {}}
+        variants = {"none": {}, "library": library}
         for key in library:
-            variants[f"library - {key}"] = {key: None}
+            variants[f"library - {key}"] = dict(library, **{key: None})
         for label, options in variants.items():
             compiled = compile_program(name, options)
             rows = hlo.collective_schedule(compiled)

@@ -9,9 +9,9 @@ here: ``xla_gpu_fail_ptx_compilation_on_register_spilling``), shared memory over
 the limit or a missing Triton kernel fails the gate; so does a strategy whose
 transfers are not scheduled around its kernels as :data:`HIDING` says (every ring
 step's K/V transfer around the step's kernel). Programs compile with the library's
-target options (:data:`jax_seqpar.tools.targets.COMPILE_OPTIONS`). Compiling needs the ``[aot]``
-extra (CI installs it); the tests that compile skip, saying so, where its plugins
-are missing.
+target options for their strategy (:data:`jax_seqpar.tools.targets.COMPILE_OPTIONS`).
+Compiling needs the ``[aot]`` extra (CI installs it); the tests that compile skip, saying
+so, where its plugins are missing.
 """
 
 import argparse
@@ -145,7 +145,8 @@ def test_ring_transfer_overlaps_the_step_kernel(target):
 @_compiles_for(TPU)
 def test_target_compile_options_make_tpu_collectives_asynchronous():
     """XLA:TPU runs all-to-all and all-gather synchronously unless asked; the library's
-    target compile asks (:data:`targets.COMPILE_OPTIONS`), a user's compile may too."""
+    target compile asks for what each strategy's collectives need
+    (:data:`targets.COMPILE_OPTIONS`), a user's compile may too."""
     mesh = targets.target_mesh(TPU)
     x = jax.ShapeDtypeStruct((64, 1024), jnp.bfloat16,
                              sharding=NamedSharding(mesh, P("sp")))
@@ -155,12 +156,12 @@ def test_target_compile_options_make_tpu_collectives_asynchronous():
         return y * 2, jax.lax.all_gather(x, "sp", axis=1, tiled=True)[:, :1024] * 3
 
     f = jax.shard_map(exchange, mesh=mesh, in_specs=P("sp"), out_specs=P("sp"))
-    off = {key: None for key in targets.COMPILE_OPTIONS["tpu"]}
-    for options, expected in (({}, True), (off, False)):
+    for options, expected in (({}, False), (targets.compile_options("tpu"), True)):
         program = aot.compile_for(f, (x,), "tpu", compiler_options=options)
         found = {r.kind: r.is_async for r in hlo.collective_schedule(program.compiled)}
         assert found == {"all-to-all": expected, "all-gather": expected}, (options, found)
-    assert targets.libtpu_init_args().startswith("--xla_tpu_enable_async_all_to_all=true ")
+    assert targets.libtpu_init_args("ulysses") == "--xla_tpu_enable_async_all_to_all=true"
+    assert targets.compile_options("tpu", "ring") == {}
 
 
 #: The planner's hardware preset of each compile target.
@@ -179,8 +180,9 @@ _COLLECTIVES = {
     _on(target, kind) for target in (GPU, TPU) for kind in hardware.COLLECTIVES])
 def test_time_model_overlaps_what_the_compiled_schedule_overlaps(target, kind):
     """Next to a kernel on independent data (q, k, v ``[1, 1024, 8 | 2, 128]`` bf16 per
-    device, x ``[512, 1024]``), a collective of ``kind`` is scheduled around the kernel
-    exactly where the planner's hardware preset says the target overlaps that kind
+    device, x ``[512, 1024]``), compiled with every strategy's target options, a
+    collective of ``kind`` is scheduled around the kernel exactly where the planner's
+    hardware preset says the target overlaps that kind
     (:attr:`jax_seqpar.planning.hardware.Hardware.overlaps`)."""
     mesh = targets.target_mesh(target)
     rows = NamedSharding(mesh, P("sp"))
@@ -196,7 +198,9 @@ def test_time_model_overlaps_what_the_compiled_schedule_overlaps(target, kind):
         return out, _COLLECTIVES[kind](x)
 
     f = jax.shard_map(body, mesh=mesh, in_specs=P("sp"), out_specs=P("sp"))
-    program = aot.compile_for(f, (q, k, k, x), targets.target_platform(target))
+    platform = targets.target_platform(target)
+    program = aot.compile_for(f, (q, k, k, x), platform,
+                              compiler_options=targets.compile_options(platform))
     schedule = hlo.collective_schedule(program.compiled)
     overlaps = kind in hardware.get(PRESETS[target]).overlaps
     assert hlo.bytes_hidden(program.compiled)["fraction"] == (1.0 if overlaps else 0.0), (

@@ -20,7 +20,7 @@ import tempfile
 import time
 from typing import Any, Callable, Mapping, Optional
 
-from jax_seqpar.tools import hlo, targets
+from jax_seqpar.tools import hlo
 
 _ENTRY_RE = re.compile(r"^\.visible \.entry (\w+)\(", re.MULTILINE)
 _PTXAS_FUNCTION_RE = re.compile(r"Function properties for (\w+)\s*\n\s*(\d+) bytes stack frame, "
@@ -72,9 +72,10 @@ def compile_for(fn: Callable, args, platform: str, *, fail_on_spills: bool = Fal
                 compiler_options: Optional[Mapping[str, Any]] = None) -> Compiled:
     """Lower ``jax.jit(fn)(*args)`` for ``platform`` and compile it; nothing runs.
 
-    The program compiles with the backend's production code generation and the
-    platform's :data:`jax_seqpar.tools.targets.COMPILE_OPTIONS` (XLA:TPU's asynchronous
-    all-to-all and all-gather), then ``compiler_options``.
+    The program compiles with the backend's production code generation, then
+    ``compiler_options`` (e.g. a strategy's
+    :func:`jax_seqpar.tools.targets.compile_options`: XLA:TPU's asynchronous all-to-all
+    and all-gather).
 
     Args:
       fn: the function (jitted here); args: ``jax.ShapeDtypeStruct`` s with shardings
@@ -84,7 +85,7 @@ def compile_for(fn: Callable, args, platform: str, *, fail_on_spills: bool = Fal
       kernel_resources: on GPU, read every Triton kernel's :class:`KernelResources`
         (needs ``ptxas``, from the ``[aot]`` extra's ``nvidia-cuda-nvcc-cu12``).
       compiler_options: more XLA options, over the defaults above; an option given as
-        None is not passed (e.g. to compare a schedule without one of the defaults).
+        None is not passed.
 
     Raises:
       Exception: the compiler's error (e.g. ``Compilation result discarded due to
@@ -95,7 +96,6 @@ def compile_for(fn: Callable, args, platform: str, *, fail_on_spills: bool = Fal
     # The backend's production code generation, whatever XLA_FLAGS the process has
     # (the test suite lowers LLVM's effort for its many small CPU programs).
     options = {} if platform == "cpu" else dict(PRODUCTION_CODEGEN)
-    options.update(targets.compile_options(platform))
     if platform == "cuda" and fail_on_spills:
         options["xla_gpu_fail_ptx_compilation_on_register_spilling"] = True
     options.update(compiler_options or {})

@@ -50,6 +50,7 @@ def compile_strategy(target: str, strategy: str, axes: dict, shape: LayerShape,
 
     ``axes`` is ``{name: size}`` (outer first; product: the target's devices);
     ``backward``: only the forward (False), only forward + vjp (True), or both (None).
+    Compiled with the strategy's :func:`jax_seqpar.tools.targets.compile_options`.
     """
     mesh = targets.target_mesh(target, tuple(axes), tuple(axes.values()))
     forward, forward_and_vjp = bench.build(strategy, mesh, shape, kernel)
@@ -57,7 +58,8 @@ def compile_strategy(target: str, strategy: str, axes: dict, shape: LayerShape,
     args = [jax.ShapeDtypeStruct(size, shape.dtype, sharding=sharding)
             for size in shape.operand_shapes()]
     platform = targets.target_platform(target)
-    options = dict(fail_on_spills=fail_on_spills, kernel_resources=kernel_resources)
+    options = dict(fail_on_spills=fail_on_spills, kernel_resources=kernel_resources,
+                   compiler_options=targets.compile_options(platform, strategy))
     programs = {}
     if backward is not True:
         programs["fwd"] = aot.compile_for(forward, args[:3], platform, **options)

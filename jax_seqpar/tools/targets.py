@@ -35,28 +35,29 @@ import numpy as np
 GPUS = {"h100": ("h100_sxm.txtpb", 8), "h200": ("h200.txtpb", 8), "a100": ("a100_sxm_80.txtpb", 8)}
 #: HBM per TPU device (one chip; v4 and v5p as one megacore device), bytes.
 TPU_HBM = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2**30}
-#: XLA options the library's target compiles set, per lowering platform
-#: (:func:`jax_seqpar.tools.aot.compile_for`: ``jax-seqpar bench --target``, the compile
-#: gate). XLA:TPU runs all-to-all and all-gather synchronously unless asked: these make
-#: them asynchronous, and let an all-gather run inside the Mosaic kernel it can hide
-#: behind (an async collective fusion). XLA:GPU needs none. Pass the same options to
-#: your own programs (:func:`compile_options`; or ``LIBTPU_INIT_ARGS``,
-#: :func:`libtpu_init_args`) for the schedules ``bench --target`` reports.
-#: ``experiments/tpu_async_options.py`` checks that each is needed.
+#: XLA:TPU runs all-to-all synchronously unless asked: this makes it asynchronous.
+_TPU_ASYNC_ALL_TO_ALL = {"xla_tpu_enable_async_all_to_all": True}
+#: XLA:TPU runs all-gather synchronously unless asked: these make it an async collective
+#: fusion that runs inside the Mosaic call it can hide behind (each of the five is needed;
+#: ``experiments/tpu_async_options.py`` checks it).
+_TPU_ASYNC_ALL_GATHER = {
+    "xla_enable_async_all_gather": True,
+    "xla_tpu_enable_async_collective_fusion": True,
+    "xla_tpu_enable_async_collective_fusion_fuse_all_gather": True,
+    "xla_tpu_enable_async_collective_fusion_multiple_steps": True,
+    "xla_tpu_enable_async_collective_fusion_with_mosaic_custom_call": True,
+}
+#: XLA options the library's target compiles set (``jax-seqpar bench --target``, the
+#: compile gate), per lowering platform and strategy: each strategy gets only what its own
+#: collectives need, since every option costs memory elsewhere (the all-gather's fusion
+#: options raise the Mosaic ring's temp at S=32768 on v5p:2x2x2 from 156.8 to 177.7 MiB,
+#: fwd+bwd; XLA:TPU's collective-permutes, the ring's, are asynchronous without any).
+#: XLA:GPU needs none. Pass the same options to your own programs
+#: (:func:`compile_options`; or ``LIBTPU_INIT_ARGS``, :func:`libtpu_init_args`) for the
+#: schedules ``bench --target`` reports.
 COMPILE_OPTIONS = {
-    "tpu": {
-        # all-to-all (Ulysses, the hybrid's inner exchange): asynchronous
-        "xla_tpu_enable_async_all_to_all": True,
-        # all-gather: asynchronous, as an async collective fusion that runs inside the
-        # Mosaic call it can hide behind (each of the five is needed)
-        "xla_enable_async_all_gather": True,
-        "xla_tpu_enable_async_collective_fusion": True,
-        "xla_tpu_enable_async_collective_fusion_fuse_all_gather": True,
-        "xla_tpu_enable_async_collective_fusion_multiple_steps": True,
-        "xla_tpu_enable_async_collective_fusion_with_mosaic_custom_call": True,
-        "xla_tpu_overlap_compute_collective_tc": True,
-        "xla_tpu_use_aggressive_scheduling": True,
-    },
+    "tpu": {"ulysses": _TPU_ASYNC_ALL_TO_ALL, "hybrid": _TPU_ASYNC_ALL_TO_ALL,
+            "allgather": _TPU_ASYNC_ALL_GATHER, "ring": {}},
     "cuda": {},
     "cpu": {},
 }
@@ -117,25 +118,32 @@ def parse(name: str) -> Target:
     raise ValueError(f"unknown target {name!r}; known forms: {_KNOWN}.")
 
 
-def compile_options(platform: str) -> dict:
-    """The XLA options of :data:`COMPILE_OPTIONS` for ``platform`` (``"tpu"``, ...), for
-    ``jax.jit(f).lower(*args).compile(compiler_options=compile_options("tpu"))``.
+def compile_options(platform: str, strategy: Optional[str] = None) -> dict:
+    """The XLA options of :data:`COMPILE_OPTIONS` for ``strategy``'s programs on
+    ``platform`` (``"tpu"``, ...), or every strategy's (None: a program that runs several),
+    for ``jax.jit(f).lower(*args).compile(compiler_options=compile_options("tpu"))``.
 
-    >>> compile_options("tpu")["xla_tpu_enable_async_all_to_all"]
-    True
+    >>> compile_options("tpu", "ulysses")
+    {'xla_tpu_enable_async_all_to_all': True}
+    >>> compile_options("tpu", "ring")
+    {}
     """
-    return dict(COMPILE_OPTIONS.get(platform, {}))
+    per_strategy = COMPILE_OPTIONS.get(platform, {})
+    if strategy is not None:
+        return dict(per_strategy.get(strategy, {}))
+    return {key: value for options in per_strategy.values() for key, value in options.items()}
 
 
-def libtpu_init_args(platform: str = "tpu") -> str:
-    """:func:`compile_options` as command-line flags, for ``LIBTPU_INIT_ARGS`` (set before
-    JAX starts the TPU backend; every program of the process then compiles with them).
+def libtpu_init_args(strategy: Optional[str] = None) -> str:
+    """:func:`compile_options` for TPU as command-line flags, for ``LIBTPU_INIT_ARGS`` (set
+    before JAX starts the TPU backend; every program of the process then compiles with
+    them).
 
-    >>> libtpu_init_args().split()[0]
+    >>> libtpu_init_args("ulysses")
     '--xla_tpu_enable_async_all_to_all=true'
     """
     return " ".join(f"--{key}={str(value).lower()}"
-                    for key, value in compile_options(platform).items())
+                    for key, value in compile_options("tpu", strategy).items())
 
 
 def target_platform(name: str) -> str:
