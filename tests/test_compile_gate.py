@@ -142,28 +142,6 @@ def test_ring_transfer_overlaps_the_step_kernel(target):
         assert len({r.computation for r in steps}) == (1 if mode == "fwd" else 2), (mode, steps)
 
 
-@_compiles_for(TPU)
-def test_target_compile_options_make_tpu_collectives_asynchronous():
-    """XLA:TPU runs all-to-all and all-gather synchronously unless asked; the library's
-    target compile asks for what each strategy's collectives need
-    (:data:`targets.COMPILE_OPTIONS`), a user's compile may too."""
-    mesh = targets.target_mesh(TPU)
-    x = jax.ShapeDtypeStruct((64, 1024), jnp.bfloat16,
-                             sharding=NamedSharding(mesh, P("sp")))
-
-    def exchange(x):
-        y = jax.lax.all_to_all(x, "sp", 0, 1, tiled=True)
-        return y * 2, jax.lax.all_gather(x, "sp", axis=1, tiled=True)[:, :1024] * 3
-
-    f = jax.shard_map(exchange, mesh=mesh, in_specs=P("sp"), out_specs=P("sp"))
-    for options, expected in (({}, False), (targets.compile_options("tpu"), True)):
-        program = aot.compile_for(f, (x,), "tpu", compiler_options=options)
-        found = {r.kind: r.is_async for r in hlo.collective_schedule(program.compiled)}
-        assert found == {"all-to-all": expected, "all-gather": expected}, (options, found)
-    assert targets.libtpu_init_args("ulysses") == "--xla_tpu_enable_async_all_to_all=true"
-    assert targets.compile_options("tpu", "ring") == {}
-
-
 #: The planner's hardware preset of each compile target.
 PRESETS = {GPU: "h100", TPU: "tpu-v5p"}
 _NEXT = [(i, (i + 1) % 8) for i in range(8)]
@@ -183,7 +161,8 @@ def test_time_model_overlaps_what_the_compiled_schedule_overlaps(target, kind):
     device, x ``[512, 1024]``), compiled with every strategy's target options, a
     collective of ``kind`` is scheduled around the kernel exactly where the planner's
     hardware preset says the target overlaps that kind
-    (:attr:`jax_seqpar.planning.hardware.Hardware.overlaps`)."""
+    (:attr:`jax_seqpar.planning.hardware.Hardware.overlaps`); XLA:TPU's all-to-all and
+    all-gather are synchronous without those options."""
     mesh = targets.target_mesh(target)
     rows = NamedSharding(mesh, P("sp"))
     q, k = (jax.ShapeDtypeStruct((8, 1024, heads, 128), jnp.bfloat16, sharding=rows)
@@ -205,6 +184,10 @@ def test_time_model_overlaps_what_the_compiled_schedule_overlaps(target, kind):
     overlaps = kind in hardware.get(PRESETS[target]).overlaps
     assert hlo.bytes_hidden(program.compiled)["fraction"] == (1.0 if overlaps else 0.0), (
         kind, [(r.kind, r.is_async, r.enclosed) for r in schedule])
+    if platform == "tpu" and kind in ("all-to-all", "all-gather"):
+        # XLA:TPU runs these synchronously unless the target options ask.
+        plain = hlo.collective_schedule(aot.compile_for(f, (q, k, k, x), platform).compiled)
+        assert plain and not any(r.is_async for r in plain), (kind, plain)
 
 
 @pytest.mark.parametrize("target, strategy", [
@@ -344,6 +327,8 @@ def test_kernel_choice_follows_the_lowering_platform():
 
 
 def test_target_names():
+    assert targets.libtpu_init_args("ulysses") == "--xla_tpu_enable_async_all_to_all=true"
+    assert targets.compile_options("tpu", "ring") == {} == targets.compile_options("cuda")
     assert [targets.target_platform(n) for n in ("h100:8", "a100:4", "v5e:2x4", "cpu:8")] == [
         "cuda", "cuda", "tpu", "cpu"]
     assert targets.parse("h200:16").topology == "1x2x8"
