@@ -33,8 +33,8 @@ GPU_OVERLAPS = COLLECTIVES
 
 #: XLA:TPU overlaps collective-permutes with a kernel; all-to-all and all-gather only when
 #: compiled with :data:`jax_seqpar.tools.targets.COMPILE_OPTIONS` (the library's target
-#: compile sets them; pass them to your own ``jit`` too); a reduce-scatter over a slice
-#: compiles to a synchronous all-reduce and a slice, with or without them.
+#: compile sets each strategy's; pass them to your own ``jit`` too); a reduce-scatter over
+#: a slice compiles to a synchronous all-reduce and a slice, with or without them.
 TPU_OVERLAPS = ("collective-permute", "all-to-all", "all-gather")
 
 
