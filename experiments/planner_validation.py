@@ -192,9 +192,11 @@ def _report(result: dict) -> None:
 
 
 def _hardware(fields: dict) -> hardware.Hardware:
-    """A Hardware from its ``dataclasses.asdict`` form."""
-    links = {name: hardware.Link(**fields[name]) for name in ("ici", "dcn")}
-    return hardware.Hardware(**dict(fields, **links))
+    """A Hardware from its ``dataclasses.asdict`` form (older files: ``overlap``, a bool)."""
+    fields = dict(fields, **{name: hardware.Link(**fields[name]) for name in ("ici", "dcn")})
+    if "overlap" in fields:
+        fields["overlaps"] = hardware.COLLECTIVES if fields.pop("overlap") else ()
+    return hardware.Hardware(**dict(fields, overlaps=tuple(fields.get("overlaps", ()))))
 
 
 def _write(path, cpu, rows, summary, load_before, start) -> dict:

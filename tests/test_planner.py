@@ -1,6 +1,7 @@
 """The hardware-aware planner: presets, predictions, memory budget, factorizations of one
 axis (run exactly through the global API, with no data moved), and measured tuning."""
 
+import dataclasses
 import functools
 import json
 import math
@@ -17,6 +18,7 @@ from jax_seqpar.planning import hardware, plan as planner, predict, tuned
 from jax_seqpar.core import reference
 from jax_seqpar.core.meshes import split_axis
 from jax_seqpar.core.shape import LayerShape
+from jax_seqpar.strategies import registry
 from jax_seqpar.planning.plan import plan
 
 GIB = 2.0**30
@@ -111,7 +113,7 @@ def test_ring_hides_hops_behind_compute_only_where_the_hardware_overlaps():
     shape = LayerShape(1, 1 << 16, 32, 32, 128, causal=True)
     ring = predict.Candidate("ring", 8, 1)
     overlapped = predict.predict(ring, shape, hardware.H100)
-    serial = predict.predict(ring, shape, hardware.H100.replace(overlap=False))
+    serial = predict.predict(ring, shape, hardware.H100.replace(overlaps=()))
     # hops hidden but the last
     assert overlapped["exposed_comm_seconds"] < 0.05 * overlapped["compute_seconds"]
     assert serial["seconds"] > overlapped["seconds"] + 0.5 * serial["exposed_comm_seconds"]
@@ -120,6 +122,28 @@ def test_ring_hides_hops_behind_compute_only_where_the_hardware_overlaps():
     assert serial["exposed_comm_seconds"] == pytest.approx(serial["comm_seconds"])
     slow_links = hardware.H100.replace(devices_per_domain=1)  # every hop on InfiniBand
     assert predict.predict(ring, shape, slow_links)["seconds"] >= overlapped["seconds"]
+
+
+def test_exchanges_in_pieces_hide_where_the_target_overlaps_their_kind(monkeypatch):
+    """An exchange sent whole is never hidden; sent in pieces, each piece after the first
+    hides behind the kernels where the target overlaps its kind: on TPU the all-gather
+    (forward) but not the reduce-scatter (backward: a synchronous all-reduce there)."""
+    shape = LayerShape(1, 1 << 16, 32, 8, 128, dtype="bfloat16", causal=True)
+    gather = predict.Candidate("allgather", 8, 1)
+    forward_bytes = predict.predict(gather, shape.replace(backward=False), "h100")["bytes"]
+    whole = {name: predict.predict(gather, shape, name) for name in ("h100", "tpu-v5p")}
+    assert all(p["hidden_bytes"] == 0 for p in whole.values())
+    assert all(p["exposed_comm_seconds"] == pytest.approx(p["comm_seconds"])
+               for p in whole.values())
+    monkeypatch.setitem(registry.STRATEGIES, "allgather",
+                        dataclasses.replace(registry.get("allgather"), pieces=8))
+    gpu, tpu = (predict.predict(gather, shape, name) for name in ("h100", "tpu-v5p"))
+    assert gpu["hidden_bytes"] == pytest.approx(gpu["bytes"] * 7 / 8)
+    assert tpu["hidden_bytes"] == pytest.approx(forward_bytes * 7 / 8)
+    assert gpu["seconds"] < whole["h100"]["seconds"]
+    assert whole["tpu-v5p"]["seconds"] > tpu["seconds"] > tpu["compute_seconds"]
+    cpu = predict.predict(gather, shape, hardware.CPU)  # overlaps nothing
+    assert cpu["hidden_bytes"] == 0
 
 
 @pytest.mark.parametrize("strategy, factors", [

@@ -19,7 +19,23 @@ from __future__ import annotations
 import dataclasses
 from typing import Optional
 
-__all__ = ["Hardware", "Link", "PRESETS", "for_device_kind", "get"]
+__all__ = ["COLLECTIVES", "GPU_OVERLAPS", "Hardware", "Link", "PRESETS", "TPU_OVERLAPS",
+           "for_device_kind", "get"]
+
+
+#: The collective kinds the time model knows (HLO op names, as :mod:`jax_seqpar.tools.hlo`
+#: reads them from a compiled program).
+COLLECTIVES = ("collective-permute", "all-to-all", "all-gather", "reduce-scatter")
+
+#: XLA:GPU runs every collective asynchronously (its latency-hiding scheduler places the
+#: start before an independent kernel and the done after it).
+GPU_OVERLAPS = COLLECTIVES
+
+#: XLA:TPU overlaps collective-permutes with a kernel; all-to-all and all-gather only when
+#: compiled with :data:`jax_seqpar.tools.targets.COMPILE_OPTIONS` (the library's target
+#: compile sets each strategy's; pass them to your own ``jit`` too); a reduce-scatter over
+#: a slice compiles to a synchronous all-reduce and a slice, with or without them.
+TPU_OVERLAPS = ("collective-permute", "all-to-all", "all-gather")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,9 +88,12 @@ class Hardware:
         node, chips per TPU slice).
       attention_efficiency: the fraction of ``peak_flops`` a flash-attention
         kernel sustains, forward and backward together (an estimate).
-      overlap: whether a transfer runs while the device computes (DMA engines:
-        GPUs and TPUs). Emulated CPU devices copy on the cores that compute, so
-        the ``"cpu"`` preset has ``overlap=False``.
+      overlaps: the collective kinds (HLO names: ``"collective-permute"``,
+        ``"all-to-all"``, ``"all-gather"``, ``"reduce-scatter"``) whose transfer runs
+        while a kernel computes in the target's compiled programs, when the program
+        gives it a kernel to hide behind (:data:`GPU_OVERLAPS`, :data:`TPU_OVERLAPS`;
+        the compile gate checks both against the compiled schedules). Emulated CPU
+        devices copy on the cores that compute: the ``"cpu"`` preset overlaps none.
     """
 
     name: str
@@ -85,7 +104,7 @@ class Hardware:
     dcn: Link
     devices_per_domain: int
     attention_efficiency: float = 0.5
-    overlap: bool = True
+    overlaps: tuple = COLLECTIVES
 
     def __post_init__(self):
         for name in ("peak_flops", "hbm_bytes", "hbm_bandwidth"):
@@ -99,6 +118,15 @@ class Hardware:
         if not isinstance(self.devices_per_domain, int) or self.devices_per_domain < 1:
             raise ValueError(f"devices_per_domain must be a positive int. Got "
                              f"{self.devices_per_domain!r}.")
+        unknown = set(self.overlaps) - set(COLLECTIVES)
+        if unknown:
+            raise ValueError(f"Hardware.overlaps names collective kinds {sorted(unknown)} "
+                             f"that are not among {list(COLLECTIVES)}.")
+
+    @property
+    def overlap(self) -> bool:
+        """Whether any transfer runs while the device computes."""
+        return bool(self.overlaps)
 
     @property
     def attention_flops(self) -> float:
@@ -130,7 +158,8 @@ _GIB = 2.0**30
 #: node). DGX H100: eight ConnectX-7 NICs, 400 Gb/s InfiniBand NDR per GPU
 #: (50 GB/s). Latencies ~3 us (NVLink) and ~10 us (IB) per NCCL step: estimates.
 H100 = Hardware(name="h100", peak_flops=989e12, hbm_bytes=80 * _GB, hbm_bandwidth=3.35e12,
-                ici=Link(450 * _GB, 3e-6), dcn=Link(50 * _GB, 10e-6), devices_per_domain=8)
+                ici=Link(450 * _GB, 3e-6), dcn=Link(50 * _GB, 10e-6), devices_per_domain=8,
+                overlaps=GPU_OVERLAPS)
 
 #: NVIDIA H200 Tensor Core GPU datasheet (H200 SXM): 989 TFLOP/s dense BF16,
 #: 141 GB HBM3e at 4.8 TB/s, NVLink 900 GB/s per GPU; DGX H200 (ConnectX-7,
@@ -142,7 +171,8 @@ H200 = H100.replace(name="h200", hbm_bytes=141 * _GB, hbm_bandwidth=4.8e12)
 #: way); DGX A100: eight ConnectX-6 NICs, 200 Gb/s InfiniBand HDR per GPU
 #: (25 GB/s).
 A100 = Hardware(name="a100", peak_flops=312e12, hbm_bytes=80 * _GB, hbm_bandwidth=2.039e12,
-                ici=Link(300 * _GB, 3e-6), dcn=Link(25 * _GB, 10e-6), devices_per_domain=8)
+                ici=Link(300 * _GB, 3e-6), dcn=Link(25 * _GB, 10e-6), devices_per_domain=8,
+                overlaps=GPU_OVERLAPS)
 
 
 def _tpu_ici(bidirectional_per_chip: float, ports: int) -> Link:
@@ -158,7 +188,8 @@ def _tpu_ici(bidirectional_per_chip: float, ports: int) -> Link:
 #: (3.125 GB/s) per chip (2 x 100 Gb/s NICs per 8-chip host).
 TPU_V5E = Hardware(name="tpu-v5e", peak_flops=197e12, hbm_bytes=16 * _GB,
                    hbm_bandwidth=819 * _GB, ici=_tpu_ici(400 * _GB, 4),
-                   dcn=Link(3.125 * _GB, 20e-6), devices_per_domain=256)
+                   dcn=Link(3.125 * _GB, 20e-6), devices_per_domain=256,
+                   overlaps=TPU_OVERLAPS)
 
 #: Cloud TPU v5p system architecture (Google Cloud TPU documentation): 459
 #: TFLOP/s BF16, 95 GiB HBM2e at 2,765 GB/s, 1,200 GB/s bidirectional ICI per
@@ -166,7 +197,8 @@ TPU_V5E = Hardware(name="tpu-v5e", peak_flops=197e12, hbm_bytes=16 * _GB,
 #: 50 Gb/s (6.25 GB/s) per chip.
 TPU_V5P = Hardware(name="tpu-v5p", peak_flops=459e12, hbm_bytes=95 * _GIB,
                    hbm_bandwidth=2765 * _GB, ici=_tpu_ici(1200 * _GB, 6),
-                   dcn=Link(6.25 * _GB, 20e-6), devices_per_domain=6144)
+                   dcn=Link(6.25 * _GB, 20e-6), devices_per_domain=6144,
+                   overlaps=TPU_OVERLAPS)
 
 #: Cloud TPU v6e (Trillium) system architecture (Google Cloud TPU
 #: documentation): 918 TFLOP/s BF16, 32 GB HBM at 1,638 GB/s, 800 GB/s
@@ -174,14 +206,15 @@ TPU_V5P = Hardware(name="tpu-v5p", peak_flops=459e12, hbm_bytes=95 * _GIB,
 #: gives no DCN figure: v5e's 25 Gb/s per chip is assumed.
 TPU_V6E = Hardware(name="tpu-v6e", peak_flops=918e12, hbm_bytes=32 * _GB,
                    hbm_bandwidth=1638 * _GB, ici=_tpu_ici(800 * _GB, 4),
-                   dcn=Link(3.125 * _GB, 20e-6), devices_per_domain=256)
+                   dcn=Link(3.125 * _GB, 20e-6), devices_per_domain=256,
+                   overlaps=TPU_OVERLAPS)
 
 #: Emulated CPU devices of one host: placeholders of the right order for a
 #: few-core host (measure them with :func:`jax_seqpar.tools.calibrate.calibrate_cpu`).
 #: Every device is in one domain; copies do not overlap compute.
 CPU = Hardware(name="cpu", peak_flops=20e9, hbm_bytes=4 * _GIB, hbm_bandwidth=10 * _GB,
                ici=Link(2 * _GB, 50e-6), dcn=Link(2 * _GB, 50e-6), devices_per_domain=1 << 20,
-               attention_efficiency=0.3, overlap=False)
+               attention_efficiency=0.3, overlaps=())
 
 #: Every preset by name.
 PRESETS = {h.name: h for h in (H100, H200, A100, TPU_V5E, TPU_V5P, TPU_V6E, CPU)}

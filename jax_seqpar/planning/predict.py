@@ -19,14 +19,21 @@ device (:class:`Hardware` figures):
   kernel fact, not the layer's) on the busiest device (zigzag balances causal
   rings; Ulysses is balanced by construction), at
   ``peak_flops * attention_efficiency``;
+* which transfers hide behind a kernel is what the target's compiled programs show
+  (:attr:`Hardware.overlaps`: the collective kinds a kernel can hide) for the way the
+  strategy sends them (its pieces, :attr:`~jax_seqpar.strategies.registry.Strategy.pieces`);
 * the ring: ``O`` steps of ``max(compute, hop) + latency`` (``compute + hop +
-  latency`` where the hardware cannot overlap), hops of the bytes
+  latency`` where the target does not overlap collective-permutes), hops of the bytes
   :func:`jax_seqpar.comm_bytes` counts: ``O - 1`` K/V rotations forward,
-  ``O`` steps carrying K/V and float32 dK/dV backward, on the link the ring's
-  slowest hop takes (:meth:`Hardware.link`);
-* all-to-all and all-gather: not overlapped, ``bytes / bandwidth`` plus one
-  latency per step: an ``all_to_all`` is one step, an ``all_gather`` or
-  ``psum_scatter`` ``P - 1`` (ring algorithm, as NCCL runs them). Ulysses sends
+  ``O - 1`` steps carrying K/V and float32 dK/dV backward and dK/dV's hop home,
+  on the link the ring's slowest hop takes (:meth:`Hardware.link`);
+* all-to-all and all-gather: ``bytes / bandwidth`` plus one latency per step: an
+  ``all_to_all`` is one step, an ``all_gather`` or ``psum_scatter`` ``P - 1`` (ring
+  algorithm, as NCCL runs them); per pass (forward, backward) added to the pass's
+  compute, or, where the strategy sends them in ``n > 1`` pieces and the target
+  overlaps their kind, ``t / n + max(compute, t (n - 1) / n)`` (the first piece
+  waits, the rest travel under the kernels). The hybrid's inner all-to-alls are not
+  overlapped (the ring's hops hide behind its compute). Ulysses sends
   4 all-to-alls a pass (q, k, v, out; dout, dq, dk, dv) and all-gathers the int32
   positions (and segment ids); the all-gather strategy gathers K, V and positions
   (and segment ids) and reduce-scatters dK, dV. A group that spans domains sends
@@ -141,23 +148,61 @@ def _collective(hardware: Hardware, num_bytes: float, size: int,
 
 
 def _ring(hardware: Hardware, link, compute: list, hop_bytes: float,
-          home: bool = False) -> tuple[float, float]:
-    """``(seconds, comm_seconds)`` of ring steps of ``compute[i]`` seconds each: every step
-    but the last sends a hop of ``hop_bytes`` (the backward's last hop, ``home``, brings
-    dK/dV back after it; a ring of one has no hop). ``comm_seconds``: the hops alone."""
-    hop = hop_bytes / link.bandwidth
-    seconds = comm = 0.0
+          home_bytes: Optional[float] = None) -> tuple[float, float, float]:
+    """``(seconds, comm_seconds, hidden_bytes)`` of ring steps of ``compute[i]`` seconds
+    each: every step but the last sends a hop of ``hop_bytes``; the backward's last hop,
+    ``home_bytes`` (dK/dV alone), brings the accumulators back after it (a ring of one
+    has no hop). ``comm_seconds``: the hops alone; ``hidden_bytes``: those sent while a
+    step's kernel computes."""
+    overlaps = "collective-permute" in hardware.overlaps
+    seconds = comm = hidden = 0.0
     for index, step in enumerate(compute):
         last = index == len(compute) - 1
-        if last and (not home or len(compute) == 1):
+        if last and (home_bytes is None or len(compute) == 1):
             seconds += step
             continue
+        hop = (home_bytes if last else hop_bytes) / link.bandwidth
         comm += hop + link.latency
-        if last or not hardware.overlap:  # the trip home starts when the last step ends
+        if last or not overlaps:  # the trip home starts when the last step ends
             seconds += step + hop + link.latency
         else:
             seconds += max(step, hop) + link.latency
-    return seconds, comm
+            hidden += hop_bytes
+    return seconds, comm, hidden
+
+
+#: The collective kind of each exchange strategy's transfers: (forward, backward).
+_EXCHANGES = {"ulysses": ("all-to-all", "all-to-all"),
+              "allgather": ("all-gather", "reduce-scatter")}
+
+
+def _exchange(hardware: Hardware, strategy: str, shape: LayerShape, devices: int,
+              compute: tuple) -> dict:
+    """Ulysses or all-gather over ``devices``: per pass (``compute``: its forward and
+    backward kernel seconds), the pass's collectives and its kernels, overlapped where
+    the strategy sends them in pieces and the target overlaps their kind."""
+    steps = _ulysses_steps if strategy == "ulysses" else _allgather_steps
+    pieces = registry.get(strategy).pieces
+    forward = shape.replace(backward=False)
+    fwd_bytes = _comm_bytes(strategy, forward, devices)
+    passes = [(fwd_bytes, steps(devices, forward), compute[0], _EXCHANGES[strategy][0])]
+    if shape.backward:
+        passes.append((_comm_bytes(strategy, shape, devices) - fwd_bytes,
+                       steps(devices, shape) - steps(devices, forward), compute[1],
+                       _EXCHANGES[strategy][1]))
+    out = dict(seconds=0.0, comm=0.0, hidden_bytes=0.0, ici_bytes=0.0, dcn_bytes=0.0)
+    for num_bytes, num_steps, kernels, kind in passes:
+        comm, ici_bytes, dcn_bytes = _collective(hardware, num_bytes, devices, num_steps)
+        if pieces > 1 and kind in hardware.overlaps:
+            rest = (pieces - 1) / pieces
+            out["seconds"] += comm / pieces + max(kernels, comm * rest)
+            out["hidden_bytes"] += num_bytes * rest
+        else:
+            out["seconds"] += kernels + comm
+        out["comm"] += comm
+        out["ici_bytes"] += ici_bytes
+        out["dcn_bytes"] += dcn_bytes
+    return out
 
 
 def _shard_positions(seq_len: int, shards: int, zigzag: bool) -> np.ndarray:
@@ -259,10 +304,11 @@ def _seconds(candidate: Candidate, shape: LayerShape, hardware: Hardware, tile: 
     compute_fwd, compute_bwd = _step_seconds(candidate, shape, hardware, tile)
     compute = sum(compute_fwd) + sum(compute_bwd)
     total_bytes = _comm_bytes(strategy, shape, sizes)
-    if strategy in ("ulysses", "allgather"):  # one collective after another, not overlapped
-        steps = (_ulysses_steps if strategy == "ulysses" else _allgather_steps)(devices, shape)
-        comm, ici_bytes, dcn_bytes = _collective(hardware, total_bytes, devices, steps)
-        seconds = compute + comm
+    if strategy in _EXCHANGES:
+        out = _exchange(hardware, strategy, shape, devices,
+                        (sum(compute_fwd), sum(compute_bwd)))
+        seconds, comm, hidden = out["seconds"], out["comm"], out["hidden_bytes"]
+        ici_bytes, dcn_bytes = out["ici_bytes"], out["dcn_bytes"]
     else:  # ring, hybrid: all-to-alls over the inner group, then the ring's steps
         forward = shape.replace(backward=False)
         a2a_bytes = fwd_a2a = 0.0
@@ -275,11 +321,13 @@ def _seconds(candidate: Candidate, shape: LayerShape, hardware: Hardware, tile: 
         a2a, ici_bytes, dcn_bytes = _collective(hardware, a2a_bytes, inner,
                                                 _ulysses_steps(inner, shape))
         link = hardware.link(ring, inner)
-        seconds, comm = _ring(hardware, link, compute_fwd, fwd_ring / max(ring - 1, 1))
-        if shape.backward:
-            bwd_seconds, bwd_comm = _ring(hardware, link, compute_bwd, bwd_ring / ring,
-                                          home=True)
-            seconds, comm = seconds + bwd_seconds, comm + bwd_comm
+        kv_hop = fwd_ring / max(ring - 1, 1)
+        seconds, comm, hidden = _ring(hardware, link, compute_fwd, kv_hop)
+        if shape.backward:  # P - 1 hops of K/V and dK/dV, then dK/dV home
+            dkv_hop = max(bwd_ring - (ring - 1) * kv_hop, 0.0) / ring
+            bwd_seconds, bwd_comm, bwd_hidden = _ring(hardware, link, compute_bwd,
+                                                      kv_hop + dkv_hop, home_bytes=dkv_hop)
+            seconds, comm, hidden = seconds + bwd_seconds, comm + bwd_comm, hidden + bwd_hidden
         seconds, comm = seconds + a2a, comm + a2a
         if link is hardware.ici:
             ici_bytes += fwd_ring + bwd_ring
@@ -287,7 +335,7 @@ def _seconds(candidate: Candidate, shape: LayerShape, hardware: Hardware, tile: 
             dcn_bytes += fwd_ring + bwd_ring
     return dict(seconds=seconds, compute_seconds=compute, comm_seconds=comm,
                 exposed_comm_seconds=seconds - compute, bytes=total_bytes,
-                ici_bytes=ici_bytes, dcn_bytes=dcn_bytes)
+                hidden_bytes=hidden, ici_bytes=ici_bytes, dcn_bytes=dcn_bytes)
 
 
 def _memory(candidate: Candidate, shape: LayerShape, tile: int) -> float:
@@ -338,7 +386,9 @@ def predict(candidate: Candidate, shape: LayerShape, hardware, *, tile: int = TI
       * ``exposed_comm_seconds``: ``seconds - compute_seconds``, the communication
         not hidden behind compute;
       * ``bytes``: what it sends (:func:`jax_seqpar.comm_bytes`), of which
-        ``ici_bytes`` on the fast link class and ``dcn_bytes`` on the slow one;
+        ``ici_bytes`` on the fast link class and ``dcn_bytes`` on the slow one, and
+        ``hidden_bytes`` sent while a kernel computes (as
+        :func:`jax_seqpar.tools.hlo.bytes_hidden` counts them in a compiled program);
       * ``memory``: its peak bytes.
 
     Raises:

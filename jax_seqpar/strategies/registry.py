@@ -44,6 +44,10 @@ class Strategy:
       windows, sinks: whether it serves sliding windows and attention sinks.
       global_view: whether :func:`jax_seqpar.sequence_parallel_attention` runs it
         (decode runs against a KV cache: :mod:`jax_seqpar.api.inference`).
+      pieces: into how many pieces it cuts its all-to-all / all-gather exchanges so
+        that each piece after the first travels while the kernel works on an earlier
+        one (1: each exchange whole, before or after the kernel). The ring's hops are
+        its own pieces (one per step).
     """
 
     name: str
@@ -55,6 +59,7 @@ class Strategy:
     windows: bool = True
     sinks: bool = True
     global_view: bool = True
+    pieces: int = 1
 
     def factorization(self, devices: int, ulysses: int) -> tuple[int, int]:
         """``(ring, ulysses)`` devices of this strategy over ``devices`` (``ulysses``: the

@@ -68,8 +68,14 @@ PRODUCTION_CODEGEN = {"xla_backend_optimization_level": 3,
 
 
 def compile_for(fn: Callable, args, platform: str, *, fail_on_spills: bool = False,
-                kernel_resources: bool = False) -> Compiled:
+                kernel_resources: bool = False,
+                compiler_options: Optional[Mapping[str, Any]] = None) -> Compiled:
     """Lower ``jax.jit(fn)(*args)`` for ``platform`` and compile it; nothing runs.
+
+    The program compiles with the backend's production code generation, then
+    ``compiler_options`` (e.g. a strategy's
+    :func:`jax_seqpar.tools.targets.compile_options`: XLA:TPU's asynchronous all-to-all
+    and all-gather).
 
     Args:
       fn: the function (jitted here); args: ``jax.ShapeDtypeStruct`` s with shardings
@@ -78,6 +84,8 @@ def compile_for(fn: Callable, args, platform: str, *, fail_on_spills: bool = Fal
       fail_on_spills: on GPU, a kernel that spills registers is a compile error.
       kernel_resources: on GPU, read every Triton kernel's :class:`KernelResources`
         (needs ``ptxas``, from the ``[aot]`` extra's ``nvidia-cuda-nvcc-cu12``).
+      compiler_options: more XLA options, over the defaults above; an option given as
+        None is not passed.
 
     Raises:
       Exception: the compiler's error (e.g. ``Compilation result discarded due to
@@ -90,6 +98,8 @@ def compile_for(fn: Callable, args, platform: str, *, fail_on_spills: bool = Fal
     options = {} if platform == "cpu" else dict(PRODUCTION_CODEGEN)
     if platform == "cuda" and fail_on_spills:
         options["xla_gpu_fail_ptx_compilation_on_register_spilling"] = True
+    options.update(compiler_options or {})
+    options = {key: value for key, value in options.items() if value is not None}
     dump = tempfile.mkdtemp(prefix="jax_seqpar_aot_") if (
         platform == "cuda" and kernel_resources) else None
     try:

@@ -35,6 +35,32 @@ import numpy as np
 GPUS = {"h100": ("h100_sxm.txtpb", 8), "h200": ("h200.txtpb", 8), "a100": ("a100_sxm_80.txtpb", 8)}
 #: HBM per TPU device (one chip; v4 and v5p as one megacore device), bytes.
 TPU_HBM = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2**30}
+#: XLA:TPU runs all-to-all synchronously unless asked: this makes it asynchronous.
+_TPU_ASYNC_ALL_TO_ALL = {"xla_tpu_enable_async_all_to_all": True}
+#: XLA:TPU runs all-gather synchronously unless asked: these make it an async collective
+#: fusion that runs inside the Mosaic call it can hide behind (each of the five is needed;
+#: ``experiments/tpu_async_options.py`` checks it).
+_TPU_ASYNC_ALL_GATHER = {
+    "xla_enable_async_all_gather": True,
+    "xla_tpu_enable_async_collective_fusion": True,
+    "xla_tpu_enable_async_collective_fusion_fuse_all_gather": True,
+    "xla_tpu_enable_async_collective_fusion_multiple_steps": True,
+    "xla_tpu_enable_async_collective_fusion_with_mosaic_custom_call": True,
+}
+#: XLA options the library's target compiles set (``jax-seqpar bench --target``, the
+#: compile gate), per lowering platform and strategy: each strategy gets only what its own
+#: collectives need, since every option costs memory elsewhere (the all-gather's fusion
+#: options raise the Mosaic ring's temp at S=32768 on v5p:2x2x2 from 156.8 to 177.7 MiB,
+#: fwd+bwd; XLA:TPU's collective-permutes, the ring's, are asynchronous without any).
+#: XLA:GPU needs none. Pass the same options to your own programs
+#: (:func:`compile_options`; or ``LIBTPU_INIT_ARGS``, :func:`libtpu_init_args`) for the
+#: schedules ``bench --target`` reports.
+COMPILE_OPTIONS = {
+    "tpu": {"ulysses": _TPU_ASYNC_ALL_TO_ALL, "hybrid": _TPU_ASYNC_ALL_TO_ALL,
+            "allgather": _TPU_ASYNC_ALL_GATHER, "ring": {}},
+    "cuda": {},
+    "cpu": {},
+}
 _PLUGINS = {"cuda": ("jax_cuda12_plugin", "the CUDA plugin (jax-cuda12-plugin)"),
             "tpu": ("libtpu", "libtpu")}
 _TPU_NAME_RE = re.compile(r"^(v\d+[a-z]*):(\d+(?:x\d+)+)$")
@@ -90,6 +116,34 @@ def parse(name: str) -> Target:
         dims = [int(d) for d in found.group(2).split("x")]
         return Target(name, "tpu", found.group(1), math.prod(dims), name)
     raise ValueError(f"unknown target {name!r}; known forms: {_KNOWN}.")
+
+
+def compile_options(platform: str, strategy: Optional[str] = None) -> dict:
+    """The XLA options of :data:`COMPILE_OPTIONS` for ``strategy``'s programs on
+    ``platform`` (``"tpu"``, ...), or every strategy's (None: a program that runs several),
+    for ``jax.jit(f).lower(*args).compile(compiler_options=compile_options("tpu"))``.
+
+    >>> compile_options("tpu", "ulysses")
+    {'xla_tpu_enable_async_all_to_all': True}
+    >>> compile_options("tpu", "ring")
+    {}
+    """
+    per_strategy = COMPILE_OPTIONS.get(platform, {})
+    if strategy is not None:
+        return dict(per_strategy.get(strategy, {}))
+    return {key: value for options in per_strategy.values() for key, value in options.items()}
+
+
+def libtpu_init_args(strategy: Optional[str] = None) -> str:
+    """:func:`compile_options` for TPU as command-line flags, for ``LIBTPU_INIT_ARGS`` (set
+    before JAX starts the TPU backend; every program of the process then compiles with
+    them).
+
+    >>> libtpu_init_args("ulysses")
+    '--xla_tpu_enable_async_all_to_all=true'
+    """
+    return " ".join(f"--{key}={str(value).lower()}"
+                    for key, value in compile_options("tpu", strategy).items())
 
 
 def target_platform(name: str) -> str:
