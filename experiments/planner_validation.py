@@ -17,7 +17,12 @@ under load are noisy, which the rank statistics tolerate better than ratios.
 
 ``--hardware FILE`` reuses a saved calibration (``FILE.hardware.json`` is written next to
 ``--out``); ``--first``/``--shapes`` time a slice of ``SHAPES`` and ``--merge`` joins the
-JSON of slices timed by separate processes.
+JSON of slices timed by separate processes. ``--repredict JSON`` times nothing: it
+predicts the measured rows of a results file again with the current model and its
+calibration (how a change to the model moves the agreement, in seconds):
+
+    PYTHONPATH=. python experiments/planner_validation.py \
+        --repredict experiments/results/planner_validation.json --out /tmp/repredicted.json
 """
 
 import argparse
@@ -35,10 +40,11 @@ import jax  # noqa: E402  (after XLA_FLAGS)
 import numpy as np  # noqa: E402
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jax_seqpar.tools import bench, calibrate
-from jax_seqpar.planning import hardware, plan, predict
 from jax_seqpar.core import layout  # noqa: E402
-from jax_seqpar.planning.projection import text_table  # noqa: E402
+from jax_seqpar.core.shape import LayerShape  # noqa: E402
+from jax_seqpar.planning import hardware, plan, predict  # noqa: E402
+from jax_seqpar.tools import bench, calibrate  # noqa: E402
+from jax_seqpar.tools.report import text_table  # noqa: E402
 
 # (seq_len, heads, kv_heads, head_dim, causal): MHA, GQA, MQA; 8, 12 and 16 heads
 # (12: no Ulysses over 8); compute-heavy and communication-heavy ends.
@@ -68,16 +74,16 @@ def measure(candidate: predict.Candidate, shape, runs: int) -> float:
         axes = {"sp": 8}
     mesh = Mesh(devices.reshape(tuple(axes.values())), tuple(axes))
     seq_len, heads, kv_heads, head_dim, causal = shape
-    bench_shape = bench.BenchShape(batch=1, seq_len=seq_len, num_heads=heads,
-                                   num_kv_heads=kv_heads, head_dim=head_dim, causal=causal)
+    bench_shape = LayerShape(batch=1, seq_len=seq_len, num_heads=heads, num_kv_heads=kv_heads,
+                             head_dim=head_dim, dtype="float32", causal=causal)
     _, forward_and_vjp = bench.build(candidate.strategy, mesh, bench_shape)
     sharding = NamedSharding(mesh, P(None, tuple(axes)))
-    zigzag = bench._layout(candidate.strategy, bench_shape) == "zigzag"
-    args = [jax.random.normal(key, size, np.float32) for key, size in
+    zigzag = bench.layout_for(candidate.strategy, bench_shape) == "zigzag"
+    args = [jax.random.normal(key, size, bench_shape.dtype) for key, size in
             zip(jax.random.split(jax.random.key(0), 4), bench_shape.operand_shapes())]
     args = [jax.device_put(layout.zigzag_permute(x, 8) if zigzag else x, sharding) for x in args]
     compiled = jax.jit(forward_and_vjp).lower(*args).compile()
-    seconds, _ = bench._median_ms(compiled, args, warmup=1, runs=runs)
+    seconds, _ = bench.median_ms(compiled, args, warmup=1, runs=runs)
     return seconds / 1e3
 
 
@@ -89,6 +95,9 @@ def main(argv=None) -> int:
     parser.add_argument("--merge", nargs="+", metavar="JSON",
                         help="instead merge the results of runs over parts of SHAPES")
     parser.add_argument("--hardware", help="a JSON Hardware (skip calibration)")
+    parser.add_argument("--repredict", metavar="JSON",
+                        help="instead predict the measured rows of JSON again (its "
+                             "calibration, the current model; nothing is timed)")
     parser.add_argument("--out", default="planner_validation.json", help="JSON results")
     args = parser.parse_args(argv)
     load_before = os.getloadavg()
@@ -104,6 +113,24 @@ def main(argv=None) -> int:
             json.dump(result, file, indent=1)
         print(f"merged {len(result['summary'])} shapes into {args.out}")
         return 0
+    if args.repredict:
+        stored = json.load(open(args.repredict))
+        cpu = _hardware(stored["hardware"])
+        measured = {}
+        for row in stored["rows"]:
+            measured.setdefault(tuple(row["shape"]), {})[row["label"]] = row["measured"]
+        rows, summary = [], []
+        for shape, timed in measured.items():
+            shape_rows, shape_summary = _compare(shape, cpu, timed)
+            rows += shape_rows
+            summary.append(shape_summary)
+        result = _write(args.out, cpu, rows, summary, stored["load_before"], start)
+        result.update(load_after=stored["load_after"], seconds=stored["seconds"],
+                      repredicted_from=args.repredict)
+        with open(args.out, "w") as file:
+            json.dump(result, file, indent=1)
+        _report(result)
+        return 0
     if args.hardware:
         cpu = _hardware(json.load(open(args.hardware)))
     else:
@@ -113,32 +140,45 @@ def main(argv=None) -> int:
     print(f"calibrated: {cpu}", flush=True)
     rows, summary = [], []
     for shape in SHAPES[args.first:args.first + args.shapes]:
-        seq_len, heads, kv_heads, head_dim, causal = shape
-        chosen = plan.plan(seq_len, heads, kv_heads, head_dim, 8, dtype_bytes=4,
-                           causal=causal, hardware=cpu)
-        by_bytes = plan.plan(seq_len, heads, kv_heads, head_dim, 8, dtype_bytes=4,
-                             causal=causal)
+        heads = shape[1]
         measured = {}
         for candidate in predict.candidates(8, heads):
             measured[candidate.label] = measure(candidate, shape, args.runs)
-            print(f"  {shape} {candidate.label}: predicted "
-                  f"{chosen.predicted_seconds[candidate.label] * 1e3:.1f} ms, measured "
+            print(f"  {shape} {candidate.label}: measured "
                   f"{measured[candidate.label] * 1e3:.1f} ms", flush=True)
-        labels = list(measured)
-        predicted = [chosen.predicted_seconds[label] for label in labels]
-        timed = [measured[label] for label in labels]
-        best = min(measured, key=measured.get)
-        pick = min(chosen.predicted_seconds, key=chosen.predicted_seconds.get)
-        bytes_pick = by_bytes.strategy if by_bytes.strategy != "hybrid" else "hybrid"
-        summary.append(dict(shape=shape, labels=labels, rho=spearman(predicted, timed),
-                            predicted_best=pick,
-                            measured_best=best, top1=pick == best,
-                            regret=measured[pick] / measured[best], bytes_pick=bytes_pick,
-                            bytes_regret=measured.get(bytes_pick, float("nan")) / measured[best]))
-        rows += [dict(shape=shape, label=label, predicted=p, measured=m)
-                 for label, p, m in zip(labels, predicted, timed)]
+        shape_rows, shape_summary = _compare(shape, cpu, measured)
+        rows += shape_rows
+        summary.append(shape_summary)
         _write(args.out, cpu, rows, summary, load_before, start)  # partial results survive
-    result = _write(args.out, cpu, rows, summary, load_before, start)
+    _report(_write(args.out, cpu, rows, summary, load_before, start))
+    return 0
+
+
+def _compare(shape, cpu, measured: dict) -> tuple[list, dict]:
+    """``(rows, summary)`` of one shape: the planner's predictions on ``cpu`` against the
+    ``measured`` seconds per candidate label."""
+    seq_len, heads, kv_heads, head_dim, causal = shape
+    chosen = plan.plan(seq_len, heads, kv_heads, head_dim, 8, dtype_bytes=4, causal=causal,
+                       hardware=cpu)
+    by_bytes = plan.plan(seq_len, heads, kv_heads, head_dim, 8, dtype_bytes=4, causal=causal)
+    labels = list(measured)
+    predicted = [chosen.predicted_seconds[label] for label in labels]
+    timed = [measured[label] for label in labels]
+    best = min(measured, key=measured.get)
+    pick = min(chosen.predicted_seconds, key=chosen.predicted_seconds.get)
+    bytes_pick = by_bytes.strategy
+    summary = dict(shape=list(shape), labels=labels, rho=spearman(predicted, timed),
+                   predicted_best=pick, measured_best=best, top1=pick == best,
+                   regret=measured[pick] / measured[best], bytes_pick=bytes_pick,
+                   bytes_regret=measured.get(bytes_pick, float("nan")) / measured[best])
+    rows = [dict(shape=list(shape), label=label, predicted=p, measured=m)
+            for label, p, m in zip(labels, predicted, timed)]
+    return rows, summary
+
+
+def _report(result: dict) -> None:
+    """Prints the per-shape table and the summary line of a results dict."""
+    summary, rows = result["summary"], result["rows"]
     print(text_table(["S x H/Hkv x D", "cands", "spearman", "predicted best",
                       "measured best", "top-1", "regret"], [
         [f"{s}x{h}/{kv}x{d}{' causal' if c else ''}", len(x["labels"]), f"{x['rho']:.2f}",
@@ -147,9 +187,8 @@ def main(argv=None) -> int:
     print(f"mean per-shape Spearman {result['mean_spearman']:.3f}; pooled Spearman (all "
           f"{len(rows)} points) {result['pooled_spearman']:.3f}; top-1 agreement "
           f"{result['top1']}/{len(summary)}; mean regret {result['mean_regret']:.3f}; load "
-          f"average {load_before[0]:.1f} -> {result['load_after'][0]:.1f}; "
+          f"average {result['load_before'][0]:.1f} -> {result['load_after'][0]:.1f}; "
           f"{result['seconds']:.0f} s")
-    return 0
 
 
 def _hardware(fields: dict) -> hardware.Hardware:

@@ -1,4 +1,5 @@
-"""jax_seqpar.tools.bench (measured, on 8 emulated CPU devices) and jax_seqpar.planning.projection (model).
+"""jax_seqpar.tools.bench (measured, on 8 emulated CPU devices) and
+jax_seqpar.planning.projection (the planner's time model on large meshes).
 
 The bench runs are tiny (S=256) so this file stays fast: one run of every strategy
 (Ulysses, ring, all-gather over 8 devices, the hybrid as a ring of 4 x Ulysses of 2,
@@ -11,12 +12,15 @@ import json
 
 import pytest
 
-from jax_seqpar.tools import bench, bench_report
-from jax_seqpar.planning import projection
 from jax_seqpar import comm_bytes
+from jax_seqpar.core.shape import LayerShape
+from jax_seqpar.planning import hardware, predict, projection
 from jax_seqpar.planning.plan import plan
+from jax_seqpar.tools import bench, bench_report, report
 
-TINY = bench.BenchShape(batch=1, seq_len=256, num_heads=8, num_kv_heads=2, head_dim=16)
+TINY = LayerShape(batch=1, seq_len=256, num_heads=8, num_kv_heads=2, head_dim=16,
+                  dtype="float32", causal=True)
+DEFAULT = bench.DEFAULT_SHAPE  # B=1, S=4096, H=8, Hkv=2, D=64, float32, causal
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +41,7 @@ def test_run_measures_every_strategy(tiny_result):
                                                          rel=0.01), row
         assert row["err_out"] < 1e-4 and row["err_grad"] < 1e-4, row
     assert rows[("ring", "sp=8")]["model_fwd_bytes"] == comm_bytes(
-        "ring", seq_axes=8, dtype_bytes=4, **TINY.model_kwargs())
+        "ring", seq_axes=8, **TINY.replace(backward=False).comm_kwargs())
     assert rows[("ring", "sp=8")]["layout"] == "zigzag"  # causal ring: balanced order
     assert rows[("ulysses", "sp=8")]["layout"] == "contiguous"
 
@@ -83,15 +87,15 @@ def test_every_option_is_documented():
 
 
 @pytest.mark.parametrize("shape, meshes, strategies, message", [
-    pytest.param(bench.BenchShape(seq_len=256, num_heads=12, num_kv_heads=4), ["sp=8"],
+    pytest.param(DEFAULT.replace(seq_len=256, num_heads=12, num_kv_heads=4), ["sp=8"],
                  ["ulysses"], "num_heads=12 is not divisible by the ulysses axis size 8",
                  id="ulysses_heads"),
     pytest.param(TINY, ["sp=8"], ["hybrid"], "hybrid needs a two-axis mesh", id="hybrid_1_axis"),
-    pytest.param(bench.BenchShape(seq_len=1004), ["sp=8"], ["ring"],
+    pytest.param(DEFAULT.replace(seq_len=1004), ["sp=8"], ["ring"],
                  "seq_len=1004 is not divisible by the 8 devices", id="seq_not_divisible"),
-    pytest.param(bench.BenchShape(seq_len=8 * 3), ["sp=8"], ["ring"],
+    pytest.param(DEFAULT.replace(seq_len=8 * 3), ["sp=8"], ["ring"],
                  "not divisible by 2\\*8=16 zigzag chunks", id="zigzag_chunks"),
-    pytest.param(bench.BenchShape(seq_len=288, num_heads=8, num_kv_heads=8),
+    pytest.param(DEFAULT.replace(seq_len=288, num_heads=8, num_kv_heads=8),
                  ["dcn=2,ici=3"], ["hybrid"],
                  "num_heads=8 is not divisible by the ulysses \\(inner\\) axis size 3",
                  id="hybrid_inner"),
@@ -99,6 +103,10 @@ def test_every_option_is_documented():
     pytest.param(TINY, ["sp=8"], ["tree"], "strategy names must be some of", id="strategy"),
     pytest.param(TINY, ["sp=8,a=1,b=1"], ["ring"], "has 3 axes", id="three_axes"),
     pytest.param(TINY, ["sp=0"], ["ring"], "distinct name=size pairs", id="bad_mesh"),
+    pytest.param(TINY.replace(dtype="float64"), ["sp=8"], ["ring"],
+                 "the bench runs dtype one of", id="dtype"),
+    pytest.param(TINY.replace(window=16), ["sp=8"], ["ring"],
+                 "the bench runs full or causal masks", id="window"),
 ])
 def test_impossible_combinations_raise(shape, meshes, strategies, message):
     with pytest.raises(ValueError, match=message):
@@ -113,11 +121,12 @@ def test_cli_error_is_a_message_and_status_2(capsys):
 
 
 def test_bad_dtype():
-    with pytest.raises(ValueError, match="dtype='int8' is not one of"):
-        bench.BenchShape(dtype="int8")
+    with pytest.raises(ValueError, match="dtype='int8' is not a floating-point dtype"):
+        TINY.replace(dtype="int8")
+    assert bench.BenchShape is LayerShape  # the old name of the one record
 
 
-# --- projection (a model: no devices) ----------------------------------------------
+# --- projection (the planner's time model: no devices) ----------------------------
 
 GQA = dict(num_heads=64, num_kv_heads=8, head_dim=128)
 MLA = dict(num_heads=128, num_kv_heads=1, head_dim=576, v_head_dim=512)
@@ -138,6 +147,28 @@ def test_projection_grows_with_sequence(shape):
         assert row["ici_bytes"] + row["dcn_bytes"] == pytest.approx(row["bytes_per_device"])
 
 
+def test_projection_rows_are_predict_breakdowns():
+    """One model: every number of a row is predict's, on nodes of 8 H100s."""
+    rows = projection.project(**GQA, chips=(8, 64), seq_lens=(32768,))
+    model = hardware.H100.replace(devices_per_domain=8)
+    for row in rows:
+        strategy = row["strategy"]
+        factors = (row["outer"], row["inner"]) if strategy == "hybrid" else (
+            (1, row["chips"]) if strategy == "ulysses" else (row["chips"], 1))
+        layer = LayerShape(1, 32768, causal=True, **GQA)
+        result = predict.predict(predict.Candidate(strategy, *factors), layer, model)
+        assert row["predicted_ms"] == pytest.approx(result["seconds"] * 1e3), strategy
+        assert row["comm_ms"] == pytest.approx(result["comm_seconds"] * 1e3), strategy
+        assert row["compute_ms"] == pytest.approx(result["compute_seconds"] * 1e3), strategy
+        assert (row["ici_bytes"], row["dcn_bytes"]) == (result["ici_bytes"],
+                                                        result["dcn_bytes"])
+        assert row["predicted_ms"] >= row["compute_ms"]
+        assert row["comm_ms"] * (1 + 1e-12) >= row["exposed_comm_ms"] >= 0
+    within_a_node = [r for r in rows if r["chips"] == 8]
+    assert all(r["dcn_bytes"] == 0 for r in within_a_node)
+    assert all(r["dcn_bytes"] > 0 for r in rows if r["chips"] == 64)
+
+
 def test_projection_bytes_are_comm_bytes_and_plan_is_marked():
     rows = projection.project(**GQA, chips=(8, 256), seq_lens=(131072,))
     for row in rows:
@@ -152,22 +183,28 @@ def test_projection_bytes_are_comm_bytes_and_plan_is_marked():
         assert planned == [plan(131072, 64, 8, 128, mesh).strategy]
 
 
-def test_projection_links_are_overridable():
-    fast = projection.Links(dcn=projection.Link(bandwidth=2 * projection.DCN.bandwidth,
-                                                latency=projection.DCN.latency))
+def test_projection_hardware_is_overridable():
+    h100 = hardware.H100
+    fast = h100.replace(dcn=hardware.Link(bandwidth=2 * h100.dcn.bandwidth,
+                                          latency=h100.dcn.latency))
     slow_rows = projection.project(**GQA, chips=(64,), seq_lens=(131072,))
-    fast_rows = projection.project(**GQA, chips=(64,), seq_lens=(131072,), links=fast)
+    fast_rows = projection.project(**GQA, chips=(64,), seq_lens=(131072,), hardware=fast)
     for slow, quick in zip(slow_rows, fast_rows):
         assert quick["comm_ms"] < slow["comm_ms"], slow["strategy"]
+        assert quick["compute_ms"] == slow["compute_ms"]
+    one_domain = projection.project(**GQA, chips=(64,), seq_lens=(131072,), hardware="tpu-v5p")
+    assert {r["strategy"] for r in one_domain} == {"ulysses", "ring", "allgather"}
+    assert all(r["dcn_bytes"] == 0 for r in one_domain)
 
 
 def test_projection_table_and_errors(capsys):
-    table = projection.format_table(projection.project(**MLA, chips=(8, 1024), seq_lens=SEQS))
+    table = report.format_projection(projection.project(**MLA, chips=(8, 1024), seq_lens=SEQS))
     assert table.startswith("MODEL")
     assert len(table.splitlines()) == 3 + 2 * len(SEQS)  # title, header, rule, rows
     with pytest.raises(ValueError, match="chips=12 is not a whole number of 8-chip nodes"):
         projection.project(**GQA, chips=(12,))
+    with pytest.raises(ValueError, match="chips_per_node must be a positive int"):
+        projection.project(**GQA, chips_per_node=0)
     assert bench_report.run_bench(_parse(["--project", "--heads", "64", "--kv-heads", "8",
                                    "--head-dim", "128"])) == 0
     assert "MODEL" in capsys.readouterr().out
-

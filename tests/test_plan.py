@@ -1,5 +1,6 @@
 """jax_seqpar.planning.plan: the traffic model on hand-computed cases and the seed notes, the
-planner's choices, its errors, and the model against the compiled HLO.
+layer's one record (LayerShape), the planner's choices, its errors, and the model against the
+compiled HLO.
 
 Seed formulas (shared/seeds/002_*), per global token N, P devices, in elements:
 Ulysses ``h*d*(P-1)/P**2`` per tensor, 4 tensors (q, k, v, out); ring
@@ -26,7 +27,8 @@ from jax.sharding import Mesh, PartitionSpec as P
 import jax_seqpar
 from jax_seqpar.tools import hlo
 from jax_seqpar import comm_bytes
-from jax_seqpar.planning.plan import Plan, plan
+from jax_seqpar.core.shape import LayerShape, dtype_of_size
+from jax_seqpar.planning.plan import Plan, plan, plan_layer
 
 N = 1024  # tokens; divisible by every P used here
 MHA = dict(num_heads=64, num_kv_heads=64, head_dim=128)  # the seed's h=64, d=128
@@ -215,6 +217,63 @@ def test_plan_rejects_bad_mesh_axes(seq_axes):
 def test_plan_validates_through_comm_bytes():
     with pytest.raises(ValueError, match="seq_len=1001 is not divisible by the 8 devices"):
         plan(1001, 8, 8, 64, 8)
+    with pytest.raises(ValueError, match=r"dtype_bytes must be the size of a float dtype, one "
+                                         r"of \[1, 2, 4, 8\].*Got dtype_bytes=3"):
+        plan(1024, 8, 8, 64, 8, dtype_bytes=3)
+
+
+# --- the layer's one record ------------------------------------------------------------
+
+def test_layer_shape_fills_in_and_normalizes():
+    shape = LayerShape(2, 1024, 8, 2, 64, dtype=jnp.float32, window=16)
+    assert (shape.v_head_dim, shape.dtype, shape.dtype_bytes, shape.window) == (
+        64, "float32", 4, (16, 16))
+    assert shape.operand_shapes() == ((2, 1024, 8, 64), (2, 1024, 2, 64), (2, 1024, 2, 64),
+                                      (2, 1024, 8, 64))
+    assert LayerShape(1, 8, 1, 1, 576, 512).v_head_dim == 512
+    assert [dtype_of_size(n) for n in (1, 2, 4, 8)] == [
+        "float8_e4m3fn", "bfloat16", "float32", "float64"]
+    assert hash(shape) == hash(LayerShape(2, 1024, 8, 2, 64, dtype="float32", window=(16, 16)))
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(batch=0), "batch must be a positive int. Got batch=0"),
+    (dict(head_dim=2.5), "head_dim must be a positive int. Got head_dim=2.5"),
+    (dict(v_head_dim=True), "v_head_dim must be a positive int. Got v_head_dim=True"),
+    (dict(num_kv_heads=3), "num_heads=8 must be a multiple of num_kv_heads=3"),
+    (dict(dtype="int8"), "dtype='int8' is not a floating-point dtype"),
+    (dict(dtype="fp16"), "dtype='fp16' is not a floating-point dtype"),
+    (dict(window=(-1, 0)), "window sides must be >= 0"),
+    (dict(causal="yes"), "causal must be True or False. Got causal='yes'"),
+    (dict(backward=None), "backward must be True or False"),
+])
+def test_layer_shape_errors(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        LayerShape(**dict(dict(batch=1, seq_len=256, num_heads=8, num_kv_heads=2,
+                               head_dim=16), **kwargs))
+
+
+@pytest.mark.parametrize("strategy, seq_axes", [
+    ("ulysses", 8), ("ring", 8), ("allgather", 4), ("hybrid", (2, 4))])
+@pytest.mark.parametrize("extra", [
+    dict(), dict(backward=False), dict(segment_ids=True), dict(causal=True, window=(32, 32))])
+def test_comm_bytes_of_a_layer_shape_is_its_keywords(strategy, seq_axes, extra):
+    shape = LayerShape(2, 256, 8, 2, 16, 8, dtype="float32", **extra)
+    keywords = dict(batch=2, seq_len=256, num_heads=8, num_kv_heads=2, head_dim=16,
+                    v_head_dim=8, dtype_bytes=4, backward=extra.get("backward", True),
+                    with_segment_ids=extra.get("segment_ids", False),
+                    window=extra.get("window"), causal=extra.get("causal", False))
+    assert comm_bytes(strategy, seq_axes=seq_axes, **shape.comm_kwargs()) == comm_bytes(
+        strategy, seq_axes=seq_axes, **keywords)
+
+
+@pytest.mark.parametrize("hardware", [None, "h100"])
+def test_plan_is_plan_layer_of_its_keywords(hardware):
+    args, kwargs = (32768, 12, 4, 128, {"dcn": 2, "ici": 4}), dict(v_head_dim=64,
+                                                                   dtype_bytes=4, causal=True)
+    shape = LayerShape(1, 32768, 12, 4, 128, 64, dtype="float32", causal=True)
+    assert plan(*args, hardware=hardware, **kwargs) == plan_layer(shape, args[-1],
+                                                                  hardware=hardware)
 
 
 # --- the model against the compiled program (traffic) ------------------------------------

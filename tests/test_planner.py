@@ -16,6 +16,7 @@ from jax_seqpar.tools import calibrate, hlo, tune
 from jax_seqpar.planning import hardware, plan as planner, predict, tuned
 from jax_seqpar.core import reference
 from jax_seqpar.core.meshes import split_axis
+from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.planning.plan import plan
 
 GIB = 2.0**30
@@ -83,11 +84,11 @@ def test_causal_halves_and_window_cuts_the_compute():
     shape = dict(batch=1, seq_len=1 << 16, num_heads=8, num_kv_heads=8, head_dim=128,
                  v_head_dim=128)
     candidate = predict.Candidate("ulysses", 1, 8)
-    full = predict.predict(candidate, predict.Shape(**shape), hardware.H100)["compute"]
-    causal = predict.predict(candidate, predict.Shape(**shape, causal=True),
-                             hardware.H100)["compute"]
-    window = predict.predict(candidate, predict.Shape(**shape, causal=True, window=(1024, 0)),
-                             hardware.H100)["compute"]
+    full = predict.predict(candidate, LayerShape(**shape), hardware.H100)["compute_seconds"]
+    causal = predict.predict(candidate, LayerShape(**shape, causal=True),
+                             hardware.H100)["compute_seconds"]
+    window = predict.predict(candidate, LayerShape(**shape, causal=True, window=(1024, 0)),
+                             hardware.H100)["compute_seconds"]
     assert causal / full == pytest.approx(0.5, abs=0.01)
     assert window / full < 0.05
 
@@ -107,14 +108,57 @@ def test_visible_pairs_counts_the_mask(seq_len, causal, window):
 
 
 def test_ring_hides_hops_behind_compute_only_where_the_hardware_overlaps():
-    shape = predict.Shape(1, 1 << 16, 32, 32, 128, 128, causal=True)
+    shape = LayerShape(1, 1 << 16, 32, 32, 128, causal=True)
     ring = predict.Candidate("ring", 8, 1)
     overlapped = predict.predict(ring, shape, hardware.H100)
     serial = predict.predict(ring, shape, hardware.H100.replace(overlap=False))
-    assert overlapped["comm"] < 0.05 * overlapped["compute"]  # hops hidden but the last
-    assert serial["seconds"] > overlapped["seconds"] + 0.5 * (serial["comm"])
+    # hops hidden but the last
+    assert overlapped["exposed_comm_seconds"] < 0.05 * overlapped["compute_seconds"]
+    assert serial["seconds"] > overlapped["seconds"] + 0.5 * serial["exposed_comm_seconds"]
+    # Overlap changes what is exposed, not what is sent or how long the links are busy.
+    assert serial["comm_seconds"] == pytest.approx(overlapped["comm_seconds"])
+    assert serial["exposed_comm_seconds"] == pytest.approx(serial["comm_seconds"])
     slow_links = hardware.H100.replace(devices_per_domain=1)  # every hop on InfiniBand
     assert predict.predict(ring, shape, slow_links)["seconds"] >= overlapped["seconds"]
+
+
+@pytest.mark.parametrize("strategy, factors", [
+    ("ulysses", (1, 16)), ("allgather", (16, 1)), ("ring", (16, 1)), ("hybrid", (2, 8))])
+@pytest.mark.parametrize("segment_ids", [False, True])
+def test_collectives_cost_one_latency_per_step(strategy, factors, segment_ids):
+    """Links' alpha-beta terms add up: an all_to_all is one step, an all_gather or
+    reduce-scatter P-1 (Ulysses' gathered positions too), a ring hop one; two nodes of 8."""
+    shape = LayerShape(2, 4096, 16, 4, 64, causal=True, segment_ids=segment_ids)
+    model = hardware.H100.replace(devices_per_domain=8)
+    result = predict.predict(predict.Candidate(strategy, *factors), shape, model)
+    ici, dcn = model.ici, model.dcn
+    assert result["ici_bytes"] + result["dcn_bytes"] == pytest.approx(result["bytes"])
+    gathers = 1 + segment_ids
+    if strategy == "ulysses":  # 16 devices, 2 nodes: 1/15 of the bytes stay in the node
+        steps = 8 + 15 * gathers
+        expected = steps * dcn.latency + max(result["ici_bytes"] / ici.bandwidth,
+                                             result["dcn_bytes"] / dcn.bandwidth)
+        assert result["ici_bytes"] == pytest.approx(result["bytes"] * 7 / 15)
+    elif strategy == "allgather":  # gather k, v, positions (+ ids); scatter dk, dv
+        expected = 15 * (3 + segment_ids + 2) * dcn.latency + max(
+            result["ici_bytes"] / ici.bandwidth, result["dcn_bytes"] / dcn.bandwidth)
+    elif strategy == "ring":  # 15 hops forward, 16 backward, all on the slow link
+        expected = 31 * dcn.latency + result["bytes"] / dcn.bandwidth
+        assert result["ici_bytes"] == 0
+    else:  # Ulysses over the 8 of a node, then a ring of 2 nodes: 1 hop + 2 back
+        a2a = (8 + 7 * gathers) * ici.latency + result["ici_bytes"] / ici.bandwidth
+        expected = a2a + 3 * dcn.latency + result["dcn_bytes"] / dcn.bandwidth
+    assert result["comm_seconds"] == pytest.approx(expected)
+    assert result["seconds"] == pytest.approx(result["compute_seconds"]
+                                              + result["exposed_comm_seconds"])
+
+
+def test_one_device_sends_and_waits_for_nothing():
+    shape = LayerShape(1, 4096, 8, 8, 64)
+    for candidate in predict.candidates(1, 8):
+        result = predict.predict(candidate, shape, "h100")
+        assert result["bytes"] == result["comm_seconds"] == 0.0, candidate.label
+        assert result["seconds"] == result["compute_seconds"], candidate.label
 
 
 def test_hardware_presets_and_lookup():
@@ -229,10 +273,10 @@ def test_tuned_plan_is_stored_and_reused_by_auto_on_request(tmp_path, monkeypatc
     entry.update(strategy="allgather", ulysses_size=None, label="allgather")
     cache.write_text(json.dumps({key: entry}))
     q, k, v = make_qkv(batch=1, seq=128, heads=4, head_dim=8)
-    assert planner.auto_choice(q.shape, 4, 8, 4, mesh, ("sp",), causal=True) == (
-        "allgather", None)
+    layer = LayerShape(*q.shape[:3], 4, 8, dtype=q.dtype, causal=True)
+    assert planner.auto_choice(layer, mesh, ("sp",)) == ("allgather", None)
     monkeypatch.delenv(tuned.ENV_VAR)  # not asked for: the file is not read
-    assert planner.auto_choice(q.shape, 4, 8, 4, mesh, ("sp",), causal=True)[0] != "allgather"
+    assert planner.auto_choice(layer, mesh, ("sp",))[0] != "allgather"
     monkeypatch.setenv(tuned.ENV_VAR, str(cache))
     attend = functools.partial(jax_seqpar.sequence_parallel_attention, mesh=mesh, causal=True)
     compiled = jax.jit(attend).lower(q, k, v).compile()
@@ -245,8 +289,8 @@ def test_tuned_plan_is_stored_and_reused_by_auto_on_request(tmp_path, monkeypatc
 def test_auto_without_a_cache_entry_uses_the_device_preset(tmp_path, monkeypatch):
     monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "empty.json"))
     mesh = jax.make_mesh((8,), ("sp",))
-    strategy, ulysses_size = planner.auto_choice((1, 1024, 12, 64), 12, 64, 4, mesh, ("sp",),
-                                                 causal=True)
+    layer = LayerShape(1, 1024, 12, 12, 64, dtype="float32", causal=True)
+    strategy, ulysses_size = planner.auto_choice(layer, mesh, ("sp",))
     expected = plan(1024, 12, 12, 64, {"sp": 8}, dtype_bytes=4, causal=True, hardware="cpu")
     assert (strategy, ulysses_size) == (expected.strategy, expected.ulysses_size)
 

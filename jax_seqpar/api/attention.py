@@ -26,6 +26,7 @@ from jax_seqpar import kernels
 from jax_seqpar.api import placement as _placement
 from jax_seqpar.core import layout as layouts, masks
 from jax_seqpar.core.meshes import split_axis
+from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.planning import plan as planning
 from jax_seqpar.strategies import registry
 from jax_seqpar.strategies.inputs import check_ids, check_self_attention
@@ -81,9 +82,10 @@ def _choose_strategy(q, k, v, mesh, axes: tuple, causal: bool, window, batch_sha
     batch, seq_len, heads, head_dim = q.shape
     # Planned at the length the call pads to (whole zigzag chunks on every device).
     seq_len = _placement.padded_length(seq_len, 2 * math.prod(mesh.shape[a] for a in axes))
-    local = (batch // batch_shards, seq_len, heads // head_shards, head_dim)
-    return planning.auto_choice(local, k.shape[2] // head_shards, v.shape[3], q.dtype.itemsize,
-                               mesh, axes, causal=causal, window=window)
+    local = LayerShape(batch // batch_shards, seq_len, heads // head_shards,
+                       k.shape[2] // head_shards, head_dim, v.shape[3], dtype=q.dtype,
+                       causal=causal, window=window)
+    return planning.auto_choice(local, mesh, axes)
 
 
 def sequence_parallel_attention(

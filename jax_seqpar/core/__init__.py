@@ -1,7 +1,9 @@
 """Layer 0, ``core``: data and math that know no kernel and no mesh.
 
-Masks from per-token metadata (:mod:`.masks`), the online-softmax merge (:mod:`.merge`),
-token orders (:mod:`.layout`, :mod:`.batch_layout`), the plain-jnp oracle
-(:mod:`.reference`), mesh splitting (:mod:`.meshes`), JAX-version shims
-(:mod:`.compat`) and optional dependencies (:mod:`.extras`).
+One attention layer's shape (:mod:`.shape`: the record the traffic model, the planner,
+tuning and the benchmarks share), masks from per-token metadata (:mod:`.masks`), the
+online-softmax merge (:mod:`.merge`), token orders (:mod:`.layout`,
+:mod:`.batch_layout`), the plain-jnp oracle (:mod:`.reference`), mesh splitting
+(:mod:`.meshes`), JAX-version shims (:mod:`.compat`) and optional dependencies
+(:mod:`.extras`).
 """

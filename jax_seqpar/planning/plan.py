@@ -10,6 +10,8 @@ replicated up to it, and then the bytes (:func:`jax_seqpar.comm_bytes`)
 decide; the ring has no limit; on a two-level mesh the hybrid runs Ulysses on the fast
 inner axis and the ring on the slow outer one (USP, arXiv:2405.07719).
 
+:func:`plan_layer` is the same choice for a :class:`~jax_seqpar.core.shape.LayerShape`
+(:func:`plan` and :func:`plan_for_hardware` take its fields as keywords and call it).
 :func:`auto_choice` is what ``strategy="auto"`` of
 :func:`jax_seqpar.sequence_parallel_attention` runs: a tuned plan when the caller asks
 for them (:mod:`jax_seqpar.planning.tuned`), else the prediction for the mesh's device
@@ -22,12 +24,12 @@ import dataclasses
 import math
 from typing import Mapping, Optional
 
-from jax_seqpar.core import masks
+from jax_seqpar.core.shape import LayerShape, dtype_of_size, is_count
 from jax_seqpar.planning import hardware as hardware_lib, predict, tuned
 from jax_seqpar.strategies.registry import comm_bytes
-from jax_seqpar.strategies.traffic import axis_sizes_tuple, is_count, replicated_kv_heads
+from jax_seqpar.strategies.traffic import axis_sizes_tuple, replicated_kv_heads
 
-__all__ = ["Plan", "auto_choice", "choose", "plan", "plan_for_hardware"]
+__all__ = ["Plan", "auto_choice", "choose", "plan", "plan_for_hardware", "plan_layer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -91,6 +93,15 @@ def _seq_sizes(seq_axes) -> tuple[tuple[str, ...], tuple[int, ...]]:
                      f"axes ordered outer->inner (e.g. mesh.shape). Got {seq_axes!r}.")
 
 
+def _layer(seq_len, num_heads, num_kv_heads, head_dim, *, batch, v_head_dim, dtype_bytes,
+           causal, backward, window) -> LayerShape:
+    """The :class:`LayerShape` of the keyword form (a layer of ``dtype_bytes`` per element)."""
+    return LayerShape(batch=batch, seq_len=seq_len, num_heads=num_heads,
+                      num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim,
+                      dtype=dtype_of_size(dtype_bytes), causal=causal, window=window,
+                      backward=backward)
+
+
 def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
          seq_axes: int | Mapping[str, int], *, batch: int = 1, v_head_dim: int | None = None,
          dtype_bytes: float = 2, causal: bool = False, backward: bool = True,
@@ -114,8 +125,11 @@ def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
       seq_axes: devices along the sequence: an int (axis named ``"sp"``) or
         ``{axis_name: size}`` of one or two axes ordered outer->inner
         (``mesh.shape`` of a ``jax.sharding.Mesh`` works).
-      batch, v_head_dim, dtype_bytes, backward: as in :func:`comm_bytes`.
-      causal: only worded into ``reason`` (zigzag balances the ring; traffic is equal).
+      batch, v_head_dim, dtype_bytes, backward, window: as in :func:`comm_bytes`
+        (``dtype_bytes`` 1, 2, 4 or 8: the layer is modelled in a dtype of that size,
+        :func:`jax_seqpar.core.shape.dtype_of_size`).
+      causal: worded into ``reason`` (zigzag balances the ring); with a window, the
+        halo it sends.
 
     Returns:
       A :class:`Plan`.
@@ -125,25 +139,34 @@ def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
     >>> plan(32768, 128, 1, 576, {"sp": 8}, v_head_dim=512).reason
     'ring: only 1 KV head (MQA/MLA) and ulysses would move 7.9x more bytes'
     """
-    if hardware is not None:
-        return plan_for_hardware(
-            seq_len, num_heads, num_kv_heads, head_dim, seq_axes, batch=batch,
-            v_head_dim=v_head_dim, dtype_bytes=dtype_bytes, causal=causal, backward=backward,
-            hardware=hardware, memory_budget=memory_budget, window=window)
+    shape = _layer(seq_len, num_heads, num_kv_heads, head_dim, batch=batch,
+                   v_head_dim=v_head_dim, dtype_bytes=dtype_bytes, causal=causal,
+                   backward=backward, window=window)
+    return plan_layer(shape, seq_axes, hardware=hardware, memory_budget=memory_budget)
+
+
+def plan_layer(shape: LayerShape, seq_axes: int | Mapping[str, int], *, hardware=None,
+               memory_budget: Optional[float] = None) -> Plan:
+    """:func:`plan` for a :class:`~jax_seqpar.core.shape.LayerShape`.
+
+    >>> plan_layer(LayerShape(1, 32768, 32, 32, 128), {"sp": 8}).strategy
+    'ulysses'
+    """
     names, sizes = _seq_sizes(seq_axes)
+    if hardware is not None:
+        return _plan_predicted(shape, names, sizes, hardware_lib.get(hardware), memory_budget)
     devices = math.prod(sizes)
-    shape = dict(batch=batch, seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                 head_dim=head_dim, v_head_dim=v_head_dim, dtype_bytes=dtype_bytes,
-                 backward=backward)
+    traffic = shape.comm_kwargs()
+    num_heads, num_kv_heads = shape.num_heads, shape.num_kv_heads
     # comm_bytes validates everything else (divisibility, positivity).
-    ring = comm_bytes("ring", seq_axes=devices, **shape)
-    balance = "; zigzag layout balances causal work" if causal else ""
+    ring = comm_bytes("ring", seq_axes=devices, **traffic)
+    balance = "; zigzag layout balances causal work" if shape.causal else ""
 
     if len(sizes) == 1:
         (axis,), (size,) = names, sizes
         candidates = {"ring": ring}
         if num_heads % size == 0:
-            candidates["ulysses"] = comm_bytes("ulysses", seq_axes=size, **shape)
+            candidates["ulysses"] = comm_bytes("ulysses", seq_axes=size, **traffic)
         strategy = min(candidates, key=lambda s: (candidates[s], _PREFERENCE.index(s)))
         seq_axes, axis_sizes = axis, size
         if strategy == "ulysses":
@@ -165,7 +188,7 @@ def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
         seq_axes, axis_sizes = (outer, inner), (outer_size, inner_size)
         candidates = {"ring": ring}
         if num_heads % inner_size == 0:
-            candidates["hybrid"] = comm_bytes("hybrid", seq_axes=sizes, **shape)
+            candidates["hybrid"] = comm_bytes("hybrid", seq_axes=sizes, **traffic)
         strategy = min(candidates, key=lambda s: (candidates[s], _PREFERENCE.index(s)))
         if strategy == "hybrid":
             reason = (f"hybrid: ulysses over {inner!r} ({inner_size} divides {num_heads} heads) "
@@ -219,21 +242,21 @@ def plan_for_hardware(seq_len, num_heads, num_kv_heads, head_dim, seq_axes, *, b
     ...                   causal=True).factorization
     (4, 2)
     """
-    names, sizes = _seq_sizes(seq_axes)
+    shape = _layer(seq_len, num_heads, num_kv_heads, head_dim, batch=batch,
+                   v_head_dim=v_head_dim, dtype_bytes=dtype_bytes, causal=causal,
+                   backward=backward, window=window)
+    return plan_layer(shape, seq_axes, hardware=hardware, memory_budget=memory_budget)
+
+
+def _plan_predicted(shape: LayerShape, names, sizes, hardware, memory_budget) -> Plan:
     devices = math.prod(sizes)
-    hardware = hardware_lib.get(hardware)
     budget = hardware.hbm_bytes if memory_budget is None else float(memory_budget)
     if not budget > 0:
         raise ValueError(f"memory_budget must be a positive number of bytes. Got "
                          f"{memory_budget!r}.")
-    shape = predict.Shape(batch=batch, seq_len=seq_len, num_heads=num_heads,
-                          num_kv_heads=num_kv_heads, head_dim=head_dim,
-                          v_head_dim=head_dim if v_head_dim is None else v_head_dim,
-                          dtype_bytes=dtype_bytes, causal=causal,
-                          window=masks.normalize_window(window), backward=backward)
     # Validates the shape (divisibility, positivity) with comm_bytes' messages.
-    comm_bytes("ring", seq_axes=devices, **shape.traffic())
-    found = {c.label: c for c in predict.candidates(devices, num_heads)}
+    comm_bytes("ring", seq_axes=devices, **shape.comm_kwargs())
+    found = {c.label: c for c in predict.candidates(devices, shape.num_heads)}
     predictions = {label: predict.predict(c, shape, hardware) for label, c in found.items()}
     rejected = {label: f"needs {_gib(p['memory'])} per device, over the budget of "
                        f"{_gib(budget)}" for label, p in predictions.items()
@@ -288,26 +311,20 @@ def _reason(chosen, seconds, measured, rejected, hardware) -> str:
     return text
 
 
-def auto_choice(q_shape, kv_heads: int, v_head_dim: int, dtype_bytes: float, mesh, axes,
-                *, causal: bool, window=None) -> tuple[str, Optional[int]]:
+def auto_choice(shape: LayerShape, mesh, axes) -> tuple[str, Optional[int]]:
     """``(strategy, ulysses_size)`` for ``strategy="auto"`` on the ``axes`` of ``mesh``.
 
+    ``shape`` is the layer as one sequence group holds it (its batch rows and heads).
     A plan tuned on this mesh wins when the caller asks for tuned plans
     (:data:`jax_seqpar.planning.tuned.ENV_VAR` names the file; unset, none is read);
     else the prediction for the preset of the mesh's device kind; else (no preset)
     fewest bytes. ``ulysses_size`` is set for a hybrid only.
     """
-    batch, seq_len, heads, head_dim = q_shape
     axis_sizes = {name: mesh.shape[name] for name in axes}
-    shape = dict(batch=batch, v_head_dim=v_head_dim, dtype_bytes=dtype_bytes, causal=causal)
     device_kind = mesh.devices.flat[0].device_kind
     hardware = hardware_lib.for_device_kind(device_kind)
-    tuned_plan = tuned.lookup(tuned.cache_key(
-        predict.Shape(seq_len=seq_len, num_heads=heads, num_kv_heads=kv_heads,
-                      head_dim=head_dim, window=masks.normalize_window(window), **shape),
-        axis_sizes, device_kind, hardware))
+    tuned_plan = tuned.lookup(tuned.cache_key(shape, axis_sizes, device_kind, hardware))
     if tuned_plan is not None:
         return tuned_plan["strategy"], tuned_plan["ulysses_size"]
-    chosen = plan(seq_len, heads, kv_heads, head_dim, axis_sizes, hardware=hardware,
-                  window=window, **shape)
+    chosen = plan_layer(shape, axis_sizes, hardware=hardware)
     return chosen.strategy, chosen.ulysses_size

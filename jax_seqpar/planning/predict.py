@@ -1,4 +1,6 @@
-"""Predicted time and memory of every way to split one attention layer over a mesh.
+"""Predicted time and memory of every way to split one attention layer over a mesh: the
+package's one time model (the planner ranks by it; :mod:`.projection` reports it for
+large meshes).
 
 A candidate is a strategy and a factorization of the sequence devices
 ``P = ring x ulysses``: ``ulysses`` is ``1 x P``, ``ring`` and ``allgather``
@@ -8,20 +10,28 @@ ring over the ``O`` groups. One mesh axis can be split that way (see
 :func:`jax_seqpar.core.meshes.split_axis`), so the hybrid is not limited to the
 mesh's own two axes.
 
-Per layer, forward + backward, on one device (:class:`Hardware` figures):
+Per layer (a :class:`~jax_seqpar.core.shape.LayerShape`), forward + backward, on one
+device (:class:`Hardware` figures):
 
 * compute: attention FLOPs ``2 B H (Dqk + Dv)`` per visible (query, key) pair,
   the backward ``(3 Dqk + 2 Dv) / (Dqk + Dv)`` times the forward, causal and
-  window masks counting only visible pairs, split evenly over the ``P`` devices
-  (zigzag balances causal rings; Ulysses is balanced by construction), at
+  window masks counting only visible pairs, in whole tiles of ``tile`` tokens (a
+  kernel fact, not the layer's) on the busiest device (zigzag balances causal
+  rings; Ulysses is balanced by construction), at
   ``peak_flops * attention_efficiency``;
 * the ring: ``O`` steps of ``max(compute, hop) + latency`` (``compute + hop +
   latency`` where the hardware cannot overlap), hops of the bytes
   :func:`jax_seqpar.comm_bytes` counts: ``O - 1`` K/V rotations forward,
-  ``O`` steps carrying K/V and float32 dK/dV backward;
+  ``O`` steps carrying K/V and float32 dK/dV backward, on the link the ring's
+  slowest hop takes (:meth:`Hardware.link`);
 * all-to-all and all-gather: not overlapped, ``bytes / bandwidth`` plus one
-  latency per collective (``P - 1`` for all-gather / reduce-scatter: ring
-  algorithm); a group that spans domains sends its remote share on the slow link;
+  latency per step: an ``all_to_all`` is one step, an ``all_gather`` or
+  ``psum_scatter`` ``P - 1`` (ring algorithm, as NCCL runs them). Ulysses sends
+  4 all-to-alls a pass (q, k, v, out; dout, dq, dk, dv) and all-gathers the int32
+  positions (and segment ids); the all-gather strategy gathers K, V and positions
+  (and segment ids) and reduce-scatters dK, dV. A group that spans domains sends
+  the share bound for other domains, ``(size - D) / (size - 1)``, on the slow
+  link while the rest goes on the fast one;
 * memory: q, k, v, out and their gradients, Ulysses' K/V heads replicated to
   ``lcm(Hkv, I)``, the ring's K/V and float32 dK/dV in flight, all-gather's
   O(S) K/V and its cotangent, float32 accumulators and score tiles.
@@ -38,37 +48,16 @@ from typing import Optional
 
 import numpy as np
 
+from jax_seqpar.core.shape import LayerShape
+from jax_seqpar.planning import hardware as hardware_lib
+from jax_seqpar.planning.hardware import Hardware
 from jax_seqpar.strategies import registry
 from jax_seqpar.strategies.registry import comm_bytes
-from jax_seqpar.planning.hardware import Hardware
 
-__all__ = ["Candidate", "Shape", "candidates", "predict", "tile_pairs", "visible_pairs"]
+__all__ = ["TILE", "Candidate", "candidates", "predict", "tile_pairs", "visible_pairs"]
 
-_ALL_TO_ALLS = 9  # q, k, v, out forward; dout, dq, dk, dv backward; positions gather
-
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-    """One attention layer: global ``q [batch, seq_len, num_heads, head_dim]``,
-    ``k [.., num_kv_heads, head_dim]``, ``v [.., num_kv_heads, v_head_dim]``."""
-
-    batch: int
-    seq_len: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    v_head_dim: int
-    dtype_bytes: float = 2
-    causal: bool = False
-    window: Optional[tuple[int, int]] = None
-    backward: bool = True
-    tile: int = 256
-
-    def traffic(self) -> dict:
-        """The shape keywords of :func:`jax_seqpar.comm_bytes`."""
-        return dict(batch=self.batch, seq_len=self.seq_len, num_heads=self.num_heads,
-                    num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
-                    v_head_dim=self.v_head_dim, dtype_bytes=self.dtype_bytes)
+#: Tokens per kernel tile, each side, unless :func:`predict` is told otherwise.
+TILE = 256
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,48 +100,64 @@ def visible_pairs(seq_len: int, causal: bool, window: Optional[tuple[int, int]])
     return float(seq_len + clipped_sum(left) + clipped_sum(right))
 
 
-def _comm_bytes(strategy, shape: Shape, axis_sizes, backward):
-    """:func:`~jax_seqpar.comm_bytes` of ``shape`` (window-aware)."""
-    return comm_bytes(strategy, seq_axes=axis_sizes, backward=backward, window=shape.window,
-                      **shape.traffic())
+def _comm_bytes(strategy, shape: LayerShape, axis_sizes):
+    """:func:`~jax_seqpar.comm_bytes` of ``shape`` over ``axis_sizes``."""
+    return comm_bytes(strategy, seq_axes=axis_sizes, **shape.comm_kwargs())
 
 
-def _collective_seconds(hardware: Hardware, num_bytes: float, size: int, steps: int) -> float:
-    """An all-to-all style collective over ``size`` consecutive devices, not overlapped.
+def _ulysses_steps(size: int, shape: LayerShape) -> int:
+    """Latency steps of Ulysses over ``size`` devices: 4 all-to-alls a pass and the
+    all-gathers (``size - 1`` steps each) of the positions and any segment ids."""
+    return 4 * (2 if shape.backward else 1) + (size - 1) * (1 + shape.segment_ids)
+
+
+def _allgather_steps(size: int, shape: LayerShape) -> int:
+    """Latency steps of the all-gather strategy: K, V, positions (and segment ids)
+    gathered, dK and dV reduce-scattered, ``size - 1`` steps each."""
+    gathered = 3 + shape.segment_ids
+    return (size - 1) * (gathered + (2 if shape.backward else 0))
+
+
+def _collective(hardware: Hardware, num_bytes: float, size: int,
+                steps: int) -> tuple[float, float, float]:
+    """``(seconds, ici_bytes, dcn_bytes)`` of an all-to-all style collective over ``size``
+    consecutive devices, not overlapped.
 
     Within one domain it runs at the fast link's collective bandwidth; across
     domains the share bound for other domains, ``(size - D) / (size - 1)``,
     goes on the slow link while the rest goes on the fast one.
     """
     if size == 1 or num_bytes == 0:
-        return 0.0
+        return 0.0, 0.0, 0.0
     link = hardware.link(size)
     if link is hardware.ici:
-        return link.seconds(num_bytes, steps, collective=True)
+        return link.seconds(num_bytes, steps, collective=True), num_bytes, 0.0
     local = min(hardware.devices_per_domain, size)
     remote = num_bytes * (size - local) / (size - 1)
-    return steps * link.latency + max(
+    seconds = steps * link.latency + max(
         (num_bytes - remote) / hardware.ici.collective_bandwidth,
         remote / hardware.dcn.collective_bandwidth)
+    return seconds, num_bytes - remote, remote
 
 
-def _ring_seconds(hardware: Hardware, link, compute: list, hop_bytes: float,
-                  home: bool = False) -> float:
-    """Ring steps of ``compute[i]`` seconds each; every step but the last sends a hop of
-    ``hop_bytes`` (the backward's last hop, ``home``, brings dK/dV back after it)."""
+def _ring(hardware: Hardware, link, compute: list, hop_bytes: float,
+          home: bool = False) -> tuple[float, float]:
+    """``(seconds, comm_seconds)`` of ring steps of ``compute[i]`` seconds each: every step
+    but the last sends a hop of ``hop_bytes`` (the backward's last hop, ``home``, brings
+    dK/dV back after it; a ring of one has no hop). ``comm_seconds``: the hops alone."""
     hop = hop_bytes / link.bandwidth
-    seconds = 0.0
+    seconds = comm = 0.0
     for index, step in enumerate(compute):
         last = index == len(compute) - 1
-        if last and not home:
+        if last and (not home or len(compute) == 1):
             seconds += step
-        elif last:  # the accumulators' trip home starts when the last step ends
+            continue
+        comm += hop + link.latency
+        if last or not hardware.overlap:  # the trip home starts when the last step ends
             seconds += step + hop + link.latency
-        elif hardware.overlap:
-            seconds += max(step, hop) + link.latency
         else:
-            seconds += step + hop + link.latency
-    return seconds
+            seconds += max(step, hop) + link.latency
+    return seconds, comm
 
 
 def _shard_positions(seq_len: int, shards: int, zigzag: bool) -> np.ndarray:
@@ -166,10 +171,10 @@ def _shard_positions(seq_len: int, shards: int, zigzag: bool) -> np.ndarray:
     return np.concatenate([chunks[:shards], chunks[::-1][:shards]], axis=1)
 
 
-def tile_pairs(q_positions, kv_positions, shape: Shape) -> float:
+def tile_pairs(q_positions, kv_positions, shape: LayerShape, tile: int = TILE) -> float:
     """(query, key) pairs a kernel computes: whole tiles that are not EMPTY.
 
-    Tiles are ``shape.tile`` tokens clipped to the lengths, classified from
+    Tiles are ``tile`` tokens clipped to the lengths, classified from
     their position ranges as the kernels do (conservatively), so a tile that
     holds two far-apart zigzag chunks is computed whole.
     """
@@ -179,8 +184,8 @@ def tile_pairs(q_positions, kv_positions, shape: Shape) -> float:
         edge = np.pad(positions, (0, padded - positions.size), mode="edge").reshape(-1, tile)
         return edge.min(axis=1), edge.max(axis=1), tile
 
-    q_lo, q_hi, tile_q = ranges(q_positions, shape.tile)
-    k_lo, k_hi, tile_k = ranges(kv_positions, shape.tile)
+    q_lo, q_hi, tile_q = ranges(q_positions, tile)
+    k_lo, k_hi, tile_k = ranges(kv_positions, tile)
     q_lo, q_hi, k_lo, k_hi = q_lo[:, None], q_hi[:, None], k_lo[None, :], k_hi[None, :]
     empty = np.zeros((q_lo.size, k_lo.size), bool)
     if shape.causal:
@@ -191,7 +196,7 @@ def tile_pairs(q_positions, kv_positions, shape: Shape) -> float:
     return float((~empty).sum()) * tile_q * tile_k
 
 
-def _step_pairs(candidate: Candidate, shape: Shape) -> list[float]:
+def _step_pairs(candidate: Candidate, shape: LayerShape, tile: int) -> list[float]:
     """Computed pairs per ring step on the busiest device (one step: no ring).
 
     Token orders as the package runs them: Ulysses contiguous; ring, hybrid and
@@ -203,13 +208,13 @@ def _step_pairs(candidate: Candidate, shape: Shape) -> list[float]:
     shards = _shard_positions(shape.seq_len, devices, zigzag)
     if candidate.strategy == "allgather":
         kv = shards.reshape(-1)
-        return [max(tile_pairs(q, kv, shape) for q in _sampled(shards))]
+        return [max(tile_pairs(q, kv, shape, tile) for q in _sampled(shards))]
     groups = shards.reshape(candidate.ring, -1)  # a ring group's tokens after the a2a
     sampled_groups = _sampled(range(candidate.ring))
     steps = {}
     for step in _sampled(range(candidate.ring), 16):
-        steps[step] = max(tile_pairs(groups[g], groups[(g - step) % candidate.ring], shape)
-                          for g in sampled_groups)
+        steps[step] = max(tile_pairs(groups[g], groups[(g - step) % candidate.ring], shape,
+                                     tile) for g in sampled_groups)
     # Long rings: steps not classified take the mean of the sampled later steps.
     later = [pairs for step, pairs in steps.items() if step] or [steps[0]]
     return [steps.get(step, sum(later) / len(later)) for step in range(candidate.ring)]
@@ -223,12 +228,12 @@ def _sampled(items, limit: int = 8):
     return [items[i] for i in np.linspace(0, len(items) - 1, limit).round().astype(int)]
 
 
-def _step_seconds(candidate: Candidate, shape: Shape, hardware: Hardware):
+def _step_seconds(candidate: Candidate, shape: LayerShape, hardware: Hardware, tile: int):
     """Forward and backward compute seconds per ring step (tile-level, busiest device)."""
     d_qk, d_v = shape.head_dim, shape.v_head_dim
     heads = shape.num_heads // candidate.ulysses
-    if _tile_count(candidate, shape) <= _MAX_TILE_PAIRS:
-        pairs = _step_pairs(candidate, shape)
+    if _tile_count(candidate, shape, tile) <= _MAX_TILE_PAIRS:
+        pairs = _step_pairs(candidate, shape, tile)
     else:  # too many tiles to classify: exact visible pairs, spread evenly
         per_device = visible_pairs(shape.seq_len, shape.causal, shape.window) / candidate.ring
         steps = 1 if candidate.strategy == "allgather" else candidate.ring
@@ -242,44 +247,50 @@ def _step_seconds(candidate: Candidate, shape: Shape, hardware: Hardware):
 _MAX_TILE_PAIRS = 2**20  # beyond, tiles are a negligible fraction of a chunk
 
 
-def _tile_count(candidate: Candidate, shape: Shape) -> float:
-    tiles = shape.seq_len / shape.tile
+def _tile_count(candidate: Candidate, shape: LayerShape, tile: int) -> float:
+    tiles = shape.seq_len / tile
     return tiles * tiles / candidate.ring * min(candidate.ring, 8)
 
 
-def _seconds(candidate: Candidate, shape: Shape, hardware: Hardware) -> dict:
-    devices = candidate.ring * candidate.ulysses
-    compute_fwd, compute_bwd = _step_seconds(candidate, shape, hardware)
+def _seconds(candidate: Candidate, shape: LayerShape, hardware: Hardware, tile: int) -> dict:
+    strategy, ring, inner = candidate.strategy, candidate.ring, candidate.ulysses
+    devices = ring * inner
+    sizes = (ring, inner) if registry.get(strategy).seq_axes == 2 else devices
+    compute_fwd, compute_bwd = _step_seconds(candidate, shape, hardware, tile)
     compute = sum(compute_fwd) + sum(compute_bwd)
-    total_bytes = _comm_bytes(candidate.strategy, shape, devices if candidate.strategy != "hybrid"
-                              else (candidate.ring, candidate.ulysses), shape.backward)
-    if candidate.strategy == "ulysses":
-        comm = _collective_seconds(hardware, total_bytes, devices,
-                                   _ALL_TO_ALLS if shape.backward else 5)
-        return dict(seconds=compute + comm, compute=compute, comm=comm, bytes=total_bytes)
-    if candidate.strategy == "allgather":
-        steps = (devices - 1) * (5 if shape.backward else 3)
-        comm = _collective_seconds(hardware, total_bytes, devices, steps)
-        return dict(seconds=compute + comm, compute=compute, comm=comm, bytes=total_bytes)
-    inner, ring = candidate.ulysses, candidate.ring
-    a2a_bytes = fwd_a2a = 0.0
-    if inner > 1:
-        inner_shape = dataclasses.replace(shape, seq_len=shape.seq_len // ring)
-        a2a_bytes = _comm_bytes("ulysses", inner_shape, inner, shape.backward)
-        fwd_a2a = _comm_bytes("ulysses", inner_shape, inner, False)
-    fwd_ring = _comm_bytes(candidate.strategy, shape, (ring, inner) if inner > 1 else ring,
-                           False) - fwd_a2a
-    bwd_ring = total_bytes - a2a_bytes - fwd_ring
-    a2a = _collective_seconds(hardware, a2a_bytes, inner, _ALL_TO_ALLS if shape.backward else 5)
-    link = hardware.link(ring, inner)
-    ring_time = _ring_seconds(hardware, link, compute_fwd, fwd_ring / max(ring - 1, 1))
-    if shape.backward:
-        ring_time += _ring_seconds(hardware, link, compute_bwd, bwd_ring / ring, home=True)
-    return dict(seconds=a2a + ring_time, compute=compute, comm=a2a + ring_time - compute,
-                bytes=total_bytes)
+    total_bytes = _comm_bytes(strategy, shape, sizes)
+    if strategy in ("ulysses", "allgather"):  # one collective after another, not overlapped
+        steps = (_ulysses_steps if strategy == "ulysses" else _allgather_steps)(devices, shape)
+        comm, ici_bytes, dcn_bytes = _collective(hardware, total_bytes, devices, steps)
+        seconds = compute + comm
+    else:  # ring, hybrid: all-to-alls over the inner group, then the ring's steps
+        forward = shape.replace(backward=False)
+        a2a_bytes = fwd_a2a = 0.0
+        if inner > 1:
+            inner_shape = shape.replace(seq_len=shape.seq_len // ring)
+            a2a_bytes = _comm_bytes("ulysses", inner_shape, inner)
+            fwd_a2a = _comm_bytes("ulysses", inner_shape.replace(backward=False), inner)
+        fwd_ring = _comm_bytes(strategy, forward, sizes) - fwd_a2a
+        bwd_ring = total_bytes - a2a_bytes - fwd_ring
+        a2a, ici_bytes, dcn_bytes = _collective(hardware, a2a_bytes, inner,
+                                                _ulysses_steps(inner, shape))
+        link = hardware.link(ring, inner)
+        seconds, comm = _ring(hardware, link, compute_fwd, fwd_ring / max(ring - 1, 1))
+        if shape.backward:
+            bwd_seconds, bwd_comm = _ring(hardware, link, compute_bwd, bwd_ring / ring,
+                                          home=True)
+            seconds, comm = seconds + bwd_seconds, comm + bwd_comm
+        seconds, comm = seconds + a2a, comm + a2a
+        if link is hardware.ici:
+            ici_bytes += fwd_ring + bwd_ring
+        else:
+            dcn_bytes += fwd_ring + bwd_ring
+    return dict(seconds=seconds, compute_seconds=compute, comm_seconds=comm,
+                exposed_comm_seconds=seconds - compute, bytes=total_bytes,
+                ici_bytes=ici_bytes, dcn_bytes=dcn_bytes)
 
 
-def _memory(candidate: Candidate, shape: Shape) -> float:
+def _memory(candidate: Candidate, shape: LayerShape, tile: int) -> float:
     """Per-device bytes the layer holds at its peak (forward + backward)."""
     b, s, h, h_kv = shape.batch, shape.seq_len, shape.num_heads, shape.num_kv_heads
     d_qk, d_v, size = shape.head_dim, shape.v_head_dim, shape.dtype_bytes
@@ -304,18 +315,42 @@ def _memory(candidate: Candidate, shape: Shape) -> float:
         memory += 2 * kv_local * size  # the K/V being computed on and the next
         memory += 2 * kv_local * 4 if shape.backward else 0.0  # dK/dV accumulators
     memory += tokens * heads * (d_v + (d_qk if shape.backward else 0)) * 4  # f32 carries
-    memory += b * heads * min(shape.tile, s) ** 2 * 4 * (4 if shape.backward else 2)  # score tiles
+    memory += b * heads * min(tile, s) ** 2 * 4 * (4 if shape.backward else 2)  # score tiles
     return float(memory)
 
 
-def predict(candidate: Candidate, shape: Shape, hardware: Hardware) -> dict:
-    """``{seconds, compute, comm, bytes, memory}`` of ``candidate`` on ``hardware``.
+def predict(candidate: Candidate, shape: LayerShape, hardware, *, tile: int = TILE) -> dict:
+    """One layer's predicted time, broken down, and memory for ``candidate`` on ``hardware``.
 
-    ``seconds`` is one layer's forward (+ backward with ``shape.backward``) on
-    one device; ``compute`` its attention compute, ``comm`` the time beyond it
-    (unhidden communication), ``bytes`` what one device sends, ``memory`` its
-    peak per-device bytes.
+    Args:
+      candidate: a strategy over ``ring x ulysses`` devices (:func:`candidates`).
+      shape: the layer; ``shape.backward`` counts the backward too.
+      hardware: a :class:`~jax_seqpar.planning.hardware.Hardware` or a preset name.
+      tile: tokens per kernel tile, each side (whole tiles are computed).
+
+    Returns:
+      A dict, per device:
+
+      * ``seconds``: the layer's forward (+ backward), overlap included;
+      * ``compute_seconds``: its attention compute (busiest device, whole tiles);
+      * ``comm_seconds``: every collective's ``latency + bytes / bandwidth``, as if
+        nothing overlapped;
+      * ``exposed_comm_seconds``: ``seconds - compute_seconds``, the communication
+        not hidden behind compute;
+      * ``bytes``: what it sends (:func:`jax_seqpar.comm_bytes`), of which
+        ``ici_bytes`` on the fast link class and ``dcn_bytes`` on the slow one;
+      * ``memory``: its peak bytes.
+
+    Raises:
+      ValueError: the candidate cannot run the layer (heads, divisibility), with
+        :func:`jax_seqpar.comm_bytes`' message.
+
+    >>> shape = LayerShape(1, 32768, 32, 8, 128, causal=True)
+    >>> result = predict(Candidate("ring", 8, 1), shape, "h100")
+    >>> result["seconds"] >= result["compute_seconds"]
+    True
     """
-    result = _seconds(candidate, shape, hardware)
-    result["memory"] = _memory(candidate, shape)
+    hardware = hardware_lib.get(hardware)
+    result = _seconds(candidate, shape, hardware, tile)
+    result["memory"] = _memory(candidate, shape, tile)
     return result

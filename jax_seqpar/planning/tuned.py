@@ -9,6 +9,7 @@ read, so a program traces the same way on every machine.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import pathlib
@@ -36,8 +37,15 @@ def requested() -> Optional[pathlib.Path]:
 
 
 def cache_key(shape, axis_sizes, device_kind: str, hardware) -> str:
-    """One string per (layer shape, sequence axes of the mesh, device kind, hardware)."""
-    key = dict(shape=dict(vars(shape), window=list(shape.window) if shape.window else None),
+    """One string per (layer shape, sequence axes of the mesh, device kind, hardware).
+
+    ``shape`` is a :class:`~jax_seqpar.core.shape.LayerShape`; every field is in the key
+    (a file tuned before the layer had one record, keyed by ``dtype_bytes`` and a tile,
+    is not found: ``strategy="auto"`` then predicts, and ``jax-seqpar tune`` stores
+    the entry again).
+    """
+    key = dict(shape=dict(dataclasses.asdict(shape),
+                          window=list(shape.window) if shape.window else None),
                mesh={str(k): int(v) for k, v in dict(axis_sizes).items()},
                device_kind=device_kind,
                hardware=None if hardware is None else hardware.name)

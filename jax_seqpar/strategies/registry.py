@@ -133,7 +133,9 @@ def comm_bytes(strategy: str, *, batch: int, seq_len: int, num_heads: int, num_k
     """Bytes ONE device sends in one attention call.
 
     Shapes are global: q ``[batch, seq_len, num_heads, head_dim]``, k
-    ``[batch, seq_len, num_kv_heads, head_dim]``, v ``[..., v_head_dim]``.
+    ``[batch, seq_len, num_kv_heads, head_dim]``, v ``[..., v_head_dim]``. A
+    :class:`~jax_seqpar.core.shape.LayerShape` gives every keyword but ``seq_axes``:
+    ``comm_bytes(strategy, seq_axes=8, **shape.comm_kwargs())``.
 
     * ``"ulysses"``: all_to_all of q, k, v (K/V heads replicated to
       ``lcm(num_kv_heads, P)``) and of the output, backward doubles it; plus

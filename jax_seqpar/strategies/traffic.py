@@ -23,8 +23,10 @@ from __future__ import annotations
 import math
 import numbers
 
+from jax_seqpar.core.shape import check_counts, check_head_groups, is_count
+
 __all__ = ["allgather_bytes", "axis_sizes_tuple", "check_shape", "decode_bytes",
-           "hybrid_bytes", "is_count", "replicated_kv_heads", "ring_bytes", "ulysses_bytes"]
+           "hybrid_bytes", "replicated_kv_heads", "ring_bytes", "ulysses_bytes"]
 
 _INDEX_BYTES = 4  # int32 positions and segment ids
 
@@ -149,15 +151,11 @@ def decode_bytes(sizes, *, batch, seq_len, num_heads, num_kv_heads, head_dim, v_
     ``[B, T, H]`` and weighted outputs ``[B, T, H, Dv]``: ``2(P-1)/P`` of each,
     whatever the dtype of q/k/v.
     """
-    _check_counts(batch=batch, seq_len=seq_len, num_heads=num_heads,
-                  num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim)
+    check_counts(batch=batch, seq_len=seq_len, num_heads=num_heads,
+                 num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim)
     devices = math.prod(sizes)
     rows = batch * seq_len * num_heads
     return 2 * (devices - 1) / devices * rows * (v_head_dim + 2) * 4
-
-
-def is_count(value) -> bool:
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
 
 
 def axis_sizes_tuple(axis_sizes) -> tuple[int, ...]:
@@ -168,25 +166,17 @@ def axis_sizes_tuple(axis_sizes) -> tuple[int, ...]:
     return tuple(int(s) for s in sizes)
 
 
-def _check_counts(**values):
-    for name, value in values.items():
-        if not is_count(value):
-            raise ValueError(f"{name} must be a positive int. Got {name}={value!r}.")
-
-
 def check_shape(*, batch, seq_len, num_heads, num_kv_heads, head_dim, v_head_dim,
                 dtype_bytes, sizes) -> None:
     """Raise ``ValueError`` unless the layer's sizes are positive, the heads form groups
     and the ``sizes`` (devices per sequence axis) divide the sequence."""
-    _check_counts(batch=batch, seq_len=seq_len, num_heads=num_heads,
-                  num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim)
+    check_counts(batch=batch, seq_len=seq_len, num_heads=num_heads,
+                 num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim)
     if isinstance(dtype_bytes, bool) or not isinstance(dtype_bytes, numbers.Real) or (
             dtype_bytes <= 0):
         raise ValueError(f"dtype_bytes must be a positive number (2 for bf16, 4 for f32). "
                          f"Got dtype_bytes={dtype_bytes!r}.")
-    if num_heads % num_kv_heads:
-        raise ValueError(f"num_heads={num_heads} must be a multiple of num_kv_heads="
-                         f"{num_kv_heads} (MHA, GQA or MQA).")
+    check_head_groups(num_heads, num_kv_heads)
     devices = math.prod(sizes)
     if seq_len % devices:
         raise ValueError(f"seq_len={seq_len} is not divisible by the {devices} devices of "

@@ -10,8 +10,9 @@ gradients, at small sizes) are checked against :mod:`jax_seqpar.core.reference`,
 :func:`jax_seqpar.planning.plan.plan`'s choice is given per mesh. Ulysses, ring and
 all-gather use one axis (or two flattened); the hybrid two, ``outer,inner``.
 
-The command line (``jax-seqpar bench``), the table and the plot live in
-:mod:`jax_seqpar.tools.bench_report`.
+The layer is a :class:`~jax_seqpar.core.shape.LayerShape` (its ``dtype`` one of
+:data:`DTYPES`; full or causal masks). The command line (``jax-seqpar bench``), the
+table and the plot live in :mod:`jax_seqpar.tools.bench_report`.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax_seqpar.api import attention as api
 from jax_seqpar.tools import hlo
 from jax_seqpar.core import layout, reference
+from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.planning import plan
 from jax_seqpar import kernels
 from jax_seqpar.strategies import registry
@@ -40,45 +42,16 @@ STRATEGIES = tuple(registry.STRATEGIES)
 KERNELS = kernels.KERNELS
 DTYPES = ("float32", "bfloat16", "float16")
 DEFAULT_MESHES = ("sp=8", "dcn=2,ici=4")
+#: What ``jax-seqpar bench`` runs without options.
+DEFAULT_SHAPE = LayerShape(batch=1, seq_len=4096, num_heads=8, num_kv_heads=2, head_dim=64,
+                           dtype="float32", causal=True)
 #: B*H*S*S above which only the output is checked (in query chunks), not gradients.
 REFERENCE_GRAD_LIMIT = 2**24
 MIB = 2.0**20
 
 
-@dataclasses.dataclass(frozen=True)
-class BenchShape:
-    """q ``[batch, seq_len, num_heads, head_dim]``, k ``[.., num_kv_heads, head_dim]``,
-    v ``[.., num_kv_heads, v_head_dim]`` (None: ``head_dim``) in ``dtype`` (float32,
-    bfloat16 or float16); ``causal`` masks on true positions. Sizes are validated
-    by :func:`jax_seqpar.comm_bytes`."""
-
-    batch: int = 1
-    seq_len: int = 4096
-    num_heads: int = 8
-    num_kv_heads: int = 2
-    head_dim: int = 64
-    v_head_dim: Optional[int] = None
-    dtype: str = "float32"
-    causal: bool = True
-
-    def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype={self.dtype!r} is not one of {DTYPES}.")
-
-    @property
-    def dv(self) -> int:
-        return self.head_dim if self.v_head_dim is None else self.v_head_dim
-
-    def model_kwargs(self) -> dict:
-        """The shape keywords of :func:`jax_seqpar.comm_bytes`."""
-        return dict(batch=self.batch, seq_len=self.seq_len, num_heads=self.num_heads,
-                    num_kv_heads=self.num_kv_heads, head_dim=self.head_dim, v_head_dim=self.dv)
-
-    def operand_shapes(self) -> tuple:
-        """Global shapes of ``q, k, v, dout``."""
-        b, s, h, d = self.batch, self.seq_len, self.num_heads, self.head_dim
-        kv = self.num_kv_heads
-        return (b, s, h, d), (b, s, kv, d), (b, s, kv, self.dv), (b, s, h, self.dv)
+#: The name the bench's shape had before the layer had one record; new code says LayerShape.
+BenchShape = LayerShape
 
 
 def parse_mesh(text: str) -> dict:
@@ -100,7 +73,7 @@ def mesh_label(axes: dict) -> str:
     return ",".join(f"{name}={size}" for name, size in axes.items())
 
 
-def skip_reason(strategy: str, axes: dict, shape: BenchShape,
+def skip_reason(strategy: str, axes: dict, shape: LayerShape,
                 one_axis_sizes: Sequence[int] = ()) -> Optional[str]:
     """Why ``strategy`` cannot (or need not) run on ``axes``, or None if it runs."""
     sizes = tuple(axes.values())
@@ -112,7 +85,7 @@ def skip_reason(strategy: str, axes: dict, shape: BenchShape,
         return f"over the flattened axes it is the {devices}-device one-axis run above"
     try:
         comm_bytes(strategy, seq_axes=sizes if strategy == "hybrid" else devices,
-                        **shape.model_kwargs())
+                   **shape.comm_kwargs())
     except ValueError as error:
         return str(error)
     if layout_for(strategy, shape) == "zigzag" and shape.seq_len % (2 * devices):
@@ -121,11 +94,12 @@ def skip_reason(strategy: str, axes: dict, shape: BenchShape,
     return None
 
 
-def layout_for(strategy: str, shape: BenchShape) -> str:
+def layout_for(strategy: str, shape: LayerShape) -> str:
+    """The token order the strategy runs ``shape`` in (zigzag for causal rings)."""
     return registry.default_layout(strategy, shape.causal)
 
 
-def build(strategy: str, mesh, shape: BenchShape, kernel: str = "xla"):
+def build(strategy: str, mesh, shape: LayerShape, kernel: str = "xla"):
     """``(forward, forward_and_vjp)`` on global arrays already in the strategy's layout.
 
     ``forward(q, k, v) -> out [B, S, H, Dv]``; ``forward_and_vjp(q, k, v, dout) ->
@@ -150,7 +124,7 @@ def build(strategy: str, mesh, shape: BenchShape, kernel: str = "xla"):
     return forward, forward_and_vjp
 
 
-def compile_strategy(strategy: str, axes: dict, shape: BenchShape, kernel: str = "xla"):
+def compile_strategy(strategy: str, axes: dict, shape: LayerShape, kernel: str = "xla"):
     """Compiles without running: ``(mesh, compiled_forward, compiled_forward_and_vjp)``.
 
     ``axes`` is ``{name: size}`` (outer first) over the first devices of ``jax.devices()``.
@@ -165,7 +139,7 @@ def compile_strategy(strategy: str, axes: dict, shape: BenchShape, kernel: str =
             jax.jit(forward_and_vjp).lower(*args).compile())
 
 
-def costs(strategy: str, axes: dict, shape: BenchShape, compiled=None) -> dict:
+def costs(strategy: str, axes: dict, shape: LayerShape, compiled=None) -> dict:
     """``{temp, hlo, model}_{fwd, fwd_bwd}_bytes`` per device: ``memory_analysis`` temp,
     bytes sent read from the compiled HLO, and :func:`jax_seqpar.comm_bytes`.
 
@@ -173,23 +147,24 @@ def costs(strategy: str, axes: dict, shape: BenchShape, compiled=None) -> dict:
     On CPU the model counts 16-bit elements as 4 bytes, as XLA:CPU sends them.
     """
     fwd, fwd_bwd = compiled or compile_strategy(strategy, axes, shape)[1:]
-    itemsize = np.dtype(shape.dtype).itemsize
-    wire_bytes = max(itemsize, 4) if jax.default_backend() == "cpu" else itemsize
+    if jax.default_backend() == "cpu" and shape.dtype_bytes < 4:
+        shape = shape.replace(dtype="float32")  # what goes on XLA:CPU's wire
     sizes = tuple(axes.values())
-    model = dict(shape.model_kwargs(), dtype_bytes=wire_bytes,
-                 seq_axes=sizes if strategy == "hybrid" else math.prod(sizes))
+    seq_axes = sizes if strategy == "hybrid" else math.prod(sizes)
     return dict(temp_fwd_bytes=hlo.memory_bytes(fwd)["temp"],
                 temp_fwd_bwd_bytes=hlo.memory_bytes(fwd_bwd)["temp"],
                 hlo_fwd_bytes=_bytes_sent(fwd), hlo_fwd_bwd_bytes=_bytes_sent(fwd_bwd),
-                model_fwd_bytes=comm_bytes(strategy, **model),
-                model_fwd_bwd_bytes=comm_bytes(strategy, backward=True, **model))
+                **{f"model_{mode}_bytes": comm_bytes(strategy, seq_axes=seq_axes,
+                                                     **shape.replace(backward=backward)
+                                                     .comm_kwargs())
+                   for mode, backward in (("fwd", False), ("fwd_bwd", True))})
 
 
 def _bytes_sent(compiled) -> float:
     return sum(hlo.collective_bytes(compiled).values())
 
 
-def _reference(shape: BenchShape, q, k, v, dout):
+def _reference(shape: LayerShape, q, k, v, dout):
     """``(out, grads or None)`` of :mod:`jax_seqpar.core.reference`; the output in query chunks."""
     b, s, h = shape.batch, shape.seq_len, shape.num_heads
     attend = lambda q, k, v, **kw: reference.attention(q, k, v, causal=shape.causal, **kw)
@@ -207,7 +182,8 @@ def _max_error(actual, expected) -> float:
     return float(np.max(np.abs(np.asarray(actual, np.float32) - np.asarray(expected, np.float32))))
 
 
-def _median_ms(compiled, args, warmup: int, runs: int):
+def median_ms(compiled, args, warmup: int, runs: int):
+    """``(median milliseconds of runs calls after warmup calls, the last result)``."""
     for _ in range(warmup):
         jax.block_until_ready(compiled(*args))
     times = []
@@ -226,10 +202,14 @@ def configurations(shapes, meshes, strategies, kernels):
     one_axis = [math.prod(m.values()) for m in meshes if len(m) == 1]
     todo, skipped, plans = [], [], []
     for shape in shapes:
+        if shape.dtype not in DTYPES:
+            raise ValueError(f"the bench runs dtype one of {DTYPES}; got {shape.dtype!r}.")
+        if shape.window is not None or shape.segment_ids:
+            raise ValueError(f"the bench runs full or causal masks; got window={shape.window}, "
+                             f"segment_ids={shape.segment_ids} (windows: "
+                             f"experiments/window_bench.py).")
         for axes in meshes:
-            chosen = plan.plan(shape.seq_len, shape.num_heads, shape.num_kv_heads,
-                               shape.head_dim, axes, batch=shape.batch, v_head_dim=shape.dv,
-                               dtype_bytes=np.dtype(shape.dtype).itemsize, causal=shape.causal)
+            chosen = plan.plan_layer(shape.replace(backward=True), axes)
             where = dict(seq_len=shape.seq_len, mesh=mesh_label(axes))
             plans.append(dict(where, strategy=chosen.strategy, reason=chosen.reason))
             for kernel in kernels:
@@ -247,7 +227,7 @@ def configurations(shapes, meshes, strategies, kernels):
     return todo, skipped, plans
 
 
-def run(shape: BenchShape = BenchShape(), meshes: Sequence = DEFAULT_MESHES, *,
+def run(shape: LayerShape = DEFAULT_SHAPE, meshes: Sequence = DEFAULT_MESHES, *,
         seq_lens: Optional[Sequence[int]] = None, strategies: Sequence[str] = STRATEGIES,
         kernels: Sequence[str] = ("auto",), warmup: int = 1, runs: int = 3, check: bool = True,
         progress: bool = True) -> dict:
@@ -266,14 +246,16 @@ def run(shape: BenchShape = BenchShape(), meshes: Sequence = DEFAULT_MESHES, *,
       planned`` and the keys of :func:`costs`.
 
     Raises:
-      ValueError: too few devices, or nothing left to run (with every skip reason).
+      ValueError: too few devices, a dtype not in :data:`DTYPES`, a window or segment
+        ids, or nothing left to run (with every skip reason).
 
-    >>> print(format_table(run(BenchShape(seq_len=1024), ["sp=8"], strategies=["ring"])))
+    >>> print(format_table(run(DEFAULT_SHAPE.replace(seq_len=1024), ["sp=8"],
+    ...                        strategies=["ring"])))
     """
     from tqdm.auto import tqdm
 
     meshes = [parse_mesh(m) if isinstance(m, str) else dict(m) for m in meshes]
-    shapes = [dataclasses.replace(shape, seq_len=int(s)) for s in seq_lens or [shape.seq_len]]
+    shapes = [shape.replace(seq_len=int(s)) for s in seq_lens or [shape.seq_len]]
     needed = max(math.prod(m.values()) for m in meshes)
     if jax.device_count() < needed:
         raise ValueError(f"a mesh needs {needed} devices but JAX has {jax.device_count()}; "
@@ -289,8 +271,8 @@ def run(shape: BenchShape = BenchShape(), meshes: Sequence = DEFAULT_MESHES, *,
                    zip(jax.random.split(jax.random.key(0), 4), shape_.operand_shapes())]
         args = [jax.device_put(layout.zigzag_permute(x, shards) if zigzag else x,
                                NamedSharding(mesh, P(None, tuple(axes)))) for x in natural]
-        fwd_ms, out = _median_ms(compiled[0], args[:3], warmup, runs)
-        fwd_bwd_ms, (_, grads) = _median_ms(compiled[1], args, warmup, runs)
+        fwd_ms, out = median_ms(compiled[0], args[:3], warmup, runs)
+        fwd_bwd_ms, (_, grads) = median_ms(compiled[1], args, warmup, runs)
         row = dict(seq_len=shape_.seq_len, mesh=mesh_label(axes), strategy=strategy,
                    kernel=kernel, layout="zigzag" if zigzag else "contiguous", fwd_ms=fwd_ms,
                    fwd_bwd_ms=fwd_bwd_ms, **costs(strategy, axes, shape_, compiled),

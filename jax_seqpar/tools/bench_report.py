@@ -13,11 +13,12 @@ import json
 import math
 import sys
 
+from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.tools import bench_target, targets
-from jax_seqpar.tools.bench import (MIB, DEFAULT_MESHES, DTYPES, KERNELS, STRATEGIES, BenchShape,
-                              parse_mesh, run)
+from jax_seqpar.tools.bench import (MIB, DEFAULT_MESHES, DTYPES, KERNELS, STRATEGIES,
+                                    parse_mesh, run)
 from jax_seqpar.tools.bench_target import DEFAULT_RESERVE, MAX_SEQ_TOLERANCE
-from jax_seqpar.planning.projection import text_table
+from jax_seqpar.tools.report import format_projection, text_table
 
 
 def format_table(result: dict) -> str:
@@ -236,11 +237,12 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add("--no-progress", action="store_true", help="hide the progress bar")
     add("--project", action="store_true",
         help="instead print the MODELLED communication time of this shape on 8..1024 chips "
-             "(8 per node) for 32K..1M tokens (jax_seqpar.planning.projection); runs nothing")
+             "(8 per node) for 32K..1M tokens (jax_seqpar.planning.projection, from the "
+             "planner's time model); runs nothing")
     return parser
 
 
-def _compile_for_target(args: argparse.Namespace, shape: BenchShape) -> tuple[dict, str]:
+def _compile_for_target(args: argparse.Namespace, shape: LayerShape) -> tuple[dict, str]:
     """``(result, table)`` of ``--target`` (compiled, not run) or ``--target --max-seq``."""
     targets.compile_only_environment()  # nothing runs: start no accelerator backend
     targets.require_plugin(targets.target_platform(args.target))
@@ -259,15 +261,15 @@ def _compile_for_target(args: argparse.Namespace, shape: BenchShape) -> tuple[di
 def run_bench(args: argparse.Namespace) -> int:
     """Runs ``jax-seqpar bench`` from :func:`add_bench_arguments` options; the exit status."""
     try:
+        shape = LayerShape(args.batch, args.seq[0], args.heads, args.kv_heads, args.head_dim,
+                           args.v_head_dim, dtype=args.dtype, causal=args.causal)
         if args.project:
             from jax_seqpar.planning import projection
 
-            print(projection.format_table(projection.project(
-                args.heads, args.kv_heads, args.head_dim, args.v_head_dim, batch=args.batch,
-                causal=args.causal, dtype_bytes=4 if args.dtype == "float32" else 2)))
+            print(format_projection(projection.project(
+                shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.v_head_dim,
+                batch=shape.batch, causal=shape.causal, dtype_bytes=shape.dtype_bytes)))
             return 0
-        shape = BenchShape(args.batch, args.seq[0], args.heads, args.kv_heads, args.head_dim,
-                           args.v_head_dim, args.dtype, args.causal)
         compile_only = args.target is not None and targets.parse(args.target).platform != "cpu"
         if args.max_seq and not compile_only:
             raise ValueError("--max-seq needs a GPU or TPU --target, e.g. --target h100:8.")

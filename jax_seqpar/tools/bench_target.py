@@ -22,11 +22,10 @@ import sys
 from typing import Optional, Sequence
 
 import jax
-import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.tools import aot, bench, hlo, targets
-from jax_seqpar.planning import plan
 from jax_seqpar.strategies.registry import comm_bytes
 
 #: Share of a device's HBM kept for the runtime, collectives' buffers and the rest of
@@ -44,7 +43,7 @@ def default_meshes(num_devices: int) -> list[dict]:
     return meshes
 
 
-def compile_strategy(target: str, strategy: str, axes: dict, shape: bench.BenchShape,
+def compile_strategy(target: str, strategy: str, axes: dict, shape: LayerShape,
                      kernel: str = "auto", *, backward: Optional[bool] = None,
                      fail_on_spills: bool = False, kernel_resources: bool = False):
     """``{"fwd": aot.Compiled, "fwd_bwd": aot.Compiled}`` of ``strategy`` on ``target``.
@@ -73,11 +72,10 @@ def footprint_bytes(compiled) -> int:
     return memory["temp"] + memory["argument"] + memory["output"] - memory["alias"]
 
 
-def _model(strategy: str, axes: dict, shape: bench.BenchShape, backward: bool) -> float:
+def _model(strategy: str, axes: dict, shape: LayerShape, backward: bool) -> float:
     sizes = tuple(axes.values())
-    return comm_bytes(strategy, **shape.model_kwargs(), backward=backward,
-                           dtype_bytes=np.dtype(shape.dtype).itemsize,
-                           seq_axes=sizes if strategy == "hybrid" else math.prod(sizes))
+    return comm_bytes(strategy, seq_axes=sizes if strategy == "hybrid" else math.prod(sizes),
+                      **shape.replace(backward=backward).comm_kwargs())
 
 
 def measure_program(program: aot.Compiled, model_bytes: float) -> dict:
@@ -109,7 +107,7 @@ def _configurations(target: str, shapes, meshes, strategies, kernel: str):
     return bench.configurations(shapes, meshes, strategies, [kernel])
 
 
-def run_target(shape: bench.BenchShape, target: str, meshes: Optional[Sequence] = None, *,
+def run_target(shape: LayerShape, target: str, meshes: Optional[Sequence] = None, *,
                seq_lens: Optional[Sequence[int]] = None,
                strategies: Sequence[str] = bench.STRATEGIES, kernel: str = "auto",
                progress: bool = True) -> dict:
@@ -132,7 +130,7 @@ def run_target(shape: bench.BenchShape, target: str, meshes: Optional[Sequence] 
     parsed = targets.parse(target)
     meshes = [bench.parse_mesh(m) if isinstance(m, str) else dict(m)
               for m in meshes or default_meshes(parsed.num_devices)]
-    shapes = [dataclasses.replace(shape, seq_len=int(s)) for s in seq_lens or [shape.seq_len]]
+    shapes = [shape.replace(seq_len=int(s)) for s in seq_lens or [shape.seq_len]]
     todo, skipped, plans = _configurations(target, shapes, meshes, strategies, kernel)
     rows = []
     for shape_, axes, _, strategy, chosen in tqdm(todo, desc=f"compile for {target}",
@@ -179,7 +177,7 @@ def _longest_fitting(fits, granule: int, start: int, limit: int) -> int:
     return low
 
 
-def max_seq(target: str, strategy: str, axes: dict, shape: bench.BenchShape, *,
+def max_seq(target: str, strategy: str, axes: dict, shape: LayerShape, *,
             backward: bool, kernel: str = "auto", reserve: float = DEFAULT_RESERVE,
             limit: int = 2**24) -> dict:
     """The longest sequence ``strategy`` fits on ``target``, by compiling and bisecting.
@@ -207,7 +205,7 @@ def max_seq(target: str, strategy: str, axes: dict, shape: bench.BenchShape, *,
     footprints = {}
 
     def fits(seq_len):
-        sized = dataclasses.replace(shape, seq_len=seq_len)
+        sized = shape.replace(seq_len=seq_len)
         try:
             program = compile_strategy(target, strategy, axes, sized, kernel, backward=backward)
         except jax.errors.JaxRuntimeError as error:  # XLA:TPU refuses programs over HBM
@@ -223,7 +221,7 @@ def max_seq(target: str, strategy: str, axes: dict, shape: bench.BenchShape, *,
                 compiles=len(footprints))
 
 
-def run_max_seq(shape: bench.BenchShape, target: str, meshes: Optional[Sequence] = None, *,
+def run_max_seq(shape: LayerShape, target: str, meshes: Optional[Sequence] = None, *,
                 strategies: Sequence[str] = bench.STRATEGIES, kernel: str = "auto",
                 reserve: float = DEFAULT_RESERVE, progress: bool = True) -> dict:
     """:func:`max_seq` forward and forward + backward for every applicable strategy."""

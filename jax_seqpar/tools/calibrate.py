@@ -71,6 +71,7 @@ def _attention_rate(mesh, axis, seq_len, heads, head_dim, runs) -> float:
     import numpy as np
 
     from jax_seqpar.core import masks
+    from jax_seqpar.core.shape import LayerShape
     from jax_seqpar.planning import predict
     from jax_seqpar.strategies.inputs import Options
 
@@ -85,8 +86,8 @@ def _attention_rate(mesh, axis, seq_len, heads, head_dim, runs) -> float:
     shape = (1, seq_len, heads, head_dim)
     fn, args = _on_every_device(body, mesh, axis, *(shape,) * 4)
     positions = np.arange(seq_len)
-    pairs = predict.tile_pairs(positions, positions, predict.Shape(
-        1, seq_len, heads, heads, head_dim, head_dim, causal=True))
+    pairs = predict.tile_pairs(positions, positions,
+                               LayerShape(1, seq_len, heads, heads, head_dim, causal=True))
     flops = 2 * heads * 2 * head_dim * pairs * (1 + 5 / 2)  # forward + 2.5x backward
     return flops / _median_seconds(fn, args, runs)
 

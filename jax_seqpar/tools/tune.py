@@ -12,15 +12,18 @@ from __future__ import annotations
 import math
 import statistics
 import time
+from typing import Optional
 
-from jax_seqpar.core import masks
+from jax_seqpar.core.shape import LayerShape, dtype_of_size
 from jax_seqpar.planning import hardware as hardware_lib, plan as planning, predict, tuned
 
-__all__ = ["measure_candidates", "time_candidate", "tune"]
+__all__ = ["measure_candidates", "time_candidate", "tune", "tune_layer"]
 
 
 def _timed_layer(candidate, shape, mesh, axes):
-    """A jitted forward + vjp of the layer with ``candidate``, and its sharded inputs."""
+    """A jitted forward (+ vjp) of the layer with ``candidate``, and its sharded inputs
+    (q, k, v, the output's cotangent with ``shape.backward``, segment ids with
+    ``shape.segment_ids``)."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -29,28 +32,29 @@ def _timed_layer(candidate, shape, mesh, axes):
 
     ulysses = candidate.ulysses if candidate.strategy == "hybrid" else None
 
-    def attend(q, k, v):
+    def attend(q, k, v, *segment_ids):
         return sequence_parallel_attention(
             q, k, v, mesh=mesh, seq_axes=axes, strategy=candidate.strategy,
-            ulysses_size=ulysses, causal=shape.causal, window=shape.window)
+            ulysses_size=ulysses, causal=shape.causal, window=shape.window,
+            segment_ids=segment_ids[0] if segment_ids else None)
 
-    def forward_and_vjp(q, k, v, dout):
-        out, vjp = jax.vjp(attend, q, k, v)
+    def forward_and_vjp(q, k, v, dout, *segment_ids):
+        out, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, *segment_ids), q, k, v)
         return out, vjp(dout)
 
-    dtype = {2: jnp.bfloat16, 4: jnp.float32}[int(shape.dtype_bytes)]
-    b, s, h, kv = shape.batch, shape.seq_len, shape.num_heads, shape.num_kv_heads
-    sizes = [(b, s, h, shape.head_dim), (b, s, kv, shape.head_dim), (b, s, kv, shape.v_head_dim),
-             (b, s, h, shape.v_head_dim)]
     sharding = NamedSharding(mesh, P(None, axes[0] if len(axes) == 1 else axes))
     keys = jax.random.split(jax.random.key(0), 4)
-    args = [jax.device_put(jax.random.normal(key, size, dtype), sharding)
-            for key, size in zip(keys, sizes)]
-    fn = forward_and_vjp if shape.backward else attend
-    return jax.jit(fn), args if shape.backward else args[:3]
+    args = [jax.device_put(jax.random.normal(key, size, shape.dtype), sharding)
+            for key, size in zip(keys, shape.operand_shapes())]
+    args = args if shape.backward else args[:3]
+    if shape.segment_ids:  # one document: the ids travel, nothing is masked
+        args.append(jax.device_put(jnp.zeros((shape.batch, shape.seq_len), jnp.int32),
+                                   sharding))
+    return jax.jit(forward_and_vjp if shape.backward else attend), args
 
 
-def time_candidate(candidate, shape, mesh, axes, *, warmup: int = 1, runs: int = 3) -> float:
+def time_candidate(candidate: predict.Candidate, shape: LayerShape, mesh, axes, *,
+                   warmup: int = 1, runs: int = 3) -> float:
     """Median seconds of one forward (+ backward) call of ``candidate`` on ``mesh``."""
     import jax
 
@@ -83,8 +87,8 @@ def _mesh_for(names, sizes, mesh):
     return Mesh(np.array(jax.devices()[:needed]).reshape(sizes), tuple(names))
 
 
-def measure_candidates(ranked, shape, names, sizes, hardware, *, mesh=None, cache=None,
-                       top: int = 3, warmup: int = 1, runs: int = 3) -> dict:
+def measure_candidates(ranked, shape: LayerShape, names, sizes, hardware, *, mesh=None,
+                       cache=None, top: int = 3, warmup: int = 1, runs: int = 3) -> dict:
     """Times the first ``top`` of ``ranked`` candidates; stores the winner in ``cache``
     (:func:`jax_seqpar.planning.tuned.store`) and returns ``{label: seconds}``."""
     mesh = _mesh_for(names, sizes, mesh)
@@ -102,7 +106,10 @@ def measure_candidates(ranked, shape, names, sizes, hardware, *, mesh=None, cach
 
 
 def tune(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int, mesh, *,
-         seq_axes=None, hardware=None, cache=None, top: int = 3, runs: int = 3, **kwargs):
+         seq_axes=None, hardware=None, cache=None, top: int = 3, runs: int = 3,
+         batch: int = 1, v_head_dim: Optional[int] = None, dtype_bytes: float = 2,
+         causal: bool = False, window=None, backward: bool = True,
+         memory_budget: Optional[float] = None):
     """Times the best predicted candidates on ``mesh`` and stores the winner.
 
     Args:
@@ -113,8 +120,9 @@ def tune(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int, mesh, *
         (default: the preset of the mesh's device kind).
       cache: the tuned-plan file (default :func:`jax_seqpar.planning.tuned.default_cache_path`).
       top: how many of the best predicted candidates to time; runs: timed calls each.
-      **kwargs: ``batch``, ``v_head_dim``, ``dtype_bytes``, ``causal``,
-        ``window``, ``memory_budget`` as in :func:`jax_seqpar.planning.plan.plan`.
+      batch, v_head_dim, dtype_bytes, causal, window, backward, memory_budget: as in
+        :func:`jax_seqpar.planning.plan.plan` (the layer is timed in the dtype of
+        ``dtype_bytes``: bfloat16 for 2, float32 for 4).
 
     Returns:
       The :class:`~jax_seqpar.planning.plan.Plan` of the fastest measured candidate,
@@ -122,6 +130,17 @@ def tune(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int, mesh, *
 
     >>> chosen = tune(8192, 12, 12, 64, jax.make_mesh((8,), ("sp",)), causal=True)
     """
+    shape = LayerShape(batch=batch, seq_len=seq_len, num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim,
+                       dtype=dtype_of_size(dtype_bytes), causal=causal, window=window,
+                       backward=backward)
+    return tune_layer(shape, mesh, seq_axes=seq_axes, hardware=hardware, cache=cache, top=top,
+                      runs=runs, memory_budget=memory_budget)
+
+
+def tune_layer(shape: LayerShape, mesh, *, seq_axes=None, hardware=None, cache=None,
+               top: int = 3, runs: int = 3, memory_budget: Optional[float] = None):
+    """:func:`tune` for a :class:`~jax_seqpar.core.shape.LayerShape` (timed in its dtype)."""
     axes = tuple(mesh.axis_names) if seq_axes is None else (
         (seq_axes,) if isinstance(seq_axes, str) else tuple(seq_axes))
     sizes = tuple(mesh.shape[name] for name in axes)
@@ -132,18 +151,11 @@ def tune(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int, mesh, *
             raise ValueError(f"no preset for device kind {kind!r}; pass hardware= (a Hardware "
                              f"or one of {sorted(hardware_lib.PRESETS)}).")
     hardware = hardware_lib.get(hardware)
-    predicted = planning.plan_for_hardware(seq_len, num_heads, num_kv_heads, head_dim,
-                                           dict(zip(axes, sizes)), hardware=hardware, **kwargs)
-    found = {c.label: c for c in predict.candidates(math.prod(sizes), num_heads)}
+    predicted = planning.plan_layer(shape, dict(zip(axes, sizes)), hardware=hardware,
+                                    memory_budget=memory_budget)
+    found = {c.label: c for c in predict.candidates(math.prod(sizes), shape.num_heads)}
     ranked = [found[label] for label in sorted(predicted.predicted_seconds,
                                                key=predicted.predicted_seconds.get)]
-    shape = predict.Shape(
-        batch=kwargs.get("batch", 1), seq_len=seq_len, num_heads=num_heads,
-        num_kv_heads=num_kv_heads, head_dim=head_dim,
-        v_head_dim=kwargs.get("v_head_dim") or head_dim,
-        dtype_bytes=kwargs.get("dtype_bytes", 2), causal=kwargs.get("causal", False),
-        window=masks.normalize_window(kwargs.get("window")),
-        backward=kwargs.get("backward", True))
     measured = measure_candidates(ranked, shape, axes, sizes, hardware, mesh=mesh, cache=cache,
                                   top=top, runs=runs)
     return planning.choose(predicted, found[min(measured, key=measured.get)], axes, sizes,

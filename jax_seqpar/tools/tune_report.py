@@ -81,7 +81,7 @@ def run_tune(args: argparse.Namespace) -> int:
 
 def format_plan(chosen, mesh: str) -> str:
     """A table of every candidate of a measured :class:`~jax_seqpar.planning.plan.Plan`."""
-    from jax_seqpar.planning.projection import text_table
+    from jax_seqpar.tools.report import text_table
 
     rows = []
     for label in chosen.candidates:
