@@ -6,8 +6,10 @@ slice (XLA:TPU), through :mod:`jax_seqpar.tools.targets`; ring and Ulysses with
 ``kernel="pallas"`` for 8 H100s and 8 A100s at every head dim the Pallas kernel is
 built for, in bf16 and fp16. A compile error, a register spill (a compile error
 here: ``xla_gpu_fail_ptx_compilation_on_register_spilling``), shared memory over
-the limit or a missing Triton kernel fails the gate; so does a ring whose K/V
-transfer is not scheduled around the step's kernel. Compiling needs the ``[aot]``
+the limit or a missing Triton kernel fails the gate; so does a strategy whose
+transfers are not scheduled around its kernels as :data:`HIDING` says (every ring
+step's K/V transfer around the step's kernel). Programs compile with the library's
+target options (:data:`jax_seqpar.tools.targets.COMPILE_OPTIONS`). Compiling needs the ``[aot]``
 extra (CI installs it); the tests that compile skip, saying so, where its plugins
 are missing.
 """
@@ -15,6 +17,7 @@ are missing.
 import argparse
 import functools
 import json
+from typing import NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -76,28 +79,79 @@ def test_strategy_compiles(target, strategy):
             assert calls and all(c.startswith("mosaic:") for c in calls), (mode, calls)
 
 
-def _is_kernel(label: str) -> bool:
-    # A hand-written kernel, or the XLA kernel's loop over tiles.
-    return label.startswith(("triton:", "mosaic:")) or label == "while"
+class Hiding(NamedTuple):
+    """What a strategy's compiled programs hide behind its kernels, on every target.
+
+    Attributes:
+      kinds: collective kinds of the strategy's own transfers: at least one collective
+        of each, asynchronous, encloses a kernel (a Triton / Mosaic call, or the XLA
+        kernel's loop) in the forward and in the forward + vjp program.
+      fwd, fwd_bwd: the least share of the bytes sent that is hidden
+        (:func:`jax_seqpar.tools.hlo.bytes_hidden`) in each program, or None.
+    """
+
+    kinds: tuple
+    fwd: Optional[float] = None
+    fwd_bwd: Optional[float] = None
 
 
-_TPU_RING_OVERLAP = pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "measured: XLA:TPU issues the forward ring's K/V collective-permute after the XLA "
-    "kernel's while loop (the permute reads K/V threaded through that loop), so its "
-    "start..done encloses only the merge fusion; the backward loop's pairs enclose the "
-    "kernel. Measured again with the Mosaic kernel in the program (kernel='auto' on "
-    "TPU): the forward pair still does not enclose it"))
+#: A strategy whose transfers are pipelined behind its kernels has a row. The ring
+#: hides every hop but the backward's last (dK/dV home, after the last kernel); the
+#: hybrid's outer ring is the ring (its inner exchange is Ulysses').
+HIDING = {
+    "ring": Hiding(("collective-permute",), fwd=1.0, fwd_bwd=0.9),
+    "hybrid": Hiding(("collective-permute",)),
+}
 
 
-@pytest.mark.parametrize("target", [_on(GPU), _on(TPU, marks=[_TPU_RING_OVERLAP])])
+@pytest.mark.parametrize("target, strategy", [
+    _on(target, strategy) for target in (GPU, TPU) for strategy in HIDING])
+def test_transfers_hide_behind_kernels(target, strategy):
+    """Each of the strategy's own collective kinds has a transfer scheduled around a
+    kernel, forward and forward + vjp, and the share of bytes hidden holds."""
+    expected = HIDING[strategy]
+    for mode, program in _strategy(target, strategy).items():
+        rows = hlo.collective_schedule(program.compiled)
+        for kind in expected.kinds:
+            assert any(r.kind == kind and r.is_async and r.encloses_kernel for r in rows), (
+                mode, kind, [(r.kind, r.is_async, r.enclosed) for r in rows])
+        least = getattr(expected, mode)
+        if least is not None:
+            hidden = hlo.bytes_hidden(program.compiled)
+            assert hidden["fraction"] >= least - 1e-9, (mode, hidden)
+
+
+@pytest.mark.parametrize("target", [_on(GPU), _on(TPU)])
 def test_ring_transfer_overlaps_the_step_kernel(target):
-    """In the forward and the backward loop, a K/V collective-permute start..done pair
-    encloses the step's kernel: the transfer is scheduled to hide behind compute."""
+    """In the forward loop and the backward loop, the K/V collective-permute of every
+    step encloses the step's kernel: the transfer is scheduled to hide behind it."""
     for mode, program in _strategy(target, "ring").items():
-        steps = [a for a in hlo.async_collectives(program.compiled)  # inside the ring loops
-                 if a.kind == "collective-permute" and a.runs > 1]
-        hiding = {a.computation for a in steps if any(map(_is_kernel, a.enclosed))}
-        assert len(hiding) == (1 if mode == "fwd" else 2), (mode, steps)
+        steps = [r for r in hlo.collective_schedule(program.compiled)  # in the ring loops
+                 if r.kind == "collective-permute" and r.runs > 1]
+        assert {r.computation for r in steps} == {
+            r.computation for r in steps if r.encloses_kernel}, (mode, steps)
+        assert len({r.computation for r in steps}) == (1 if mode == "fwd" else 2), (mode, steps)
+
+
+@_needs(TPU)
+def test_target_compile_options_make_tpu_collectives_asynchronous():
+    """XLA:TPU runs all-to-all and all-gather synchronously unless asked; the library's
+    target compile asks (:data:`targets.COMPILE_OPTIONS`), a user's compile may too."""
+    mesh = targets.target_mesh(TPU)
+    x = jax.ShapeDtypeStruct((64, 1024), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, P("sp")))
+
+    def exchange(x):
+        y = jax.lax.all_to_all(x, "sp", 0, 1, tiled=True)
+        return y * 2, jax.lax.all_gather(x, "sp", axis=1, tiled=True)[:, :1024] * 3
+
+    f = jax.shard_map(exchange, mesh=mesh, in_specs=P("sp"), out_specs=P("sp"))
+    off = {key: None for key in targets.COMPILE_OPTIONS["tpu"]}
+    for options, expected in (({}, True), (off, False)):
+        program = aot.compile_for(f, (x,), "tpu", compiler_options=options)
+        found = {r.kind: r.is_async for r in hlo.collective_schedule(program.compiled)}
+        assert found == {"all-to-all": expected, "all-gather": expected}, (options, found)
+    assert targets.libtpu_init_args().startswith("--xla_tpu_enable_async_all_to_all=true ")
 
 
 # (head dim of q/k, of v): every head dim the Pallas kernel is built for, DeepSeek's

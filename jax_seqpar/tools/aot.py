@@ -20,7 +20,7 @@ import tempfile
 import time
 from typing import Any, Callable, Mapping, Optional
 
-from jax_seqpar.tools import hlo
+from jax_seqpar.tools import hlo, targets
 
 _ENTRY_RE = re.compile(r"^\.visible \.entry (\w+)\(", re.MULTILINE)
 _PTXAS_FUNCTION_RE = re.compile(r"Function properties for (\w+)\s*\n\s*(\d+) bytes stack frame, "
@@ -68,8 +68,13 @@ PRODUCTION_CODEGEN = {"xla_backend_optimization_level": 3,
 
 
 def compile_for(fn: Callable, args, platform: str, *, fail_on_spills: bool = False,
-                kernel_resources: bool = False) -> Compiled:
+                kernel_resources: bool = False,
+                compiler_options: Optional[Mapping[str, Any]] = None) -> Compiled:
     """Lower ``jax.jit(fn)(*args)`` for ``platform`` and compile it; nothing runs.
+
+    The program compiles with the backend's production code generation and the
+    platform's :data:`jax_seqpar.tools.targets.COMPILE_OPTIONS` (XLA:TPU's asynchronous
+    all-to-all and all-gather), then ``compiler_options``.
 
     Args:
       fn: the function (jitted here); args: ``jax.ShapeDtypeStruct`` s with shardings
@@ -78,6 +83,8 @@ def compile_for(fn: Callable, args, platform: str, *, fail_on_spills: bool = Fal
       fail_on_spills: on GPU, a kernel that spills registers is a compile error.
       kernel_resources: on GPU, read every Triton kernel's :class:`KernelResources`
         (needs ``ptxas``, from the ``[aot]`` extra's ``nvidia-cuda-nvcc-cu12``).
+      compiler_options: more XLA options, over the defaults above; an option given as
+        None is not passed (e.g. to compare a schedule without one of the defaults).
 
     Raises:
       Exception: the compiler's error (e.g. ``Compilation result discarded due to
@@ -88,8 +95,11 @@ def compile_for(fn: Callable, args, platform: str, *, fail_on_spills: bool = Fal
     # The backend's production code generation, whatever XLA_FLAGS the process has
     # (the test suite lowers LLVM's effort for its many small CPU programs).
     options = {} if platform == "cpu" else dict(PRODUCTION_CODEGEN)
+    options.update(targets.compile_options(platform))
     if platform == "cuda" and fail_on_spills:
         options["xla_gpu_fail_ptx_compilation_on_register_spilling"] = True
+    options.update(compiler_options or {})
+    options = {key: value for key, value in options.items() if value is not None}
     dump = tempfile.mkdtemp(prefix="jax_seqpar_aot_") if (
         platform == "cuda" and kernel_resources) else None
     try:

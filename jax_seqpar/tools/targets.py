@@ -35,6 +35,31 @@ import numpy as np
 GPUS = {"h100": ("h100_sxm.txtpb", 8), "h200": ("h200.txtpb", 8), "a100": ("a100_sxm_80.txtpb", 8)}
 #: HBM per TPU device (one chip; v4 and v5p as one megacore device), bytes.
 TPU_HBM = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2**30}
+#: XLA options the library's target compiles set, per lowering platform
+#: (:func:`jax_seqpar.tools.aot.compile_for`: ``jax-seqpar bench --target``, the compile
+#: gate). XLA:TPU runs all-to-all and all-gather synchronously unless asked: these make
+#: them asynchronous, and let an all-gather run inside the Mosaic kernel it can hide
+#: behind (an async collective fusion). XLA:GPU needs none. Pass the same options to
+#: your own programs (:func:`compile_options`; or ``LIBTPU_INIT_ARGS``,
+#: :func:`libtpu_init_args`) for the schedules ``bench --target`` reports.
+#: ``experiments/tpu_async_options.py`` checks that each is needed.
+COMPILE_OPTIONS = {
+    "tpu": {
+        # all-to-all (Ulysses, the hybrid's inner exchange): asynchronous
+        "xla_tpu_enable_async_all_to_all": True,
+        # all-gather: asynchronous, as an async collective fusion that runs inside the
+        # Mosaic call it can hide behind (each of the five is needed)
+        "xla_enable_async_all_gather": True,
+        "xla_tpu_enable_async_collective_fusion": True,
+        "xla_tpu_enable_async_collective_fusion_fuse_all_gather": True,
+        "xla_tpu_enable_async_collective_fusion_multiple_steps": True,
+        "xla_tpu_enable_async_collective_fusion_with_mosaic_custom_call": True,
+        "xla_tpu_overlap_compute_collective_tc": True,
+        "xla_tpu_use_aggressive_scheduling": True,
+    },
+    "cuda": {},
+    "cpu": {},
+}
 _PLUGINS = {"cuda": ("jax_cuda12_plugin", "the CUDA plugin (jax-cuda12-plugin)"),
             "tpu": ("libtpu", "libtpu")}
 _TPU_NAME_RE = re.compile(r"^(v\d+[a-z]*):(\d+(?:x\d+)+)$")
@@ -90,6 +115,27 @@ def parse(name: str) -> Target:
         dims = [int(d) for d in found.group(2).split("x")]
         return Target(name, "tpu", found.group(1), math.prod(dims), name)
     raise ValueError(f"unknown target {name!r}; known forms: {_KNOWN}.")
+
+
+def compile_options(platform: str) -> dict:
+    """The XLA options of :data:`COMPILE_OPTIONS` for ``platform`` (``"tpu"``, ...), for
+    ``jax.jit(f).lower(*args).compile(compiler_options=compile_options("tpu"))``.
+
+    >>> compile_options("tpu")["xla_tpu_enable_async_all_to_all"]
+    True
+    """
+    return dict(COMPILE_OPTIONS.get(platform, {}))
+
+
+def libtpu_init_args(platform: str = "tpu") -> str:
+    """:func:`compile_options` as command-line flags, for ``LIBTPU_INIT_ARGS`` (set before
+    JAX starts the TPU backend; every program of the process then compiles with them).
+
+    >>> libtpu_init_args().split()[0]
+    '--xla_tpu_enable_async_all_to_all=true'
+    """
+    return " ".join(f"--{key}={str(value).lower()}"
+                    for key, value in compile_options(platform).items())
 
 
 def target_platform(name: str) -> str:
