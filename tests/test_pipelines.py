@@ -169,3 +169,29 @@ def test_chunk_counts_and_default():
     assert allgather.default_chunks(256) == 2 and allgather.default_chunks(100) == 1
     with pytest.raises(ValueError, match="chunks=3 must be a positive divisor of the 8"):
         allgather.resolve_chunks(3, 8)
+
+
+@pytest.mark.parametrize("strategy, options, match", [
+    ("ulysses", dict(head_groups=3),
+     r"head_groups=3 does not split the 2 query heads and 1 K/V head\(s\) .*num_heads=16, "
+     r"num_kv_heads=4 over 8 devices.* one of \(1, 2\) or 'auto'"),
+    ("ulysses", dict(head_groups=0), r"head_groups=0 .* one of \(1, 2\)"),
+    ("hybrid", dict(head_groups=8), r"head_groups=8 does not split the 4 query heads .* "
+     r"over 4 devices.* one of \(1, 2, 4\)"),
+    ("allgather", dict(chunks=3),
+     r"chunks=3 must be a positive divisor of the 8 tokens each device holds: one of "
+     r"\(1, 2, 4, 8\)"),
+    ("allgather", dict(chunks="8"), r"chunks='8' must be a positive divisor"),
+])
+def test_bad_pipeline_arguments_name_the_numbers(strategy, options, match):
+    """Traced only (no compile): a count the heads or tokens do not allow is refused in
+    the per-shard call, with the counts that work."""
+    mesh, axes = _mesh(strategy)
+    fn = functools.partial(getattr(sp, f"{strategy}_attention"), seq_axes=axes,
+                           kernel="xla", causal=True, **options)
+    q = jax.ShapeDtypeStruct((B, S, 16, D), jnp.float32)
+    k = v = jax.ShapeDtypeStruct((B, S, 4, D), jnp.float32)
+    seq = P(None, axes)
+    f = jax.shard_map(fn, mesh=mesh, in_specs=(seq,) * 3, out_specs=seq)
+    with pytest.raises(ValueError, match=match):
+        jax.eval_shape(f, q, k, v)

@@ -78,7 +78,8 @@ def resolve_chunks(chunks, local_len: int) -> int:
     if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1 or (
             local_len % chunks):
         raise ValueError(f"chunks={chunks!r} must be a positive divisor of the {local_len} "
-                         "tokens each device holds (or 'auto').")
+                         f"tokens each device holds: one of {chunk_counts(local_len)} "
+                         "(or 'auto').")
     return chunks
 
 

@@ -253,9 +253,11 @@ class _Layout:
     @classmethod
     def of(cls, q, k, size, groups):
         q_local, kv_local = q.shape[2] // size, k.shape[2] // size
-        if q_local % groups or (kv_local % groups and groups % kv_local):
-            raise ValueError(f"{groups} head groups do not split {q_local} query heads and "
-                             f"{kv_local} K/V heads into whole GQA groups.")
+        allowed = head_group_counts(q.shape[2], k.shape[2], size)  # k: replicated
+        if groups not in allowed:
+            raise ValueError(f"groups={groups} does not split the {q_local} query heads and "
+                             f"{kv_local} K/V head(s) per device into whole GQA groups; use "
+                             f"one of {allowed} (head_group_counts).")
         return cls(size, groups, q_local // groups, kv_local)
 
     @property
