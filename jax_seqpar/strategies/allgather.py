@@ -35,7 +35,7 @@ import jax.numpy as jnp
 
 from jax_seqpar.core import compat as _compat
 from jax_seqpar.core.masks import EMPTY_LSE
-from jax_seqpar.core.merge import merge, with_sinks
+from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.inputs import axis_size, prepare
 from jax_seqpar.strategies.ulysses import gather_tokens
@@ -190,8 +190,10 @@ def _chunked_forward(config, q, k, v, q_tokens, kv_tokens):
     batch, local_len, heads, _ = q.shape
 
     def attend(acc, piece):
+        # The kernel continues the running (out, lse), as the ring's steps do (Mosaic in
+        # the kernel, in place; the XLA and Pallas kernels merge after).
         kc, vc = _unpack(piece[0])
-        return merge(*acc, *options.forward(q, kc, vc, q_tokens, piece[1]))
+        return options.forward(q, kc, vc, q_tokens, piece[1], accumulate=acc)
 
     def keep(kept, piece, c):  # the pieces the backward reads, written in place
         return jax.tree.map(lambda xs, x: jax.lax.dynamic_update_index_in_dim(xs, x, c, 0),
