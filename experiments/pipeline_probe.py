@@ -65,8 +65,11 @@ def measure(target, strategy, axes, shape, *, kernel="auto", mode="fwd", kwargs=
             for s in shape.operand_shapes()]
     fn, fargs = (forward, args[:3]) if mode == "fwd" else (forward_and_vjp, args)
     start = time.perf_counter()
-    program = aot.compile_for(fn, fargs, targets.target_platform(target),
-                              compiler_options=options, target_options=target_options)
+    platform = targets.target_platform(target)
+    options = dict(options or {})
+    if not target_options:  # an option given as None is not passed
+        options = {**{key: None for key in targets.compile_options(platform)}, **options}
+    program = aot.compile_for(fn, fargs, platform, compiler_options=options)
     seconds = time.perf_counter() - start
     compiled = program.compiled
     rows = hlo.collective_schedule(compiled)

@@ -114,8 +114,11 @@ def _ulysses_cases(strategy, heads_list, shards):
     return cases
 
 
-@pytest.mark.parametrize("heads, kv_heads, groups, variant",
-                         _ulysses_cases("ulysses", ULYSSES_HEADS, 8))
+@pytest.mark.parametrize("heads, kv_heads, groups, variant", [
+    *_ulysses_cases("ulysses", ULYSSES_HEADS, 8),
+    # bf16: a shared K/V head's gradients summed over 4 groups, kept in the input dtype
+    pytest.param(32, 8, 4, dict(causal=True, dtype=jnp.bfloat16),
+                 id="ulysses-h32-kv8-g4-causal-bf16")])
 def test_ulysses_head_groups(heads, kv_heads, groups, variant, tolerances):
     _check("ulysses", tolerances, heads=heads, kv_heads=kv_heads, head_groups=groups,
            **variant)
