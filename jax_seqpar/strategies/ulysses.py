@@ -351,25 +351,33 @@ def _pipeline_bwd(config, residuals, cotangents):
     dout, dlse = cotangents
     dtype = dout.dtype
     # <dout, out> of the output rows, sequence-sharded (out as returned): the kernel's
-    # delta and the sinks' gradient; a small float32 exchange per group.
+    # delta and the sinks' gradient. With the lse's cotangent, the float32 row
+    # statistics of every group travel in ONE small exchange, ahead of group 0's dout
+    # (exposed anyway), so that only dout itself is in flight while a kernel runs.
     rowdot = None
     if stage.takes_delta or sinks is not None:
         rowdot = jnp.einsum("bshd,bshd->bsh", dout.astype(jnp.float32),
                             out.astype(jnp.float32), precision=jax.lax.Precision.HIGHEST)
+    stats = {name: x for name, x in (("rowdot", rowdot),
+                                     ("dlse", dlse if return_lse else None)) if x is not None}
+    if stats:
+        rows = seq_to_heads(jnp.stack(list(stats.values()), axis=-1),
+                            axis_name)  # [B, S, H/P, len(stats)]
+        rows = dict(zip(stats, jnp.moveaxis(rows, -1, 0)))  # name -> [B, S, H/P]
+
+    def rows_of(name, g):  # this group's [B, S, h] of a row statistic, or None
+        if name not in stats:
+            return None
+        return rows[name][:, :, g * layout.q_group:(g + 1) * layout.q_group]
 
     def exchange_in(g):
-        def rows(x):  # [B, S/P, H] -> this group's [B, S, h]
-            return None if x is None else seq_to_heads(layout.take(x[..., None], g),
-                                                       axis_name)[..., 0]
-
-        return (seq_to_heads(layout.take(dout, g), axis_name),
-                rows(dlse if return_lse else None), rows(rowdot))
+        return seq_to_heads(layout.take(dout, g), axis_name)
 
     arrived = exchange_in(0)
     back, dsinks, sent = [], [], None
     shared = [None] * layout.kv_local
     for g in range(layout.groups):
-        dout_g, dlse_g, rowdot_g = arrived
+        dout_g, dlse_g, rowdot_g = arrived, rows_of("dlse", g), rows_of("rowdot", g)
         stage_residuals, lse_g = saved[g]
         if dlse_g is None:
             dlse_g = _compat.match_varying(jnp.zeros(dout_g.shape[:3], jnp.float32), dout_g)
