@@ -377,6 +377,9 @@ def _pipeline_bwd(config, residuals, cotangents):
     back, dsinks, sent = [], [], None
     shared = [None] * layout.kv_local
     for g in range(layout.groups):
+        # The previous group's dK/dV sums are done before this group's kernel starts:
+        # two float32 pairs are never live at once.
+        arrived, shared = jax.lax.optimization_barrier((arrived, shared))
         dout_g, dlse_g, rowdot_g = arrived, rows_of("dlse", g), rows_of("rowdot", g)
         stage_residuals, lse_g = saved[g]
         if dlse_g is None:
@@ -392,26 +395,26 @@ def _pipeline_bwd(config, residuals, cotangents):
             dsinks.append(jnp.sum((1 - w) * (dlse_g - rowdot_g), axis=(0, 1)))
             dout_g = dout_g.astype(jnp.float32) * w[..., None]
             dlse_g, delta_g = w * dlse_g + (1 - w) * rowdot_g, w * delta_g
-        dq, dk, dv = stage.backward(stage_residuals, q_tokens, kv_tokens, dout_g, dlse_g,
-                                    delta_g if stage.takes_delta else None)
+        grads = stage.backward(stage_residuals, q_tokens, kv_tokens, dout_g, dlse_g,
+                               delta_g if stage.takes_delta else None)  # float32
+        upcoming = exchange_in(g + 1) if g + 1 < layout.groups else None
+        # As in the forward: group g+1's dout arrives and group g-1's gradients leave
+        # while this group's backward kernel runs. The barrier takes the kernel's RAW
+        # result: with a cast between kernel and barrier, XLA:TPU hides the transfers
+        # behind the cast instead of the kernel.
+        grads, upcoming, sent = jax.lax.optimization_barrier((grads, upcoming, sent))
+        if sent is not None:
+            back.append(sent)
         if layout.kv_group:
-            result = tuple(x.astype(dtype) for x in (dq, dk, dv))
+            result = tuple(x.astype(dtype) for x in grads)
         else:
             # A shared K/V head's gradients, summed over the groups it serves: each sum in
             # float32, kept between groups in the input dtype (as the reduction an
-            # autodiff backward would run on the cotangents), so that two float32 pairs
-            # are never live at once.
-            result = (dq.astype(dtype),)
+            # autodiff backward would run on the cotangents).
+            result = (grads[0].astype(dtype),)
             j = layout.kv_head(g)
             shared[j] = tuple((x if total is None else x + total.astype(jnp.float32)).astype(
-                dtype) for x, total in zip((dk, dv), shared[j] or (None, None)))
-        upcoming = exchange_in(g + 1) if g + 1 < layout.groups else None
-        # As in the forward: group g+1's dout arrives and group g-1's gradients leave
-        # while this group's backward kernel runs.
-        result, upcoming, sent, shared = jax.lax.optimization_barrier(
-            (result, upcoming, sent, shared))
-        if sent is not None:
-            back.append(sent)
+                dtype) for x, total in zip(grads[1:], shared[j] or (None, None)))
         sent = tuple(heads_to_seq(x, axis_name) for x in result)
         arrived = upcoming
     back.append(sent)
