@@ -108,10 +108,16 @@ class Hiding(NamedTuple):
 
 #: A strategy whose transfers are pipelined behind its kernels has a row. The ring
 #: hides every hop but the backward's last (dK/dV home, after the last kernel); the
-#: hybrid's outer ring is the ring (its inner exchange is Ulysses').
+#: hybrid's outer ring is the ring (its inner exchange is Ulysses'). Ulysses at these
+#: heads (2 query heads, 1 K/V head per device: 2 head groups) can hide group 1's q and
+#: group 0's output, and their mirror in the backward: a third of its bytes. The
+#: all-gather's pieces (4 at S/P = 512) hide all but the first piece's gather and the
+#: backward's last dK/dV hop.
 HIDING = {
     "ring": Hiding(("collective-permute",), fwd=1.0, fwd_bwd=0.9),
     "hybrid": Hiding(("collective-permute",)),
+    "ulysses": Hiding(("all-to-all",), fwd=0.3, fwd_bwd=0.3),
+    "allgather": Hiding(("all-gather",), fwd=0.7, fwd_bwd=0.7),
 }
 
 

@@ -11,6 +11,12 @@ sub-sequence; a second all-to-all returns the output to sequence shards. K/V
 heads are replicated only as far as the inner all-to-all needs; the ring
 circulates exactly the heads each device holds after it.
 
+The inner exchange is Ulysses' head pipeline
+(:func:`jax_seqpar.strategies.ulysses.head_pipeline`): with ``head_groups`` > 1 the ring
+runs once per head group, and group ``g + 1``'s all-to-all (and group ``g - 1``'s
+output's) travel while the ring of group ``g`` computes; the ring's own K/V hops hide
+behind its step kernels as in :mod:`jax_seqpar.strategies.ring`, forward and backward.
+
 Causal balance: with the zigzag order over all ``O*I`` shards (what
 ``sequence_parallel_attention`` applies), every ring step gives every device the
 same number of visible key blocks.
@@ -18,17 +24,21 @@ same number of visible key blocks.
 
 from __future__ import annotations
 
-from jax_seqpar.strategies.inputs import axis_size, prepare
-from jax_seqpar.core.merge import with_sinks
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from jax_seqpar.strategies.inputs import Options, axis_size, prepare
 from jax_seqpar.strategies.ring import ring_over
-from jax_seqpar.strategies.ulysses import (gather_tokens, heads_to_seq, kv_replication, local_heads,
-                                seq_to_heads)
+from jax_seqpar.strategies.ulysses import (gather_tokens, head_pipeline, kv_replication,
+                                           local_heads, resolve_head_groups)
 
 
 def hybrid_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None,
                      positions=None, window=None, scale=None, kernel="auto", block_sizes=None,
                      softcap=None, sinks=None, kv_segment_ids=None,
-                     return_lse=False):
+                     return_lse=False, head_groups="auto"):
     """Exact attention of a sequence sharded over ``seq_axes=(outer, inner)`` (in ``shard_map``).
 
     Args:
@@ -41,6 +51,13 @@ def hybrid_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None,
         default positions are
         the contiguous split over ``(outer, inner)``, with which a
         window shrinks the ring part to a halo exchange.
+      head_groups: the inner exchange's head groups (as in
+        :func:`jax_seqpar.strategies.ulysses.ulysses_attention`; the ring runs once per
+        group). ``"auto"`` (default): the largest count up to
+        :data:`~jax_seqpar.strategies.ulysses.MAX_AUTO_HEAD_GROUPS` that gives every
+        group its own K/V heads, else 1 (a K/V head shared by several groups would ride
+        the ring once per group: more bytes on the slow axis than the groups hide on the
+        fast one).
 
     Returns:
       ``[B, S/(O*I), H, Dv]`` in ``q.dtype``.
@@ -64,15 +81,35 @@ def hybrid_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None,
             f"{ulysses_axis!r} of size {inner}; choose an inner axis size that divides the heads "
             f"(e.g. {_divisor_hint(q.shape[2], inner)}) and put the rest on the ring axis, "
             f'or use strategy="ring".') from None
+    groups = resolve_head_groups(head_groups, q.shape[2], k.shape[2], inner, shared_kv=False)
     if repeats > 1:
         k, v = (x.repeat(repeats, axis=2) for x in (k, v))  # [B, S/P, Hkv*r, D]
-    q, k, v = (seq_to_heads(x, ulysses_axis) for x in (q, k, v))  # [B, S/O, h/I, D]
     q_tokens, kv_tokens = gather_tokens((q_tokens, kv_tokens), ulysses_axis)  # [B, S/O]
-    out, lse = ring_over(ring_axis, options, q, k, v, q_tokens, kv_tokens,
-                         contiguous=contiguous)  # [B, S/O, H/I, Dv] float32
-    out, lse = with_sinks(out, lse, local_heads(sinks, ulysses_axis))
-    out = heads_to_seq(out.astype(q.dtype), ulysses_axis)  # [B, S/(O*I), H, Dv]
-    return (out, heads_to_seq(lse[..., None], ulysses_axis)[..., 0]) if return_lse else out
+    return head_pipeline(ulysses_axis, RingStage(ring_axis, options, contiguous), q, k, v,
+                         q_tokens, kv_tokens, groups=groups,
+                         sinks=local_heads(sinks, ulysses_axis), return_lse=return_lse)
+
+
+@dataclasses.dataclass(frozen=True)
+class RingStage:
+    """The hybrid's work on one head group between its all-to-alls: the ring over the
+    outer axis (:func:`jax_seqpar.strategies.ring.ring_over`), a stage of
+    :func:`jax_seqpar.strategies.ulysses.head_pipeline` (its backward is the ring's)."""
+
+    axis_name: object
+    options: Options
+    contiguous: bool
+    takes_delta = False  # the ring's backward computes it from its own residuals
+
+    def forward(self, q, k, v, q_tokens, kv_tokens):
+        def ring(q, k, v):
+            return ring_over(self.axis_name, self.options, q, k, v, q_tokens, kv_tokens,
+                             contiguous=self.contiguous)
+
+        return jax.vjp(ring, q, k, v)
+
+    def backward(self, residuals, q_tokens, kv_tokens, dout, dlse, delta):
+        return residuals((dout.astype(jnp.float32), dlse))
 
 
 def _divisor_hint(heads: int, inner: int) -> int:

@@ -143,12 +143,14 @@ def comm_bytes(strategy: str, *, batch: int, seq_len: int, num_heads: int, num_k
     ``comm_bytes(strategy, seq_axes=8, **shape.comm_kwargs())``.
 
     * ``"ulysses"``: all_to_all of q, k, v (K/V heads replicated to
-      ``lcm(num_kv_heads, P)``) and of the output, backward doubles it; plus
-      one all_gather of the int32 positions (and segment ids) to ``[B, S]``.
+      ``lcm(num_kv_heads, P)``) and of the output, backward doubles it and adds
+      the float32 ``<dout, out>`` rows ``[B, S/P, H]``; plus one all_gather of the
+      int32 positions (and segment ids) to ``[B, S]``.
     * ``"ring"``: ``P-1`` ppermutes of the local K/V plus int32 positions
       (``B*S/P*4`` bytes a step; ``with_segment_ids`` adds as much again);
       backward re-rotates them and sends ``P`` float32 dK/dV accumulators.
-    * ``"allgather"``: all_gather of K/V and positions; backward reduce-scatters dK/dV.
+    * ``"allgather"``: all_gather of K/V (in pieces) and positions; backward sends
+      the dK/dV accumulators ``P`` hops around the ring in the input dtype.
     * ``"hybrid"`` with ``seq_axes=(outer, inner)``: Ulysses over ``inner`` on
       the local shard ``[B, S/(outer*inner), ...]``, then the ring over ``outer``
       on ``[B, S/outer, lcm(Hkv, inner)/inner, .]`` (positions gathered over

@@ -46,13 +46,17 @@ def _all_to_all_bytes(local_elements: float, axis_size: int, dtype_bytes: float)
 
 
 def _ulysses_bytes(*, batch, seq_len, num_heads, num_kv_heads, head_dim, v_head_dim,
-                   axis_size, dtype_bytes, backward, with_segment_ids) -> float:
+                   axis_size, dtype_bytes, backward, with_segment_ids,
+                   row_statistic: bool = True) -> float:
     """Ulysses over ``axis_size`` devices; ``seq_len`` is the length it gathers.
 
     Forward: q ``[B, S/P, H, Dqk]``, k ``[B, S/P, Hkv_eff, Dqk]``, v
-    ``[B, S/P, Hkv_eff, Dv]`` go seq->head and out ``[B, S/P, H, Dv]`` head->seq.
-    Backward (autodiff) transposes each all_to_all into another of the same
-    size (dout in; dq, dk, dv out), so fwd+bwd is twice the forward. The int32
+    ``[B, S/P, Hkv_eff, Dv]`` go seq->head and out ``[B, S/P, H, Dv]`` head->seq,
+    whatever the head groups (they cut the same buffers into pieces).
+    Backward (the reverse pipeline): dout in; dq, dk, dv out, one all_to_all of the
+    forward's size each; with ``row_statistic`` (Ulysses' own kernel backward; not the
+    hybrid's ring, which has its own) also the float32 ``<dout, out>`` rows ``[B, S/P,
+    H]`` in, computed on the sequence-sharded output the backward keeps. The int32
     positions (and segment ids, when used) ``[B, S/P]`` are all-gathered to
     ``[B, S]`` once: ``(P-1) * B*S/P * 4`` bytes each, no gradient.
     """
@@ -65,6 +69,8 @@ def _ulysses_bytes(*, batch, seq_len, num_heads, num_kv_heads, head_dim, v_head_
     sent = _all_to_all_bytes(local_tokens * elements_per_token, axis_size, dtype_bytes)
     if backward:
         sent *= 2
+        if row_statistic:
+            sent += _all_to_all_bytes(local_tokens * num_heads, axis_size, 4)
     metadata = local_tokens * _INDEX_BYTES * (2 if with_segment_ids else 1)
     return sent + (axis_size - 1) * metadata
 
@@ -120,12 +126,13 @@ def _ring_bytes(*, batch, seq_len, kv_heads, head_dim, v_head_dim, axis_size,
 
 def _allgather_bytes(*, batch, seq_len, num_kv_heads, head_dim, v_head_dim, axis_size,
                      dtype_bytes, backward, with_segment_ids, reach=None) -> float:
-    """all_gather of k, v and positions to ``[B, S, Hkv, .]``; backward reduce-scatters dk, dv.
+    """all_gather of k, v and positions to ``[B, S, Hkv, .]`` (K/V in pieces, the same
+    bytes); the backward sends dK/dV home around the ring.
 
-    The gradient of an all_gather is a psum_scatter of the cotangent in the
-    input dtype: ``(P-1)/P`` of ``[B, S, Hkv, Dqk + Dv]``. With a window
-    ``reach`` (contiguous split) only the halo is gathered; its gradient goes
-    back in the input dtype.
+    The backward's dK/dV accumulators ``[B, S/P, Hkv, Dqk + Dv]`` travel in the input
+    dtype, ``P`` ppermutes (the last brings them home): ``[B, S, Hkv, Dqk + Dv]`` in
+    all. With a window ``reach`` (contiguous split) only the halo is gathered; its
+    gradient goes back in the input dtype.
     """
     if axis_size == 1:
         return 0.0
@@ -138,7 +145,7 @@ def _allgather_bytes(*, batch, seq_len, num_kv_heads, head_dim, v_head_dim, axis
     metadata = batch * seq_len * _INDEX_BYTES * (2 if with_segment_ids else 1)
     sent = fraction * (kv_gathered + metadata)
     if backward:
-        sent += fraction * kv_gathered
+        sent += kv_gathered
     return sent
 
 
@@ -195,7 +202,8 @@ def hybrid_bytes(sizes, *, num_heads, num_kv_heads, seq_len, window=None, causal
                          f"axis size {inner}; use strategy='ring' or swap the axes.")
     kv_heads_after_ulysses = replicated_kv_heads(num_kv_heads, inner) // inner
     return (_ulysses_bytes(seq_len=seq_len // outer, num_heads=num_heads,
-                           num_kv_heads=num_kv_heads, axis_size=inner, **shape)
+                           num_kv_heads=num_kv_heads, axis_size=inner, row_statistic=False,
+                           **shape)
             + _ring_bytes(seq_len=seq_len, kv_heads=kv_heads_after_ulysses, axis_size=outer,
                           reach=_window_reach(window, causal, seq_len, outer), **shape))
 
