@@ -36,7 +36,7 @@ device (:class:`Hardware` figures):
   overlapped (the ring's hops hide behind its compute). Ulysses sends
   4 all-to-alls a pass (q, k, v, out; dout, dq, dk, dv) and all-gathers the int32
   positions (and segment ids); the all-gather strategy gathers K, V and positions
-  (and segment ids) and reduce-scatters dK, dV. A group that spans domains sends
+  (and segment ids) and passes dK/dV around the ring (a collective-permute a hop). A group that spans domains sends
   the share bound for other domains, ``(size - D) / (size - 1)``, on the slow
   link while the rest goes on the fast one;
 * memory: q, k, v, out and their gradients, Ulysses' K/V heads replicated to
@@ -120,9 +120,10 @@ def _ulysses_steps(size: int, shape: LayerShape) -> int:
 
 def _allgather_steps(size: int, shape: LayerShape) -> int:
     """Latency steps of the all-gather strategy: K, V, positions (and segment ids)
-    gathered, dK and dV reduce-scattered, ``size - 1`` steps each."""
+    gathered, ``size - 1`` steps each; backward: dK/dV passed ``size`` hops around the
+    ring."""
     gathered = 3 + shape.segment_ids
-    return (size - 1) * (gathered + (2 if shape.backward else 0))
+    return (size - 1) * gathered + (size if shape.backward else 0)
 
 
 def _collective(hardware: Hardware, num_bytes: float, size: int,
@@ -173,7 +174,7 @@ def _ring(hardware: Hardware, link, compute: list, hop_bytes: float,
 
 #: The collective kind of each exchange strategy's transfers: (forward, backward).
 _EXCHANGES = {"ulysses": ("all-to-all", "all-to-all"),
-              "allgather": ("all-gather", "reduce-scatter")}
+              "allgather": ("all-gather", "collective-permute")}
 
 
 def _exchange(hardware: Hardware, strategy: str, shape: LayerShape, devices: int,
@@ -182,20 +183,22 @@ def _exchange(hardware: Hardware, strategy: str, shape: LayerShape, devices: int
     backward kernel seconds), the pass's collectives and its kernels, overlapped where
     the strategy sends them in pieces and the target overlaps their kind."""
     steps = _ulysses_steps if strategy == "ulysses" else _allgather_steps
-    pieces = registry.get(strategy).pieces
+    pieces_of = registry.get(strategy).pieces
+    pieces = pieces_of(shape, devices) if pieces_of and devices > 1 else (1, 1)
     forward = shape.replace(backward=False)
     fwd_bytes = _comm_bytes(strategy, forward, devices)
-    passes = [(fwd_bytes, steps(devices, forward), compute[0], _EXCHANGES[strategy][0])]
+    passes = [(fwd_bytes, steps(devices, forward), compute[0], _EXCHANGES[strategy][0],
+               pieces[0])]
     if shape.backward:
         passes.append((_comm_bytes(strategy, shape, devices) - fwd_bytes,
                        steps(devices, shape) - steps(devices, forward), compute[1],
-                       _EXCHANGES[strategy][1]))
+                       _EXCHANGES[strategy][1], pieces[1]))
     out = dict(seconds=0.0, comm=0.0, hidden_bytes=0.0, ici_bytes=0.0, dcn_bytes=0.0)
-    for num_bytes, num_steps, kernels, kind in passes:
+    for num_bytes, num_steps, kernels, kind, n in passes:
         comm, ici_bytes, dcn_bytes = _collective(hardware, num_bytes, devices, num_steps)
-        if pieces > 1 and kind in hardware.overlaps:
-            rest = (pieces - 1) / pieces
-            out["seconds"] += comm / pieces + max(kernels, comm * rest)
+        if n > 1 and kind in hardware.overlaps:
+            rest = (n - 1) / n
+            out["seconds"] += comm / n + max(kernels, comm * rest)
             out["hidden_bytes"] += num_bytes * rest
         else:
             out["seconds"] += kernels + comm

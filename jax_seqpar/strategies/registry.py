@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, Mapping
+from typing import Callable, Mapping, Optional
 
 from jax_seqpar.core.masks import MaskSpec
-from jax_seqpar.strategies import traffic
+from jax_seqpar.strategies import allgather, traffic, ulysses
 from jax_seqpar.strategies.allgather import allgather_attention
 from jax_seqpar.strategies.decode import decode_attention
 from jax_seqpar.strategies.halo import halo_sizes
@@ -44,9 +44,11 @@ class Strategy:
       windows, sinks: whether it serves sliding windows and attention sinks.
       global_view: whether :func:`jax_seqpar.sequence_parallel_attention` runs it
         (decode runs against a KV cache: :mod:`jax_seqpar.api.inference`).
-      pieces: into how many pieces it cuts its all-to-all / all-gather exchanges so
-        that each piece after the first travels while the kernel works on an earlier
-        one (1: each exchange whole, before or after the kernel). The ring's hops are
+      pieces: ``pieces(shape, devices) -> (forward, backward)``: into how many pieces
+        its ``head_groups`` / ``chunks="auto"`` cut the forward's and the backward's
+        exchanges of a :class:`~jax_seqpar.core.shape.LayerShape` over ``devices``, so
+        that each piece after the first travels while a kernel works on an earlier one
+        (None: each exchange whole, before or after the kernels). The ring's hops are
         its own pieces (one per step).
     """
 
@@ -59,7 +61,7 @@ class Strategy:
     windows: bool = True
     sinks: bool = True
     global_view: bool = True
-    pieces: int = 1
+    pieces: Optional[Callable] = None
 
     def factorization(self, devices: int, ulysses: int) -> tuple[int, int]:
         """``(ring, ulysses)`` devices of this strategy over ``devices`` (``ulysses``: the
@@ -71,9 +73,14 @@ class Strategy:
 
 #: Every strategy the global entry point runs, in the order tables list them.
 STRATEGIES: Mapping[str, Strategy] = {s.name: s for s in (
-    Strategy("ulysses", ulysses_attention, traffic.ulysses_bytes, splits_heads=True),
+    Strategy("ulysses", ulysses_attention, traffic.ulysses_bytes, splits_heads=True,
+             pieces=lambda shape, devices: (ulysses.default_head_groups(
+                 shape.num_heads, shape.num_kv_heads, devices),) * 2),
     Strategy("ring", ring_attention, traffic.ring_bytes, zigzag_balances=True),
-    Strategy("allgather", allgather_attention, traffic.allgather_bytes, zigzag_balances=True),
+    # forward: K/V gathered in chunks; backward: dK/dV passed around the ring, a hop a piece
+    Strategy("allgather", allgather_attention, traffic.allgather_bytes, zigzag_balances=True,
+             pieces=lambda shape, devices: (
+                 allgather.default_chunks(-(-shape.seq_len // devices)), devices)),
     Strategy("hybrid", hybrid_attention, traffic.hybrid_bytes, seq_axes=2, splits_heads=True,
              zigzag_balances=True),
 )}
