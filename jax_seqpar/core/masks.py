@@ -28,6 +28,10 @@ EMPTY, PARTIAL, FULL = 0, 1, 2
 #: gradients stay NaN-free, and so low that any real block outweighs it.
 EMPTY_LSE = -1e30
 
+#: The segment id of padding, reserved: never a real document. The global entry point
+#: pads sequences with it; layouts and work counts give it no work.
+PAD_SEGMENT = -(2**31)
+
 
 def normalize_window(window: Union[None, int, tuple[int, int]]) -> Optional[tuple[int, int]]:
     """``None``, one int (both sides) or ``(left, right)`` -> ``(left, right)`` or None."""

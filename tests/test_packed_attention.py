@@ -1,0 +1,93 @@
+"""Attention on packed documents in the per-document order: exact through every strategy
+(windows, sinks, gradients), and layout="per_document" in the global entry point."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh
+
+import jax_seqpar as sp
+from jax_seqpar.core import reference
+from jax_seqpar.tools import mixes
+
+STRATEGIES = ["ring", "ulysses", "hybrid", "allgather"]
+
+
+def _mesh(strategy):
+    devices = np.array(jax.devices())
+    if strategy == "hybrid":
+        return Mesh(devices.reshape(2, 4), ("dcn", "ici")), ("dcn", "ici")
+    return Mesh(devices, ("sp",)), "sp"
+
+
+def _documents(batch, seq, seed=0):
+    """Packed heavy-tailed documents with a padded tail: a long document is dealt to every
+    shard, short ones are kept whole, padding goes last."""
+    ids = mixes.with_padding(lambda b, s, r: mixes.heavy_tailed(b, s, r, scale=8), batch, seq,
+                             np.random.default_rng(seed), max_fraction=0.2)
+    ids[0, :120] = -7  # one long document (any id but the padding one is a document)
+    return ids
+
+
+def _check(ours, theirs, args, tolerances):
+    out = jax.jit(ours)(*args)
+    expected = theirs(*args)
+    np.testing.assert_allclose(out, expected, **tolerances(out.dtype))
+    weights = jax.random.normal(jax.random.key(7), out.shape)
+    loss = lambda f: lambda *a: jnp.sum(f(*a) * weights)  # noqa: E731
+    grads = jax.jit(jax.grad(loss(ours), argnums=(0, 1, 2, 3)))(*args)
+    for got, want in zip(grads, jax.grad(loss(theirs), argnums=(0, 1, 2, 3))(*args)):
+        scale = max(1.0, float(jnp.abs(want).max()))
+        np.testing.assert_allclose(got / scale, want / scale, **tolerances(got.dtype, "grad"))
+
+
+@pytest.mark.parametrize("strategy,window", [("ring", None)] + [(s, (24, 0)) for s in STRATEGIES])
+def test_per_document_positions_are_exact(strategy, window, make_qkv, tolerances):
+    """The batch laid out once (permute_batch), attended with its positions, and back."""
+    q, k, v = make_qkv(batch=2, seq=256, heads=8, kv_heads=2, head_dim=8, seed=5)
+    ids = _documents(2, 256)
+    (q, k, v, laid_ids), positions = sp.permute_batch((q, k, v, ids), "per_document", 8,
+                                                      segment_ids=ids, block_size=8)
+    sinks = jnp.linspace(-1.0, 1.0, 8) if window else None
+    mesh, axes = _mesh(strategy)
+
+    def ours(q, k, v, sinks):
+        out = sp.sequence_parallel_attention(
+            q, k, v, mesh=mesh, seq_axes=axes, strategy=strategy, causal=True, window=window,
+            segment_ids=laid_ids, positions=positions, sinks=sinks)
+        return sp.unpermute_batch(out, "per_document", 8, positions=positions)
+
+    def theirs(q, k, v, sinks):
+        q, k, v = sp.unpermute_batch((q, k, v), "per_document", 8, positions=positions)
+        return reference.attention(q, k, v, causal=True, window=window, sinks=sinks,
+                                   segment_ids=jnp.asarray(ids))
+
+    _check(ours, theirs, (q, k, v, sinks if sinks is not None else jnp.zeros(8)), tolerances)
+
+
+@pytest.mark.parametrize("strategy", ["ring", "hybrid"])
+def test_layout_per_document_in_the_entry_point(strategy, make_qkv, tolerances):
+    """Natural-order inputs of a length the devices do not divide: padded, put in the
+    per-document order of the segment ids inside the call, and back."""
+    q, k, v = make_qkv(batch=2, seq=250, heads=8, kv_heads=2, head_dim=8, seed=6)
+    ids = jnp.asarray(_documents(2, 250, seed=1))
+    mesh, axes = _mesh(strategy)
+
+    def ours(q, k, v, sinks):
+        return sp.sequence_parallel_attention(
+            q, k, v, mesh=mesh, seq_axes=axes, strategy=strategy, causal=True, sinks=sinks,
+            segment_ids=ids, layout="per_document", kernel="xla",
+            block_sizes=sp.kernels.BlockSizes(16, 16))
+
+    def theirs(q, k, v, sinks):
+        return reference.attention(q, k, v, causal=True, segment_ids=ids, sinks=sinks)
+
+    _check(ours, theirs, (q, k, v, jnp.linspace(-1.0, 0.5, 8)), tolerances)
+
+
+def test_layout_per_document_needs_segment_ids(make_qkv):
+    q, k, v = make_qkv(batch=1, seq=64, heads=8, head_dim=8)
+    mesh, _ = _mesh("ring")
+    with pytest.raises(ValueError, match="pass segment_ids="):
+        sp.sequence_parallel_attention(q, k, v, mesh=mesh, causal=True, layout="per_document")
