@@ -11,7 +11,10 @@ any ids (a document need not be one run: equal ids are one document, as for the 
 * :func:`token_work`: each token's visible keys;
 * :func:`work_per_shard`: summed over each shard's slots (``[P]``, or ``[B, P]``);
 * :func:`work_per_step`: per device and ring step (``[P, P]``);
-* :func:`ring_makespans`: a ring's time models from per-step loads.
+* :func:`ring_makespans`: a ring's time models from per-step loads;
+* :func:`computed_tiles_per_shard`: the (query tile, key tile) pairs the kernels compute
+  in a ring, classified per batch row as they classify them
+  (:func:`jax_seqpar.core.masks.classify`): what time follows.
 
 Padding (:data:`~jax_seqpar.core.masks.PAD_SEGMENT`) sees nothing and nothing sees it.
 """
@@ -20,11 +23,14 @@ from __future__ import annotations
 
 from typing import Optional
 
+import jax
 import numpy as np
 
+from jax_seqpar.core import masks
 from jax_seqpar.core.masks import PAD_SEGMENT, normalize_window
 
-__all__ = ["ring_makespans", "token_work", "work_per_shard", "work_per_step"]
+__all__ = ["computed_tiles_per_shard", "ring_makespans", "token_work", "work_per_shard",
+           "work_per_step"]
 
 
 def _rows(positions, segment_ids):
@@ -147,3 +153,68 @@ def ring_makespans(per_step) -> dict:
         finish = np.maximum(finish, np.roll(finish, 1)) + per_step[:, k]
     return {"total": per_step.sum(1).max() / mean, "chain": finish.max() / mean,
             "lockstep": per_step.max(0).sum() / mean}
+
+
+def _shard_summaries(positions, segment_ids, num_shards: int, block: int):
+    """Per-row summaries of each shard's tiles, ``[B, P, n]`` fields: each shard tiled
+    on its own as a kernel call tiles it (the tile clipped to the shard, its tail padded)."""
+    rows, seq_len = positions.shape
+    local = _check_split(seq_len, num_shards)
+    block = min(block, local)
+    padded = -(-local // block) * block
+
+    def shards(x, fill):
+        x = x.reshape(rows * num_shards, local)
+        return np.pad(x, ((0, 0), (0, padded - local)), constant_values=fill)
+
+    tokens = masks.Tokens(shards(positions, 0).astype(np.int32),
+                          shards(segment_ids, PAD_SEGMENT).astype(np.int32))
+    summary = masks.summarize(tokens, block, per_row=True)  # [B*P, n]
+    return jax.tree.map(lambda x: x.reshape(rows, num_shards, -1), summary)
+
+
+def computed_tiles_per_shard(positions, segment_ids, num_shards: int, *, block_q: int,
+                             block_k: Optional[int] = None, causal: bool = True, window=None,
+                             count: str = "skip", per_step: bool = False) -> np.ndarray:
+    """Row-tiles each shard's queries compute in a ring: ``int64[P]`` (``[P, P]`` per ring
+    step with ``per_step``: ``[r, k]`` is shard ``r``'s queries against the keys of
+    shard ``(r - k) % P``).
+
+    Each ring step is one kernel call on a shard's queries and one shard's keys, tiled
+    on their own and classified per batch row with :func:`jax_seqpar.core.masks.classify`
+    (ranges and segment signatures, padding left out), as the kernels classify them.
+
+    Args:
+      positions, segment_ids: ``int[B, S]`` in layout order (see :func:`work_per_shard`;
+        no segment ids: one document).
+      num_shards: ``P``; block_q, block_k: the kernel's tiles (``block_k`` defaults to
+        ``block_q``; both clipped to a shard).
+      causal, window: the mask.
+      count: ``"skip"``, the non-``EMPTY`` tiles (the XLA and Mosaic kernels compute
+        those), or ``"range"``, every tile from a query tile's first to its last
+        non-``EMPTY`` one at each step (the Triton kernel's loop bounds).
+      per_step: per device and ring step.
+    """
+    positions, segment_ids = _rows(positions, segment_ids)
+    window = normalize_window(window)
+    spec = masks.MaskSpec.make(causal, window)
+    block_k = block_q if block_k is None else block_k
+    q = _shard_summaries(positions, segment_ids, num_shards, block_q)
+    kv = _shard_summaries(positions, segment_ids, num_shards, block_k)
+    expand = lambda tree, axis: jax.tree.map(lambda x: np.expand_dims(x, axis), tree)  # noqa
+    # [B, P (queries), P (keys), nq, nk], classified on host by the kernels' rule
+    nonempty = masks.classify(spec, expand(q, 2), expand(kv, 1)) != masks.EMPTY
+    if count == "skip":
+        per_pair = nonempty.sum(axis=(3, 4))
+    elif count == "range":
+        cols = np.arange(nonempty.shape[-1])
+        first = np.where(nonempty, cols, nonempty.shape[-1]).min(-1)
+        end = np.where(nonempty, cols + 1, 0).max(-1)
+        per_pair = np.maximum(end - first, 0).sum(-1)
+    else:
+        raise ValueError(f"count={count!r} is not 'skip' or 'range'.")
+    per_pair = per_pair.sum(0).astype(np.int64)  # [P queries, P keys]
+    if not per_step:
+        return per_pair.sum(1)
+    shards = np.arange(num_shards)
+    return per_pair[shards[:, None], (shards[:, None] - shards[None, :]) % num_shards]

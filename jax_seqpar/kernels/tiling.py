@@ -7,11 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jax_seqpar.core import masks
-from jax_seqpar.core.masks import MaskSpec, Tokens
-
-# Padded tokens get segment ids that match nothing real (and not each other).
-_PAD_Q_SEGMENT = -(2**31) + 1
-_PAD_KV_SEGMENT = -(2**31) + 2
+from jax_seqpar.core.masks import PAD_SEGMENT, MaskSpec, Tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,18 +44,19 @@ def pad_seq(x, length, value=0, *, dim=None):
 
 
 def padded_tokens(t: Tiling, q_tokens: Tokens, kv_tokens: Tokens):
-    """Pad metadata to whole tiles; padded tokens get segments that see nothing."""
+    """Pad metadata to whole tiles; padded tokens are padding (:data:`PAD_SEGMENT`), which
+    sees nothing and is left out of the tile summaries."""
     q_pad, kv_pad = t.num_q * t.block_q, t.num_k * t.block_k
     if (q_pad, kv_pad) == (t.q_len, t.kv_len):
         return q_tokens, kv_tokens
 
-    def pad(tokens, length, pad_segment):
+    def pad(tokens, length):
         seg = tokens.segment_ids
         if seg is None:
             seg = jnp.zeros(tokens.positions.shape, jnp.int32)
-        return Tokens(pad_seq(tokens.positions, length), pad_seq(seg, length, pad_segment))
+        return Tokens(pad_seq(tokens.positions, length), pad_seq(seg, length, PAD_SEGMENT))
 
-    return pad(q_tokens, q_pad, _PAD_Q_SEGMENT), pad(kv_tokens, kv_pad, _PAD_KV_SEGMENT)
+    return pad(q_tokens, q_pad), pad(kv_tokens, kv_pad)
 
 
 def schedule(spec: MaskSpec, t: Tiling, q_tokens: Tokens, kv_tokens: Tokens):
