@@ -241,6 +241,200 @@ def test_gpu_style_async_and_iota_groups():
     }
 
 
+# TPU-style scheduled text (hand-written after what XLA:TPU prints): an all-gather as an
+# async collective fusion (start fusion, a compute fusion that carries the transfer on
+# while the Mosaic kernel runs, done fusion: all three bodies hold a copy of the
+# collective), a synchronous all-to-all, a ring loop whose K/V hop encloses the kernel
+# and whose second hop encloses only a merge, all-reduce pairs around the XLA kernel's
+# loop over tiles (it holds a dot) and around a loop without one, and an all-reduce
+# fused into a fusion (synchronous).
+_TPU_STYLE_HLO = """\
+HloModule jit_f, is_scheduled=true, entry_computation_layout={(bf16[8,16]{1,0}, f32[8,16]{1,0})->f32[8,16]{1,0}}, num_partitions=8
+
+%fused_start (s0: bf16[8,16]) -> (bf16[8,16], bf16[64,16], u32[]) {
+  %s0 = bf16[8,16]{1,0} parameter(0)
+  %ag.0 = bf16[64,16]{1,0} all-gather(%s0), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  ROOT %acs = (bf16[8,16]{1,0}, bf16[64,16]{1,0}, u32[]) custom-call(%s0, %ag.0), custom_call_target="AsyncCollectiveStart"
+}
+
+%async_collective_fusion.1 (c0: (bf16[8,16], bf16[64,16], u32[]), c1: f32[8,16]) -> (f32[8,16], (bf16[8,16], bf16[64,16], u32[])) {
+  %c0 = (bf16[8,16]{1,0}, bf16[64,16]{1,0}, u32[]) parameter(0)
+  %c1 = f32[8,16]{1,0} parameter(1)
+  %c2 = bf16[8,16]{1,0} get-tuple-element(%c0), index=0
+  %ag.1 = bf16[64,16]{1,0} all-gather(%c2), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %kernel.0 = f32[8,16]{1,0} custom-call(%c1), custom_call_target="tpu_custom_call", backend_config={"kernel_name": "seqpar_mosaic_forward"}
+  ROOT %ct = (f32[8,16]{1,0}, (bf16[8,16]{1,0}, bf16[64,16]{1,0}, u32[])) tuple(%kernel.0, %c0)
+}
+
+%fused_done (d0: (bf16[8,16], bf16[64,16], u32[])) -> bf16[64,16] {
+  %d0 = (bf16[8,16]{1,0}, bf16[64,16]{1,0}, u32[]) parameter(0)
+  %d1 = bf16[8,16]{1,0} get-tuple-element(%d0), index=0
+  %ag.2 = bf16[64,16]{1,0} all-gather(%d1), channel_id=1, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  ROOT %acd = bf16[64,16]{1,0} custom-call(%d0, %ag.2), custom_call_target="AsyncCollectiveDone"
+}
+
+%mosaic_call (m0: f32[8,16]) -> f32[8,16] {
+  %m0 = f32[8,16]{1,0} parameter(0)
+  ROOT %kernel.1 = f32[8,16]{1,0} custom-call(%m0), custom_call_target="tpu_custom_call", backend_config={"kernel_name": "seqpar_mosaic_forward"}
+}
+
+%merge (g0: f32[8,16], g1: f32[8,16]) -> f32[8,16] {
+  %g0 = f32[8,16]{1,0} parameter(0)
+  %g1 = f32[8,16]{1,0} parameter(1)
+  ROOT %g2 = f32[8,16]{1,0} add(%g0, %g1)
+}
+
+%ring_body (r0: (s32[], f32[8,16], bf16[8,16])) -> (s32[], f32[8,16], bf16[8,16]) {
+  %r0 = (s32[], f32[8,16]{1,0}, bf16[8,16]{1,0}) parameter(0)
+  %i = s32[] get-tuple-element(%r0), index=0
+  %acc = f32[8,16]{1,0} get-tuple-element(%r0), index=1
+  %kv = bf16[8,16]{1,0} get-tuple-element(%r0), index=2
+  %hop = (bf16[8,16]{1,0}, bf16[8,16]{1,0}, u32[], u32[]) collective-permute-start(%kv), channel_id=2, source_target_pairs={{0,1},{1,2},{2,3},{3,4},{4,5},{5,6},{6,7},{7,0}}
+  %step = f32[8,16]{1,0} fusion(%acc), kind=kCustom, calls=%mosaic_call
+  %hop-done = bf16[8,16]{1,0} collective-permute-done(%hop)
+  %back = (f32[8,16]{1,0}, f32[8,16]{1,0}, u32[], u32[]) collective-permute-start(%step), channel_id=3, source_target_pairs={{0,1},{1,2},{2,3},{3,4},{4,5},{5,6},{6,7},{7,0}}
+  %merged = f32[8,16]{1,0} fusion(%step, %acc), kind=kLoop, calls=%merge
+  %back-done = f32[8,16]{1,0} collective-permute-done(%back)
+  %one = s32[] constant(1)
+  %next = s32[] add(%i, %one)
+  ROOT %rt = (s32[], f32[8,16]{1,0}, bf16[8,16]{1,0}) tuple(%next, %back-done, %hop-done)
+}
+
+%ring_cond (rc: (s32[], f32[8,16], bf16[8,16])) -> pred[] {
+  %rc = (s32[], f32[8,16]{1,0}, bf16[8,16]{1,0}) parameter(0)
+  %rci = s32[] get-tuple-element(%rc), index=0
+  %seven = s32[] constant(7)
+  ROOT %rlt = pred[] compare(%rci, %seven), direction=LT
+}
+
+%tiles_body (t0: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %t0 = (s32[], f32[8,16]{1,0}) parameter(0)
+  %ti = s32[] get-tuple-element(%t0), index=0
+  %tx = f32[8,16]{1,0} get-tuple-element(%t0), index=1
+  %tdot = f32[8,8]{1,0} dot(%tx, %tx), lhs_contracting_dims={1}, rhs_contracting_dims={1}
+  ROOT %tt = (s32[], f32[8,16]{1,0}) tuple(%ti, %tx)
+}
+
+%count_body (n0: (s32[], f32[8,16])) -> (s32[], f32[8,16]) {
+  %n0 = (s32[], f32[8,16]{1,0}) parameter(0)
+  %ni = s32[] get-tuple-element(%n0), index=0
+  %nx = f32[8,16]{1,0} get-tuple-element(%n0), index=1
+  %nn = f32[8,16]{1,0} add(%nx, %nx)
+  ROOT %nt = (s32[], f32[8,16]{1,0}) tuple(%ni, %nn)
+}
+
+%loop_cond (lc: (s32[], f32[8,16])) -> pred[] {
+  %lc = (s32[], f32[8,16]{1,0}) parameter(0)
+  %lci = s32[] get-tuple-element(%lc), index=0
+  %four = s32[] constant(4)
+  ROOT %llt = pred[] compare(%lci, %four), direction=LT
+}
+
+%add (a: f32[], b: f32[]) -> f32[] {
+  %a = f32[] parameter(0)
+  %b = f32[] parameter(1)
+  ROOT %sum = f32[] add(%a, %b)
+}
+
+%fused_all_reduce (f0: f32[8,16]) -> f32[8,16] {
+  %f0 = f32[8,16]{1,0} parameter(0)
+  %far = f32[8,16]{1,0} all-reduce(%f0), channel_id=8, replica_groups={}, to_apply=%add
+  ROOT %fneg = f32[8,16]{1,0} negate(%far)
+}
+
+ENTRY %main (p: bf16[8,16], q: f32[8,16]) -> f32[8,16] {
+  %p = bf16[8,16]{1,0} parameter(0)
+  %q = f32[8,16]{1,0} parameter(1)
+  %async-collective-start = (bf16[8,16]{1,0}, bf16[64,16]{1,0}, u32[]) fusion(%p), kind=kCustom, calls=%fused_start
+  %seqpar_mosaic_forward = (f32[8,16]{1,0}, (bf16[8,16]{1,0}, bf16[64,16]{1,0}, u32[])) fusion(%async-collective-start, %q), kind=kCustom, calls=%async_collective_fusion.1
+  %carried = (bf16[8,16]{1,0}, bf16[64,16]{1,0}, u32[]) get-tuple-element(%seqpar_mosaic_forward), index=1
+  %async-collective-done = bf16[64,16]{1,0} fusion(%carried), kind=kCustom, calls=%fused_done
+  %a2a = bf16[8,16]{1,0} all-to-all(%p), channel_id=4, replica_groups={{0,1,2,3,4,5,6,7}}, dimensions={0}
+  %zero = s32[] constant(0)
+  %init = (s32[], f32[8,16]{1,0}, bf16[8,16]{1,0}) tuple(%zero, %q, %a2a)
+  %ring = (s32[], f32[8,16]{1,0}, bf16[8,16]{1,0}) while(%init), condition=%ring_cond, body=%ring_body, backend_config={"known_trip_count":{"n":"7"}}
+  %ar-start = f32[8,16]{1,0} all-reduce-start(%q), channel_id=5, replica_groups={}, to_apply=%add
+  %init.1 = (s32[], f32[8,16]{1,0}) tuple(%zero, %q)
+  %tiles = (s32[], f32[8,16]{1,0}) while(%init.1), condition=%loop_cond, body=%tiles_body, backend_config={"known_trip_count":{"n":"4"}}
+  %ar-done = f32[8,16]{1,0} all-reduce-done(%ar-start)
+  %ar-start.1 = f32[8,16]{1,0} all-reduce-start(%ar-done), channel_id=6, replica_groups={}, to_apply=%add
+  %count = (s32[], f32[8,16]{1,0}) while(%init.1), condition=%loop_cond, body=%count_body, backend_config={"known_trip_count":{"n":"4"}}
+  %ar-done.1 = f32[8,16]{1,0} all-reduce-done(%ar-start.1)
+  ROOT %fused = f32[8,16]{1,0} fusion(%ar-done.1), kind=kLoop, calls=%fused_all_reduce
+}
+"""
+
+BF16_LOCAL, F32_LOCAL = 8 * 16 * 2, 8 * 16 * 4
+_TPU_STYLE_ROWS = [  # (name, kind, runs, bytes per run, is_async, encloses a kernel)
+    ("async-collective-start", "all-gather", 1, 7 * BF16_LOCAL, True, True),
+    ("a2a", "all-to-all", 1, BF16_LOCAL * 7 / 8, False, False),
+    ("ar-start", "all-reduce", 1, 2 * F32_LOCAL * 7 / 8, True, True),  # the tiles' loop
+    ("ar-start.1", "all-reduce", 1, 2 * F32_LOCAL * 7 / 8, True, False),  # no matmul inside
+    ("hop", "collective-permute", 7, BF16_LOCAL, True, True),
+    ("back", "collective-permute", 7, F32_LOCAL, True, False),  # only the merge inside
+    ("far", "all-reduce", 1, 2 * F32_LOCAL * 7 / 8, False, False),  # in a fusion
+]
+
+
+def test_collective_schedule_tpu_style():
+    rows = hlo.collective_schedule(_TPU_STYLE_HLO)
+    assert sorted((r.name, r.kind, r.runs, r.bytes, r.is_async, r.encloses_kernel)
+                  for r in rows) == sorted(_TPU_STYLE_ROWS)
+    by_name = {r.name: r for r in rows}
+    assert by_name["async-collective-start"].enclosed == ("fusion",)  # the carrying fusion
+    assert by_name["hop"].enclosed == ("fusion",) and by_name["hop"].computation == "ring_body"
+    assert by_name["ar-start"].enclosed == ("while",)
+
+
+def test_async_collective_fusion_counts_once():
+    """The start, carrying and done fusions each hold a copy of the all-gather: one is
+    counted, and the schedule's rows sum to collective_bytes."""
+    sent = hlo.collective_bytes(_TPU_STYLE_HLO)
+    assert sent["all-gather"] == 7 * BF16_LOCAL
+    assert sent["collective-permute"] == 7 * (BF16_LOCAL + F32_LOCAL)
+    rows = hlo.collective_schedule(_TPU_STYLE_HLO)
+    assert sum(r.total_bytes for r in rows) == sum(sent.values())
+
+
+def test_bytes_hidden():
+    hidden = 7 * BF16_LOCAL + 7 * BF16_LOCAL + 2 * F32_LOCAL * 7 / 8
+    total = sum(runs * size for _, _, runs, size, _, _ in _TPU_STYLE_ROWS)
+    assert hlo.bytes_hidden(_TPU_STYLE_HLO) == dict(hidden=hidden, total=total,
+                                                    fraction=hidden / total)
+    # GPU-style: async pairs, none around a kernel; every collective is a row.
+    gpu = hlo.bytes_hidden(_GPU_STYLE_HLO)
+    assert gpu["hidden"] == 0 and gpu["total"] == sum(hlo.collective_bytes(
+        _GPU_STYLE_HLO).values())
+    assert {r.name: r.is_async for r in hlo.collective_schedule(_GPU_STYLE_HLO)} == {
+        "cp-start": True, "a2a-start": True, "rs": False, "ar-start": True, "ag-start": True}
+
+
+def test_bytes_hidden_follows_the_pipelined_hop_into_the_next_trip():
+    """A start whose done is at the head of the loop body (XLA's collective pipeliner)
+    encloses what follows it in the body."""
+    text = _TPU_STYLE_HLO.replace(
+        "  %hop = (bf16[8,16]{1,0}, bf16[8,16]{1,0}, u32[], u32[]) collective-permute-start",
+        "  %hop-done = bf16[8,16]{1,0} collective-permute-done(%prev)\n"
+        "  %hop = (bf16[8,16]{1,0}, bf16[8,16]{1,0}, u32[], u32[]) collective-permute-start"
+    ).replace("  %hop-done = bf16[8,16]{1,0} collective-permute-done(%hop)\n", "").replace(
+        "%kv = bf16[8,16]{1,0} get-tuple-element(%r0), index=2",
+        "%kv = bf16[8,16]{1,0} get-tuple-element(%r0), index=2\n"
+        "  %prev = (bf16[8,16]{1,0}, bf16[8,16]{1,0}, u32[], u32[]) get-tuple-element(%r0), index=2")
+    hop, = [r for r in hlo.collective_schedule(text) if r.name == "hop"]
+    assert hop.is_async and hop.encloses_kernel and hop.enclosed == ("fusion", "fusion")
+
+
+def test_collective_schedule_of_a_cpu_program(mesh):
+    """On CPU every collective is synchronous: nothing is hidden."""
+    compiled = jax.jit(_sharded(lambda x: lax.ppermute(lax.psum(x, "sp"), "sp", RING),
+                                mesh)).lower(x).compile()
+    rows = hlo.collective_schedule(compiled)
+    assert sorted(r.kind for r in rows) == ["all-reduce", "collective-permute"]
+    assert not any(r.is_async for r in rows)
+    assert hlo.bytes_hidden(compiled) == dict(hidden=0, total=LOCAL_BYTES * (1 + 2 * 7 / 8),
+                                              fraction=0.0)
+
+
 def test_unsupported_collective_is_an_error():
     text = _GPU_STYLE_HLO.replace("all-to-all(%p0)", "ragged-all-to-all(%p0)")
     with pytest.raises(ValueError, match="ragged-all-to-all"):

@@ -215,6 +215,50 @@ def test_empty_tiles_are_skipped(case, poison, tolerances):
     assert np.all(np.asarray(grads[1][:, poison]) == 0)  # nothing flows into them either
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_accumulate_in_the_kernel(dtype):
+    """The forward continues ``accumulate=(out, lse)`` of earlier keys in the kernel (in
+    place: a buffer still used after the call keeps its value) and matches the XLA
+    kernel merging after; the backward adds ``accumulate``'s dq in the dq kernel."""
+    from jax_seqpar.kernels import xla
+
+    case = Case(batch=2, heads=4, kv_heads=2, causal=True, segments=True)
+    q_tokens, kv_tokens = _tokens(case)
+    (q, k, v), (dout, _) = _inputs(case, dtype)
+    kwargs = dict(spec=MaskSpec.make(case.causal), scale=case.d_qk**-0.5)
+    part = lambda x, s: jax.tree.map(lambda a: a[:, s], x)  # noqa: E731
+    first, rest = slice(0, BLOCK), slice(BLOCK, None)
+    earlier = xla.forward(q, part(k, first), part(v, first), q_tokens, part(kv_tokens, first),
+                          **kwargs)
+    assert bool(jnp.any(earlier[1] == masks.EMPTY_LSE))
+
+    @jax.jit
+    def continued(acc):
+        result = mosaic.forward(q, part(k, rest), part(v, rest), q_tokens,
+                                part(kv_tokens, rest), accumulate=acc, block_sizes=BLOCKS,
+                                **kwargs)
+        return result, acc
+
+    (out, lse), kept = continued(earlier)
+    want = xla.forward(q, part(k, rest), part(v, rest), q_tokens, part(kv_tokens, rest),
+                       accumulate=earlier, **kwargs)
+    tol = 1e-5 if dtype == jnp.float32 else 2e-2
+    np.testing.assert_allclose(out, want[0], atol=tol, rtol=tol)
+    np.testing.assert_allclose(lse, want[1], atol=tol, rtol=tol)
+    for got, given in zip(kept, earlier):
+        np.testing.assert_array_equal(got, given)
+    full = xla.forward(q, k, v, q_tokens, kv_tokens, **kwargs)
+    np.testing.assert_allclose(out, full[0], atol=tol, rtol=tol)
+
+    delta = jnp.sum(dout * full[0], axis=-1)
+    args = (q, k, v, q_tokens, kv_tokens, full[1], delta, dout.astype(dtype))
+    plain = mosaic.backward(*args, block_sizes=BLOCKS, **kwargs)
+    totals = tuple(jax.random.normal(jax.random.key(i), g.shape) for i, g in enumerate(plain))
+    summed = mosaic.backward(*args, accumulate=totals, block_sizes=BLOCKS, **kwargs)
+    for got, grad, total in zip(summed, plain, totals):
+        np.testing.assert_allclose(got, grad + total, atol=1e-5, rtol=1e-5)
+
+
 def test_plan_fetches_no_new_tile_on_empty_steps():
     """An EMPTY step re-requests the previous block (no copy); a row's first EMPTY
     steps request its first visible tile, which the pipeline then keeps."""

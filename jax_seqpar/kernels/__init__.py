@@ -142,7 +142,8 @@ class PerPlatform:
 
     def forward(self, q, k, v, q_tokens, kv_tokens, *, block_sizes=None, interpret=None,
                 **static):
-        """The forward of the platform's kernel (see :func:`jax_seqpar.kernels.xla.forward`)."""
+        """The forward of the platform's kernel (see :func:`jax_seqpar.kernels.xla.forward`;
+        ``accumulate=(out, lse)`` of earlier keys is one of the ``static`` keywords)."""
         return self._call("forward", (q, k, v, q_tokens, kv_tokens), block_sizes, interpret,
                           static)
 

@@ -4,8 +4,13 @@ A kernel (:mod:`.xla`, :mod:`.pallas`, :mod:`.mosaic`, or the per-platform choic
 of :func:`jax_seqpar.kernels.get`) is a :class:`Kernel`:
 
 * ``forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, softcap=None,
-  block_sizes=None)`` -> ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])``;
-  a query row that sees no key gets zeros and ``lse = EMPTY_LSE``;
+  block_sizes=None, accumulate=None)`` -> ``(out float32[B, Sq, H, Dv], lse
+  float32[B, Sq, H])``; a query row that sees no key gets zeros and ``lse = EMPTY_LSE``.
+  ``accumulate``: the ``(out, lse)`` of earlier keys (a ring's running result); the
+  result is then attention over both, exactly :func:`jax_seqpar.core.merge.merge` of
+  the two. The Mosaic kernel continues it in the kernel, in place (its online softmax
+  starts from it: no float32 result per step, no merge pass); the XLA and Pallas
+  kernels merge after the kernel (:func:`merge_accumulated`);
 * ``backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, ..., accumulate=None)``
   takes the (final) ``lse`` and ``delta = sum(dout * out, -1) - dlse`` and returns
   float32 ``(dq, dk, dv)``, added to ``accumulate`` when given; strategies that
@@ -175,6 +180,31 @@ def check_backward_operands(q, v, lse, delta, dout) -> None:
                          f"{lse.shape=}, {delta.shape=}, {dout.shape=}.")
 
 
+def check_accumulated(q, v, accumulate) -> None:
+    """Raise ``ValueError`` unless ``accumulate`` is None or a forward's running result
+    ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])`` for ``q`` and ``v``."""
+    if accumulate is None:
+        return
+    rows = q.shape[:3]
+    shapes = (rows + v.shape[3:], rows)
+    if (not isinstance(accumulate, (tuple, list)) or len(accumulate) != 2
+            or any(tuple(x.shape) != shape or x.dtype != F32
+                   for x, shape in zip(accumulate, shapes))):
+        got = [(tuple(x.shape), str(x.dtype)) for x in accumulate] if isinstance(
+            accumulate, (tuple, list)) else accumulate
+        raise ValueError(f"accumulate must be (out float32{list(shapes[0])}, lse "
+                         f"float32{list(shapes[1])}), the result over earlier keys. Got {got}.")
+
+
+def merge_accumulated(result, accumulate):
+    """A forward's ``(out, lse)`` merged with ``accumulate`` (earlier keys') when given."""
+    if accumulate is None:
+        return result
+    from jax_seqpar.core.merge import merge
+
+    return merge(*accumulate, *result)
+
+
 def add_accumulated(grads, accumulate):
     """``grads`` (float32 ``(dq, dk, dv)``) plus ``accumulate`` when it is given."""
     if accumulate is None:
@@ -279,9 +309,10 @@ class Kernel(Protocol):
 
     def forward(self, q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec,
                 scale: float, softcap: Optional[float] = None,
-                block_sizes: Optional[BlockSizes] = None):
+                block_sizes: Optional[BlockSizes] = None, accumulate=None):
         """``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])`` of ``q [B, Sq, H, Dqk]``
-        against ``k [B, Sk, Hkv, Dqk]``, ``v [B, Sk, Hkv, Dv]``."""
+        against ``k [B, Sk, Hkv, Dqk]``, ``v [B, Sk, Hkv, Dv]``, merged with
+        ``accumulate`` (the ``(out, lse)`` of earlier keys) when given."""
 
     def backward(self, q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
                  spec: MaskSpec, scale: float, softcap: Optional[float] = None,

@@ -107,7 +107,8 @@ def _scores(q_tile, k_tile, scale, softcap=None):
 
 
 def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
-            block_sizes: Optional[BlockSizes] = None, softcap: Optional[float] = None):
+            block_sizes: Optional[BlockSizes] = None, softcap: Optional[float] = None,
+            accumulate=None):
     """Attention of ``q`` against one run of keys.
 
     Args:
@@ -117,12 +118,17 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
       block_sizes: tile sizes, any positive ints; None (or a size left None):
         :func:`default_block_sizes`.
       softcap: cap of the logits (``softcap * tanh(s / softcap)``), or None.
+      accumulate: optional ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])`` of
+        earlier keys, merged with this call's result
+        (:func:`jax_seqpar.kernels.contract.merge_accumulated`).
     Returns:
       ``out float32[B, Sq, H, Dv]`` (normalized) and ``lse float32[B, Sq, H]``.
     """
     block_sizes, softcap = _checked(q, k, v, q_tokens, kv_tokens, block_sizes, softcap)
-    return _forward(q, k, v, q_tokens, kv_tokens, spec=spec, scale=scale,
-                    block_sizes=block_sizes, softcap=softcap)
+    contract.check_accumulated(q, v, accumulate)
+    return contract.merge_accumulated(
+        _forward(q, k, v, q_tokens, kv_tokens, spec=spec, scale=scale,
+                 block_sizes=block_sizes, softcap=softcap), accumulate)
 
 
 @contract.folds_vmap

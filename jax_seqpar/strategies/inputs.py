@@ -93,8 +93,13 @@ class Options:
             kwargs["block_sizes"] = self.block_sizes
         return kwargs
 
-    def forward(self, q, k, v, q_tokens, kv_tokens):
-        return self.kernel.forward(q, k, v, q_tokens, kv_tokens, **self._kwargs())
+    def forward(self, q, k, v, q_tokens, kv_tokens, accumulate=None):
+        """The kernel's forward; with ``accumulate`` (the ``(out, lse)`` of earlier keys)
+        the result covers both (see :mod:`jax_seqpar.kernels.contract`)."""
+        kwargs = self._kwargs()
+        if accumulate is not None:
+            kwargs["accumulate"] = accumulate
+        return self.kernel.forward(q, k, v, q_tokens, kv_tokens, **kwargs)
 
     def backward(self, q, k, v, q_tokens, kv_tokens, lse, delta, dout, accumulate=None):
         return self.kernel.backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout,

@@ -5,7 +5,10 @@ Paper: Liu et al., Ring Attention with Blockwise Transformers, arXiv:2310.01889.
 Every device keeps its query shard and, in P steps, sees every K/V shard: at
 each step it sends its current K/V shard (with the shard's token metadata) to
 the next device and computes attention against it, merging the partial result
-into a float32 ``(out, lse)`` carry. The backward is a second ring (a
+into a float32 ``(out, lse)`` carry (the kernel continues the carry; see the
+``accumulate`` argument of :mod:`jax_seqpar.kernels.contract`). Each step's result and
+the next shard's arrival pass one ``optimization_barrier``, so the transfer is
+scheduled around the step's kernel on every backend. The backward is a second ring (a
 ``custom_vjp``): the forward saves only ``q, k, v, out, lse``; the backward
 re-rotates K/V and carries float32 dK/dV accumulators around the ring and home,
 so memory stays O(S/P) per device. Each backward step computes its own fresh
@@ -27,7 +30,7 @@ import jax.numpy as jnp
 from jax_seqpar.core import compat as _compat
 from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.inputs import axis_size, prepare
-from jax_seqpar.core.merge import merge, with_sinks
+from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.core.masks import EMPTY_LSE
 
 
@@ -112,19 +115,27 @@ def _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens):
     d_v = v.shape[-1]
 
     def attend(carry, kv):
-        o, lse = options.forward(q, kv[0], kv[1], q_tokens, kv[2])
-        return merge(*carry, o, lse)
+        # The kernel continues the running (out, lse): Mosaic in the kernel, in place;
+        # the XLA and Pallas kernels merge after (see jax_seqpar.kernels.contract).
+        return options.forward(q, kv[0], kv[1], q_tokens, kv[2], accumulate=carry)
 
     def step(carry, _):
         acc, kv = carry
         next_kv = _shift(kv, axis_name)  # issued before the compute it can hide behind
-        return (attend(acc, kv), next_kv), None
+        # The step's result and the hop's arrival pass one barrier before either is
+        # used, so nothing but the kernel can be scheduled between the hop's start and
+        # its done (XLA:TPU otherwise starts the hop after the Mosaic call and hides it
+        # behind the merge only).
+        acc, next_kv = jax.lax.optimization_barrier((attend(acc, kv), next_kv))
+        return (acc, next_kv), None
 
     acc = (jnp.zeros((batch, local_len, heads, d_v), jnp.float32),
            jnp.full((batch, local_len, heads), EMPTY_LSE, jnp.float32))
     acc = _compat.match_varying(acc, q)
-    (acc, kv), _ = jax.lax.scan(step, (acc, (k, v, kv_tokens)),
-                                length=axis_size(axis_name) - 1)
+    # The barrier's results vary over every axis any of its operands varies over: so
+    # must the K/V carry from the start (a dp x sp mesh: K/V vary over dp, acc too).
+    kv = _compat.match_varying((k, v, kv_tokens), (acc, k, v, kv_tokens))
+    (acc, kv), _ = jax.lax.scan(step, (acc, kv), length=axis_size(axis_name) - 1)
     return attend(acc, kv)
 
 

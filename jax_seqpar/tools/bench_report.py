@@ -55,10 +55,18 @@ def _overlap(program: dict) -> str:
     return f"{sum(bool(p['enclosed']) for p in pairs)}/{len(pairs)}" if pairs else "-"
 
 
+def _hidden(program: dict) -> str:
+    """Percent of the bytes sent whose transfer encloses a kernel (``-``: none sent)."""
+    if not program["hlo_total_bytes"]:
+        return "-"
+    return f"{100 * program['hidden_fraction']:.0f}%"
+
+
 def _enclosed(pair: dict) -> str:
     kernels = [e for e in pair["enclosed"] if ":" in e]
     others = len(pair["enclosed"]) - len(kernels)
-    return ", ".join(kernels + ([f"{others} other ops"] if others else [])) or "nothing"
+    text = ", ".join(kernels + ([f"{others} other ops"] if others else [])) or "nothing"
+    return text + (" (a kernel: hidden)" if pair.get("encloses_kernel") else "")
 
 
 def format_target_table(result: dict) -> str:
@@ -69,19 +77,23 @@ def format_target_table(result: dict) -> str:
         lines.append([
             r["seq_len"], r["mesh"], r["strategy"] + " *" * r["planned"],
             f"{fwd['compile_s']:.1f}/{both['compile_s']:.1f}",
-            *(f"{x / MIB:.1f}" for x in (fwd["temp_bytes"], both["temp_bytes"],
-                                          both["argument_bytes"], both["hlo_total_bytes"],
+            *(f"{x / MIB:.1f}" for x in (fwd["temp_bytes"], both["temp_bytes"])),
+            _hidden(fwd), _hidden(both),
+            *(f"{x / MIB:.1f}" for x in (both["argument_bytes"], both["hlo_total_bytes"],
                                           both["model_bytes"])),
             f"{both['hlo_total_bytes'] / both['model_bytes']:.3f}" if both["model_bytes"] else "-",
             _overlap(fwd), _overlap(both)])
     headers = ["seq", "mesh", "strategy", "compile s f/f+b", "temp fwd MiB", "temp f+b MiB",
-               "args f+b MiB", "HLO f+b MiB/dev", "model MiB", "HLO/model", "overlap fwd",
-               "overlap f+b"]
+               "hidden fwd", "hidden f+b", "args f+b MiB", "HLO f+b MiB/dev", "model MiB",
+               "HLO/model", "overlap fwd", "overlap f+b"]
     text = [f"compiled for {result['target']}, not run ({result['shape']['dtype']}, batch "
             f"{result['shape']['batch']}, H={result['shape']['num_heads']}, "
             f"Hkv={result['shape']['num_kv_heads']}, D={result['shape']['head_dim']}, "
             f"causal={result['shape']['causal']}); per device:", text_table(headers, lines),
-            "overlap = async collective pairs whose start..done encloses compute / all pairs.",
+            "hidden = bytes sent by collectives whose start..done encloses a kernel (Triton, "
+            "Mosaic or the XLA kernel's loop) / all bytes sent (jax_seqpar.tools.hlo."
+            "bytes_hidden); overlap = async collectives whose start..done encloses compute "
+            "/ all async collectives.",
             "fwd+bwd collectives (MiB/device, model in brackets) and what each async pair "
             "encloses (x runs):"]
     for r in result["rows"]:

@@ -5,7 +5,8 @@ forward + vjp (the programs of :func:`jax_seqpar.tools.bench.build`) for a targe
 :mod:`jax_seqpar.tools.targets` and reads, per device: ``memory_analysis`` (temp,
 arguments, outputs), the bytes each collective kind sends (:mod:`jax_seqpar.tools.hlo`)
 next to :func:`jax_seqpar.comm_bytes`, whether each asynchronous collective's
-start/done pair encloses compute in the schedule (overlap), the Triton kernels'
+start/done pair encloses compute in the schedule (overlap) and the share of the bytes
+sent behind a kernel (:func:`jax_seqpar.tools.hlo.bytes_hidden`), the Triton kernels'
 registers, spills and shared memory (GPU), and compile time.
 
 :func:`run_max_seq` finds the longest sequence each strategy fits in a device's
@@ -82,9 +83,12 @@ def measure_program(program: aot.Compiled, model_bytes: float) -> dict:
     compiled = program.compiled
     memory = hlo.memory_bytes(compiled)
     sent = {k: v for k, v in hlo.collective_bytes(compiled).items() if v}
-    overlap = [dict(kind=a.kind, runs=a.runs, enclosed=list(a.enclosed))
-               for a in hlo.async_collectives(compiled)]
+    overlap = [dict(kind=r.kind, runs=r.runs, enclosed=list(r.enclosed),
+                    encloses_kernel=r.encloses_kernel)
+               for r in hlo.collective_schedule(compiled) if r.is_async]
+    hidden = hlo.bytes_hidden(compiled)
     return dict(compile_s=program.seconds, temp_bytes=memory["temp"],
+                hidden_bytes=hidden["hidden"], hidden_fraction=hidden["fraction"],
                 argument_bytes=memory["argument"], output_bytes=memory["output"],
                 footprint_bytes=footprint_bytes(compiled), hlo_bytes=sent,
                 hlo_total_bytes=sum(sent.values()), model_bytes=model_bytes, overlap=overlap,

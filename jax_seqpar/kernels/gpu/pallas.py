@@ -132,7 +132,7 @@ def _validate(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, block_sizes: Optiona
 
 def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
             softcap: Optional[float] = None, block_sizes: Optional[BlockSizes] = None,
-            interpret: Optional[bool] = None):
+            interpret: Optional[bool] = None, accumulate=None):
     """Attention of ``q`` against one run of keys (the contract of :func:`xla.forward`).
 
     Args:
@@ -146,6 +146,9 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
         or a size left None: :func:`default_block_sizes` for the head dims and dtype.
       interpret: None: Triton when the program is lowered for a GPU, the Pallas
         interpreter elsewhere; True / False force one.
+      accumulate: optional ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])`` of
+        earlier keys, merged with this call's result after the kernel
+        (:func:`jax_seqpar.kernels.contract.merge_accumulated`).
     Returns:
       ``out float32[B, Sq, H, Dv]`` (normalized) and ``lse float32[B, Sq, H]``;
       softmax statistics and accumulators in float32 whatever the input dtype.
@@ -159,8 +162,10 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
     """
     block_sizes, softcap = _validate(q, k, v, q_tokens, kv_tokens, block_sizes, interpret,
                                      softcap)
-    return _forward(q, k, v, q_tokens, kv_tokens, spec=spec, scale=float(scale),
-                    softcap=softcap, block_sizes=block_sizes, interpret=interpret)
+    contract.check_accumulated(q, v, accumulate)
+    return contract.merge_accumulated(
+        _forward(q, k, v, q_tokens, kv_tokens, spec=spec, scale=float(scale),
+                 softcap=softcap, block_sizes=block_sizes, interpret=interpret), accumulate)
 
 
 @contract.folds_vmap

@@ -32,7 +32,11 @@ def _grad_scores(s, t, p, dp, delta, softcap):
 
 
 def _dq_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref, delta_ref,
-               dq_ref, dq_acc, lse_col, delta_col, *, spec, scale, softcap, precision):
+               *refs, spec, scale, softcap, precision, accumulate):
+    if accumulate:  # dq so far (aliased to dq_ref): this call's dq is added in place
+        dq_in, dq_ref, dq_acc, lse_col, delta_col = refs
+    else:
+        dq_in, (dq_ref, dq_acc, lse_col, delta_col) = None, refs
     q_tile, kv_tile = pl.program_id(2), pl.program_id(3)
 
     @pl.when(kv_tile == 0)
@@ -56,7 +60,8 @@ def _dq_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref, de
 
     @pl.when(kv_tile == pl.num_programs(3) - 1)
     def _finish():
-        dq_ref[...] = dq_acc[...] * scale
+        dq = dq_acc[...] * scale
+        dq_ref[...] = dq if dq_in is None else dq_in[...] + dq
 
 
 def _dkv_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref, delta_ref,
@@ -92,10 +97,15 @@ def _dkv_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref, d
 
 @contract.folds_vmap
 def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, block_sizes,
-             softcap):
-    """:func:`jax_seqpar.kernels.tpu.mosaic.backward` after validation."""
-    operands = (q, k, v, q_tokens, kv_tokens, lse, delta, dout)
-    q, k, v, q_tokens, kv_tokens, lse, delta, dout = _compat.match_varying(operands, operands)
+             softcap, dq_in=None):
+    """:func:`jax_seqpar.kernels.tpu.mosaic.backward` after validation.
+
+    ``dq_in``: float32 ``[B, Sq, H, Dqk]`` gradient so far (a ring's running dq), added
+    to dq in the dq kernel, in place: no float32 dq per call and no add after it.
+    """
+    operands = (q, k, v, q_tokens, kv_tokens, lse, delta, dout, dq_in)
+    q, k, v, q_tokens, kv_tokens, lse, delta, dout, dq_in = _compat.match_varying(
+        operands, operands)
     t = mc.tiling(q, k, block_sizes.block_q_bwd, block_sizes.block_k_bwd)
     q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # classes [nq, nk]
     (batch, q_len, heads, d_qk), (kv_len, kv_heads), d_v = q.shape, k.shape[1:3], v.shape[-1]
@@ -113,8 +123,17 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, blo
     def q_map(b, h, i, j, _):
         return b, h, i, 0
 
+    dq_operands = [mc.plan(classes), q_h, k_h, v_h, mc.column(q_tokens), mc.row(kv_tokens),
+                   do_h, lse_h, delta_h]
+    dq_spec = pl.BlockSpec((None, None, t.block_q, d_qk), q_map)
+    dq_shape = jax.ShapeDtypeStruct((batch, heads, q_pad, d_qk), mc.F32)
+    aliases = None
+    if dq_in is not None:  # the running dq's buffer becomes the output
+        aliases = {len(jax.tree.leaves(dq_operands)): 0}
+        dq_operands.append(mc.heads_first(dq_in, q_pad))
+    score_flops = batch * heads * q_pad * kv_pad
     dq_call = mc.pallas(
-        functools.partial(_dq_kernel, **kernel_args),
+        functools.partial(_dq_kernel, **kernel_args, accumulate=dq_in is not None),
         name="seqpar_mosaic_dq",
         grid=(batch, heads, t.num_q, t.num_k),
         in_specs=[
@@ -127,16 +146,20 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, blo
             pl.BlockSpec((None, None, t.block_q, d_v), q_map),
             pl.BlockSpec((None, None, 1, t.block_q), lambda b, h, i, j, _: (b, h, 0, i)),
             pl.BlockSpec((None, None, 1, t.block_q), lambda b, h, i, j, _: (b, h, 0, i)),
-        ],
-        out_specs=pl.BlockSpec((None, None, t.block_q, d_qk), q_map),
-        out_shape=jax.ShapeDtypeStruct((batch, heads, q_pad, d_qk), mc.F32),
+        ] + ([dq_spec] if dq_in is not None else []),
+        out_specs=dq_spec,
+        out_shape=dq_shape,
         scratch_shapes=[mc.vmem((t.block_q, d_qk)), mc.vmem((t.block_q, mc.LANES)),
                         mc.vmem((t.block_q, mc.LANES))],
         semantics=("parallel", "parallel", "parallel", "arbitrary"),
         like=q,
+        # s = q k^T, dp = do v^T, dq = ds k
+        cost_estimate=mc.cost(flops=2 * score_flops * (2 * d_qk + d_v),
+                              transcendentals=score_flops,
+                              arrays=(dq_operands[1:4], do_h, dq_shape, dq_in)),
+        input_output_aliases=aliases,
     )
-    dq = dq_call(mc.plan(classes), q_h, k_h, v_h, mc.column(q_tokens), mc.row(kv_tokens),
-                 do_h, lse_h, delta_h)
+    dq = dq_call(*dq_operands)
 
     def q_row_map(b, g, j, r, i, plan_ref):  # query rows of head g * group + r
         return b, g * group + r, mc.fetched(plan_ref, j, i), 0
@@ -147,6 +170,8 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, blo
     def kv_own_map(b, g, j, r, i, _):
         return b, g, j, 0
 
+    out_shapes = [jax.ShapeDtypeStruct((batch, kv_heads, kv_pad, d_qk), mc.F32),
+                  jax.ShapeDtypeStruct((batch, kv_heads, kv_pad, d_v), mc.F32)]
     dkv_call = mc.pallas(
         functools.partial(_dkv_kernel, **kernel_args),
         name="seqpar_mosaic_dkv",
@@ -164,11 +189,14 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, blo
         ],
         out_specs=[pl.BlockSpec((None, None, t.block_k, d_qk), kv_own_map),
                    pl.BlockSpec((None, None, t.block_k, d_v), kv_own_map)],
-        out_shape=[jax.ShapeDtypeStruct((batch, kv_heads, kv_pad, d_qk), mc.F32),
-                   jax.ShapeDtypeStruct((batch, kv_heads, kv_pad, d_v), mc.F32)],
+        out_shape=out_shapes,
         scratch_shapes=[mc.vmem((t.block_k, d_qk)), mc.vmem((t.block_k, d_v))],
         semantics=("parallel", "parallel", "parallel", "arbitrary", "arbitrary"),
         like=q,
+        # s = k q^T, dv += p do, dp = v do^T, dk += ds q
+        cost_estimate=mc.cost(flops=2 * score_flops * (2 * d_qk + 2 * d_v),
+                              transcendentals=score_flops,
+                              arrays=(q_h, k_h, v_h, do_h, out_shapes)),
     )
     dk, dv = dkv_call(mc.plan(classes.T), q_h, k_h, v_h, mc.row(q_tokens),
                       mc.column(kv_tokens), do_h, lse_h, delta_h)

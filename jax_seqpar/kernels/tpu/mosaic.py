@@ -46,7 +46,7 @@ from jax_seqpar.kernels.tpu import _bwd as _mosaic_bwd
 from jax_seqpar.kernels import contract
 from jax_seqpar.kernels.tpu import _common as mc
 from jax_seqpar.kernels.contract import BlockSizes
-from jax_seqpar.kernels.tiling import schedule
+from jax_seqpar.kernels.tiling import pad_seq, schedule
 from jax_seqpar.core.masks import MaskSpec, Tokens
 
 #: The input dtypes the kernel takes (q, k and v share one): the MXU's; no float16.
@@ -72,15 +72,27 @@ def _checked(q, k, v, q_tokens, kv_tokens, block_sizes, softcap):
     return block_sizes, contract.check_softcap(softcap)
 
 
-def _forward_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, out_ref, lse_ref,
-                    m_ref, l_ref, acc_ref, *, spec, scale, softcap, precision):
+def _forward_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, *refs, spec, scale,
+                    softcap, precision, accumulate):
+    if accumulate:  # the result so far, aliased to the outputs: continued in place
+        out_in, lse_in, out_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+    else:
+        out_ref, lse_ref, m_ref, l_ref, acc_ref = refs
     q_tile, kv_tile = pl.program_id(2), pl.program_id(3)
 
     @pl.when(kv_tile == 0)
     def _init():
-        m_ref[...] = jnp.full(m_ref.shape, masks.EMPTY_LSE, mc.F32)
-        l_ref[...] = jnp.zeros(l_ref.shape, mc.F32)
-        acc_ref[...] = jnp.zeros(acc_ref.shape, mc.F32)
+        if accumulate:
+            # A normalized (out, lse) is the online state m = lse, l = 1, acc = out: the
+            # keys to come merge into it exactly (a row that saw no key so far has
+            # lse = EMPTY_LSE and out = 0, and keeps them if it sees none here either).
+            m_ref[...] = mc.row_to_column(lse_in[...])
+            l_ref[...] = jnp.ones(l_ref.shape, mc.F32)
+            acc_ref[...] = out_in[...]
+        else:
+            m_ref[...] = jnp.full(m_ref.shape, masks.EMPTY_LSE, mc.F32)
+            l_ref[...] = jnp.zeros(l_ref.shape, mc.F32)
+            acc_ref[...] = jnp.zeros(acc_ref.shape, mc.F32)
 
     def tile(is_partial):
         s, _ = mc.logits(q_ref[...], k_ref[...], scale=scale, softcap=softcap,
@@ -112,7 +124,8 @@ def _forward_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, out_ref, lse_r
 
 
 def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
-            block_sizes: Optional[BlockSizes] = None, softcap: Optional[float] = None):
+            block_sizes: Optional[BlockSizes] = None, softcap: Optional[float] = None,
+            accumulate=None):
     """Attention of ``q`` against one run of keys (the contract of :func:`xla.forward`).
 
     Args:
@@ -123,9 +136,13 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
       block_sizes: tile sizes, multiples of 128; None, or a size left None:
         :func:`default_block_sizes`.
       softcap: optional logit soft cap ``c``: ``s -> c * tanh(s / c)``.
+      accumulate: optional ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])`` of
+        earlier keys; the kernel continues it (the online softmax starts from it) and
+        writes the result in its place: no float32 result per call and no merge pass.
     Returns:
-      ``out float32[B, Sq, H, Dv]`` (normalized) and ``lse float32[B, Sq, H]``;
-      softmax statistics and accumulators in float32 whatever the input dtype.
+      ``out float32[B, Sq, H, Dv]`` (normalized) and ``lse float32[B, Sq, H]``, over
+      these keys and those of ``accumulate``; softmax statistics and accumulators in
+      float32 whatever the input dtype.
 
     >>> q = k = v = jnp.ones((1, 32, 2, 64), jnp.bfloat16)
     >>> tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
@@ -134,16 +151,18 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
     ((1, 32, 2, 64), dtype('float32'), (1, 32, 2))
     """
     block_sizes, softcap = _checked(q, k, v, q_tokens, kv_tokens, block_sizes, softcap)
+    contract.check_accumulated(q, v, accumulate)
     return _forward(q, k, v, q_tokens, kv_tokens, spec=spec, scale=scale,
-                    block_sizes=block_sizes, softcap=softcap)
+                    block_sizes=block_sizes, softcap=softcap, accumulate=accumulate)
 
 
 @contract.folds_vmap
-def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, block_sizes, softcap):
+def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, block_sizes, softcap,
+             accumulate=None):
     # Inside shard_map every operand must vary over the same axes (e.g. replicated
     # decode queries against a sharded cache).
-    q, k, v, q_tokens, kv_tokens = _compat.match_varying(
-        (q, k, v, q_tokens, kv_tokens), (q, k, v, q_tokens, kv_tokens))
+    operands = (q, k, v, q_tokens, kv_tokens, accumulate)
+    q, k, v, q_tokens, kv_tokens, accumulate = _compat.match_varying(operands, operands)
     t = mc.tiling(q, k, block_sizes.block_q, block_sizes.block_k)
     q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # classes [nq, nk]
     (batch, q_len, heads, d_qk), d_v = q.shape, v.shape[-1]
@@ -152,9 +171,21 @@ def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, block_sizes, softcap)
     def kv_map(b, h, i, j, plan_ref):
         return b, lax.div(h, group), mc.fetched(plan_ref, i, j), 0
 
+    out_spec = pl.BlockSpec((None, None, t.block_q, d_v), lambda b, h, i, j, _: (b, h, i, 0))
+    lse_spec = pl.BlockSpec((None, None, 1, t.block_q), lambda b, h, i, j, _: (b, h, 0, i))
+    out_shape = [jax.ShapeDtypeStruct((batch, heads, q_pad, d_v), mc.F32),
+                 jax.ShapeDtypeStruct((batch, heads, 1, q_pad), mc.F32)]
+    operands = [mc.plan(classes), mc.heads_first(q, q_pad), mc.heads_first(k, kv_pad),
+                mc.heads_first(v, kv_pad), mc.column(q_tokens), mc.row(kv_tokens)]
+    aliases = None
+    if accumulate is not None:  # continued in place: its buffers become the outputs
+        out_in, lse_in = accumulate
+        aliases = {len(jax.tree.leaves(operands)): 0, len(jax.tree.leaves(operands)) + 1: 1}
+        operands += [mc.heads_first(out_in, q_pad),
+                     jnp.swapaxes(pad_seq(lse_in, q_pad, masks.EMPTY_LSE), 1, 2)[:, :, None]]
     call = mc.pallas(
         functools.partial(_forward_kernel, spec=spec, scale=scale, softcap=softcap,
-                          precision=mc.precision(q.dtype)),
+                          precision=mc.precision(q.dtype), accumulate=accumulate is not None),
         name="seqpar_mosaic_forward",
         grid=(batch, heads, t.num_q, t.num_k),
         in_specs=[
@@ -164,20 +195,19 @@ def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, block_sizes, softcap)
             mc.token_specs(q_tokens, (None, t.block_q, 1), lambda b, h, i, j, _: (b, i, 0)),
             mc.token_specs(kv_tokens, (None, 1, t.block_k),
                            lambda b, h, i, j, plan_ref: (b, 0, mc.fetched(plan_ref, i, j))),
-        ],
-        out_specs=[
-            pl.BlockSpec((None, None, t.block_q, d_v), lambda b, h, i, j, _: (b, h, i, 0)),
-            pl.BlockSpec((None, None, 1, t.block_q), lambda b, h, i, j, _: (b, h, 0, i)),
-        ],
-        out_shape=[jax.ShapeDtypeStruct((batch, heads, q_pad, d_v), mc.F32),
-                   jax.ShapeDtypeStruct((batch, heads, 1, q_pad), mc.F32)],
+        ] + ([out_spec, lse_spec] if accumulate is not None else []),
+        out_specs=[out_spec, lse_spec],
+        out_shape=out_shape,
         scratch_shapes=[mc.vmem((t.block_q, mc.LANES)), mc.vmem((t.block_q, mc.LANES)),
                         mc.vmem((t.block_q, d_v))],
         semantics=("parallel", "parallel", "parallel", "arbitrary"),
         like=q,
+        cost_estimate=mc.cost(flops=2 * batch * heads * q_pad * kv_pad * (d_qk + d_v),
+                              transcendentals=batch * heads * q_pad * kv_pad,
+                              arrays=(operands[1:4], out_shape, accumulate)),
+        input_output_aliases=aliases,
     )
-    out, lse = call(mc.plan(classes), mc.heads_first(q, q_pad), mc.heads_first(k, kv_pad),
-                    mc.heads_first(v, kv_pad), mc.column(q_tokens), mc.row(kv_tokens))
+    out, lse = call(*operands)
     return mc.tokens_first(out, q_len), jnp.swapaxes(lse[:, :, 0, :q_len], 1, 2)
 
 
@@ -193,16 +223,23 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
       delta: ``float32[B, Sq, H]`` = ``sum(dout * out, -1) - dlse``.
       dout: ``[B, Sq, H, Dv]`` cotangent of the (merged) output; it enters the
         matmuls in ``v.dtype``.
-      accumulate: optional float32 ``(dq, dk, dv)`` the gradients are added to.
+      accumulate: optional float32 ``(dq, dk, dv)`` the gradients are added to (dq in
+        the dq kernel, in place).
     Returns:
       float32 ``dq [B, Sq, H, Dqk]``, ``dk [B, Sk, Hkv, Dqk]``, ``dv [B, Sk, Hkv, Dv]``
       (plus ``accumulate``).
     """
     block_sizes, softcap = _checked(q, k, v, q_tokens, kv_tokens, block_sizes, softcap)
     contract.check_backward_operands(q, v, lse, delta, dout)
-    grads = _mosaic_bwd.backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, spec=spec,
-                                 scale=scale, block_sizes=block_sizes, softcap=softcap)
-    return contract.add_accumulated(grads, accumulate)
+    # dq accumulates in the dq kernel, in place; dk, dv are added after (a ring's
+    # overlapped backward computes them fresh while the accumulators travel).
+    dq, dk, dv = _mosaic_bwd.backward(
+        q, k, v, q_tokens, kv_tokens, lse, delta, dout, spec=spec, scale=scale,
+        block_sizes=block_sizes, softcap=softcap,
+        dq_in=None if accumulate is None else accumulate[0])
+    if accumulate is None:
+        return dq, dk, dv
+    return (dq, *contract.add_accumulated((dk, dv), accumulate[1:]))
 
 
 def attention(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
