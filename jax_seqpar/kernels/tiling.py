@@ -60,9 +60,9 @@ def padded_tokens(t: Tiling, q_tokens: Tokens, kv_tokens: Tokens):
 
 
 def schedule(spec: MaskSpec, t: Tiling, q_tokens: Tokens, kv_tokens: Tokens):
-    """Tokens padded to whole tiles, and the tile classes ``int8[nq, nk]``
-    (``EMPTY`` / ``PARTIAL`` / ``FULL``) every kernel skips and masks by."""
+    """Tokens padded to whole tiles, and the tile classes ``int8[B, nq, nk]``
+    (``EMPTY`` / ``PARTIAL`` / ``FULL``, per batch row) every kernel skips and masks by."""
     q_tokens, kv_tokens = padded_tokens(t, q_tokens, kv_tokens)
-    classes = masks.classify(spec, masks.summarize(q_tokens, t.block_q),
-                             masks.summarize(kv_tokens, t.block_k))
+    classes = masks.classify(spec, masks.summarize(q_tokens, t.block_q, per_row=True),
+                             masks.summarize(kv_tokens, t.block_k, per_row=True))
     return q_tokens, kv_tokens, classes
