@@ -66,3 +66,20 @@ def schedule(spec: MaskSpec, t: Tiling, q_tokens: Tokens, kv_tokens: Tokens):
     classes = masks.classify(spec, masks.summarize(q_tokens, t.block_q, per_row=True),
                              masks.summarize(kv_tokens, t.block_k, per_row=True))
     return q_tokens, kv_tokens, classes
+
+
+#: Tokens per tile of :func:`any_visible`'s test: any size is exact, finer tiles find
+#: more calls with nothing to compute.
+CALL_TEST_BLOCK = 128
+
+
+def any_visible(spec: MaskSpec, q_tokens: Tokens, kv_tokens: Tokens,
+                block: int = CALL_TEST_BLOCK):
+    """``bool[]`` (traced): may any query of ``q_tokens [B, Sq]`` see any key of
+    ``kv_tokens [B, Sk]``? False only when every tile pair of every batch row is
+    ``EMPTY`` (e.g. a ring step whose queries and keys share no document), so a kernel
+    call on them can be skipped whole."""
+    batch, q_len = q_tokens.positions.shape
+    kv_len = kv_tokens.positions.shape[1]
+    t = Tiling(batch, 1, 1, q_len, kv_len, min(block, q_len), min(block, kv_len))
+    return (schedule(spec, t, q_tokens, kv_tokens)[2] != masks.EMPTY).any()

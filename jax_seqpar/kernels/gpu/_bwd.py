@@ -168,7 +168,7 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, sof
         interpret=interpret, precision_dtype=q.dtype,
         grid=(t.num_k, t.batch, t.kv_heads * splits),
         in_specs=[
-            pl.BlockSpec((None, 4), lambda j, b, g: (j, 0)),
+            pl.BlockSpec((None, None, 4), lambda j, b, g: (b, j, 0)),
             pl.BlockSpec((None, q_pad, per_split, d_qk.padded), lambda j, b, g: (b, 0, g, 0)),
             pl.BlockSpec((None, t.block_k, None, d_qk.padded),
                          lambda j, b, g: (b, j, g // splits, 0)),
