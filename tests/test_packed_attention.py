@@ -91,3 +91,40 @@ def test_layout_per_document_needs_segment_ids(make_qkv):
     mesh, _ = _mesh("ring")
     with pytest.raises(ValueError, match="pass segment_ids="):
         sp.sequence_parallel_attention(q, k, v, mesh=mesh, causal=True, layout="per_document")
+
+
+@pytest.mark.parametrize("layout", ["per_document", "contiguous"])
+def test_kernels_compute_only_tiles_and_steps_that_share_a_document(layout, make_qkv):
+    """The XLA kernel's computed tiles and kernel calls in a ring, counted as they run,
+    equal what work.computed_tiles_per_shard predicts: tiles whose queries and keys share
+    no document (per batch row) are skipped, and so are whole ring steps (short documents
+    in natural order: a shard shares documents with its neighbours only)."""
+    from jax_seqpar.core import work
+    from jax_seqpar.kernels import xla
+
+    batch, seq, shards, block = 2, 256, 8, 8
+    ids = np.stack([np.arange(seq) // 16, np.arange(seq) // 24 + 100])  # short documents
+    q, k, v = make_qkv(batch=batch, seq=seq, heads=4, kv_heads=2, head_dim=8, seed=2)
+    if layout == "per_document":
+        ids[0, 40:200] = 7  # one long document: dealt to every shard
+        (q, k, v, ids), positions = sp.permute_batch((q, k, v, ids), layout, shards,
+                                                     segment_ids=ids, block_size=block)
+    else:
+        positions = np.broadcast_to(np.arange(seq, dtype=np.int32), (batch, seq))
+    mesh, axes = _mesh("ring")
+    events = []
+    jax.clear_caches()  # a program traced before reports nothing
+    with xla.recording_tiles(lambda *event: events.append(event[0])):
+        out = jax.jit(lambda q, k, v: sp.sequence_parallel_attention(
+            q, k, v, mesh=mesh, seq_axes=axes, strategy="ring", causal=True,
+            segment_ids=ids, positions=positions, kernel="xla",
+            block_sizes=sp.kernels.BlockSizes(block, block)))(q, k, v)
+        jax.block_until_ready(out)
+        jax.effects_barrier()
+    per_step = work.computed_tiles_per_shard(np.asarray(positions), np.asarray(ids), shards,
+                                             block_q=block, causal=True, per_step=True)
+    every_tile = batch * shards * shards * (seq // shards // block) ** 2
+    assert events.count("tile") == per_step.sum() < every_tile // 3
+    assert events.count("call") == (per_step > 0).sum()
+    if layout == "contiguous":
+        assert (per_step > 0).sum() <= 2 * shards  # its own shard and its left neighbour's
