@@ -128,3 +128,33 @@ def test_kernels_compute_only_tiles_and_steps_that_share_a_document(layout, make
     assert events.count("call") == (per_step > 0).sum()
     if layout == "contiguous":
         assert (per_step > 0).sum() <= 2 * shards  # its own shard and its left neighbour's
+
+
+@pytest.mark.interpret
+@pytest.mark.parametrize("kernel,shards,block", [("pallas", 8, 16), ("mosaic", 2, 128)])
+def test_pallas_kernels_on_per_document_positions(kernel, shards, block, make_qkv,
+                                                  tolerances):
+    """The Triton and Mosaic kernels (interpreted on CPU) in the ring on per-document
+    positions, with a window and sinks: their per-row tile plans skip only what no
+    document shares (out and grads against the reference)."""
+    seq = 256 if kernel == "pallas" else 512
+    q, k, v = make_qkv(batch=2, seq=seq, heads=2, kv_heads=1, head_dim=8, seed=4)
+    ids = _documents(2, seq, seed=2)
+    (q, k, v, laid_ids), positions = sp.permute_batch((q, k, v, ids), "per_document", shards,
+                                                      segment_ids=ids, block_size=block)
+    mesh = Mesh(np.array(jax.devices()[:shards]), ("sp",))
+    window = (3 * block // 2, 0)
+
+    def ours(q, k, v, sinks):
+        out = sp.sequence_parallel_attention(
+            q, k, v, mesh=mesh, strategy="ring", causal=True, window=window,
+            segment_ids=laid_ids, positions=positions, sinks=sinks, kernel=kernel,
+            block_sizes=sp.kernels.BlockSizes(block, block, block, block))
+        return sp.unpermute_batch(out, "per_document", shards, positions=positions)
+
+    def theirs(q, k, v, sinks):
+        q, k, v = sp.unpermute_batch((q, k, v), "per_document", shards, positions=positions)
+        return reference.attention(q, k, v, causal=True, window=window, sinks=sinks,
+                                   segment_ids=jnp.asarray(ids))
+
+    _check(ours, theirs, (q, k, v, jnp.linspace(-1.0, 1.0, 2)), tolerances)
