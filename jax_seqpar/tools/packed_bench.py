@@ -20,6 +20,7 @@ striped and per_document, over ``seeds`` draws of each mix:
 from __future__ import annotations
 
 import os
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -47,18 +48,32 @@ def positions_of(name: str, ids: np.ndarray, num_shards: int, block: int) -> np.
     return np.broadcast_to(order, ids.shape)
 
 
-def measure(ids: np.ndarray, positions: np.ndarray, num_shards: int) -> dict:
-    """Token work and computed tiles of one laid-out batch."""
+def measure(ids: np.ndarray, positions: np.ndarray, num_shards: int,
+            aligned: Optional[dict] = None) -> dict:
+    """Token work and computed tiles of one batch laid out by ``positions``; ``aligned``:
+    ``{block_q: positions}``, the order each kernel's tiles are counted in when it
+    depends on the tile (per_document, aligned to the kernel's ``block_q``)."""
     laid = np.take_along_axis(ids, positions, 1)
     tokens = work.work_per_shard(positions, laid, num_shards)
     row = {"tokens": float(tokens.max() / tokens.mean()), "token_work": tokens.tolist()}
     for name, (block_q, block_k, count) in KERNEL_TILES.items():
-        tiles = work.computed_tiles_per_shard(positions, laid, num_shards, block_q=block_q,
+        order = (aligned or {}).get(block_q, positions)
+        tiles = work.computed_tiles_per_shard(order, np.take_along_axis(ids, order, 1),
+                                              num_shards, block_q=block_q,
                                               block_k=block_k, count=count)
         row[f"tiles {name}"] = float(tiles.max() / tiles.mean())
         row[f"busiest {name}"] = int(tiles.max())
         row[f"per device {name}"] = tiles.tolist()
     return row
+
+
+def _aligned(name: str, ids: np.ndarray, num_shards: int) -> Optional[dict]:
+    """per_document's order aligned to each kernel's ``block_q`` (what a caller passes as
+    ``block_size`` for its kernel); None for the orders that do not depend on tiles."""
+    if name != "per_document":
+        return None
+    blocks = {block_q for block_q, _, _ in KERNEL_TILES.values()}
+    return {block_q: positions_of(name, ids, num_shards, block_q) for block_q in blocks}
 
 
 def balance(batch: int, seq_len: int, num_shards: int, seeds: int, block: int) -> list[dict]:
@@ -67,8 +82,8 @@ def balance(batch: int, seq_len: int, num_shards: int, seeds: int, block: int) -
     for mix_name, mix in mixes.MIXES.items():
         draws = [mix(batch, seq_len, np.random.default_rng(seed)) for seed in range(seeds)]
         for name in LAYOUTS:
-            found = [measure(ids, positions_of(name, ids, num_shards, block), num_shards)
-                     for ids in draws]
+            found = [measure(ids, positions_of(name, ids, num_shards, block), num_shards,
+                             _aligned(name, ids, num_shards)) for ids in draws]
             row = {"mix": mix_name, "layout": name, "first": found[0]}
             for key, value in found[0].items():
                 if isinstance(value, (float, int)):
@@ -159,9 +174,9 @@ def format_packed(result: dict) -> str:
              + [_cell(r[f"busiest {k}"], "{:.0f}") for k in kernels[:2]]
              for r in result["balance"]]
     text = [f"busiest/mean per device, median/worst over {result['seeds']} seeds: "
-            f"B={shape['batch']}, S={shape['seq_len']}, P={shards} (per_document aligned to "
-            f"{result['block']}-token tiles); tiles: per-row classes with segment signatures, "
-            "the kernels' default tiles (triton: its loop bounds); busiest: computed tiles of "
+            f"B={shape['batch']}, S={shape['seq_len']}, P={shards} (per_document: tokens "
+            f"aligned to {result['block']}-token tiles, tiles to each kernel's block_q); "
+            "tiles: per-row classes with segment signatures, the kernels' default tiles (triton: its loop bounds); busiest: computed tiles of "
             "the busiest device (row-tiles)", text_table(headers, lines)]
     if "times" in result:
         modes = [m for m in ("fwd_ms", "fwd_bwd_ms") if m in result["times"][0]]
