@@ -187,7 +187,8 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, sof
         out_shape=[
             _compat.shape_struct((t.batch, kv_pad, t.kv_heads * splits, d_qk.size), _F32, q),
             _compat.shape_struct((t.batch, kv_pad, t.kv_heads * splits, d_v.size), _F32, q)],
-        compiler_params=config.launch("dkv", t.block_k, d_qk.size, d_v.size, q.dtype),
+        compiler_params=config.launch("dkv", t.block_k, d_qk.size, d_v.size, q.dtype,
+                                      segments=q_tokens.segment_ids is not None),
         name="seqpar_flash_dkv",
     )(core.tile_bounds(spec, t, q_tokens, kv_tokens, by_key=True), *inputs)
     if splits > 1:  # [B, Sk, Hkv * splits, D] -> [B, Sk, Hkv, D]
