@@ -278,8 +278,8 @@ def test_packed_documents_compile(target):
 
     def attend(q, k, v, ids, positions):
         return [api.sequence_parallel_attention(
-            q, k, v, mesh=mesh, causal=True, segment_ids=ids, positions=positions,
-            window=(512, 0) if s["strategy"] == "ring" else None, **s) for s in strategies]
+            q, k, v, mesh=mesh, causal=True, segment_ids=ids, positions=positions, **s)
+                for s in strategies]
 
     def run(q, k, v, ids, positions):
         outs, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, ids, positions), q, k, v)
