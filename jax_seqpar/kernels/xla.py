@@ -1,8 +1,10 @@
 """Blockwise flash attention in plain jnp: the portable (CPU default) kernel.
 
 Queries are cut into blocks of ``block_q`` tokens and keys into blocks of
-``block_k``; every (query block, key block) pair is classified from the token
-metadata (:func:`jax_seqpar.core.masks.classify`) and is skipped when ``EMPTY``,
+``block_k``; every (query block, key block) pair of every batch row is classified
+from the token metadata (:func:`jax_seqpar.core.masks.classify`: ranges and segment
+signatures, so packed rows skip what their own documents do not share) and is
+skipped when ``EMPTY``,
 computed without a mask when ``FULL``, and masked when ``PARTIAL``. Scores,
 softmax statistics and accumulators are float32 whatever the input dtype.
 
@@ -22,9 +24,8 @@ Paper: FlashAttention-2, arXiv:2307.08691.
 
 from __future__ import annotations
 
-from typing import Optional
-
 import contextlib
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
