@@ -16,8 +16,9 @@ How the work is cut (FlashAttention-2):
   ``(batch, kv head, key tile, head of the group, query tile)`` that computes the
   transposed scores ``k @ q.T`` (no in-kernel transposes) and sums its GQA group
   in VMEM, without atomics (:mod:`._mosaic_bwd`);
-* every (query tile, key tile) pair is classified outside the kernel
-  (:func:`jax_seqpar.core.masks.classify`) into a scalar-prefetched plan: ``EMPTY``
+* every (query tile, key tile) pair of every batch row is classified outside the
+  kernel (:func:`jax_seqpar.core.masks.classify`) into a scalar-prefetched plan
+  ``[B, nq, nk]`` (packed rows skip what their own documents do not share): ``EMPTY``
   tiles are neither computed nor copied in, ``FULL`` tiles are not masked, and
   ``PARTIAL`` tiles apply :func:`jax_seqpar.core.masks.visible` to the tokens' positions
   and segment ids;
