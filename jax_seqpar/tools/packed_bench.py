@@ -176,8 +176,9 @@ def format_packed(result: dict) -> str:
     text = [f"busiest/mean per device, median/worst over {result['seeds']} seeds: "
             f"B={shape['batch']}, S={shape['seq_len']}, P={shards} (per_document: tokens "
             f"aligned to {result['block']}-token tiles, tiles to each kernel's block_q); "
-            "tiles: per-row classes with segment signatures, the kernels' default tiles (triton: its loop bounds); busiest: computed tiles of "
-            "the busiest device (row-tiles)", text_table(headers, lines)]
+            "tiles: per-row classes with segment signatures, the kernels' default tiles "
+            "(triton: its loop bounds); busiest: computed tiles of the busiest device "
+            "(row-tiles)", text_table(headers, lines)]
     if "times" in result:
         modes = [m for m in ("fwd_ms", "fwd_bwd_ms") if m in result["times"][0]]
         rows = [[t["mix"], t["layout"], t["block"]] + [f"{t[m]:.0f}" for m in modes]
