@@ -24,6 +24,7 @@ from jax_seqpar.core.layout import striped_unpermute as striped_unpermute
 from jax_seqpar.core.layout import zigzag_permute as zigzag_permute
 from jax_seqpar.core.layout import zigzag_positions as zigzag_positions
 from jax_seqpar.core.layout import zigzag_unpermute as zigzag_unpermute
+from jax_seqpar.core.work import work_per_shard as work_per_shard
 from jax_seqpar.strategies.allgather import allgather_attention as allgather_attention
 from jax_seqpar.strategies.decode import decode_attention as decode_attention
 from jax_seqpar.strategies.hybrid import hybrid_attention as hybrid_attention

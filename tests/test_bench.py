@@ -208,3 +208,21 @@ def test_projection_table_and_errors(capsys):
     assert bench_report.run_bench(_parse(["--project", "--heads", "64", "--kv-heads", "8",
                                    "--head-dim", "128"])) == 0
     assert "MODEL" in capsys.readouterr().out
+
+
+def test_packed_balance_table_and_plot(tmp_path):
+    """``bench --packed``'s numbers at a small size (no timing): per_document's token work
+    is balanced on every mix, the table names every layout, the plot is written."""
+    from jax_seqpar.tools import packed_bench
+
+    shape = LayerShape(1, 2048, 2, 1, 32, causal=True)
+    result = packed_bench.run_packed(shape, 4, seeds=1, time_ring=False)
+    per_document = [r for r in result["balance"] if r["layout"] == "per_document"]
+    assert len(per_document) == 3
+    assert all(r["tokens"]["worst"] <= 1.05 for r in per_document)
+    text = packed_bench.format_packed(result)
+    assert all(name in text for name in packed_bench.LAYOUTS)
+    packed_bench.plot_packed(result, str(tmp_path / "packed.png"))
+    assert (tmp_path / "packed.png").read_bytes()[:4] == b"\x89PNG"
+    parser = bench_report.add_bench_arguments(argparse.ArgumentParser())
+    assert parser.parse_args(["--packed", "--seeds", "2"]).packed

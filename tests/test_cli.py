@@ -4,6 +4,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 try:
@@ -79,3 +80,21 @@ def test_the_core_needs_only_jax_and_numpy():
     assert "pip install 'jax_seqpar[flax]'" in done.stdout, done.stdout + done.stderr
     with open(os.path.join(REPO, "pyproject.toml"), "rb") as f:
         assert tomllib.load(f)["project"]["dependencies"] == ["jax>=0.7", "numpy"]
+
+
+def test_packed_demo_matches_the_unsharded_loss(tmp_path, monkeypatch, capsys):
+    """``jax-seqpar demo --packed``: the ring trains on batches in the per-document order
+    at the unsharded run's losses, and the report gives both orders' balance."""
+    from jax_seqpar import examples
+
+    results = {}
+    run_demo = examples.run_demo
+    monkeypatch.setattr(examples, "run_demo", lambda **kw: results.update(run_demo(**kw)))
+    status = main(["demo", "--steps", "2", "--seq-len", "128", "--batch", "2",
+                   "--strategies", "ring", "--packed", "--out", str(tmp_path / "l.png"),
+                   "--no-progress"])
+    assert status == 0
+    np.testing.assert_allclose(results["ring+packed"].losses, results["unsharded"].losses,
+                               rtol=1e-4)
+    text = capsys.readouterr().out
+    assert "ring+packed" in text and "per_document" in text

@@ -404,3 +404,38 @@ def test_longest_fitting_bisects():
     assert found % 1024 == 0 and len(calls) < 12
     assert bench_target._longest_fitting(lambda n: False, 1024, 8192, 2**24) == 0
     assert bench_target._longest_fitting(lambda n: True, 1024, 8192, 2**16) == 2**16
+
+
+@pytest.mark.compile_gate
+@pytest.mark.parametrize("target", [_on(GPU), _on(TPU)])
+def test_packed_documents_compile(target):
+    """Packed documents (segment ids, per-document positions, B=2: per-row tile plans
+    and the ring's whole-step skip) through every strategy, forward + vjp, with
+    ``kernel="auto"``: Triton on GPU (no spill), Mosaic on TPU."""
+    mesh = targets.target_mesh(target)
+    sharding = NamedSharding(mesh, P(None, "sp"))
+    batch, seq = 2, 2048
+    q, k, v = (jax.ShapeDtypeStruct((batch, seq, h, 128), jnp.bfloat16, sharding=sharding)
+               for h in (8, 2, 2))
+    ids, positions = (jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=sharding)
+                      for _ in range(2))
+    strategies = [dict(strategy=s) for s in ("ring", "ulysses", "allgather")] + [
+        dict(strategy="hybrid", ulysses_size=2)]
+
+    def attend(q, k, v, ids, positions):
+        return [api.sequence_parallel_attention(
+            q, k, v, mesh=mesh, causal=True, segment_ids=ids, positions=positions, **s)
+                for s in strategies]
+
+    def run(q, k, v, ids, positions):
+        outs, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, ids, positions), q, k, v)
+        return outs, vjp([jnp.ones_like(o) for o in outs])
+
+    platform = targets.target_platform(target)
+    program = aot.compile_for(run, (q, k, v, ids, positions), platform,
+                              fail_on_spills=platform == "cuda")
+    calls = hlo.kernel_calls(program.compiled)
+    if platform == "cuda":
+        assert set(calls) == TRITON_ALL
+    else:
+        assert calls and all(c.startswith("mosaic:") for c in calls), calls

@@ -91,14 +91,16 @@ def test_row_bounds():
 
 @pytest.mark.parametrize("by_key", [False, True])
 def test_tile_bounds_in_chunks(by_key, monkeypatch):
-    """Bounds built a few rows at a time (remainder included) match the whole table's."""
+    """Bounds built a few rows at a time (remainder included) match the whole table's,
+    per batch row (the second row holds other documents)."""
     monkeypatch.setattr(_pallas_core, "BOUNDS_CHUNK", 3)
-    positions = jnp.arange(112, dtype=jnp.int32)[None]
-    tokens = Tokens(positions, (positions // 40).astype(jnp.int32))
+    positions = jnp.broadcast_to(jnp.arange(112, dtype=jnp.int32), (2, 112))
+    tokens = Tokens(positions, jnp.stack([positions[0] // 40, positions[1] // 24]))
     spec = MaskSpec.make(causal=True, window=(30, 0))
-    t = Tiling(1, 1, 1, 112, 112, 16, 16)  # 7 x 7 tiles: chunks of 3, 3, 1
-    classes = masks.classify(spec, masks.summarize(tokens, 16), masks.summarize(tokens, 16))
-    expected = _pallas_core.row_bounds(classes.T if by_key else classes)
+    t = Tiling(2, 1, 1, 112, 112, 16, 16)  # 7 x 7 tiles: chunks of 3, 3, 1
+    summary = masks.summarize(tokens, 16, per_row=True)
+    classes = masks.classify(spec, summary, summary)  # [2, 7, 7]
+    expected = jnp.stack([_pallas_core.row_bounds(c.T if by_key else c) for c in classes])
     np.testing.assert_array_equal(
         _pallas_core.tile_bounds(spec, t, tokens, tokens, by_key=by_key), expected)
 

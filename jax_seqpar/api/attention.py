@@ -24,7 +24,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_seqpar import kernels
 from jax_seqpar.api import placement as _placement
-from jax_seqpar.core import layout as layouts, masks
+from jax_seqpar.core import layout as layouts, masks, packing
 from jax_seqpar.core.meshes import split_axis
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.planning import plan as planning
@@ -34,7 +34,7 @@ from jax_seqpar.strategies.local import local_attention
 
 #: What ``strategy=`` takes: a registered strategy that runs on the global view, or "auto".
 STRATEGIES = ("auto",) + tuple(registry.STRATEGIES)
-LAYOUTS = ("auto", "contiguous", "zigzag", "striped")
+LAYOUTS = ("auto", "contiguous", "zigzag", "striped", "per_document")
 
 
 def _keep(x, *, axis_name):
@@ -144,11 +144,15 @@ def sequence_parallel_attention(
       kv_segment_ids: ``int32[B, S]`` the keys' own segment ids where they differ from
         the queries' (e.g. padded keys of ragged rows), or None: ``segment_ids``.
       scale: defaults to ``1/sqrt(Dqk)``.
-      layout: ``"zigzag"``, ``"striped"``, ``"contiguous"`` or ``"auto"`` (zigzag
-        where it balances causal work: ring, hybrid and all-gather with
-        ``causal=True`` and no window; contiguous with a window, whose ring and
-        all-gather then exchange only the halo the window reaches); must be
-        ``"auto"`` or ``"contiguous"`` with ``positions``.
+      layout: ``"zigzag"``, ``"striped"``, ``"contiguous"``, ``"per_document"`` or
+        ``"auto"`` (zigzag where it balances causal work: ring, hybrid and
+        all-gather with ``causal=True`` and no window; contiguous with a window,
+        whose ring and all-gather then exchange only the halo the window reaches);
+        must be ``"auto"`` or ``"contiguous"`` with ``positions``.
+        ``"per_document"`` (needs ``segment_ids``) balances causal work within packed
+        documents (:mod:`jax_seqpar.core.packing`): the call computes the order from
+        the segment ids and gathers the whole sequence into it and back, every call;
+        a model applies it once per batch instead (:func:`jax_seqpar.permute_batch`).
       kernel: ``"auto"`` (Triton on GPU, Mosaic on TPU, XLA elsewhere: chosen by the
         platform the program is lowered for; :func:`jax_seqpar.kernels.get`), ``"xla"``,
         ``"pallas"`` or ``"mosaic"``.
@@ -202,6 +206,10 @@ def sequence_parallel_attention(
         raise ValueError(f"positions= says the tokens are already in the order to keep; "
                          f"layout={layout!r} would relayout them again. Put the batch into "
                          "the layout once (jax_seqpar.permute_batch) and drop layout=.")
+    if layout == "per_document" and segment_ids is None:
+        raise ValueError('layout="per_document" orders the tokens by their documents: pass '
+                         "segment_ids= (int32[B, S]); without documents use "
+                         'layout="zigzag".')
     batch_entry, head_entry = _placement.kept_entries(q, k, v, mesh, axes, batch_axes)
     if strategy == "auto":
         strategy, ulysses_size = _choose_strategy(
@@ -258,11 +266,16 @@ def _on_mesh(q, k, v, segment_ids, kv_segment_ids, positions, sinks, *, call: _C
     if layout == "auto":
         layout = registry.default_layout(call.strategy, call.causal, call.window, seq_len=seq_len,
                                 num_shards=num_shards)
-    per_shard = {"contiguous": 1, "zigzag": 2, "striped": num_shards}[layout]
+    per_shard = {"contiguous": 1, "zigzag": 2, "striped": num_shards, "per_document": 1}[layout]
     length = _placement.padded_length(seq_len, num_shards * per_shard)
     if length != seq_len:
         q, k, v, segment_ids, kv_segment_ids, positions = _placement.pad_inputs(
             length, q, k, v, segment_ids, kv_segment_ids, positions)
+    inverse = None
+    if layout == "per_document":  # a data-dependent order: gathered here, before shard_map
+        q, k, v, segment_ids, kv_segment_ids, positions, inverse = _per_document(
+            call, num_shards, q, k, v, segment_ids, kv_segment_ids)
+        layout = "contiguous"
     attend = per_shard_fn(call.strategy, axes)
     axis_name = axis_name_of(axes)
     relayout_in, relayout_out = _RELAYOUTS[layout]
@@ -300,6 +313,8 @@ def _on_mesh(q, k, v, segment_ids, kv_segment_ids, positions, sinks, *, call: _C
         if sinks is not None:
             sinks = _placement.place(sinks, mesh, P(head_entry))
         result = mapped(q, k, v, *ids, sinks)
+    if inverse is not None:  # back to natural order
+        result = jax.tree.map(lambda x: _gather_seq(x, inverse, call), result)
     # Back on the caller's mesh (a split mesh has the same devices: no data moves there)
     # at the caller's length, sharded like q.
     seq_spec = P(batch_entry, axis_name_of(call.axes), head_entry, None)
@@ -308,3 +323,23 @@ def _on_mesh(q, k, v, segment_ids, kv_segment_ids, positions, sinks, *, call: _C
         lambda x: _placement.finish(x, call.mesh, seq_len, P(*seq_spec[:x.ndim]),
                                     None if out_spec is None else P(*out_spec[:x.ndim])),
         result)
+
+
+def _gather_seq(x, order, call: _Call):
+    """``x [B, S, ...]`` reordered along the sequence by ``order int32[B, S]``, on the
+    caller's mesh with the sequence whole (an Explicit type cannot gather a sharded dim)."""
+    spec = P(call.batch_entry, None, call.head_entry, None)[:x.ndim]
+    x = _placement.place(x, call.mesh, P(*spec))
+    index = order.reshape(order.shape + (1,) * (x.ndim - 2))
+    return jnp.take_along_axis(x, index, axis=1)
+
+
+def _per_document(call: _Call, num_shards: int, q, k, v, segment_ids, kv_segment_ids):
+    """The call's arrays in the per-document order of its segment ids, the ``positions``
+    of that order and its inverse (:mod:`jax_seqpar.core.packing`, traced)."""
+    ids = _placement.place(segment_ids, call.mesh, P(call.batch_entry, None))
+    block = getattr(call.block_sizes, "block_q", None) or packing.DEFAULT_BLOCK
+    positions = packing.per_document_positions(ids, num_shards, block)  # [B, S]
+    moved = [None if x is None else _gather_seq(x, positions, call)
+             for x in (q, k, v, segment_ids, kv_segment_ids)]
+    return (*moved, positions, jnp.argsort(positions, axis=1).astype(jnp.int32))

@@ -19,10 +19,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from jax_seqpar.core.masks import PAD_SEGMENT
 from jax_seqpar.kernels.tiling import pad_seq
-
-#: Segment id of the padding the global entry point adds: reserved, never a real document.
-PAD_SEGMENT = -(2**31)
 
 
 def is_explicit(mesh) -> bool:

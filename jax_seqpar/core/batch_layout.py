@@ -6,22 +6,31 @@ loss weights) together, and hand the resulting ``positions`` to every attention
 layer (``sequence_parallel_attention(..., positions=)``, RoPE): no layer then
 moves tokens, and each sends exactly what its strategy needs. A loss that is a
 (weighted) mean over tokens does not depend on their order.
+
+``"per_document"`` (:mod:`jax_seqpar.core.packing`) depends on the data: every row
+gets its own order from its segment ids, and going back needs the ``positions``.
 """
 
 from __future__ import annotations
 
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from jax_seqpar.core import layout as layouts
+from jax_seqpar.core import layout as layouts, packing
+
+#: What :func:`permute_batch` takes: the static orders and the per-document one.
+BATCH_LAYOUTS = layouts.LAYOUTS + ("per_document",)
 
 _PERMUTE = {"zigzag": layouts.zigzag_permute, "striped": layouts.striped_permute}
 _UNPERMUTE = {"zigzag": layouts.zigzag_unpermute, "striped": layouts.striped_unpermute}
 
 
 def _check(batch, layout: str, axis: int):
-    if layout not in layouts.LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not one of {layouts.LAYOUTS}.")
+    if layout not in BATCH_LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {BATCH_LAYOUTS}.")
     shapes = {x.shape[:axis + 1] for x in jax.tree.leaves(batch)}
     if len(shapes) != 1:
         raise ValueError(f"every array of the batch must share its leading [batch, seq] dims "
@@ -29,29 +38,72 @@ def _check(batch, layout: str, axis: int):
     return shapes.pop()
 
 
-def permute_batch(batch, layout: str, num_shards: int, *, axis: int = 1):
+def _gather(batch, order, axis: int):
+    """Every leaf of ``batch`` reordered along ``axis`` by ``order`` (``lead`` shaped: one
+    order per leading index); numpy leaves stay numpy when ``order`` is numpy."""
+    def take(x):
+        host = isinstance(x, np.ndarray) and isinstance(order, np.ndarray)
+        xp = np if host else jnp
+        index = order.reshape(order.shape + (1,) * (x.ndim - order.ndim))
+        return xp.take_along_axis(xp.asarray(x), xp.asarray(index), axis=axis)
+
+    return jax.tree.map(take, batch)
+
+
+def _per_document(batch, num_shards, axis, lead, segment_ids, block_size):
+    if segment_ids is None:
+        raise ValueError('layout="per_document" orders every row by its documents: pass '
+                         "segment_ids= (int[batch, seq], in natural order).")
+    if tuple(segment_ids.shape) != tuple(lead):
+        raise ValueError(f"segment_ids must have the batch's leading dims {tuple(lead)}. Got "
+                         f"{tuple(segment_ids.shape)}.")
+    rows = segment_ids.reshape(-1, lead[axis])
+    block = packing.DEFAULT_BLOCK if block_size is None else block_size
+    positions = packing.per_document_positions(rows, num_shards, block).reshape(lead)
+    return _gather(batch, positions, axis), positions
+
+
+def permute_batch(batch, layout: str, num_shards: int, *, axis: int = 1,
+                  segment_ids=None, block_size: Optional[int] = None):
     """Reorder every array of ``batch`` into ``layout`` along the sequence ``axis``.
 
     Args:
       batch: a pytree of arrays that share ``[B, S]`` leading dims (e.g. ``tokens
         int32[B, S]``, ``targets``, ``segment_ids``, ``weights``, ``[B, S, d]``
         embeddings), in natural token order.
-      layout: ``"contiguous"`` (nothing moves), ``"zigzag"`` or ``"striped"``.
+      layout: ``"contiguous"`` (nothing moves), ``"zigzag"``, ``"striped"`` or
+        ``"per_document"`` (each row ordered by its documents so that every shard does
+        the same causal-within-document work: :mod:`jax_seqpar.core.packing`).
       num_shards: ``P``, the number of sequence shards the layout is for.
       axis: the sequence axis (default 1).
+      segment_ids: ``"per_document"`` only (and required there): ``int[B, S]``
+        document ids in natural order (:data:`~jax_seqpar.core.masks.PAD_SEGMENT`:
+        padding). Numpy ids are laid out on host and numpy arrays of the batch stay
+        numpy; JAX ids (traceable, under ``jit``) give JAX arrays.
+      block_size: ``"per_document"`` only: the kernel tile dealt chunks are aligned
+        to (default :data:`~jax_seqpar.core.packing.DEFAULT_BLOCK`).
 
     Returns:
       ``(batch, positions)``: the batch in layout order, and ``int32[B, S]`` the global
-      position of every token in that order, for ``positions=`` and RoPE.
+      position of every token in that order, for ``positions=`` and RoPE (one order
+      per row for ``"per_document"``).
 
     Raises:
-      ValueError: an unknown layout, arrays that disagree on ``[B, S]``, or a
-        sequence the layout cannot split (zigzag needs ``S % 2P == 0``).
+      ValueError: an unknown layout, arrays that disagree on ``[B, S]``, a sequence
+        the layout cannot split (zigzag needs ``S % 2P == 0``, the others
+        ``S % P == 0``), or ``"per_document"`` without ``segment_ids``.
 
     >>> batch, positions = permute_batch({"tokens": tokens, "targets": targets},
     ...                                  "zigzag", num_shards=8)
+    >>> batch, positions = permute_batch(batch, "per_document", num_shards=8,
+    ...                                  segment_ids=batch["segment_ids"])
     """
     lead = _check(batch, layout, axis)
+    if layout == "per_document":
+        return _per_document(batch, num_shards, axis, lead, segment_ids, block_size)
+    if segment_ids is not None or block_size is not None:
+        raise ValueError(f"segment_ids= and block_size= shape the per_document layout only; "
+                         f"layout={layout!r} is the same for every batch.")
     seq_len = lead[axis]
     arange = jnp.arange(seq_len, dtype=jnp.int32)
     if layout != "contiguous":
@@ -60,17 +112,28 @@ def permute_batch(batch, layout: str, num_shards: int, *, axis: int = 1):
     return batch, jnp.broadcast_to(arange, (*lead[:axis], seq_len))
 
 
-def unpermute_batch(batch, layout: str, num_shards: int, *, axis: int = 1):
+def unpermute_batch(batch, layout: str, num_shards: int, *, axis: int = 1, positions=None):
     """Inverse of :func:`permute_batch`: arrays in ``layout`` order back to natural order.
 
     Args:
       batch: a pytree of arrays sharing ``[B, S]`` leading dims (e.g. logits).
       layout, num_shards, axis: as given to :func:`permute_batch`.
+      positions: the ``positions`` :func:`permute_batch` returned; required for
+        ``"per_document"`` (its order depends on the data), optional otherwise.
 
     Returns:
       The batch in natural token order.
     """
-    _check(batch, layout, axis)
+    lead = _check(batch, layout, axis)
+    if positions is not None:
+        if tuple(positions.shape) != tuple(lead):
+            raise ValueError(f"positions must have the batch's leading dims {tuple(lead)}. "
+                             f"Got {tuple(positions.shape)}.")
+        xp = np if isinstance(positions, np.ndarray) else jnp
+        return _gather(batch, xp.argsort(positions, axis=axis).astype(np.int32), axis)
+    if layout == "per_document":
+        raise ValueError('layout="per_document" depends on the data: pass the positions= '
+                         "permute_batch returned.")
     if layout == "contiguous":
         return batch
     return jax.tree.map(lambda x: _UNPERMUTE[layout](x, num_shards, axis=axis), batch)

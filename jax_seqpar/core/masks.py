@@ -7,10 +7,12 @@ every strategy, so a mask means the same thing whatever the token order or the
 sharding.
 
 For skipping work, :func:`summarize` reduces the metadata of a block of tokens to
-its ranges, and :func:`classify` tells, for every (query block, key block) pair,
-whether it is ``EMPTY`` (nothing visible: skip it), ``FULL`` (everything visible:
-no mask needed) or ``PARTIAL``. The classification is conservative: ``EMPTY`` and
-``FULL`` are only claimed when they hold for every token pair and batch row.
+its ranges and a segment signature, and :func:`classify` tells, for every (query
+block, key block) pair, whether it is ``EMPTY`` (nothing visible: skip it), ``FULL``
+(everything visible: no mask needed) or ``PARTIAL``. The classification is
+conservative: ``EMPTY`` and ``FULL`` are only claimed when they hold for every token
+pair (and every batch row a summary covers). Padding (:data:`PAD_SEGMENT`) sees
+nothing and nothing sees it, so summaries leave it out: a tile of padding is ``EMPTY``.
 """
 
 from __future__ import annotations
@@ -21,12 +23,21 @@ from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 #: The log-sum-exp given to a query row that sees no key: finite, so merges and
 #: gradients stay NaN-free, and so low that any real block outweighs it.
 EMPTY_LSE = -1e30
+
+#: The segment id of padding, reserved: never a real document. A padded token sees no
+#: key and no query sees it; the global entry point and the kernels pad with it, and
+#: layouts and work counts give it no work.
+PAD_SEGMENT = -(2**31)
+
+#: Bits of a tile's segment signature: bit ``id % 32`` is set for every document in it.
+SIGNATURE_BITS = 32
 
 
 def normalize_window(window: Union[None, int, tuple[int, int]]) -> Optional[tuple[int, int]]:
@@ -98,7 +109,7 @@ def visible(spec: MaskSpec, q_pos, kv_pos, q_seg=None, kv_seg=None):
         left, right = spec.window
         ok = both(ok, (kv_pos >= q_pos - left) & (kv_pos <= q_pos + right))
     if q_seg is not None:
-        ok = both(ok, q_seg == kv_seg)
+        ok = both(ok, (q_seg == kv_seg) & (q_seg != PAD_SEGMENT))
     return ok
 
 
@@ -112,44 +123,70 @@ def visible_tokens(spec: MaskSpec, q: Tokens, kv: Tokens):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class BlockSummary:
-    """Ranges of the metadata of each block of tokens, ``int32[num_blocks]``.
+    """The metadata of each block of tokens, ``[num_blocks]`` (one decision for every
+    batch row) or ``[batch, num_blocks]`` (per row), padding left out.
 
-    Taken over the whole batch, so one decision holds for every batch row.
+    Attributes:
+      pos_min, pos_max: ``int32`` position range of the block's real tokens.
+      seg_min, seg_max: ``int32`` segment id range, or None (no segment ids).
+      seg_bits: ``uint32`` signature: bit ``id % 32`` set for each document in the
+        block (0: padding only); two blocks whose signatures share no bit share no
+        document, whatever their ranges. None without segment ids.
+      padded: ``bool``, the block holds padding (never ``FULL``). None without ids.
     """
 
     pos_min: jax.Array
     pos_max: jax.Array
     seg_min: Optional[jax.Array] = None
     seg_max: Optional[jax.Array] = None
+    seg_bits: Optional[jax.Array] = None
+    padded: Optional[jax.Array] = None
 
 
-def summarize(tokens: Tokens, block: int) -> BlockSummary:
-    """Summarize ``tokens`` (seq a multiple of ``block``) into per-block ranges."""
+def _namespace(x):
+    """numpy for numpy arrays (host counts: :mod:`jax_seqpar.core.work`), else jax.numpy."""
+    return np if isinstance(x, np.ndarray) else jnp
+
+
+def summarize(tokens: Tokens, block: int, *, per_row: bool = False) -> BlockSummary:
+    """Summarize ``tokens`` (seq a multiple of ``block``) block by block: over the whole
+    batch (``[num_blocks]`` fields), or for each batch row with ``per_row``. Numpy
+    tokens give numpy summaries (the same rule on host)."""
+    xp = _namespace(tokens.positions)
     batch, seq = tokens.positions.shape
     if seq % block:
         raise ValueError(f"{seq=} must be a multiple of {block=}.")
+    shape = (batch, seq // block, block)
+    axes = (2,) if per_row else (0, 2)
+    positions = tokens.positions.reshape(shape)
+    if tokens.segment_ids is None:
+        return BlockSummary(positions.min(axis=axes), positions.max(axis=axes))
+    segments = tokens.segment_ids.reshape(shape)
+    pad = segments == PAD_SEGMENT
+    top, bottom = np.iinfo(np.int32).max, np.iinfo(np.int32).min
 
     def ranges(x):
-        x = x.reshape(batch, seq // block, block)
-        return x.min(axis=(0, 2)), x.max(axis=(0, 2))
+        return xp.where(pad, top, x).min(axis=axes), xp.where(pad, bottom, x).max(axis=axes)
 
-    pos_min, pos_max = ranges(tokens.positions)
-    if tokens.segment_ids is None:
-        return BlockSummary(pos_min, pos_max)
-    seg_min, seg_max = ranges(tokens.segment_ids)
-    return BlockSummary(pos_min, pos_max, seg_min, seg_max)
+    bit = xp.left_shift(np.uint32(1), xp.bitwise_and(segments, SIGNATURE_BITS - 1)
+                        .astype(np.uint32))
+    bits = xp.bitwise_or.reduce(xp.where(pad, np.uint32(0), bit), axis=axes)
+    return BlockSummary(*ranges(positions), *ranges(segments), bits, pad.any(axis=axes))
 
 
 def classify(spec: MaskSpec, q: BlockSummary, kv: BlockSummary) -> jax.Array:
-    """``int8[num_q_blocks, num_kv_blocks]`` of ``EMPTY`` / ``PARTIAL`` / ``FULL``.
+    """``int8[..., num_q_blocks, num_kv_blocks]`` of ``EMPTY`` / ``PARTIAL`` / ``FULL``.
 
-    int8 keeps the table a quarter of int32's size; the Pallas kernels only reduce it
-    to per-row loop bounds (fused, never stored).
+    Leading dims broadcast: batch-wide summaries give ``[nq, nk]``, per-row ones
+    ``[B, nq, nk]``. int8 keeps the table a quarter of int32's size; the Pallas kernels
+    only reduce it to per-row loop bounds (fused, never stored).
     """
-    q_lo, q_hi = q.pos_min[:, None], q.pos_max[:, None]
-    k_lo, k_hi = kv.pos_min[None, :], kv.pos_max[None, :]
-    empty = jnp.zeros(jnp.broadcast_shapes(q_lo.shape, k_lo.shape), bool)
-    full = jnp.ones_like(empty)
+    xp = _namespace(q.pos_min)
+    rows = lambda x: x[..., :, None]  # noqa: E731
+    cols = lambda x: x[..., None, :]  # noqa: E731
+    q_lo, q_hi, k_lo, k_hi = rows(q.pos_min), rows(q.pos_max), cols(kv.pos_min), cols(kv.pos_max)
+    empty = xp.zeros(np.broadcast_shapes(q_lo.shape, k_lo.shape), bool)
+    full = xp.ones_like(empty)
     if spec.causal:
         empty |= k_lo > q_hi
         full &= k_hi <= q_lo
@@ -158,8 +195,9 @@ def classify(spec: MaskSpec, q: BlockSummary, kv: BlockSummary) -> jax.Array:
         empty |= (k_lo > q_hi + right) | (k_hi < q_lo - left)
         full &= (k_hi <= q_lo + right) & (k_lo >= q_hi - left)
     if q.seg_min is not None:
-        qs_lo, qs_hi = q.seg_min[:, None], q.seg_max[:, None]
-        ks_lo, ks_hi = kv.seg_min[None, :], kv.seg_max[None, :]
-        empty |= (ks_lo > qs_hi) | (ks_hi < qs_lo)
+        qs_lo, qs_hi, ks_lo, ks_hi = (rows(q.seg_min), rows(q.seg_max), cols(kv.seg_min),
+                                      cols(kv.seg_max))
+        empty |= (ks_lo > qs_hi) | (ks_hi < qs_lo) | ((rows(q.seg_bits) & cols(kv.seg_bits)) == 0)
         full &= (qs_lo == qs_hi) & (ks_lo == ks_hi) & (qs_lo == ks_lo)
-    return jnp.where(empty, EMPTY, jnp.where(full, FULL, PARTIAL)).astype(jnp.int8)
+        full &= ~rows(q.padded) & ~cols(kv.padded)
+    return xp.where(empty, EMPTY, xp.where(full, FULL, PARTIAL)).astype(np.int8)

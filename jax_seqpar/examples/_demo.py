@@ -8,8 +8,10 @@ import jax
 import numpy as np
 
 from jax_seqpar.api import attention as api
+from jax_seqpar.core import work
+from jax_seqpar.core.batch_layout import permute_batch
 from jax_seqpar.core.extras import require
-from jax_seqpar.examples._data import training_batches
+from jax_seqpar.examples._data import PackedRows, training_batches
 from jax_seqpar.examples._model import ModelConfig, Parallelism
 from jax_seqpar.examples._train import TrainConfig, TrainResult, init_params, mesh_for, train
 
@@ -55,6 +57,23 @@ def format_state_memory(results: dict[str, TrainResult]) -> str:
     return "\n".join(lines)
 
 
+def format_balance(data: PackedRows, num_shards: int) -> str:
+    """Busiest/mean causal-within-document work per device over the run's batches, for
+    the zigzag and the per-document order (:func:`jax_seqpar.core.work.work_per_shard`)."""
+    ratios = {}
+    for layout in ("zigzag", "per_document"):
+        worst = []
+        for segment_ids in data.segment_ids:  # [B, S] per step
+            options = {"segment_ids": segment_ids} if layout == "per_document" else {}
+            laid, positions = permute_batch(segment_ids, layout, num_shards, **options)
+            counts = work.work_per_shard(positions, laid, num_shards)
+            worst.append(counts.max() / counts.mean())
+        ratios[layout] = (float(np.median(worst)), float(max(worst)))
+    return (f"busiest/mean causal work per device over {len(data.segment_ids)} batches "
+            f"({num_shards} shards), median/worst: " + ", ".join(
+                f"{name} {median:.3f}/{worst:.3f}" for name, (median, worst) in ratios.items()))
+
+
 def plot_losses(results: dict[str, TrainResult], path: str) -> None:
     """Write the loss curves of every run to ``path`` (PNG, matplotlib Agg)."""
     matplotlib = require("matplotlib", "examples", "the demo's loss plot")
@@ -88,6 +107,7 @@ def run_demo(
     progress: bool = True,
     print_fn: Callable[[str], None] = print,
     fsdp: bool = False,
+    packed: bool = False,
 ) -> dict[str, TrainResult]:
     """Train one byte-level LM from the same parameters and data, unsharded and with
     each strategy on all devices, then print a loss table and plot the curves.
@@ -103,6 +123,9 @@ def run_demo(
       fsdp: also run each strategy with parameters and optimizer state sharded over
         its devices (run name ``"<strategy>+fsdp"``), and report their per-device
         bytes next to the replicated run's.
+      packed: put every batch of the sequence-parallel runs in the per-document order
+        of its segment ids (run name ``"<strategy>+packed"``) instead of zigzag, and
+        report both orders' busiest/mean work per device.
 
     Returns:
       ``{run name: TrainResult}``, the unsharded run first.
@@ -116,11 +139,13 @@ def run_demo(
     data = training_batches(steps=steps, batch=batch, seq_len=seq_len, seed=seed)
     params = init_params(model_config, seed)
     runs = {UNSHARDED: Parallelism()}
+    suffix = "+packed" if packed else ""
     for strategy in strategies:
         mesh, seq_axes = mesh_for(strategy, devices)
-        runs[strategy] = Parallelism(mesh, seq_axes, strategy)
+        runs[strategy + suffix] = Parallelism(mesh, seq_axes, strategy, per_document=packed)
         if fsdp:
-            runs[f"{strategy}+fsdp"] = Parallelism(mesh, seq_axes, strategy, fsdp=True)
+            runs[f"{strategy}{suffix}+fsdp"] = Parallelism(mesh, seq_axes, strategy, fsdp=True,
+                                                         per_document=packed)
     results = {}
     for name, parallelism in runs.items():
         results[name] = train(model_config, train_config, parallelism, params=params,
@@ -128,6 +153,8 @@ def run_demo(
     print_fn(format_table(results, train_config))
     if fsdp:
         print_fn(format_state_memory(results))
+    if packed:
+        print_fn(format_balance(data, len(devices)))
     plot_losses(results, out)
     print_fn(f"loss curves written to {out}")
     return results

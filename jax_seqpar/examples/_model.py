@@ -62,6 +62,8 @@ class Parallelism:
       kernel: the local attention kernel, ``"auto"``, ``"xla"``, ``"pallas"`` or ``"mosaic"``.
       fsdp: also shard parameters and optimizer state over the mesh's devices
         (ZeRO-3 / FSDP on the devices that split the sequence).
+      per_document: put each batch in the per-document order of its segment ids
+        (balanced causal work within packed documents) instead of zigzag.
     """
 
     mesh: Optional[jax.sharding.Mesh] = None
@@ -69,14 +71,18 @@ class Parallelism:
     strategy: str = "auto"
     kernel: str = "auto"
     fsdp: bool = False
+    per_document: bool = False
 
     @property
     def layout(self) -> str:
         """The token order each batch is put in once: zigzag balances the causal work of
-        ring, hybrid and all-gather (and costs Ulysses nothing); none without a mesh."""
-        if self.mesh is None or self.strategy == "ulysses":
+        ring, hybrid and all-gather (and costs Ulysses nothing), per_document that of
+        packed documents (when asked); none without a mesh."""
+        if self.mesh is None:
             return "contiguous"
-        return "zigzag"
+        if self.per_document:
+            return "per_document"
+        return "contiguous" if self.strategy == "ulysses" else "zigzag"
 
     @property
     def num_shards(self) -> int:

@@ -139,7 +139,8 @@ def train(
     Args:
       model_config, train_config: the model and the run.
       parallelism: mesh and attention strategy; each token batch is put into the
-        strategy's layout once (:func:`jax_seqpar.permute_batch`; the loss, a mean
+        strategy's layout once (:func:`jax_seqpar.permute_batch`, per_document from
+        the batch's segment ids with ``parallelism.per_document``; the loss, a mean
         over tokens, does not depend on their order) and placed sequence-sharded
         (``P(None, seq_axes)``), so attention is sequence-parallel, no layer moves
         tokens, and everything else is per-token work on each shard. Parameters and
@@ -183,8 +184,10 @@ def train(
         batch = {"tokens": data.tokens[index], "targets": data.targets[index],
                  "segment_ids": data.segment_ids[index], "weights": data.weights[index]}
         if mesh is not None:
-            batch, batch["positions"] = permute_batch(batch, parallelism.layout,
-                                                      parallelism.num_shards)
+            by_document = parallelism.layout == "per_document"
+            batch, batch["positions"] = permute_batch(
+                batch, parallelism.layout, parallelism.num_shards,
+                segment_ids=batch["segment_ids"] if by_document else None)
         return place_batch(batch)
 
     shardings = lambda tree: jax.tree.map(lambda x: x.sharding, tree)

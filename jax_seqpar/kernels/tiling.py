@@ -7,11 +7,7 @@ import dataclasses
 import jax.numpy as jnp
 
 from jax_seqpar.core import masks
-from jax_seqpar.core.masks import MaskSpec, Tokens
-
-# Padded tokens get segment ids that match nothing real (and not each other).
-_PAD_Q_SEGMENT = -(2**31) + 1
-_PAD_KV_SEGMENT = -(2**31) + 2
+from jax_seqpar.core.masks import PAD_SEGMENT, MaskSpec, Tokens
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,24 +44,42 @@ def pad_seq(x, length, value=0, *, dim=None):
 
 
 def padded_tokens(t: Tiling, q_tokens: Tokens, kv_tokens: Tokens):
-    """Pad metadata to whole tiles; padded tokens get segments that see nothing."""
+    """Pad metadata to whole tiles; padded tokens are padding (:data:`PAD_SEGMENT`), which
+    sees nothing and is left out of the tile summaries."""
     q_pad, kv_pad = t.num_q * t.block_q, t.num_k * t.block_k
     if (q_pad, kv_pad) == (t.q_len, t.kv_len):
         return q_tokens, kv_tokens
 
-    def pad(tokens, length, pad_segment):
+    def pad(tokens, length):
         seg = tokens.segment_ids
         if seg is None:
             seg = jnp.zeros(tokens.positions.shape, jnp.int32)
-        return Tokens(pad_seq(tokens.positions, length), pad_seq(seg, length, pad_segment))
+        return Tokens(pad_seq(tokens.positions, length), pad_seq(seg, length, PAD_SEGMENT))
 
-    return pad(q_tokens, q_pad, _PAD_Q_SEGMENT), pad(kv_tokens, kv_pad, _PAD_KV_SEGMENT)
+    return pad(q_tokens, q_pad), pad(kv_tokens, kv_pad)
 
 
 def schedule(spec: MaskSpec, t: Tiling, q_tokens: Tokens, kv_tokens: Tokens):
-    """Tokens padded to whole tiles, and the tile classes ``int8[nq, nk]``
-    (``EMPTY`` / ``PARTIAL`` / ``FULL``) every kernel skips and masks by."""
+    """Tokens padded to whole tiles, and the tile classes ``int8[B, nq, nk]``
+    (``EMPTY`` / ``PARTIAL`` / ``FULL``, per batch row) every kernel skips and masks by."""
     q_tokens, kv_tokens = padded_tokens(t, q_tokens, kv_tokens)
-    classes = masks.classify(spec, masks.summarize(q_tokens, t.block_q),
-                             masks.summarize(kv_tokens, t.block_k))
+    classes = masks.classify(spec, masks.summarize(q_tokens, t.block_q, per_row=True),
+                             masks.summarize(kv_tokens, t.block_k, per_row=True))
     return q_tokens, kv_tokens, classes
+
+
+#: Tokens per tile of :func:`any_visible`'s test: any size is exact, finer tiles find
+#: more calls with nothing to compute.
+CALL_TEST_BLOCK = 128
+
+
+def any_visible(spec: MaskSpec, q_tokens: Tokens, kv_tokens: Tokens,
+                block: int = CALL_TEST_BLOCK):
+    """``bool[]`` (traced): may any query of ``q_tokens [B, Sq]`` see any key of
+    ``kv_tokens [B, Sk]``? False only when every tile pair of every batch row is
+    ``EMPTY`` (e.g. a ring step whose queries and keys share no document), so a kernel
+    call on them can be skipped whole."""
+    batch, q_len = q_tokens.positions.shape
+    kv_len = kv_tokens.positions.shape[1]
+    t = Tiling(batch, 1, 1, q_len, kv_len, min(block, q_len), min(block, kv_len))
+    return (schedule(spec, t, q_tokens, kv_tokens)[2] != masks.EMPTY).any()

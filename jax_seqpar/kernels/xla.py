@@ -1,8 +1,10 @@
 """Blockwise flash attention in plain jnp: the portable (CPU default) kernel.
 
 Queries are cut into blocks of ``block_q`` tokens and keys into blocks of
-``block_k``; every (query block, key block) pair is classified from the token
-metadata (:func:`jax_seqpar.core.masks.classify`) and is skipped when ``EMPTY``,
+``block_k``; every (query block, key block) pair of every batch row is classified
+from the token metadata (:func:`jax_seqpar.core.masks.classify`: ranges and segment
+signatures, so packed rows skip what their own documents do not share) and is
+skipped when ``EMPTY``,
 computed without a mask when ``FULL``, and masked when ``PARTIAL``. Scores,
 softmax statistics and accumulators are float32 whatever the input dtype.
 
@@ -22,6 +24,7 @@ Paper: FlashAttention-2, arXiv:2307.08691.
 
 from __future__ import annotations
 
+import contextlib
 from typing import Optional
 
 import jax
@@ -67,14 +70,58 @@ def _tiling(q, k, block_q: int, block_k: int) -> Tiling:
                   min(block_q, q_len), min(block_k, kv_len))
 
 
-def _tile(x, index, block):
-    """Tile ``index`` of ``x`` along the sequence axis 1 (a slice, no copy of ``x``)."""
-    return jax.lax.dynamic_slice_in_dim(x, index * block, block, axis=1)
+def _tile(x, row, index, block):
+    """Tile ``index`` of batch row ``row`` of ``x`` along the sequence axis 1, ``[1, block,
+    ...]`` (a slice, no copy of ``x``)."""
+    start = (row, index * block) + (0,) * (x.ndim - 2)
+    return jax.lax.dynamic_slice(x, start, (1, block) + x.shape[2:])
 
 
-def _put(buffer, index, tile):
-    """Write ``tile`` as tile ``index`` of ``buffer`` along axis 1 (in place in a loop)."""
-    return jax.lax.dynamic_update_slice_in_dim(buffer, tile, index * tile.shape[1], axis=1)
+def _put(buffer, row, index, tile):
+    """Write ``tile [1, block, ...]`` as tile ``index`` of row ``row`` of ``buffer`` (in
+    place in a loop)."""
+    start = (row, index * tile.shape[1]) + (0,) * (buffer.ndim - 2)
+    return jax.lax.dynamic_update_slice(buffer, tile, start)
+
+
+#: Test hook (:func:`recording_tiles`): a function the forward's calls and computed
+#: tiles report to, or None.
+_RECORD = None
+
+
+@contextlib.contextmanager
+def recording_tiles(record):
+    """Test hook: forward calls TRACED inside this context report, when they run, each call
+    as ``record("call", -1, q_position, kv_position)`` and each tile they compute as
+    ``record("tile", row, q_position, kv_position)`` (the first position of the call's
+    or the tile's queries and keys, which name them), through ``jax.debug.callback``.
+    A program traced before (a cached ``jit``) reports nothing."""
+    global _RECORD
+    previous, _RECORD = _RECORD, record
+    try:
+        yield
+    finally:
+        _RECORD = previous
+
+
+def _report(kind, row, q_positions, kv_positions):
+    """While recording: report ``(kind, row, first q / kv position)`` when this runs."""
+    record = _RECORD
+    if record is not None:
+        jax.debug.callback(lambda *a: record(kind, *(int(x) for x in a)), row,
+                           q_positions[0, 0], kv_positions[0, 0])
+
+
+def _reported(row, q_positions, kv_positions, branch):
+    """A tile ``branch`` that reports its tile first (:func:`_report`)."""
+    if _RECORD is None:
+        return branch
+
+    def reporting(carry):
+        _report("tile", row, q_positions, kv_positions)
+        return branch(carry)
+
+    return reporting
 
 
 def _heads_first(x):
@@ -134,19 +181,23 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
 @contract.folds_vmap
 def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, block_sizes, softcap):
     t = _tiling(q, k, block_sizes.block_q, block_sizes.block_k)
-    q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # classes [nq, nk]
+    q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # [B, nq, nk]
+    _report("call", -1, q_tokens.positions, kv_tokens.positions)
     d_v = v.shape[-1]
     hg = (t.kv_heads, t.group)
     q = pad_seq(q, t.num_q * t.block_q).reshape(t.batch, -1, *hg, q.shape[-1])  # [B, Sq, Hkv, G, D]
     k, v = (pad_seq(x, t.num_k * t.block_k) for x in (k, v))  # [B, Sk, Hkv, D]
 
-    def q_block(i, buffers):
-        q_tile = _heads_first(_tile(q, i, t.block_q))  # [B, Hkv, G, bq, D]
-        qp = _tile(q_tokens.positions, i, t.block_q)
-        qs = None if q_tokens.segment_ids is None else _tile(q_tokens.segment_ids, i, t.block_q)
+    # One batch row at a time: each row skips its own EMPTY tiles (packed rows differ).
+    def q_block(index, buffers):
+        b, i = index // t.num_q, index % t.num_q
+        q_tile = _heads_first(_tile(q, b, i, t.block_q))  # [1, Hkv, G, bq, D]
+        qp = _tile(q_tokens.positions, b, i, t.block_q)  # [1, bq]
+        qs = None if q_tokens.segment_ids is None else _tile(q_tokens.segment_ids, b, i,
+                                                             t.block_q)
 
         def update(carry, k_tile, v_tile, mask):
-            m, l, acc = carry  # [B, Hkv, G, bq], same, [B, Hkv, G, bq, Dv]
+            m, l, acc = carry  # [1, Hkv, G, bq], same, [1, Hkv, G, bq, Dv]
             s, _ = _scores(q_tile, k_tile, scale, softcap)
             if mask is not None:
                 s = jnp.where(mask, s, -jnp.inf)
@@ -157,18 +208,19 @@ def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, block_sizes, softcap)
             return m_new, l * alpha + p.sum(axis=-1), acc
 
         def kv_block(j, carry):
-            k_tile, v_tile = (_heads_first(_tile(x, j, t.block_k)) for x in (k, v))
-            kp = _tile(kv_tokens.positions, j, t.block_k)
+            k_tile, v_tile = (_heads_first(_tile(x, b, j, t.block_k)) for x in (k, v))
+            kp = _tile(kv_tokens.positions, b, j, t.block_k)
             ks = None if kv_tokens.segment_ids is None else _tile(
-                kv_tokens.segment_ids, j, t.block_k)
+                kv_tokens.segment_ids, b, j, t.block_k)
             branches = [
                 lambda c: c,
                 lambda c: update(c, k_tile, v_tile, _tile_mask(spec, qp, qs, kp, ks)),
                 lambda c: update(c, k_tile, v_tile, None),
             ]
-            return jax.lax.switch(classes[i, j], branches, carry)
+            branches[1:] = [_reported(b, qp, kp, f) for f in branches[1:]]
+            return jax.lax.switch(classes[b, i, j], branches, carry)
 
-        stats_shape = (t.batch, *hg, t.block_q)
+        stats_shape = (1, *hg, t.block_q)
         init = (jnp.full(stats_shape, masks.EMPTY_LSE, _F32), jnp.zeros(stats_shape, _F32),
                 jnp.zeros(stats_shape + (d_v,), _F32))
         init = _compat.match_varying(init, (q, k))
@@ -177,11 +229,12 @@ def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, block_sizes, softcap)
         out = acc / jnp.where(seen, l, 1.0)[..., None]
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), masks.EMPTY_LSE)
         out_buffer, lse_buffer = buffers
-        return (_put(out_buffer, i, _tokens_first(out)),
-                _put(lse_buffer, i, jnp.moveaxis(lse, -1, 1)))
+        return (_put(out_buffer, b, i, _tokens_first(out)),
+                _put(lse_buffer, b, i, jnp.moveaxis(lse, -1, 1)))
 
     buffers = (jnp.zeros(q.shape[:-1] + (d_v,), _F32), jnp.zeros(q.shape[:-1], _F32))
-    out, lse = jax.lax.fori_loop(0, t.num_q, q_block, _compat.match_varying(buffers, (q, k)))
+    out, lse = jax.lax.fori_loop(0, t.batch * t.num_q, q_block,
+                                 _compat.match_varying(buffers, (q, k)))
     heads = t.kv_heads * t.group
     out = out[:, :t.q_len].reshape(t.batch, t.q_len, heads, d_v)
     return out, lse[:, :t.q_len].reshape(t.batch, t.q_len, heads)
@@ -214,7 +267,7 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
 def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, block_sizes,
               softcap, accumulate=None):
     t = _tiling(q, k, block_sizes.block_q_bwd, block_sizes.block_k_bwd)
-    q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # classes [nq, nk]
+    q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # [B, nq, nk]
     hg = (t.kv_heads, t.group)
     q_len_pad, kv_len_pad = t.num_q * t.block_q, t.num_k * t.block_k
 
@@ -224,10 +277,14 @@ def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, bl
     q, dout, lse, delta = (by_group(x) for x in (q, dout, lse, delta))
     k, v = (pad_seq(x, kv_len_pad) for x in (k, v))  # [B, Sk_pad, Hkv, D]
 
-    def kv_block(j, buffers):
-        k_tile, v_tile = (_heads_first(_tile(x, j, t.block_k)) for x in (k, v))  # [B, Hkv, bk, D]
-        kp = _tile(kv_tokens.positions, j, t.block_k)
-        ks = None if kv_tokens.segment_ids is None else _tile(kv_tokens.segment_ids, j, t.block_k)
+    # One batch row at a time, as the forward: each row skips its own EMPTY tiles.
+    def kv_block(index, buffers):
+        b, j = index // t.num_k, index % t.num_k
+        # [1, Hkv, bk, D] each
+        k_tile, v_tile = (_heads_first(_tile(x, b, j, t.block_k)) for x in (k, v))
+        kp = _tile(kv_tokens.positions, b, j, t.block_k)
+        ks = None if kv_tokens.segment_ids is None else _tile(kv_tokens.segment_ids, b, j,
+                                                              t.block_k)
 
         def grads(carry, q_tile, do_tile, lse_tile, delta_tile, mask):
             dk, dv = carry
@@ -244,11 +301,12 @@ def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, bl
 
         def q_block(i, carry):
             dq, dkv = carry
-            q_tile, do_tile = (_heads_first(_tile(x, i, t.block_q)) for x in (q, dout))
-            lse_tile, delta_tile = (jnp.moveaxis(_tile(x, i, t.block_q), 1, -1)
-                                    for x in (lse, delta))  # [B, Hkv, G, bq]
-            qp = _tile(q_tokens.positions, i, t.block_q)
-            qs = None if q_tokens.segment_ids is None else _tile(q_tokens.segment_ids, i, t.block_q)
+            q_tile, do_tile = (_heads_first(_tile(x, b, i, t.block_q)) for x in (q, dout))
+            lse_tile, delta_tile = (jnp.moveaxis(_tile(x, b, i, t.block_q), 1, -1)
+                                    for x in (lse, delta))  # [1, Hkv, G, bq]
+            qp = _tile(q_tokens.positions, b, i, t.block_q)
+            qs = None if q_tokens.segment_ids is None else _tile(q_tokens.segment_ids, b, i,
+                                                                 t.block_q)
             branches = [
                 lambda c: (c, jnp.zeros_like(q_tile)),
                 lambda c: grads(c, q_tile, do_tile, lse_tile, delta_tile,
@@ -256,19 +314,21 @@ def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, bl
                 lambda c: grads(c, q_tile, do_tile, lse_tile, delta_tile, None),
             ]
             branches = [lambda c, f=f: _compat.match_varying(f(c), (q, k)) for f in branches]
-            dkv, dq_tile = jax.lax.switch(classes[i, j], branches, dkv)
-            return _put(dq, i, _tile(dq, i, t.block_q) + _tokens_first(dq_tile)), dkv
+            dkv, dq_tile = jax.lax.switch(classes[b, i, j], branches, dkv)
+            return _put(dq, b, i, _tile(dq, b, i, t.block_q) + _tokens_first(dq_tile)), dkv
 
         dq, dk, dv = buffers
-        init = tuple(_heads_first(_tile(x, j, t.block_k)) for x in (dk, dv))  # [B, Hkv, bk, D]
+        init = tuple(_heads_first(_tile(x, b, j, t.block_k)) for x in (dk, dv))  # [1, Hkv, bk, D]
         dq, (dk_tile, dv_tile) = jax.lax.fori_loop(0, t.num_q, q_block, (dq, init))
-        return dq, _put(dk, j, _tokens_first(dk_tile)), _put(dv, j, _tokens_first(dv_tile))
+        return (dq, _put(dk, b, j, _tokens_first(dk_tile)),
+                _put(dv, b, j, _tokens_first(dv_tile)))
 
     if accumulate is None:
         buffers = tuple(jnp.zeros(x.shape, _F32) for x in (q, k, v))
     else:
         buffers = (by_group(accumulate[0]), *(pad_seq(x, kv_len_pad) for x in accumulate[1:]))
-    dq, dk, dv = jax.lax.fori_loop(0, t.num_k, kv_block, _compat.match_varying(buffers, (q, k)))
+    dq, dk, dv = jax.lax.fori_loop(0, t.batch * t.num_k, kv_block,
+                                   _compat.match_varying(buffers, (q, k)))
     heads = t.kv_heads * t.group
     dq = dq[:, :t.q_len].reshape(t.batch, t.q_len, heads, q.shape[-1])
     return dq, dk[:, :t.kv_len], dv[:, :t.kv_len]

@@ -146,15 +146,25 @@ def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
 
 
 def plan_layer(shape: LayerShape, seq_axes: int | Mapping[str, int], *, hardware=None,
-               memory_budget: Optional[float] = None) -> Plan:
+               memory_budget: Optional[float] = None, segment_ids=None,
+               layout: Optional[str] = None) -> Plan:
     """:func:`plan` for a :class:`~jax_seqpar.core.shape.LayerShape`.
+
+    With ``hardware``, ``segment_ids`` (a representative batch of packed documents,
+    ``int[B', S]``) and ``layout`` (its token order, e.g. ``"per_document"``) are the
+    predictions' (:func:`jax_seqpar.planning.predict.predict`): compute is then the
+    busiest device's computed tiles of those documents.
 
     >>> plan_layer(LayerShape(1, 32768, 32, 32, 128), {"sp": 8}).strategy
     'ulysses'
     """
     names, sizes = _seq_sizes(seq_axes)
     if hardware is not None:
-        return _plan_predicted(shape, names, sizes, hardware_lib.get(hardware), memory_budget)
+        return _plan_predicted(shape, names, sizes, hardware_lib.get(hardware), memory_budget,
+                               dict(segment_ids=segment_ids, layout=layout))
+    if segment_ids is not None or layout is not None:
+        raise ValueError("segment_ids= and layout= shape the predicted compute: pass "
+                         "hardware= too (a preset name or a Hardware).")
     devices = math.prod(sizes)
     traffic = shape.comm_kwargs()
     num_heads, num_kv_heads = shape.num_heads, shape.num_kv_heads
@@ -248,7 +258,8 @@ def plan_for_hardware(seq_len, num_heads, num_kv_heads, head_dim, seq_axes, *, b
     return plan_layer(shape, seq_axes, hardware=hardware, memory_budget=memory_budget)
 
 
-def _plan_predicted(shape: LayerShape, names, sizes, hardware, memory_budget) -> Plan:
+def _plan_predicted(shape: LayerShape, names, sizes, hardware, memory_budget,
+                    documents=None) -> Plan:
     devices = math.prod(sizes)
     budget = hardware.hbm_bytes if memory_budget is None else float(memory_budget)
     if not budget > 0:
@@ -257,7 +268,8 @@ def _plan_predicted(shape: LayerShape, names, sizes, hardware, memory_budget) ->
     # Validates the shape (divisibility, positivity) with comm_bytes' messages.
     comm_bytes("ring", seq_axes=devices, **shape.comm_kwargs())
     found = {c.label: c for c in predict.candidates(devices, shape.num_heads)}
-    predictions = {label: predict.predict(c, shape, hardware) for label, c in found.items()}
+    predictions = {label: predict.predict(c, shape, hardware, **(documents or {}))
+                   for label, c in found.items()}
     rejected = {label: f"needs {_gib(p['memory'])} per device, over the budget of "
                        f"{_gib(budget)}" for label, p in predictions.items()
                 if p["memory"] > budget}

@@ -16,9 +16,13 @@ device (:class:`Hardware` figures):
 * compute: attention FLOPs ``2 B H (Dqk + Dv)`` per visible (query, key) pair,
   the backward ``(3 Dqk + 2 Dv) / (Dqk + Dv)`` times the forward, causal and
   window masks counting only visible pairs, in whole tiles of ``tile`` tokens (a
-  kernel fact, not the layer's) on the busiest device (zigzag balances causal
-  rings; Ulysses is balanced by construction), at
-  ``peak_flops * attention_efficiency``;
+  kernel fact, not the layer's) on the busiest device of every ring step (zigzag
+  balances causal rings; Ulysses is balanced by construction), at
+  ``peak_flops * attention_efficiency``. Packed documents (``segment_ids=`` of a
+  representative batch, in the batch's ``layout``) are counted as the kernels
+  compute them: tiles classified per row
+  (:func:`jax_seqpar.core.work.computed_tiles_per_shard`), the busiest device's count,
+  not the mean;
 * which transfers hide behind a kernel is what the target's compiled programs show
   (:attr:`Hardware.overlaps`: the collective kinds a kernel can hide) for the way the
   strategy sends them (its pieces, :attr:`~jax_seqpar.strategies.registry.Strategy.pieces`);
@@ -36,9 +40,9 @@ device (:class:`Hardware` figures):
   overlapped (the ring's hops hide behind its compute). Ulysses sends
   4 all-to-alls a pass (q, k, v, out; dout, dq, dk, dv) and all-gathers the int32
   positions (and segment ids); the all-gather strategy gathers K, V and positions
-  (and segment ids) and passes dK/dV around the ring (a collective-permute a hop). A group that spans domains sends
-  the share bound for other domains, ``(size - D) / (size - 1)``, on the slow
-  link while the rest goes on the fast one;
+  (and segment ids) and passes dK/dV around the ring (a collective-permute a hop). A
+  group that spans domains sends the share bound for other domains,
+  ``(size - D) / (size - 1)``, on the slow link while the rest goes on the fast one;
 * memory: q, k, v, out and their gradients, Ulysses' K/V heads replicated to
   ``lcm(Hkv, I)``, the ring's K/V and float32 dK/dV in flight, all-gather's
   O(S) K/V and its cotangent, float32 accumulators and score tiles.
@@ -56,7 +60,7 @@ from typing import Optional
 import numpy as np
 
 from jax_seqpar.core.shape import LayerShape
-from jax_seqpar.planning import hardware as hardware_lib
+from jax_seqpar.planning import hardware as hardware_lib, packed
 from jax_seqpar.planning.hardware import Hardware
 from jax_seqpar.strategies import registry
 from jax_seqpar.strategies.registry import comm_bytes
@@ -276,11 +280,15 @@ def _sampled(items, limit: int = 8):
     return [items[i] for i in np.linspace(0, len(items) - 1, limit).round().astype(int)]
 
 
-def _step_seconds(candidate: Candidate, shape: LayerShape, hardware: Hardware, tile: int):
+def _step_seconds(candidate: Candidate, shape: LayerShape, hardware: Hardware, tile: int,
+                  documents=None):
     """Forward and backward compute seconds per ring step (tile-level, busiest device)."""
     d_qk, d_v = shape.head_dim, shape.v_head_dim
     heads = shape.num_heads // candidate.ulysses
-    if _tile_count(candidate, shape, tile) <= _MAX_TILE_PAIRS:
+    if documents is not None:
+        pairs = packed.step_pairs(candidate.strategy, candidate.ring, candidate.ulysses, shape,
+                                  tile, documents)
+    elif _tile_count(candidate, shape, tile) <= _MAX_TILE_PAIRS:
         pairs = _step_pairs(candidate, shape, tile)
     else:  # too many tiles to classify: exact visible pairs, spread evenly
         per_device = visible_pairs(shape.seq_len, shape.causal, shape.window) / candidate.ring
@@ -300,11 +308,12 @@ def _tile_count(candidate: Candidate, shape: LayerShape, tile: int) -> float:
     return tiles * tiles / candidate.ring * min(candidate.ring, 8)
 
 
-def _seconds(candidate: Candidate, shape: LayerShape, hardware: Hardware, tile: int) -> dict:
+def _seconds(candidate: Candidate, shape: LayerShape, hardware: Hardware, tile: int,
+             documents=None) -> dict:
     strategy, ring, inner = candidate.strategy, candidate.ring, candidate.ulysses
     devices = ring * inner
     sizes = (ring, inner) if registry.get(strategy).seq_axes == 2 else devices
-    compute_fwd, compute_bwd = _step_seconds(candidate, shape, hardware, tile)
+    compute_fwd, compute_bwd = _step_seconds(candidate, shape, hardware, tile, documents)
     compute = sum(compute_fwd) + sum(compute_bwd)
     total_bytes = _comm_bytes(strategy, shape, sizes)
     if strategy in _EXCHANGES:
@@ -370,7 +379,8 @@ def _memory(candidate: Candidate, shape: LayerShape, tile: int) -> float:
     return float(memory)
 
 
-def predict(candidate: Candidate, shape: LayerShape, hardware, *, tile: int = TILE) -> dict:
+def predict(candidate: Candidate, shape: LayerShape, hardware, *, tile: int = TILE,
+            segment_ids=None, layout: Optional[str] = None) -> dict:
     """One layer's predicted time, broken down, and memory for ``candidate`` on ``hardware``.
 
     Args:
@@ -378,6 +388,13 @@ def predict(candidate: Candidate, shape: LayerShape, hardware, *, tile: int = TI
       shape: the layer; ``shape.backward`` counts the backward too.
       hardware: a :class:`~jax_seqpar.planning.hardware.Hardware` or a preset name.
       tile: tokens per kernel tile, each side (whole tiles are computed).
+      segment_ids: ``int[B', S]`` natural-order document ids of a representative batch
+        (packed documents), or None: one document per row. With them, compute is the
+        busiest device's computed tiles at every ring step, each tile classified per
+        row (causal within documents), as the kernels compute them.
+      layout: the batch's token order (:data:`jax_seqpar.planning.packed.LAYOUTS`), or None: the package's default
+        (zigzag for causal rings, hybrids and all-gathers; else contiguous).
+        ``"per_document"`` needs ``segment_ids`` and is laid out with ``tile``.
 
     Returns:
       A dict, per device:
@@ -404,6 +421,8 @@ def predict(candidate: Candidate, shape: LayerShape, hardware, *, tile: int = TI
     True
     """
     hardware = hardware_lib.get(hardware)
-    result = _seconds(candidate, shape, hardware, tile)
+    documents = packed.documents(shape, segment_ids, layout)
+    result = _seconds(candidate, shape, hardware, tile, documents)
     result["memory"] = _memory(candidate, shape, tile)
     return result
+

@@ -8,7 +8,8 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jax_seqpar.core import layout, masks
+from jax_seqpar.core import compat as _compat, layout, masks
+from jax_seqpar.kernels import tiling
 from jax_seqpar.kernels.contract import BlockSizes, Kernel
 
 
@@ -95,15 +96,38 @@ class Options:
 
     def forward(self, q, k, v, q_tokens, kv_tokens, accumulate=None):
         """The kernel's forward; with ``accumulate`` (the ``(out, lse)`` of earlier keys)
-        the result covers both (see :mod:`jax_seqpar.kernels.contract`)."""
+        the result covers both (see :mod:`jax_seqpar.kernels.contract`), and a call whose
+        queries and keys share no document is skipped whole (:meth:`_unless_empty`)."""
         kwargs = self._kwargs()
-        if accumulate is not None:
-            kwargs["accumulate"] = accumulate
-        return self.kernel.forward(q, k, v, q_tokens, kv_tokens, **kwargs)
+        if accumulate is None:
+            return self.kernel.forward(q, k, v, q_tokens, kv_tokens, **kwargs)
+        return self._unless_empty(
+            lambda: self.kernel.forward(q, k, v, q_tokens, kv_tokens, accumulate=accumulate,
+                                        **kwargs),
+            accumulate, (q, k, v, q_tokens, kv_tokens))
 
     def backward(self, q, k, v, q_tokens, kv_tokens, lse, delta, dout, accumulate=None):
-        return self.kernel.backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout,
-                                    accumulate=accumulate, **self._kwargs())
+        """The kernel's backward (float32 ``(dq, dk, dv)``, plus ``accumulate``); with
+        ``accumulate``, skipped whole like :meth:`forward`."""
+        def call():
+            return self.kernel.backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout,
+                                        accumulate=accumulate, **self._kwargs())
+        if accumulate is None:
+            return call()
+        return self._unless_empty(call, accumulate, (q, k, v, q_tokens, kv_tokens))
+
+    def _unless_empty(self, call, accumulate, operands):
+        """``call()``, or ``accumulate`` unchanged when its queries and keys share no
+        document (:func:`jax_seqpar.kernels.tiling.any_visible`): a ring step whose K/V
+        shard holds none of this shard's documents costs no kernel. Only with segment
+        ids (the step test is a few tile summaries; other masks keep one kernel call)."""
+        q_tokens, kv_tokens = operands[3:]
+        if q_tokens.segment_ids is None or kv_tokens.segment_ids is None:
+            return call()
+        like = (operands, accumulate)
+        return jax.lax.cond(tiling.any_visible(self.spec, q_tokens, kv_tokens),
+                            lambda: _compat.match_varying(tuple(call()), like),
+                            lambda: _compat.match_varying(tuple(accumulate), like))
 
     def attention(self, q, k, v, q_tokens, kv_tokens):
         return self.kernel.attention(q, k, v, q_tokens, kv_tokens, **self._kwargs())

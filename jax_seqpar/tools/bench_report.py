@@ -235,6 +235,13 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add("--json", metavar="PATH", help="also write every number as JSON to PATH")
     add("--plot", metavar="PATH", help="also write a PNG of time and memory vs seq length")
     add("--no-progress", action="store_true", help="hide the progress bar")
+    add("--packed", action="store_true",
+        help="instead measure packed documents (jax_seqpar.tools.packed_bench): busiest/mean "
+             "token work and computed tiles per device for contiguous, zigzag, striped and "
+             "per_document on three document mixes, and a causal ring layer's CPU time, "
+             "zigzag vs per_document, over the first --mesh's devices (default 8); --plot "
+             "writes the work per device")
+    add("--seeds", type=int, default=4, help="with --packed: draws of each document mix")
     add("--project", action="store_true",
         help="instead print the MODELLED communication time of this shape on 8..1024 chips "
              "(8 per node) for 32K..1M tokens (jax_seqpar.planning.projection, from the "
@@ -258,6 +265,23 @@ def _compile_for_target(args: argparse.Namespace, shape: LayerShape) -> tuple[di
     return result, format_target_table(result)
 
 
+def _run_packed(args: argparse.Namespace, shape: LayerShape) -> int:
+    """``jax-seqpar bench --packed``: print (and save) the packed-documents bench."""
+    from jax_seqpar.tools import packed_bench
+
+    num_shards = math.prod(parse_mesh(args.mesh[0]).values()) if args.mesh else 8
+    targets.emulate_cpu_devices(num_shards, cpu_only=True)
+    result = packed_bench.run_packed(shape, num_shards, seeds=args.seeds, runs=args.runs,
+                                     warmup=args.warmup)
+    print(packed_bench.format_packed(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    if args.plot:
+        packed_bench.plot_packed(result, args.plot)
+    return 0
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Runs ``jax-seqpar bench`` from :func:`add_bench_arguments` options; the exit status."""
     try:
@@ -270,6 +294,8 @@ def run_bench(args: argparse.Namespace) -> int:
                 shape.num_heads, shape.num_kv_heads, shape.head_dim, shape.v_head_dim,
                 batch=shape.batch, causal=shape.causal, dtype_bytes=shape.dtype_bytes)))
             return 0
+        if args.packed:
+            return _run_packed(args, shape)
         compile_only = args.target is not None and targets.parse(args.target).platform != "cpu"
         if args.max_seq and not compile_only:
             raise ValueError("--max-seq needs a GPU or TPU --target, e.g. --target h100:8.")

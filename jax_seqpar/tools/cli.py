@@ -50,7 +50,8 @@ def _demo(args: argparse.Namespace) -> int:
     start = time.perf_counter()
     demo.run_demo(steps=args.steps, seq_len=args.seq_len, batch=args.batch,
                   strategies=strategies, out=args.out, seed=args.seed,
-                  progress=not args.no_progress, fsdp=args.fsdp, model_config=model_config)
+                  progress=not args.no_progress, fsdp=args.fsdp, model_config=model_config,
+                  packed=args.packed)
     print(f"demo wall time: {time.perf_counter() - start:.1f} s")
     return 0
 
@@ -132,6 +133,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="also shard parameters and optimizer state over the devices that "
                            "split the sequence (FSDP / ZeRO-3) and print their per-device "
                            "memory, sharded vs replicated")
+    demo.add_argument("--packed", action="store_true",
+                      help="put every batch in the per-document order of its packed "
+                           "documents (balanced causal work per device) instead of zigzag, "
+                           "and print both orders' busiest/mean work per device")
     demo.add_argument("--layers", type=_positive_int, default=2, help="Transformer blocks")
     demo.add_argument("--local-window", type=_positive_int, default=None,
                       help="make layers local (causal sliding window of this many past tokens) "

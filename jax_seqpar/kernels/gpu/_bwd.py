@@ -168,7 +168,7 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, sof
         interpret=interpret, precision_dtype=q.dtype,
         grid=(t.num_k, t.batch, t.kv_heads * splits),
         in_specs=[
-            pl.BlockSpec((None, 4), lambda j, b, g: (j, 0)),
+            pl.BlockSpec((None, None, 4), lambda j, b, g: (b, j, 0)),
             pl.BlockSpec((None, q_pad, per_split, d_qk.padded), lambda j, b, g: (b, 0, g, 0)),
             pl.BlockSpec((None, t.block_k, None, d_qk.padded),
                          lambda j, b, g: (b, j, g // splits, 0)),
@@ -187,7 +187,8 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, sof
         out_shape=[
             _compat.shape_struct((t.batch, kv_pad, t.kv_heads * splits, d_qk.size), _F32, q),
             _compat.shape_struct((t.batch, kv_pad, t.kv_heads * splits, d_v.size), _F32, q)],
-        compiler_params=config.launch("dkv", t.block_k, d_qk.size, d_v.size, q.dtype),
+        compiler_params=config.launch("dkv", t.block_k, d_qk.size, d_v.size, q.dtype,
+                                      segments=q_tokens.segment_ids is not None),
         name="seqpar_flash_dkv",
     )(core.tile_bounds(spec, t, q_tokens, kv_tokens, by_key=True), *inputs)
     if splits > 1:  # [B, Sk, Hkv * splits, D] -> [B, Sk, Hkv, D]

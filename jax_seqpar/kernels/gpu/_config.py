@@ -62,10 +62,12 @@ def gpu_generation() -> Optional[int]:
     return int(str(capability).split(".")[0]) if capability else None
 
 
-def launch(kind: str, rows: int, d_qk: int, d_v: int, dtype) -> plgpu.CompilerParams:
+def launch(kind: str, rows: int, d_qk: int, d_v: int, dtype, *,
+           segments: bool = False) -> plgpu.CompilerParams:
     """Warps and software-pipeline stages of one kernel (``kind``: fwd, dq, dkv) whose
     programs own ``rows`` tokens (measured with ``experiments/gpu_resources.py``:
-    no spills on sm_80 or sm_90 at the default tiles)."""
+    no spills on sm_80 or sm_90 at the default tiles). ``segments``: the call masks by
+    segment ids (the dk/dv kernel then holds each query tile's ids too)."""
     width = _width(d_qk, d_v)
     if jnp.dtype(dtype) == jnp.float32:  # TF32x3 operands: three registers per value
         return plgpu.CompilerParams(num_warps=4 if width <= 128 else 8,
@@ -77,6 +79,8 @@ def launch(kind: str, rows: int, d_qk: int, d_v: int, dtype) -> plgpu.CompilerPa
         warps = 4 if size <= 32 * 64 else 8
     if kind != "dkv":
         stages = 3 if width <= 128 else 2
+    elif segments:  # sm_90's dk/dv with segment ids at width 128 spills with two stages
+        stages = 1
     else:  # sm_80's dk/dv at width 256 spills with two stages, sm_90's does not
         stages = 2 if width <= 128 or gpu_generation() == 9 else 1
     return plgpu.CompilerParams(num_warps=warps, num_stages=stages)

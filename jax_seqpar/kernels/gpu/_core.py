@@ -139,7 +139,7 @@ def query_row_specs(t: Tiling, q_tokens, kv_tokens, d_qk: "HeadDim", d_v: "HeadD
     the query tile, the whole K/V of the head's group (``h // group``), the tokens."""
     kv_pad, group = t.num_k * t.block_k, t.group
     return [
-        pl.BlockSpec((None, 4), lambda i, b, h: (i, 0)),
+        pl.BlockSpec((None, None, 4), lambda i, b, h: (b, i, 0)),
         pl.BlockSpec((None, t.block_q, None, d_qk.padded), lambda i, b, h: (b, i, h, 0)),
         pl.BlockSpec((None, kv_pad, None, d_qk.padded), lambda i, b, h: (b, 0, h // group, 0)),
         pl.BlockSpec((None, kv_pad, None, d_v.padded), lambda i, b, h: (b, 0, h // group, 0)),
@@ -333,22 +333,27 @@ BOUNDS_CHUNK = 256
 def tile_bounds(spec: MaskSpec, t: Tiling, q_tokens: Tokens, kv_tokens: Tokens, *,
                 by_key: bool = False):
     """Loop bounds (:func:`row_bounds`) of every query tile (or key tile, ``by_key``)
-    from the tokens (padded to whole tiles), ``int32[n, 4]``.
+    of every batch row from the tokens (padded to whole tiles), ``int32[B, n, 4]``:
+    each batch row skips its own ``EMPTY`` tiles (packed rows hold different documents).
 
     The classes are built :data:`BOUNDS_CHUNK` rows at a time (``lax.map``), so
-    memory is O(S) however long the sequence, never a ``[num_q, num_k]`` table.
+    memory is O(B * S) however long the sequence, never a ``[num_q, num_k]`` table.
     """
-    q_summary = masks.summarize(q_tokens, t.block_q)
-    kv_summary = masks.summarize(kv_tokens, t.block_k)
-    rows = kv_summary if by_key else q_summary
+    q_summaries = masks.summarize(q_tokens, t.block_q, per_row=True)  # [B, nq] fields
+    kv_summaries = masks.summarize(kv_tokens, t.block_k, per_row=True)  # [B, nk] fields
 
-    def one_row(row):  # summaries of one tile -> its bounds [4]
-        row = jax.tree.map(lambda x: x[None], row)
-        classes = (masks.classify(spec, q_summary, row).T if by_key
-                   else masks.classify(spec, row, kv_summary))
-        return row_bounds(classes)[0]
+    def batch_row(q_summary, kv_summary):  # [nq], [nk] fields -> [n, 4]
+        rows = kv_summary if by_key else q_summary
 
-    return lax.map(one_row, rows, batch_size=min(BOUNDS_CHUNK, rows.pos_min.shape[0]))
+        def one_row(row):  # summaries of one tile -> its bounds [4]
+            row = jax.tree.map(lambda x: x[None], row)
+            classes = (masks.classify(spec, q_summary, row).T if by_key
+                       else masks.classify(spec, row, kv_summary))
+            return row_bounds(classes)[0]
+
+        return lax.map(one_row, rows, batch_size=min(BOUNDS_CHUNK, rows.pos_min.shape[0]))
+
+    return jax.vmap(batch_row)(q_summaries, kv_summaries)
 
 
 def row_bounds(classes):

@@ -14,9 +14,10 @@ How the work is cut:
   tiles, one per (key tile, batch, kv head, head split) accumulates ``dk, dv`` over
   the query tiles of its share of the GQA group (:mod:`._pallas_bwd`);
 * the tile classes of :func:`jax_seqpar.core.masks.classify` are reduced, outside the
-  kernels and a few hundred rows at a time (O(S) memory, no ``[nq, nk]`` table), to
-  per-row loop bounds: the first..last non-``EMPTY`` tile and the run of ``FULL``
-  tiles inside it. Each program runs three plain loops (masked,
+  kernels and a few hundred rows at a time (O(B * S) memory, no ``[nq, nk]`` table),
+  to loop bounds per batch row and row of tiles (``[B, n, 4]``: packed rows skip what
+  their own documents do not share): the first..last non-``EMPTY`` tile and the run
+  of ``FULL`` tiles inside it. Each program runs three plain loops (masked,
   unmasked, masked) with every load at a loop's top level, so Triton pipelines
   them; the elementwise mask (:func:`jax_seqpar.core.masks.visible` on the position /
   segment tiles) is computed only outside the ``FULL`` run, and an ``EMPTY`` tile

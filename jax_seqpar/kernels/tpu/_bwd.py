@@ -56,7 +56,7 @@ def _dq_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref, de
         ds = _grad_scores(s, t, p, dp, delta_col[:, :1], softcap)
         dq_acc[...] += mc.dot(ds.astype(k.dtype), k, precision=precision)
 
-    mc.run_tile(plan_ref, q_tile, kv_tile, tile)
+    mc.run_tile(plan_ref, pl.program_id(0), q_tile, kv_tile, tile)
 
     @pl.when(kv_tile == pl.num_programs(3) - 1)
     def _finish():
@@ -87,7 +87,7 @@ def _dkv_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref, d
         ds = _grad_scores(s, t, p, dp, delta_ref[...], softcap)
         dk_acc[...] += mc.dot(ds.astype(q.dtype), q, precision=precision)
 
-    mc.run_tile(plan_ref, kv_tile, q_tile, tile)
+    mc.run_tile(plan_ref, pl.program_id(0), kv_tile, q_tile, tile)
 
     @pl.when(last)
     def _finish():
@@ -107,7 +107,7 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, blo
     q, k, v, q_tokens, kv_tokens, lse, delta, dout, dq_in = _compat.match_varying(
         operands, operands)
     t = mc.tiling(q, k, block_sizes.block_q_bwd, block_sizes.block_k_bwd)
-    q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # classes [nq, nk]
+    q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # classes [B, nq, nk]
     (batch, q_len, heads, d_qk), (kv_len, kv_heads), d_v = q.shape, k.shape[1:3], v.shape[-1]
     q_pad, kv_pad, group = t.num_q * t.block_q, t.num_k * t.block_k, t.group
     kernel_args = dict(spec=spec, scale=scale, softcap=softcap, precision=mc.precision(q.dtype))
@@ -118,7 +118,7 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, blo
     lse_h, delta_h = (jnp.swapaxes(pad_seq(x, q_pad), 1, 2)[:, :, None] for x in (lse, delta))
 
     def kv_map(b, h, i, j, plan_ref):
-        return b, lax.div(h, group), mc.fetched(plan_ref, i, j), 0
+        return b, lax.div(h, group), mc.fetched(plan_ref, b, i, j), 0
 
     def q_map(b, h, i, j, _):
         return b, h, i, 0
@@ -142,7 +142,7 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, blo
             pl.BlockSpec((None, None, t.block_k, d_v), kv_map),
             mc.token_specs(q_tokens, (None, t.block_q, 1), lambda b, h, i, j, _: (b, i, 0)),
             mc.token_specs(kv_tokens, (None, 1, t.block_k),
-                           lambda b, h, i, j, plan_ref: (b, 0, mc.fetched(plan_ref, i, j))),
+                           lambda b, h, i, j, plan_ref: (b, 0, mc.fetched(plan_ref, b, i, j))),
             pl.BlockSpec((None, None, t.block_q, d_v), q_map),
             pl.BlockSpec((None, None, 1, t.block_q), lambda b, h, i, j, _: (b, h, 0, i)),
             pl.BlockSpec((None, None, 1, t.block_q), lambda b, h, i, j, _: (b, h, 0, i)),
@@ -162,10 +162,10 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, blo
     dq = dq_call(*dq_operands)
 
     def q_row_map(b, g, j, r, i, plan_ref):  # query rows of head g * group + r
-        return b, g * group + r, mc.fetched(plan_ref, j, i), 0
+        return b, g * group + r, mc.fetched(plan_ref, b, j, i), 0
 
     def stats_map(b, g, j, r, i, plan_ref):
-        return b, g * group + r, 0, mc.fetched(plan_ref, j, i)
+        return b, g * group + r, 0, mc.fetched(plan_ref, b, j, i)
 
     def kv_own_map(b, g, j, r, i, _):
         return b, g, j, 0
@@ -181,7 +181,7 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, blo
             pl.BlockSpec((None, None, t.block_k, d_qk), kv_own_map),
             pl.BlockSpec((None, None, t.block_k, d_v), kv_own_map),
             mc.token_specs(q_tokens, (None, 1, t.block_q),
-                           lambda b, g, j, r, i, plan_ref: (b, 0, mc.fetched(plan_ref, j, i))),
+                           lambda b, g, j, r, i, plan_ref: (b, 0, mc.fetched(plan_ref, b, j, i))),
             mc.token_specs(kv_tokens, (None, t.block_k, 1), lambda b, g, j, r, i, _: (b, j, 0)),
             pl.BlockSpec((None, None, t.block_q, d_v), q_row_map),
             pl.BlockSpec((None, None, 1, t.block_q), stats_map),
@@ -198,7 +198,7 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, blo
                               transcendentals=score_flops,
                               arrays=(q_h, k_h, v_h, do_h, out_shapes)),
     )
-    dk, dv = dkv_call(mc.plan(classes.T), q_h, k_h, v_h, mc.row(q_tokens),
+    dk, dv = dkv_call(mc.plan(jnp.swapaxes(classes, 1, 2)), q_h, k_h, v_h, mc.row(q_tokens),
                       mc.column(kv_tokens), do_h, lse_h, delta_h)
     return (mc.tokens_first(dq, q_len), mc.tokens_first(dk, kv_len),
             mc.tokens_first(dv, kv_len))

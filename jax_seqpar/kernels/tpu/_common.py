@@ -10,7 +10,8 @@ of the transposed scores in the ``dk, dv`` kernel. Per-row statistics (``lse``,
 ``delta``) live in HBM lane-dense as ``[B, H, 1, S]`` (a trailing dim of 1 would be
 padded to 128 lanes there) and are transposed in VMEM where a tile needs a column.
 
-The schedule of a call is one ``int32[rows, cols]`` table in SMEM (scalar prefetch):
+The schedule of a call is one ``int32[B, rows, cols]`` table in SMEM (scalar prefetch),
+one plan per batch row (packed rows hold different documents):
 ``plan = fetch << 2 | class``, where ``class`` is the tile's
 :func:`jax_seqpar.core.masks.classify` class and ``fetch`` the tile the pipeline loads at
 that step: the tile itself when it is not ``EMPTY``, else the last non-``EMPTY``
@@ -85,24 +86,27 @@ def load(tokens: Tokens):
 
 
 def plan(classes):
-    """``int32[rows, cols]`` schedule (module docstring) from tile classes of that shape."""
-    cols = jnp.arange(classes.shape[1], dtype=jnp.int32)
+    """``int32[B, rows, cols]`` schedule (module docstring) from tile classes of that
+    shape (per batch row)."""
+    cols = jnp.arange(classes.shape[-1], dtype=jnp.int32)
     nonempty = classes != masks.EMPTY
-    last_before = lax.cummax(jnp.where(nonempty, cols, -1), axis=1)
-    first = jnp.argmax(nonempty, axis=1).astype(jnp.int32)[:, None]
+    last_before = lax.cummax(jnp.where(nonempty, cols, -1), axis=classes.ndim - 1)
+    first = jnp.argmax(nonempty, axis=-1).astype(jnp.int32)[..., None]
     fetch = jnp.where(last_before >= 0, last_before, first)
     return (fetch << _CLASS_BITS) | classes.astype(jnp.int32)
 
 
-def fetched(plan_ref, row_index, col_index):
-    """The tile index the pipeline loads at step ``(row_index, col_index)``."""
+def fetched(plan_ref, batch_index, row_index, col_index):
+    """The tile index the pipeline loads at step ``(row_index, col_index)`` of batch row
+    ``batch_index``."""
     # Shifts and masks: Mosaic lowers them on scalars without the device's generation.
-    return lax.shift_right_logical(plan_ref[row_index, col_index], _CLASS_BITS)
+    return lax.shift_right_logical(plan_ref[batch_index, row_index, col_index], _CLASS_BITS)
 
 
-def run_tile(plan_ref, row_index, col_index, tile_fn):
-    """Run ``tile_fn(masked)`` on ``PARTIAL`` (masked) and ``FULL`` tiles; skip ``EMPTY``."""
-    tile_class = plan_ref[row_index, col_index] & ((1 << _CLASS_BITS) - 1)
+def run_tile(plan_ref, batch_index, row_index, col_index, tile_fn):
+    """Run ``tile_fn(masked)`` on ``PARTIAL`` (masked) and ``FULL`` tiles of batch row
+    ``batch_index``; skip ``EMPTY``."""
+    tile_class = plan_ref[batch_index, row_index, col_index] & ((1 << _CLASS_BITS) - 1)
     pl.when(tile_class == masks.PARTIAL)(lambda: tile_fn(True))
     pl.when(tile_class == masks.FULL)(lambda: tile_fn(False))
 

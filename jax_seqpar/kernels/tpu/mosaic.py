@@ -16,8 +16,9 @@ How the work is cut (FlashAttention-2):
   ``(batch, kv head, key tile, head of the group, query tile)`` that computes the
   transposed scores ``k @ q.T`` (no in-kernel transposes) and sums its GQA group
   in VMEM, without atomics (:mod:`._mosaic_bwd`);
-* every (query tile, key tile) pair is classified outside the kernel
-  (:func:`jax_seqpar.core.masks.classify`) into a scalar-prefetched plan: ``EMPTY``
+* every (query tile, key tile) pair of every batch row is classified outside the
+  kernel (:func:`jax_seqpar.core.masks.classify`) into a scalar-prefetched plan
+  ``[B, nq, nk]`` (packed rows skip what their own documents do not share): ``EMPTY``
   tiles are neither computed nor copied in, ``FULL`` tiles are not masked, and
   ``PARTIAL`` tiles apply :func:`jax_seqpar.core.masks.visible` to the tokens' positions
   and segment ids;
@@ -111,7 +112,7 @@ def _forward_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, *refs, spec, s
                                                             precision=precision)
         m_ref[...] = m_next
 
-    mc.run_tile(plan_ref, q_tile, kv_tile, tile)
+    mc.run_tile(plan_ref, pl.program_id(0), q_tile, kv_tile, tile)
 
     @pl.when(kv_tile == pl.num_programs(3) - 1)
     def _finish():
@@ -164,12 +165,12 @@ def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, block_sizes, softcap,
     operands = (q, k, v, q_tokens, kv_tokens, accumulate)
     q, k, v, q_tokens, kv_tokens, accumulate = _compat.match_varying(operands, operands)
     t = mc.tiling(q, k, block_sizes.block_q, block_sizes.block_k)
-    q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # classes [nq, nk]
+    q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # classes [B, nq, nk]
     (batch, q_len, heads, d_qk), d_v = q.shape, v.shape[-1]
     q_pad, kv_pad, group = t.num_q * t.block_q, t.num_k * t.block_k, t.group
 
     def kv_map(b, h, i, j, plan_ref):
-        return b, lax.div(h, group), mc.fetched(plan_ref, i, j), 0
+        return b, lax.div(h, group), mc.fetched(plan_ref, b, i, j), 0
 
     out_spec = pl.BlockSpec((None, None, t.block_q, d_v), lambda b, h, i, j, _: (b, h, i, 0))
     lse_spec = pl.BlockSpec((None, None, 1, t.block_q), lambda b, h, i, j, _: (b, h, 0, i))
@@ -194,7 +195,7 @@ def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, block_sizes, softcap,
             pl.BlockSpec((None, None, t.block_k, d_v), kv_map),
             mc.token_specs(q_tokens, (None, t.block_q, 1), lambda b, h, i, j, _: (b, i, 0)),
             mc.token_specs(kv_tokens, (None, 1, t.block_k),
-                           lambda b, h, i, j, plan_ref: (b, 0, mc.fetched(plan_ref, i, j))),
+                           lambda b, h, i, j, plan_ref: (b, 0, mc.fetched(plan_ref, b, i, j))),
         ] + ([out_spec, lse_spec] if accumulate is not None else []),
         out_specs=[out_spec, lse_spec],
         out_shape=out_shape,

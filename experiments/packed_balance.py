@@ -1,0 +1,74 @@
+"""Packed documents: how evenly each token order spreads causal work over the devices.
+
+For three document mixes (one long document per row; uniform short documents; heavy-tailed
+lengths) and the orders contiguous, zigzag, striped and per_document, prints the busiest
+device's token work and computed tiles over the mean (median/worst over ``--seeds``
+draws; tiles per-row classified with segment signatures, at each kernel's default tiles
+and at 128), then the CPU-mesh time of a causal ring layer (XLA kernel) for zigzag vs
+per_document, and saves a plot of the work per device (and, with ``--json``, every
+number). The balance is counted at ``--seq`` (host numpy, no attention is run); the
+ring is timed at ``--time-seq`` (the CPU mesh is slow; 0 skips the timing).
+
+    python experiments/packed_balance.py                 # B=2, S=16384, P=8, ring at 4096
+    python experiments/packed_balance.py --seeds 2 --time-seq 0 --plot /tmp/packed.png
+
+The same bench at one size: ``jax-seqpar bench --packed --batch 2 --seq 16384``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--batch", type=int, default=2)
+    parser.add_argument("--seq", type=int, default=16384, help="tokens per row (balance)")
+    parser.add_argument("--shards", type=int, default=8, help="devices P")
+    parser.add_argument("--seeds", type=int, default=8, help="draws of each mix")
+    parser.add_argument("--time-seq", type=int, default=4096,
+                        help="tokens per row of the timed ring layer (0: no timing)")
+    parser.add_argument("--heads", type=int, default=2)
+    parser.add_argument("--kv-heads", type=int, default=1)
+    parser.add_argument("--head-dim", type=int, default=32)
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--plot", default=os.path.join(os.path.dirname(__file__), "results",
+                                                       "packed_balance.png"))
+    parser.add_argument("--json", default=None, help="also write every number here")
+    args = parser.parse_args(argv)
+
+    from jax_seqpar.tools import targets
+
+    targets.emulate_cpu_devices(args.shards, cpu_only=True)  # before JAX starts a backend
+    from jax_seqpar.core.shape import LayerShape
+    from jax_seqpar.tools import packed_bench
+
+    def shape(seq):
+        return LayerShape(args.batch, seq, args.heads, args.kv_heads, args.head_dim,
+                          causal=True)
+
+    result = packed_bench.run_packed(shape(args.seq), args.shards, seeds=args.seeds,
+                                     time_ring=False)
+    if args.time_seq:
+        result["times"] = packed_bench.ring_times(shape(args.time_seq), args.shards,
+                                                  runs=args.runs, warmup=1)
+        result["time_seq"] = args.time_seq
+        result["load"] = packed_bench._load()
+    print(packed_bench.format_packed(result))
+    if args.time_seq:
+        print(f"(ring timed at S={args.time_seq})")
+    if args.plot:
+        os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
+        packed_bench.plot_packed(result, args.plot)
+        print(f"plot: {args.plot}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
