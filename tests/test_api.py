@@ -114,8 +114,10 @@ LENGTH_CASES = [
 ]
 
 
-@pytest.mark.parametrize("strategy", STRATEGIES)
-@pytest.mark.parametrize("seq,mask", LENGTH_CASES)
+@pytest.mark.parametrize("strategy,seq,mask", checks.tiered(  # default: one length each
+    [pytest.param(strategy, *case.values, id=f"{case.id}-{strategy}")
+     for case in LENGTH_CASES for strategy in STRATEGIES],
+    lambda i: (i // len(STRATEGIES)) == i % len(STRATEGIES) % len(LENGTH_CASES)))
 def test_any_sequence_length(strategy, seq, mask, make_qkv, tolerances):
     q, k, v = make_qkv(batch=1, seq=seq, heads=8, kv_heads=2, head_dim=8, seed=seq)
     mask = dict(mask)

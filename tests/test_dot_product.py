@@ -209,9 +209,9 @@ def test_per_head_mask_with_sinks(placement, context_name, make_qkv, tolerances)
 
 # --- transformations and shardings a jax.nn user has ----------------------------------------
 
-@pytest.mark.parametrize("placement,axis_type,lengths,kernel", [
+@pytest.mark.parametrize("placement,axis_type,lengths,kernel", checks.tiered([
     ("local", None, True, "auto"), ("ring", "explicit", True, "auto"),
-    ("ring", "explicit", True, "xla"), ("allgather", "auto", False, "auto")])
+    ("ring", "explicit", True, "xla"), ("allgather", "auto", False, "auto")], lambda i: i < 2))
 def test_vmap_jit_and_grad(placement, axis_type, lengths, kernel, make_qkv, tolerances):
     """``jax.jit(jax.grad(...))`` of a loss over ``jax.vmap`` of ``[T, N, H]`` inputs (the
     vmapped axis folds into the kernels' batch: the staged Pallas branch of ``"auto"``

@@ -136,21 +136,22 @@ def test_backward_accumulates(kernel):
         np.testing.assert_allclose(got, grad + total, atol=1e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("kernel", kc.KERNELS)
 def test_forward_accumulates(kernel):
     """``forward(..., accumulate=(out, lse))`` continues a result over earlier keys: keys
     split in two runs give the result over all of them, rows that see no key in one of
     the runs included (documents and the causal mask leave some empty in each)."""
     module = kernels.get(kernel)
-    case = Case(q_len=37, kv_len=48, heads=4, kv_heads=2, causal=True, segments=True)
-    q_tokens, kv_tokens = _tokens(case)
-    (q, k, v), _ = _inputs(case, jnp.float32)
-    block_sizes = module.BlockSizes(block_q=BLOCK, block_k=BLOCK)
+    case = kc.for_kernel(Case(q_len=37, kv_len=48, heads=4, kv_heads=2, causal=True,
+                              segments=True), kernel)
+    q_tokens, kv_tokens = kc.tokens(case)
+    (q, k, v), _ = kc.inputs(case, jnp.float32)
     kwargs = dict(spec=MaskSpec.make(case.causal), scale=case.d_qk**-0.5,
-                  block_sizes=block_sizes)
+                  block_sizes=kc.block_sizes(kernel, case.tile))
     full = module.forward(q, k, v, q_tokens, kv_tokens, **kwargs)
     part = lambda x, s: jax.tree.map(lambda a: a[:, s], x)  # noqa: E731
-    first, rest = slice(0, 24), slice(24, None)
+    split = 24 * case.tile // kc.BASE_TILE  # after 1.5 tiles
+    first, rest = slice(0, split), slice(split, None)
     earlier = module.forward(q, part(k, first), part(v, first), q_tokens,
                              part(kv_tokens, first), **kwargs)
     assert bool(jnp.any(earlier[1] == masks.EMPTY_LSE))  # some rows saw no key yet

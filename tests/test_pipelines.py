@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import checks
 from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_seqpar as sp
@@ -114,18 +116,18 @@ def _ulysses_cases(strategy, heads_list, shards):
     return cases
 
 
-@pytest.mark.parametrize("heads, kv_heads, groups, variant", [
+@pytest.mark.parametrize("heads, kv_heads, groups, variant", checks.tiered([
     *_ulysses_cases("ulysses", ULYSSES_HEADS, 8),
     # bf16: a shared K/V head's gradients summed over 4 groups, kept in the input dtype
     pytest.param(32, 8, 4, dict(causal=True, dtype=jnp.bfloat16),
-                 id="ulysses-h32-kv8-g4-causal-bf16")])
+                 id="ulysses-h32-kv8-g4-causal-bf16")], lambda i: i in (4, 6, 8)))
 def test_ulysses_head_groups(heads, kv_heads, groups, variant, tolerances):
     _check("ulysses", tolerances, heads=heads, kv_heads=kv_heads, head_groups=groups,
            **variant)
 
 
-@pytest.mark.parametrize("heads, kv_heads, groups, variant",
-                         _ulysses_cases("hybrid", [(16, 8), (8, 2)], 4))
+@pytest.mark.parametrize("heads, kv_heads, groups, variant", checks.tiered(
+    _ulysses_cases("hybrid", [(16, 8), (8, 2)], 4), lambda i: i == 1))
 def test_hybrid_head_groups(heads, kv_heads, groups, variant, tolerances):
     _check("hybrid", tolerances, heads=heads, kv_heads=kv_heads, head_groups=groups, **variant)
 
@@ -155,11 +157,11 @@ ALLGATHER_CASES = [
 ]
 
 
-@pytest.mark.parametrize("heads, kv_heads, chunks, variant", [
+@pytest.mark.parametrize("heads, kv_heads, chunks, variant", checks.tiered([
     pytest.param(*case, id=f"h{case[0]}-kv{case[1]}-c{case[2]}-"
                  + "-".join(f"{k}{v}" for k, v in case[3].items() if k != "dtype")
                  + ("-bf16" if "dtype" in case[3] else ""))
-    for case in ALLGATHER_CASES])
+    for case in ALLGATHER_CASES], lambda i: i in (1, 4)))
 def test_allgather_chunks(heads, kv_heads, chunks, variant, tolerances):
     _check("allgather", tolerances, heads=heads, kv_heads=kv_heads, chunks=chunks, **variant)
 
