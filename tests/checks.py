@@ -104,14 +104,15 @@ def assert_matches(ours: Callable, reference: Callable, args: tuple, tolerances,
     return out, grads
 
 
-def tiered(params, keep) -> list:
+def tiered(params, keep, tier=pytest.mark.matrix) -> list:
     """``params`` (``pytest.param`` s, or tuples of values) with every one whose index
-    ``keep(i)`` rejects moved to the ``matrix`` tier: the default tier runs the covering
-    subset ``keep`` picks, CI every one."""
+    ``keep(i)`` rejects moved to the slow ``tier`` (the ``matrix`` tier; ``interpret``
+    for kernels in the Pallas interpreter): the default tier runs the covering subset
+    ``keep`` picks, CI every one."""
     out = []
     for i, param in enumerate(params):
         if not hasattr(param, "values"):
             param = pytest.param(*param)
-        marks = [*param.marks] + ([] if keep(i) else [pytest.mark.matrix])
+        marks = [*param.marks] + ([] if keep(i) else [tier])
         out.append(pytest.param(*param.values, id=param.id, marks=marks))
     return out

@@ -42,8 +42,9 @@ def test_per_shard_unequal_lengths_raise(strategy, make_qkv):
 
 # --- positions=: the batch is laid out once, no layer relayouts ---------------------------
 
-@pytest.mark.parametrize("layout", ["zigzag", "striped"])
-@pytest.mark.parametrize("strategy", STRATEGIES)
+@pytest.mark.parametrize("strategy,layout", checks.tiered(  # default: one layout each
+    [pytest.param(s, layout, id=f"{s}-{layout}") for layout in ("zigzag", "striped")
+     for s in STRATEGIES], lambda i: i // len(STRATEGIES) == i % 2))
 def test_positions_on_permuted_inputs(strategy, layout, make_qkv, tolerances):
     q, k, v = make_qkv(batch=2, seq=128, heads=8, kv_heads=2, head_dim=8, seed=4)
     segment_ids = checks.segments(2, 128, documents=3)

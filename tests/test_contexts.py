@@ -154,7 +154,7 @@ def test_no_mesh_attends_locally(make_qkv, tolerances):
     np.testing.assert_allclose(lse, want_lse, **tolerances(q.dtype))
 
 
-@pytest.mark.parametrize("context", contexts.tiered(1), indirect=True)
+@pytest.mark.parametrize("context", contexts.tiered(4), indirect=True)
 def test_vmap_and_checkpoint_in_every_context(context, make_qkv, tolerances):
     """``jax.vmap`` over a leading axis and ``jax.checkpoint`` around the call."""
     mesh = context.mesh()

@@ -66,8 +66,9 @@ def test_matches_reference_fp32(strategy, shape, mask, make_qkv, tolerances):
     _check(strategy, q, k, v, tolerances, **mask)
 
 
-@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag", "striped"])
+@pytest.mark.parametrize("strategy,layout", checks.tiered(  # default: one layout each
+    [pytest.param(s, layout, id=f"{layout}-{s}") for layout in ("contiguous", "zigzag", "striped")
+     for s in STRATEGY_NAMES], lambda i: i % len(STRATEGY_NAMES) % 3 == i // len(STRATEGY_NAMES)))
 def test_layouts(strategy, layout, make_qkv, tolerances):
     q, k, v = make_qkv(batch=B, seq=S, heads=H, kv_heads=2, head_dim=D, seed=1)
     _check(strategy, q, k, v, tolerances, layout=layout, causal=True,
@@ -241,8 +242,9 @@ def test_bad_input_raises_value_error(kwargs, message):
         sp.sequence_parallel_attention(q, k, v, mesh=mesh, strategy=strategy, **kwargs)
 
 
-@pytest.mark.parametrize("kernel", ["pallas", "mosaic"])
-@pytest.mark.parametrize("strategy", STRATEGY_NAMES)
+@pytest.mark.parametrize("strategy,kernel", checks.tiered(  # default: each kernel, one strategy
+    [pytest.param(s, kernel, id=f"{s}-{kernel}") for kernel in ("pallas", "mosaic")
+     for s in STRATEGY_NAMES], lambda i: i in (0, 5), tier=pytest.mark.interpret))
 def test_interpreted_kernels_end_to_end(strategy, kernel, make_qkv, tolerances):
     """Every strategy runs on the Pallas and the Mosaic kernel (the Pallas interpreter on
     CPU; Mosaic at 128-token tiles): causal GQA with packed documents, out and grads."""

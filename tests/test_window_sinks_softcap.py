@@ -114,7 +114,7 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("strategy, options", CASES)
+@pytest.mark.parametrize("strategy, options", checks.tiered(CASES, lambda i: i % 2 == 0))
 def test_matches_reference(strategy, options, tolerances):
     _check(strategy, tolerances, **options)
 
