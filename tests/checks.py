@@ -112,7 +112,7 @@ def tiered(params, keep, tier=pytest.mark.matrix) -> list:
     out = []
     for i, param in enumerate(params):
         if not hasattr(param, "values"):
-            param = pytest.param(*param)
+            param = pytest.param(*param) if isinstance(param, tuple) else pytest.param(param)
         marks = [*param.marks] + ([] if keep(i) else [tier])
         out.append(pytest.param(*param.values, id=param.id, marks=marks))
     return out

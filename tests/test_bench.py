@@ -68,7 +68,7 @@ def _parse(argv):
 
 def test_cli_writes_json_and_png(tmp_path, capsys):
     json_path, png_path = tmp_path / "bench.json", tmp_path / "bench.png"
-    args = _parse(["--seq", "64,128", "--heads", "4", "--kv-heads", "4", "--head-dim", "8",
+    args = _parse(["--seq", "32,64", "--heads", "4", "--kv-heads", "4", "--head-dim", "8",
                    "--mesh", "sp=4", "--strategies", "ring,ulysses", "--warmup", "0", "--runs",
                    "1", "--no-progress", "--json", str(json_path), "--plot", str(png_path)])
     assert bench_report.run_bench(args) == 0
@@ -76,7 +76,7 @@ def test_cli_writes_json_and_png(tmp_path, capsys):
     assert "ring" in printed and "ulysses" in printed
     result = json.loads(json_path.read_text())
     assert {(r["strategy"], r["seq_len"]) for r in result["rows"]} == {
-        ("ring", 64), ("ring", 128), ("ulysses", 64), ("ulysses", 128)}
+        ("ring", 32), ("ring", 64), ("ulysses", 32), ("ulysses", 64)}
     assert png_path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -12,6 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import checks
 import kernel_cases as kc
 from jax_seqpar.core import masks
 from jax_seqpar.core.masks import MaskSpec, Tokens
@@ -25,12 +26,14 @@ def test_accumulate_in_the_kernel(dtype):
     kernel merging after; the backward adds ``accumulate``'s dq in the dq kernel."""
     from jax_seqpar.kernels import xla
 
-    case = Case(batch=2, heads=4, kv_heads=2, causal=True, segments=True)
-    q_tokens, kv_tokens = _tokens(case)
-    (q, k, v), (dout, _) = _inputs(case, dtype)
+    case = kc.for_kernel(kc.Case(batch=2, heads=4, kv_heads=2, causal=True, segments=True),
+                         "mosaic")  # two 128-token tiles
+    q_tokens, kv_tokens = kc.tokens(case)
+    (q, k, v), (dout, _) = kc.inputs(case, dtype)
     kwargs = dict(spec=MaskSpec.make(case.causal), scale=case.d_qk**-0.5)
+    blocks = kc.block_sizes("mosaic", case.tile)
     part = lambda x, s: jax.tree.map(lambda a: a[:, s], x)  # noqa: E731
-    first, rest = slice(0, BLOCK), slice(BLOCK, None)
+    first, rest = slice(0, case.tile), slice(case.tile, None)
     earlier = xla.forward(q, part(k, first), part(v, first), q_tokens, part(kv_tokens, first),
                           **kwargs)
     assert bool(jnp.any(earlier[1] == masks.EMPTY_LSE))
@@ -38,7 +41,7 @@ def test_accumulate_in_the_kernel(dtype):
     @jax.jit
     def continued(acc):
         result = mosaic.forward(q, part(k, rest), part(v, rest), q_tokens,
-                                part(kv_tokens, rest), accumulate=acc, block_sizes=BLOCKS,
+                                part(kv_tokens, rest), accumulate=acc, block_sizes=blocks,
                                 **kwargs)
         return result, acc
 
@@ -55,9 +58,9 @@ def test_accumulate_in_the_kernel(dtype):
 
     delta = jnp.sum(dout * full[0], axis=-1)
     args = (q, k, v, q_tokens, kv_tokens, full[1], delta, dout.astype(dtype))
-    plain = mosaic.backward(*args, block_sizes=BLOCKS, **kwargs)
-    totals = tuple(jax.random.normal(jax.random.key(i), g.shape) for i, g in enumerate(plain))
-    summed = mosaic.backward(*args, accumulate=totals, block_sizes=BLOCKS, **kwargs)
+    plain = mosaic.backward(*args, block_sizes=blocks, **kwargs)
+    totals = tuple(checks.normals([g.shape for g in plain], seed=3))
+    summed = mosaic.backward(*args, accumulate=totals, block_sizes=blocks, **kwargs)
     for got, grad, total in zip(summed, plain, totals):
         np.testing.assert_allclose(got, grad + total, atol=1e-5, rtol=1e-5)
 

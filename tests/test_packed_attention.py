@@ -5,6 +5,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+
+import checks
 from jax.sharding import Mesh
 
 import jax_seqpar as sp
@@ -42,7 +44,8 @@ def _check(ours, theirs, args, tolerances):
         np.testing.assert_allclose(got / scale, want / scale, **tolerances(got.dtype, "grad"))
 
 
-@pytest.mark.parametrize("strategy,window", [("ring", None)] + [(s, (24, 0)) for s in STRATEGIES])
+@pytest.mark.parametrize("strategy,window", checks.tiered(  # default: the ring, a window
+    [("ring", None)] + [(s, (24, 0)) for s in STRATEGIES], lambda i: i in (0, 3)))
 def test_per_document_positions_are_exact(strategy, window, make_qkv, tolerances):
     """The batch laid out once (permute_batch), attended with its positions, and back."""
     q, k, v = make_qkv(batch=2, seq=256, heads=8, kv_heads=2, head_dim=8, seed=5)
@@ -66,7 +69,7 @@ def test_per_document_positions_are_exact(strategy, window, make_qkv, tolerances
     _check(ours, theirs, (q, k, v, sinks if sinks is not None else jnp.zeros(8)), tolerances)
 
 
-@pytest.mark.parametrize("strategy", ["ring", "hybrid"])
+@pytest.mark.parametrize("strategy", checks.tiered(["ring", "hybrid"], lambda i: i == 1))
 def test_layout_per_document_in_the_entry_point(strategy, make_qkv, tolerances):
     """Natural-order inputs of a length the devices do not divide: padded, put in the
     per-document order of the segment ids inside the call, and back."""

@@ -242,7 +242,7 @@ def test_split_axis_passes_a_matching_two_axis_mesh_and_refuses_bad_sizes():
 
 def test_hybrid_with_ulysses_size_on_one_axis_is_exact(make_qkv, tolerances):
     """12 heads on 8 devices: Ulysses over 4 neighbours x ring over 2, forward and grads."""
-    q, k, v = make_qkv(batch=1, seq=128, heads=12, kv_heads=6, head_dim=8, seed=3)
+    q, k, v = make_qkv(batch=1, seq=64, heads=12, kv_heads=6, head_dim=8, seed=3)
     mesh = jax.make_mesh((8,), ("sp",))
     attend = functools.partial(jax_seqpar.sequence_parallel_attention, mesh=mesh,
                                strategy="hybrid", ulysses_size=4, causal=True)
