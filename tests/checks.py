@@ -116,3 +116,16 @@ def tiered(params, keep, tier=pytest.mark.matrix) -> list:
         marks = [*param.marks] + ([] if keep(i) else [tier])
         out.append(pytest.param(*param.values, id=param.id, marks=marks))
     return out
+
+
+#: The global entry point's strategies, as the tests run them.
+STRATEGIES = ("ring", "ulysses", "hybrid", "allgather")
+
+
+def strategy_mesh(strategy: str):
+    """``(mesh, seq_axes)`` a strategy runs on in the tests: the 8 devices as one ``"sp"``
+    axis, the hybrid's as ``("dcn", "ici")`` 2 x 4 (Auto axes)."""
+    devices = np.array(jax.devices())
+    if strategy == "hybrid":
+        return jax.sharding.Mesh(devices.reshape(2, 4), ("dcn", "ici")), ("dcn", "ici")
+    return jax.sharding.Mesh(devices, ("sp",)), "sp"

@@ -17,14 +17,8 @@ from jax_seqpar import comm_bytes
 from jax_seqpar.planning import plan
 from jax_seqpar.core import reference
 
-STRATEGIES = ["ring", "ulysses", "hybrid", "allgather"]
-
-
-def _mesh(strategy):
-    devices = np.array(jax.devices())
-    if strategy == "hybrid":
-        return Mesh(devices.reshape(2, 4), ("dcn", "ici")), ("dcn", "ici")
-    return Mesh(devices, ("sp",)), "sp"
+STRATEGIES = list(checks.STRATEGIES)
+_mesh = checks.strategy_mesh
 
 
 # --- unequal local lengths: an error, never a silent answer ------------------------------

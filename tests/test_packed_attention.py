@@ -13,14 +13,8 @@ import jax_seqpar as sp
 from jax_seqpar.core import reference
 from jax_seqpar.tools import mixes
 
-STRATEGIES = ["ring", "ulysses", "hybrid", "allgather"]
-
-
-def _mesh(strategy):
-    devices = np.array(jax.devices())
-    if strategy == "hybrid":
-        return Mesh(devices.reshape(2, 4), ("dcn", "ici")), ("dcn", "ici")
-    return Mesh(devices, ("sp",)), "sp"
+STRATEGIES = list(checks.STRATEGIES)
+_mesh = checks.strategy_mesh
 
 
 def _documents(batch, seq, seed=0):

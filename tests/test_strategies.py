@@ -18,11 +18,7 @@ from jax_seqpar.core import reference
 B, S, H, D = 2, 64, 8, 16
 
 
-def _mesh(strategy):
-    devices = np.array(jax.devices())
-    if strategy == "hybrid":
-        return jax.sharding.Mesh(devices.reshape(2, 4), ("dcn", "ici")), ("dcn", "ici")
-    return jax.sharding.Mesh(devices, ("sp",)), "sp"
+_mesh = checks.strategy_mesh
 
 
 def _check(strategy, q, k, v, tolerances, *, layout="auto", kernel="auto", block_sizes=None,
@@ -46,7 +42,7 @@ CASES = [
     pytest.param(dict(kv_heads=2), dict(causal=True, window=12), id="causal-window"),
     pytest.param(dict(kv_heads=2, v_head_dim=8), dict(causal=True), id="dv-ne-dqk"),
 ]
-STRATEGY_NAMES = ["ring", "ulysses", "hybrid", "allgather"]
+STRATEGY_NAMES = list(checks.STRATEGIES)
 
 
 # Every strategy on every case; the default tier: each strategy on every third case (each
