@@ -35,8 +35,11 @@ import numpy as np
 GPUS = {"h100": ("h100_sxm.txtpb", 8), "h200": ("h200.txtpb", 8), "a100": ("a100_sxm_80.txtpb", 8)}
 #: HBM per TPU device (one chip; v4 and v5p as one megacore device), bytes.
 TPU_HBM = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2**30}
-#: XLA:TPU runs all-to-all synchronously unless asked: this makes it asynchronous.
-_TPU_ASYNC_ALL_TO_ALL = {"xla_tpu_enable_async_all_to_all": True}
+#: XLA:TPU runs all-to-all synchronously unless asked: the first makes it asynchronous,
+#: the second lets the scheduler start a head group's exchange before the previous
+#: group's kernel (without it Ulysses' pipeline hides nothing on v5p:2x2x2, S=16384).
+_TPU_ASYNC_ALL_TO_ALL = {"xla_tpu_enable_async_all_to_all": True,
+                         "xla_tpu_use_aggressive_scheduling": True}
 #: XLA:TPU runs all-gather synchronously unless asked: these make it an async collective
 #: fusion that runs inside the Mosaic call it can hide behind (each of the five is needed;
 #: ``experiments/tpu_async_options.py`` checks it).
