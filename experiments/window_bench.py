@@ -47,6 +47,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P  # noqa: E402
 import jax_seqpar as sp  # noqa: E402
 from jax_seqpar.tools import aot, hlo  # noqa: E402
 from jax_seqpar import comm_bytes  # noqa: E402
+from jax_seqpar.core import layout  # noqa: E402
 
 HEADS, KV_HEADS, HEAD_DIM = 8, 8, 64
 # (label, per-shard function, comm_bytes strategy, whether the window is modelled)
@@ -70,7 +71,7 @@ def _program(strategy: str, mesh: Mesh, seq: int, window, full_ring: bool):
     def body(q, k, v):
         positions = None
         if full_ring:  # explicit (contiguous) positions: the ring may not skip a hop
-            positions = sp.layout.shard_positions("contiguous", q.shape[1], axis_name="sp")
+            positions = layout.shard_positions("contiguous", q.shape[1], axis_name="sp")
             positions = jnp.broadcast_to(positions, q.shape[:2])
         return fn(q, k, v, seq_axes="sp", causal=True, window=window, positions=positions,
                   kernel="auto")
