@@ -199,7 +199,12 @@ def finish(x, mesh, seq_len: int, seq_spec: P, out_spec: Optional[P]):
     """
     if out_spec is None:
         x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, seq_spec))
-        return unpad(x, seq_len)
+        if x.shape[1] == seq_len:
+            return x
+        # sliced to a length the devices may not divide: whole along the sequence (left
+        # to the partitioner, the slice may get a sharding no mesh spec can name)
+        whole = P(*tuple(seq_spec)[:1], None, *tuple(seq_spec)[2:])
+        return jax.lax.with_sharding_constraint(unpad(x, seq_len), NamedSharding(mesh, whole))
     if x.shape[1] != seq_len:
         whole = P(out_spec[0], None, *out_spec[2:])
         x = unpad(jax.reshard(x, NamedSharding(mesh, whole)), seq_len)
