@@ -363,7 +363,8 @@ def test_kernel_choice_follows_the_lowering_platform():
 
 
 def test_target_names():
-    assert targets.libtpu_init_args("ulysses") == "--xla_tpu_enable_async_all_to_all=true"
+    assert targets.libtpu_init_args("ulysses") == (
+        "--xla_tpu_enable_async_all_to_all=true --xla_tpu_use_aggressive_scheduling=true")
     assert targets.compile_options("tpu", "ring") == {} == targets.compile_options("cuda")
     assert [targets.target_platform(n) for n in ("h100:8", "a100:4", "v5e:2x4", "cpu:8")] == [
         "cuda", "cuda", "tpu", "cpu"]
