@@ -59,14 +59,14 @@ def dump(args):
 
 
 def summary(path):
-    from jax_seqpar.tools import hlo
+    from jax_seqpar.tools import schedule
 
     with open(path + ".json") as f:
         meta = json.load(f)
     with open(path + ".hlo") as f:
         text = f.read()
-    rows = hlo.collective_schedule(text)
-    hidden = hlo.bytes_hidden(text)
+    rows = schedule.collective_schedule(text)
+    hidden = schedule.bytes_hidden(text)
     asyncs = [r for r in rows if r.is_async]
     return meta, dict(temp=meta["memory"]["temp"] / 2**20, hidden=hidden,
                       n_async=len(asyncs), n_kernel=sum(r.encloses_kernel for r in asyncs),

@@ -5,7 +5,7 @@ forward + vjp, for a GPU or TPU target, with per-shard keywords (``--kw
 head_groups=2``, ``--kw chunks=8``) and extra compiler options (``--opt KEY=VALUE``;
 the target compile's :data:`jax_seqpar.tools.targets.COMPILE_OPTIONS` are always
 passed unless ``--no-target-options``), and prints every collective (kind, MiB per run,
-runs, async, encloses a kernel), bytes hidden (:func:`jax_seqpar.tools.hlo.bytes_hidden`)
+runs, async, encloses a kernel), bytes hidden (:func:`jax_seqpar.tools.schedule.bytes_hidden`)
 and temp memory per device.
 
     JAX_PLATFORMS=cpu JAX_SKIP_CUDA_CONSTRAINTS_CHECK=1 PYTHONPATH=$PWD nice -n 10 \\
@@ -31,7 +31,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from jax_seqpar.api import attention as api  # noqa: E402
 from jax_seqpar.core import layout  # noqa: E402
 from jax_seqpar.core.shape import LayerShape  # noqa: E402
-from jax_seqpar.tools import aot, bench, hlo, targets  # noqa: E402
+from jax_seqpar.tools import aot, bench, hlo, schedule, targets  # noqa: E402
 
 
 def build(strategy, mesh, shape, kernel, kwargs):
@@ -72,8 +72,8 @@ def measure(target, strategy, axes, shape, *, kernel="auto", mode="fwd", kwargs=
     program = aot.compile_for(fn, fargs, platform, compiler_options=options)
     seconds = time.perf_counter() - start
     compiled = program.compiled
-    rows = hlo.collective_schedule(compiled)
-    hidden = hlo.bytes_hidden(compiled)
+    rows = schedule.collective_schedule(compiled)
+    hidden = schedule.bytes_hidden(compiled)
     return dict(mode=mode, seconds=seconds, temp_mib=hlo.memory_bytes(compiled)["temp"] / 2**20,
                 hidden=hidden["fraction"], total_mib=hidden["total"] / 2**20,
                 hidden_mib=hidden["hidden"] / 2**20,

@@ -3,7 +3,7 @@
 Compiles (deviceless, for v5p:2x2x2) two small pipelines that have a kernel to hide
 a collective behind, each under subsets of ``jax_seqpar.tools.targets.compile_options("tpu")``
 (every strategy's options), and prints per collective whether it is asynchronous and
-encloses a kernel (``jax_seqpar.tools.hlo.collective_schedule``):
+encloses a kernel (``jax_seqpar.tools.schedule.collective_schedule``):
 
 * ``a2a``: Ulysses over 2 head groups: group 1's q/k/v all-to-all can hide behind group
   0's kernel, group 0's output all-to-all behind group 1's kernel;
@@ -15,7 +15,6 @@ encloses a kernel (``jax_seqpar.tools.hlo.collective_schedule``):
 
 from __future__ import annotations
 
-import functools
 import os
 import sys
 
@@ -27,7 +26,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from jax_seqpar.core.masks import MaskSpec, Tokens  # noqa: E402
 from jax_seqpar.kernels.tpu import mosaic  # noqa: E402
-from jax_seqpar.tools import aot, hlo, targets  # noqa: E402
+from jax_seqpar.tools import aot, hlo, schedule, targets  # noqa: E402
 
 S, H, D, DEVICES = 16384, 16, 128, 8
 SPEC = MaskSpec()
@@ -86,8 +85,8 @@ def main(argv):
             variants[f"library - {key}"] = dict(library, **{key: None})
         for label, options in variants.items():
             compiled = compile_program(name, options)
-            rows = hlo.collective_schedule(compiled)
-            hidden = hlo.bytes_hidden(compiled)
+            rows = schedule.collective_schedule(compiled)
+            hidden = schedule.bytes_hidden(compiled)
             cells = " ".join(f"{r.kind}:{'A' if r.is_async else 'S'}"
                              f"{'K' if r.encloses_kernel else ''}" for r in rows)
             print(f"{name:6s} {label:70s} hidden {100 * hidden['fraction']:5.1f}% temp "

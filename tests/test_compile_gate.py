@@ -28,7 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_seqpar.tools import aot, bench, bench_report, bench_target, hlo, targets
+from jax_seqpar.tools import aot, bench, bench_report, bench_target, hlo, schedule, targets
 from jax_seqpar.api import attention as api
 from jax_seqpar import kernels
 from jax_seqpar.core.masks import MaskSpec, Tokens
@@ -98,7 +98,7 @@ class Hiding(NamedTuple):
         of each, asynchronous, encloses a kernel (a Triton / Mosaic call, or the XLA
         kernel's loop) in the forward and in the forward + vjp program.
       fwd, fwd_bwd: the least share of the bytes sent that is hidden
-        (:func:`jax_seqpar.tools.hlo.bytes_hidden`) in each program, or None.
+        (:func:`jax_seqpar.tools.schedule.bytes_hidden`) in each program, or None.
     """
 
     kinds: tuple
@@ -128,13 +128,13 @@ def test_transfers_hide_behind_kernels(target, strategy):
     kernel, forward and forward + vjp, and the share of bytes hidden holds."""
     expected = HIDING[strategy]
     for mode, program in _strategy(target, strategy).items():
-        rows = hlo.collective_schedule(program.compiled)
+        rows = schedule.collective_schedule(program.compiled)
         for kind in expected.kinds:
             assert any(r.kind == kind and r.is_async and r.encloses_kernel for r in rows), (
                 mode, kind, [(r.kind, r.is_async, r.enclosed) for r in rows])
         least = getattr(expected, mode)
         if least is not None:
-            hidden = hlo.bytes_hidden(program.compiled)
+            hidden = schedule.bytes_hidden(program.compiled)
             assert hidden["fraction"] >= least - 1e-9, (mode, hidden)
 
 
@@ -143,7 +143,7 @@ def test_ring_transfer_overlaps_the_step_kernel(target):
     """In the forward loop and the backward loop, the K/V collective-permute of every
     step encloses the step's kernel: the transfer is scheduled to hide behind it."""
     for mode, program in _strategy(target, "ring").items():
-        steps = [r for r in hlo.collective_schedule(program.compiled)  # in the ring loops
+        steps = [r for r in schedule.collective_schedule(program.compiled)  # in the ring loops
                  if r.kind == "collective-permute" and r.runs > 1]
         assert {r.computation for r in steps} == {
             r.computation for r in steps if r.encloses_kernel}, (mode, steps)
@@ -188,13 +188,13 @@ def test_time_model_overlaps_what_the_compiled_schedule_overlaps(target, kind):
     platform = targets.target_platform(target)
     program = aot.compile_for(f, (q, k, k, x), platform,
                               compiler_options=targets.compile_options(platform))
-    schedule = hlo.collective_schedule(program.compiled)
+    rows = schedule.collective_schedule(program.compiled)
     overlaps = kind in hardware.get(PRESETS[target]).overlaps
-    assert hlo.bytes_hidden(program.compiled)["fraction"] == (1.0 if overlaps else 0.0), (
-        kind, [(r.kind, r.is_async, r.enclosed) for r in schedule])
+    assert schedule.bytes_hidden(program.compiled)["fraction"] == (1.0 if overlaps else 0.0), (
+        kind, [(r.kind, r.is_async, r.enclosed) for r in rows])
     if platform == "tpu" and kind in ("all-to-all", "all-gather"):
         # XLA:TPU runs these synchronously unless the target options ask.
-        plain = hlo.collective_schedule(aot.compile_for(f, (q, k, k, x), platform).compiled)
+        plain = schedule.collective_schedule(aot.compile_for(f, (q, k, k, x), platform).compiled)
         assert plain and not any(r.is_async for r in plain), (kind, plain)
 
 
@@ -210,7 +210,7 @@ def test_time_model_hides_no_more_than_the_compiled_program(target, strategy):
         model = predict.predict(candidate, SHAPE.replace(backward=mode == "fwd_bwd"),
                                 PRESETS[target])
         modelled = model["hidden_bytes"] / model["bytes"]
-        compiled = hlo.bytes_hidden(program.compiled)["fraction"]
+        compiled = schedule.bytes_hidden(program.compiled)["fraction"]
         assert modelled <= compiled + 0.05, (mode, modelled, compiled)
         if strategy == "ring":
             assert modelled >= compiled - 0.05, (mode, modelled, compiled)

@@ -18,7 +18,7 @@ import pytest
 from jax import lax
 from jax.sharding import Mesh, PartitionSpec as P
 
-from jax_seqpar.tools import hlo
+from jax_seqpar.tools import hlo, schedule
 
 # Every program below takes the global f32[64, 16]; each of the 8 devices holds
 # f32[8, 16] = 512 bytes (f32[16, 16] = 1024 bytes on the 4 devices of an inner group).
@@ -377,7 +377,7 @@ _TPU_STYLE_ROWS = [  # (name, kind, runs, bytes per run, is_async, encloses a ke
 
 
 def test_collective_schedule_tpu_style():
-    rows = hlo.collective_schedule(_TPU_STYLE_HLO)
+    rows = schedule.collective_schedule(_TPU_STYLE_HLO)
     assert sorted((r.name, r.kind, r.runs, r.bytes, r.is_async, r.encloses_kernel)
                   for r in rows) == sorted(_TPU_STYLE_ROWS)
     by_name = {r.name: r for r in rows}
@@ -392,20 +392,20 @@ def test_async_collective_fusion_counts_once():
     sent = hlo.collective_bytes(_TPU_STYLE_HLO)
     assert sent["all-gather"] == 7 * BF16_LOCAL
     assert sent["collective-permute"] == 7 * (BF16_LOCAL + F32_LOCAL)
-    rows = hlo.collective_schedule(_TPU_STYLE_HLO)
+    rows = schedule.collective_schedule(_TPU_STYLE_HLO)
     assert sum(r.total_bytes for r in rows) == sum(sent.values())
 
 
 def test_bytes_hidden():
     hidden = 7 * BF16_LOCAL + 7 * BF16_LOCAL + 2 * F32_LOCAL * 7 / 8
     total = sum(runs * size for _, _, runs, size, _, _ in _TPU_STYLE_ROWS)
-    assert hlo.bytes_hidden(_TPU_STYLE_HLO) == dict(hidden=hidden, total=total,
+    assert schedule.bytes_hidden(_TPU_STYLE_HLO) == dict(hidden=hidden, total=total,
                                                     fraction=hidden / total)
     # GPU-style: async pairs, none around a kernel; every collective is a row.
-    gpu = hlo.bytes_hidden(_GPU_STYLE_HLO)
+    gpu = schedule.bytes_hidden(_GPU_STYLE_HLO)
     assert gpu["hidden"] == 0 and gpu["total"] == sum(hlo.collective_bytes(
         _GPU_STYLE_HLO).values())
-    assert {r.name: r.is_async for r in hlo.collective_schedule(_GPU_STYLE_HLO)} == {
+    assert {r.name: r.is_async for r in schedule.collective_schedule(_GPU_STYLE_HLO)} == {
         "cp-start": True, "a2a-start": True, "rs": False, "ar-start": True, "ag-start": True}
 
 
@@ -420,7 +420,7 @@ def test_bytes_hidden_follows_the_pipelined_hop_into_the_next_trip():
         "%kv = bf16[8,16]{1,0} get-tuple-element(%r0), index=2",
         "%kv = bf16[8,16]{1,0} get-tuple-element(%r0), index=2\n"
         "  %prev = (bf16[8,16]{1,0}, bf16[8,16]{1,0}, u32[], u32[]) get-tuple-element(%r0), index=2")
-    hop, = [r for r in hlo.collective_schedule(text) if r.name == "hop"]
+    hop, = [r for r in schedule.collective_schedule(text) if r.name == "hop"]
     assert hop.is_async and hop.encloses_kernel and hop.enclosed == ("fusion", "fusion")
 
 
@@ -428,10 +428,10 @@ def test_collective_schedule_of_a_cpu_program(mesh):
     """On CPU every collective is synchronous: nothing is hidden."""
     compiled = jax.jit(_sharded(lambda x: lax.ppermute(lax.psum(x, "sp"), "sp", RING),
                                 mesh)).lower(x).compile()
-    rows = hlo.collective_schedule(compiled)
+    rows = schedule.collective_schedule(compiled)
     assert sorted(r.kind for r in rows) == ["all-reduce", "collective-permute"]
     assert not any(r.is_async for r in rows)
-    assert hlo.bytes_hidden(compiled) == dict(hidden=0, total=LOCAL_BYTES * (1 + 2 * 7 / 8),
+    assert schedule.bytes_hidden(compiled) == dict(hidden=0, total=LOCAL_BYTES * (1 + 2 * 7 / 8),
                                               fraction=0.0)
 
 

@@ -6,7 +6,7 @@ forward + vjp (the programs of :func:`jax_seqpar.tools.bench.build`) for a targe
 arguments, outputs), the bytes each collective kind sends (:mod:`jax_seqpar.tools.hlo`)
 next to :func:`jax_seqpar.comm_bytes`, whether each asynchronous collective's
 start/done pair encloses compute in the schedule (overlap) and the share of the bytes
-sent behind a kernel (:func:`jax_seqpar.tools.hlo.bytes_hidden`), the Triton kernels'
+sent behind a kernel (:func:`jax_seqpar.tools.schedule.bytes_hidden`), the Triton kernels'
 registers, spills and shared memory (GPU), and compile time.
 
 :func:`run_max_seq` finds the longest sequence each strategy fits in a device's
@@ -25,7 +25,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_seqpar.core.shape import LayerShape
-from jax_seqpar.tools import aot, bench, hlo, targets
+from jax_seqpar.tools import aot, bench, hlo, schedule, targets
 from jax_seqpar.strategies.registry import comm_bytes
 
 #: Share of a device's HBM kept for the runtime, collectives' buffers and the rest of
@@ -87,8 +87,8 @@ def measure_program(program: aot.Compiled, model_bytes: float) -> dict:
     sent = {k: v for k, v in hlo.collective_bytes(compiled).items() if v}
     overlap = [dict(kind=r.kind, runs=r.runs, enclosed=list(r.enclosed),
                     encloses_kernel=r.encloses_kernel)
-               for r in hlo.collective_schedule(compiled) if r.is_async]
-    hidden = hlo.bytes_hidden(compiled)
+               for r in schedule.collective_schedule(compiled) if r.is_async]
+    hidden = schedule.bytes_hidden(compiled)
     return dict(compile_s=program.seconds, temp_bytes=memory["temp"],
                 hidden_bytes=hidden["hidden"], hidden_fraction=hidden["fraction"],
                 argument_bytes=memory["argument"], output_bytes=memory["output"],

@@ -141,6 +141,22 @@ def parse_module(text: str):
     return computations, entry
 
 
+def callees(inst: Instruction) -> list[tuple[str, str]]:
+    """``(role, computation)`` for every computation ``inst`` calls, in text order by
+    role: ``"body"`` / ``"condition"`` of a loop, ``"calls"`` (a fusion's or an async
+    wrapper's body), ``"to_apply"``, ``"true_computation"`` / ``"false_computation"``, and
+    ``"branch"`` for each of ``branch_computations`` / ``called_computations``."""
+    found = _CALL_RE.findall(inst.attributes)
+    for group in _CALL_LIST_RE.findall(inst.attributes):
+        found += [("branch", c.lstrip("%")) for c in split_top_level(group) if c]
+    return found
+
+
+def bodies(inst: Instruction) -> list[str]:
+    """The computations ``inst`` runs through ``calls=``: a fusion's, an async wrapper's."""
+    return [callee for role, callee in callees(inst) if role == "calls"]
+
+
 def multipliers(computations, entry, default_trip_count):
     """How many times each computation runs per program execution."""
     callers: dict[str, list[tuple[str, int]]] = {name: [] for name in computations}
@@ -157,15 +173,10 @@ def multipliers(computations, entry, default_trip_count):
                     trip = default_trip_count
                 elif trip is None:  # unknown: an error only if a collective runs inside
                     trip = math.nan
-            for role, callee in _CALL_RE.findall(inst.attributes):
+            for role, callee in callees(inst):
                 factor = trip if role == "body" else (trip + 1 if role == "condition" else 1)
                 if callee in callers:
                     callers[callee].append((caller, factor))
-            for group in _CALL_LIST_RE.findall(inst.attributes):
-                for callee in split_top_level(group):
-                    callee = callee.lstrip("%")
-                    if callee in callers:
-                        callers[callee].append((caller, 1))
     memo: dict[str, int] = {entry: 1}
 
     def multiplier(name):
