@@ -16,7 +16,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import jax_seqpar as sp
 from jax_seqpar.core import layout, reference
-from jax_seqpar.strategies import ulysses
+from jax_seqpar.strategies import heads as head_split
 
 B, S, D, DV = 1, 64, 8, 16
 
@@ -107,7 +107,7 @@ VARIANTS = [dict(causal=True), dict(causal=False, sinks=True, return_lse=True),
 def _ulysses_cases(strategy, heads_list, shards):
     cases, turn = [], 0
     for heads, kv_heads in heads_list:
-        for groups in ulysses.head_group_counts(heads, kv_heads, shards):
+        for groups in head_split.head_group_counts(heads, kv_heads, shards):
             variant = VARIANTS[turn % len(VARIANTS)]
             turn += 1
             cases.append(pytest.param(heads, kv_heads, groups, variant,
@@ -133,17 +133,17 @@ def test_hybrid_head_groups(heads, kv_heads, groups, variant, tolerances):
 
 
 def test_head_group_counts_and_default():
-    assert ulysses.head_group_counts(16, 4, 8) == (1, 2)
-    assert ulysses.head_group_counts(64, 8, 8) == (1, 2, 4, 8)
+    assert head_split.head_group_counts(16, 4, 8) == (1, 2)
+    assert head_split.head_group_counts(64, 8, 8) == (1, 2, 4, 8)
     # 6 query and 2 K/V heads per device: 3 groups would split a K/V head between two
-    assert ulysses.head_group_counts(48, 16, 8) == (1, 2, 6)
-    assert ulysses.default_head_groups(16, 4, 8) == 2
-    assert ulysses.default_head_groups(64, 8, 8) == ulysses.MAX_AUTO_HEAD_GROUPS
+    assert head_split.head_group_counts(48, 16, 8) == (1, 2, 6)
+    assert head_split.default_head_groups(16, 4, 8) == 2
+    assert head_split.default_head_groups(64, 8, 8) == head_split.MAX_AUTO_HEAD_GROUPS
     # The hybrid takes only counts that give each group its own K/V heads.
-    assert ulysses.default_head_groups(16, 4, 4, shared_kv=False) == 1
-    assert ulysses.default_head_groups(16, 8, 4, shared_kv=False) == 2
+    assert head_split.default_head_groups(16, 4, 4, shared_kv=False) == 1
+    assert head_split.default_head_groups(16, 8, 4, shared_kv=False) == 2
     with pytest.raises(ValueError, match=r"head_groups=3 .* one of \(1, 2\)"):
-        ulysses.resolve_head_groups(3, 16, 4, 8)
+        head_split.resolve_head_groups(3, 16, 4, 8)
 
 
 # (heads, kv heads, chunks, variant): every chunk count of the 8 local tokens.

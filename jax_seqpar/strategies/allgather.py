@@ -37,8 +37,7 @@ from jax_seqpar.core import compat as _compat
 from jax_seqpar.core.masks import EMPTY_LSE
 from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.strategies import halo
-from jax_seqpar.strategies.inputs import axis_size, prepare
-from jax_seqpar.strategies.ulysses import gather_tokens
+from jax_seqpar.strategies.inputs import axis_size, gather_tokens, prepare
 
 #: ``chunks="auto"`` takes at most this many pieces: 16 hide fifteen sixteenths of the
 #: gathered bytes (B=1, S=16384, H=16, Hkv=4, D=128, bf16, causal, 8 devices, compiled

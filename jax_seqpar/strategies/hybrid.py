@@ -12,7 +12,7 @@ heads are replicated only as far as the inner all-to-all needs; the ring
 circulates exactly the heads each device holds after it.
 
 The inner exchange is Ulysses' head pipeline
-(:func:`jax_seqpar.strategies.ulysses.head_pipeline`): with ``head_groups`` > 1 the ring
+(:func:`jax_seqpar.strategies.head_pipeline.head_pipeline`): with ``head_groups`` > 1 the ring
 runs once per head group, and group ``g + 1``'s all-to-all (and group ``g - 1``'s
 output's) travel while the ring of group ``g`` computes; the ring's own K/V hops hide
 behind its step kernels as in :mod:`jax_seqpar.strategies.ring`, forward and backward.
@@ -29,10 +29,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from jax_seqpar.strategies.inputs import Options, axis_size, prepare
+from jax_seqpar.strategies.head_pipeline import head_pipeline
+from jax_seqpar.strategies.heads import kv_replication, local_heads, resolve_head_groups
+from jax_seqpar.strategies.inputs import Options, axis_size, gather_tokens, prepare
 from jax_seqpar.strategies.ring import ring_over
-from jax_seqpar.strategies.ulysses import (gather_tokens, head_pipeline, kv_replication,
-                                           local_heads, resolve_head_groups)
 
 
 def hybrid_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None,
@@ -54,7 +54,7 @@ def hybrid_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None,
       head_groups: the inner exchange's head groups (as in
         :func:`jax_seqpar.strategies.ulysses.ulysses_attention`; the ring runs once per
         group). ``"auto"`` (default): the largest count up to
-        :data:`~jax_seqpar.strategies.ulysses.MAX_AUTO_HEAD_GROUPS` that gives every
+        :data:`~jax_seqpar.strategies.heads.MAX_AUTO_HEAD_GROUPS` that gives every
         group its own K/V heads, else 1 (a K/V head shared by several groups would ride
         the ring once per group: more bytes on the slow axis than the groups hide on the
         fast one).
@@ -94,7 +94,7 @@ def hybrid_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None,
 class RingStage:
     """The hybrid's work on one head group between its all-to-alls: the ring over the
     outer axis (:func:`jax_seqpar.strategies.ring.ring_over`), a stage of
-    :func:`jax_seqpar.strategies.ulysses.head_pipeline` (its backward is the ring's)."""
+    :func:`jax_seqpar.strategies.head_pipeline.head_pipeline` (its backward is the ring's)."""
 
     axis_name: object
     options: Options

@@ -192,3 +192,17 @@ def prepare(q, k, v, *, axis_name, causal, segment_ids, positions, window, scale
     options = Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
                            block_sizes=block_sizes, softcap=softcap)
     return q_tokens, kv_tokens, options
+
+
+def gather_tokens(tokens, axis_name):
+    """``[B, S/P]`` metadata of the local tokens (a :class:`~jax_seqpar.core.masks.Tokens` or a
+    tree of them) -> ``[B, S]`` of the whole sequence; an array that appears more than
+    once (query and key positions) is gathered once."""
+    gathered = {}
+
+    def gather(x):
+        if id(x) not in gathered:
+            gathered[id(x)] = jax.lax.all_gather(x, axis_name, axis=1, tiled=True)
+        return gathered[id(x)]
+
+    return jax.tree.map(gather, tokens)

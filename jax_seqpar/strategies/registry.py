@@ -10,11 +10,10 @@ module and one entry here.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Callable, Mapping, Optional
 
 from jax_seqpar.core.masks import MaskSpec
-from jax_seqpar.strategies import allgather, traffic, ulysses
+from jax_seqpar.strategies import allgather, heads, traffic
 from jax_seqpar.strategies.allgather import allgather_attention
 from jax_seqpar.strategies.decode import decode_attention
 from jax_seqpar.strategies.halo import halo_sizes
@@ -76,8 +75,8 @@ def _ulysses_pieces(shape, devices: int) -> int:
     heads; 1 where K/V heads are shared by several groups: they travel whole ahead of
     group 0 and only parts of q and out hide (a third of the bytes at 2 query heads and
     1 K/V head a device, compiled), which the pieces model would overstate."""
-    groups = ulysses.default_head_groups(shape.num_heads, shape.num_kv_heads, devices)
-    _, kv_local = ulysses.local_head_counts(shape.num_heads, shape.num_kv_heads, devices)
+    groups = heads.default_head_groups(shape.num_heads, shape.num_kv_heads, devices)
+    _, kv_local = heads.local_head_counts(shape.num_heads, shape.num_kv_heads, devices)
     return groups if kv_local % groups == 0 else 1
 
 #: Every strategy the global entry point runs, in the order tables list them.
