@@ -14,7 +14,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jax_seqpar
 from jax_seqpar.tools import calibrate, hlo, tune
-from jax_seqpar.planning import hardware, plan as planner, predict, tuned
+from jax_seqpar.planning import compute, hardware, plan as planner, predict, tuned
 from jax_seqpar.core import reference
 from jax_seqpar.core.meshes import split_axis
 from jax_seqpar.core.shape import LayerShape
@@ -113,7 +113,7 @@ def test_visible_pairs_counts_the_mask(seq_len, causal, window):
         seen &= key <= query
     if window:
         seen &= (key >= query - window[0]) & (key <= query + window[1])
-    assert predict.visible_pairs(seq_len, causal, window) == seen.sum()
+    assert compute.visible_pairs(seq_len, causal, window) == seen.sum()
 
 
 def test_ring_hides_hops_behind_compute_only_where_the_hardware_overlaps():

@@ -57,19 +57,14 @@ import dataclasses
 import math
 from typing import Optional
 
-import numpy as np
-
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.planning import hardware as hardware_lib, packed
+from jax_seqpar.planning.compute import TILE, step_seconds
 from jax_seqpar.planning.hardware import Hardware
 from jax_seqpar.strategies import registry
 from jax_seqpar.strategies.registry import comm_bytes
 
-__all__ = ["TILE", "Candidate", "candidates", "predict", "tile_pairs", "visible_pairs"]
-
-#: Tokens per kernel tile, each side, unless :func:`predict` is told otherwise.
-TILE = 256
-
+__all__ = ["TILE", "Candidate", "candidates", "predict"]
 
 @dataclasses.dataclass(frozen=True)
 class Candidate:
@@ -98,17 +93,6 @@ def candidates(devices: int, num_heads: int) -> list[Candidate]:
         elif not strategy.splits_heads or num_heads % devices == 0:
             found.append(Candidate(strategy.name, *strategy.factorization(devices, 1)))
     return found
-
-
-def visible_pairs(seq_len: int, causal: bool, window: Optional[tuple[int, int]]) -> float:
-    """(query, key) pairs a causal and/or ``(left, right)`` window mask keeps (exact)."""
-    left = seq_len - 1 if window is None else min(window[0], seq_len - 1)
-    right = 0 if causal else (seq_len - 1 if window is None else min(window[1], seq_len - 1))
-
-    def clipped_sum(limit):  # sum over i < seq_len of min(i, limit)
-        return limit * (limit + 1) / 2 + (seq_len - 1 - limit) * limit
-
-    return float(seq_len + clipped_sum(left) + clipped_sum(right))
 
 
 def _comm_bytes(strategy, shape: LayerShape, axis_sizes):
@@ -212,108 +196,13 @@ def _exchange(hardware: Hardware, strategy: str, shape: LayerShape, devices: int
     return out
 
 
-def _shard_positions(seq_len: int, shards: int, zigzag: bool) -> np.ndarray:
-    """``[shards, L]`` global positions of each shard's tokens, the sequence padded to
-    the whole chunks its layout needs (as the global entry point pads it)."""
-    chunks = 2 * shards if zigzag else shards
-    positions = np.arange(-(-seq_len // chunks) * chunks)
-    if not zigzag:
-        return positions.reshape(shards, -1)
-    chunks = positions.reshape(2 * shards, -1)
-    return np.concatenate([chunks[:shards], chunks[::-1][:shards]], axis=1)
-
-
-def tile_pairs(q_positions, kv_positions, shape: LayerShape, tile: int = TILE) -> float:
-    """(query, key) pairs a kernel computes: whole tiles that are not EMPTY.
-
-    Tiles are ``tile`` tokens clipped to the lengths, classified from
-    their position ranges as the kernels do (conservatively), so a tile that
-    holds two far-apart zigzag chunks is computed whole.
-    """
-    def ranges(positions, tile):
-        tile = min(tile, positions.size)
-        padded = -(-positions.size // tile) * tile
-        edge = np.pad(positions, (0, padded - positions.size), mode="edge").reshape(-1, tile)
-        return edge.min(axis=1), edge.max(axis=1), tile
-
-    q_lo, q_hi, tile_q = ranges(q_positions, tile)
-    k_lo, k_hi, tile_k = ranges(kv_positions, tile)
-    q_lo, q_hi, k_lo, k_hi = q_lo[:, None], q_hi[:, None], k_lo[None, :], k_hi[None, :]
-    empty = np.zeros((q_lo.size, k_lo.size), bool)
-    if shape.causal:
-        empty |= k_lo > q_hi
-    if shape.window is not None:
-        left, right = shape.window
-        empty |= (k_lo > q_hi + right) | (k_hi < q_lo - left)
-    return float((~empty).sum()) * tile_q * tile_k
-
-
-def _step_pairs(candidate: Candidate, shape: LayerShape, tile: int) -> list[float]:
-    """Computed pairs per ring step on the busiest device (one step: no ring).
-
-    Token orders as the package runs them: Ulysses contiguous; ring, hybrid and
-    all-gather zigzag over all ``P`` shards when causal. A hybrid device
-    attends for its ring group's ``I`` shards gathered by the all-to-all.
-    """
-    devices = candidate.ring * candidate.ulysses
-    zigzag = shape.causal and candidate.strategy != "ulysses"
-    shards = _shard_positions(shape.seq_len, devices, zigzag)
-    if candidate.strategy == "allgather":
-        kv = shards.reshape(-1)
-        return [max(tile_pairs(q, kv, shape, tile) for q in _sampled(shards))]
-    groups = shards.reshape(candidate.ring, -1)  # a ring group's tokens after the a2a
-    sampled_groups = _sampled(range(candidate.ring))
-    steps = {}
-    for step in _sampled(range(candidate.ring), 16):
-        steps[step] = max(tile_pairs(groups[g], groups[(g - step) % candidate.ring], shape,
-                                     tile) for g in sampled_groups)
-    # Long rings: steps not classified take the mean of the sampled later steps.
-    later = [pairs for step, pairs in steps.items() if step] or [steps[0]]
-    return [steps.get(step, sum(later) / len(later)) for step in range(candidate.ring)]
-
-
-def _sampled(items, limit: int = 8):
-    """All items when few, else ``limit`` of them spread evenly (for large meshes)."""
-    items = list(items)
-    if len(items) <= limit:
-        return items
-    return [items[i] for i in np.linspace(0, len(items) - 1, limit).round().astype(int)]
-
-
-def _step_seconds(candidate: Candidate, shape: LayerShape, hardware: Hardware, tile: int,
-                  documents=None):
-    """Forward and backward compute seconds per ring step (tile-level, busiest device)."""
-    d_qk, d_v = shape.head_dim, shape.v_head_dim
-    heads = shape.num_heads // candidate.ulysses
-    if documents is not None:
-        pairs = packed.step_pairs(candidate.strategy, candidate.ring, candidate.ulysses, shape,
-                                  tile, documents)
-    elif _tile_count(candidate, shape, tile) <= _MAX_TILE_PAIRS:
-        pairs = _step_pairs(candidate, shape, tile)
-    else:  # too many tiles to classify: exact visible pairs, spread evenly
-        per_device = visible_pairs(shape.seq_len, shape.causal, shape.window) / candidate.ring
-        steps = 1 if candidate.strategy == "allgather" else candidate.ring
-        pairs = [per_device / steps] * steps
-    forward = [2 * shape.batch * heads * (d_qk + d_v) * p / hardware.attention_flops
-               for p in pairs]
-    ratio = (3 * d_qk + 2 * d_v) / (d_qk + d_v) if shape.backward else 0.0
-    return forward, [f * ratio for f in forward]
-
-
-_MAX_TILE_PAIRS = 2**20  # beyond, tiles are a negligible fraction of a chunk
-
-
-def _tile_count(candidate: Candidate, shape: LayerShape, tile: int) -> float:
-    tiles = shape.seq_len / tile
-    return tiles * tiles / candidate.ring * min(candidate.ring, 8)
-
-
 def _seconds(candidate: Candidate, shape: LayerShape, hardware: Hardware, tile: int,
              documents=None) -> dict:
     strategy, ring, inner = candidate.strategy, candidate.ring, candidate.ulysses
     devices = ring * inner
     sizes = (ring, inner) if registry.get(strategy).seq_axes == 2 else devices
-    compute_fwd, compute_bwd = _step_seconds(candidate, shape, hardware, tile, documents)
+    compute_fwd, compute_bwd = step_seconds(strategy, ring, inner, shape, hardware, tile,
+                                            documents)
     compute = sum(compute_fwd) + sum(compute_bwd)
     total_bytes = _comm_bytes(strategy, shape, sizes)
     if strategy in _EXCHANGES:
@@ -408,7 +297,7 @@ def predict(candidate: Candidate, shape: LayerShape, hardware, *, tile: int = TI
       * ``bytes``: what it sends (:func:`jax_seqpar.comm_bytes`), of which
         ``ici_bytes`` on the fast link class and ``dcn_bytes`` on the slow one, and
         ``hidden_bytes`` sent while a kernel computes (as
-        :func:`jax_seqpar.tools.hlo.bytes_hidden` counts them in a compiled program);
+        :func:`jax_seqpar.tools.schedule.bytes_hidden` counts them in a compiled program);
       * ``memory``: its peak bytes.
 
     Raises:

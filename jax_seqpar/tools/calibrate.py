@@ -72,7 +72,7 @@ def _attention_rate(mesh, axis, seq_len, heads, head_dim, runs) -> float:
 
     from jax_seqpar.core import masks
     from jax_seqpar.core.shape import LayerShape
-    from jax_seqpar.planning import predict
+    from jax_seqpar.planning import compute
     from jax_seqpar.strategies.inputs import Options
 
     def body(q, k, v, dout):  # [1, S, H, D] per device
@@ -86,7 +86,7 @@ def _attention_rate(mesh, axis, seq_len, heads, head_dim, runs) -> float:
     shape = (1, seq_len, heads, head_dim)
     fn, args = _on_every_device(body, mesh, axis, *(shape,) * 4)
     positions = np.arange(seq_len)
-    pairs = predict.tile_pairs(positions, positions,
+    pairs = compute.tile_pairs(positions, positions,
                                LayerShape(1, seq_len, heads, heads, head_dim, causal=True))
     flops = 2 * heads * 2 * head_dim * pairs * (1 + 5 / 2)  # forward + 2.5x backward
     return flops / _median_seconds(fn, args, runs)
