@@ -27,8 +27,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import jax_seqpar as sp  # noqa: E402
-from jax_seqpar.tools import hlo
-from jax_seqpar.planning import plan  # noqa: E402
+from jax_seqpar.tools import hlo  # noqa: E402
 
 
 def layer_bytes(strategy, *, batch, seq, heads, kv_heads, dim, laid_out):
@@ -66,7 +65,7 @@ def main():
     print(f"{'strategy':>10} {'pass':>8} {'natural order':>14} {'positions=':>12} "
           f"{'comm_bytes':>12} {'natural/laid':>13}")
     for strategy in args.strategies.split(","):
-        model = functools.partial(comm_bytes, strategy, batch=1, seq_len=args.seq,
+        model = functools.partial(sp.comm_bytes, strategy, batch=1, seq_len=args.seq,
                                   num_heads=args.heads, num_kv_heads=args.kv_heads,
                                   head_dim=args.head_dim, seq_axes=8, dtype_bytes=4)
         natural = layer_bytes(strategy, laid_out=False, **shape)

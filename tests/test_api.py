@@ -14,7 +14,6 @@ import checks
 import jax_seqpar as sp
 from jax_seqpar.tools import hlo
 from jax_seqpar import comm_bytes
-from jax_seqpar.planning import plan
 from jax_seqpar.core import reference
 
 STRATEGIES = list(checks.STRATEGIES)

@@ -17,7 +17,7 @@ from jax.sharding import Mesh, PartitionSpec as P
 
 import checks
 import jax_seqpar as sp
-from jax_seqpar.strategies import halo, registry
+from jax_seqpar.strategies import registry
 from jax_seqpar.tools import hlo
 from jax_seqpar.core import layout, reference
 from jax_seqpar.kernels import xla

@@ -55,7 +55,6 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
