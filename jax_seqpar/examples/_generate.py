@@ -117,18 +117,11 @@ def generate(model: TransformerLM, prompts, lengths, *, num_tokens: int,
     init_caches(model, batch=batch, capacity=capacity, dtype=cache_dtype)
     graphdef, state = nnx.split(model)
     mesh = model.blocks[0].attention.mesh
-    out_shardings = None
     if mesh is not None:
-        # Parameters and prompts replicated over the caches' mesh, the tokens too, the state
-        # placed as it came in: left to the partitioner, the decode loop's outputs may get
-        # a sharding that no mesh spec can name (an IndivisibleError when compiling).
-        replicated = jax.sharding.NamedSharding(mesh, jax.P())
-        state = jax.tree.map(lambda x: x if isinstance(x.sharding, jax.sharding.NamedSharding)
-                             else jax.device_put(x, replicated), state)
-        prompts, lengths = jax.device_put((prompts, lengths), replicated)
-        out_shardings = (replicated, jax.tree.map(lambda x: x.sharding, state))
-    loop = jax.jit(functools.partial(_greedy_loop, graphdef, num_tokens=num_tokens),
-                   out_shardings=out_shardings)
+        # The prompts replicated over the caches' mesh: left unplaced, the partitioner may
+        # give the loop's tokens a sharding no mesh spec can name (an error when compiling).
+        prompts, lengths = jax.device_put((prompts, lengths), jax.NamedSharding(mesh, jax.P()))
+    loop = jax.jit(functools.partial(_greedy_loop, graphdef, num_tokens=num_tokens))
     start = time.perf_counter()
     compiled = loop.lower(state, prompts, lengths).compile()
     compile_seconds = time.perf_counter() - start
