@@ -11,11 +11,11 @@ ring-flash-attention (https://github.com/zhuzilin/ring-flash-attention) and is t
 load-balanced context parallelism of Llama 3 (arXiv:2407.21783); Striped Attention
 (arXiv:2311.09431) balances the same way with a round-robin order.
 
-A layout is a property of the token order, so it is applied once to a model's inputs
-(tokens, positions, segment ids) and attention is told the true positions:
-
 The *striped* order (Striped Attention) deals tokens round-robin: shard ``r`` holds
 tokens ``r, r+P, r+2P, ...``; causal work is balanced token by token.
+
+A layout is a property of the token order, so it is applied once to a model's inputs
+(tokens, positions, segment ids) and attention is told the true positions:
 
 - global view (plain ``jnp``, any array, any axis): :func:`zigzag_permute`,
   :func:`zigzag_unpermute`, :func:`zigzag_positions`, :func:`striped_permute`,

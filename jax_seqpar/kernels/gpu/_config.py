@@ -3,7 +3,7 @@
 The defaults compile without register spills and within shared memory on sm_80
 (A100) and sm_90 (H100/H200) for head dims 64 ... 256, DeepSeek's 192/128 and MLA's
 576/512, in bf16, fp16 and float32 (measured with ``experiments/gpu_resources.py``,
-held by ``tests/test_pallas_compile.py``).
+held by the compile gate, ``tests/test_compile_gate.py``).
 """
 
 from __future__ import annotations
