@@ -54,11 +54,19 @@ def pytest_configure(config):
 SLOW_TIERS = ("interpret", "compile_gate", "experiments", "multiprocess", "matrix")
 
 
+#: Tiers whose tests take longest (a notebook, two processes, a GPU / TPU compile: 15 to
+#: 90 s each), run first: pytest-xdist hands tests out in this order, so the run ends on
+#: short tests instead of one worker finishing a notebook while the other waits.
+LONGEST_FIRST = ("experiments", "multiprocess", "compile_gate")
+
+
 @pytest.hookimpl(tryfirst=True)  # before pytest selects by marker
 def pytest_collection_modifyitems(items):
     for item in items:
         if any(item.get_closest_marker(tier) for tier in SLOW_TIERS):
             item.add_marker(pytest.mark.slow)
+    items.sort(key=lambda item: next((i for i, tier in enumerate(LONGEST_FIRST)
+                                      if item.get_closest_marker(tier)), len(LONGEST_FIRST)))
 
 
 @pytest.fixture
