@@ -91,9 +91,9 @@ def format_target_table(result: dict) -> str:
             f"Hkv={result['shape']['num_kv_heads']}, D={result['shape']['head_dim']}, "
             f"causal={result['shape']['causal']}); per device:", text_table(headers, lines),
             "hidden = bytes sent by collectives whose start..done encloses a kernel (Triton, "
-            "Mosaic or the XLA kernel's loop) / all bytes sent (jax_seqpar.tools.hlo."
-            "bytes_hidden); overlap = async collectives whose start..done encloses compute "
-            "/ all async collectives.",
+            "Mosaic or the XLA kernel's loop) / all bytes sent (jax_seqpar.tools."
+            "schedule.bytes_hidden); overlap = async collectives whose start..done encloses "
+            "compute / all async collectives.",
             "fwd+bwd collectives (MiB/device, model in brackets) and what each async pair "
             "encloses (x runs):"]
     for r in result["rows"]:
