@@ -5,10 +5,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import checks
 from jax.sharding import Mesh
 
+import checks
 import jax_seqpar as sp
 from jax_seqpar.core import reference
 from jax_seqpar.tools import mixes

@@ -10,10 +10,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-import checks
 from jax.sharding import Mesh, PartitionSpec as P
 
+import checks
 import jax_seqpar as sp
 from jax_seqpar.core import layout, reference
 from jax_seqpar.strategies import heads as head_split

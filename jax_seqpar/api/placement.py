@@ -195,17 +195,21 @@ def finish(x, mesh, seq_len: int, seq_spec: P, out_spec: Optional[P]):
     queries; a padded result is first gathered along the sequence (an Explicit type
     cannot slice a sharded dimension to a length its devices do not divide). Auto
     meshes (``out_spec`` None): constrained to ``seq_spec`` on ``mesh`` (the result
-    may come from a mesh split from it) and sliced.
+    may come from a mesh split from it) and sliced, the slice whole along the sequence
+    (left to the partitioner, it may get a sharding no mesh spec can name).
     """
+    whole = NamedSharding(mesh, _whole_along_sequence(seq_spec if out_spec is None
+                                                      else out_spec))
     if out_spec is None:
         x = jax.lax.with_sharding_constraint(x, NamedSharding(mesh, seq_spec))
         if x.shape[1] == seq_len:
             return x
-        # sliced to a length the devices may not divide: whole along the sequence (left
-        # to the partitioner, the slice may get a sharding no mesh spec can name)
-        whole = P(*tuple(seq_spec)[:1], None, *tuple(seq_spec)[2:])
-        return jax.lax.with_sharding_constraint(unpad(x, seq_len), NamedSharding(mesh, whole))
+        return jax.lax.with_sharding_constraint(unpad(x, seq_len), whole)
     if x.shape[1] != seq_len:
-        whole = P(out_spec[0], None, *out_spec[2:])
-        x = unpad(jax.reshard(x, NamedSharding(mesh, whole)), seq_len)
+        x = unpad(jax.reshard(x, whole), seq_len)
     return jax.reshard(x, NamedSharding(mesh, out_spec))
+
+
+def _whole_along_sequence(spec: P) -> P:
+    """``spec`` of a ``[B, S, ...]`` array with the sequence dimension unsharded."""
+    return P(*tuple(spec)[:1], None, *tuple(spec)[2:])

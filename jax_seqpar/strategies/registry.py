@@ -79,6 +79,7 @@ def _ulysses_pieces(shape, devices: int) -> int:
     _, kv_local = heads.local_head_counts(shape.num_heads, shape.num_kv_heads, devices)
     return groups if kv_local % groups == 0 else 1
 
+
 #: Every strategy the global entry point runs, in the order tables list them.
 STRATEGIES: Mapping[str, Strategy] = {s.name: s for s in (
     Strategy("ulysses", ulysses_attention, traffic.ulysses_bytes, splits_heads=True,

@@ -148,7 +148,7 @@ def callees(inst: Instruction) -> list[tuple[str, str]]:
     ``"branch"`` for each of ``branch_computations`` / ``called_computations``."""
     found = _CALL_RE.findall(inst.attributes)
     for group in _CALL_LIST_RE.findall(inst.attributes):
-        found += [("branch", c.lstrip("%")) for c in split_top_level(group) if c]
+        found += [("branch", c.lstrip("%")) for c in split_top_level(group)]
     return found
 
 
