@@ -4,22 +4,29 @@ the dense reference (outputs and gradients) or for a clear ``ValueError``.
 Hypothesis draws a call of :func:`jax_seqpar.sequence_parallel_attention` (every strategy
 of the registry and ``"auto"``, the hybrid over two axes or a split one, no mesh,
 Explicit meshes inside and outside ``jax.set_mesh``, Auto meshes, inputs unsharded,
-replicated or sharded, documents, key padding, positions, windows, softcap, sinks, the
-lse), of :func:`jax_seqpar.dot_product_attention` (against ``jax.nn``: ``T != S``,
-lengths alone and together, key-padding masks, 3-D inputs) and of the Flax layers
-(:class:`jax_seqpar.flax.SelfAttention`, ``nnx.MultiHeadAttention`` with
-:func:`jax_seqpar.flax.make_attention_fn`) trained for a few jitted steps. A draw the
-contract (docs/design.md) refuses must raise a ``ValueError`` naming the argument; a draw
-it accepts must match the reference at every step, with outputs typed on the caller's
-mesh so the next step runs.
+replicated, or sharded over the sequence, the batch or the heads, ``batch_axes``,
+documents, key padding, positions, windows, softcap, sinks, the lse, tile sizes, and bad
+inputs from the contract's list), of :func:`jax_seqpar.dot_product_attention` (against
+``jax.nn``: ``T != S``, lengths alone and together, key-padding masks, 3-D inputs) and of
+the Flax layers (:class:`jax_seqpar.flax.SelfAttention`, ``nnx.MultiHeadAttention`` with
+:func:`jax_seqpar.flax.make_attention_fn`), made outside or inside ``jax.set_mesh`` and
+run for a few ``nnx.jit`` evaluation and training steps. A draw the contract
+(docs/design.md) refuses must raise a ``ValueError`` naming the argument; a draw it
+accepts must match the reference at every step of a jitted loop whose outputs are the
+next step's inputs, typed on the caller's mesh (and, on Explicit meshes, compiled once).
 
 Compiling is the cost on CPU, so sizes come from small discrete sets (programs repeat)
 and every jitted function is cached by its static configuration. The default tier runs a
-small seeded budget (``derandomize``: the same draws every run); the ``matrix`` tier a
-large one. Draws left out on purpose: the Pallas and Mosaic kernels (interpreted on CPU,
-minutes a call; tests/test_pallas.py, test_mosaic.py cover them), dense masks and biases
-(handed to ``jax.nn``), ``softcap``/``sinks`` in the drop-in (``jax.nn`` has neither; the
-global call draws them).
+small seeded budget (``derandomize``: the same draws every run) and explicit examples of
+the paths users met first; the ``matrix`` tier a large budget, shrinking what fails.
+
+Left out on purpose: the Pallas and Mosaic kernels (interpreted on CPU, minutes a call;
+tests/test_pallas.py and test_mosaic.py hold them), dense masks and biases (handed to
+``jax.nn`` as they are), ``softcap``/``sinks``/a ``Dv != D`` in the drop-in (``jax.nn``
+has none of them: the global call draws them), the KV cache (tests/test_inference.py),
+``jax_enable_x64`` (a process-wide flag). Bad values (not dtypes) are passed to an eager
+call, as given: under the caller's ``jit`` they are tracers, and numpy ``int64`` becomes
+``int32`` before any library sees it.
 """
 
 from __future__ import annotations
