@@ -14,9 +14,17 @@ of the window. Every slot carries its token's position, so attention is exact
 whatever the placement; empty slots hold
 :data:`~jax_seqpar.strategies.decode.EMPTY_POSITION` and are never seen.
 
-A cache that fills up keeps its latest ``C`` tokens (position ``p`` overwrites
-``p - C``): exact for ``window=(left, 0)`` with ``left + T <= C``; for full
-attention give the cache the capacity of the longest sequence.
+Capacity is a contract: a row holds at most ``C`` tokens. A :func:`decode` that
+would take a row past ``C`` is refused and writes nothing (the cache stays as it
+was): called eagerly it raises ``ValueError`` before any work, naming the capacity,
+the row's length and the tokens asked for; traced under ``jax.jit`` the compiled
+step checks the lengths on the device and a host callback raises the same message
+(as a ``jax.errors.JaxRuntimeError`` whose text ends with that ``ValueError``) when
+the step runs. A step jitted with ``donate_argnums`` on the cache has given its
+input buffers away when it starts, so after a refused donated step the old cache
+is gone too: keep ``cache.length + T <= capacity`` (or call without donating) to
+recover from a refusal. A prompt longer than ``C`` is refused by :func:`prefill`
+from its shape. Give the cache the capacity of the longest sequence.
 
 >>> mesh = jax.make_mesh((8,), ("sp",))
 >>> cache = KVCache.create(mesh, batch=1, capacity=4096, num_kv_heads=8, head_dim=128)
@@ -34,8 +42,10 @@ from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_seqpar.core import masks
 from jax_seqpar.kernels import tiling
 from jax_seqpar.strategies.inputs import check_qkv, check_self_attention
 from jax_seqpar.api import placement as _placement
@@ -104,16 +114,9 @@ class KVCache:
         if capacity % shards:
             raise ValueError(f"capacity={capacity} is not divisible by the {shards} shards of "
                              f"{axes}; use capacity={-(-capacity // shards) * shards}.")
-        seq = NamedSharding(mesh, P(None, axis_name_of(axes)))
-
-        @functools.partial(jax.jit, out_shardings=(seq, seq, seq, NamedSharding(mesh, P())))
-        def empty():
-            return (jnp.zeros((batch, capacity, num_kv_heads, head_dim), dtype),
-                    jnp.zeros((batch, capacity, num_kv_heads, v_head_dim), dtype),
-                    jnp.full((batch, capacity), EMPTY_POSITION, jnp.int32),
-                    jnp.zeros((batch,), jnp.int32))
-
-        return cls(*empty(), mesh=mesh, seq_axes=axes)
+        k, v, positions, length = _empty(mesh, axes, batch, capacity, num_kv_heads, head_dim,
+                                         v_head_dim, np.dtype(dtype))()
+        return cls(k, v, positions, length, mesh=mesh, seq_axes=axes)
 
     @property
     def capacity(self) -> int:
@@ -125,6 +128,18 @@ class KVCache:
         """``P``, devices along ``seq_axes``."""
         return math.prod(self.mesh.shape[name] for name in self.seq_axes)
 
+    def check_room(self, new_tokens: int) -> None:
+        """Raise ``ValueError`` if appending ``new_tokens`` to some row would pass the capacity.
+
+        Reads ``length`` (a small host transfer) when it is concrete; a cache traced
+        under ``jit`` is checked by the compiled step instead (see the module docstring).
+        """
+        if isinstance(self.length, jax.core.Tracer):
+            return
+        lengths = np.asarray(self.length)
+        if (lengths + new_tokens > self.capacity).any():
+            raise ValueError(_overflow_message(lengths, new_tokens, self.capacity))
+
     def _specs(self):
         seq = P(None, axis_name_of(self.seq_axes))
         return seq, seq, seq
@@ -134,6 +149,54 @@ class KVCache:
         cache made or carried inside ``jit`` may have lost its sharding in its type)."""
         return tuple(_place(x, self.mesh, spec)
                      for x, spec in zip((self.k, self.v, self.positions), self._specs()))
+
+
+@functools.lru_cache(maxsize=None)
+def _empty(mesh, axes, batch, capacity, num_kv_heads, head_dim, v_head_dim, dtype):
+    """The jitted maker of an empty cache's arrays, one per signature (compiled once)."""
+    seq = NamedSharding(mesh, P(None, axis_name_of(axes)))
+
+    @functools.partial(jax.jit, out_shardings=(seq, seq, seq, NamedSharding(mesh, P())))
+    def empty():
+        return (jnp.zeros((batch, capacity, num_kv_heads, head_dim), dtype),
+                jnp.zeros((batch, capacity, num_kv_heads, v_head_dim), dtype),
+                jnp.full((batch, capacity), EMPTY_POSITION, jnp.int32),
+                jnp.zeros((batch,), jnp.int32))
+
+    return empty
+
+
+def _overflow_message(lengths, new_tokens: int, capacity: int) -> str:
+    """What a refused step says: the capacity, the fullest row's length, the tokens asked."""
+    lengths = np.asarray(lengths)
+    row = int(np.argmax(lengths))
+    return (f"the KV cache is full: capacity={capacity} tokens per row, row {row} holds "
+            f"length={int(lengths[row])} and {new_tokens} new token(s) were asked for "
+            f"({int(lengths[row])} + {new_tokens} > {capacity}); nothing was written. Create "
+            f"the cache with capacity >= {int(lengths.max()) + new_tokens} (the longest "
+            f"sequence), or start a new one.")
+
+
+def _raise_overflow(lengths, new_tokens, capacity):
+    raise ValueError(_overflow_message(lengths, int(new_tokens), int(capacity)))
+
+
+def _refuse_overflow(fits, lengths, new_tokens: int, capacity: int):
+    """Inside a traced step: ``lengths``, or a host error when the step runs unless ``fits``.
+
+    The ``ValueError`` fails the whole step (every output reads as a
+    ``jax.errors.JaxRuntimeError`` carrying its text): an error cannot leave a compiled
+    program any other way, and unlike a status flag it cannot be ignored. Every shard
+    raises at the same point of the same program, so none waits in a collective for
+    another; a callback with a result (used below) is neither dropped nor an effect that
+    later programs would wait on.
+    """
+    def refuse(lengths):
+        _raise_overflow(lengths, new_tokens, capacity)
+        return lengths
+
+    return jax.lax.cond(fits, lambda: lengths, lambda: jax.pure_callback(
+        refuse, jax.ShapeDtypeStruct(lengths.shape, lengths.dtype), lengths))
 
 
 def _check_against_cache(k, v, cache: KVCache) -> None:
@@ -213,22 +276,57 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
     _check_against_cache(k, v, cache)
     batch, seq_len = q.shape[:2]
     if seq_len > cache.capacity:
-        raise ValueError(f"the prompt has {seq_len} tokens but the cache only "
-                         f"capacity={cache.capacity}; create a larger KVCache.")
-    if lengths is None:
-        lengths = jnp.full((batch,), seq_len, jnp.int32)
-    if tuple(jnp.shape(lengths)) != (batch,):
+        raise ValueError(f"the prompt has {seq_len} tokens but the cache holds only "
+                         f"capacity={cache.capacity} per row (prefill replaces its content: "
+                         f"length 0 + {seq_len} tokens asked); create a larger KVCache.")
+    if lengths is not None and tuple(jnp.shape(lengths)) != (batch,):
         raise ValueError(f"lengths must have shape [batch]=({batch},). "
                          f"Got {tuple(jnp.shape(lengths))}.")
+    if lengths is not None:
+        lengths = jnp.asarray(lengths, jnp.int32)
+    call = _Prefill(causal=bool(causal), strategy=strategy,
+                    window=masks.normalize_window(window),
+                    scale=None if scale is None else float(scale), layout=layout, kernel=kernel,
+                    block_sizes=block_sizes, softcap=None if softcap is None else float(softcap))
+    # Eager arrays replicated onto the cache's mesh: left on one device, the program's
+    # inputs would take whatever sharding the partitioner propagates back to them, which
+    # no mesh spec may name.
+    q, k, v, lengths, sinks = _placement.onto(cache.mesh, q, k, v, lengths,
+                                              None if sinks is None else jnp.asarray(sinks))
+    return _prefill(q, k, v, cache, lengths, sinks, call=call)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prefill:
+    """The static options of a prefill (hashable: the key of its compiled program)."""
+
+    causal: bool
+    strategy: str
+    window: Optional[tuple]
+    scale: Optional[float]
+    layout: str
+    kernel: str
+    block_sizes: object
+    softcap: Optional[float]
+
+
+# One program per signature, so an eager prefill runs (and compiles) one program, not a
+# program per operation with a fresh shard_map each call.
+@functools.partial(jax.jit, static_argnames="call")
+def _prefill(q, k, v, cache: KVCache, lengths, sinks, *, call: _Prefill):
+    batch, seq_len = q.shape[:2]
+    if lengths is None:
+        lengths = jnp.full((batch,), seq_len, jnp.int32)
     lengths = jnp.minimum(jnp.asarray(lengths, jnp.int32), seq_len)
     segment_ids = None
-    if not causal:  # causal prompts never see their own later padding; others must not
+    if not call.causal:  # causal prompts never see their own later padding; others must not
         segment_ids = (jnp.arange(seq_len)[None] >= lengths[:, None]).astype(jnp.int32)
     seq_axes = cache.seq_axes if len(cache.seq_axes) > 1 else cache.seq_axes[0]
     out = sequence_parallel_attention(
-        q, k, v, mesh=cache.mesh, seq_axes=seq_axes, strategy=strategy, causal=causal,
-        segment_ids=segment_ids, window=window, scale=scale, layout=layout, kernel=kernel,
-        block_sizes=block_sizes, softcap=softcap, sinks=sinks)  # [B, S, H, Dv], like q
+        q, k, v, mesh=cache.mesh, seq_axes=seq_axes, strategy=call.strategy,
+        causal=call.causal, segment_ids=segment_ids, window=call.window, scale=call.scale,
+        layout=call.layout, kernel=call.kernel, block_sizes=call.block_sizes,
+        softcap=call.softcap, sinks=sinks)  # [B, S, H, Dv], like q
 
     # The cache write deals whole shards: the prompt padded to a length they divide (the
     # padding is past ``lengths``, so it is never written).
@@ -250,18 +348,21 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
 _put = jax.vmap(lambda cache, slot, x: cache.at[slot].set(x.astype(cache.dtype), mode="drop"))
 
 
-def _append_and_attend(q, k, v, k_cache, v_cache, positions, length, sinks, *, axis_name,
-                       options):
+def _append_and_attend(q, k, v, k_cache, v_cache, positions, length, fits, sinks, *,
+                       axis_name, options):
     """Per shard: write the new tokens this shard owns, attend to the local slots, merge.
 
     q: ``[B, T, H, Dqk]``, k/v: ``[B, T, Hkv, D]`` (the same on every device);
-    k_cache/v_cache: ``[B, C/P, Hkv, D]``, positions ``int32[B, C/P]``.
+    k_cache/v_cache: ``[B, C/P, Hkv, D]``, positions ``int32[B, C/P]``; ``fits``: whether
+    the step is allowed (a refused one writes nothing).
     """
     new_tokens, local_capacity = q.shape[1], k_cache.shape[1]
     shards, shard = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+    length = _refuse_overflow(fits, length, new_tokens, local_capacity * shards)
     new_positions = length[:, None] + jnp.arange(new_tokens, dtype=jnp.int32)[None]  # [B, T]
-    slot = (new_positions // shards) % local_capacity
-    slot = jnp.where(new_positions % shards == shard, slot, local_capacity)  # others: dropped
+    slot = new_positions // shards  # past the capacity only in a refused step
+    mine = (new_positions % shards == shard) & fits
+    slot = jnp.where(mine, slot, local_capacity)  # others' tokens (and a refused step): dropped
     k_cache, v_cache = _put(k_cache, slot, k), _put(v_cache, slot, v)  # [B, C/P, Hkv, D]
     positions = _put(positions, slot, new_positions)  # [B, C/P]
     out = decode_attention(q, k_cache, v_cache, seq_axes=axis_name,
@@ -283,7 +384,7 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, window=N
     Args:
       q: ``[B, T, H, Dqk]``; k: ``[B, T, Hkv, Dqk]``; v: ``[B, T, Hkv, Dv]`` the new
         tokens (k/v stored in the cache's dtype; softmax in float32).
-      cache: the :class:`KVCache` (``T <= capacity``).
+      cache: the :class:`KVCache` (``length + T <= capacity`` in every row).
       window: ``(left, right)`` or one int: query ``i`` sees keys ``i-left .. i``;
         key blocks outside every window are skipped.
       scale, kernel, block_sizes, softcap, sinks: as in
@@ -293,7 +394,10 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, window=N
       ``(out [B, T, H, Dv] in q.dtype, replicated; cache with length + T)``.
 
     Raises:
-      ValueError: shapes that do not match the cache or each other.
+      ValueError: shapes that do not match the cache or each other; a step that would
+        take a row past the capacity (nothing is written). Under ``jit`` the capacity
+        check runs with the step and raises ``jax.errors.JaxRuntimeError`` carrying
+        the same message (see the module docstring, donation included).
 
     >>> step = jax.jit(decode, donate_argnums=3)  # donated: the cache updates in place
     >>> out, cache = step(q_new, k_new, v_new, cache)  # q_new [B, 1, H, Dqk]
@@ -307,17 +411,41 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, window=N
     if new_tokens > cache.capacity:
         raise ValueError(f"{new_tokens} new tokens do not fit a cache of capacity="
                          f"{cache.capacity}; decode them in chunks or create a larger cache.")
+    cache.check_room(new_tokens)
+    call = _Decode(window=masks.normalize_window(window),
+                   scale=None if scale is None else float(scale), kernel=kernel,
+                   block_sizes=block_sizes, softcap=None if softcap is None else float(softcap))
+    q, k, v, sinks = _placement.onto(cache.mesh, q, k, v,
+                                     None if sinks is None else jnp.asarray(sinks))  # as prefill
+    return _decode(q, k, v, cache, sinks, call=call)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Decode:
+    """The static options of a decode step (hashable: the key of its compiled program)."""
+
+    window: Optional[tuple]
+    scale: Optional[float]
+    kernel: str
+    block_sizes: object
+    softcap: Optional[float]
+
+
+@functools.partial(jax.jit, static_argnames="call")
+def _decode(q, k, v, cache: KVCache, sinks, *, call: _Decode):
+    new_tokens = q.shape[1]
+    new_length = cache.length + new_tokens  # [B]
+    fits = jnp.all(new_length <= cache.capacity)
     axis_name = axis_name_of(cache.seq_axes)
-    options = dict(window=window, scale=scale, kernel=kernel, block_sizes=block_sizes,
-                   softcap=softcap)
+    options = dict(window=call.window, scale=call.scale, kernel=call.kernel,
+                   block_sizes=call.block_sizes, softcap=call.softcap)
     step = jax.shard_map(
         functools.partial(_append_and_attend, axis_name=axis_name, options=options),
-        mesh=cache.mesh, in_specs=(P(),) * 3 + cache._specs() + (P(), P()),
-        out_specs=(P(),) + cache._specs(), check_vma=can_check_vma(kernel))
-    q, k, v, length = (_place(x, cache.mesh, P()) for x in (q, k, v, cache.length))
+        mesh=cache.mesh, in_specs=(P(),) * 3 + cache._specs() + (P(), P(), P()),
+        out_specs=(P(),) + cache._specs(), check_vma=can_check_vma(call.kernel))
+    q, k, v, length, fits = (_place(x, cache.mesh, P()) for x in (q, k, v, cache.length, fits))
     if sinks is not None:
-        sinks = _place(jnp.asarray(sinks), cache.mesh, P())
-    out, new_k, new_v, positions = step(q, k, v, *cache._placed(), length,
-                                        sinks)
+        sinks = _place(sinks, cache.mesh, P())
+    out, new_k, new_v, positions = step(q, k, v, *cache._placed(), length, fits, sinks)
     return out, dataclasses.replace(cache, k=new_k, v=new_v, positions=positions,
-                                    length=cache.length + new_tokens)
+                                    length=jnp.where(fits, new_length, cache.length))
