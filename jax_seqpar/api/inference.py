@@ -7,7 +7,7 @@ merge exactly (:func:`jax_seqpar.strategies.decode.decode_attention`: one ``pmax
 ``psum`` s, arXiv:2408.04093).
 
 Placement is round-robin: position ``p`` lives on shard ``p % P`` in local slot
-``(p // P) % (C/P)``. Every shard therefore holds ``length/P`` tokens (+-1) of
+``p // P``. Every shard therefore holds ``length/P`` tokens (+-1) of
 every row however long the rows are, a new token lands on exactly one shard, and
 the shards that hold a sliding window's keys are all of them, each with ``1/P``
 of the window. Every slot carries its token's position, so attention is exact
@@ -18,13 +18,15 @@ Capacity is a contract: a row holds at most ``C`` tokens. A :func:`decode` that
 would take a row past ``C`` is refused and writes nothing (the cache stays as it
 was): called eagerly it raises ``ValueError`` before any work, naming the capacity,
 the row's length and the tokens asked for; traced under ``jax.jit`` the compiled
-step checks the lengths on the device and a host callback raises the same message
-(as a ``jax.errors.JaxRuntimeError`` whose text ends with that ``ValueError``) when
-the step runs. A step jitted with ``donate_argnums`` on the cache has given its
+step checks the lengths on the device and a host callback on every shard raises
+the same message when the step runs: the step fails, and reading any of its outputs
+raises ``jax.errors.JaxRuntimeError`` whose text ends with that ``ValueError`` (with
+asynchronous dispatch, at the first read). A step jitted with ``donate_argnums`` on the cache has given its
 input buffers away when it starts, so after a refused donated step the old cache
 is gone too: keep ``cache.length + T <= capacity`` (or call without donating) to
 recover from a refusal. A prompt longer than ``C`` is refused by :func:`prefill`
-from its shape. Give the cache the capacity of the longest sequence.
+from its shape. Give the cache the capacity of the longest sequence; a sliding
+``window`` does not lift the limit (every token keeps its slot).
 
 >>> mesh = jax.make_mesh((8,), ("sp",))
 >>> cache = KVCache.create(mesh, batch=1, capacity=4096, num_kv_heads=8, head_dim=128)
@@ -51,7 +53,8 @@ from jax_seqpar.strategies.inputs import check_qkv, check_self_attention
 from jax_seqpar.api import placement as _placement
 from jax_seqpar.api.placement import place as _place
 from jax_seqpar.api.attention import axis_name_of, can_check_vma, sequence_parallel_attention
-from jax_seqpar.strategies.decode import EMPTY_POSITION, decode_attention
+from jax_seqpar.strategies import decode as decode_steps
+from jax_seqpar.strategies.decode import EMPTY_POSITION
 
 
 def _static(**kwargs):
@@ -138,7 +141,7 @@ class KVCache:
             return
         lengths = np.asarray(self.length)
         if (lengths + new_tokens > self.capacity).any():
-            raise ValueError(_overflow_message(lengths, new_tokens, self.capacity))
+            raise ValueError(decode_steps.overflow_message(lengths, new_tokens, self.capacity))
 
     def _specs(self):
         seq = P(None, axis_name_of(self.seq_axes))
@@ -166,84 +169,12 @@ def _empty(mesh, axes, batch, capacity, num_kv_heads, head_dim, v_head_dim, dtyp
     return empty
 
 
-def _overflow_message(lengths, new_tokens: int, capacity: int) -> str:
-    """What a refused step says: the capacity, the fullest row's length, the tokens asked."""
-    lengths = np.asarray(lengths)
-    row = int(np.argmax(lengths))
-    return (f"the KV cache is full: capacity={capacity} tokens per row, row {row} holds "
-            f"length={int(lengths[row])} and {new_tokens} new token(s) were asked for "
-            f"({int(lengths[row])} + {new_tokens} > {capacity}); nothing was written. Create "
-            f"the cache with capacity >= {int(lengths.max()) + new_tokens} (the longest "
-            f"sequence), or start a new one.")
-
-
-def _raise_overflow(lengths, new_tokens, capacity):
-    raise ValueError(_overflow_message(lengths, int(new_tokens), int(capacity)))
-
-
-def _refuse_overflow(fits, lengths, new_tokens: int, capacity: int):
-    """Inside a traced step: ``lengths``, or a host error when the step runs unless ``fits``.
-
-    The ``ValueError`` fails the whole step (every output reads as a
-    ``jax.errors.JaxRuntimeError`` carrying its text): an error cannot leave a compiled
-    program any other way, and unlike a status flag it cannot be ignored. Every shard
-    raises at the same point of the same program, so none waits in a collective for
-    another; a callback with a result (used below) is neither dropped nor an effect that
-    later programs would wait on.
-    """
-    def refuse(lengths):
-        _raise_overflow(lengths, new_tokens, capacity)
-        return lengths
-
-    return jax.lax.cond(fits, lambda: lengths, lambda: jax.pure_callback(
-        refuse, jax.ShapeDtypeStruct(lengths.shape, lengths.dtype), lengths))
-
-
 def _check_against_cache(k, v, cache: KVCache) -> None:
     expected = (cache.k.shape[0], cache.k.shape[2], cache.k.shape[3], cache.v.shape[3])
     got = (k.shape[0], k.shape[2], k.shape[3], v.shape[3])
     if got != expected:
         raise ValueError(f"k/v [batch, ., kv_heads, head_dim] / v_head_dim must match the "
                          f"cache's (batch, Hkv, Dqk, Dv)={expected}. Got {got}.")
-
-
-def _deal_round_robin(k, v, lengths, k_cache, v_cache, *, axis_name):
-    """Per shard: the contiguous prompt shard into its round-robin slots (one ``all_to_all``).
-
-    Shard ``r`` holds positions ``r*L .. r*L+L-1``; position ``p`` belongs on shard
-    ``p % P`` in slot ``p // P``. Padded to whole groups of ``P`` tokens, local token
-    ``a*P + j`` goes to shard ``(r*L + j) % P``: rolling each group by ``r*L % P``
-    puts the token for shard ``d`` in column ``d``, and one ``all_to_all`` deals
-    the columns (positions travel with the tokens).
-
-    Args:
-      k: ``[B, L, Hkv, Dqk]``, v: ``[B, L, Hkv, Dv]`` this shard of the prompt.
-      lengths: ``int32[B]`` true prompt lengths (later tokens are not written).
-      k_cache: ``[B, C/P, Hkv, Dqk]``, v_cache: ``[B, C/P, Hkv, Dv]``.
-    Returns:
-      The new local k, v and ``int32[B, C/P]`` positions (the rest of the slots empty).
-    """
-    shards, shard = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
-    batch, local_len = k.shape[:2]
-    groups = -(-local_len // shards)
-    index = jnp.arange(groups * shards, dtype=jnp.int32)
-    positions = shard * local_len + index  # [L'], L' = groups * P
-    written = (index < local_len)[None] & (positions[None] < lengths[:, None])  # [B, L']
-    positions = jnp.where(written, positions[None], EMPTY_POSITION)  # [B, L']
-
-    def deal(x):
-        x = tiling.pad_seq(x, groups * shards)  # [B, L', ...]
-        x = x.reshape(batch, groups, shards, *x.shape[2:])  # [B, L'/P, P, ...]
-        x = jnp.roll(x, shard * local_len % shards, axis=2)  # column d: for shard d
-        x = jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=2, tiled=True)
-        return x.reshape(batch, groups * shards, *x.shape[3:])  # [B, L', ...] from all shards
-
-    k, v, positions = deal(k), deal(v), deal(positions)
-    local_capacity = k_cache.shape[1]
-    slot = jnp.where(positions == EMPTY_POSITION, local_capacity,
-                     (positions // shards) % local_capacity)  # [B, L']; empty: dropped
-    empty = jnp.full((batch, local_capacity), EMPTY_POSITION, jnp.int32)
-    return _put(k_cache, slot, k), _put(v_cache, slot, v), _put(empty, slot, positions)
 
 
 def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal: bool = True,
@@ -336,39 +267,12 @@ def _prefill(q, k, v, cache: KVCache, lengths, sinks, *, call: _Prefill):
     seq = P(None, axis_name)
     k, v = (_place(x, cache.mesh, seq) for x in (k, v))
     lengths = _place(lengths, cache.mesh, P())
-    write = jax.shard_map(functools.partial(_deal_round_robin, axis_name=axis_name),
+    write = jax.shard_map(functools.partial(decode_steps.deal_round_robin, axis_name=axis_name),
                           mesh=cache.mesh, in_specs=(seq, seq, P(), seq, seq),
                           out_specs=cache._specs())
     new_k, new_v, positions = write(k, v, lengths, *cache._placed()[:2])
     return out, dataclasses.replace(cache, k=new_k, v=new_v, positions=positions,
                                     length=lengths)
-
-
-#: ``cache[b, slot[b, t]] = x[b, t]`` per row; slots out of range are dropped.
-_put = jax.vmap(lambda cache, slot, x: cache.at[slot].set(x.astype(cache.dtype), mode="drop"))
-
-
-def _append_and_attend(q, k, v, k_cache, v_cache, positions, length, fits, sinks, *,
-                       axis_name, options):
-    """Per shard: write the new tokens this shard owns, attend to the local slots, merge.
-
-    q: ``[B, T, H, Dqk]``, k/v: ``[B, T, Hkv, D]`` (the same on every device);
-    k_cache/v_cache: ``[B, C/P, Hkv, D]``, positions ``int32[B, C/P]``; ``fits``: whether
-    the step is allowed (a refused one writes nothing).
-    """
-    new_tokens, local_capacity = q.shape[1], k_cache.shape[1]
-    shards, shard = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
-    length = _refuse_overflow(fits, length, new_tokens, local_capacity * shards)
-    new_positions = length[:, None] + jnp.arange(new_tokens, dtype=jnp.int32)[None]  # [B, T]
-    slot = new_positions // shards  # past the capacity only in a refused step
-    mine = (new_positions % shards == shard) & fits
-    slot = jnp.where(mine, slot, local_capacity)  # others' tokens (and a refused step): dropped
-    k_cache, v_cache = _put(k_cache, slot, k), _put(v_cache, slot, v)  # [B, C/P, Hkv, D]
-    positions = _put(positions, slot, new_positions)  # [B, C/P]
-    out = decode_attention(q, k_cache, v_cache, seq_axes=axis_name,
-                           kv_length=length + new_tokens, kv_positions=positions, sinks=sinks,
-                           **options)
-    return out, k_cache, v_cache, positions  # out [B, T, H, Dv], the same on every device
 
 
 def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, window=None,
@@ -440,7 +344,7 @@ def _decode(q, k, v, cache: KVCache, sinks, *, call: _Decode):
     options = dict(window=call.window, scale=call.scale, kernel=call.kernel,
                    block_sizes=call.block_sizes, softcap=call.softcap)
     step = jax.shard_map(
-        functools.partial(_append_and_attend, axis_name=axis_name, options=options),
+        functools.partial(decode_steps.append_and_attend, axis_name=axis_name, options=options),
         mesh=cache.mesh, in_specs=(P(),) * 3 + cache._specs() + (P(), P(), P()),
         out_specs=(P(),) + cache._specs(), check_vma=can_check_vma(call.kernel))
     q, k, v, length, fits = (_place(x, cache.mesh, P()) for x in (q, k, v, cache.length, fits))
