@@ -251,6 +251,34 @@ def test_a_refused_step_writes_no_token_of_any_row():
         np.testing.assert_array_equal(kept, was)
 
 
+
+def test_a_sliding_window_cache_is_exact_over_four_times_its_capacity(tolerances):
+    """Opted in with ``window=``: a ring of 16 slots serves 64 decode steps of attention
+    six keys back exactly (no refusal); a wider window than the cache keeps is refused."""
+    mesh = jax.make_mesh((8,), ("sp",))
+    prompt, steps, window = 8, 64, (6, 0)
+    q, k, v = _stream(1, prompt + steps, 4, 2, 16, 16, jnp.float32)
+    stream = _expected_stream(q, k, v, window=window)
+    with jax.set_mesh(mesh):
+        cache = inference.KVCache.create(mesh, batch=1, capacity=16, num_kv_heads=2,
+                                         head_dim=16, dtype=jnp.float32, window=6)
+        _, cache = inference.prefill(q[:, :prompt], k[:, :prompt], v[:, :prompt], cache,
+                                     window=window)
+        with pytest.raises(ValueError, match=r"window=\(left <= 6, 0\)"):
+            inference.decode(q[:, :1], k[:, :1], v[:, :1], cache, window=(7, 0))
+        with pytest.raises(ValueError, match="decode at most 10 tokens a step"):
+            inference.decode(q[:, :11], k[:, :11], v[:, :11], cache, window=window)
+        decode = jax.jit(functools.partial(inference.decode, window=window), donate_argnums=3)
+        outs = []
+        for position in range(prompt, prompt + steps):
+            new = slice(position, position + 1)
+            out, cache = decode(q[:, new], k[:, new], v[:, new], cache)
+            outs.append(out[:, 0])
+    np.testing.assert_allclose(np.stack(outs, axis=1), stream[:, prompt:],
+                               **tolerances(jnp.float32))
+    np.testing.assert_array_equal(cache.length, [prompt + steps])
+
+
 # --- Flax: SelfAttention's decode mode and the example LM's generation ----------------
 
 def _tiny_lm():

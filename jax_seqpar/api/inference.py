@@ -25,8 +25,12 @@ asynchronous dispatch, at the first read). A step jitted with ``donate_argnums``
 input buffers away when it starts, so after a refused donated step the old cache
 is gone too: keep ``cache.length + T <= capacity`` (or call without donating) to
 recover from a refusal. A prompt longer than ``C`` is refused by :func:`prefill`
-from its shape. Give the cache the capacity of the longest sequence; a sliding
-``window`` does not lift the limit (every token keeps its slot).
+from its shape. Give the cache the capacity of the longest sequence. A sliding
+window lifts the limit only where the cache is made for it, by opting in:
+``KVCache.create(..., window=W)`` is a ring (position ``p`` overwrites ``p - C``)
+that keeps each row's latest ``C`` tokens, exact for decodes that see at most ``W``
+keys back (``window=(left <= W, 0)``) with ``T <= C - W`` new tokens a step, which
+it checks.
 
 >>> mesh = jax.make_mesh((8,), ("sp",))
 >>> cache = KVCache.create(mesh, batch=1, capacity=4096, num_kv_heads=8, head_dim=128)
@@ -74,6 +78,9 @@ class KVCache:
       length: ``int32[B]`` tokens written per row (positions ``0 .. length-1``).
       mesh: the device mesh (static).
       seq_axes: the mesh axes splitting the slots, a tuple of names (static).
+      window: None (every token keeps its slot), or ``W``: a sliding-window cache that
+        keeps each row's latest ``C`` tokens, for attention that sees ``W`` keys back
+        at most (static).
     """
 
     k: jax.Array
@@ -82,11 +89,12 @@ class KVCache:
     length: jax.Array
     mesh: jax.sharding.Mesh = _static()
     seq_axes: tuple = _static()
+    window: Optional[int] = _static(default=None)
 
     @classmethod
     def create(cls, mesh: jax.sharding.Mesh, *, batch: int, capacity: int, num_kv_heads: int,
                head_dim: int, v_head_dim: Optional[int] = None, dtype=jnp.bfloat16,
-               seq_axes: Union[str, tuple] = "sp") -> "KVCache":
+               seq_axes: Union[str, tuple] = "sp", window: Optional[int] = None) -> "KVCache":
         """An empty cache of ``capacity`` slots per row, created sharded (never whole).
 
         Args:
@@ -97,6 +105,12 @@ class KVCache:
             (default ``head_dim``; MLA absorbed: ``Hkv=1``, 576 / 512).
           dtype: storage dtype of k and v.
           seq_axes: the mesh axis (or tuple of axes) the slots are split over.
+          window: opt in to a bounded cache for sliding-window attention that sees at
+            most ``window`` keys back: position ``p`` overwrites ``p - capacity``, so
+            rows never fill up, and every decode must attend with
+            ``window=(left <= window, 0)`` and ``T <= capacity - window`` new tokens (a
+            query then never needs an overwritten key). None (default): every token
+            keeps its slot and a full row refuses more.
 
         Raises:
           ValueError: unknown axes, non-positive sizes, or a capacity the shards
@@ -119,7 +133,12 @@ class KVCache:
                              f"{axes}; use capacity={-(-capacity // shards) * shards}.")
         k, v, positions, length = _empty(mesh, axes, batch, capacity, num_kv_heads, head_dim,
                                          v_head_dim, np.dtype(dtype))()
-        return cls(k, v, positions, length, mesh=mesh, seq_axes=axes)
+        if window is not None and (isinstance(window, bool) or not isinstance(
+                window, numbers.Integral) or not 0 <= window < capacity):
+            raise ValueError(f"window must be an int in 0..capacity-1={capacity - 1} (the keys "
+                             f"a query sees back). Got window={window!r}.")
+        return cls(k, v, positions, length, mesh=mesh, seq_axes=axes,
+                   window=None if window is None else int(window))
 
     @property
     def capacity(self) -> int:
@@ -137,7 +156,7 @@ class KVCache:
         Reads ``length`` (a small host transfer) when it is concrete; a cache traced
         under ``jit`` is checked by the compiled step instead (see the module docstring).
         """
-        if isinstance(self.length, jax.core.Tracer):
+        if self.window is not None or isinstance(self.length, jax.core.Tracer):
             return
         lengths = np.asarray(self.length)
         if (lengths + new_tokens > self.capacity).any():
@@ -315,6 +334,17 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, window=N
     if new_tokens > cache.capacity:
         raise ValueError(f"{new_tokens} new tokens do not fit a cache of capacity="
                          f"{cache.capacity}; decode them in chunks or create a larger cache.")
+    if cache.window is not None:
+        left, right = masks.normalize_window(window) or (None, 0)
+        if left is None or left > cache.window or right:
+            raise ValueError(f"this cache keeps only each row's latest {cache.capacity} tokens "
+                             f"(KVCache window={cache.window}); decode must attend with "
+                             f"window=(left <= {cache.window}, 0). Got window={window!r}.")
+        if new_tokens + cache.window > cache.capacity:
+            raise ValueError(f"{new_tokens} new tokens would overwrite keys the window of "
+                             f"{cache.window} still sees in a cache of capacity="
+                             f"{cache.capacity}; decode at most "
+                             f"{cache.capacity - cache.window} tokens a step.")
     cache.check_room(new_tokens)
     call = _Decode(window=masks.normalize_window(window),
                    scale=None if scale is None else float(scale), kernel=kernel,
@@ -339,12 +369,13 @@ class _Decode:
 def _decode(q, k, v, cache: KVCache, sinks, *, call: _Decode):
     new_tokens = q.shape[1]
     new_length = cache.length + new_tokens  # [B]
-    fits = jnp.all(new_length <= cache.capacity)
+    fits = jnp.all(new_length <= cache.capacity) | (cache.window is not None)  # a ring fits
     axis_name = axis_name_of(cache.seq_axes)
     options = dict(window=call.window, scale=call.scale, kernel=call.kernel,
                    block_sizes=call.block_sizes, softcap=call.softcap)
     step = jax.shard_map(
-        functools.partial(decode_steps.append_and_attend, axis_name=axis_name, options=options),
+        functools.partial(decode_steps.append_and_attend, axis_name=axis_name, options=options,
+                          ring=cache.window is not None),
         mesh=cache.mesh, in_specs=(P(),) * 3 + cache._specs() + (P(), P(), P()),
         out_specs=(P(),) + cache._specs(), check_vma=can_check_vma(call.kernel))
     q, k, v, length, fits = (_place(x, cache.mesh, P()) for x in (q, k, v, cache.length, fits))
