@@ -234,53 +234,47 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
                          f"Got {tuple(jnp.shape(lengths))}.")
     if lengths is not None:
         lengths = jnp.asarray(lengths, jnp.int32)
-    call = _Prefill(causal=bool(causal), strategy=strategy,
-                    window=masks.normalize_window(window),
-                    scale=None if scale is None else float(scale), layout=layout, kernel=kernel,
-                    block_sizes=block_sizes, softcap=None if softcap is None else float(softcap))
-    # Eager arrays replicated onto the cache's mesh: left on one device, the program's
+    # Eager arrays replicated onto the cache's mesh: left on one device, the programs'
     # inputs would take whatever sharding the partitioner propagates back to them, which
     # no mesh spec may name.
     q, k, v, lengths, sinks = _placement.onto(cache.mesh, q, k, v, lengths,
                                               None if sinks is None else jnp.asarray(sinks))
-    return _prefill(q, k, v, cache, lengths, sinks, call=call)
-
-
-@dataclasses.dataclass(frozen=True)
-class _Prefill:
-    """The static options of a prefill (hashable: the key of its compiled program)."""
-
-    causal: bool
-    strategy: str
-    window: Optional[tuple]
-    scale: Optional[float]
-    layout: str
-    kernel: str
-    block_sizes: object
-    softcap: Optional[float]
-
-
-# One program per signature, so an eager prefill runs (and compiles) one program, not a
-# program per operation with a fresh shard_map each call.
-@functools.partial(jax.jit, static_argnames="call")
-def _prefill(q, k, v, cache: KVCache, lengths, sinks, *, call: _Prefill):
-    batch, seq_len = q.shape[:2]
-    if lengths is None:
-        lengths = jnp.full((batch,), seq_len, jnp.int32)
-    lengths = jnp.minimum(jnp.asarray(lengths, jnp.int32), seq_len)
+    lengths = _prompt_lengths(lengths, batch=batch, seq_len=seq_len)
     segment_ids = None
-    if not call.causal:  # causal prompts never see their own later padding; others must not
-        segment_ids = (jnp.arange(seq_len)[None] >= lengths[:, None]).astype(jnp.int32)
+    if not causal:  # causal prompts never see their own later padding; others must not
+        segment_ids = _padding_segments(lengths, seq_len=seq_len)
     seq_axes = cache.seq_axes if len(cache.seq_axes) > 1 else cache.seq_axes[0]
+    # The attention is its own staged program (sequence_parallel_attention), the cache
+    # write another: each compiles once, and what the attention builds inside stays there.
     out = sequence_parallel_attention(
-        q, k, v, mesh=cache.mesh, seq_axes=seq_axes, strategy=call.strategy,
-        causal=call.causal, segment_ids=segment_ids, window=call.window, scale=call.scale,
-        layout=call.layout, kernel=call.kernel, block_sizes=call.block_sizes,
-        softcap=call.softcap, sinks=sinks)  # [B, S, H, Dv], like q
+        q, k, v, mesh=cache.mesh, seq_axes=seq_axes, strategy=strategy, causal=causal,
+        segment_ids=segment_ids, window=window, scale=scale, layout=layout, kernel=kernel,
+        block_sizes=block_sizes, softcap=softcap, sinks=sinks)  # [B, S, H, Dv], like q
+    return out, _write_prompt(k, v, cache, lengths)
 
-    # The cache write deals whole shards: the prompt padded to a length they divide (the
-    # padding is past ``lengths``, so it is never written).
-    padded = _placement.padded_length(seq_len, cache.num_shards)
+
+@functools.partial(jax.jit, static_argnames=("batch", "seq_len"))
+def _prompt_lengths(lengths, *, batch: int, seq_len: int):
+    """``int32[B]``: the true prompt lengths (default ``S``), at most ``S``."""
+    if lengths is None:
+        return jnp.full((batch,), seq_len, jnp.int32)
+    return jnp.minimum(lengths.astype(jnp.int32), seq_len)
+
+
+@functools.partial(jax.jit, static_argnames="seq_len")
+def _padding_segments(lengths, *, seq_len: int):
+    """``int32[B, S]``: 0 for the prompt's tokens, 1 for its padding."""
+    return (jnp.arange(seq_len)[None] >= lengths[:, None]).astype(jnp.int32)
+
+
+# One program per signature (eagerly: one program, compiled once, not a program per
+# operation with a fresh shard_map each call).
+@jax.jit
+def _write_prompt(k, v, cache: KVCache, lengths):
+    """The cache holding the prompts' ``k, v [B, S, Hkv, D]``, dealt round-robin."""
+    # Whole shards are dealt: the prompt padded to a length they divide (the padding is
+    # past ``lengths``, so it is never written).
+    padded = _placement.padded_length(k.shape[1], cache.num_shards)
     k, v = (tiling.pad_seq(x, padded) for x in (k, v))  # [B, S', Hkv, D]
     axis_name = axis_name_of(cache.seq_axes)
     seq = P(None, axis_name)
@@ -290,13 +284,13 @@ def _prefill(q, k, v, cache: KVCache, lengths, sinks, *, call: _Prefill):
                           mesh=cache.mesh, in_specs=(seq, seq, P(), seq, seq),
                           out_specs=cache._specs())
     new_k, new_v, positions = write(k, v, lengths, *cache._placed()[:2])
-    return out, dataclasses.replace(cache, k=new_k, v=new_v, positions=positions,
-                                    length=lengths)
+    return dataclasses.replace(cache, k=new_k, v=new_v, positions=positions, length=lengths)
 
 
 def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, window=None,
            scale: Optional[float] = None, kernel: str = "auto", block_sizes=None,
-           softcap: Optional[float] = None, sinks: Optional[jax.Array] = None):
+           softcap: Optional[float] = None, sinks: Optional[jax.Array] = None,
+           check_capacity: bool = True):
     """Append ``T >= 1`` new tokens per row and attend them to the whole cache.
 
     Row ``b``'s new tokens take positions ``length[b] .. length[b]+T-1`` (rows may
@@ -312,6 +306,11 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, window=N
         key blocks outside every window are skipped.
       scale, kernel, block_sizes, softcap, sinks: as in
         :func:`jax_seqpar.strategies.decode.decode_attention`.
+      check_capacity: under ``jit``, raise (from a host callback) when a step is refused.
+        False only for a caller that has sized the cache for every step it runs (as
+        ``generate`` does): a refused step still writes nothing, but says nothing under
+        ``jit``. (A program holding a host callback cannot also hold a split-axis
+        hybrid prefill: JAX then requires one mesh across the whole program.)
 
     Returns:
       ``(out [B, T, H, Dv] in q.dtype, replicated; cache with length + T)``.
@@ -348,7 +347,8 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, window=N
     cache.check_room(new_tokens)
     call = _Decode(window=masks.normalize_window(window),
                    scale=None if scale is None else float(scale), kernel=kernel,
-                   block_sizes=block_sizes, softcap=None if softcap is None else float(softcap))
+                   block_sizes=block_sizes, softcap=None if softcap is None else float(softcap),
+                   check_capacity=bool(check_capacity))
     q, k, v, sinks = _placement.onto(cache.mesh, q, k, v,
                                      None if sinks is None else jnp.asarray(sinks))  # as prefill
     return _decode(q, k, v, cache, sinks, call=call)
@@ -363,6 +363,7 @@ class _Decode:
     kernel: str
     block_sizes: object
     softcap: Optional[float]
+    check_capacity: bool
 
 
 @functools.partial(jax.jit, static_argnames="call")
@@ -375,7 +376,7 @@ def _decode(q, k, v, cache: KVCache, sinks, *, call: _Decode):
                    block_sizes=call.block_sizes, softcap=call.softcap)
     step = jax.shard_map(
         functools.partial(decode_steps.append_and_attend, axis_name=axis_name, options=options,
-                          ring=cache.window is not None),
+                          ring=cache.window is not None, check=call.check_capacity),
         mesh=cache.mesh, in_specs=(P(),) * 3 + cache._specs() + (P(), P(), P()),
         out_specs=(P(),) + cache._specs(), check_vma=can_check_vma(call.kernel))
     q, k, v, length, fits = (_place(x, cache.mesh, P()) for x in (q, k, v, cache.length, fits))

@@ -69,7 +69,9 @@ def _greedy_loop(state, prompts, lengths, *, graphdef, num_tokens):
     def step(carry, _):
         token, state = carry
         model = nnx.merge(graphdef, state)
-        logits = _forward(model, token[:, None], lambda layer, x: layer.decode(x))  # [B, 1, V]
+        # generate sized the caches for every step: no host check in the loop
+        logits = _forward(model, token[:, None], lambda layer, x: layer.decode(
+            x, check_capacity=False))  # [B, 1, V]
         following = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
         return (following, nnx.state(model)), token
 

@@ -203,12 +203,14 @@ class SelfAttention(nnx.Module):
         self.cache.set_value(cache)
         return self.o_proj(out)  # [B, S, d_model]
 
-    def decode(self, x: jax.Array) -> jax.Array:
+    def decode(self, x: jax.Array, *, check_capacity: bool = True) -> jax.Array:
         """Append ``T`` tokens per row after the cached ones and attend to the cache.
 
         Args:
           x: ``[B, T, d_model]`` the new tokens; row ``b``'s sit at positions
             ``length[b] .. length[b]+T-1`` (RoPE uses those).
+          check_capacity: as in :func:`jax_seqpar.api.inference.decode` (False only
+            where the caller has sized the cache for every step).
 
         Returns:
           ``[B, T, d_model]``.
@@ -225,6 +227,7 @@ class SelfAttention(nnx.Module):
         q, k, v = self._rotated_qkv(x, positions)
         options = {name: value for name, value in self._mask_options().items()
                    if name != "layout"}
-        out, cache = inference.decode(q, k, v, cache, **options)  # [B, T, H, Dh]
+        out, cache = inference.decode(q, k, v, cache, check_capacity=check_capacity,
+                                      **options)  # [B, T, H, Dh]
         self.cache.set_value(cache)
         return self.o_proj(out)  # [B, T, d_model]

@@ -195,17 +195,18 @@ _put = jax.vmap(lambda cache, slot, x: cache.at[slot].set(x.astype(cache.dtype),
 
 
 def append_and_attend(q, k, v, k_cache, v_cache, positions, length, fits, sinks, *,
-                      axis_name, options, ring=False):
+                      axis_name, options, ring=False, check=True):
     """Per shard: write the new tokens this shard owns, attend to the local slots, merge.
 
     q: ``[B, T, H, Dqk]``, k/v: ``[B, T, Hkv, D]`` (the same on every device);
     k_cache/v_cache: ``[B, C/P, Hkv, D]``, positions ``int32[B, C/P]``; ``fits``: whether
     the step is allowed (a refused one writes nothing); ``ring``: a sliding-window cache,
-    where position ``p`` overwrites ``p - C``.
+    where position ``p`` overwrites ``p - C``; ``check``: a refused step raises.
     """
     new_tokens, local_capacity = q.shape[1], k_cache.shape[1]
     shards, shard = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
-    length = _refuse_overflow(fits, length, new_tokens, local_capacity * shards)
+    if check:
+        length = _refuse_overflow(fits, length, new_tokens, local_capacity * shards)
     new_positions = length[:, None] + jnp.arange(new_tokens, dtype=jnp.int32)[None]  # [B, T]
     slot = new_positions // shards  # past the capacity only in a refused step
     if ring:
