@@ -58,7 +58,7 @@ CASES = [
     pytest.param("hybrid", "hybrid", 8, 2, 16, 16, jnp.float32, [40, 9], {},
                  id="hybrid-gqa-f32"),
     pytest.param("explicit", "auto", 4, 2, 16, 16, jnp.float32, [24, 13],
-                 dict(window=(6, 0), capacity=32), id="auto-window-rolling-cache"),
+                 dict(window=(6, 0), capacity=40), id="auto-window"),
     pytest.param("auto", "ring", 4, 4, 16, 16, jnp.float32, [30, 3],
                  dict(causal=False), id="ring-mha-bidirectional-prompt"),
     pytest.param("explicit", "ulysses", 8, 2, 16, 16, jnp.float32, [21, 6],
@@ -179,7 +179,7 @@ def _small_cache(**kwargs):
                  id="head-dim"),
     pytest.param(lambda: inference.prefill(*_stream(2, 72, 4, 2, 16, 16, jnp.float32),
                                            _small_cache()),
-                 "72 tokens but the cache only capacity=64", id="prompt-too-long"),
+                 "72 tokens but the cache holds only capacity=64", id="prompt-too-long"),
     pytest.param(lambda: inference.prefill(*_stream(2, 8, 4, 1, 16, 16, jnp.float32),
                                            _small_cache()),
                  r"must match the cache's \(batch, Hkv, Dqk, Dv\)=\(2, 2, 16, 16\)",
@@ -194,6 +194,89 @@ def _small_cache(**kwargs):
 def test_bad_input_is_refused(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+
+# --- capacity is a contract: a step that would pass it is refused and writes nothing ----
+
+def _snapshot(cache):
+    return [np.asarray(x) for x in (cache.k, cache.v, cache.positions, cache.length)]
+
+
+@pytest.mark.parametrize("how", ["eager", "jit"])
+def test_a_full_cache_refuses_the_step_that_would_overflow(how, tolerances):
+    """Capacity 16, a 12-token prompt, then single-token steps: the steps to length 16
+    match the reference, the 17th is refused with the capacity, the row's length and the
+    tokens asked for, and the cache before it is untouched."""
+    mesh = jax.make_mesh((8,), ("sp",))
+    q, k, v = _stream(1, 20, 4, 2, 16, 16, jnp.float32)
+    stream = _expected_stream(q, k, v)
+    decode = inference.decode if how == "eager" else jax.jit(inference.decode)
+    error = ValueError if how == "eager" else (ValueError, jax.errors.JaxRuntimeError)
+    with jax.set_mesh(mesh):
+        cache = inference.KVCache.create(mesh, batch=1, capacity=16, num_kv_heads=2,
+                                         head_dim=16, dtype=jnp.float32)
+        _, cache = inference.prefill(q[:, :12], k[:, :12], v[:, :12], cache)
+        for position in range(12, 16):
+            new = slice(position, position + 1)
+            out, cache = decode(q[:, new], k[:, new], v[:, new], cache)
+            np.testing.assert_allclose(out[:, 0], stream[:, position], **tolerances(jnp.float32))
+        before = _snapshot(cache)
+        message = (r"capacity=16 tokens per row, row 0 holds length=16 and 1 new token\(s\) "
+                   r"were asked for \(16 \+ 1 > 16\); nothing was written")
+        with pytest.raises(error, match=message):
+            out, _ = decode(q[:, 16:17], k[:, 16:17], v[:, 16:17], cache)
+            np.asarray(out)  # under jit the step fails when it runs
+        for kept, was in zip(_snapshot(cache), before):
+            np.testing.assert_array_equal(kept, was)
+
+
+def test_a_refused_step_writes_no_token_of_any_row():
+    """Three new tokens for two rows, one of which has room for two: the whole step is
+    refused under jit (no partial write), and the cache it was given is intact."""
+    mesh = jax.make_mesh((8,), ("sp",))
+    q, k, v = _stream(2, 16, 4, 2, 16, 16, jnp.float32)
+    cache = inference.KVCache.create(mesh, batch=2, capacity=16, num_kv_heads=2, head_dim=16,
+                                     dtype=jnp.float32)
+    _, cache = inference.prefill(q[:, :14], k[:, :14], v[:, :14], cache,
+                                 lengths=jnp.array([14, 3], jnp.int32))
+    before = _snapshot(cache)
+    with pytest.raises(ValueError, match=r"row 0 holds length=14 and 3 new token"):
+        inference.decode(q[:, :3], k[:, :3], v[:, :3], cache)
+    out, refused = jax.jit(inference.decode)(q[:, :3], k[:, :3], v[:, :3], cache)
+    with pytest.raises(jax.errors.JaxRuntimeError, match=r"capacity=16 .* row 0 holds "
+                                                         r"length=14 and 3 new token"):
+        np.asarray(refused.length)
+    for kept, was in zip(_snapshot(cache), before):
+        np.testing.assert_array_equal(kept, was)
+
+
+
+def test_a_sliding_window_cache_is_exact_over_four_times_its_capacity(tolerances):
+    """Opted in with ``window=``: a ring of 16 slots serves 64 decode steps of attention
+    six keys back exactly (no refusal); a wider window than the cache keeps is refused."""
+    mesh = jax.make_mesh((8,), ("sp",))
+    prompt, steps, window = 8, 64, (6, 0)
+    q, k, v = _stream(1, prompt + steps, 4, 2, 16, 16, jnp.float32)
+    stream = _expected_stream(q, k, v, window=window)
+    with jax.set_mesh(mesh):
+        cache = inference.KVCache.create(mesh, batch=1, capacity=16, num_kv_heads=2,
+                                         head_dim=16, dtype=jnp.float32, window=6)
+        _, cache = inference.prefill(q[:, :prompt], k[:, :prompt], v[:, :prompt], cache,
+                                     window=window)
+        with pytest.raises(ValueError, match=r"window=\(left <= 6, 0\)"):
+            inference.decode(q[:, :1], k[:, :1], v[:, :1], cache, window=(7, 0))
+        with pytest.raises(ValueError, match="decode at most 10 tokens a step"):
+            inference.decode(q[:, :11], k[:, :11], v[:, :11], cache, window=window)
+        decode = jax.jit(functools.partial(inference.decode, window=window), donate_argnums=3)
+        outs = []
+        for position in range(prompt, prompt + steps):
+            new = slice(position, position + 1)
+            out, cache = decode(q[:, new], k[:, new], v[:, new], cache)
+            outs.append(out[:, 0])
+    np.testing.assert_allclose(np.stack(outs, axis=1), stream[:, prompt:],
+                               **tolerances(jnp.float32))
+    np.testing.assert_array_equal(cache.length, [prompt + steps])
 
 
 # --- Flax: SelfAttention's decode mode and the example LM's generation ----------------
@@ -239,6 +322,30 @@ def test_decode_mode_errors():
         layer.decode(jnp.ones((1, 1, 32)))
     with pytest.raises(ValueError, match="decode mode needs a causal layer"):
         SelfAttention(32, 4, rngs=nnx.Rngs(0)).init_cache(1, 8)
+    layer.init_cache(1, 8, dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"prompt has 9 tokens .* capacity=8"):
+        layer.prefill(jnp.ones((1, 9, 32)))
+    layer.prefill(jnp.ones((1, 7, 32)))
+    with pytest.raises(ValueError, match=r"capacity=8 .* length=7 and 2 new token"):
+        layer.decode(jnp.ones((1, 2, 32)))
+    assert int(layer.cache.get_value().length[0]) == 7  # the refused step wrote nothing
+    layer.decode(jnp.ones((1, 1, 32)))
+    with pytest.raises(ValueError, match=r"capacity=8 .* length=8 and 1 new token"):
+        layer.decode(jnp.ones((1, 1, 32)))
+
+
+def test_generate_refuses_more_tokens_than_the_cache_holds():
+    from flax import nnx
+
+    from jax_seqpar.examples import TransformerLM
+    from jax_seqpar.examples._generate import generate
+
+    config, _ = _tiny_lm()
+    model = TransformerLM(config, rngs=nnx.Rngs(0))
+    with pytest.raises(ValueError, match=r"capacity=16 cannot hold the longest prompt "
+                                         r"\(length=10\) plus the 12 tokens"):
+        generate(model, np.zeros((1, 10), np.int32), [10], num_tokens=12, capacity=16)
+    assert model.blocks[0].attention.cache is None  # refused before any work
 
 
 def test_cli_generate_trains_saves_then_loads(tmp_path, capsys):

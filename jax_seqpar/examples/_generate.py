@@ -10,7 +10,6 @@ loop is one compiled program (a ``lax.scan`` over the new tokens).
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import time
 from typing import Callable
@@ -29,7 +28,8 @@ class Generation:
 
     Attributes:
       tokens: ``int32[B, N]`` the generated tokens.
-      compile_seconds: wall time of compiling prefill and the decode loop.
+      compile_seconds: wall time of compiling prefill and the decode loop (0 when a
+        loop of the same signature was compiled before).
       seconds: wall time of running them (prefill + N-1 decode steps).
       tokens_per_second: ``B * N / seconds``.
     """
@@ -59,7 +59,7 @@ def init_caches(model: TransformerLM, *, batch: int, capacity: int, dtype=jnp.fl
         block.attention.init_cache(batch, capacity, dtype=dtype)
 
 
-def _greedy_loop(graphdef, state, prompts, lengths, *, num_tokens):
+def _greedy_loop(state, prompts, lengths, *, graphdef, num_tokens):
     """Prefill, then ``num_tokens - 1`` decode steps; returns ``(int32[B, N], state)``."""
     model = nnx.merge(graphdef, state)
     logits = _forward(model, prompts, lambda layer, x: layer.prefill(x, lengths=lengths))
@@ -69,7 +69,9 @@ def _greedy_loop(graphdef, state, prompts, lengths, *, num_tokens):
     def step(carry, _):
         token, state = carry
         model = nnx.merge(graphdef, state)
-        logits = _forward(model, token[:, None], lambda layer, x: layer.decode(x))  # [B, 1, V]
+        # generate sized the caches for every step: no host check in the loop
+        logits = _forward(model, token[:, None], lambda layer, x: layer.decode(
+            x, check_capacity=False))  # [B, 1, V]
         following = jnp.argmax(logits[:, 0], axis=-1).astype(jnp.int32)
         return (following, nnx.state(model)), token
 
@@ -77,6 +79,32 @@ def _greedy_loop(graphdef, state, prompts, lengths, *, num_tokens):
                                           length=num_tokens - 1)
     tokens = jnp.concatenate([tokens, token[None]], axis=0)  # [N, B]
     return tokens.T, state
+
+
+_loop = jax.jit(_greedy_loop, static_argnames=("graphdef", "num_tokens"))
+#: Compiled loops by signature: a second ``generate`` of the same shapes compiles nothing.
+_COMPILED: dict = {}
+
+
+def _compiled_loop(graphdef, num_tokens: int, *args):
+    """``(executable, compile seconds)`` of the loop for ``args``; 0 s when reused.
+
+    Compiled ahead of time (``lower().compile()``) so that the compile time is
+    measured apart from the run; AOT executables are not cached by ``jit``, hence the
+    table, keyed by what the program depends on (the model's structure, N, and the
+    arrays' shapes, dtypes and shardings).
+    """
+    leaves, structure = jax.tree.flatten(args)
+    key = (graphdef, num_tokens, structure,
+           tuple((x.shape, x.dtype, getattr(x, "sharding", None)) for x in leaves))
+    if key in _COMPILED:
+        return _COMPILED[key], 0.0
+    start = time.perf_counter()
+    compiled = _loop.lower(*args, graphdef=graphdef, num_tokens=num_tokens).compile()
+    if len(_COMPILED) >= 8:  # a bounded table: a long session keeps its latest models
+        del _COMPILED[next(iter(_COMPILED))]
+    _COMPILED[key] = compiled
+    return compiled, time.perf_counter() - start
 
 
 def generate(model: TransformerLM, prompts, lengths, *, num_tokens: int,
@@ -112,8 +140,10 @@ def generate(model: TransformerLM, prompts, lengths, *, num_tokens: int,
         shards = 1 if attention.mesh is None else math.prod(attention.mesh.shape[a] for a in axes)
         capacity = -(-max(needed, seq_len) // shards) * shards
     if capacity < needed:
-        raise ValueError(f"capacity={capacity} holds fewer than the {needed} tokens of the "
-                         "longest prompt plus the generated ones.")
+        raise ValueError(f"capacity={capacity} cannot hold the longest prompt "
+                         f"(length={needed - num_tokens}) plus the {num_tokens} tokens asked "
+                         f"for ({needed} > {capacity}); pass capacity >= {needed} or leave it "
+                         "None.")
     init_caches(model, batch=batch, capacity=capacity, dtype=cache_dtype)
     graphdef, state = nnx.split(model)
     mesh = model.blocks[0].attention.mesh
@@ -121,10 +151,7 @@ def generate(model: TransformerLM, prompts, lengths, *, num_tokens: int,
         # The prompts replicated over the caches' mesh: left unplaced, the partitioner may
         # give the loop's tokens a sharding no mesh spec can name (an error when compiling).
         prompts, lengths = jax.device_put((prompts, lengths), jax.NamedSharding(mesh, jax.P()))
-    loop = jax.jit(functools.partial(_greedy_loop, graphdef, num_tokens=num_tokens))
-    start = time.perf_counter()
-    compiled = loop.lower(state, prompts, lengths).compile()
-    compile_seconds = time.perf_counter() - start
+    compiled, compile_seconds = _compiled_loop(graphdef, num_tokens, state, prompts, lengths)
     start = time.perf_counter()
     tokens, state = compiled(state, prompts, lengths)
     tokens = np.asarray(tokens)  # waits for the result

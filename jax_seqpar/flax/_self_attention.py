@@ -192,6 +192,10 @@ class SelfAttention(nnx.Module):
           ``[B, S, d_model]`` (padding rows' outputs are meaningless).
         """
         cache = self._kv_cache()
+        if x.ndim == 3 and x.shape[1] > cache.capacity:  # before any work
+            raise ValueError(f"the prompt has {x.shape[1]} tokens but the cache holds only "
+                             f"capacity={cache.capacity} per row; call "
+                             f"init_cache(batch, capacity >= {x.shape[1]}) first.")
         q, k, v = self._rotated_qkv(x, jnp.arange(x.shape[1], dtype=jnp.int32))
         out, cache = inference.prefill(
             q, k, v, cache, causal=True, strategy=self.strategy, lengths=lengths,
@@ -199,21 +203,31 @@ class SelfAttention(nnx.Module):
         self.cache.set_value(cache)
         return self.o_proj(out)  # [B, S, d_model]
 
-    def decode(self, x: jax.Array) -> jax.Array:
+    def decode(self, x: jax.Array, *, check_capacity: bool = True) -> jax.Array:
         """Append ``T`` tokens per row after the cached ones and attend to the cache.
 
         Args:
           x: ``[B, T, d_model]`` the new tokens; row ``b``'s sit at positions
             ``length[b] .. length[b]+T-1`` (RoPE uses those).
+          check_capacity: as in :func:`jax_seqpar.api.inference.decode` (False only
+            where the caller has sized the cache for every step).
 
         Returns:
           ``[B, T, d_model]``.
+
+        Raises:
+          ValueError: a row of the cache would pass its capacity (nothing is written;
+            under ``jit`` the step fails when it runs, see
+            :mod:`jax_seqpar.api.inference`).
         """
         cache = self._kv_cache()
+        if x.ndim == 3:
+            cache.check_room(x.shape[1])  # a full cache refuses before any work
         positions = cache.length[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None]  # [B, T]
         q, k, v = self._rotated_qkv(x, positions)
         options = {name: value for name, value in self._mask_options().items()
                    if name != "layout"}
-        out, cache = inference.decode(q, k, v, cache, **options)  # [B, T, H, Dh]
+        out, cache = inference.decode(q, k, v, cache, check_capacity=check_capacity,
+                                      **options)  # [B, T, H, Dh]
         self.cache.set_value(cache)
         return self.o_proj(out)  # [B, T, d_model]

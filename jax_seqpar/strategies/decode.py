@@ -8,13 +8,20 @@ The cache's slots may hold any positions in any order (contiguous, zigzag,
 round-robin): with ``kv_positions`` every slot carries its token's global
 position, the mask is computed on those, and empty slots hold
 :data:`EMPTY_POSITION` (or any negative number), which no query sees.
+
+The per-shard steps of :mod:`jax_seqpar.api.inference` live here too: dealing a
+prompt into round-robin slots, and appending new tokens (refused, writing nothing,
+when a row would pass the cache's capacity) before attending.
 """
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_seqpar.core import layout, masks
+from jax_seqpar.kernels import tiling
 from jax_seqpar.strategies.inputs import Options, check_ids, check_qkv
 from jax_seqpar.core.merge import check_sinks, merge_across
 
@@ -107,3 +114,108 @@ def decode_attention(q, k_cache, v_cache, *, seq_axes, kv_length, scale=None, ke
         out, lse = _heads_as_tokens(options, q, k_cache, v_cache, q_positions, kv_positions)
     # out float32 [B, T, H, Dv], lse float32 [B, T, H]
     return merge_across(out, lse, seq_axes, sinks).astype(q.dtype)  # [B, T, H, Dv]
+
+
+# --- the per-shard steps of a sequence-sharded KV cache (jax_seqpar.api.inference) ---
+
+def overflow_message(lengths, new_tokens: int, capacity: int) -> str:
+    """What a refused step says: the capacity, the fullest row's length, the tokens asked."""
+    lengths = np.asarray(lengths)
+    row = int(np.argmax(lengths))
+    return (f"the KV cache is full: capacity={capacity} tokens per row, row {row} holds "
+            f"length={int(lengths[row])} and {new_tokens} new token(s) were asked for "
+            f"({int(lengths[row])} + {new_tokens} > {capacity}); nothing was written. Create "
+            f"the cache with capacity >= {int(lengths.max()) + new_tokens} (the longest "
+            f"sequence), or start a new one.")
+
+
+def _raise_overflow(lengths, new_tokens, capacity):
+    raise ValueError(overflow_message(lengths, int(new_tokens), int(capacity)))
+
+
+def _refuse_overflow(fits, lengths, new_tokens: int, capacity: int):
+    """Inside a traced step: ``lengths``, or a host error when the step runs unless ``fits``.
+
+    The ``ValueError`` fails the whole step (every output reads as a
+    ``jax.errors.JaxRuntimeError`` carrying its text): an error cannot leave a compiled
+    program any other way, and unlike a status flag it cannot be ignored. Every shard
+    raises at the same point of the same program, so none waits in a collective for
+    another; a callback with a result (used below) is neither dropped nor an effect that
+    later programs would wait on.
+    """
+    def refuse(lengths):
+        _raise_overflow(lengths, new_tokens, capacity)
+        return lengths
+
+    return jax.lax.cond(fits, lambda: lengths, lambda: jax.pure_callback(
+        refuse, jax.ShapeDtypeStruct(lengths.shape, lengths.dtype), lengths))
+
+
+def deal_round_robin(k, v, lengths, k_cache, v_cache, *, axis_name):
+    """Per shard: the contiguous prompt shard into its round-robin slots (one ``all_to_all``).
+
+    Shard ``r`` holds positions ``r*L .. r*L+L-1``; position ``p`` belongs on shard
+    ``p % P`` in slot ``p // P``. Padded to whole groups of ``P`` tokens, local token
+    ``a*P + j`` goes to shard ``(r*L + j) % P``: rolling each group by ``r*L % P``
+    puts the token for shard ``d`` in column ``d``, and one ``all_to_all`` deals
+    the columns (positions travel with the tokens).
+
+    Args:
+      k: ``[B, L, Hkv, Dqk]``, v: ``[B, L, Hkv, Dv]`` this shard of the prompt.
+      lengths: ``int32[B]`` true prompt lengths (later tokens are not written).
+      k_cache: ``[B, C/P, Hkv, Dqk]``, v_cache: ``[B, C/P, Hkv, Dv]``.
+    Returns:
+      The new local k, v and ``int32[B, C/P]`` positions (the rest of the slots empty).
+    """
+    shards, shard = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+    batch, local_len = k.shape[:2]
+    groups = -(-local_len // shards)
+    index = jnp.arange(groups * shards, dtype=jnp.int32)
+    positions = shard * local_len + index  # [L'], L' = groups * P
+    written = (index < local_len)[None] & (positions[None] < lengths[:, None])  # [B, L']
+    positions = jnp.where(written, positions[None], EMPTY_POSITION)  # [B, L']
+
+    def deal(x):
+        x = tiling.pad_seq(x, groups * shards)  # [B, L', ...]
+        x = x.reshape(batch, groups, shards, *x.shape[2:])  # [B, L'/P, P, ...]
+        x = jnp.roll(x, shard * local_len % shards, axis=2)  # column d: for shard d
+        x = jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=2, tiled=True)
+        return x.reshape(batch, groups * shards, *x.shape[3:])  # [B, L', ...] from all shards
+
+    k, v, positions = deal(k), deal(v), deal(positions)
+    local_capacity = k_cache.shape[1]
+    slot = jnp.where(positions == EMPTY_POSITION, local_capacity,
+                     positions // shards)  # [B, L'] (a prompt fits the cache); empty: dropped
+    empty = jnp.full((batch, local_capacity), EMPTY_POSITION, jnp.int32)
+    return _put(k_cache, slot, k), _put(v_cache, slot, v), _put(empty, slot, positions)
+
+
+#: ``cache[b, slot[b, t]] = x[b, t]`` per row; slots out of range are dropped.
+_put = jax.vmap(lambda cache, slot, x: cache.at[slot].set(x.astype(cache.dtype), mode="drop"))
+
+
+def append_and_attend(q, k, v, k_cache, v_cache, positions, length, fits, sinks, *,
+                      axis_name, options, ring=False, check=True):
+    """Per shard: write the new tokens this shard owns, attend to the local slots, merge.
+
+    q: ``[B, T, H, Dqk]``, k/v: ``[B, T, Hkv, D]`` (the same on every device);
+    k_cache/v_cache: ``[B, C/P, Hkv, D]``, positions ``int32[B, C/P]``; ``fits``: whether
+    the step is allowed (a refused one writes nothing); ``ring``: a sliding-window cache,
+    where position ``p`` overwrites ``p - C``; ``check``: a refused step raises.
+    """
+    new_tokens, local_capacity = q.shape[1], k_cache.shape[1]
+    shards, shard = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
+    if check:
+        length = _refuse_overflow(fits, length, new_tokens, local_capacity * shards)
+    new_positions = length[:, None] + jnp.arange(new_tokens, dtype=jnp.int32)[None]  # [B, T]
+    slot = new_positions // shards  # past the capacity only in a refused step
+    if ring:
+        slot = slot % local_capacity
+    mine = (new_positions % shards == shard) & fits
+    slot = jnp.where(mine, slot, local_capacity)  # others' tokens (and a refused step): dropped
+    k_cache, v_cache = _put(k_cache, slot, k), _put(v_cache, slot, v)  # [B, C/P, Hkv, D]
+    positions = _put(positions, slot, new_positions)  # [B, C/P]
+    out = decode_attention(q, k_cache, v_cache, seq_axes=axis_name,
+                           kv_length=length + new_tokens, kv_positions=positions, sinks=sinks,
+                           **options)
+    return out, k_cache, v_cache, positions  # out [B, T, H, Dv], the same on every device

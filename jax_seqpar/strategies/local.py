@@ -8,6 +8,8 @@ whole arrays (the blockwise kernel, memory O(block), never the dense reference).
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from typing import Optional
 
 import jax
@@ -16,13 +18,11 @@ from jax.sharding import AxisType, PartitionSpec as P
 
 from jax_seqpar import kernels
 from jax_seqpar.strategies.inputs import Options, check_ids, check_qkv
-from jax_seqpar.core.masks import Tokens
+from jax_seqpar.core.masks import Tokens, normalize_window
 from jax_seqpar.core.merge import check_sinks, with_sinks
 
 
-def _tokens(name: str, positions, segment_ids, batch: int, length: int) -> Tokens:
-    check_ids(f"{name}positions", positions, batch, length)
-    check_ids(f"{name}segment_ids", segment_ids, batch, length)
+def _tokens(positions, segment_ids, batch: int, length: int) -> Tokens:
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
     return Tokens(positions.astype(jnp.int32),
@@ -67,19 +67,52 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     if segment_ids is None and kv_segment_ids is not None:
         raise ValueError("kv_segment_ids needs segment_ids for the queries too (a query "
                          "sees a key when their segment ids are equal).")
-    q_tokens = _tokens("", positions, segment_ids, batch, q_len)
-    kv_tokens = _tokens("kv_", kv_positions, kv_segment_ids, batch, kv_len)
+    check_ids("positions", positions, batch, q_len)
+    check_ids("segment_ids", segment_ids, batch, q_len)
+    check_ids("kv_positions", kv_positions, batch, kv_len)
+    check_ids("kv_segment_ids", kv_segment_ids, batch, kv_len)
     check_sinks(sinks, heads)
-    options = Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
-                           block_sizes=block_sizes, softcap=softcap)
+    Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
+                 block_sizes=block_sizes, softcap=softcap)  # refuses bad options here
+    call = _Local(causal=bool(causal), window=normalize_window(window),
+                  scale=None if scale is None else float(scale), kernel=kernel,
+                  block_sizes=block_sizes, softcap=None if softcap is None else float(softcap))
+    out, lse = _staged(q, k, v, segment_ids, kv_segment_ids, positions, kv_positions,
+                       None if sinks is None else jnp.asarray(sinks), call=call)
+    return (out, lse) if return_lse else out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Local:
+    """The static options of a local call (hashable: the key of its compiled program)."""
+
+    causal: bool
+    window: Optional[tuple]
+    scale: Optional[float]
+    kernel: str
+    block_sizes: object
+    softcap: Optional[float]
+
+
+# One program per signature: called eagerly, the kernel's scan and its closures would
+# otherwise be traced and compiled anew on every call.
+@functools.partial(jax.jit, static_argnames="call")
+def _staged(q, k, v, segment_ids, kv_segment_ids, positions, kv_positions, sinks, *,
+            call: _Local):
+    batch, q_len = q.shape[:2]
+    kv_len = k.shape[1]
+    q_tokens = _tokens(positions, segment_ids, batch, q_len)
+    kv_tokens = _tokens(kv_positions, kv_segment_ids, batch, kv_len)
+    options = Options.make(q, causal=call.causal, window=call.window, scale=call.scale,
+                           kernel=call.kernel, block_sizes=call.block_sizes,
+                           softcap=call.softcap)
 
     def attend(q, k, v, q_tokens, kv_tokens, sinks):
         out, lse = options.attention(q, k, v, q_tokens, kv_tokens)  # f32 [B, T, H, Dv], [B, T, H]
         out, lse = with_sinks(out, lse, sinks)
         return out.astype(q.dtype), lse
 
-    out, lse = _per_shard(attend, kernel, q, k, v, q_tokens, kv_tokens, sinks)
-    return (out, lse) if return_lse else out
+    return _per_shard(attend, call.kernel, q, k, v, q_tokens, kv_tokens, sinks)
 
 
 def _per_shard(attend, kernel: str, q, k, v, q_tokens, kv_tokens, sinks):
