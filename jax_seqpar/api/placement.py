@@ -167,6 +167,19 @@ def onto(mesh, *arrays):
     return tuple(None if x is None else moved(x) for x in arrays)
 
 
+def boundary_sharding(x, mesh, wanted: P):
+    """The sharding a call's program declares for its input ``x``: on Explicit meshes
+    the one of ``x``'s type, on ``mesh``; a committed array's own; else (a traced
+    array on an Auto mesh, or an array on no mesh) ``wanted`` on ``mesh``, where the
+    program places it."""
+    if is_explicit(mesh):
+        return NamedSharding(mesh, P(*(getattr(getattr(jax.typeof(x), "sharding", None),
+                                               "spec", None) or ())))
+    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed:
+        return x.sharding
+    return NamedSharding(mesh, wanted)
+
+
 def caller_spec(q, mesh) -> Optional[P]:
     """The sharding the caller's ``q [B, S, H, D]`` has on an Explicit ``mesh`` (its type's
     batch, sequence and head entries; None for the head dim), which the output keeps;
@@ -208,6 +221,15 @@ def finish(x, mesh, seq_len: int, seq_spec: P, out_spec: Optional[P]):
     if x.shape[1] != seq_len:
         x = unpad(jax.reshard(x, whole), seq_len)
     return jax.reshard(x, NamedSharding(mesh, out_spec))
+
+
+def result_spec(seq_spec: P, out_spec: Optional[P], padded: bool) -> P:
+    """The sharding :func:`finish` gives a result ``[B, S, H, D]`` on the caller's mesh:
+    ``out_spec`` (Explicit meshes), else ``seq_spec``, whole along the sequence where
+    the result was padded."""
+    if out_spec is not None:
+        return out_spec
+    return _whole_along_sequence(seq_spec) if padded else seq_spec
 
 
 def _whole_along_sequence(spec: P) -> P:
