@@ -22,7 +22,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import AxisType, NamedSharding
+from jax.sharding import AxisType
 
 import checks
 import contexts
@@ -184,20 +184,6 @@ def _reference(entry: str, heads: int):
             for params, _, loss, grads, _ in returned]
 
 
-def _assert_on_callers_mesh(tree, mesh, what: str):
-    """Every array in ``tree`` lives on ``mesh`` (or on one device, as the caller made
-    it) and its type names no other mesh."""
-    leaves = jax.tree_util.tree_leaves_with_path(tree)
-    assert leaves, what
-    for path, x in leaves:
-        where = f"{what}{jax.tree_util.keystr(path)}"
-        sharding = x.sharding
-        if isinstance(sharding, NamedSharding):
-            assert sharding.mesh == mesh, (where, sharding)
-        typed = jax.typeof(x).sharding.mesh
-        assert typed.empty or typed == mesh.abstract_mesh, (where, jax.typeof(x))
-
-
 @pytest.mark.parametrize("strategy, entry, context", list(_cases()))
 def test_three_training_steps_stay_on_the_callers_mesh(strategy, entry, context, tolerances):
     shape, names, heads, kwargs = STRATEGIES[strategy]
@@ -226,7 +212,7 @@ def test_three_training_steps_stay_on_the_callers_mesh(strategy, entry, context,
     for i, ((params, opt_state, loss, grads, evaluated),
             (want_params, want_loss, want_grads)) in enumerate(
                 zip(returned, _reference(entry, heads))):
-        _assert_on_callers_mesh((params, opt_state, loss, grads, evaluated), mesh,
+        contexts.assert_on_mesh((params, opt_state, loss, grads, evaluated), mesh,
                                 f"step {i}: ")
         for got, name in ((loss, "loss"), (evaluated, "evaluated loss")):
             np.testing.assert_allclose(got, want_loss, **tolerances(jnp.float32),

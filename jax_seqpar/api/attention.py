@@ -254,17 +254,10 @@ class _Call:
 
 @dataclasses.dataclass(frozen=True)
 class _Geometry:
-    """Where one call's ``shard_map`` runs and how far its sequence is padded.
-
-    Attributes:
-      mesh: the caller's mesh, or for a hybrid with ``ulysses_size`` its
-        ``(ring, ulysses)`` split (:func:`~jax_seqpar.core.meshes.split_axis`: the same
-        devices in the same order).
-      axes: the sequence axes of ``mesh``.
-      layout: the token order, ``"auto"`` resolved.
-      num_shards: devices along ``axes``.
-      length: the padded sequence length (whole layout pieces on every shard).
-    """
+    """Where one call's ``shard_map`` runs: ``mesh`` (the caller's, or for a hybrid with
+    ``ulysses_size`` its ``(ring, ulysses)`` split, :func:`~jax_seqpar.core.meshes.split_axis`)
+    and its sequence ``axes``; the ``layout`` (``"auto"`` resolved), ``num_shards`` along
+    the axes and the padded sequence ``length``."""
 
     mesh: jax.sharding.Mesh
     axes: tuple
@@ -290,57 +283,45 @@ def _geometry(call: _Call, seq_len: int) -> _Geometry:
 def _on_mesh(q, k, v, segment_ids, kv_segment_ids, positions, sinks, *, call: _Call):
     """``call`` run on its global arrays by its one compiled program."""
     arrays = (q, k, v, segment_ids, kv_segment_ids, positions, sinks)
-    # Where the program places its inputs, for those whose sharding is not known; a
-    # program's boundary cannot split a length its devices do not divide.
     divides = q.shape[1] % math.prod(call.mesh.shape[a] for a in call.axes) == 0
-    seq = axis_name_of(call.axes) if divides else None
-    wanted = ((P(call.batch_entry, seq, call.head_entry, None),) * 3
-              + (P(call.batch_entry, seq),) * 3 + (P(call.head_entry),))
-    in_shardings = tuple(None if x is None else _placement.boundary_sharding(x, call.mesh, spec)
-                         for x, spec in zip(arrays, wanted))
+    in_shardings = _placement.boundary_shardings(
+        arrays, call.mesh, call.batch_entry, axis_name_of(call.axes) if divides else None,
+        call.head_entry)
     return _program(call, q.shape[1], in_shardings)(*arrays)
 
 
 @functools.lru_cache(maxsize=None)
 def _program(call: _Call, seq_len: int, in_shardings: tuple):
-    """The jitted program of one call signature at one sequence length, for inputs
-    with ``in_shardings`` (:func:`~jax_seqpar.api.placement.boundary_sharding`).
+    """The jitted program of one call signature at one sequence length and input sharding
+    (:func:`~jax_seqpar.api.placement.boundary_shardings`).
 
     Padding, placement, ``shard_map`` and the way back are staged together (eager
     op-by-op execution cannot transpose a reshard of a padded array whose length the
-    devices do not divide), and eager callers run one program. Both ends of the
-    program are declared on the caller's mesh (``in_shardings``, ``out_shardings``;
-    a gradient's program has them swapped), so no mesh the call builds inside
-    escapes: JAX names each output of a program that has no sharding of its own
-    (arrays typed unsharded, every array on an Auto mesh) after the first concrete
-    mesh among the program's input shardings, then the shardings inside it, where a
-    jit's boundary comes before its body. Left to the ``shard_map`` over a split mesh
-    (or to the residuals a backward reads, which live there), the caller's weights
-    and gradients came back typed on that mesh and the next step failed.
+    devices do not divide), and eager callers run one program. Both its ends are
+    declared on the caller's mesh, so no mesh the call builds inside escapes: JAX names
+    each output of a program that has no sharding of its own (arrays typed unsharded,
+    every array on an Auto mesh) after the first concrete mesh among the program's
+    input shardings, then the shardings inside it, a jit's boundary before its body.
+    Left to the ``shard_map`` over a split mesh, the caller's weights came back typed
+    on that mesh and the next step failed.
     """
     geometry = _geometry(call, seq_len)
     seq_spec = P(call.batch_entry, axis_name_of(call.axes), call.head_entry, None)
     spec = _placement.result_spec(seq_spec, call.out_spec, padded=geometry.length != seq_len)
-    out_shardings = NamedSharding(call.mesh, spec)
-    if call.return_lse:
-        out_shardings = (out_shardings, NamedSharding(call.mesh, P(*spec[:3])))
+    out_shardings = tuple(NamedSharding(call.mesh, P(*spec[:ndim]))
+                          for ndim in ((4, 3) if call.return_lse else (4,)))
     return jax.jit(functools.partial(_attend, call=call, geometry=geometry,
                                      in_shardings=in_shardings),
-                   in_shardings=in_shardings, out_shardings=out_shardings)
+                   in_shardings=in_shardings,
+                   out_shardings=out_shardings if call.return_lse else out_shardings[0])
 
 
 def _attend(q, k, v, segment_ids, kv_segment_ids, positions, sinks, *, call: _Call,
             geometry: _Geometry, in_shardings: tuple):
-    if not _placement.is_explicit(call.mesh):
-        # Typed on the caller's mesh as they come in (Explicit types already are), so the
-        # gradients going out, this constraint's transpose, are too, not on a split mesh.
-        q, k, v, segment_ids, kv_segment_ids, positions, sinks = (
-            None if x is None else jax.lax.with_sharding_constraint(x, sharding)
-            for x, sharding in zip((q, k, v, segment_ids, kv_segment_ids, positions, sinks),
-                                   in_shardings))
-    seq_len, length = q.shape[1], geometry.length
+    q, k, v, segment_ids, kv_segment_ids, positions, sinks = _placement.bind(
+        (q, k, v, segment_ids, kv_segment_ids, positions, sinks), in_shardings, call.mesh)
+    seq_len, length, num_shards = q.shape[1], geometry.length, geometry.num_shards
     mesh, axes, layout = geometry.mesh, geometry.axes, geometry.layout
-    num_shards = geometry.num_shards
     if length != seq_len:
         q, k, v, segment_ids, kv_segment_ids, positions = _placement.pad_inputs(
             length, q, k, v, segment_ids, kv_segment_ids, positions)

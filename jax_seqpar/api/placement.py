@@ -167,17 +167,41 @@ def onto(mesh, *arrays):
     return tuple(None if x is None else moved(x) for x in arrays)
 
 
-def boundary_sharding(x, mesh, wanted: P):
-    """The sharding a call's program declares for its input ``x``: on Explicit meshes
-    the one of ``x``'s type, on ``mesh``; a committed array's own; else (a traced
-    array on an Auto mesh, or an array on no mesh) ``wanted`` on ``mesh``, where the
-    program places it."""
+def boundary_shardings(arrays: tuple, mesh, batch_entry, seq_entry, head_entry) -> tuple:
+    """The shardings on ``mesh`` a call's program declares for its inputs ``(q, k, v,
+    segment_ids, kv_segment_ids, positions, sinks)`` (None kept): on Explicit meshes
+    their types'; a committed array's own; else (a traced array on an Auto mesh, an
+    array on no mesh) where the program places it, ``P(batch_entry, seq_entry, ...)``
+    (``seq_entry`` None where the devices do not divide the length: a program's
+    boundary cannot split it).
+
+    Declared, they name the program's gradients (a backward's outputs are its
+    forward's inputs), which would otherwise be named after the first mesh JAX meets
+    among the backward's inputs: residuals, on a mesh the call built inside.
+    """
+    wanted = ((P(batch_entry, seq_entry, head_entry, None),) * 3
+              + (P(batch_entry, seq_entry),) * 3 + (P(head_entry),))
+    return tuple(None if x is None else _boundary_sharding(x, mesh, spec)
+                 for x, spec in zip(arrays, wanted))
+
+
+def _boundary_sharding(x, mesh, wanted: P):
     if is_explicit(mesh):
         return NamedSharding(mesh, P(*(getattr(getattr(jax.typeof(x), "sharding", None),
                                                "spec", None) or ())))
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed:
         return x.sharding
     return NamedSharding(mesh, wanted)
+
+
+def bind(arrays: tuple, shardings: tuple, mesh) -> tuple:
+    """``arrays`` (None kept) constrained to ``shardings`` on an Auto ``mesh``, so their
+    gradients (the constraints' transposes) are typed on it too, not on a mesh the call
+    built inside; on Explicit meshes their types already say so."""
+    if is_explicit(mesh):
+        return arrays
+    return tuple(None if x is None else jax.lax.with_sharding_constraint(x, sharding)
+                 for x, sharding in zip(arrays, shardings))
 
 
 def caller_spec(q, mesh) -> Optional[P]:
