@@ -169,9 +169,10 @@ def onto(mesh, *arrays):
 
 def boundary_shardings(arrays: tuple, mesh, batch_entry, seq_entry, head_entry) -> tuple:
     """The shardings on ``mesh`` a call's program declares for its inputs ``(q, k, v,
-    segment_ids, kv_segment_ids, positions, sinks)`` (None kept): on Explicit meshes
-    their types'; a committed array's own; else (a traced array on an Auto mesh, an
-    array on no mesh) where the program places it, ``P(batch_entry, seq_entry, ...)``
+    segment_ids, kv_segment_ids, positions, sinks)`` (None: undeclared): on Explicit
+    meshes their types' (of a traced array, only a type that shards the sequence); a
+    committed array's own; else (a traced array on an Auto mesh, an array on no mesh)
+    where the program places it, ``P(batch_entry, seq_entry, ...)``
     (``seq_entry`` None where the devices do not divide the length: a program's
     boundary cannot split it).
 
@@ -186,10 +187,15 @@ def boundary_shardings(arrays: tuple, mesh, batch_entry, seq_entry, head_entry) 
 
 
 def _boundary_sharding(x, mesh, wanted: P):
+    concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
     if is_explicit(mesh):
-        return NamedSharding(mesh, P(*(getattr(getattr(jax.typeof(x), "sharding", None),
-                                               "spec", None) or ())))
-    if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer) and x.committed:
+        spec = P(*(getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ()))
+        # A traced input typed whole along the sequence is left undeclared: declared, its
+        # gradient would be gathered whole where the caller's program can sum it sharded.
+        if concrete or (len(spec) > 1 and spec[1] is not None):
+            return NamedSharding(mesh, spec)
+        return None
+    if concrete and x.committed:
         return x.sharding
     return NamedSharding(mesh, wanted)
 
@@ -200,7 +206,8 @@ def bind(arrays: tuple, shardings: tuple, mesh) -> tuple:
     built inside; on Explicit meshes their types already say so."""
     if is_explicit(mesh):
         return arrays
-    return tuple(None if x is None else jax.lax.with_sharding_constraint(x, sharding)
+    return tuple(x if x is None or sharding is None
+                 else jax.lax.with_sharding_constraint(x, sharding)
                  for x, sharding in zip(arrays, shardings))
 
 
