@@ -52,6 +52,20 @@ def make_mesh(shape: tuple, names: tuple, axis_type=AxisType.Explicit) -> Mesh:
     return Mesh(devices, names, axis_types=(axis_type,) * len(names))
 
 
+def assert_on_mesh(tree, mesh: Mesh, what: str = "") -> None:
+    """Every array in ``tree`` lives on ``mesh`` (or on one device, as the caller made it)
+    and its type names no other mesh: nothing of a mesh a call builds inside (a split
+    axis) escapes it."""
+    leaves = jax.tree_util.tree_leaves_with_path(tree)
+    assert leaves, what
+    for path, x in leaves:
+        where = f"{what}{jax.tree_util.keystr(path)}"
+        if isinstance(x.sharding, NamedSharding):
+            assert x.sharding.mesh == mesh, (where, x.sharding)
+        typed = jax.typeof(x).sharding.mesh
+        assert typed.empty or typed == mesh.abstract_mesh, (where, jax.typeof(x))
+
+
 @dataclasses.dataclass(frozen=True)
 class Context:
     """One way of calling: ``run(build, args, seq_axes)`` returns what ``build(mesh)(*args)``
@@ -107,12 +121,15 @@ class Context:
         """Assert ``build(mesh)(*args)`` and its gradients equal ``reference(*args)``'s
         (computed in float32 from the same inputs) within ``tolerances`` of the inputs'
         dtype; the output keeps the shape and dtype of the reference's and, on Explicit
-        meshes, the sharding of ``args[0]``."""
+        meshes, the sharding of ``args[0]``; the output, and under ``jit`` the gradients,
+        are on ``mesh`` (:func:`assert_on_mesh`; an eager ``vjp`` of a split hybrid on an
+        Explicit mesh still names its gradients after the split mesh)."""
         upcast = checks.upcast(args)
         shape = jax.eval_shape(reference, *upcast).shape
         cotangent = checks.normal(shape, args[0].dtype, seed=7) if grads else None
         out, got = self.run(build, args, mesh=mesh, seq_axes=seq_axes, cotangent=cotangent,
                             argnums=argnums)
+        assert_on_mesh((out, got) if CONTEXTS[self.name][2] else out, mesh)
         if self.axis_type == AxisType.Explicit:
             q_spec = jax.typeof(self._place(mesh, args[0], seq_axes)).sharding.spec
             assert tuple(jax.typeof(out).sharding.spec)[:3] == tuple(q_spec)[:3], (

@@ -219,8 +219,11 @@ def test_hardware_presets_and_lookup():
 # --- splitting one axis: same devices, no data moved, exact ----------------------------
 
 @pytest.mark.parametrize("names, shape, axes", [
-    (("sp",), (8,), "sp"), (("dp", "sp"), (2, 4), "sp"), (("a", "b"), (4, 2), ("a", "b"))])
+    (("sp",), (8,), "sp"), (("dp", "sp"), (2, 4), "sp"), (("sp", "tp"), (4, 2), "sp"),
+    (("a", "b"), (4, 2), ("a", "b")), (("dp", "a", "b"), (2, 2, 2), ("a", "b"))])
 def test_split_axis_keeps_every_shard_on_its_device(names, shape, axes):
+    """In place: every shard on its device, and the devices in the mesh's order (one
+    program holds both meshes only then)."""
     mesh = Mesh(np.array(jax.devices()).reshape(shape), names)
     mesh2d, (ring, ulysses) = split_axis(mesh, axes, 2)
     seq = (axes,) if isinstance(axes, str) else axes
@@ -228,6 +231,15 @@ def test_split_axis_keeps_every_shard_on_its_device(names, shape, axes):
     new = NamedSharding(mesh2d, P(None, (ring, ulysses))).devices_indices_map((4, 64))
     assert old == new
     assert mesh2d.shape[ulysses] == 2
+    assert list(mesh2d.devices.flat) == list(mesh.devices.flat)
+
+
+def test_split_axis_refuses_sequence_axes_that_are_not_neighbours():
+    mesh = Mesh(np.array(jax.devices()).reshape(2, 2, 2), ("a", "dp", "b"))
+    with pytest.raises(ValueError, match=r"seq_axes=\('a', 'b'\) must be neighbouring axes"):
+        split_axis(mesh, ("a", "b"), 4)
+    with pytest.raises(ValueError, match="must be neighbouring axes"):
+        split_axis(Mesh(np.array(jax.devices()).reshape(4, 2), ("a", "b")), ("b", "a"), 2)
 
 
 def test_split_axis_passes_a_matching_two_axis_mesh_and_refuses_bad_sizes():

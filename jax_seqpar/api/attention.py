@@ -20,7 +20,7 @@ from typing import Optional, Union
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec as P
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_seqpar import kernels
 from jax_seqpar.api import placement as _placement
@@ -252,12 +252,21 @@ class _Call:
     out_spec: Optional[P]
 
 
-# One jitted program per call signature: padding, placement, shard_map and the way back
-# are staged together (eager op-by-op execution cannot transpose a reshard of a padded
-# array whose length the devices do not divide), and eager callers run one program.
-@functools.partial(jax.jit, static_argnames="call")
-def _on_mesh(q, k, v, segment_ids, kv_segment_ids, positions, sinks, *, call: _Call):
-    seq_len = q.shape[1]
+@dataclasses.dataclass(frozen=True)
+class _Geometry:
+    """Where one call's ``shard_map`` runs: ``mesh`` (the caller's, or for a hybrid with
+    ``ulysses_size`` its ``(ring, ulysses)`` split, :func:`~jax_seqpar.core.meshes.split_axis`)
+    and its sequence ``axes``; the ``layout`` (``"auto"`` resolved), ``num_shards`` along
+    the axes and the padded sequence ``length``."""
+
+    mesh: jax.sharding.Mesh
+    axes: tuple
+    layout: str
+    num_shards: int
+    length: int
+
+
+def _geometry(call: _Call, seq_len: int) -> _Geometry:
     mesh, axes = call.mesh, call.axes
     if call.ulysses_size is not None:  # hybrid on a (ring, ulysses) split of the same devices
         mesh, axes = split_axis(mesh, axes, call.ulysses_size)
@@ -267,7 +276,52 @@ def _on_mesh(q, k, v, segment_ids, kv_segment_ids, positions, sinks, *, call: _C
         layout = registry.default_layout(call.strategy, call.causal, call.window, seq_len=seq_len,
                                 num_shards=num_shards)
     per_shard = {"contiguous": 1, "zigzag": 2, "striped": num_shards, "per_document": 1}[layout]
-    length = _placement.padded_length(seq_len, num_shards * per_shard)
+    return _Geometry(mesh, axes, layout, num_shards,
+                     _placement.padded_length(seq_len, num_shards * per_shard))
+
+
+def _on_mesh(q, k, v, segment_ids, kv_segment_ids, positions, sinks, *, call: _Call):
+    """``call`` run on its global arrays by its one compiled program."""
+    arrays = (q, k, v, segment_ids, kv_segment_ids, positions, sinks)
+    divides = q.shape[1] % math.prod(call.mesh.shape[a] for a in call.axes) == 0
+    in_shardings = _placement.boundary_shardings(
+        arrays, call.mesh, call.batch_entry, axis_name_of(call.axes) if divides else None,
+        call.head_entry)
+    return _program(call, q.shape[1], in_shardings)(*arrays)
+
+
+@functools.lru_cache(maxsize=None)
+def _program(call: _Call, seq_len: int, in_shardings: tuple):
+    """The jitted program of one call signature at one sequence length and input sharding
+    (:func:`~jax_seqpar.api.placement.boundary_shardings`).
+
+    Padding, placement, ``shard_map`` and the way back are staged together (eager
+    op-by-op execution cannot transpose a reshard of a padded array whose length the
+    devices do not divide), and eager callers run one program. Both its ends are
+    declared on the caller's mesh, so no mesh the call builds inside escapes: JAX names
+    each output of a program that has no sharding of its own (arrays typed unsharded,
+    every array on an Auto mesh) after the first concrete mesh among the program's
+    input shardings, then the shardings inside it, a jit's boundary before its body.
+    Left to the ``shard_map`` over a split mesh, the caller's weights came back typed
+    on that mesh and the next step failed.
+    """
+    geometry = _geometry(call, seq_len)
+    seq_spec = P(call.batch_entry, axis_name_of(call.axes), call.head_entry, None)
+    spec = _placement.result_spec(seq_spec, call.out_spec, padded=geometry.length != seq_len)
+    out_shardings = tuple(NamedSharding(call.mesh, P(*spec[:ndim]))
+                          for ndim in ((4, 3) if call.return_lse else (4,)))
+    return jax.jit(functools.partial(_attend, call=call, geometry=geometry,
+                                     in_shardings=in_shardings),
+                   in_shardings=in_shardings,
+                   out_shardings=out_shardings if call.return_lse else out_shardings[0])
+
+
+def _attend(q, k, v, segment_ids, kv_segment_ids, positions, sinks, *, call: _Call,
+            geometry: _Geometry, in_shardings: tuple):
+    q, k, v, segment_ids, kv_segment_ids, positions, sinks = _placement.bind(
+        (q, k, v, segment_ids, kv_segment_ids, positions, sinks), in_shardings, call.mesh)
+    seq_len, length, num_shards = q.shape[1], geometry.length, geometry.num_shards
+    mesh, axes, layout = geometry.mesh, geometry.axes, geometry.layout
     if length != seq_len:
         q, k, v, segment_ids, kv_segment_ids, positions = _placement.pad_inputs(
             length, q, k, v, segment_ids, kv_segment_ids, positions)

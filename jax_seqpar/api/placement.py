@@ -167,6 +167,50 @@ def onto(mesh, *arrays):
     return tuple(None if x is None else moved(x) for x in arrays)
 
 
+def boundary_shardings(arrays: tuple, mesh, batch_entry, seq_entry, head_entry) -> tuple:
+    """The shardings on ``mesh`` a call's program declares for its inputs ``(q, k, v,
+    segment_ids, kv_segment_ids, positions, sinks)`` (None: undeclared): on Explicit
+    meshes their types' (of a traced array, only a type that shards the sequence); a
+    committed array's own; else (a traced array on an Auto mesh, an array on no mesh)
+    where the program places it, ``P(batch_entry, seq_entry, ...)``
+    (``seq_entry`` None where the devices do not divide the length: a program's
+    boundary cannot split it).
+
+    Declared, they name the program's gradients (a backward's outputs are its
+    forward's inputs), which would otherwise be named after the first mesh JAX meets
+    among the backward's inputs: residuals, on a mesh the call built inside.
+    """
+    wanted = ((P(batch_entry, seq_entry, head_entry, None),) * 3
+              + (P(batch_entry, seq_entry),) * 3 + (P(head_entry),))
+    return tuple(None if x is None else _boundary_sharding(x, mesh, spec)
+                 for x, spec in zip(arrays, wanted))
+
+
+def _boundary_sharding(x, mesh, wanted: P):
+    concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    if is_explicit(mesh):
+        spec = P(*(getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ()))
+        # A traced input typed whole along the sequence is left undeclared: declared, its
+        # gradient would be gathered whole where the caller's program can sum it sharded.
+        if concrete or (len(spec) > 1 and spec[1] is not None):
+            return NamedSharding(mesh, spec)
+        return None
+    if concrete and x.committed:
+        return x.sharding
+    return NamedSharding(mesh, wanted)
+
+
+def bind(arrays: tuple, shardings: tuple, mesh) -> tuple:
+    """``arrays`` (None kept) constrained to ``shardings`` on an Auto ``mesh``, so their
+    gradients (the constraints' transposes) are typed on it too, not on a mesh the call
+    built inside; on Explicit meshes their types already say so."""
+    if is_explicit(mesh):
+        return arrays
+    return tuple(x if x is None or sharding is None
+                 else jax.lax.with_sharding_constraint(x, sharding)
+                 for x, sharding in zip(arrays, shardings))
+
+
 def caller_spec(q, mesh) -> Optional[P]:
     """The sharding the caller's ``q [B, S, H, D]`` has on an Explicit ``mesh`` (its type's
     batch, sequence and head entries; None for the head dim), which the output keeps;
@@ -208,6 +252,15 @@ def finish(x, mesh, seq_len: int, seq_spec: P, out_spec: Optional[P]):
     if x.shape[1] != seq_len:
         x = unpad(jax.reshard(x, whole), seq_len)
     return jax.reshard(x, NamedSharding(mesh, out_spec))
+
+
+def result_spec(seq_spec: P, out_spec: Optional[P], padded: bool) -> P:
+    """The sharding :func:`finish` gives a result ``[B, S, H, D]`` on the caller's mesh:
+    ``out_spec`` (Explicit meshes), else ``seq_spec``, whole along the sequence where
+    the result was padded."""
+    if out_spec is not None:
+        return out_spec
+    return _whole_along_sequence(seq_spec) if padded else seq_spec
 
 
 def _whole_along_sequence(spec: P) -> P:

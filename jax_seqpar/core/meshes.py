@@ -2,9 +2,11 @@
 
 A sequence sharded over the axes ``(a, b)`` of a mesh lives on its devices in
 row-major order: shard ``i`` on the ``i``-th device of the flattened ``(a, b)``
-block. Reshaping that block to ``(P / I, I)`` keeps every shard on its device,
-so the same arrays, resharded onto the new mesh, move no bytes (the compiled
-program has no collective for it). The new inner axis groups ``I``
+block. Reshaping that block in place to ``(P / I, I)`` keeps every shard on its
+device and every device at its place in the mesh's device order, so the same
+arrays, resharded onto the new mesh, move no bytes (the compiled program has no
+collective for it), and one program can use both meshes: JAX gives a program one
+device order. The new inner axis groups ``I``
 neighbouring devices (the fast links of a node) for Ulysses; the outer axis
 runs the ring across the groups (USP, arXiv:2405.07719).
 """
@@ -13,7 +15,6 @@ from __future__ import annotations
 
 import math
 
-import numpy as np
 from jax.sharding import Mesh
 
 __all__ = ["split_axis"]
@@ -25,8 +26,8 @@ def split_axis(mesh: Mesh, axes, ulysses_size: int) -> tuple[Mesh, tuple[str, st
     Args:
       mesh: the mesh the sequence is sharded on.
       axes: the sequence axis name, or the tuple of names it is sharded over
-        (outer first); other axes of ``mesh`` (batch, heads) are kept, in order,
-        before the two new ones.
+        (outer first), neighbouring axes of ``mesh`` in its order; the other axes
+        (batch, heads) are kept where they are.
       ulysses_size: ``I``, devices per Ulysses group; must divide ``P``.
 
     Returns:
@@ -54,18 +55,28 @@ def split_axis(mesh: Mesh, axes, ulysses_size: int) -> tuple[Mesh, tuple[str, st
             f"{[d for d in range(1, devices + 1) if devices % d == 0]}.")
     if len(axes) == 2 and mesh.shape[axes[1]] == ulysses_size:
         return mesh, axes
-    others = tuple(n for n in names if n not in axes)
-    order = [names.index(n) for n in others + axes]
-    block = np.transpose(mesh.devices, order)  # [..others, *axes]: the seq block row-major
-    block = block.reshape(block.shape[:len(others)] + (devices // ulysses_size, ulysses_size))
+    first = names.index(axes[0])
+    if names[first:first + len(axes)] != axes:
+        raise ValueError(
+            f"seq_axes={axes} must be neighbouring axes of the mesh {dict(mesh.shape)}, in "
+            f"its order, to be split into ring x Ulysses groups on the same devices: reorder "
+            f"the mesh axes, or pass seq_axes=(outer, inner) whose inner axis has "
+            f"ulysses_size={ulysses_size} devices.")
     stem = "_".join(axes)
     new_axes = (f"{stem}_ring", f"{stem}_ulysses")
+    others = tuple(n for n in names if n not in axes)
     clash = set(new_axes) & set(others)
     if clash:
         raise ValueError(f"the mesh already has axes named {sorted(clash)}; rename them.")
+    # The sequence axes replaced in place: a reshape, so the new mesh lists the same
+    # devices in the same order (one device assignment for both meshes in one program).
+    shape = mesh.devices.shape
+    devices = mesh.devices.reshape(shape[:first] + (devices // ulysses_size, ulysses_size)
+                                   + shape[first + len(axes):])
+    new_names = names[:first] + new_axes + names[first + len(axes):]
     types = getattr(mesh, "axis_types", None)
     if types is None:
-        return Mesh(block, others + new_axes), new_axes
-    kept = tuple(types[names.index(n)] for n in others)
-    seq_type = types[names.index(axes[0])]
-    return Mesh(block, others + new_axes, axis_types=kept + (seq_type, seq_type)), new_axes
+        return Mesh(devices, new_names), new_axes
+    seq_type = types[first]
+    new_types = types[:first] + (seq_type, seq_type) + types[first + len(axes):]
+    return Mesh(devices, new_names, axis_types=new_types), new_axes

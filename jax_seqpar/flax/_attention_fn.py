@@ -37,6 +37,7 @@ def make_attention_fn(
     kernel: str = "auto",
     block_sizes=None,
     softcap: Optional[float] = None,
+    ulysses_size: Optional[int] = None,
 ):
     """An ``attention_fn`` for Flax NNX ``MultiHeadAttention`` and Linen
     ``MultiHeadDotProductAttention`` that runs sequence-parallel exact attention.
@@ -60,7 +61,7 @@ def make_attention_fn(
       mesh: the device mesh to split the sequence over, or ``None`` for the
         local (unsharded) blockwise kernel.
       seq_axes, strategy, causal, window, scale, layout, kernel, block_sizes,
-        softcap: as in :func:`jax_seqpar.sequence_parallel_attention`.
+        softcap, ulysses_size: as in :func:`jax_seqpar.sequence_parallel_attention`.
 
     Returns:
       ``attention_fn(query, key, value, bias=None, mask=None, ..., is_causal=False,
@@ -122,7 +123,7 @@ def make_attention_fn(
             query, key, value, mesh=mesh, seq_axes=seq_axes, strategy=strategy,
             causal=bool(causal or is_causal), segment_ids=segment_ids, window=window,
             scale=scale, layout=layout, kernel=kernel, block_sizes=block_sizes,
-            softcap=softcap, sinks=sinks)
+            softcap=softcap, sinks=sinks, ulysses_size=ulysses_size)
         return out.reshape(*batch_dims, *out.shape[1:])  # [batch..., S, H, Dv]
 
     return attention_fn

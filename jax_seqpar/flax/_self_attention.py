@@ -45,6 +45,10 @@ class SelfAttention(nnx.Module):
         the sequence; default ``"sp"``.
       strategy: ``"auto"`` (default), ``"ulysses"``, ``"ring"``, ``"hybrid"`` or
         ``"allgather"``.
+      ulysses_size: with ``strategy="hybrid"`` on one sequence axis, Ulysses over
+        groups of this many neighbouring devices and the ring across them (as in
+        :func:`jax_seqpar.sequence_parallel_attention`); training calls only (decode
+        mode refuses it).
       causal: decoder (causal) masking; default ``False``.
       window: sliding window ``(left, right)`` or one int, or ``None`` (default).
       layout: token order for the sharded call; ``"auto"`` (default) is zigzag
@@ -76,6 +80,7 @@ class SelfAttention(nnx.Module):
         mesh: Optional[jax.sharding.Mesh] = None,
         seq_axes: Union[str, tuple] = "sp",
         strategy: str = "auto",
+        ulysses_size: Optional[int] = None,
         causal: bool = False,
         window=None,
         layout: str = "auto",
@@ -102,6 +107,7 @@ class SelfAttention(nnx.Module):
         self.d_model, self.num_heads, self.num_kv_heads = d_model, num_heads, num_kv_heads
         self.head_dim = head_dim
         self.mesh, self.seq_axes, self.strategy = mesh, seq_axes, strategy
+        self.ulysses_size = ulysses_size
         self.causal, self.window, self.layout, self.kernel = causal, window, layout, kernel
         self.rope_base, self.softcap = rope_base, softcap
         self.sinks = nnx.Param(jnp.zeros((num_heads,), jnp.float32)) if sinks else None
@@ -136,7 +142,7 @@ class SelfAttention(nnx.Module):
         out = sequence_parallel_attention(
             q, k, v, mesh=self.mesh, seq_axes=self.seq_axes, strategy=self.strategy,
             causal=self.causal, segment_ids=segment_ids, positions=positions,
-            **self._mask_options())  # [B, S, H, Dh]
+            ulysses_size=self.ulysses_size, **self._mask_options())  # [B, S, H, Dh]
         return self.o_proj(out)  # [B, S, d_model]
 
     # --- decode mode: prefill and decode against a sequence-sharded KV cache ---------
@@ -155,6 +161,10 @@ class SelfAttention(nnx.Module):
         if not self.causal:
             raise ValueError("decode mode needs a causal layer; create SelfAttention(..., "
                              "causal=True).")
+        if self.ulysses_size is not None:
+            raise ValueError(f"decode mode attends over its cache's axes and cannot split one "
+                             f"(ulysses_size={self.ulysses_size}); create the layer without "
+                             "ulysses_size= for decoding.")
         mesh, seq_axes = self.mesh, self.seq_axes
         if mesh is None:
             mesh, seq_axes = jax.sharding.Mesh(jax.devices()[:1], ("sp",)), "sp"
