@@ -24,12 +24,15 @@ from jax.sharding import PartitionSpec as P
 
 from jax_seqpar import kernels
 from jax_seqpar.api import placement as _placement
-from jax_seqpar.core import layout as layouts, masks, packing
+from jax_seqpar.core import checks, layout as layouts, masks, packing
+from jax_seqpar.core.merge import check_sinks
 from jax_seqpar.core.meshes import split_axis
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.planning import plan as planning
 from jax_seqpar.strategies import registry
-from jax_seqpar.strategies.inputs import check_ids, check_self_attention
+from jax_seqpar.kernels.contract import check_softcap
+from jax_seqpar.strategies.inputs import (check_ids, check_options, check_self_attention,
+                                          empty_result)
 from jax_seqpar.strategies.local import local_attention
 
 #: What ``strategy=`` takes: a registered strategy that runs on the global view, or "auto".
@@ -183,11 +186,17 @@ def sequence_parallel_attention(
     >>> mesh = jax.make_mesh((8,), ("sp",))
     >>> out = sequence_parallel_attention(q, k, v, mesh=mesh, strategy="ring", causal=True)
     """
-    check_self_attention(q, k, v, segment_ids)
+    segment_ids = check_self_attention(q, k, v, segment_ids)
     batch, seq_len = q.shape[:2]
-    check_ids("positions", positions, batch, seq_len)
-    check_ids("kv_segment_ids", kv_segment_ids, batch, seq_len)
+    positions = check_ids("positions", positions, batch, seq_len)
+    kv_segment_ids = check_ids("kv_segment_ids", kv_segment_ids, batch, seq_len, segments=True)
+    check_options(causal=causal, window=window, scale=scale, softcap=softcap)
+    return_lse = checks.flag("return_lse", return_lse)
+    sinks = check_sinks(sinks, q.shape[2])
     if mesh is None:
+        checks.mesh_only(seq_axes=(seq_axes, "sp"), strategy=(strategy, "auto"),
+                         layout=(layout, "auto"), batch_axes=(batch_axes, None),
+                         ulysses_size=(ulysses_size, None))
         return local_attention(
             q, k, v, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
             positions=positions, kv_positions=positions, window=window, scale=scale,
@@ -210,6 +219,8 @@ def sequence_parallel_attention(
         raise ValueError('layout="per_document" orders the tokens by their documents: pass '
                          "segment_ids= (int32[B, S]); without documents use "
                          'layout="zigzag".')
+    if not (batch and seq_len):  # no token: jax.nn's empty result, no program to shard
+        return empty_result(q, v, return_lse)
     batch_entry, head_entry = _placement.kept_entries(q, k, v, mesh, axes, batch_axes)
     if strategy == "auto":
         strategy, ulysses_size = _choose_strategy(
@@ -219,10 +230,9 @@ def sequence_parallel_attention(
         raise ValueError(f'ulysses_size={ulysses_size} needs strategy="hybrid" (or "auto"). '
                          f"Got strategy={strategy!r}.")
     call = _Call(mesh=mesh, axes=axes, strategy=strategy, ulysses_size=ulysses_size,
-                 layout="contiguous" if positions is not None else layout, causal=causal,
-                 window=masks.normalize_window(window),
-                 scale=None if scale is None else float(scale), kernel=kernel,
-                 block_sizes=block_sizes, softcap=None if softcap is None else float(softcap),
+                 layout="contiguous" if positions is not None else layout, causal=bool(causal),
+                 window=masks.normalize_window(window), scale=checks.scale(scale),
+                 kernel=kernel, block_sizes=block_sizes, softcap=check_softcap(softcap),
                  return_lse=return_lse,
                  batch_entry=batch_entry, head_entry=head_entry,
                  out_spec=_placement.caller_spec(q, mesh))

@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_seqpar.kernels import tiling
+from jax_seqpar.core import checks
 from jax_seqpar.strategies.inputs import check_qkv, check_self_attention
 from jax_seqpar.api import placement as _placement
 from jax_seqpar.api.placement import place as _place
@@ -215,6 +216,7 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
     if seq_len > cache.capacity:
         raise ValueError(f"the prompt has {seq_len} tokens but the cache only "
                          f"capacity={cache.capacity}; create a larger KVCache.")
+    lengths = checks.lengths("lengths", lengths, batch)
     if lengths is None:
         lengths = jnp.full((batch,), seq_len, jnp.int32)
     if tuple(jnp.shape(lengths)) != (batch,):

@@ -31,6 +31,13 @@ _UNPERMUTE = {"zigzag": layouts.zigzag_unpermute, "striped": layouts.striped_unp
 def _check(batch, layout: str, axis: int):
     if layout not in BATCH_LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {BATCH_LAYOUTS}.")
+    ranks = {jnp.ndim(x) for x in jax.tree.leaves(batch)}
+    if not ranks:
+        raise ValueError("batch holds no array to reorder.")
+    if isinstance(axis, bool) or not isinstance(axis, int) or not 0 <= axis < min(ranks):
+        raise ValueError(f"axis={axis!r} is not a dim of every array of the batch (ranks "
+                         f"{sorted(ranks)}): pass the sequence axis, 0 <= axis < {min(ranks)} "
+                         "(default 1, for [B, S, ...] arrays).")
     shapes = {x.shape[:axis + 1] for x in jax.tree.leaves(batch)}
     if len(shapes) != 1:
         raise ValueError(f"every array of the batch must share its leading [batch, seq] dims "

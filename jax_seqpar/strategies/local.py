@@ -15,18 +15,19 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
 from jax_seqpar import kernels
-from jax_seqpar.strategies.inputs import Options, check_ids, check_qkv
+from jax_seqpar.strategies.inputs import (Options, check_ids, check_options, check_qkv,
+                                          empty_result)
 from jax_seqpar.core.masks import Tokens
 from jax_seqpar.core.merge import check_sinks, with_sinks
 
 
 def _tokens(name: str, positions, segment_ids, batch: int, length: int) -> Tokens:
-    check_ids(f"{name}positions", positions, batch, length)
-    check_ids(f"{name}segment_ids", segment_ids, batch, length)
+    positions = check_ids(f"{name}positions", positions, batch, length)
+    segment_ids = check_ids(f"{name}segment_ids", segment_ids, batch, length, segments=True)
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-    return Tokens(positions.astype(jnp.int32),
-                  None if segment_ids is None else segment_ids.astype(jnp.int32))
+    return Tokens(jnp.asarray(positions),
+                  None if segment_ids is None else jnp.asarray(segment_ids))
 
 
 def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
@@ -57,6 +58,7 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
       ``(out, lse)``. A query that sees no key gets zeros.
     """
     check_qkv(q, k, v)
+    check_options(causal=causal, window=window, scale=scale, softcap=softcap)
     batch, q_len, heads = q.shape[:3]
     kv_len = k.shape[1]
     if kv_segment_ids is None and segment_ids is not None:
@@ -69,7 +71,11 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
                          "sees a key when their segment ids are equal).")
     q_tokens = _tokens("", positions, segment_ids, batch, q_len)
     kv_tokens = _tokens("kv_", kv_positions, kv_segment_ids, batch, kv_len)
-    check_sinks(sinks, heads)
+    sinks = check_sinks(sinks, heads)
+    if not (batch and q_len and kv_len):  # nothing to attend: jax.nn's empty result
+        out, lse = empty_result(q, v, True)
+        lse = with_sinks(out, lse, sinks)[1]
+        return (out, lse) if return_lse else out
     options = Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
                            block_sizes=block_sizes, softcap=softcap)
 
