@@ -350,7 +350,7 @@ def test_errors(make_qkv):
         call(q, k[:, :16], v[:, :16])
     with pytest.raises(ValueError, match="implementation='xla' names a jax.nn kernel"):
         call(q, k, v, implementation="xla")
-    with pytest.raises(ValueError, match=r"query_seq_lengths must be an int32 \[batch\]"):
+    with pytest.raises(ValueError, match=r"query_seq_lengths must be an integer array \(int32\)"):
         sp.dot_product_attention(q, k, v, query_seq_lengths=jnp.array([1.0, 2.0]))
     with pytest.raises(ValueError, match="mask must be boolean"):
         sp.dot_product_attention(q, k, v, mask=jnp.ones((2, 1, 1, 32), jnp.int32))

@@ -163,13 +163,16 @@ def dot_product_attention(
         without a mesh, refused with one.
       scale: logit scale; default ``1/sqrt(H)``.
       is_causal: causal mask (top-left aligned, as in ``jax.nn``).
-      query_seq_lengths, key_value_seq_lengths: ``int32[B]`` valid lengths (padding).
+      query_seq_lengths, key_value_seq_lengths: ``int32[B]`` valid lengths, as in
+        ``jax.nn``: keys past ``key_value_seq_lengths`` are masked; query rows past
+        ``query_seq_lengths`` are zero (they mask no key). Either alone, or both.
       local_window_size: ``int`` (both sides) or ``(left, right)``.
       implementation: ``None`` for ours; a ``jax.nn`` implementation name
         (``"xla"``, ``"cudnn"``) hands the call to ``jax.nn`` (without a mesh only).
       return_residual: also return the log-sum-exp of every row's logits.
       mesh: a device mesh to split the sequence over (Explicit or Auto axes), or
-        ``None``: attend locally (queries and keys may then differ in length).
+        ``None``: attend locally (queries and keys may then differ in length;
+        ``seq_axes``, ``strategy`` and ``layout`` must keep their defaults).
       seq_axes, strategy, layout, kernel, block_sizes: as in
         :func:`jax_seqpar.sequence_parallel_attention` (``strategy="auto"`` picks one
         the shapes allow; ``kernel`` and ``block_sizes`` also apply without a mesh).

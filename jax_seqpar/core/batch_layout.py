@@ -96,7 +96,8 @@ def permute_batch(batch, layout: str, num_shards: int, *, axis: int = 1,
       per row for ``"per_document"``).
 
     Raises:
-      ValueError: an unknown layout, arrays that disagree on ``[B, S]``, a sequence
+      ValueError: an unknown layout, an ``axis`` that is not a dim of every array,
+        arrays that disagree on ``[B, S]``, a sequence
         the layout cannot split (zigzag needs ``S % 2P == 0``, the others
         ``S % P == 0``), or ``"per_document"`` without ``segment_ids``.
 

@@ -143,7 +143,7 @@ def real(name: str, value, *, positive: bool = False) -> float:
                              f"{tuple(shape)} and dtype {dtype}: {fix}.")
     number = float(value)
     if math.isnan(number) or (positive and not number > 0):
-        need = "a positive number" if positive else "a number, not NaN"
+        need = "a positive float" if positive else "a number, not NaN"
         raise ValueError(f"{name} must be {need}. Got {name}={value!r}: {fix}.")
     return number
 

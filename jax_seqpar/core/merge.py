@@ -67,9 +67,9 @@ def check_sinks(sinks, num_heads: int):
     if shape != (num_heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
         hint = (f"; for one logit shared by every head pass jnp.full(({num_heads},), "
                 "value)" if shape == () else "")
-        raise ValueError(f"sinks must be a float array of shape [num_heads]=({num_heads},) "
-                         f"(one logit per query head). Got shape {shape} and dtype "
-                         f"{sinks.dtype}{hint}.")
+        raise ValueError(f"sinks must be a float array of shape [num_heads]=({num_heads},). "
+                         f"Got shape {shape} and dtype {sinks.dtype}: one logit per query "
+                         f"head{hint}.")
     return sinks
 
 
