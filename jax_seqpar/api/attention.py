@@ -24,12 +24,15 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_seqpar import kernels
 from jax_seqpar.api import placement as _placement
-from jax_seqpar.core import layout as layouts, masks, packing
+from jax_seqpar.core import checks, layout as layouts, masks, packing
+from jax_seqpar.core.merge import check_sinks
 from jax_seqpar.core.meshes import split_axis
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.planning import plan as planning
 from jax_seqpar.strategies import registry
-from jax_seqpar.strategies.inputs import check_ids, check_self_attention
+from jax_seqpar.kernels.contract import check_softcap
+from jax_seqpar.strategies.inputs import (check_ids, check_options, check_self_attention,
+                                          empty_result)
 from jax_seqpar.strategies.local import local_attention
 
 #: What ``strategy=`` takes: a registered strategy that runs on the global view, or "auto".
@@ -129,21 +132,23 @@ def sequence_parallel_attention(
       mesh: the device mesh (Explicit or Auto axis types), or None: attend on the
         caller's devices without splitting the sequence (the same kernels and masks;
         ``seq_axes``, ``strategy``, ``layout``, ``batch_axes`` and ``ulysses_size``
-        are then unused).
+        must then keep their defaults: a ``ValueError`` otherwise).
       seq_axes: the mesh axis splitting the sequence, or ``(outer, inner)``:
         ``"hybrid"`` runs Ulysses over ``inner`` and the ring over ``outer``.
       strategy: ``"ulysses"``, ``"ring"``, ``"hybrid"``, ``"allgather"`` or
         ``"auto"`` (a plan tuned on this mesh, else :func:`jax_seqpar.planning.plan.plan` for
         the devices' hardware preset, counting the batch rows and heads each sequence
         group holds: :func:`jax_seqpar.planning.plan.auto_choice`).
-      causal, window: the mask on true token positions (see ``MaskSpec``).
+      causal, window: the mask on true token positions (see ``MaskSpec``): ``causal``
+        a bool, ``window`` one int or ``(left, right)`` of non-negative ints.
       segment_ids: ``int32[B, S]`` packed documents attend within themselves
-        (``-2**31`` is reserved for padding).
+        (``-2**31`` is reserved for padding). Ids, positions: any integer dtype
+        whose values fit int32 (:mod:`jax_seqpar.core.checks`).
       positions: ``int32[B, S]`` global positions of the tokens in the order given,
         or None (natural order, relayouted by ``layout``).
       kv_segment_ids: ``int32[B, S]`` the keys' own segment ids where they differ from
         the queries' (e.g. padded keys of ragged rows), or None: ``segment_ids``.
-      scale: defaults to ``1/sqrt(Dqk)``.
+      scale: a finite number; defaults to ``1/sqrt(Dqk)``.
       layout: ``"zigzag"``, ``"striped"``, ``"contiguous"``, ``"per_document"`` or
         ``"auto"`` (zigzag where it balances causal work: ring, hybrid and
         all-gather with ``causal=True`` and no window; contiguous with a window,
@@ -161,7 +166,8 @@ def sequence_parallel_attention(
       batch_axes: mesh axes the batch is sharded over (data parallelism), or None:
         read from the inputs' sharding, and on Auto meshes under ``jit`` the mesh
         axes outside ``seq_axes`` that divide the batch.
-      softcap: logits become ``softcap * tanh(s / softcap)`` before masking (Gemma 2).
+      softcap: logits become ``softcap * tanh(s / softcap)`` before masking (Gemma 2);
+        a positive number, ``inf`` meaning no cap (the limit).
       sinks: ``[H]`` float logits of a zero-valued virtual key per head (gpt-oss:
         ``p_j = exp(s_j) / (exp(sinks[h]) + sum_k exp(s_k))``), differentiable.
       return_lse: also return the float32 ``[B, S, H]`` log-sum-exp of every row
@@ -174,20 +180,29 @@ def sequence_parallel_attention(
       ``[B, S, H, Dv]`` in ``q.dtype``, in the caller's token order, sharded like
       ``q`` on Explicit meshes (its type's batch, sequence and head entries; an
       unsharded ``q`` gives an unsharded output, as ``jax.nn`` would); with
-      ``return_lse``, ``(out, lse)``.
+      ``return_lse``, ``(out, lse)``. A batch or sequence of length 0 gives an empty
+      result.
 
     Raises:
       ValueError: bad shapes, unknown axes/strategy/layout, a layout with
-        ``positions``, or heads a Ulysses axis does not divide.
+        ``positions``, heads a Ulysses axis does not divide, ids or positions that
+        are not integers fitting int32 (or use the padding id), options of the wrong
+        type or range, or mesh-only arguments with ``mesh=None``.
 
     >>> mesh = jax.make_mesh((8,), ("sp",))
     >>> out = sequence_parallel_attention(q, k, v, mesh=mesh, strategy="ring", causal=True)
     """
-    check_self_attention(q, k, v, segment_ids)
+    segment_ids = check_self_attention(q, k, v, segment_ids)
     batch, seq_len = q.shape[:2]
-    check_ids("positions", positions, batch, seq_len)
-    check_ids("kv_segment_ids", kv_segment_ids, batch, seq_len)
+    positions = check_ids("positions", positions, batch, seq_len)
+    kv_segment_ids = check_ids("kv_segment_ids", kv_segment_ids, batch, seq_len, segments=True)
+    check_options(causal=causal, window=window, scale=scale, softcap=softcap)
+    return_lse = checks.flag("return_lse", return_lse)
+    sinks = check_sinks(sinks, q.shape[2])
     if mesh is None:
+        checks.mesh_only(seq_axes=(seq_axes, "sp"), strategy=(strategy, "auto"),
+                         layout=(layout, "auto"), batch_axes=(batch_axes, None),
+                         ulysses_size=(ulysses_size, None))
         return local_attention(
             q, k, v, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
             positions=positions, kv_positions=positions, window=window, scale=scale,
@@ -210,6 +225,8 @@ def sequence_parallel_attention(
         raise ValueError('layout="per_document" orders the tokens by their documents: pass '
                          "segment_ids= (int32[B, S]); without documents use "
                          'layout="zigzag".')
+    if not (batch and seq_len):  # no token: jax.nn's empty result, no program to shard
+        return empty_result(q, v, return_lse)
     batch_entry, head_entry = _placement.kept_entries(q, k, v, mesh, axes, batch_axes)
     if strategy == "auto":
         strategy, ulysses_size = _choose_strategy(
@@ -219,10 +236,9 @@ def sequence_parallel_attention(
         raise ValueError(f'ulysses_size={ulysses_size} needs strategy="hybrid" (or "auto"). '
                          f"Got strategy={strategy!r}.")
     call = _Call(mesh=mesh, axes=axes, strategy=strategy, ulysses_size=ulysses_size,
-                 layout="contiguous" if positions is not None else layout, causal=causal,
-                 window=masks.normalize_window(window),
-                 scale=None if scale is None else float(scale), kernel=kernel,
-                 block_sizes=block_sizes, softcap=None if softcap is None else float(softcap),
+                 layout="contiguous" if positions is not None else layout, causal=bool(causal),
+                 window=masks.normalize_window(window), scale=checks.scale(scale),
+                 kernel=kernel, block_sizes=block_sizes, softcap=check_softcap(softcap),
                  return_lse=return_lse,
                  batch_entry=batch_entry, head_entry=head_entry,
                  out_spec=_placement.caller_spec(q, mesh))

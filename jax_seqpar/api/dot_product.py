@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jax_seqpar.core import checks
 from jax_seqpar.strategies.inputs import check_qkv
 from jax_seqpar.api.attention import sequence_parallel_attention
 from jax_seqpar.strategies.local import local_attention
@@ -31,16 +32,6 @@ def _ensure_4d(x):
     """``x`` with leading unit dims up to rank 4 (``jax.nn``'s rule for ``TNH`` inputs)."""
     x = jnp.asarray(x)
     return jnp.expand_dims(x, tuple(range(4 - x.ndim))) if x.ndim < 4 else x
-
-
-def _lengths(name: str, lengths, batch: int):
-    if lengths is None:
-        return None
-    lengths = jnp.asarray(lengths)
-    if lengths.shape != (batch,) or not jnp.issubdtype(lengths.dtype, jnp.integer):
-        raise ValueError(f"{name} must be an int32 [batch]=({batch},) array. "
-                         f"Got {lengths.dtype}{list(lengths.shape)}.")
-    return lengths.astype(jnp.int32)
 
 
 def _below(lengths, seq: int):
@@ -172,13 +163,16 @@ def dot_product_attention(
         without a mesh, refused with one.
       scale: logit scale; default ``1/sqrt(H)``.
       is_causal: causal mask (top-left aligned, as in ``jax.nn``).
-      query_seq_lengths, key_value_seq_lengths: ``int32[B]`` valid lengths (padding).
+      query_seq_lengths, key_value_seq_lengths: ``int32[B]`` valid lengths, as in
+        ``jax.nn``: keys past ``key_value_seq_lengths`` are masked; query rows past
+        ``query_seq_lengths`` are zero (they mask no key). Either alone, or both.
       local_window_size: ``int`` (both sides) or ``(left, right)``.
       implementation: ``None`` for ours; a ``jax.nn`` implementation name
         (``"xla"``, ``"cudnn"``) hands the call to ``jax.nn`` (without a mesh only).
       return_residual: also return the log-sum-exp of every row's logits.
       mesh: a device mesh to split the sequence over (Explicit or Auto axes), or
-        ``None``: attend locally (queries and keys may then differ in length).
+        ``None``: attend locally (queries and keys may then differ in length;
+        ``seq_axes``, ``strategy`` and ``layout`` must keep their defaults).
       seq_axes, strategy, layout, kernel, block_sizes: as in
         :func:`jax_seqpar.sequence_parallel_attention` (``strategy="auto"`` picks one
         the shapes allow; ``kernel`` and ``block_sizes`` also apply without a mesh).
@@ -212,6 +206,11 @@ def dot_product_attention(
     check_qkv(query, key, value)
     batch, q_len, heads = query.shape[:3]
     kv_len = key.shape[1]
+    is_causal = checks.flag("is_causal", is_causal)
+    return_residual = checks.flag("return_residual", return_residual)
+    if mesh is None:
+        checks.mesh_only(seq_axes=(seq_axes, "sp"), strategy=(strategy, "auto"),
+                         layout=(layout, "auto"))
     if mask is not None:
         mask = _check_mask(mask, (batch, heads, q_len, kv_len))
     key_mask = mask is not None and mask.shape[2] == 1  # varies along keys only
@@ -229,13 +228,17 @@ def dot_product_attention(
         return jax.tree.map(lambda x: _squeeze(x, ndim), result)
     if mesh is not None:
         _check_mesh_call(dense, implementation, q_len, kv_len)
-    q_lengths = _lengths("query_seq_lengths", query_seq_lengths, batch)
+    q_lengths = checks.lengths("query_seq_lengths", query_seq_lengths, batch)
+    kv_lengths = checks.lengths("key_value_seq_lengths", key_value_seq_lengths, batch)
     kv_segments = _key_segments(mask if key_mask else None,
-                                _lengths("key_value_seq_lengths", key_value_seq_lengths, batch),
+                                None if kv_lengths is None else jnp.asarray(kv_lengths),
                                 batch, kv_len)
     q_segments = None
     if q_lengths is not None:
-        q_segments = jnp.where(_below(q_lengths, q_len), _REAL, _PADDED_QUERY).astype(jnp.int32)
+        q_segments = jnp.where(_below(jnp.asarray(q_lengths), q_len), _REAL,
+                               _PADDED_QUERY).astype(jnp.int32)
+        if kv_segments is None:  # query lengths say nothing about the keys: every one is real
+            kv_segments = jnp.zeros((batch, kv_len), jnp.int32)
     elif kv_segments is not None:
         q_segments = jnp.zeros((batch, q_len), jnp.int32)
     if mesh is None:

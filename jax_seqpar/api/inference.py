@@ -51,7 +51,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jax_seqpar.core import masks
+from jax_seqpar.core import checks, masks
 from jax_seqpar.kernels import tiling
 from jax_seqpar.strategies.inputs import check_qkv, check_self_attention
 from jax_seqpar.api import placement as _placement
@@ -229,9 +229,7 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
         raise ValueError(f"the prompt has {seq_len} tokens but the cache holds only "
                          f"capacity={cache.capacity} per row (prefill replaces its content: "
                          f"length 0 + {seq_len} tokens asked); create a larger KVCache.")
-    if lengths is not None and tuple(jnp.shape(lengths)) != (batch,):
-        raise ValueError(f"lengths must have shape [batch]=({batch},). "
-                         f"Got {tuple(jnp.shape(lengths))}.")
+    lengths = checks.lengths("lengths", lengths, batch)  # int32[B] or None
     if lengths is not None:
         lengths = jnp.asarray(lengths, jnp.int32)
     # Eager arrays replicated onto the cache's mesh: left on one device, the programs'

@@ -4,6 +4,6 @@ One attention layer's shape (:mod:`.shape`: the record the traffic model, the pl
 tuning and the benchmarks share), masks from per-token metadata (:mod:`.masks`), the
 online-softmax merge (:mod:`.merge`), token orders (:mod:`.layout`,
 :mod:`.batch_layout`), the plain-jnp oracle (:mod:`.reference`), mesh splitting
-(:mod:`.meshes`), JAX-version shims (:mod:`.compat`) and optional dependencies
-(:mod:`.extras`).
+(:mod:`.meshes`), the public boundary's argument checks (:mod:`.checks`), JAX-version
+shims (:mod:`.compat`) and optional dependencies (:mod:`.extras`).
 """

@@ -31,6 +31,13 @@ _UNPERMUTE = {"zigzag": layouts.zigzag_unpermute, "striped": layouts.striped_unp
 def _check(batch, layout: str, axis: int):
     if layout not in BATCH_LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {BATCH_LAYOUTS}.")
+    ranks = {jnp.ndim(x) for x in jax.tree.leaves(batch)}
+    if not ranks:
+        raise ValueError("batch holds no array to reorder.")
+    if isinstance(axis, bool) or not isinstance(axis, int) or not 0 <= axis < min(ranks):
+        raise ValueError(f"axis={axis!r} is not a dim of every array of the batch (ranks "
+                         f"{sorted(ranks)}): pass the sequence axis, 0 <= axis < {min(ranks)} "
+                         "(default 1, for [B, S, ...] arrays).")
     shapes = {x.shape[:axis + 1] for x in jax.tree.leaves(batch)}
     if len(shapes) != 1:
         raise ValueError(f"every array of the batch must share its leading [batch, seq] dims "
@@ -89,7 +96,8 @@ def permute_batch(batch, layout: str, num_shards: int, *, axis: int = 1,
       per row for ``"per_document"``).
 
     Raises:
-      ValueError: an unknown layout, arrays that disagree on ``[B, S]``, a sequence
+      ValueError: an unknown layout, an ``axis`` that is not a dim of every array,
+        arrays that disagree on ``[B, S]``, a sequence
         the layout cannot split (zigzag needs ``S % 2P == 0``, the others
         ``S % P == 0``), or ``"per_document"`` without ``segment_ids``.
 

@@ -18,7 +18,7 @@ nothing and nothing sees it, so summaries leave it out: a tile of padding is ``E
 from __future__ import annotations
 
 import dataclasses
-import numbers
+import operator
 from typing import Optional, Union
 
 import jax
@@ -40,18 +40,61 @@ PAD_SEGMENT = -(2**31)
 SIGNATURE_BITS = 32
 
 
+#: A window side this large reaches every pair of int32 positions (their difference is
+#: at most ``2**32 - 1``): larger sides are clamped to it, which changes nothing.
+MAX_WINDOW = 2**32 - 1
+
+
+def _window_side(window, side):
+    if isinstance(side, (bool, np.bool_)) or isinstance(side, (float, np.floating)):
+        side = None  # True is not a length, and 2.5 tokens are none
+    else:
+        try:
+            side = operator.index(side)  # ints, numpy ints, concrete integer 0-d arrays
+        except TypeError:
+            side = None
+    if side is None:
+        raise ValueError(f"window sides must be whole numbers of tokens (ints): window=k or "
+                         f"(left, right). Got {window=}.")
+    if side < 0:
+        raise ValueError(f"window sides must be >= 0. Got {window=}.")
+    return min(side, MAX_WINDOW)
+
+
 def normalize_window(window: Union[None, int, tuple[int, int]]) -> Optional[tuple[int, int]]:
-    """``None``, one int (both sides) or ``(left, right)`` -> ``(left, right)`` or None."""
+    """``None``, one int (both sides) or ``(left, right)`` -> ``(left, right)`` or None.
+
+    Sides are non-negative ints (floats and bools are refused with ``ValueError``);
+    a side of :data:`MAX_WINDOW` or more reaches every int32 position and is clamped
+    to it.
+    """
     if window is None:
         return None
-    if isinstance(window, numbers.Integral):
+    if not isinstance(window, (tuple, list)):
         window = (window, window)
-    if not isinstance(window, (tuple, list)) or len(window) != 2:
+    elif len(window) != 2:
         raise ValueError(f"window must be an int or a (left, right) pair. Got {window!r}.")
-    left, right = (int(w) for w in window)
-    if left < 0 or right < 0:
-        raise ValueError(f"window sides must be >= 0. Got {window=}.")
-    return left, right
+    return tuple(_window_side(window, side) for side in window)
+
+
+def shifted(x, by: int):
+    """``x + by`` for int32 positions ``x`` and a Python int ``by``, saturated to the
+    int32 range instead of wrapping around: comparisons against it stay exact for every
+    int32 key position (a window edge below ``-2**31`` admits every key, like ``-2**31``).
+
+    Works on jax and numpy arrays (host work counts) alike."""
+    xp = _namespace(x)
+    low, high = -(2**31), 2**31 - 1
+    if abs(by) >= MAX_WINDOW:  # past every int32 position whatever x is
+        return xp.full_like(x, high if by > 0 else low)
+    while by:  # steps of at most 2**31 - 1: each fits int32
+        step = max(-high, min(high, by))
+        if step > 0:
+            x = xp.where(x > high - step, high, x + step)
+        else:
+            x = xp.where(x < low - step, low, x + step)
+        by -= step
+    return x
 
 
 @dataclasses.dataclass(frozen=True)
@@ -105,9 +148,9 @@ def visible(spec: MaskSpec, q_pos, kv_pos, q_seg=None, kv_seg=None):
 
     if spec.causal:
         ok = both(ok, kv_pos <= q_pos)
-    if spec.window is not None:
+    if spec.window is not None:  # edges saturate at the int32 limits, never wrap
         left, right = spec.window
-        ok = both(ok, (kv_pos >= q_pos - left) & (kv_pos <= q_pos + right))
+        ok = both(ok, (kv_pos >= shifted(q_pos, -left)) & (kv_pos <= shifted(q_pos, right)))
     if q_seg is not None:
         ok = both(ok, (q_seg == kv_seg) & (q_seg != PAD_SEGMENT))
     return ok
@@ -192,8 +235,8 @@ def classify(spec: MaskSpec, q: BlockSummary, kv: BlockSummary) -> jax.Array:
         full &= k_hi <= q_lo
     if spec.window is not None:
         left, right = spec.window
-        empty |= (k_lo > q_hi + right) | (k_hi < q_lo - left)
-        full &= (k_hi <= q_lo + right) & (k_lo >= q_hi - left)
+        empty |= (k_lo > shifted(q_hi, right)) | (k_hi < shifted(q_lo, -left))
+        full &= (k_hi <= shifted(q_lo, right)) & (k_lo >= shifted(q_hi, -left))
     if q.seg_min is not None:
         qs_lo, qs_hi, ks_lo, ks_hi = (rows(q.seg_min), rows(q.seg_max), cols(kv.seg_min),
                                       cols(kv.seg_max))

@@ -53,13 +53,24 @@ def with_sinks(out, lse, sinks):
 
 
 def check_sinks(sinks, num_heads: int):
-    """Raise ``ValueError`` unless ``sinks`` is None or a float ``[num_heads]`` array."""
+    """``sinks`` as a float ``[num_heads]`` array, or None; ``ValueError`` otherwise.
+
+    One logit per head: a scalar is refused (it would not say whether every head shares
+    it), and so are integer or bool arrays (logits are real numbers). Array-likes
+    (lists, numpy) are converted.
+    """
     if sinks is None:
-        return
-    shape = tuple(getattr(sinks, "shape", ()))
+        return None
+    if not (hasattr(sinks, "shape") and hasattr(sinks, "dtype")):
+        sinks = jnp.asarray(sinks)
+    shape = tuple(sinks.shape)
     if shape != (num_heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
+        hint = (f"; for one logit shared by every head pass jnp.full(({num_heads},), "
+                "value)" if shape == () else "")
         raise ValueError(f"sinks must be a float array of shape [num_heads]=({num_heads},). "
-                         f"Got shape {shape} and dtype {getattr(sinks, 'dtype', None)}.")
+                         f"Got shape {shape} and dtype {sinks.dtype}: one logit per query "
+                         f"head{hint}.")
+    return sinks
 
 
 def merge_across(out, lse, axis_name, sinks=None):

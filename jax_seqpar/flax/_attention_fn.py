@@ -19,6 +19,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_seqpar.api.attention import sequence_parallel_attention
+from jax_seqpar.core import checks
+from jax_seqpar.strategies.inputs import check_options
 
 
 def _refuse(name: str, value, fix: str) -> None:
@@ -75,6 +77,7 @@ def make_attention_fn(
     ...     num_heads=8, in_features=256, decode=False, rngs=nnx.Rngs(0),
     ...     attention_fn=make_attention_fn(mesh, strategy="ring", causal=True))
     """
+    check_options(causal=causal, window=window, scale=scale, softcap=softcap)
 
     def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
                      dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
@@ -121,7 +124,8 @@ def make_attention_fn(
             segment_ids = segment_ids.reshape(flat, query.shape[1])
         out = sequence_parallel_attention(
             query, key, value, mesh=mesh, seq_axes=seq_axes, strategy=strategy,
-            causal=bool(causal or is_causal), segment_ids=segment_ids, window=window,
+            causal=causal or checks.flag("is_causal", is_causal), segment_ids=segment_ids,
+            window=window,
             scale=scale, layout=layout, kernel=kernel, block_sizes=block_sizes,
             softcap=softcap, sinks=sinks, ulysses_size=ulysses_size)
         return out.reshape(*batch_dims, *out.shape[1:])  # [batch..., S, H, Dv]

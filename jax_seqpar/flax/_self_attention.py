@@ -12,6 +12,7 @@ from flax import nnx
 from jax_seqpar.api import inference
 from jax_seqpar.api.attention import sequence_parallel_attention
 from jax_seqpar.flax._rope import apply_rope
+from jax_seqpar.strategies.inputs import check_options
 
 
 class SelfAttention(nnx.Module):
@@ -93,6 +94,7 @@ class SelfAttention(nnx.Module):
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
+        check_options(causal=causal, window=window, scale=None, softcap=softcap)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be a positive multiple of "

@@ -33,13 +33,14 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import numbers
+import math
 from typing import Callable, Optional, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_seqpar.core import checks
 from jax_seqpar.core.masks import MaskSpec, Tokens
 
 F32 = jnp.float32
@@ -127,13 +128,15 @@ def resolve_block_sizes(block_sizes: Optional[BlockSizes], defaults: BlockSizes,
 
 
 def check_softcap(softcap) -> Optional[float]:
-    """``None`` or a positive float, else ``ValueError``."""
+    """``None`` or a positive number (not a bool) as a float, else ``ValueError``.
+
+    ``softcap=inf`` is no cap (``c * tanh(s / c) -> s`` as ``c`` grows; computed as
+    written it would be ``inf * 0``, NaN): it returns None.
+    """
     if softcap is None:
         return None
-    if isinstance(softcap, bool) or not isinstance(softcap, numbers.Real) or not softcap > 0:
-        raise ValueError(f"softcap must be a positive float (e.g. 50.0) or None. "
-                         f"Got {softcap=!r}.")
-    return float(softcap)
+    softcap = checks.real("softcap", softcap, positive=True)
+    return None if math.isinf(softcap) else softcap
 
 
 def check_operands(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *,

@@ -1,4 +1,9 @@
-"""Validation of attention inputs and the per-shard token metadata every strategy uses."""
+"""Validation of attention inputs and the per-shard token metadata every strategy uses.
+
+The argument checks themselves are :mod:`jax_seqpar.core.checks` (ids, positions,
+lengths, flags, numbers) and :func:`jax_seqpar.core.masks.normalize_window`; every
+entry point, global or per shard, reaches them through the functions here.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +13,9 @@ from typing import Optional
 import jax
 import jax.numpy as jnp
 
-from jax_seqpar.core import compat as _compat, layout, masks
+from jax_seqpar.core import checks, compat as _compat, layout, masks
 from jax_seqpar.kernels import tiling
-from jax_seqpar.kernels.contract import BlockSizes, Kernel
+from jax_seqpar.kernels.contract import BlockSizes, Kernel, check_softcap
 
 
 def check_qkv(q, k, v) -> None:
@@ -33,25 +38,51 @@ def check_qkv(q, k, v) -> None:
                          f"requires). Got q.dtype={q.dtype}, k.dtype={k.dtype}, "
                          f"v.dtype={v.dtype}; cast them to one dtype first.")
     heads, kv_heads = q.shape[2], k.shape[2]
+    if not heads or not kv_heads or not q.shape[3] or not v.shape[3]:
+        raise ValueError(f"q, k, v need at least one head and a head_dim of at least 1. Got "
+                         f"{q.shape=}, {k.shape=}, {v.shape=}.")
     if heads % kv_heads:
         raise ValueError(f"num_heads={heads} must be a multiple of num_kv_heads={kv_heads} "
                          "(MHA, GQA or MQA).")
 
 
-def check_self_attention(q, k, v, segment_ids) -> None:
-    """:func:`check_qkv` plus one sequence length for q and k, and ``[B, S]`` segment ids."""
+def check_self_attention(q, k, v, segment_ids):
+    """:func:`check_qkv` plus one sequence length for q and k; returns ``segment_ids``
+    as ``int32[B, S]`` (:func:`check_ids`)."""
     check_qkv(q, k, v)
     batch, seq_len = q.shape[:2]
     if k.shape[1] != seq_len:
         raise ValueError(f"self-attention needs q and k of one sequence length. "
                          f"Got q seq={seq_len}, k seq={k.shape[1]}.")
-    check_ids("segment_ids", segment_ids, batch, seq_len)
+    return check_ids("segment_ids", segment_ids, batch, seq_len, segments=True)
 
 
-def check_ids(name: str, ids, batch: int, seq: int) -> None:
-    if ids is not None and tuple(ids.shape) != (batch, seq):
-        raise ValueError(f"{name} must have shape [batch, seq]=({batch}, {seq}). "
-                         f"Got {tuple(ids.shape)}.")
+def check_ids(name: str, ids, batch: int, seq: int, *, segments: bool = False):
+    """``ids`` as ``int32[batch, seq]`` (or None): integers of that shape that fit int32,
+    and for ``segments`` not the reserved padding id (:mod:`jax_seqpar.core.checks`);
+    ``ValueError`` otherwise."""
+    check = checks.segment_ids if segments else checks.positions
+    return check(name, ids, batch, seq)
+
+
+def empty_result(q, v, return_lse: bool):
+    """The result of a call with no query or no key (a zero-size dim): zeros of
+    ``[B, T, H, Dv]`` in ``q.dtype`` (a query that sees no key gets zeros), and with
+    ``return_lse`` the ``float32[B, T, H]`` lse of rows that saw nothing."""
+    out = jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype)
+    if not return_lse:
+        return out
+    return out, jnp.full(q.shape[:3], masks.EMPTY_LSE, jnp.float32)
+
+
+def check_options(*, causal, window, scale, softcap) -> None:
+    """Raise ``ValueError`` for a bad ``causal`` (a bool), ``window`` (non-negative
+    ints), ``scale`` (a finite number) or ``softcap`` (a positive number): before any
+    array work, at the public boundary (:meth:`Options.make` reads them again)."""
+    checks.flag("causal", causal)
+    masks.normalize_window(window)
+    checks.scale(scale)
+    check_softcap(softcap)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,9 +107,10 @@ class Options:
     def make(cls, q, *, causal, window, scale, kernel, block_sizes=None,
              softcap=None) -> "Options":
         from jax_seqpar import kernels
-        from jax_seqpar.kernels.contract import check_softcap
 
-        scale = q.shape[-1] ** -0.5 if scale is None else float(scale)
+        causal = checks.flag("causal", causal)
+        scale = checks.scale(scale)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
         module = kernels.get(kernel)
         if block_sizes is not None and not isinstance(block_sizes, module.BlockSizes):
             raise ValueError(
@@ -142,15 +174,13 @@ def shard_tokens(q, *, axis_name, segment_ids=None, positions=None) -> masks.Tok
       segment_ids, positions: ``int32[B, S_local]`` or None.
     """
     batch, local_len = q.shape[:2]
-    check_ids("segment_ids", segment_ids, batch, local_len)
-    check_ids("positions", positions, batch, local_len)
+    segment_ids = check_ids("segment_ids", segment_ids, batch, local_len, segments=True)
+    positions = check_ids("positions", positions, batch, local_len)
     if positions is None:
         positions = layout.shard_positions("contiguous", local_len, axis_name=axis_name)
-        positions = jnp.broadcast_to(positions, (batch, local_len))
-    positions = positions.astype(jnp.int32)
-    if segment_ids is not None:
-        segment_ids = segment_ids.astype(jnp.int32)
-    return masks.Tokens(positions, segment_ids)
+        positions = jnp.broadcast_to(positions, (batch, local_len)).astype(jnp.int32)
+    return masks.Tokens(jnp.asarray(positions),
+                        None if segment_ids is None else jnp.asarray(segment_ids))
 
 
 def axis_size(axis_name) -> int:
@@ -174,6 +204,7 @@ def prepare(q, k, v, *, axis_name, causal, segment_ids, positions, window, scale
 
     check_qkv(q, k, v)
     check_sinks(sinks, q.shape[2])
+    check_options(causal=causal, window=window, scale=scale, softcap=softcap)
     if q.shape[1] != k.shape[1]:
         raise ValueError(
             f"sequence-parallel attention splits ONE sequence, so every shard holds as many "
@@ -187,8 +218,9 @@ def prepare(q, k, v, *, axis_name, causal, segment_ids, positions, window, scale
         if segment_ids is None:
             raise ValueError("kv_segment_ids needs segment_ids for the queries too (a query "
                              "sees a key when their segment ids are equal).")
-        check_ids("kv_segment_ids", kv_segment_ids, *q.shape[:2])
-        kv_tokens = masks.Tokens(q_tokens.positions, kv_segment_ids.astype(jnp.int32))
+        kv_segment_ids = check_ids("kv_segment_ids", kv_segment_ids, *q.shape[:2],
+                                   segments=True)
+        kv_tokens = masks.Tokens(q_tokens.positions, jnp.asarray(kv_segment_ids))
     options = Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
                            block_sizes=block_sizes, softcap=softcap)
     return q_tokens, kv_tokens, options

@@ -17,7 +17,8 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
 from jax_seqpar import kernels
-from jax_seqpar.strategies.inputs import Options, check_ids, check_qkv
+from jax_seqpar.strategies.inputs import (Options, check_ids, check_options, check_qkv,
+                                          empty_result)
 from jax_seqpar.core.masks import Tokens, normalize_window
 from jax_seqpar.core.merge import check_sinks, with_sinks
 
@@ -25,8 +26,8 @@ from jax_seqpar.core.merge import check_sinks, with_sinks
 def _tokens(positions, segment_ids, batch: int, length: int) -> Tokens:
     if positions is None:
         positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-    return Tokens(positions.astype(jnp.int32),
-                  None if segment_ids is None else segment_ids.astype(jnp.int32))
+    return Tokens(jnp.asarray(positions),
+                  None if segment_ids is None else jnp.asarray(segment_ids))
 
 
 def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
@@ -57,6 +58,7 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
       ``(out, lse)``. A query that sees no key gets zeros.
     """
     check_qkv(q, k, v)
+    check_options(causal=causal, window=window, scale=scale, softcap=softcap)
     batch, q_len, heads = q.shape[:3]
     kv_len = k.shape[1]
     if kv_segment_ids is None and segment_ids is not None:
@@ -67,16 +69,20 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     if segment_ids is None and kv_segment_ids is not None:
         raise ValueError("kv_segment_ids needs segment_ids for the queries too (a query "
                          "sees a key when their segment ids are equal).")
-    check_ids("positions", positions, batch, q_len)
-    check_ids("segment_ids", segment_ids, batch, q_len)
-    check_ids("kv_positions", kv_positions, batch, kv_len)
-    check_ids("kv_segment_ids", kv_segment_ids, batch, kv_len)
-    check_sinks(sinks, heads)
-    Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
-                 block_sizes=block_sizes, softcap=softcap)  # refuses bad options here
-    call = _Local(causal=bool(causal), window=normalize_window(window),
-                  scale=None if scale is None else float(scale), kernel=kernel,
-                  block_sizes=block_sizes, softcap=None if softcap is None else float(softcap))
+    positions = check_ids("positions", positions, batch, q_len)
+    segment_ids = check_ids("segment_ids", segment_ids, batch, q_len, segments=True)
+    kv_positions = check_ids("kv_positions", kv_positions, batch, kv_len)
+    kv_segment_ids = check_ids("kv_segment_ids", kv_segment_ids, batch, kv_len, segments=True)
+    sinks = check_sinks(sinks, heads)
+    if not (batch and q_len and kv_len):  # nothing to attend: jax.nn's empty result
+        out, lse = empty_result(q, v, True)
+        lse = with_sinks(out, lse, sinks)[1]
+        return (out, lse) if return_lse else out
+    options = Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
+                           block_sizes=block_sizes, softcap=softcap)  # refuses bad options
+    call = _Local(causal=options.spec.causal, window=normalize_window(window),
+                  scale=options.scale, kernel=kernel, block_sizes=block_sizes,
+                  softcap=options.softcap)
     out, lse = _staged(q, k, v, segment_ids, kv_segment_ids, positions, kv_positions,
                        None if sinks is None else jnp.asarray(sinks), call=call)
     return (out, lse) if return_lse else out

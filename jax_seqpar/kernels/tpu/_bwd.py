@@ -118,7 +118,8 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, blo
     lse_h, delta_h = (jnp.swapaxes(pad_seq(x, q_pad), 1, 2)[:, :, None] for x in (lse, delta))
 
     def kv_map(b, h, i, j, plan_ref):
-        return b, lax.div(h, group), mc.fetched(plan_ref, b, i, j), 0
+        # Grid indices are int32; a Python int would be int64 under jax_enable_x64.
+        return b, lax.div(h, jnp.int32(group)), mc.fetched(plan_ref, b, i, j), 0
 
     def q_map(b, h, i, j, _):
         return b, h, i, 0

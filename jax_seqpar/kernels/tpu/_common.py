@@ -100,7 +100,9 @@ def fetched(plan_ref, batch_index, row_index, col_index):
     """The tile index the pipeline loads at step ``(row_index, col_index)`` of batch row
     ``batch_index``."""
     # Shifts and masks: Mosaic lowers them on scalars without the device's generation.
-    return lax.shift_right_logical(plan_ref[batch_index, row_index, col_index], _CLASS_BITS)
+    # The shift is int32 like the plan (a Python int is int64 under jax_enable_x64).
+    return lax.shift_right_logical(plan_ref[batch_index, row_index, col_index],
+                                   jnp.int32(_CLASS_BITS))
 
 
 def run_tile(plan_ref, batch_index, row_index, col_index, tile_fn):

@@ -170,7 +170,8 @@ def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, block_sizes, softcap,
     q_pad, kv_pad, group = t.num_q * t.block_q, t.num_k * t.block_k, t.group
 
     def kv_map(b, h, i, j, plan_ref):
-        return b, lax.div(h, group), mc.fetched(plan_ref, b, i, j), 0
+        # Grid indices are int32; a Python int would be int64 under jax_enable_x64.
+        return b, lax.div(h, jnp.int32(group)), mc.fetched(plan_ref, b, i, j), 0
 
     out_spec = pl.BlockSpec((None, None, t.block_q, d_v), lambda b, h, i, j, _: (b, h, i, 0))
     lse_spec = pl.BlockSpec((None, None, 1, t.block_q), lambda b, h, i, j, _: (b, h, 0, i))

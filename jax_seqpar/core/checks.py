@@ -1,0 +1,173 @@
+"""The public boundary's argument checks: one place, every entry point calls them.
+
+Token metadata (``segment_ids``, ``positions``, sequence lengths) must be integer arrays
+of the documented shape whose values fit int32, the dtype every kernel computes masks in;
+segment ids may not use :data:`~jax_seqpar.core.masks.PAD_SEGMENT`, reserved for the
+padding the entry points add. Anything else is a ``ValueError`` naming the argument and
+its dtype, shape or offending value: a float id or position is never truncated and a
+wide one never wraps around.
+
+Values can only be read from concrete arrays. Under ``jax.jit`` (a tracer) the dtype
+and shape are checked, and a dtype whose values might not fit int32 (``int64``,
+``uint32``, ``uint64``) is refused: cast it to int32 where the values are known to
+fit. What a traced array cannot be checked for is the reserved padding id: a token
+whose traced segment id is ``-2**31`` is treated as padding (it sees nothing, its
+output row is zero).
+
+Scalars that shape the program (``causal``, ``scale``, ``softcap``, ``window``) are
+static Python values, checked by type and range: ``True`` is not a number and
+``"no"`` is not a bool.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from typing import Optional
+
+import jax
+import numpy as np
+
+from jax_seqpar.core.masks import PAD_SEGMENT
+
+INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
+
+
+def is_traced(x) -> bool:
+    """Whether ``x`` is an abstract value under a JAX transformation (no values to read)."""
+    return isinstance(x, jax.core.Tracer)
+
+
+def _fits_int32(dtype: np.dtype) -> bool:
+    return np.can_cast(dtype, np.int32, casting="safe")
+
+
+def int32_array(name: str, x, shape: tuple, *, dims: str = "[batch, seq]",
+                reserved: Optional[int] = None):
+    """``x`` as an int32 array of ``shape``, or None for None; ``ValueError`` otherwise.
+
+    Args:
+      name: the argument's name, for the message.
+      x: an integer array (jax, numpy, or nested lists), or None.
+      shape: the shape it must have; dims: its named dims, for the message.
+      reserved: a value ``x`` may not hold (segment ids: the padding id), checked
+        where ``x`` is concrete.
+
+    Returns:
+      ``x`` cast to int32 (numpy input stays numpy), or None.
+    """
+    if x is None:
+        return None
+    if not (hasattr(x, "dtype") and hasattr(x, "shape")):
+        x = np.asarray(x)
+    dtype = np.dtype(x.dtype)
+    if tuple(x.shape) != tuple(shape):
+        raise ValueError(f"{name} must have shape {dims}={tuple(shape)}. Got {name}.shape="
+                         f"{tuple(x.shape)} ({dtype}).")
+    if dtype.kind not in "iu":
+        raise ValueError(
+            f"{name} must be an integer array (int32); got dtype {dtype}. Token ids, "
+            f"positions and lengths are exact integers: a {dtype} array would be "
+            f"truncated. Pass whole numbers as .astype(jnp.int32).")
+    if is_traced(x) or not getattr(x, "is_fully_addressable", True):
+        if not _fits_int32(dtype):
+            raise ValueError(
+                f"{name} has dtype {dtype}, whose values may not fit int32, and its values "
+                "cannot be checked here (traced under jit, or not all on this process). "
+                f"Cast it to int32 where the values are known to fit "
+                f"({name}.astype(jnp.int32)), or pass a concrete array.")
+    else:
+        needs_values = not _fits_int32(dtype) or reserved is not None
+        values = np.asarray(x) if needs_values and x.size else None
+        if values is not None:
+            low, high = int(values.min()), int(values.max())
+            if low < INT32_MIN or high > INT32_MAX:
+                bad = low if low < INT32_MIN else high
+                raise ValueError(
+                    f"{name} holds {bad}, outside int32 [-2**31, 2**31 - 1] ({dtype} "
+                    f"array): it would wrap around. Keep {name} within int32.")
+            if reserved is not None and low <= reserved <= high and (values == reserved).any():
+                raise ValueError(
+                    f"{name} holds {reserved}, the id reserved for the padding the call "
+                    f"adds (jax_seqpar.core.masks.PAD_SEGMENT): renumber that document.")
+    if dtype == np.int32:
+        return x
+    return x.astype(np.int32)
+
+
+def segment_ids(name: str, x, batch: int, seq: int):
+    """``int32[batch, seq]`` document ids (:func:`int32_array`, the padding id reserved)."""
+    return int32_array(name, x, (batch, seq), reserved=PAD_SEGMENT)
+
+
+def positions(name: str, x, batch: int, seq: int):
+    """``int32[batch, seq]`` token positions (:func:`int32_array`)."""
+    return int32_array(name, x, (batch, seq))
+
+
+def lengths(name: str, x, batch: int):
+    """``int32[batch]`` sequence lengths (:func:`int32_array`)."""
+    return int32_array(name, x, (batch,), dims="[batch]")
+
+
+def flag(name: str, value) -> bool:
+    """``value`` if it is a bool (Python or numpy), else ``ValueError``: a string or a
+    number is not a yes/no answer (``causal="no"`` would count as causal)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise ValueError(f"{name} must be a bool (True or False). Got {name}={value!r} "
+                     f"({type(value).__name__}).")
+
+
+def real(name: str, value, *, positive: bool = False) -> float:
+    """A static real number (a Python or numpy scalar, or a concrete 0-d array) as a float.
+
+    ``bool`` is refused (``True`` is not a number), and so are arrays of other shapes,
+    traced values (the number is compiled into the program) and NaN; infinity is
+    returned as is for the caller to give it a meaning or refuse it.
+    """
+    fix = f"pass a Python float, e.g. {name}=0.5"
+    if isinstance(value, (bool, np.bool_)):
+        raise ValueError(f"{name} must be a number; got the bool {value!r}: {fix}.")
+    if is_traced(value):
+        raise ValueError(f"{name} is traced under a JAX transformation, but it is a "
+                         f"compile-time constant of the program: {fix}.")
+    if not isinstance(value, numbers.Real):
+        shape = getattr(value, "shape", None)
+        dtype = getattr(value, "dtype", None)
+        if shape is None or dtype is None:
+            raise ValueError(f"{name} must be a number. Got {name}={value!r} "
+                             f"({type(value).__name__}): {fix}.")
+        if tuple(shape) != () or np.dtype(dtype).kind not in "iuf":
+            raise ValueError(f"{name} must be a scalar number. Got an array of shape "
+                             f"{tuple(shape)} and dtype {dtype}: {fix}.")
+    number = float(value)
+    if math.isnan(number) or (positive and not number > 0):
+        need = "a positive float" if positive else "a number, not NaN"
+        raise ValueError(f"{name} must be {need}. Got {name}={value!r}: {fix}.")
+    return number
+
+
+def scale(value) -> Optional[float]:
+    """``None`` (the default ``1/sqrt(head_dim)``) or a finite real number."""
+    if value is None:
+        return None
+    number = real("scale", value)
+    if math.isinf(number):
+        raise ValueError(f"scale must be finite. Got scale={value!r}.")
+    return number
+
+
+def mesh_only(**given) -> None:
+    """Raise ``ValueError`` for arguments that mean something only with a mesh, given
+    non-default values in a call with ``mesh=None``: never silently dropped.
+
+    Args:
+      given: ``name=(value, default)`` for each such argument.
+    """
+    for name, (value, default) in given.items():
+        if value is not default and value != default:
+            raise ValueError(
+                f"{name}={value!r} needs a mesh: with mesh=None the call attends on the "
+                f"caller's devices without splitting the sequence. Pass mesh= to split it, "
+                f"or drop {name}= (default {default!r}).")
