@@ -97,6 +97,22 @@ def test_comm_bytes_hand_computed(strategy, backward, segments, expected):
                       **SMALL) == expected
 
 
+@pytest.mark.parametrize("window", [None, (40, 0)])
+def test_allgather_bf16_sends_float32_gradients(window):
+    # SMALL in bf16: the gathered K/V [2, 256, 2, 24] travel in bf16 (7/8 of 49,152
+    # bytes), the dK/dV accumulators f32[2, 32, 2, 24] (12,288 bytes) P hops in float32
+    # all the same (float32 carries keep the gradients' error flat in P). With a
+    # causal window of 40 (a halo of 40 tokens): 40 tokens of bf16 K/V forward and of
+    # float32 dK/dV back.
+    shape = dict(SMALL, dtype_bytes=2)
+    sent = comm_bytes("allgather", seq_axes=8, backward=True, window=window, causal=True,
+                      **shape)
+    if window is None:
+        assert sent == 7 / 8 * (49152 + 2048) + 8 * 12288
+    else:
+        assert sent == 2 * 40 * 2 * 24 * (2 + 4)
+
+
 def test_hybrid_hand_computed():
     # B=1, S=1024, H=8, Hkv=2, D=Dv=16, bf16, (outer, inner) = (2, 4).
     # Ulysses over 4 on S/2: 128 local tokens, K/V replicated 2 -> 4 heads;

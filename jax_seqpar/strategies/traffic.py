@@ -129,23 +129,23 @@ def _allgather_bytes(*, batch, seq_len, num_kv_heads, head_dim, v_head_dim, axis
     """all_gather of k, v and positions to ``[B, S, Hkv, .]`` (K/V in pieces, the same
     bytes); the backward sends dK/dV home around the ring.
 
-    The backward's dK/dV accumulators ``[B, S/P, Hkv, Dqk + Dv]`` travel in the input
-    dtype, ``P`` ppermutes (the last brings them home): ``[B, S, Hkv, Dqk + Dv]`` in
-    all. With a window ``reach`` (contiguous split) only the halo is gathered; its
-    gradient goes back in the input dtype.
+    The backward's float32 dK/dV accumulators ``[B, S/P, Hkv, Dqk + Dv]`` travel ``P``
+    ppermutes (the last brings them home): float32 ``[B, S, Hkv, Dqk + Dv]`` in all,
+    whatever the input dtype. With a window ``reach`` (contiguous split) only the halo
+    is gathered; its float32 gradient goes back.
     """
     if axis_size == 1:
         return 0.0
     if reach is not None:
         return _halo_bytes(batch=batch, reach=reach, kv_heads=num_kv_heads, head_dim=head_dim,
                            v_head_dim=v_head_dim, dtype_bytes=dtype_bytes, backward=backward,
-                           with_segment_ids=with_segment_ids, gradient_bytes=dtype_bytes)
+                           with_segment_ids=with_segment_ids, gradient_bytes=4)
     fraction = (axis_size - 1) / axis_size
-    kv_gathered = batch * seq_len * num_kv_heads * (head_dim + v_head_dim) * dtype_bytes
+    kv_elements = batch * seq_len * num_kv_heads * (head_dim + v_head_dim)
     metadata = batch * seq_len * _INDEX_BYTES * (2 if with_segment_ids else 1)
-    sent = fraction * (kv_gathered + metadata)
+    sent = fraction * (kv_elements * dtype_bytes + metadata)
     if backward:
-        sent += kv_gathered
+        sent += kv_elements * 4
     return sent
 
 
