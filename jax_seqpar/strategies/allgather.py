@@ -19,9 +19,9 @@ takes it home. So the backward's transfers are collective-permutes that overlap 
 next step's kernel on every backend (XLA:TPU compiles the reduce-scatter an
 all-gather's autodiff backward would need as a synchronous all-reduce, twice the
 bytes), and ``(P - 1) / P`` of them hide: all but the trip home. The accumulators
-travel and are summed in float32 and cast once, at home (as the ring's): rounded to
-bf16 at every hop, dK/dV's error grew with P (1.7x P=1's at P=8, S=1024); float32 is
-twice a bf16 wire's bytes.
+travel and are summed in float32 (as the ring's) and are cast once, for the last hop
+home: rounded to bf16 at every hop, dK/dV's error grew with P (2.9x P=1's at P=8,
+S=256); a float32 hop is twice a bf16 one's bytes.
 
 XLA:TPU runs all-gathers synchronously unless compiled with the async collective
 fusion options of :data:`jax_seqpar.tools.targets.COMPILE_OPTIONS` (the package's
@@ -277,7 +277,9 @@ def _chunked_bwd(config, residuals, cotangents):
             return (dq, tuple(a + b for a, b in zip(arrived, new))), None
 
         (dq, dkv), _ = jax.lax.scan(step, (dq, dkv), jnp.arange(1, size))
-        dk, dv = send(dkv)  # the accumulators' last hop home
+        # The last hop home in the input dtype: the sums are done, so rounding before
+        # the hop is rounding after it, at half the bytes (bf16).
+        dk, dv = send(tuple(x.astype(y.dtype) for x, y in zip(dkv, kept_kv)))
     else:
         dk, dv = dkv
     no_grad = jax.tree.map(lambda _: None, (q_tokens, all_tokens))  # kv_tokens' structure
