@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_seqpar.tools import aot, bench, bench_report, bench_target, hlo, schedule, targets
 from jax_seqpar.api import attention as api
-from jax_seqpar import kernels
+from jax_seqpar import comm_bytes, kernels
 from jax_seqpar.core.masks import MaskSpec, Tokens
 from jax_seqpar.planning import hardware, predict
 from jax_seqpar.strategies import registry
@@ -157,6 +157,8 @@ def test_strategy_compiles(target, strategy):
                                              fail_on_spills=True)
     for mode, program in programs.items():
         _kernels_are_called(target, mode, program.compiled)
+        if target == TPU:
+            _sends_comm_bytes(strategy, mode, program.compiled)
         _transfers_hide_behind_kernels(strategy, mode, program.compiled)
         _time_model_hides_no_more_than_the_program(target, strategy, mode, program.compiled)
         if strategy == "ring":
@@ -173,6 +175,16 @@ def _kernels_are_called(target, mode, compiled):
         assert calls == (TRITON_FORWARD if mode == "fwd" else TRITON_ALL), mode
     else:  # kernel="auto" is the Mosaic kernel on TPU
         assert calls and all(c.startswith("mosaic:") for c in calls), (mode, calls)
+
+
+def _sends_comm_bytes(strategy, mode, compiled):
+    """The bytes the program sends are ``comm_bytes``' (bf16: the ring's and the
+    all-gather's dK/dV accumulators in float32 but for the hop home, in bf16). Checked
+    on TPU, where it was compiled; XLA:CPU sends bf16 as float32."""
+    sizes = tuple(MESHES[strategy].values())
+    expected = comm_bytes(strategy, seq_axes=sizes if len(sizes) > 1 else sizes[0],
+                          **SHAPE.replace(backward=mode == "fwd_bwd").comm_kwargs())
+    assert sum(hlo.collective_bytes(compiled).values()) == expected, (mode, expected)
 
 
 def _transfers_hide_behind_kernels(strategy, mode, compiled):

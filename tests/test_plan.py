@@ -97,6 +97,22 @@ def test_comm_bytes_hand_computed(strategy, backward, segments, expected):
                       **SMALL) == expected
 
 
+@pytest.mark.parametrize("window", [None, (40, 0)])
+def test_allgather_bf16_sends_float32_gradients(window):
+    # SMALL in bf16: the gathered K/V [2, 256, 2, 24] travel in bf16 (7/8 of 49,152
+    # bytes), the dK/dV accumulators f32[2, 32, 2, 24] (12,288 bytes) P - 1 hops in
+    # float32 all the same (float32 sums keep the gradients' error flat in P), the last
+    # one (home, the sums done) in bf16. With a causal window of 40 (a halo of 40
+    # tokens): 40 tokens of bf16 K/V forward and of float32 dK/dV back.
+    shape = dict(SMALL, dtype_bytes=2)
+    sent = comm_bytes("allgather", seq_axes=8, backward=True, window=window, causal=True,
+                      **shape)
+    if window is None:
+        assert sent == 7 / 8 * (49152 + 2048) + 7 * 12288 + 6144
+    else:
+        assert sent == 2 * 40 * 2 * 24 * (2 + 4)
+
+
 def test_hybrid_hand_computed():
     # B=1, S=1024, H=8, Hkv=2, D=Dv=16, bf16, (outer, inner) = (2, 4).
     # Ulysses over 4 on S/2: 128 local tokens, K/V replicated 2 -> 4 heads;
@@ -106,7 +122,7 @@ def test_hybrid_hand_computed():
     a2a = 128 * (8 * 16 + 4 * 16 + 4 * 16 + 8 * 16) * 2 * 3 / 4
     gather_positions = 3 * 128 * 4
     rotation = 1 * (512 * 1 * 32 * 2 + 512 * 4)
-    accumulators = 2 * 512 * 1 * 32 * 4
+    accumulators = 512 * 1 * 32 * (4 + 2)  # float32 on the ring's hop, bf16 home
     assert comm_bytes("hybrid", seq_axes=(2, 4), **shape) == a2a + gather_positions + rotation
     assert comm_bytes("hybrid", seq_axes=(2, 4), backward=True, **shape) == (
         2 * a2a + gather_positions + 2 * rotation + accumulators)
@@ -168,16 +184,16 @@ def test_comm_bytes_errors(kwargs, message):
     # Ulysses feasible and it still sends fewer bytes.
     pytest.param((32768, 32, 8, 128, 16), {}, "ulysses",
                  "ulysses: 32 heads divisible by 16 (8 KV heads replicated to 16) and a2a "
-                 "traffic 0.18x of ring", id="gqa_8_kv_heads_on_16"),
+                 "traffic 0.19x of ring", id="gqa_8_kv_heads_on_16"),
     pytest.param((32768, 128, 1, 576, {"sp": 8}), dict(v_head_dim=512), "ring",
-                 "ring: only 1 KV head (MQA/MLA) and ulysses would move 7.9x more bytes",
+                 "ring: only 1 KV head (MQA/MLA) and ulysses would move 8.2x more bytes",
                  id="mla_on_8"),
     pytest.param((32768, 12, 12, 64, 8), dict(causal=True), "ring",
                  "ring: num_heads=12 is not divisible by the axis size 8, so ulysses cannot "
                  "split heads; zigzag layout balances causal work", id="12_heads_on_8"),
     pytest.param((32768, 32, 32, 128, {"dcn": 2, "ici": 4}), {}, "hybrid",
                  "hybrid: ulysses over 'ici' (4 divides 32 heads) and ring over 'dcn' send "
-                 "0.30x the bytes of a ring over both axes", id="two_axes_hybrid"),
+                 "0.28x the bytes of a ring over both axes", id="two_axes_hybrid"),
     pytest.param((32768, 12, 12, 128, {"dcn": 2, "ici": 8}), {}, "ring",
                  "ring over ('dcn', 'ici'): num_heads=12 is not divisible by the inner axis "
                  "size 8, so hybrid cannot use ulysses", id="two_axes_ring"),

@@ -4,7 +4,7 @@ Megatron-LM's ``all_gather`` context parallelism; Llama 3 (arXiv:2407.21783) use
 it for long-context training. Simple and low-latency; K/V memory is O(S) per device.
 With zigzag positions the causal work is balanced. With a window on the contiguous
 split (default positions) only what the window reaches is gathered
-(:func:`jax_seqpar.strategies.halo.gather_window`).
+(:func:`jax_seqpar.strategies.halo.window_attention`).
 
 **Gathered in chunks** (:func:`chunked_attention`): each device cuts its ``S/P`` K/V
 tokens into ``C`` slices, and piece ``c`` is the all-gather of every device's slice
@@ -19,7 +19,9 @@ takes it home. So the backward's transfers are collective-permutes that overlap 
 next step's kernel on every backend (XLA:TPU compiles the reduce-scatter an
 all-gather's autodiff backward would need as a synchronous all-reduce, twice the
 bytes), and ``(P - 1) / P`` of them hide: all but the trip home. The accumulators
-travel in the input dtype, as the reduce-scatter's cotangents would.
+travel and are summed in float32 (as the ring's) and are cast once, for the last hop
+home: rounded to bf16 at every hop, dK/dV's error grew with P (2.9x P=1's at P=8,
+S=256); a float32 hop is twice a bf16 one's bytes.
 
 XLA:TPU runs all-gathers synchronously unless compiled with the async collective
 fusion options of :data:`jax_seqpar.tools.targets.COMPILE_OPTIONS` (the package's
@@ -121,8 +123,8 @@ def allgather_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None, po
         out, lse = chunked_attention(seq_axes, options, q, k, v, q_tokens, kv_tokens,
                                      chunks=chunks)
     else:
-        k, v, kv_tokens = halo.gather_window(seq_axes, reach, k, v, kv_tokens)  # [B, W+S/P, ..]
-        out, lse = options.attention(q, k, v, q_tokens, kv_tokens)
+        out, lse = halo.window_attention(seq_axes, options, reach, q, k, v, q_tokens,
+                                         kv_tokens)
     out, lse = with_sinks(out, lse, sinks)
     return (out.astype(q.dtype), lse) if return_lse else out.astype(q.dtype)  # [B, S/P, H, Dv]
 
@@ -261,11 +263,9 @@ def _chunked_bwd(config, residuals, cotangents):
                                       accumulate=(dq, *zeros))
         return dq, (dk, dv)
 
-    wire = tuple(x.dtype for x in kept_kv)  # the inputs' dtypes
-
-    def send(dkv):
-        return _hop(tuple(x.astype(t) for x, t in zip(dkv, wire)), axis_name)
-
+    # The accumulators travel and are summed in float32 and cast once, at home: rounded
+    # to the inputs' dtype at every hop, their error would grow with P.
+    send = functools.partial(_hop, axis_name=axis_name)
     dq = _compat.match_varying(jnp.zeros(q.shape, jnp.float32), q)
     dq, dkv = fresh(dq, 0)
     if size > 1:
@@ -274,14 +274,17 @@ def _chunked_bwd(config, residuals, cotangents):
             arrived = send(dkv)  # from device d - 1, in flight during this step's kernel
             dq, new = fresh(dq, r)
             dq, new, arrived = jax.lax.optimization_barrier((dq, new, arrived))
-            return (dq, tuple(a.astype(jnp.float32) + b for a, b in zip(arrived, new))), None
+            return (dq, tuple(a + b for a, b in zip(arrived, new))), None
 
         (dq, dkv), _ = jax.lax.scan(step, (dq, dkv), jnp.arange(1, size))
-        dk, dv = send(dkv)  # the accumulators' last hop home
+        # The last hop home in the input dtype: the sums are done, so rounding before
+        # the hop is rounding after it, at half the bytes (bf16).
+        dk, dv = send(tuple(x.astype(y.dtype) for x, y in zip(dkv, kept_kv)))
     else:
         dk, dv = dkv
     no_grad = jax.tree.map(lambda _: None, (q_tokens, all_tokens))  # kv_tokens' structure
-    return dq.astype(q.dtype), dk.astype(wire[0]), dv.astype(wire[1]), *no_grad
+    return (dq.astype(q.dtype), *(x.astype(kv.dtype) for x, kv in zip((dk, dv), kept_kv)),
+            *no_grad)
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)

@@ -16,8 +16,9 @@ shard and the full ring is as cheap) and only for the contiguous split: with any
 other positions the halo would not hold the keys the window needs.
 
 :func:`halo_attention` is the ring's form (a ``custom_vjp``: the backward sends
-float32 dK/dV back along the same hops); :func:`gather_window` is the
-all-gather form (one kernel call over ``[left halo, own, right halo]``, autodiff).
+float32 dK/dV back along the same hops); :func:`window_attention` is the
+all-gather form (one kernel call over ``[left halo, own, right halo]``; its backward
+sends the halo's float32 dK/dV back the same way).
 """
 
 from __future__ import annotations
@@ -120,25 +121,76 @@ def _halo_tokens(axis_name, reach, tokens: Tokens) -> Tokens:
     return Tokens(_halo_positions(reach, local_len, axis_name, batch), segment_ids)
 
 
-def gather_window(axis_name, reach, k, v, tokens: Tokens):
-    """K/V and metadata of ``[left halo, own shard, right halo]``: all a window can see.
-
-    Differentiable by autodiff (the cotangents travel back along the same hops).
-
-    Returns:
-      ``k [B, left+L+right, Hkv, Dqk]``, ``v [.., Dv]`` and their :class:`Tokens`.
-    """
+def _around(reach, own, pulled):
+    """``[left halo, own shard, right halo]`` along axis 1 (``pulled``: the halo)."""
     left = reach[0]
-    if sum(reach) == 0:
-        return k, v, tokens
-    halo_k, halo_v = exchange(axis_name, reach, (k, v))
-    halo = _halo_tokens(axis_name, reach, tokens)
+    return jnp.concatenate([pulled[:, :left], own, pulled[:, left:]], axis=1)
 
-    def around(own, pulled):
-        return jnp.concatenate([pulled[:, :left], own, pulled[:, left:]], axis=1)
 
-    return (around(k, halo_k), around(v, halo_v),
-            jax.tree.map(around, tokens, halo))
+def _send_back(axis_name, reach, halo_dkv, like):
+    """The halo's float32 dK/dV sent back along the hops that brought it (the exchange's
+    transpose; a hop that forwards what an earlier one brought sums in float32), as
+    float32 arrays shaped like ``like``'s local shards."""
+    like = tuple(x.astype(jnp.float32) for x in like)
+    send_back = jax.linear_transpose(functools.partial(exchange, axis_name, reach), like)
+    (returned,) = send_back(tuple(halo_dkv))
+    return returned
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def window_attention(axis_name, options, reach, q, k, v, q_tokens, kv_tokens):
+    """Windowed all-gather attention: one kernel call over ``[left halo, own shard, right
+    halo]`` (all a window can see), ``(out float32, lse float32)``.
+
+    Args: as :func:`halo_attention`.
+    Returns:
+      ``out float32[B, L, H, Dv]``, ``lse float32[B, L, H]``; the backward takes
+      cotangents of both, computes dK/dV of the whole ``[B, left+L+right, ..]`` window
+      in float32 and sends the halo's part back in float32.
+    """
+    return _window_forward(axis_name, options, reach, q, k, v, q_tokens, kv_tokens)[0]
+
+
+def _window_forward(axis_name, options, reach, q, k, v, q_tokens, kv_tokens):
+    if sum(reach):
+        halo_kv = exchange(axis_name, reach, (k, v))
+        halo_tokens = _halo_tokens(axis_name, reach, kv_tokens)
+        k, v = (_around(reach, own, pulled) for own, pulled in zip((k, v), halo_kv))
+        kv_tokens = jax.tree.map(functools.partial(_around, reach), kv_tokens, halo_tokens)
+    return options.forward(q, k, v, q_tokens, kv_tokens), (k, v, kv_tokens)  # [B, W+L, ..]
+
+
+def _window_fwd(axis_name, options, reach, q, k, v, q_tokens, kv_tokens):
+    (out, lse), window = _window_forward(axis_name, options, reach, q, k, v, q_tokens,
+                                         kv_tokens)
+    return (out, lse), (q, q_tokens, window, out.astype(q.dtype), lse)
+
+
+def _window_bwd(axis_name, options, reach, residuals, cotangents):
+    q, q_tokens, (k, v, kv_tokens), out, lse = residuals
+    dout, dlse = cotangents
+    zeros = _zeros_like((q, k, v), q)
+    dq, dk, dv = options.backward(q, k, v, q_tokens, kv_tokens, lse, _delta(out, dout, dlse),
+                                  dout.astype(q.dtype), accumulate=zeros)  # float32
+    left, right = reach
+    own = slice(left, dk.shape[1] - right)
+    dk_own, dv_own = dk[:, own], dv[:, own]  # [B, L, Hkv, D] float32
+    if left + right:
+        halo = tuple(jnp.concatenate([x[:, :left], x[:, own.stop:]], axis=1)
+                     for x in (dk, dv))  # [B, left+right, Hkv, D]
+        returned = _send_back(axis_name, reach, halo, (dk_own, dv_own))
+        dk_own, dv_own = dk_own + returned[0], dv_own + returned[1]
+    no_grad = jax.tree.map(lambda _: None, (q_tokens, kv_tokens))
+    return dq.astype(q.dtype), dk_own.astype(k.dtype), dv_own.astype(v.dtype), *no_grad
+
+
+window_attention.defvjp(_window_fwd, _window_bwd)
+
+
+def _delta(out, dout, dlse):
+    """``<dout, out> - dlse`` per row, float32 ``[B, L, H]`` (the kernels' backward input)."""
+    return jnp.einsum("bqhd,bqhd->bqh", dout.astype(jnp.float32),
+                      out.astype(jnp.float32)) - dlse
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
@@ -176,19 +228,15 @@ def _halo_fwd(axis_name, options, reach, q, k, v, q_tokens, kv_tokens):
 def _halo_bwd(axis_name, options, reach, residuals, cotangents):
     q, k, v, q_tokens, kv_tokens, out, lse, (halo_kv, halo_tokens) = residuals
     dout, dlse = cotangents
-    delta = jnp.einsum("bqhd,bqhd->bqh", dout.astype(jnp.float32),
-                       out.astype(jnp.float32)) - dlse
+    delta = _delta(out, dout, dlse)
     dout = dout.astype(q.dtype)
     dq = _compat.match_varying(jnp.zeros(q.shape, jnp.float32), q)
     returned = None
     if halo_kv is not None:
         dq, *halo_dkv = options.backward(q, *halo_kv, q_tokens, halo_tokens, lse, delta, dout,
                                          accumulate=(dq, *_zeros_like(halo_kv, q)))
-        # The exchange is linear in (k, v): its transpose sends the float32
-        # gradients back along the same hops, while the local kernel below runs.
-        like = tuple(x.astype(jnp.float32) for x in (k, v))
-        send_back = jax.linear_transpose(functools.partial(exchange, axis_name, reach), like)
-        (returned,) = send_back(tuple(halo_dkv))
+        # Sent back while the local kernel below runs.
+        returned = _send_back(axis_name, reach, halo_dkv, (k, v))
     dq, dk, dv = options.backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout,
                                   accumulate=(dq, *_zeros_like((k, v), q)))
     if returned is not None:

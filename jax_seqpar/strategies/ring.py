@@ -10,8 +10,9 @@ into a float32 ``(out, lse)`` carry (the kernel continues the carry; see the
 the next shard's arrival pass one ``optimization_barrier``, so the transfer is
 scheduled around the step's kernel on every backend. The backward is a second ring (a
 ``custom_vjp``): the forward saves only ``q, k, v, out, lse``; the backward
-re-rotates K/V and carries float32 dK/dV accumulators around the ring and home,
-so memory stays O(S/P) per device. Each backward step computes its own fresh
+re-rotates K/V and carries float32 dK/dV accumulators around the ring (the
+sums all in float32, so the gradients' error does not grow with P) and home, in
+the input dtype once they are done, so memory stays O(S/P) per device. Each backward step computes its own fresh
 dK/dV and only then adds the accumulator that arrived, so the accumulator's hop
 overlaps the step's kernel. Only the ``Hkv`` heads given are sent.
 
@@ -171,8 +172,8 @@ def _ring_bwd(axis_name, options, residuals, cotangents):
 
 
 def _backward_ring(axis_name, grads, q, k, v, kv_tokens, *, overlap: bool):
-    """float32 ``(dq, dk, dv)``: K/V travel the ring again, dK/dV accumulators follow
-    them and take a last hop home.
+    """``(dq, dk, dv)``: K/V travel the ring again, float32 dK/dV accumulators follow
+    them and take a last hop home in the input dtype (float32 dq).
 
     ``overlap=False``: each step accumulates into the dK/dV that arrived, then sends
     it (compute -> send -> compute). ``overlap=True``: each step computes fresh dK/dV
@@ -193,7 +194,7 @@ def _backward_ring(axis_name, grads, q, k, v, kv_tokens, *, overlap: bool):
 
         (dq, kv, dkv), _ = jax.lax.scan(step, (dq, kv, zeros), length=size - 1)
         dq, dkv = grads(dq, kv, dkv)
-        return (dq, *_shift(dkv, axis_name))  # the accumulators' last hop home
+        return (dq, *_home(dkv, (k, v), axis_name))
 
     def fresh_plus(dq, kv, arrived):
         dq, fresh = grads(dq, kv, zeros)
@@ -210,7 +211,13 @@ def _backward_ring(axis_name, grads, q, k, v, kv_tokens, *, overlap: bool):
     dq, dkv = grads(dq, kv, zeros)
     (dq, kv, dkv), _ = jax.lax.scan(step, (dq, next_kv, dkv), length=size - 2)
     dq, dkv = fresh_plus(dq, kv, _shift(dkv, axis_name))
-    return (dq, *_shift(dkv, axis_name))  # the accumulators' last hop home
+    return (dq, *_home(dkv, (k, v), axis_name))
+
+
+def _home(dkv, like, axis_name):
+    """The accumulators' last hop home, in ``like``'s dtypes: the sums are done, so
+    rounding before the hop is rounding after it, at the input dtype's bytes."""
+    return _shift(tuple(x.astype(y.dtype) for x, y in zip(dkv, like)), axis_name)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

@@ -104,8 +104,9 @@ def _ring_bytes(*, batch, seq_len, kv_heads, head_dim, v_head_dim, axis_size,
     Forward: ``P-1`` ppermutes of the local k ``[B, S/P, Hkv, Dqk]`` and v
     ``[B, S/P, Hkv, Dv]``, with their int32 positions ``[B, S/P]`` (and segment
     ids). Backward (custom_vjp, the forward is not re-run): the same ``P-1``
-    rotations of k, v and metadata, plus ``P`` ppermutes of the float32 dk, dv
-    accumulators (the last one brings them home). With a window ``reach``
+    rotations of k, v and metadata, plus ``P - 1`` ppermutes of the float32 dk, dv
+    accumulators and one in the input dtype (the sums done, it brings them home). With
+    a window ``reach``
     (contiguous split): a halo exchange; the backward re-uses the saved halo
     and sends float32 dK/dV back.
     """
@@ -121,7 +122,13 @@ def _ring_bytes(*, batch, seq_len, kv_heads, head_dim, v_head_dim, axis_size,
     rotation = (axis_size - 1) * (kv_elements * dtype_bytes + metadata)
     if not backward:
         return float(rotation)
-    return float(2 * rotation + axis_size * kv_elements * 4)
+    return float(2 * rotation + _accumulator_bytes(kv_elements, axis_size, dtype_bytes))
+
+
+def _accumulator_bytes(kv_elements, axis_size, dtype_bytes) -> float:
+    """dK/dV accumulators of ``kv_elements`` passed ``P`` hops: float32 while they sum
+    (so the gradients' error does not grow with P), the input dtype on the last hop."""
+    return kv_elements * ((axis_size - 1) * 4 + dtype_bytes)
 
 
 def _allgather_bytes(*, batch, seq_len, num_kv_heads, head_dim, v_head_dim, axis_size,
@@ -129,23 +136,23 @@ def _allgather_bytes(*, batch, seq_len, num_kv_heads, head_dim, v_head_dim, axis
     """all_gather of k, v and positions to ``[B, S, Hkv, .]`` (K/V in pieces, the same
     bytes); the backward sends dK/dV home around the ring.
 
-    The backward's dK/dV accumulators ``[B, S/P, Hkv, Dqk + Dv]`` travel in the input
-    dtype, ``P`` ppermutes (the last brings them home): ``[B, S, Hkv, Dqk + Dv]`` in
-    all. With a window ``reach`` (contiguous split) only the halo is gathered; its
-    gradient goes back in the input dtype.
+    The backward's dK/dV accumulators ``[B, S/P, Hkv, Dqk + Dv]`` travel ``P``
+    ppermutes as the ring's do: ``P - 1`` in float32, the last (home) in the input
+    dtype. With a window ``reach`` (contiguous split) only the halo is gathered; its
+    float32 gradient goes back.
     """
     if axis_size == 1:
         return 0.0
     if reach is not None:
         return _halo_bytes(batch=batch, reach=reach, kv_heads=num_kv_heads, head_dim=head_dim,
                            v_head_dim=v_head_dim, dtype_bytes=dtype_bytes, backward=backward,
-                           with_segment_ids=with_segment_ids, gradient_bytes=dtype_bytes)
+                           with_segment_ids=with_segment_ids, gradient_bytes=4)
     fraction = (axis_size - 1) / axis_size
-    kv_gathered = batch * seq_len * num_kv_heads * (head_dim + v_head_dim) * dtype_bytes
+    kv_elements = batch * seq_len * num_kv_heads * (head_dim + v_head_dim)
     metadata = batch * seq_len * _INDEX_BYTES * (2 if with_segment_ids else 1)
-    sent = fraction * (kv_gathered + metadata)
+    sent = fraction * (kv_elements * dtype_bytes + metadata)
     if backward:
-        sent += kv_gathered
+        sent += _accumulator_bytes(kv_elements // axis_size, axis_size, dtype_bytes)
     return sent
 
 
