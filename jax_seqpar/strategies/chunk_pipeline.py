@@ -65,37 +65,33 @@ def chunk_pipeline(axis_name, options, q, k, v, q_tokens, kv_tokens, *, sizes: t
     return (out, lse) if return_lse else out
 
 
-def _packed_to_heads(arrays, axis_name, size):
-    """:func:`seq_to_heads` of several ``[B, s, n_i, D_i]`` arrays of one dtype in ONE
-    all-to-all (XLA:GPU runs one asynchronous all-to-all at a time: three of them around
-    a kernel would leave two exposed): each flattened per destination device, packed
-    along the features, exchanged, cut apart: ``[B, P*s, n_i/P, D_i]``."""
+def _exchange(to_heads, to_seq, axis_name, size):
+    """ONE all-to-all for pieces going both ways (XLA runs one asynchronous all-to-all at
+    a time: two around a kernel would leave one exposed): :func:`seq_to_heads` of each
+    ``[B, s, n, D]`` of ``to_heads`` (``-> [B, P*s, n/P, D]``) and :func:`heads_to_seq` of
+    each ``[B, P*s, n, D]`` of ``to_seq`` (``-> [B, s, P*n, D]``), every piece flattened
+    per destination device and packed along the features. Pieces of different dtypes
+    go in one all-to-all per dtype."""
+    arrays = [*to_heads, *to_seq]
+    if not arrays:
+        return [], []
     if len({x.dtype for x in arrays}) > 1:
-        return tuple(seq_to_heads(x, axis_name) for x in arrays)
-    b, s = arrays[0].shape[:2]
-    flat = [x.reshape(b, s, size, -1) for x in arrays]  # [B, s, P, n_i/P * D_i]
-    widths = [x.shape[-1] for x in flat]
-    packed = jax.lax.all_to_all(jnp.concatenate(flat, axis=-1), axis_name, split_axis=2,
-                                concat_axis=1, tiled=True)  # [B, P*s, 1, sum of widths]
-    parts = jnp.split(packed, [sum(widths[:i]) for i in range(1, len(widths))], axis=-1)
-    return tuple(part.reshape(b, size * s, x.shape[2] // size, x.shape[3])
-                 for part, x in zip(parts, arrays))
-
-
-def _packed_to_seq(arrays, axis_name, size):
-    """:func:`heads_to_seq` of several ``[B, P*s, n_i, D_i]`` arrays of one dtype in ONE
-    all-to-all: ``[B, s, P*n_i, D_i]``."""
-    if len({x.dtype for x in arrays}) > 1:
-        return tuple(heads_to_seq(x, axis_name) for x in arrays)
-    b, ps = arrays[0].shape[:2]
-    flat = [x.reshape(b, size, ps // size, -1) for x in arrays]  # [B, P, s, n_i * D_i]
+        return ([seq_to_heads(x, axis_name) for x in to_heads],
+                [heads_to_seq(x, axis_name) for x in to_seq])
+    b = arrays[0].shape[0]
+    flat = [jnp.moveaxis(x.reshape(b, x.shape[1], size, -1), 2, 1).reshape(b, size, -1)
+            for x in to_heads]  # [B, P (destination), s * n/P * D]
+    flat += [x.reshape(b, size, -1) for x in to_seq]  # [B, P (destination), s * n * D]
     widths = [x.shape[-1] for x in flat]
     packed = jax.lax.all_to_all(jnp.concatenate(flat, axis=-1), axis_name, split_axis=1,
-                                concat_axis=1, tiled=True)  # [B, P, s, sum of widths]: by source
+                                concat_axis=1, tiled=True)  # [B, P (source), sum of widths]
     parts = jnp.split(packed, [sum(widths[:i]) for i in range(1, len(widths))], axis=-1)
-    return tuple(jnp.moveaxis(part.reshape(b, size, ps // size, x.shape[2], x.shape[3]), 1, 2)
-                 .reshape(b, ps // size, size * x.shape[2], x.shape[3])
-                 for part, x in zip(parts, arrays))
+    heads = [part.reshape(b, size * x.shape[1], x.shape[2] // size, x.shape[3])
+             for part, x in zip(parts, to_heads)]  # source-major: the device order
+    seq = [jnp.moveaxis(part.reshape(b, size, x.shape[1] // size, *x.shape[2:]), 1, 2)
+           .reshape(b, x.shape[1] // size, size * x.shape[2], x.shape[3])
+           for part, x in zip(parts[len(to_heads):], to_seq)]
+    return heads, seq
 
 
 def _offsets(sizes):
@@ -146,7 +142,7 @@ def _pipeline_fwd(config, q, k, v, sinks, q_chunks, kv_chunks):
     size = axis_size(axis_name)
 
     def exchange_in(i, local):
-        return _packed_to_heads([_local(x, sizes, i) for x in local], axis_name, size)
+        return tuple(_exchange([_local(x, sizes, i) for x in local], [], axis_name, size)[0])
 
     # The local shards pass every barrier: chunk i + 1's transfer cannot start before
     # step i - 1's kernels are done (one chunk in flight, not all of them at once).
@@ -206,21 +202,26 @@ def _pipeline_bwd(config, residuals, cotangents):
     stats = jnp.stack(stats, axis=-1)  # [B, L, H, n]
     rows = _cut(seq_to_heads(stats, axis_name), axis_size(axis_name), sizes)  # [B, P*s_j, h, n]
 
-    def exchange_in(i, dout):
-        return seq_to_heads(_local(dout, sizes, i), axis_name)
-
+    size = axis_size(axis_name)
     # Query chunks smallest first (the first dout is exposed), the other smallest last
     # (its dq and the last key chunk's dK/dV are exposed).
     order = [0, *range(2, c), 1] if c > 2 else list(range(c))
     dkv = [None] * c
-    sent_q, sent_kv = [None] * c, [None] * c
+    sent = {}  # ("q", j) / ("kv", m) -> the gradient piece, sequence-sharded
     dsinks = [None] * c
-    in_flight = leaving = None
-    upcoming = exchange_in(order[0], dout)
+    # In flight while a step's kernels run: the next chunk's dout coming in and the
+    # previous chunk's dq going out, in ONE all-to-all (``leaving`` names what goes out).
+    upcoming = _exchange([_local(dout, sizes, order[0])], [], axis_name, size)[0][0]
+    piece = leaving = pending = None
     for step, j in enumerate(order):
         dout_j = upcoming
         last = step == c - 1
-        upcoming = None if last else exchange_in(order[step + 1], dout)
+        ins = [] if last else [_local(dout, sizes, order[step + 1])]
+        outs = [] if pending is None else [pending.astype(dtype)]
+        got_in, got_out = _exchange(ins, outs, axis_name, size)
+        upcoming = got_in[0] if ins else None
+        if outs:
+            piece, leaving = got_out[0], ("q", order[step - 1])
         rowdot_j = rows[j][..., 0]
         dlse_j = rows[j][..., 1] if return_lse else _compat.match_varying(
             jnp.zeros(rowdot_j.shape, jnp.float32), dout_j)
@@ -244,18 +245,22 @@ def _pipeline_bwd(config, residuals, cotangents):
             dkv[m] = tuple(dkv[m])
             if last:  # key chunk m has seen every query chunk: its dK/dV leave
                 # The barrier takes the kernel's raw result (a cast between would be
-                # what XLA:TPU hides the transfers behind, not the kernel).
-                # dq and every dK/dV pass it too: the next pairs' kernels run after it.
-                dq, dkv, in_flight = jax.lax.optimization_barrier((dq, dkv, in_flight))
-                _returned(sent_q, sent_kv, leaving, in_flight)
-                sent_kv[m] = _packed_to_seq([x.astype(dtype) for x in dkv[m]], axis_name,
-                                            axis_size(axis_name))
-                in_flight, leaving = sent_kv[m], ("kv", m)
-        dq, upcoming, in_flight, dkv, dout = jax.lax.optimization_barrier(
-            (dq, upcoming, in_flight, dkv, dout))
-        _returned(sent_q, sent_kv, leaving, in_flight)
-        sent_q[j] = heads_to_seq(dq.astype(dtype), axis_name)
-        in_flight, leaving = sent_q[j], ("q", j)
+                # what XLA:TPU hides the transfers behind, not the kernel); dq and every
+                # dK/dV pass it too: the next pairs' kernels run after it.
+                dq, dkv, piece = jax.lax.optimization_barrier((dq, dkv, piece))
+                if leaving is not None:  # returned as it passed the barrier
+                    sent[leaving] = piece
+                piece = tuple(_exchange([], [x.astype(dtype) for x in dkv[m]], axis_name,
+                                        size)[1])
+                leaving = ("kv", m)
+        dq, dkv, dout, upcoming, piece = jax.lax.optimization_barrier(
+            (dq, dkv, dout, upcoming, piece))
+        if leaving is not None:
+            sent[leaving] = piece
+        pending = dq
+    sent[("q", order[-1])] = heads_to_seq(pending.astype(dtype), axis_name)
+    sent_q = [sent[("q", j)] for j in range(c)]
+    sent_kv = [sent[("kv", m)] for m in range(c)]
     dq = jnp.concatenate(sent_q, axis=1)
     dk = jnp.concatenate([s[0] for s in sent_kv], axis=1)
     dv = jnp.concatenate([s[1] for s in sent_kv], axis=1)
@@ -265,11 +270,3 @@ def _pipeline_bwd(config, residuals, cotangents):
 
 
 _pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)
-
-
-def _returned(sent_q, sent_kv, leaving, in_flight):
-    """The gradient piece ``leaving`` (``("q", j)`` or ``("kv", m)``) is returned as it
-    passed the barrier, so that its transfer ends after the kernel the barrier follows."""
-    if leaving is not None:
-        kind, index = leaving
-        (sent_q if kind == "q" else sent_kv)[index] = in_flight
