@@ -86,9 +86,10 @@ class Hiding(NamedTuple):
 
 #: A strategy whose transfers are pipelined behind its kernels has a row. The ring
 #: hides every hop but the backward's last (dK/dV home, after the last kernel); the
-#: hybrid's outer ring is the ring (its inner exchange is Ulysses'). Ulysses at these
-#: heads (2 query heads, 1 K/V head per device: 2 head groups) can hide group 1's q and
-#: group 0's output, and their mirror in the backward: a third of its bytes. The
+#: hybrid's outer ring is the ring (its inner exchange is Ulysses' head groups). Ulysses
+#: pipelines its exchange along the sequence (5 doubling chunks at 512 tokens a device):
+#: all but the first chunk's q/k/v and the last output / gradient pieces hide, 1/16 of the
+#: bytes, less where XLA starts the second chunk after step 0's kernel. The
 #: all-gather's pieces (4 at S/P = 512) hide all but the first piece's gather and the
 #: backward's last dK/dV hop.
 HIDING = {
