@@ -1,4 +1,10 @@
-"""Issue 22: the bytes-hidden / temp-memory table, before and after, at one shape.
+"""The bytes-hidden / temp-memory table, before and after, at one shape.
+
+``dump --program loss`` compiles what a training step compiles: ``jax.grad`` of a scalar
+loss of the global ``sequence_parallel_attention(..., positions=...)`` (tokens kept in
+the strategy's order, no relayout), with ``--overlap false|auto`` (Ulysses / hybrid);
+``--program vjp`` (default) the per-shard program with a given cotangent of
+``bench_target.compile_strategy``.
 
 Two steps, so that "before" can be compiled by another checkout of the library (one
 whose ``jax_seqpar.tools.hlo`` may not yet read schedules):
@@ -29,6 +35,39 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 MESHES = {"hybrid": {"dcn": 2, "ici": 4}}
 
 
+def loss_program(target, strategy, axes, shape, *, backward, overlap="auto"):
+    """``jax.grad`` of a loss of the global call (``backward``) or the call alone, with
+    zigzag (causal) positions, compiled with the strategy's target options."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    import jax_seqpar as sp
+    from jax_seqpar.tools import aot, targets
+
+    mesh = targets.target_mesh(target, tuple(axes), tuple(axes.values()))
+    seq_axes = tuple(axes) if len(axes) > 1 else tuple(axes)[0]
+    sharding = NamedSharding(mesh, P(None, tuple(axes)))
+    args = [jax.ShapeDtypeStruct(size, shape.dtype, sharding=sharding)
+            for size in shape.operand_shapes()[:3]]
+    args.append(jax.ShapeDtypeStruct((shape.batch, shape.seq_len), jnp.int32,
+                                     sharding=sharding))
+    extra = {} if overlap == "auto" else dict(overlap=overlap)
+
+    def attend(q, k, v, positions):
+        return sp.sequence_parallel_attention(q, k, v, mesh=mesh, seq_axes=seq_axes,
+                                              strategy=strategy, causal=shape.causal,
+                                              positions=positions, **extra)
+
+    def loss(q, k, v, positions):
+        return jnp.mean(jnp.square(attend(q, k, v, positions).astype(jnp.float32)))
+
+    fn = jax.grad(loss, argnums=(0, 1, 2)) if backward else attend
+    platform = targets.target_platform(target)
+    return aot.compile_for(fn, args, platform,
+                           compiler_options=targets.compile_options(platform, strategy))
+
+
 def dump(args):
     from jax_seqpar.tools import bench, bench_target, hlo
 
@@ -39,20 +78,28 @@ def dump(args):
     for target in args.targets.split(","):
         for strategy in args.strategies.split(","):
             for mode in args.modes.split(","):
-                name = f"{target.replace(':', '_')}-{strategy}-{args.kernel}-{args.seq}-{mode}"
+                name = (f"{target.replace(':', '_')}-{strategy}-{args.kernel}-{args.seq}-{mode}"
+                        f"{'' if args.overlap == 'auto' else '-serial'}")
                 path = os.path.join(args.dir, name)
                 if os.path.exists(path + ".json"):
                     continue
                 start = time.perf_counter()
-                program = bench_target.compile_strategy(
-                    target, strategy, MESHES.get(strategy, {"sp": 8}), shape, args.kernel,
-                    backward=mode == "fwd_bwd")[mode]
+                axes = MESHES.get(strategy, {"sp": 8})
+                if args.program == "loss":
+                    program = loss_program(target, strategy, axes, shape,
+                                           backward=mode == "fwd_bwd",
+                                           overlap=False if args.overlap == "false" else "auto")
+                else:
+                    program = bench_target.compile_strategy(
+                        target, strategy, axes, shape, args.kernel,
+                        backward=mode == "fwd_bwd")[mode]
                 with open(path + ".hlo", "w") as f:
                     f.write(program.compiled.as_text())
                 memory = hlo.memory_bytes(program.compiled)
                 with open(path + ".json", "w") as f:
                     json.dump(dict(target=target, strategy=strategy, kernel=args.kernel,
                                    seq=args.seq, mode=mode, memory=memory,
+                                   overlap=args.overlap, program=args.program,
                                    compile_s=time.perf_counter() - start), f)
                 print(f"{name}: temp {memory['temp'] / 2**20:.1f} MiB "
                       f"[{time.perf_counter() - start:.0f} s]", flush=True)
@@ -79,7 +126,8 @@ def report(args):
         for file in sorted(os.listdir(directory)):
             if file.endswith(".json"):
                 meta, s = summary(os.path.join(directory, file[:-5]))
-                key = (meta["target"], meta["strategy"], meta["kernel"], meta["seq"])
+                key = (meta["target"], meta["strategy"], meta["kernel"], meta["seq"],
+                       meta.get("overlap", "auto"))
                 table.setdefault(key, {})[(directory, meta["mode"])] = s
                 if args.rows:
                     print(f"# {directory} {key} {meta['mode']}")
@@ -88,9 +136,9 @@ def report(args):
                               f"{r.bytes / 2**20:8.2f} MiB x{r.runs:<3g} "
                               f"{'KERNEL' if r.encloses_kernel else '      '} "
                               f"{' '.join(r.enclosed)[:90]}")
-    print("| target | strategy | kernel | S | checkout | fwd async (kernel) + sync | fwd hidden "
+    print("| target | strategy | kernel | S | overlap | checkout | fwd async (kernel) + sync | fwd hidden "
           "| fwd temp MiB | f+b async (kernel) + sync | f+b hidden | f+b temp MiB |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for key, modes in sorted(table.items()):
         for directory in args.dirs:
             cells = []
@@ -120,6 +168,8 @@ def main(argv=None):
     d.add_argument("--kv-heads", type=int, default=4)
     d.add_argument("--head-dim", type=int, default=128)
     d.add_argument("--kernel", default="auto")
+    d.add_argument("--program", choices=("vjp", "loss"), default="vjp")
+    d.add_argument("--overlap", choices=("auto", "false"), default="auto")
     r = sub.add_parser("report")
     r.add_argument("dirs", nargs="+")
     r.add_argument("--rows", action="store_true")

@@ -131,6 +131,47 @@ def test_hybrid_head_groups(heads, kv_heads, groups, variant, tolerances):
     _check("hybrid", tolerances, heads=heads, kv_heads=kv_heads, head_groups=groups, **variant)
 
 
+# (heads, kv heads, chunks, variant): every chunk count of the 8 local tokens (doubling
+# chunks: 1, 2, 4 or 8 rows a device, 1 2 1 4 ...), each with a mask and an extra.
+ULYSSES_CHUNK_CASES = [
+    (16, 4, 2, dict(order="zigzag", causal=True, sinks=True, return_lse=True)),
+    (16, 4, 3, dict(window=(9, 4), segments=True)),
+    (16, 4, 4, dict(order="zigzag", causal=True)),
+    (32, 8, 4, dict(causal=False, sinks=True, return_lse=True)),
+    (16, 16, 3, dict(causal=True, window=(12, 0), return_lse=True)),
+    (16, 4, 4, dict(order="zigzag", causal=True, segments=True, sinks=True)),
+    (8, 8, 2, dict(causal=True, dtype=jnp.bfloat16)),
+]
+
+
+def _chunk_id(case):
+    heads, kv_heads, chunks, variant = case
+    return (f"h{heads}-kv{kv_heads}-c{chunks}-"
+            + "-".join(f"{k}{v}" for k, v in variant.items() if k != "dtype")
+            + ("-bf16" if "dtype" in variant else ""))
+
+
+@pytest.mark.parametrize("heads, kv_heads, chunks, variant", checks.tiered([
+    pytest.param(*case, id=_chunk_id(case)) for case in ULYSSES_CHUNK_CASES],
+    lambda i: i in (0, 1, 2)))
+def test_ulysses_chunks(heads, kv_heads, chunks, variant, tolerances):
+    """Ulysses pipelined along the sequence: every chunk count the 8 local tokens allow."""
+    _check("ulysses", tolerances, heads=heads, kv_heads=kv_heads, chunks=chunks, **variant)
+
+
+def test_ulysses_chunk_counts_and_default():
+    assert head_split.chunk_counts(8) == (1, 2, 3, 4)
+    assert head_split.chunk_sizes(2048, 5) == (128, 128, 256, 512, 1024)
+    assert head_split.chunk_sizes(8, 1) == (8,)
+    # 2048 tokens a device: the most auto chunks; 8: none (a smallest chunk of 16 tokens)
+    assert head_split.default_chunks(2048, 8) == head_split.MAX_AUTO_CHUNKS
+    assert head_split.default_chunks(8, 8) == 1
+    assert head_split.resolve_pieces("auto", "auto", "auto", 16, 4, 8, 2048) == (5, 1)
+    assert head_split.resolve_pieces("auto", "auto", "auto", 16, 4, 8, 8) == (1, 2)
+    assert head_split.resolve_pieces(False, "auto", "auto", 16, 4, 8, 2048) == (1, 1)
+    assert head_split.resolve_pieces(True, 3, "auto", 16, 4, 8, 8) == (3, 1)
+
+
 def test_head_group_counts_and_default():
     assert head_split.head_group_counts(16, 4, 8) == (1, 2)
     assert head_split.head_group_counts(64, 8, 8) == (1, 2, 4, 8)
@@ -182,6 +223,10 @@ def test_chunk_counts_and_default():
     ("ulysses", dict(head_groups=0), r"head_groups=0 .* one of \(1, 2\)"),
     ("hybrid", dict(head_groups=8), r"head_groups=8 does not split the 4 query heads .* "
      r"over 4 devices.* one of \(1, 2, 4\)"),
+    ("ulysses", dict(chunks=5), r"chunks=5 does not cut the 8 tokens a device holds .* "
+     r"one of \(1, 2, 3, 4\) or 'auto'"),
+    ("ulysses", dict(chunks=2, head_groups=2), r"chunks and head groups do not combine"),
+    ("ulysses", dict(overlap=False, chunks=2), r"overlap=False sends each exchange whole"),
     ("allgather", dict(chunks=3),
      r"chunks=3 must be a positive divisor of the 8 tokens each device holds: one of "
      r"\(1, 2, 4, 8\)"),

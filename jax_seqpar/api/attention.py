@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import inspect
 import math
 from typing import Optional, Union
 
@@ -113,6 +114,9 @@ def sequence_parallel_attention(
     sinks: Optional[jax.Array] = None,
     return_lse: bool = False,
     ulysses_size: Optional[int] = None,
+    overlap: Union[bool, str] = "auto",
+    chunks: Union[int, str] = "auto",
+    head_groups: Union[int, str] = "auto",
 ):
     """Exact attention with the sequence split over ``seq_axes`` of ``mesh``.
 
@@ -175,6 +179,12 @@ def sequence_parallel_attention(
       ulysses_size: with ``strategy="hybrid"``, Ulysses over groups of this many
         neighbouring sequence devices and the ring across the groups, on the same
         devices (:func:`jax_seqpar.core.meshes.split_axis`: one axis works too).
+      overlap, chunks, head_groups: how Ulysses' exchange (``"ulysses"``, the hybrid's
+        inner one) is pipelined behind the kernel: ``"auto"`` (the planner's rule,
+        :func:`jax_seqpar.strategies.heads.resolve_pieces`), ``overlap=False`` (each
+        exchange whole, one kernel call), or forced counts for experiments (``chunks``
+        also sets the all-gather's pieces); a strategy without the keyword refuses a
+        value other than ``"auto"``.
 
     Returns:
       ``[B, S, H, Dv]`` in ``q.dtype``, in the caller's token order, sharded like
@@ -235,13 +245,15 @@ def sequence_parallel_attention(
     if ulysses_size is not None and strategy != "hybrid":
         raise ValueError(f'ulysses_size={ulysses_size} needs strategy="hybrid" (or "auto"). '
                          f"Got strategy={strategy!r}.")
+    pipeline = _pipeline_keywords(strategy, overlap=overlap, chunks=chunks,
+                                  head_groups=head_groups)
     call = _Call(mesh=mesh, axes=axes, strategy=strategy, ulysses_size=ulysses_size,
                  layout="contiguous" if positions is not None else layout, causal=bool(causal),
                  window=masks.normalize_window(window), scale=checks.scale(scale),
                  kernel=kernel, block_sizes=block_sizes, softcap=check_softcap(softcap),
                  return_lse=return_lse,
                  batch_entry=batch_entry, head_entry=head_entry,
-                 out_spec=_placement.caller_spec(q, mesh))
+                 out_spec=_placement.caller_spec(q, mesh), pipeline=pipeline)
     arrays = _placement.onto(mesh, q, k, v, segment_ids, kv_segment_ids, positions,
                              None if sinks is None else jnp.asarray(sinks))
     return _on_mesh(*arrays, call=call)
@@ -266,6 +278,20 @@ class _Call:
     batch_entry: object
     head_entry: object
     out_spec: Optional[P]
+    pipeline: tuple = ()
+
+
+def _pipeline_keywords(strategy: str, **keywords) -> tuple:
+    """The pipelining keywords set (not ``"auto"``) as ``(name, value)`` pairs, refused by
+    name where ``strategy``'s per-shard function does not take them."""
+    taken = inspect.signature(registry.get(strategy).attention).parameters
+    chosen = tuple((name, value) for name, value in keywords.items()
+                   if not (isinstance(value, str) and value == "auto"))
+    for name, value in chosen:
+        if name not in taken:
+            raise ValueError(f"{name}={value!r} does not apply to strategy={strategy!r}, "
+                             "which does not pipeline that way; drop it.")
+    return chosen
 
 
 @dataclasses.dataclass(frozen=True)
@@ -363,7 +389,8 @@ def _attend(q, k, v, segment_ids, kv_segment_ids, positions, sinks, *, call: _Ca
                         segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                         positions=positions, scale=call.scale, kernel=call.kernel,
                         block_sizes=call.block_sizes, softcap=call.softcap, sinks=sinks,
-                        return_lse=call.return_lse)  # [B, L, H, Dv] (and lse [B, L, H])
+                        return_lse=call.return_lse,
+                        **dict(call.pipeline))  # [B, L, H, Dv] (and lse [B, L, H])
         return jax.tree.map(lambda x: relayout_out(x, axis_name=axis_name), result)
 
     batch_entry, head_entry = call.batch_entry, call.head_entry

@@ -246,15 +246,10 @@ def _pipeline_bwd(config, residuals, cotangents):
             dlse_g = _compat.match_varying(jnp.zeros(dout_g.shape[:3], jnp.float32), dout_g)
         delta_g = None if rowdot_g is None else rowdot_g - dlse_g
         if sinks is not None:
-            # out' = w out, lse' = logaddexp(lse, sink), w = exp(lse - lse'):
-            # d out = w d out', d lse = w d lse' + (1 - w) <d out', out'>, so
-            # delta = <d out, out> - d lse = w (<d out', out'> - d lse'); and
-            # d sink = sum over rows of (1 - w) (d lse' - <d out', out'>).
             sink = sinks[g * layout.q_group:(g + 1) * layout.q_group]
-            w = jnp.exp(lse_g - jnp.logaddexp(lse_g, sink.astype(jnp.float32).reshape(1, 1, -1)))
-            dsinks.append(jnp.sum((1 - w) * (dlse_g - rowdot_g), axis=(0, 1)))
-            dout_g = dout_g.astype(jnp.float32) * w[..., None]
-            dlse_g, delta_g = w * dlse_g + (1 - w) * rowdot_g, w * delta_g
+            dout_g, dlse_g, delta_g, dsink = sink_cotangents(dout_g, dlse_g, rowdot_g, lse_g,
+                                                             sink)
+            dsinks.append(dsink)
         grads = stage.backward(stage_residuals, q_tokens, kv_tokens, dout_g, dlse_g,
                                delta_g if stage.takes_delta else None)  # float32
         upcoming = exchange_in(g + 1) if g + 1 < layout.groups else None
@@ -284,19 +279,41 @@ def _pipeline_bwd(config, residuals, cotangents):
     else:  # the shared K/V's gradients go back once, after the last group
         dk, dv = (heads_to_seq(jnp.concatenate([s[i] for s in shared], axis=2).astype(dtype),
                                axis_name) for i in (0, 1))
-    if sinks is not None:
-        dsinks = jnp.concatenate(dsinks)
-        # Summed over every row: the rows of this device, and those of the devices that
-        # share its heads along the axes the sinks do not vary over (the hybrid's ring,
-        # a batch axis), as the transpose of an implicit pvary would.
-        extra = _compat.varying_axes(dsinks) - _compat.varying_axes(sinks)
-        if extra:
-            dsinks = jax.lax.psum(dsinks, tuple(sorted(extra)))
-        dsinks = dsinks.astype(sinks.dtype)
-    else:
-        dsinks = None
+    dsinks = None if sinks is None else sink_gradient(jnp.concatenate(dsinks), sinks)
     no_grad = jax.tree.map(lambda _: None, (q_tokens, kv_tokens))
     return dq, dk, dv, dsinks, *no_grad
 
 
 _pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)
+
+
+def sink_cotangents(dout, dlse, rowdot, lse, sinks):
+    """The kernel's cotangents of rows whose result went through
+    :func:`jax_seqpar.core.merge.with_sinks`, and the sinks' gradient of these rows.
+
+    ``out' = w out``, ``lse' = logaddexp(lse, sink)``, ``w = exp(lse - lse')``: ``d out =
+    w d out'``, ``d lse = w d lse' + (1 - w) <d out', out'>``, so ``delta = <d out, out> -
+    d lse = w (<d out', out'> - d lse')``; ``d sink`` sums ``(1 - w) (d lse' - <d out',
+    out'>)`` over the rows.
+
+    Args:
+      dout: ``[B, S, h, Dv]`` cotangent of the output with sinks; dlse, rowdot, lse:
+        float32 ``[B, S, h]`` (``rowdot = <dout, out'>``, ``lse`` without sinks);
+      sinks: ``[h]`` these heads' sink logits.
+    Returns:
+      ``(dout float32, dlse, delta, dsinks float32[h])`` for the kernel without sinks.
+    """
+    w = jnp.exp(lse - jnp.logaddexp(lse, sinks.astype(jnp.float32).reshape(1, 1, -1)))
+    dsinks = jnp.sum((1 - w) * (dlse - rowdot), axis=(0, 1))
+    return (dout.astype(jnp.float32) * w[..., None], w * dlse + (1 - w) * rowdot,
+            w * (rowdot - dlse), dsinks)
+
+
+def sink_gradient(dsinks, sinks):
+    """The sinks' gradient summed over every row: this device's, and those of the devices
+    that share its heads along the axes the sinks do not vary over (the hybrid's ring, a
+    batch axis), as the transpose of an implicit pvary would; in the sinks' dtype."""
+    extra = _compat.varying_axes(dsinks) - _compat.varying_axes(sinks)
+    if extra:
+        dsinks = jax.lax.psum(dsinks, tuple(sorted(extra)))
+    return dsinks.astype(sinks.dtype)

@@ -1,10 +1,14 @@
-"""How Ulysses splits heads over devices and into pipelined groups.
+"""How Ulysses splits heads over devices, and its exchange into pipelined pieces.
 
 The all-to-all gives each of P devices ``H/P`` query heads; K/V heads are replicated
 just enough (:func:`kv_replication`) for every device to hold the K/V heads of its
-query heads. :func:`head_group_counts` lists the head-group counts the heads allow for
-:func:`jax_seqpar.strategies.head_pipeline.head_pipeline`, ``"auto"`` picks
-:func:`default_head_groups`.
+query heads. The exchange is pipelined along the sequence
+(:mod:`jax_seqpar.strategies.chunk_pipeline`: :func:`chunk_counts`,
+:func:`default_chunks`) or, where the local tokens are too few to chunk, over head
+groups (:mod:`jax_seqpar.strategies.head_pipeline`: :func:`head_group_counts`,
+:func:`default_head_groups`); :func:`resolve_pieces` reads the call's ``overlap``,
+``chunks`` and ``head_groups`` with these rules, which the planner's
+:attr:`~jax_seqpar.strategies.registry.Strategy.pieces` shares.
 """
 
 from __future__ import annotations
@@ -19,6 +23,15 @@ from jax_seqpar.strategies.inputs import axis_size
 #: groups' traffic; every further group is one more kernel call and two more collectives
 #: (latency) for less and less.
 MAX_AUTO_HEAD_GROUPS = 4
+#: ``chunks="auto"`` takes at most this many sequence chunks: doubling chunks leave
+#: ``1/2^(c-1)`` of the bytes exposed (5: 6.25 %); every further chunk adds ``c`` pair
+#: kernel calls for half as much again.
+MAX_AUTO_CHUNKS = 5
+#: ``chunks="auto"`` keeps the smallest chunk at this many tokens after the all-to-all
+#: (``P`` devices' share of it): whole kernel tiles.
+MIN_CHUNK_TOKENS = 128
+#: The most chunks a call takes (forced): ``c^2`` pair kernel calls a pass.
+MAX_CHUNKS = 8
 
 
 def kv_replication(num_heads: int, num_kv_heads: int, num_shards: int) -> int:
@@ -91,3 +104,79 @@ def local_heads(x, axis_name):
         return None
     size = x.shape[0] // axis_size(axis_name)
     return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis_name) * size, size)
+
+
+def chunk_sizes(local_len: int, chunks: int) -> tuple[int, ...]:
+    """Local tokens of each of ``chunks`` sequence chunks, doubling: ``L/2^(c-1)`` twice,
+    then ``2L/2^(c-1)``, ``4L/2^(c-1)``, ... (the work a chunk completes grows with
+    everything that arrived before it, so each transfer has a kernel as long to hide
+    behind as itself, and only the first and last pieces, ``1/2^(c-1)``, are exposed).
+
+    >>> chunk_sizes(2048, 5)
+    (128, 128, 256, 512, 1024)
+    """
+    if chunks == 1:
+        return (local_len,)
+    unit = local_len // 2 ** (chunks - 1)
+    return (unit, *(unit * 2 ** i for i in range(chunks - 1)))
+
+
+def chunk_counts(local_len: int) -> tuple[int, ...]:
+    """Every chunk count ``c`` a device's ``local_len`` tokens allow: ``2^(c-1)`` divides
+    them, up to :data:`MAX_CHUNKS`.
+
+    >>> chunk_counts(24)
+    (1, 2, 3, 4)
+    """
+    return tuple(c for c in range(1, MAX_CHUNKS + 1) if local_len % 2 ** (c - 1) == 0)
+
+
+def default_chunks(local_len: int, num_shards: int) -> int:
+    """What ``chunks="auto"`` takes: the most chunks of :func:`chunk_counts` up to
+    :data:`MAX_AUTO_CHUNKS` whose smallest chunk brings :data:`MIN_CHUNK_TOKENS` tokens
+    or more (1 on a single device: nothing to exchange)."""
+    if num_shards == 1:
+        return 1
+    return max(c for c in chunk_counts(local_len) if c <= MAX_AUTO_CHUNKS and (
+        c == 1 or num_shards * chunk_sizes(local_len, c)[0] >= MIN_CHUNK_TOKENS))
+
+
+def resolve_pieces(overlap, chunks, head_groups, num_heads: int, num_kv_heads: int,
+                   num_shards: int, local_len: int, *, shared_kv: bool = True,
+                   chunked: bool = True) -> tuple[int, int]:
+    """``(chunks, head_groups)`` of one Ulysses exchange from the call's keywords.
+
+    ``overlap=False``: ``(1, 1)``, each exchange whole (then ``chunks`` and
+    ``head_groups`` must be 1 or ``"auto"``). ``overlap=True`` / ``"auto"``: ``chunks="auto"``
+    is :func:`default_chunks` (1 where ``chunked`` is False: the hybrid's ring stage is
+    not chunked); ``head_groups="auto"`` is 1 when the sequence is chunked, else
+    :func:`default_head_groups`. Chunks and head groups do not combine (one of them is 1).
+    Raises ``ValueError`` listing the counts that work.
+    """
+    if overlap not in (True, False, "auto"):
+        raise ValueError(f"overlap={overlap!r} takes True, False or 'auto'.")
+    if overlap is False:
+        for name, value in (("chunks", chunks), ("head_groups", head_groups)):
+            if value not in ("auto", 1) or isinstance(value, bool):
+                raise ValueError(f"overlap=False sends each exchange whole; {name}={value!r} "
+                                 f"asks for pieces: drop it or pass overlap=True.")
+        return 1, 1
+    allowed = chunk_counts(local_len) if chunked else (1,)
+    if chunks == "auto":
+        chunks = default_chunks(local_len, num_shards) if chunked else 1
+        if head_groups not in ("auto", 1):
+            chunks = 1
+    elif isinstance(chunks, bool) or chunks not in allowed:
+        raise ValueError(
+            f"chunks={chunks!r} does not cut the {local_len} tokens a device holds into "
+            f"doubling chunks (2^(chunks-1) must divide them); it takes one of {allowed} "
+            f"or 'auto'" + ("" if chunked else " (the hybrid does not chunk: 1)") + ".")
+    if chunks > 1:
+        if head_groups not in ("auto", 1) or isinstance(head_groups, bool):
+            raise ValueError(f"chunks={chunks} with head_groups={head_groups!r}: chunks and "
+                             "head groups do not combine; pass head_groups=1 (or 'auto') "
+                             "or chunks=1.")
+        return chunks, 1
+    groups = resolve_head_groups(head_groups, num_heads, num_kv_heads, num_shards,
+                                 shared_kv=shared_kv)
+    return 1, groups

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_seqpar.strategies.head_pipeline import head_pipeline
-from jax_seqpar.strategies.heads import kv_replication, local_heads, resolve_head_groups
+from jax_seqpar.strategies.heads import kv_replication, local_heads, resolve_pieces
 from jax_seqpar.strategies.inputs import Options, axis_size, gather_tokens, prepare
 from jax_seqpar.strategies.ring import ring_over
 
@@ -38,7 +38,7 @@ from jax_seqpar.strategies.ring import ring_over
 def hybrid_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None,
                      positions=None, window=None, scale=None, kernel="auto", block_sizes=None,
                      softcap=None, sinks=None, kv_segment_ids=None,
-                     return_lse=False, head_groups="auto"):
+                     return_lse=False, overlap="auto", chunks="auto", head_groups="auto"):
     """Exact attention of a sequence sharded over ``seq_axes=(outer, inner)`` (in ``shard_map``).
 
     Args:
@@ -51,6 +51,10 @@ def hybrid_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None,
         default positions are
         the contiguous split over ``(outer, inner)``, with which a
         window shrinks the ring part to a halo exchange.
+      overlap: False: the inner exchange whole, one ring (as ``head_groups=1``); True /
+        ``"auto"``: head groups as below.
+      chunks: 1 or ``"auto"``: the hybrid does not chunk the sequence (its stage is the
+        ring, not one kernel call).
       head_groups: the inner exchange's head groups (as in
         :func:`jax_seqpar.strategies.ulysses.ulysses_attention`; the ring runs once per
         group). ``"auto"`` (default): the largest count up to
@@ -81,7 +85,8 @@ def hybrid_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None,
             f"{ulysses_axis!r} of size {inner}; choose an inner axis size that divides the heads "
             f"(e.g. {_divisor_hint(q.shape[2], inner)}) and put the rest on the ring axis, "
             f'or use strategy="ring".') from None
-    groups = resolve_head_groups(head_groups, q.shape[2], k.shape[2], inner, shared_kv=False)
+    _, groups = resolve_pieces(overlap, chunks, head_groups, q.shape[2], k.shape[2], inner,
+                               q.shape[1], shared_kv=False, chunked=False)
     if repeats > 1:
         k, v = (x.repeat(repeats, axis=2) for x in (k, v))  # [B, S/P, Hkv*r, D]
     q_tokens, kv_tokens = gather_tokens((q_tokens, kv_tokens), ulysses_axis)  # [B, S/O]

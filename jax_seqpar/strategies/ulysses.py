@@ -9,20 +9,25 @@ any mask). When ``Hkv`` is not a multiple of P, K/V heads are replicated just
 enough (``P / gcd(Hkv, P)`` times) for every device to hold the K/V heads of its
 query heads.
 
-Pipelined over head groups (:mod:`jax_seqpar.strategies.head_pipeline`): the
-exchange of one group travels while the kernel works on another.
+Pipelined along the sequence (:mod:`jax_seqpar.strategies.chunk_pipeline`: chunk
+``i + 1`` of every device's tokens travels while the kernel attends the chunks already
+there) or, where the local tokens are too few to chunk, over head groups
+(:mod:`jax_seqpar.strategies.head_pipeline`); ``overlap=False`` sends each exchange whole.
 """
 
 from __future__ import annotations
 
+from jax_seqpar.strategies.chunk_pipeline import chunk_pipeline
 from jax_seqpar.strategies.head_pipeline import KernelStage, head_pipeline
-from jax_seqpar.strategies.heads import kv_replication, local_heads, resolve_head_groups
+from jax_seqpar.strategies.heads import (chunk_sizes, kv_replication, local_heads,
+                                         resolve_pieces)
 from jax_seqpar.strategies.inputs import axis_size, gather_tokens, prepare
 
 
 def ulysses_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None, positions=None,
                       window=None, scale=None, kernel="auto", block_sizes=None, softcap=None,
-                      sinks=None, kv_segment_ids=None, return_lse=False, head_groups="auto"):
+                      sinks=None, kv_segment_ids=None, return_lse=False, overlap="auto", chunks="auto",
+                      head_groups="auto"):
     """Exact attention of a sequence sharded over ``seq_axes`` (call inside ``shard_map``).
 
     Args:
@@ -32,16 +37,19 @@ def ulysses_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None, posi
       causal, window, segment_ids, positions, scale, kernel, block_sizes, softcap,
         sinks, kv_segment_ids, return_lse: as in :func:`jax_seqpar.strategies.ring.ring_attention`
         (``sinks`` replicated).
-      head_groups: how many groups the ``H/P`` heads a device receives are pipelined in (see
-        :mod:`jax_seqpar.strategies.head_pipeline`;
+      overlap: ``"auto"`` / True (default): the exchange pipelined behind the kernel in
+        ``chunks`` sequence chunks or ``head_groups`` head groups; False: each exchange
+        whole, one kernel call (:func:`jax_seqpar.strategies.heads.resolve_pieces`).
+      chunks: how many sequence chunks (:func:`jax_seqpar.strategies.heads.chunk_counts`
+        lists what the local length allows); ``"auto"``:
+        :func:`~jax_seqpar.strategies.heads.default_chunks` (5 at 2048 tokens a device).
+        Chunks hide all but ``1/2^(chunks-1)`` of the bytes where collectives are
+        asynchronous (GPU; TPU with the all-to-all option).
+      head_groups: how many groups the ``H/P`` heads a device receives are pipelined in
+        when the sequence is not chunked (see :mod:`jax_seqpar.strategies.head_pipeline`;
         :func:`jax_seqpar.strategies.heads.head_group_counts` lists the counts the heads
-        allow). ``"auto"`` (default): the largest allowed count up to
-        :data:`jax_seqpar.strategies.heads.MAX_AUTO_HEAD_GROUPS`. Groups hide exchanges
-        behind the kernel where collectives are asynchronous (GPU; TPU with the all-to-all
-        option); their cost is the buffers in flight while a kernel runs (B=1, S=16384,
-        H=16, Hkv=4, D=128, bf16, causal, 8 devices, forward + backward temp per device,
-        1 -> 2 groups: h100:8 44.1 -> 48.2 MiB, v5p:2x2x2 41.2 -> 58.4 MiB). ``1``: one
-        all-to-all each of q, k, v and out, nothing pipelined.
+        allow). ``"auto"``: 1 with chunks, else the largest allowed count up to
+        :data:`jax_seqpar.strategies.heads.MAX_AUTO_HEAD_GROUPS`.
 
     Returns:
       ``[B, S/P, H, Dv]`` in ``q.dtype`` (softmax statistics in float32).
@@ -55,10 +63,15 @@ def ulysses_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None, posi
         block_sizes=block_sizes, softcap=softcap, sinks=sinks, kv_segment_ids=kv_segment_ids)
     size = axis_size(seq_axes)
     repeats = kv_replication(q.shape[2], k.shape[2], size)
-    groups = resolve_head_groups(head_groups, q.shape[2], k.shape[2], size)
+    chunks, groups = resolve_pieces(overlap, chunks, head_groups, q.shape[2], k.shape[2], size,
+                                    q.shape[1])
     if repeats > 1:
         k, v = (x.repeat(repeats, axis=2) for x in (k, v))  # [B, S/P, Hkv*r, D]
     q_tokens, kv_tokens = gather_tokens((q_tokens, kv_tokens), seq_axes)  # [B, S]
+    sinks = local_heads(sinks, seq_axes)
+    if chunks > 1:
+        return chunk_pipeline(seq_axes, options, q, k, v, q_tokens, kv_tokens,
+                              sizes=chunk_sizes(q.shape[1], chunks), sinks=sinks,
+                              return_lse=return_lse)
     return head_pipeline(seq_axes, KernelStage(options), q, k, v, q_tokens, kv_tokens,
-                         groups=groups, sinks=local_heads(sinks, seq_axes),
-                         return_lse=return_lse)
+                         groups=groups, sinks=sinks, return_lse=return_lse)
