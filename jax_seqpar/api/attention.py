@@ -176,9 +176,10 @@ def sequence_parallel_attention(
         ``p_j = exp(s_j) / (exp(sinks[h]) + sum_k exp(s_k))``), differentiable.
       return_lse: also return the float32 ``[B, S, H]`` log-sum-exp of every row
         (sinks included), for callers that merge partial results.
-      ulysses_size: with ``strategy="hybrid"``, Ulysses over groups of this many
-        neighbouring sequence devices and the ring across the groups, on the same
-        devices (:func:`jax_seqpar.core.meshes.split_axis`: one axis works too).
+      ulysses_size: with ``strategy="hybrid"`` (or ``"auto"``, which it then makes the
+        hybrid), Ulysses over groups of this many neighbouring sequence devices and the
+        ring across the groups, on the same devices
+        (:func:`jax_seqpar.core.meshes.split_axis`: one axis works too).
       overlap, chunks, head_groups: how Ulysses' exchange (``"ulysses"``, the hybrid's
         inner one) is pipelined behind the kernel: ``"auto"`` (the planner's rule,
         :func:`jax_seqpar.strategies.heads.resolve_pieces`), ``overlap=False`` (each
@@ -238,13 +239,16 @@ def sequence_parallel_attention(
     if not (batch and seq_len):  # no token: jax.nn's empty result, no program to shard
         return empty_result(q, v, return_lse)
     batch_entry, head_entry = _placement.kept_entries(q, k, v, mesh, axes, batch_axes)
-    if strategy == "auto":
+    if ulysses_size is not None:  # the hybrid's split, named: nothing left to choose
+        if strategy not in ("auto", "hybrid"):
+            raise ValueError(f'ulysses_size={ulysses_size} needs strategy="hybrid" (or '
+                             f'"auto"). Got strategy={strategy!r}.')
+        strategy = "hybrid"
+        split_axis(mesh, axes, ulysses_size)  # refuses a size the devices do not divide
+    elif strategy == "auto":
         strategy, ulysses_size = _choose_strategy(
             q, k, v, mesh, axes, causal, window, _placement.entry_size(mesh, batch_entry),
             _placement.entry_size(mesh, head_entry))
-    if ulysses_size is not None and strategy != "hybrid":
-        raise ValueError(f'ulysses_size={ulysses_size} needs strategy="hybrid" (or "auto"). '
-                         f"Got strategy={strategy!r}.")
     pipeline = _pipeline_keywords(strategy, overlap=overlap, chunks=chunks,
                                   head_groups=head_groups)
     call = _Call(mesh=mesh, axes=axes, strategy=strategy, ulysses_size=ulysses_size,
