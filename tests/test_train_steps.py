@@ -10,7 +10,9 @@ model and arrays made outside ``jax.set_mesh`` (as many scripts do) and inside i
 steps run inside it. Each step's loss and gradients, and the trained weights, match the
 same loop run without a mesh, and every array a step returns (loss, gradients, weights,
 optimizer state) is on the caller's mesh. The default tier runs a covering diagonal (each
-strategy, entry point and context at least once); the ``matrix`` tier the rest.
+strategy, entry point and context at least once); the ``matrix`` tier every entry point
+of the split-axis strategies in every context, and of the others in one Explicit and one
+Auto context.
 """
 
 import contextlib
@@ -64,13 +66,20 @@ DEFAULT = {
 }
 
 
+#: Strategies that build a mesh inside the call (the split axis): every entry point in
+#: every context in the matrix tier; the others in one Explicit and one Auto context each.
+SPLIT = ("hybrid-1-axis", "auto-split")
+
+
 def _cases():
     for strategy in STRATEGIES:
         for entry in ENTRIES:
             for context in CONTEXTS:
                 key = (strategy, entry, context)
-                yield pytest.param(*key, id="-".join(key),
-                                   marks=() if key in DEFAULT else pytest.mark.matrix)
+                if key in DEFAULT:
+                    yield pytest.param(*key, id="-".join(key))
+                elif strategy in SPLIT or context in ("explicit-outside", "auto-inside"):
+                    yield pytest.param(*key, id="-".join(key), marks=pytest.mark.matrix)
 
 
 def test_every_registered_strategy_is_trained():
