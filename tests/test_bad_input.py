@@ -2,7 +2,7 @@
 
 Each row of the table of inputs that once gave a wrong answer without a word: token
 metadata that is not an int32 array (floats truncated, wide ints wrapping around), the
-reserved padding id used as a document, positions and windows at the int32 limits,
+padding id (documented: padding, its rows zero), positions and windows at the int32 limits,
 non-numbers and non-bools where numbers and bools go, scalar sinks, empty batches and
 sequences, arguments that need a mesh given without one; ``jax.nn``'s sequence lengths
 each meaning what they mean there; x64 mode. Refusals raise before any program
@@ -96,7 +96,6 @@ BAD_IDS = [
     pytest.param("segment_ids", _uint32_segments, "2147483648", id="uint32-past-int32"),
     pytest.param("positions", lambda: np.full((B, S), 2**40), "1099511627776",
                  id="int64-positions-past-int32"),
-    pytest.param("segment_ids", _padding_segments, str(PAD_SEGMENT), id="reserved-padding-id"),
     pytest.param("segment_ids", lambda: jnp.zeros((B, S), bool), "bool", id="bool-ids"),
     pytest.param("positions", lambda: jnp.zeros((B, S + 1), jnp.int32), "(2, 65)",
                  id="positions-shape"),
@@ -129,6 +128,21 @@ def test_bad_ids_are_refused_by_the_flax_layer(name, make, shown):
     layer = SelfAttention(32, 4, mesh=_mesh(), strategy="ring", causal=True, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match=name):
         layer(jnp.zeros((B, S, 32)), **{name: make()})
+
+
+@pytest.mark.parametrize("call", ["ring", "local"])
+def test_the_padding_id_marks_padding(call, tolerances):
+    """``PAD_SEGMENT`` is the documented padding marker (``permute_batch``'s padding
+    slots carry it): its tokens' rows are zero and nothing sees them; the real tokens
+    attend exactly as without them."""
+    q, k, v = _qkv()
+    ids = _padding_segments()  # the first half padding, the second one document
+    out = _global(call, q, k, v, causal=True, segment_ids=ids)
+    np.testing.assert_array_equal(np.asarray(out[:, :S // 2]), 0)
+    real = slice(S // 2, S)
+    expected = reference.attention(q[:, real], k[:, real], v[:, real], causal=True)
+    np.testing.assert_allclose(np.asarray(out[:, real]), np.asarray(expected),
+                               **tolerances(q.dtype))
 
 
 def test_float_ids_are_refused_per_shard_and_under_jit():

@@ -1,18 +1,19 @@
 """The public boundary's argument checks: one place, every entry point calls them.
 
 Token metadata (``segment_ids``, ``positions``, sequence lengths) must be integer arrays
-of the documented shape whose values fit int32, the dtype every kernel computes masks in;
-segment ids may not use :data:`~jax_seqpar.core.masks.PAD_SEGMENT`, reserved for the
-padding the entry points add. Anything else is a ``ValueError`` naming the argument and
-its dtype, shape or offending value: a float id or position is never truncated and a
-wide one never wraps around.
+of the documented shape whose values fit int32, the dtype every kernel computes masks in.
+Anything else is a ``ValueError`` naming the argument and its dtype, shape or offending
+value: a float id or position is never truncated and a wide one never wraps around.
+The segment id :data:`~jax_seqpar.core.masks.PAD_SEGMENT` (``-2**31``) is the padding
+marker, the library's own (the padding the entry points add) and the caller's (padded
+rows, :func:`jax_seqpar.permute_batch`'s padding slots): a token that carries it sees no
+key and no query sees it, and its output row is zero. It is the documented meaning of
+that value, not a document id: number documents from 0.
 
 Values can only be read from concrete arrays. Under ``jax.jit`` (a tracer) the dtype
 and shape are checked, and a dtype whose values might not fit int32 (``int64``,
 ``uint32``, ``uint64``) is refused: cast it to int32 where the values are known to
-fit. What a traced array cannot be checked for is the reserved padding id: a token
-whose traced segment id is ``-2**31`` is treated as padding (it sees nothing, its
-output row is zero).
+fit. An int32 array needs no value check (every value fits): no host copy.
 
 Scalars that shape the program (``causal``, ``scale``, ``softcap``, ``window``) are
 static Python values, checked by type and range: ``True`` is not a number and
@@ -28,7 +29,6 @@ from typing import Optional
 import jax
 import numpy as np
 
-from jax_seqpar.core.masks import PAD_SEGMENT
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 
@@ -42,16 +42,13 @@ def _fits_int32(dtype: np.dtype) -> bool:
     return np.can_cast(dtype, np.int32, casting="safe")
 
 
-def int32_array(name: str, x, shape: tuple, *, dims: str = "[batch, seq]",
-                reserved: Optional[int] = None):
+def int32_array(name: str, x, shape: tuple, *, dims: str = "[batch, seq]"):
     """``x`` as an int32 array of ``shape``, or None for None; ``ValueError`` otherwise.
 
     Args:
       name: the argument's name, for the message.
       x: an integer array (jax, numpy, or nested lists), or None.
       shape: the shape it must have; dims: its named dims, for the message.
-      reserved: a value ``x`` may not hold (segment ids: the padding id), checked
-        where ``x`` is concrete.
 
     Returns:
       ``x`` cast to int32 (numpy input stays numpy), or None.
@@ -77,8 +74,7 @@ def int32_array(name: str, x, shape: tuple, *, dims: str = "[batch, seq]",
                 f"Cast it to int32 where the values are known to fit "
                 f"({name}.astype(jnp.int32)), or pass a concrete array.")
     else:
-        needs_values = not _fits_int32(dtype) or reserved is not None
-        values = np.asarray(x) if needs_values and x.size else None
+        values = np.asarray(x) if not _fits_int32(dtype) and x.size else None
         if values is not None:
             low, high = int(values.min()), int(values.max())
             if low < INT32_MIN or high > INT32_MAX:
@@ -86,18 +82,14 @@ def int32_array(name: str, x, shape: tuple, *, dims: str = "[batch, seq]",
                 raise ValueError(
                     f"{name} holds {bad}, outside int32 [-2**31, 2**31 - 1] ({dtype} "
                     f"array): it would wrap around. Keep {name} within int32.")
-            if reserved is not None and low <= reserved <= high and (values == reserved).any():
-                raise ValueError(
-                    f"{name} holds {reserved}, the id reserved for the padding the call "
-                    f"adds (jax_seqpar.core.masks.PAD_SEGMENT): renumber that document.")
     if dtype == np.int32:
         return x
     return x.astype(np.int32)
 
 
 def segment_ids(name: str, x, batch: int, seq: int):
-    """``int32[batch, seq]`` document ids (:func:`int32_array`, the padding id reserved)."""
-    return int32_array(name, x, (batch, seq), reserved=PAD_SEGMENT)
+    """``int32[batch, seq]`` document ids (:func:`int32_array`; ``PAD_SEGMENT``: padding)."""
+    return int32_array(name, x, (batch, seq))
 
 
 def positions(name: str, x, batch: int, seq: int):
