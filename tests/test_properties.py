@@ -281,7 +281,6 @@ BAD_INPUTS = {
     "float-segment-ids": ("segment_ids", False),
     "int64-segment-ids-past-int32": ("segment_ids", False),
     "uint32-segment-ids": ("segment_ids", False),
-    "reserved-segment-id": ("segment_ids", False),
     "float-positions": ("positions", False),
     "positions-near-int32-limit": ("positions", True),
     "softcap-true": ("softcap", False),
@@ -300,7 +299,7 @@ BAD_INPUTS = {
 
 #: Bad values (not dtypes): visible only to an eager call (under the caller's jit they are
 #: tracers, and numpy int64 becomes int32 before the library sees it).
-VALUE_BAD_INPUTS = ("int64-segment-ids-past-int32", "uint32-segment-ids", "reserved-segment-id",
+VALUE_BAD_INPUTS = ("int64-segment-ids-past-int32", "uint32-segment-ids",
                     "positions-near-int32-limit")
 
 
@@ -389,14 +388,12 @@ def _spa_inputs(c):
                return_lse=c["return_lse"])
     ref_ids = dict(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, positions=positions)
     bad = c["bad"]
-    if bad in ("float-segment-ids", "int64-segment-ids-past-int32", "uint32-segment-ids",
-               "reserved-segment-id"):
+    if bad in ("float-segment-ids", "int64-segment-ids-past-int32", "uint32-segment-ids"):
         cut = np.arange(seq)[None, :] >= seq // 2
         two = np.broadcast_to(cut, (batch, seq))
         segment_ids = {"float-segment-ids": np.where(two, 0.7, 0.3).astype(np.float32),
                        "int64-segment-ids-past-int32": np.where(two, 2**32 + 1, 1),
-                       "uint32-segment-ids": np.where(two, 2**31, 0).astype(np.uint32),
-                       "reserved-segment-id": np.where(two, -2**31, 0).astype(np.int32)}[bad]
+                       "uint32-segment-ids": np.where(two, 2**31, 0).astype(np.uint32)}[bad]
         kv_segment_ids = None
     elif bad == "float-positions":
         positions = np.broadcast_to(np.arange(seq, dtype=np.float32) * 0.5, (batch, seq)).copy()
@@ -427,8 +424,7 @@ def _spa_inputs(c):
         ref_sinks = jnp.full((c["heads"],), 0.5, jnp.float32)
     if bad not in ("positions-near-int32-limit",) and positions is not None:
         ref_ids["positions"] = positions
-    if bad in ("float-segment-ids", "int64-segment-ids-past-int32", "uint32-segment-ids",
-               "reserved-segment-id"):
+    if bad in ("float-segment-ids", "int64-segment-ids-past-int32", "uint32-segment-ids"):
         ref_ids.update(segment_ids=None, kv_segment_ids=None)  # never compared: refused
     ids = dict(segment_ids=segment_ids, kv_segment_ids=kv_segment_ids, positions=positions)
     ids = {n: x if x is None or bad else jnp.asarray(x) for n, x in ids.items()}
