@@ -124,8 +124,10 @@ def test_hybrid_hand_computed():
     rotation = 1 * (512 * 1 * 32 * 2 + 512 * 4)
     accumulators = 512 * 1 * 32 * (4 + 2)  # float32 on the ring's hop, bf16 home
     assert comm_bytes("hybrid", seq_axes=(2, 4), **shape) == a2a + gather_positions + rotation
+    # Backward: dout in, dq out in bf16; the replicated K/V's dK/dV out in float32.
+    grads_a2a = 128 * (8 * 16 + 8 * 16) * 2 * 3 / 4 + 128 * (4 * 16 + 4 * 16) * 4 * 3 / 4
     assert comm_bytes("hybrid", seq_axes=(2, 4), backward=True, **shape) == (
-        2 * a2a + gather_positions + 2 * rotation + accumulators)
+        a2a + grads_a2a + gather_positions + 2 * rotation + accumulators)
 
 
 @pytest.mark.parametrize("backward", [False, True])
