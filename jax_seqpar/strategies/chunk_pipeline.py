@@ -60,7 +60,8 @@ def chunk_pipeline(axis_name, options, q, k, v, q_tokens, kv_tokens, *, sizes: t
     if sum(sizes) != q.shape[1]:
         raise ValueError(f"chunk sizes {sizes} do not sum to the {q.shape[1]} local tokens.")
     q_chunks, kv_chunks = (_chunk_tokens(t, size, sizes) for t in (q_tokens, kv_tokens))
-    config = (axis_name, options, tuple(sizes), bool(return_lse))
+    # K/V travel in q's dtype; their gradients go back in k's (float32 for replicated K/V).
+    config = (axis_name, options, tuple(sizes), bool(return_lse), jnp.dtype(k.dtype))
     out, lse = _pipeline(config, q, k, v, sinks, q_chunks, kv_chunks)
     return (out, lse) if return_lse else out
 
@@ -136,8 +137,9 @@ def _pipeline(config, q, k, v, sinks, q_chunks, kv_chunks):
 
 
 def _pipeline_fwd(config, q, k, v, sinks, q_chunks, kv_chunks):
-    axis_name, options, sizes, return_lse = config
+    axis_name, options, sizes, return_lse, _ = config
     c = len(sizes)
+    k, v = (x.astype(q.dtype) for x in (k, v))
 
     size = axis_size(axis_name)
 
@@ -187,7 +189,7 @@ def _pipeline_fwd(config, q, k, v, sinks, q_chunks, kv_chunks):
 
 
 def _pipeline_bwd(config, residuals, cotangents):
-    axis_name, options, sizes, return_lse = config
+    axis_name, options, sizes, return_lse, kv_dtype = config
     arrived, lses, q_chunks, kv_chunks, sinks, out = residuals
     c = len(sizes)
     # Nothing of the backward before the whole forward (as in the head pipeline).
@@ -250,7 +252,7 @@ def _pipeline_bwd(config, residuals, cotangents):
                 dq, dkv, piece = jax.lax.optimization_barrier((dq, dkv, piece))
                 if leaving is not None:  # returned as it passed the barrier
                     sent[leaving] = piece
-                piece = tuple(_exchange([], [x.astype(dtype) for x in dkv[m]], axis_name,
+                piece = tuple(_exchange([], [x.astype(kv_dtype) for x in dkv[m]], axis_name,
                                         size)[1])
                 leaving = ("kv", m)
         dq, dkv, dout, upcoming, piece = jax.lax.optimization_barrier(

@@ -103,12 +103,14 @@ class _Layout:
     """How the local heads split into groups: ``size`` devices, ``groups`` groups of
     ``q_group`` query heads; ``kv_group`` K/V heads per group, or 0 when the K/V heads
     are shared by several groups (exchanged once; group ``g`` reads K/V head
-    ``g // (groups // kv_local)``)."""
+    ``g // (groups // kv_local)``); ``kv_dtype``: the dtype of the K/V given (sent in
+    q's dtype; their gradients go back in ``kv_dtype``: float32 for replicated K/V)."""
 
     size: int
     groups: int
     q_group: int
     kv_local: int
+    kv_dtype: object = None
 
     @classmethod
     def of(cls, q, k, size, groups):
@@ -118,7 +120,7 @@ class _Layout:
             raise ValueError(f"groups={groups} does not split the {q_local} query heads and "
                              f"{kv_local} K/V head(s) per device into whole GQA groups; use "
                              f"one of {allowed} (head_group_counts).")
-        return cls(size, groups, q_local // groups, kv_local)
+        return cls(size, groups, q_local // groups, kv_local, jnp.dtype(k.dtype))
 
     @property
     def kv_group(self) -> int:
@@ -164,6 +166,7 @@ def _pipeline(config, q, k, v, sinks, q_tokens, kv_tokens):
 
 def _pipeline_fwd(config, q, k, v, sinks, q_tokens, kv_tokens):
     axis_name, stage, layout, return_lse = config
+    k, v = (x.astype(q.dtype) for x in (k, v))  # the wire and the stage: q's dtype
     shared_kv = None
     if not layout.kv_group:  # every group reads them: exchanged once, ahead of group 0
         shared_kv = (seq_to_heads(k, axis_name), seq_to_heads(v, axis_name))
@@ -209,7 +212,7 @@ def _pipeline_bwd(config, residuals, cotangents):
     # two passes and hold both passes' buffers at once.
     cotangents, saved = jax.lax.optimization_barrier((cotangents, saved))
     dout, dlse = cotangents
-    dtype = dout.dtype
+    dtype, kv_dtype = dout.dtype, layout.kv_dtype
     # <dout, out> of the output rows, sequence-sharded (out as returned): the kernel's
     # delta and the sinks' gradient. With the lse's cotangent, the float32 row
     # statistics of every group travel in ONE small exchange, ahead of group 0's dout
@@ -261,15 +264,15 @@ def _pipeline_bwd(config, residuals, cotangents):
         if sent is not None:
             back.append(sent)
         if layout.kv_group:
-            result = tuple(x.astype(dtype) for x in grads)
+            result = (grads[0].astype(dtype), *(x.astype(kv_dtype) for x in grads[1:]))
         else:
             # A shared K/V head's gradients, summed over the groups it serves: each sum in
-            # float32, kept between groups in the input dtype (as the reduction an
+            # float32, kept between groups in the K/V's dtype (as the reduction an
             # autodiff backward would run on the cotangents).
             result = (grads[0].astype(dtype),)
             j = layout.kv_head(g)
             shared[j] = tuple((x if total is None else x + total.astype(jnp.float32)).astype(
-                dtype) for x, total in zip(grads[1:], shared[j] or (None, None)))
+                kv_dtype) for x, total in zip(grads[1:], shared[j] or (None, None)))
         sent = tuple(heads_to_seq(x, axis_name) for x in result)
         arrived = upcoming
     back.append(sent)
@@ -277,7 +280,7 @@ def _pipeline_bwd(config, residuals, cotangents):
     if layout.kv_group:
         dk, dv = layout.put([x[1] for x in back]), layout.put([x[2] for x in back])
     else:  # the shared K/V's gradients go back once, after the last group
-        dk, dv = (heads_to_seq(jnp.concatenate([s[i] for s in shared], axis=2).astype(dtype),
+        dk, dv = (heads_to_seq(jnp.concatenate([s[i] for s in shared], axis=2).astype(kv_dtype),
                                axis_name) for i in (0, 1))
     dsinks = None if sinks is None else sink_gradient(jnp.concatenate(dsinks), sinks)
     no_grad = jax.tree.map(lambda _: None, (q_tokens, kv_tokens))

@@ -88,7 +88,9 @@ def hybrid_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None,
     _, groups = resolve_pieces(overlap, chunks, head_groups, q.shape[2], k.shape[2], inner,
                                q.shape[1], shared_kv=False, chunked=False)
     if repeats > 1:
-        k, v = (x.repeat(repeats, axis=2) for x in (k, v))  # [B, S/P, Hkv*r, D]
+        # Replicated in float32: the replicas' gradients, on different devices, come back
+        # and sum in float32 and round once (the pipeline sends K/V in q.dtype).
+        k, v = (x.astype(jnp.float32).repeat(repeats, axis=2) for x in (k, v))
     q_tokens, kv_tokens = gather_tokens((q_tokens, kv_tokens), ulysses_axis)  # [B, S/O]
     return head_pipeline(ulysses_axis, RingStage(ring_axis, options, contiguous), q, k, v,
                          q_tokens, kv_tokens, groups=groups,

@@ -54,7 +54,8 @@ def _ulysses_bytes(*, batch, seq_len, num_heads, num_kv_heads, head_dim, v_head_
     ``[B, S/P, Hkv_eff, Dv]`` go seq->head and out ``[B, S/P, H, Dv]`` head->seq,
     whatever the head groups (they cut the same buffers into pieces).
     Backward (the reverse pipeline): dout in; dq, dk, dv out, one all_to_all of the
-    forward's size each; with ``row_statistic`` (Ulysses' own kernel backward; not the
+    forward's size each, dk and dv in float32 where the K/V heads are replicated (the
+    replicas' partial sums cross devices); with ``row_statistic`` (Ulysses' own kernel backward; not the
     hybrid's ring, which has its own) also the float32 ``<dout, out>`` rows ``[B, S/P,
     H]`` in, computed on the sequence-sharded output the backward keeps. The int32
     positions (and segment ids, when used) ``[B, S/P]`` are all-gathered to
@@ -64,11 +65,14 @@ def _ulysses_bytes(*, batch, seq_len, num_heads, num_kv_heads, head_dim, v_head_
         return 0.0
     kv_heads = replicated_kv_heads(num_kv_heads, axis_size)
     local_tokens = batch * seq_len // axis_size
-    elements_per_token = (num_heads * head_dim + kv_heads * head_dim
-                          + kv_heads * v_head_dim + num_heads * v_head_dim)
+    kv_elements = kv_heads * (head_dim + v_head_dim)
+    elements_per_token = num_heads * head_dim + kv_elements + num_heads * v_head_dim
     sent = _all_to_all_bytes(local_tokens * elements_per_token, axis_size, dtype_bytes)
     if backward:
-        sent *= 2
+        grad_bytes = 4 if kv_heads != num_kv_heads else dtype_bytes
+        sent += _all_to_all_bytes(local_tokens * (elements_per_token - kv_elements),
+                                  axis_size, dtype_bytes)
+        sent += _all_to_all_bytes(local_tokens * kv_elements, axis_size, grad_bytes)
         if row_statistic:
             sent += _all_to_all_bytes(local_tokens * num_heads, axis_size, 4)
     metadata = local_tokens * _INDEX_BYTES * (2 if with_segment_ids else 1)

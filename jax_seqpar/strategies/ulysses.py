@@ -17,6 +17,8 @@ there) or, where the local tokens are too few to chunk, over head groups
 
 from __future__ import annotations
 
+import jax.numpy as jnp
+
 from jax_seqpar.strategies.chunk_pipeline import chunk_pipeline
 from jax_seqpar.strategies.head_pipeline import KernelStage, head_pipeline
 from jax_seqpar.strategies.heads import (chunk_sizes, kv_replication, local_heads,
@@ -66,7 +68,9 @@ def ulysses_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None, posi
     chunks, groups = resolve_pieces(overlap, chunks, head_groups, q.shape[2], k.shape[2], size,
                                     q.shape[1])
     if repeats > 1:
-        k, v = (x.repeat(repeats, axis=2) for x in (k, v))  # [B, S/P, Hkv*r, D]
+        # Replicated in float32: the replicas' gradients, on different devices, come back
+        # and sum in float32 and round once (the pipeline sends K/V in q.dtype).
+        k, v = (x.astype(jnp.float32).repeat(repeats, axis=2) for x in (k, v))
     q_tokens, kv_tokens = gather_tokens((q_tokens, kv_tokens), seq_axes)  # [B, S]
     sinks = local_heads(sinks, seq_axes)
     if chunks > 1:
