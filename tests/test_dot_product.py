@@ -313,6 +313,20 @@ def test_cross_attention_3d_without_a_mesh(make_qkv, tolerances):
         np.testing.assert_allclose(g, w, **tolerances(q.dtype))
 
 
+def test_split_axis_hybrid_through_the_drop_in(make_qkv, tolerances):
+    """``ulysses_size=`` reaches the hybrid on one axis, as in the global call (a split
+    asked for is honoured, never dropped)."""
+    q, k, v = make_qkv(batch=1, seq=64, heads=4, kv_heads=2, head_dim=D, seed=11)
+    mesh = jax.make_mesh((8,), ("sp",))
+    with jax.set_mesh(mesh):
+        got = jax.jit(functools.partial(sp.dot_product_attention, mesh=mesh, is_causal=True,
+                                        strategy="hybrid", ulysses_size=4))(q, k, v)
+    want = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    np.testing.assert_allclose(got, want, **tolerances(q.dtype))
+    with pytest.raises(ValueError, match="ulysses_size"):
+        sp.dot_product_attention(q, k, v, ulysses_size=4)  # needs a mesh
+
+
 def test_dense_mask_and_bias_are_jax_nns_without_a_mesh(make_qkv, tolerances):
     q, k, v = make_qkv(batch=1, seq=32, heads=4, head_dim=D, seed=11)
     mask = np.random.default_rng(1).random((1, 4, 32, 32)) < 0.7

@@ -130,6 +130,7 @@ def dot_product_attention(
     block_sizes=None,
     softcap: Optional[float] = None,
     sinks: Optional[jax.Array] = None,
+    ulysses_size: Optional[int] = None,
 ):
     """Scaled dot-product attention, exact, sequence-parallel over ``mesh`` when given.
 
@@ -173,7 +174,7 @@ def dot_product_attention(
       mesh: a device mesh to split the sequence over (Explicit or Auto axes), or
         ``None``: attend locally (queries and keys may then differ in length;
         ``seq_axes``, ``strategy`` and ``layout`` must keep their defaults).
-      seq_axes, strategy, layout, kernel, block_sizes: as in
+      seq_axes, strategy, layout, kernel, block_sizes, ulysses_size: as in
         :func:`jax_seqpar.sequence_parallel_attention` (``strategy="auto"`` picks one
         the shapes allow; ``kernel`` and ``block_sizes`` also apply without a mesh).
       softcap, sinks: logit soft-capping and per-head attention sinks ``[N]`` (not in
@@ -210,7 +211,7 @@ def dot_product_attention(
     return_residual = checks.flag("return_residual", return_residual)
     if mesh is None:
         checks.mesh_only(seq_axes=(seq_axes, "sp"), strategy=(strategy, "auto"),
-                         layout=(layout, "auto"))
+                         layout=(layout, "auto"), ulysses_size=(ulysses_size, None))
     if mask is not None:
         mask = _check_mask(mask, (batch, heads, q_len, kv_len))
     key_mask = mask is not None and mask.shape[2] == 1  # varies along keys only
@@ -245,11 +246,11 @@ def dot_product_attention(
         attend = local_attention
     else:
         attend = functools.partial(sequence_parallel_attention, mesh=mesh, seq_axes=seq_axes,
-                                   strategy=strategy, layout=layout)
+                                   strategy=strategy, layout=layout, ulysses_size=ulysses_size)
     attend = functools.partial(attend, causal=is_causal, window=local_window_size, scale=scale,
                                kernel=kernel, block_sizes=block_sizes, softcap=softcap)
     if kv_segments is not None and kv_segments.ndim == 3:  # a per-head mask
-        if mesh is not None and strategy in ("ulysses", "hybrid"):
+        if mesh is not None and (strategy in ("ulysses", "hybrid") or ulysses_size):
             raise ValueError(
                 f"a per-head mask of shape {tuple(mask.shape)} runs each of the {heads} heads "
                 f"as a batch row of its own (one head each), which strategy={strategy!r} "
