@@ -2,7 +2,8 @@
 
 ``dump --program loss`` compiles what a training step compiles: ``jax.grad`` of a scalar
 loss of the global ``sequence_parallel_attention(..., positions=...)`` (tokens kept in
-the strategy's order, no relayout), with ``--overlap false|auto`` (Ulysses / hybrid);
+the strategy's order, no relayout), with ``--overlap false|auto|true`` (Ulysses / hybrid;
+``true``: Ulysses' sequence-chunk pipeline);
 ``--program vjp`` (default) the per-shard program with a given cotangent of
 ``bench_target.compile_strategy``.
 
@@ -79,7 +80,7 @@ def dump(args):
         for strategy in args.strategies.split(","):
             for mode in args.modes.split(","):
                 name = (f"{target.replace(':', '_')}-{strategy}-{args.kernel}-{args.seq}-{mode}"
-                        f"{'' if args.overlap == 'auto' else '-serial'}")
+                        f"{dict(auto='', false='-serial', true='-chunks')[args.overlap]}")
                 path = os.path.join(args.dir, name)
                 if os.path.exists(path + ".json"):
                     continue
@@ -88,7 +89,8 @@ def dump(args):
                 if args.program == "loss":
                     program = loss_program(target, strategy, axes, shape,
                                            backward=mode == "fwd_bwd",
-                                           overlap=False if args.overlap == "false" else "auto")
+                                           overlap=dict(auto="auto", false=False,
+                                                        true=True)[args.overlap])
                 else:
                     program = bench_target.compile_strategy(
                         target, strategy, axes, shape, args.kernel,
@@ -169,7 +171,7 @@ def main(argv=None):
     d.add_argument("--head-dim", type=int, default=128)
     d.add_argument("--kernel", default="auto")
     d.add_argument("--program", choices=("vjp", "loss"), default="vjp")
-    d.add_argument("--overlap", choices=("auto", "false"), default="auto")
+    d.add_argument("--overlap", choices=("auto", "false", "true"), default="auto")
     r = sub.add_parser("report")
     r.add_argument("dirs", nargs="+")
     r.add_argument("--rows", action="store_true")
