@@ -163,3 +163,50 @@ def mesh_only(**given) -> None:
                 f"{name}={value!r} needs a mesh: with mesh=None the call attends on the "
                 f"caller's devices without splitting the sequence. Pass mesh= to split it, "
                 f"or drop {name}= (default {default!r}).")
+
+
+def bidirectional_ids(x, batch: int, seq: int, causal: bool, name: str = "bidirectional_ids"):
+    """``int32[batch, seq]`` bidirectional ids (:func:`int32_array`), or None. They only
+    lift a causal mask, so without ``causal`` they would mean nothing: ``ValueError``."""
+    if x is None:
+        return None
+    if not causal:
+        raise ValueError(f"{name} lets tokens of one id see each other in both directions "
+                         "under a causal mask; without causal=True every token already sees "
+                         f"both directions, so {name} would change nothing. Pass causal=True "
+                         f"(prefix-LM, vision-language masks) or drop {name}.")
+    return int32_array(name, x, (batch, seq))
+
+
+def mask_fn(spec, batch: int, q_len: int, kv_len: int) -> None:
+    """Raise ``ValueError`` unless ``spec.mask_fn`` (if any) maps query metadata
+    ``[batch, q_len, 1]`` and key metadata ``[batch, 1, kv_len]`` (int32
+    :class:`~jax_seqpar.core.masks.Tokens`, the optional ids given) to booleans that
+    broadcast to ``[batch, q_len, kv_len]``. Traced abstractly: no work runs."""
+    from jax_seqpar.core import masks
+
+    if spec.mask_fn is None:
+        return
+
+    def tokens(shape):
+        x = jax.ShapeDtypeStruct(shape, np.int32)
+        return masks.Tokens(x, x, x)
+
+    want = (batch, q_len, kv_len)
+    try:
+        out = jax.eval_shape(spec.mask_fn, tokens((batch, q_len, 1)),
+                             tokens((batch, 1, kv_len)))
+    except Exception as error:  # noqa: BLE001 - any failure is the predicate's
+        raise ValueError(f"mask_fn(q_tokens, kv_tokens) failed on int32 metadata of shapes "
+                         f"[{batch}, {q_len}, 1] and [{batch}, 1, {kv_len}]: {error}. It must "
+                         "be a jittable elementwise predicate on masks.Tokens fields.") from error
+    shape = getattr(out, "shape", None)
+    ok = shape is not None and np.dtype(out.dtype) == np.bool_
+    try:
+        ok = ok and np.broadcast_shapes(tuple(shape), want) == want
+    except ValueError:
+        ok = False
+    if not ok:
+        raise ValueError(f"mask_fn must return booleans that broadcast to [batch, q_seq, kv_seq]"
+                         f" = {list(want)} (elementwise on its metadata). Got "
+                         f"{getattr(out, 'dtype', type(out).__name__)}{list(shape or [])}.")

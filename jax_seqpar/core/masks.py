@@ -1,10 +1,21 @@
 """Attention masks from per-token metadata, and their block classification.
 
 A mask is never a dense ``[S, S]`` array. It is a static :class:`MaskSpec`
-(``causal``, ``window``) applied to per-token metadata (:class:`Tokens`: global
-positions and optional segment ids). The same predicate serves every kernel and
-every strategy, so a mask means the same thing whatever the token order or the
-sharding.
+(``causal``, ``window``, ``chunk_size``, an optional ``mask_fn``) applied to per-token
+metadata (:class:`Tokens`: global positions, optional segment ids and bidirectional
+ids). The same predicate (:func:`visible`) serves every kernel and every strategy, so
+a mask means the same thing whatever the token order or the sharding:
+
+    query i sees key j  iff  same document (segment ids)
+                        and  inside the window
+                        and  in the same chunk (position // chunk_size)
+                        and  (not causal, or pos_j <= pos_i, or both carry the same
+                              non-zero bidirectional id)
+                        and  mask_fn(q, kv) (when given).
+
+Llama 4's chunked attention is ``causal`` with ``chunk_size``; prefix-LM is one
+bidirectional id per document's prefix; a vision-language model gives each image's
+tokens one bidirectional id.
 
 For skipping work, :func:`summarize` reduces the metadata of a block of tokens to
 its ranges and a segment signature, and :func:`classify` tells, for every (query
@@ -19,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -97,22 +108,62 @@ def shifted(x, by: int):
     return x
 
 
+def normalize_chunk_size(chunk_size) -> Optional[int]:
+    """``None`` or a positive int number of tokens (``ValueError`` otherwise)."""
+    if chunk_size is None:
+        return None
+    if isinstance(chunk_size, (bool, np.bool_, float, np.floating)):
+        value = None
+    else:
+        try:
+            value = operator.index(chunk_size)
+        except TypeError:
+            value = None
+    if value is None or value <= 0:
+        raise ValueError(f"chunk_size must be a positive int number of tokens (Llama 4 uses "
+                         f"8192), or None for no chunks. Got {chunk_size=!r}.")
+    return min(value, MAX_WINDOW)
+
+
 @dataclasses.dataclass(frozen=True)
 class MaskSpec:
     """The static part of a mask (hashable, usable as a static argument).
 
     Attributes:
-      causal: query position ``i`` sees key positions ``<= i``.
+      causal: query position ``i`` sees key positions ``<= i`` (and, with
+        bidirectional ids, every key that carries its non-zero id).
       window: ``(left, right)``: query position ``i`` sees key positions
         ``i - left .. i + right``; combines with ``causal``. ``None``: unbounded.
+      chunk_size: query and key see each other only inside one chunk
+        ``position // chunk_size`` (Llama 4's local layers). ``None``: one chunk.
+      mask_fn: the escape hatch for a mask no family covers: a jittable
+        elementwise predicate ``mask_fn(q: Tokens, kv: Tokens) -> bool`` on
+        broadcastable metadata, ANDed with the rest. It is evaluated per element;
+        tiles are skipped only where the other fields rule them out (a tile it
+        alone empties is still computed, fully masked), and no tile runs unmasked.
+        Compiled programs are keyed on the function object: define it once.
     """
 
     causal: bool = False
     window: Optional[tuple[int, int]] = None
+    chunk_size: Optional[int] = None
+    mask_fn: Optional[Callable] = None
 
     @classmethod
-    def make(cls, causal: bool = False, window=None) -> "MaskSpec":
-        return cls(causal=bool(causal), window=normalize_window(window))
+    def make(cls, causal: bool = False, window=None, chunk_size=None,
+             mask_fn=None) -> "MaskSpec":
+        if mask_fn is not None and not callable(mask_fn):
+            raise ValueError(f"mask_fn must be a callable mask_fn(q_tokens, kv_tokens) -> bool "
+                             f"array, or None. Got {mask_fn!r}.")
+        return cls(causal=bool(causal), window=normalize_window(window),
+                   chunk_size=normalize_chunk_size(chunk_size), mask_fn=mask_fn)
+
+    @property
+    def bounded(self) -> bool:
+        """Whether a tile may be ``PARTIAL`` by the static fields alone (else only the
+        tokens' ids can mask)."""
+        return (self.causal or self.window is not None or self.chunk_size is not None
+                or self.mask_fn is not None)
 
 
 @jax.tree_util.register_dataclass
@@ -124,20 +175,23 @@ class Tokens:
       positions: ``int32[batch, seq]`` global token positions.
       segment_ids: ``int32[batch, seq]`` document ids (tokens attend only within
         their document), or ``None`` for one document.
+      bidirectional_ids: ``int32[batch, seq]``: tokens that carry the same non-zero
+        id see each other in both directions under a causal mask (a prefix-LM
+        prompt, an image's tokens); ``0`` is plain causal. ``None``: all zero.
     """
 
     positions: jax.Array
     segment_ids: Optional[jax.Array] = None
+    bidirectional_ids: Optional[jax.Array] = None
 
 
-def visible(spec: MaskSpec, q_pos, kv_pos, q_seg=None, kv_seg=None):
+def visible(spec: MaskSpec, q: Tokens, kv: Tokens):
     """The mask predicate: may a query see a key? Broadcasts like its inputs.
 
     Args:
-      spec: causal / window.
-      q_pos, kv_pos: integer positions, broadcastable against each other
-        (e.g. ``[..., Sq, 1]`` and ``[..., 1, Sk]``).
-      q_seg, kv_seg: segment ids of the same shapes, or ``None``.
+      spec: the static mask.
+      q, kv: metadata whose fields broadcast against each other (e.g. ``[..., Sq, 1]``
+        against ``[..., 1, Sk]``); ``kv``'s optional fields are None where ``q``'s are.
     Returns:
       bool array of the broadcast shape (or ``None`` when nothing is masked).
     """
@@ -146,21 +200,38 @@ def visible(spec: MaskSpec, q_pos, kv_pos, q_seg=None, kv_seg=None):
     def both(a, b):
         return b if a is None else a & b
 
+    q_pos, kv_pos = q.positions, kv.positions
     if spec.causal:
-        ok = both(ok, kv_pos <= q_pos)
+        causal = kv_pos <= q_pos
+        if q.bidirectional_ids is not None:
+            q_bid, kv_bid = q.bidirectional_ids, kv.bidirectional_ids
+            causal = causal | ((q_bid == kv_bid) & (q_bid != 0))
+        ok = both(ok, causal)
     if spec.window is not None:  # edges saturate at the int32 limits, never wrap
         left, right = spec.window
         ok = both(ok, (kv_pos >= shifted(q_pos, -left)) & (kv_pos <= shifted(q_pos, right)))
-    if q_seg is not None:
-        ok = both(ok, (q_seg == kv_seg) & (q_seg != PAD_SEGMENT))
+    if spec.chunk_size is not None:
+        ok = both(ok, q_pos // spec.chunk_size == kv_pos // spec.chunk_size)
+    if q.segment_ids is not None:
+        ok = both(ok, (q.segment_ids == kv.segment_ids) & (q.segment_ids != PAD_SEGMENT))
+    if spec.mask_fn is not None:
+        ok = both(ok, spec.mask_fn(q, kv))
     return ok
+
+
+def rows(tokens: Tokens) -> Tokens:
+    """``[..., S]`` metadata as ``[..., S, 1]`` (the query side of :func:`visible`)."""
+    return jax.tree.map(lambda x: x[..., :, None], tokens)
+
+
+def cols(tokens: Tokens) -> Tokens:
+    """``[..., S]`` metadata as ``[..., 1, S]`` (the key side of :func:`visible`)."""
+    return jax.tree.map(lambda x: x[..., None, :], tokens)
 
 
 def visible_tokens(spec: MaskSpec, q: Tokens, kv: Tokens):
     """``bool[batch, Sq, Sk]`` mask of :func:`visible` for two runs of tokens (or None)."""
-    q_seg = None if q.segment_ids is None else q.segment_ids[:, :, None]
-    kv_seg = None if kv.segment_ids is None else kv.segment_ids[:, None, :]
-    return visible(spec, q.positions[:, :, None], kv.positions[:, None, :], q_seg, kv_seg)
+    return visible(spec, rows(q), cols(kv))
 
 
 @jax.tree_util.register_dataclass
@@ -176,6 +247,9 @@ class BlockSummary:
         block (0: padding only); two blocks whose signatures share no bit share no
         document, whatever their ranges. None without segment ids.
       padded: ``bool``, the block holds padding (never ``FULL``). None without ids.
+      bid_min, bid_max: ``int32`` range of the block's non-zero bidirectional ids
+        (an empty range, min > max, when it has none). None without bidirectional ids.
+      bid_zero: ``bool``, the block holds a real token of bidirectional id 0.
     """
 
     pos_min: jax.Array
@@ -184,6 +258,9 @@ class BlockSummary:
     seg_max: Optional[jax.Array] = None
     seg_bits: Optional[jax.Array] = None
     padded: Optional[jax.Array] = None
+    bid_min: Optional[jax.Array] = None
+    bid_max: Optional[jax.Array] = None
+    bid_zero: Optional[jax.Array] = None
 
 
 def _namespace(x):
@@ -202,19 +279,29 @@ def summarize(tokens: Tokens, block: int, *, per_row: bool = False) -> BlockSumm
     shape = (batch, seq // block, block)
     axes = (2,) if per_row else (0, 2)
     positions = tokens.positions.reshape(shape)
-    if tokens.segment_ids is None:
-        return BlockSummary(positions.min(axis=axes), positions.max(axis=axes))
-    segments = tokens.segment_ids.reshape(shape)
-    pad = segments == PAD_SEGMENT
     top, bottom = np.iinfo(np.int32).max, np.iinfo(np.int32).min
+    pad = None if tokens.segment_ids is None else tokens.segment_ids.reshape(shape) == PAD_SEGMENT
 
-    def ranges(x):
-        return xp.where(pad, top, x).min(axis=axes), xp.where(pad, bottom, x).max(axis=axes)
+    def ranges(x, leave_out):
+        if leave_out is None:
+            return x.min(axis=axes), x.max(axis=axes)
+        return (xp.where(leave_out, top, x).min(axis=axes),
+                xp.where(leave_out, bottom, x).max(axis=axes))
 
-    bit = xp.left_shift(np.uint32(1), xp.bitwise_and(segments, SIGNATURE_BITS - 1)
-                        .astype(np.uint32))
-    bits = xp.bitwise_or.reduce(xp.where(pad, np.uint32(0), bit), axis=axes)
-    return BlockSummary(*ranges(positions), *ranges(segments), bits, pad.any(axis=axes))
+    summary = BlockSummary(*ranges(positions, pad))
+    if pad is not None:
+        segments = tokens.segment_ids.reshape(shape)
+        bit = xp.left_shift(np.uint32(1), xp.bitwise_and(segments, SIGNATURE_BITS - 1)
+                            .astype(np.uint32))
+        bits = xp.bitwise_or.reduce(xp.where(pad, np.uint32(0), bit), axis=axes)
+        summary.seg_min, summary.seg_max = ranges(segments, pad)
+        summary.seg_bits, summary.padded = bits, pad.any(axis=axes)
+    if tokens.bidirectional_ids is not None:
+        bids = tokens.bidirectional_ids.reshape(shape)
+        real = xp.ones(shape, bool) if pad is None else ~pad
+        summary.bid_min, summary.bid_max = ranges(bids, ~real | (bids == 0))
+        summary.bid_zero = (real & (bids == 0)).any(axis=axes)
+    return summary
 
 
 def classify(spec: MaskSpec, q: BlockSummary, kv: BlockSummary) -> jax.Array:
@@ -225,18 +312,36 @@ def classify(spec: MaskSpec, q: BlockSummary, kv: BlockSummary) -> jax.Array:
     only reduce it to per-row loop bounds (fused, never stored).
     """
     xp = _namespace(q.pos_min)
-    rows = lambda x: x[..., :, None]  # noqa: E731
-    cols = lambda x: x[..., None, :]  # noqa: E731
+
+    def rows(x):
+        return x[..., :, None]
+
+    def cols(x):
+        return x[..., None, :]
     q_lo, q_hi, k_lo, k_hi = rows(q.pos_min), rows(q.pos_max), cols(kv.pos_min), cols(kv.pos_max)
     empty = xp.zeros(np.broadcast_shapes(q_lo.shape, k_lo.shape), bool)
     full = xp.ones_like(empty)
     if spec.causal:
-        empty |= k_lo > q_hi
-        full &= k_hi <= q_lo
+        after, before = k_lo > q_hi, k_hi <= q_lo
+        if q.bid_min is not None:  # a shared non-zero id lifts causality
+            qb_lo, qb_hi, kb_lo, kb_hi = (rows(q.bid_min), rows(q.bid_max), cols(kv.bid_min),
+                                          cols(kv.bid_max))
+            after &= (kb_lo > qb_hi) | (kb_hi < qb_lo)  # no id in common
+            one_id = ((qb_lo == qb_hi) & (kb_lo == kb_hi) & (qb_lo == kb_lo)
+                      & ~rows(q.bid_zero) & ~cols(kv.bid_zero))
+            before |= one_id
+        empty |= after
+        full &= before
     if spec.window is not None:
         left, right = spec.window
         empty |= (k_lo > shifted(q_hi, right)) | (k_hi < shifted(q_lo, -left))
         full &= (k_hi <= shifted(q_lo, right)) & (k_lo >= shifted(q_hi, -left))
+    if spec.chunk_size is not None:  # floor division is monotone: chunk ranges
+        c = spec.chunk_size
+        empty |= (k_lo // c > q_hi // c) | (k_hi // c < q_lo // c)
+        full &= (q_lo // c == q_hi // c) & (k_lo // c == k_hi // c) & (q_lo // c == k_lo // c)
+    if spec.mask_fn is not None:  # per element: never claimed FULL
+        full &= False
     if q.seg_min is not None:
         qs_lo, qs_hi, ks_lo, ks_hi = (rows(q.seg_min), rows(q.seg_max), cols(kv.seg_min),
                                       cols(kv.seg_max))

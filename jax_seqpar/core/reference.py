@@ -25,6 +25,10 @@ def attention(
     kv_segment_ids: Optional[jax.Array] = None,
     kv_positions: Optional[jax.Array] = None,
     window=None,
+    chunk_size: Optional[int] = None,
+    bidirectional_ids: Optional[jax.Array] = None,
+    kv_bidirectional_ids: Optional[jax.Array] = None,
+    mask_fn=None,
     scale: Optional[float] = None,
     softcap: Optional[float] = None,
     sinks: Optional[jax.Array] = None,
@@ -36,7 +40,9 @@ def attention(
       q: ``[batch, q_seq, heads, d_qk]``.
       k: ``[batch, kv_seq, kv_heads, d_qk]``; ``heads % kv_heads == 0`` (GQA/MQA).
       v: ``[batch, kv_seq, kv_heads, d_v]``.
-      causal, window: see :class:`jax_seqpar.core.masks.MaskSpec`.
+      causal, window, chunk_size, mask_fn: see :class:`jax_seqpar.core.masks.MaskSpec`.
+      bidirectional_ids: ``int32[batch, q_seq]`` (see :class:`jax_seqpar.core.masks.Tokens`);
+        ``kv_bidirectional_ids`` the keys', defaulting to the queries' (self-attention).
       segment_ids, positions: ``int32[batch, q_seq]`` for the queries; positions
         default to ``arange(q_seq)``. The ``kv_`` variants default to the query
         ones (self-attention).
@@ -63,9 +69,16 @@ def attention(
             jnp.arange(kv_seq, dtype=jnp.int32), (batch, kv_seq))
     if kv_segment_ids is None:
         kv_segment_ids = segment_ids
-    spec = masks.MaskSpec.make(causal, window)
+    if kv_bidirectional_ids is None:
+        kv_bidirectional_ids = bidirectional_ids
+    if (bidirectional_ids is None) != (kv_bidirectional_ids is None):
+        zeros = lambda ids, n: jnp.zeros((batch, n), jnp.int32) if ids is None else ids  # noqa
+        bidirectional_ids = zeros(bidirectional_ids, q_seq)
+        kv_bidirectional_ids = zeros(kv_bidirectional_ids, kv_seq)
+    spec = masks.MaskSpec.make(causal, window, chunk_size, mask_fn)
     mask = masks.visible_tokens(
-        spec, masks.Tokens(positions, segment_ids), masks.Tokens(kv_positions, kv_segment_ids))
+        spec, masks.Tokens(positions, segment_ids, bidirectional_ids),
+        masks.Tokens(kv_positions, kv_segment_ids, kv_bidirectional_ids))
 
     group = heads // kv_heads
     qg = q.astype(jnp.float32).reshape(batch, q_seq, kv_heads, group, d_qk)

@@ -136,10 +136,7 @@ def _tokens_first(x):
 
 def _tile_mask(spec, q_pos, q_seg, kv_pos, kv_seg):
     """``bool[B, 1, 1, bq, bk]`` for one tile pair (broadcasts over heads)."""
-    mask = masks.visible(
-        spec, q_pos[:, :, None], kv_pos[:, None, :],
-        None if q_seg is None else q_seg[:, :, None],
-        None if kv_seg is None else kv_seg[:, None, :])
+    mask = masks.visible(spec, masks.rows(Tokens(q_pos, q_seg)), masks.cols(Tokens(kv_pos, kv_seg)))
     return None if mask is None else mask[:, None, None]
 
 

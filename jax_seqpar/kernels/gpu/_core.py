@@ -270,9 +270,7 @@ def scores(q_chunks, k_chunks, *, scale, softcap, precision):
 def tile_mask(spec: MaskSpec, q_tile, kv_tile):
     """``bool[bq, bk]`` from ``(positions, segments|None)`` tiles ``[bq]``, ``[bk]``."""
     (q_pos, q_seg), (kv_pos, kv_seg) = q_tile, kv_tile
-    return masks.visible(spec, q_pos[:, None], kv_pos[None, :],
-                         None if q_seg is None else q_seg[:, None],
-                         None if kv_seg is None else kv_seg[None, :])
+    return masks.visible(spec, masks.rows(Tokens(q_pos, q_seg)), masks.cols(Tokens(kv_pos, kv_seg)))
 
 
 def token_tile(tokens: Tokens, window):

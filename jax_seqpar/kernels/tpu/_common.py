@@ -139,9 +139,9 @@ def masked(s, spec, rows: Tokens, cols: Tokens, *, rows_are_queries: bool):
     row_pos, row_seg = load(rows)
     col_pos, col_seg = load(cols)
     if rows_are_queries:
-        mask = masks.visible(spec, row_pos, col_pos, row_seg, col_seg)
+        mask = masks.visible(spec, Tokens(row_pos, row_seg), Tokens(col_pos, col_seg))
     else:
-        mask = masks.visible(spec, col_pos, row_pos, col_seg, row_seg)
+        mask = masks.visible(spec, Tokens(col_pos, col_seg), Tokens(row_pos, row_seg))
     return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
 
