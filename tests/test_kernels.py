@@ -259,7 +259,7 @@ def test_options_reject_other_tile_objects():
 
     q = jnp.zeros((1, 32, 2, 16))
     with pytest.raises(ValueError, match="is not a jax_seqpar.kernels.BlockSizes"):
-        Options.make(q, causal=True, window=None, scale=None, kernel="auto",
+        Options.make(q, masks.MaskSpec(causal=True), kernel="auto",
                      block_sizes=(128, 128, 128, 128))
 
 

@@ -13,7 +13,7 @@ from jax.sharding import PartitionSpec as P
 import checks
 import jax_seqpar as sp
 import kernel_cases as kc
-from jax_seqpar.core import reference
+from jax_seqpar.core import masks, reference
 
 B, S, H, D = 2, 64, 8, 16
 
@@ -110,7 +110,7 @@ def test_custom_ring_backward_matches_autodiff_of_plain_ring(causal, make_qkv):
 
     def plain(q, k, v, segment_ids):
         tokens = shard_tokens(q, axis_name=axes, segment_ids=segment_ids)
-        options = Options.make(q, causal=causal, window=None, scale=None, kernel="xla")
+        options = Options.make(q, masks.MaskSpec(causal=causal), kernel="xla")
         return _plain_scan_ring(q, k, v, tokens, axis_name=axes, options=options)
 
     def ours(q, k, v, segment_ids):

@@ -40,8 +40,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_seqpar.core import checks
+from jax_seqpar.core import checks, compat as _compat
 from jax_seqpar.core.masks import MaskSpec, Tokens
+from jax_seqpar.kernels import tiling
 
 F32 = jnp.float32
 #: Smallest tile the Triton (GPU) lowering takes; tiles there are powers of two.
@@ -168,7 +169,7 @@ def check_operands(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *,
                              f"{v.dtype=}; cast them first.")
     for name, tokens, shape in (("q", q_tokens, (batch, q_len)),
                                 ("kv", kv_tokens, (batch, kv_len))):
-        for field in ("positions", "segment_ids"):
+        for field in ("positions", "segment_ids", "bidirectional_ids"):
             x = getattr(tokens, field)
             if x is not None and x.shape != shape:
                 raise ValueError(f"{name}_tokens.{field} must have shape {shape}. Got {x.shape}.")
@@ -328,3 +329,83 @@ class Kernel(Protocol):
                   scale: float, softcap: Optional[float] = None,
                   block_sizes: Optional[BlockSizes] = None):
         """Differentiable :meth:`forward` (cotangents for ``out`` and ``lse``)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Options:
+    """The static options of one attention call (hashable, for custom_vjp).
+
+    Attributes:
+      spec: the mask (:class:`jax_seqpar.core.masks.MaskSpec`).
+      scale: score multiplier.
+      kernel: the kernel (see :func:`jax_seqpar.kernels.get`).
+      block_sizes: the tile sizes, or None for the kernel's defaults.
+      softcap: logit soft-cap (``softcap * tanh(s / softcap)``), or None.
+    """
+
+    spec: MaskSpec
+    scale: float
+    kernel: Kernel
+    block_sizes: Optional[BlockSizes] = None
+    softcap: Optional[float] = None
+
+    @classmethod
+    def make(cls, q, spec: MaskSpec, *, scale=None, kernel="auto", block_sizes=None,
+             softcap=None) -> "Options":
+        """The options of a call on queries ``q [..., Dqk]`` (for the default scale)."""
+        from jax_seqpar import kernels
+
+        scale = checks.scale(scale)
+        scale = q.shape[-1] ** -0.5 if scale is None else scale
+        module = kernels.get(kernel)
+        if block_sizes is not None and not isinstance(block_sizes, module.BlockSizes):
+            raise ValueError(
+                f"block_sizes={block_sizes!r} is not a jax_seqpar.kernels.BlockSizes, the tile "
+                f"sizes every kernel takes (kernel={kernel!r}); pass e.g. "
+                "BlockSizes(block_q=256, block_k=256), or None for the kernel's defaults.")
+        softcap = check_softcap(softcap)
+        return cls(spec, scale, module, block_sizes, softcap)
+
+    def _kwargs(self):
+        kwargs = dict(spec=self.spec, scale=self.scale, softcap=self.softcap)
+        if self.block_sizes is not None:
+            kwargs["block_sizes"] = self.block_sizes
+        return kwargs
+
+    def forward(self, q, k, v, q_tokens, kv_tokens, accumulate=None):
+        """The kernel's forward; with ``accumulate`` (the ``(out, lse)`` of earlier keys)
+        the result covers both (see :mod:`jax_seqpar.kernels.contract`), and a call whose
+        queries and keys share no document is skipped whole (:meth:`_unless_empty`)."""
+        kwargs = self._kwargs()
+        if accumulate is None:
+            return self.kernel.forward(q, k, v, q_tokens, kv_tokens, **kwargs)
+        return self._unless_empty(
+            lambda: self.kernel.forward(q, k, v, q_tokens, kv_tokens, accumulate=accumulate,
+                                        **kwargs),
+            accumulate, (q, k, v, q_tokens, kv_tokens))
+
+    def backward(self, q, k, v, q_tokens, kv_tokens, lse, delta, dout, accumulate=None):
+        """The kernel's backward (float32 ``(dq, dk, dv)``, plus ``accumulate``); with
+        ``accumulate``, skipped whole like :meth:`forward`."""
+        def call():
+            return self.kernel.backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout,
+                                        accumulate=accumulate, **self._kwargs())
+        if accumulate is None:
+            return call()
+        return self._unless_empty(call, accumulate, (q, k, v, q_tokens, kv_tokens))
+
+    def _unless_empty(self, call, accumulate, operands):
+        """``call()``, or ``accumulate`` unchanged when its queries and keys share no
+        document (:func:`jax_seqpar.kernels.tiling.any_visible`): a ring step whose K/V
+        shard holds none of this shard's documents costs no kernel. Only with segment
+        ids (the step test is a few tile summaries; other masks keep one kernel call)."""
+        q_tokens, kv_tokens = operands[3:]
+        if q_tokens.segment_ids is None or kv_tokens.segment_ids is None:
+            return call()
+        like = (operands, accumulate)
+        return jax.lax.cond(tiling.any_visible(self.spec, q_tokens, kv_tokens),
+                            lambda: _compat.match_varying(tuple(call()), like),
+                            lambda: _compat.match_varying(tuple(accumulate), like))
+
+    def attention(self, q, k, v, q_tokens, kv_tokens):
+        return self.kernel.attention(q, k, v, q_tokens, kv_tokens, **self._kwargs())

@@ -54,7 +54,9 @@ def padded_tokens(t: Tiling, q_tokens: Tokens, kv_tokens: Tokens):
         seg = tokens.segment_ids
         if seg is None:
             seg = jnp.zeros(tokens.positions.shape, jnp.int32)
-        return Tokens(pad_seq(tokens.positions, length), pad_seq(seg, length, PAD_SEGMENT))
+        bid = tokens.bidirectional_ids
+        return Tokens(pad_seq(tokens.positions, length), pad_seq(seg, length, PAD_SEGMENT),
+                      None if bid is None else pad_seq(bid, length))
 
     return pad(q_tokens, q_pad), pad(kv_tokens, kv_pad)
 

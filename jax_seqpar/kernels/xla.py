@@ -134,9 +134,14 @@ def _tokens_first(x):
     return jnp.moveaxis(x, -2, 1)
 
 
-def _tile_mask(spec, q_pos, q_seg, kv_pos, kv_seg):
+def _token_tile(tokens: Tokens, b, i, block) -> Tokens:
+    """Tile ``i`` of batch row ``b`` of every metadata field: ``[1, block]`` each."""
+    return jax.tree.map(lambda x: _tile(x, b, i, block), tokens)
+
+
+def _tile_mask(spec, q_tile: Tokens, kv_tile: Tokens):
     """``bool[B, 1, 1, bq, bk]`` for one tile pair (broadcasts over heads)."""
-    mask = masks.visible(spec, masks.rows(Tokens(q_pos, q_seg)), masks.cols(Tokens(kv_pos, kv_seg)))
+    mask = masks.visible(spec, masks.rows(q_tile), masks.cols(kv_tile))
     return None if mask is None else mask[:, None, None]
 
 
@@ -189,9 +194,8 @@ def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, block_sizes, softcap)
     def q_block(index, buffers):
         b, i = index // t.num_q, index % t.num_q
         q_tile = _heads_first(_tile(q, b, i, t.block_q))  # [1, Hkv, G, bq, D]
-        qp = _tile(q_tokens.positions, b, i, t.block_q)  # [1, bq]
-        qs = None if q_tokens.segment_ids is None else _tile(q_tokens.segment_ids, b, i,
-                                                             t.block_q)
+        qt = _token_tile(q_tokens, b, i, t.block_q)  # [1, bq] fields
+        qp = qt.positions
 
         def update(carry, k_tile, v_tile, mask):
             m, l, acc = carry  # [1, Hkv, G, bq], same, [1, Hkv, G, bq, Dv]
@@ -206,12 +210,11 @@ def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, block_sizes, softcap)
 
         def kv_block(j, carry):
             k_tile, v_tile = (_heads_first(_tile(x, b, j, t.block_k)) for x in (k, v))
-            kp = _tile(kv_tokens.positions, b, j, t.block_k)
-            ks = None if kv_tokens.segment_ids is None else _tile(
-                kv_tokens.segment_ids, b, j, t.block_k)
+            kt = _token_tile(kv_tokens, b, j, t.block_k)
+            kp = kt.positions
             branches = [
                 lambda c: c,
-                lambda c: update(c, k_tile, v_tile, _tile_mask(spec, qp, qs, kp, ks)),
+                lambda c: update(c, k_tile, v_tile, _tile_mask(spec, qt, kt)),
                 lambda c: update(c, k_tile, v_tile, None),
             ]
             branches[1:] = [_reported(b, qp, kp, f) for f in branches[1:]]
@@ -279,9 +282,7 @@ def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, bl
         b, j = index // t.num_k, index % t.num_k
         # [1, Hkv, bk, D] each
         k_tile, v_tile = (_heads_first(_tile(x, b, j, t.block_k)) for x in (k, v))
-        kp = _tile(kv_tokens.positions, b, j, t.block_k)
-        ks = None if kv_tokens.segment_ids is None else _tile(kv_tokens.segment_ids, b, j,
-                                                              t.block_k)
+        kt = _token_tile(kv_tokens, b, j, t.block_k)
 
         def grads(carry, q_tile, do_tile, lse_tile, delta_tile, mask):
             dk, dv = carry
@@ -301,13 +302,11 @@ def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, bl
             q_tile, do_tile = (_heads_first(_tile(x, b, i, t.block_q)) for x in (q, dout))
             lse_tile, delta_tile = (jnp.moveaxis(_tile(x, b, i, t.block_q), 1, -1)
                                     for x in (lse, delta))  # [1, Hkv, G, bq]
-            qp = _tile(q_tokens.positions, b, i, t.block_q)
-            qs = None if q_tokens.segment_ids is None else _tile(q_tokens.segment_ids, b, i,
-                                                                 t.block_q)
+            qt = _token_tile(q_tokens, b, i, t.block_q)
             branches = [
                 lambda c: (c, jnp.zeros_like(q_tile)),
                 lambda c: grads(c, q_tile, do_tile, lse_tile, delta_tile,
-                                _tile_mask(spec, qp, qs, kp, ks)),
+                                _tile_mask(spec, qt, kt)),
                 lambda c: grads(c, q_tile, do_tile, lse_tile, delta_tile, None),
             ]
             branches = [lambda c, f=f: _compat.match_varying(f(c), (q, k)) for f in branches]

@@ -94,7 +94,7 @@ def decode_attention(q, k_cache, v_cache, *, seq_axes, kv_length, scale=None, ke
         raise ValueError(f"kv_length must have shape [batch]=({batch},). "
                          f"Got {tuple(kv_length.shape)}.")
     check_ids("kv_positions", kv_positions, batch, k_cache.shape[1])
-    options = Options.make(q, causal=True, window=window, scale=scale, kernel=kernel,
+    options = Options.make(q, masks.MaskSpec.make(True, window), scale=scale, kernel=kernel,
                            block_sizes=block_sizes, softcap=softcap)
     kv_length = kv_length.astype(jnp.int32)
     if kv_positions is None:

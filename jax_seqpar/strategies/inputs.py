@@ -7,15 +7,12 @@ entry point, global or per shard, reaches them through the functions here.
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-from jax_seqpar.core import checks, compat as _compat, layout, masks
-from jax_seqpar.kernels import tiling
-from jax_seqpar.kernels.contract import BlockSizes, Kernel, check_softcap
+from jax_seqpar.core import checks, layout, masks
+from jax_seqpar.kernels.contract import Options, check_softcap
 
 
 def check_qkv(q, k, v) -> None:
@@ -85,86 +82,6 @@ def check_options(*, causal, window, scale, softcap) -> None:
     check_softcap(softcap)
 
 
-@dataclasses.dataclass(frozen=True)
-class Options:
-    """The static options of one attention call (hashable, for custom_vjp).
-
-    Attributes:
-      spec: causal / window mask.
-      scale: score multiplier.
-      kernel: the kernel (see :func:`jax_seqpar.kernels.get`).
-      block_sizes: the tile sizes, or None for the kernel's defaults.
-      softcap: logit soft-cap (``softcap * tanh(s / softcap)``), or None.
-    """
-
-    spec: masks.MaskSpec
-    scale: float
-    kernel: Kernel
-    block_sizes: Optional[BlockSizes] = None
-    softcap: Optional[float] = None
-
-    @classmethod
-    def make(cls, q, *, causal, window, scale, kernel, block_sizes=None,
-             softcap=None) -> "Options":
-        from jax_seqpar import kernels
-
-        causal = checks.flag("causal", causal)
-        scale = checks.scale(scale)
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        module = kernels.get(kernel)
-        if block_sizes is not None and not isinstance(block_sizes, module.BlockSizes):
-            raise ValueError(
-                f"block_sizes={block_sizes!r} is not a jax_seqpar.kernels.BlockSizes, the tile "
-                f"sizes every kernel takes (kernel={kernel!r}); pass e.g. "
-                "BlockSizes(block_q=256, block_k=256), or None for the kernel's defaults.")
-        softcap = check_softcap(softcap)
-        return cls(masks.MaskSpec.make(causal, window), scale, module, block_sizes, softcap)
-
-    def _kwargs(self):
-        kwargs = dict(spec=self.spec, scale=self.scale, softcap=self.softcap)
-        if self.block_sizes is not None:
-            kwargs["block_sizes"] = self.block_sizes
-        return kwargs
-
-    def forward(self, q, k, v, q_tokens, kv_tokens, accumulate=None):
-        """The kernel's forward; with ``accumulate`` (the ``(out, lse)`` of earlier keys)
-        the result covers both (see :mod:`jax_seqpar.kernels.contract`), and a call whose
-        queries and keys share no document is skipped whole (:meth:`_unless_empty`)."""
-        kwargs = self._kwargs()
-        if accumulate is None:
-            return self.kernel.forward(q, k, v, q_tokens, kv_tokens, **kwargs)
-        return self._unless_empty(
-            lambda: self.kernel.forward(q, k, v, q_tokens, kv_tokens, accumulate=accumulate,
-                                        **kwargs),
-            accumulate, (q, k, v, q_tokens, kv_tokens))
-
-    def backward(self, q, k, v, q_tokens, kv_tokens, lse, delta, dout, accumulate=None):
-        """The kernel's backward (float32 ``(dq, dk, dv)``, plus ``accumulate``); with
-        ``accumulate``, skipped whole like :meth:`forward`."""
-        def call():
-            return self.kernel.backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout,
-                                        accumulate=accumulate, **self._kwargs())
-        if accumulate is None:
-            return call()
-        return self._unless_empty(call, accumulate, (q, k, v, q_tokens, kv_tokens))
-
-    def _unless_empty(self, call, accumulate, operands):
-        """``call()``, or ``accumulate`` unchanged when its queries and keys share no
-        document (:func:`jax_seqpar.kernels.tiling.any_visible`): a ring step whose K/V
-        shard holds none of this shard's documents costs no kernel. Only with segment
-        ids (the step test is a few tile summaries; other masks keep one kernel call)."""
-        q_tokens, kv_tokens = operands[3:]
-        if q_tokens.segment_ids is None or kv_tokens.segment_ids is None:
-            return call()
-        like = (operands, accumulate)
-        return jax.lax.cond(tiling.any_visible(self.spec, q_tokens, kv_tokens),
-                            lambda: _compat.match_varying(tuple(call()), like),
-                            lambda: _compat.match_varying(tuple(accumulate), like))
-
-    def attention(self, q, k, v, q_tokens, kv_tokens):
-        return self.kernel.attention(q, k, v, q_tokens, kv_tokens, **self._kwargs())
-
-
 def shard_tokens(q, *, axis_name, segment_ids=None, positions=None) -> masks.Tokens:
     """Metadata of this shard's tokens; positions default to the contiguous split.
 
@@ -221,8 +138,8 @@ def prepare(q, k, v, *, axis_name, causal, segment_ids, positions, window, scale
         kv_segment_ids = check_ids("kv_segment_ids", kv_segment_ids, *q.shape[:2],
                                    segments=True)
         kv_tokens = masks.Tokens(q_tokens.positions, jnp.asarray(kv_segment_ids))
-    options = Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
-                           block_sizes=block_sizes, softcap=softcap)
+    options = Options.make(q, masks.MaskSpec.make(checks.flag("causal", causal), window),
+                           scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap)
     return q_tokens, kv_tokens, options
 
 

@@ -19,7 +19,8 @@ from jax.sharding import AxisType, PartitionSpec as P
 from jax_seqpar import kernels
 from jax_seqpar.strategies.inputs import (Options, check_ids, check_options, check_qkv,
                                           empty_result)
-from jax_seqpar.core.masks import Tokens, normalize_window
+from jax_seqpar.core import checks
+from jax_seqpar.core.masks import MaskSpec, Tokens, normalize_window
 from jax_seqpar.core.merge import check_sinks, with_sinks
 
 
@@ -78,8 +79,9 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
         out, lse = empty_result(q, v, True)
         lse = with_sinks(out, lse, sinks)[1]
         return (out, lse) if return_lse else out
-    options = Options.make(q, causal=causal, window=window, scale=scale, kernel=kernel,
-                           block_sizes=block_sizes, softcap=softcap)  # refuses bad options
+    options = Options.make(q, MaskSpec.make(checks.flag("causal", causal), window),
+                           scale=scale, kernel=kernel, block_sizes=block_sizes,
+                           softcap=softcap)  # refuses bad options
     call = _Local(causal=options.spec.causal, window=normalize_window(window),
                   scale=options.scale, kernel=kernel, block_sizes=block_sizes,
                   softcap=options.softcap)
@@ -109,7 +111,7 @@ def _staged(q, k, v, segment_ids, kv_segment_ids, positions, kv_positions, sinks
     kv_len = k.shape[1]
     q_tokens = _tokens(positions, segment_ids, batch, q_len)
     kv_tokens = _tokens(kv_positions, kv_segment_ids, batch, kv_len)
-    options = Options.make(q, causal=call.causal, window=call.window, scale=call.scale,
+    options = Options.make(q, MaskSpec.make(call.causal, call.window), scale=call.scale,
                            kernel=call.kernel, block_sizes=call.block_sizes,
                            softcap=call.softcap)
 
