@@ -93,7 +93,7 @@ def dump(args):
                                                         true=True)[args.overlap])
                 else:
                     program = bench_target.compile_strategy(
-                        target, strategy, axes, shape, args.kernel,
+                        target, bench.Case(strategy, axes, shape, args.kernel),
                         backward=mode == "fwd_bwd")[mode]
                 with open(path + ".hlo", "w") as f:
                     f.write(program.compiled.as_text())

@@ -76,7 +76,7 @@ def measure(candidate: predict.Candidate, shape, runs: int) -> float:
     seq_len, heads, kv_heads, head_dim, causal = shape
     bench_shape = LayerShape(batch=1, seq_len=seq_len, num_heads=heads, num_kv_heads=kv_heads,
                              head_dim=head_dim, dtype="float32", causal=causal)
-    _, forward_and_vjp = bench.build(candidate.strategy, mesh, bench_shape)
+    _, forward_and_vjp = bench.build(bench.Case(candidate.strategy, dict(zip(mesh.axis_names, mesh.devices.shape)), bench_shape), mesh)
     sharding = NamedSharding(mesh, P(None, tuple(axes)))
     zigzag = bench.layout_for(candidate.strategy, bench_shape) == "zigzag"
     args = [jax.random.normal(key, size, bench_shape.dtype) for key, size in

@@ -155,8 +155,8 @@ def test_strategy_compiles(target, strategy):
     """Every strategy compiled for each target, forward and forward + vjp, spills being
     errors; each program compiled once (a compile is most of the gate's time) and
     checked by each of the checks below."""
-    programs = bench_target.compile_strategy(target, strategy, MESHES[strategy], SHAPE,
-                                             fail_on_spills=True)
+    programs = bench_target.compile_strategy(
+        target, bench.Case(strategy, MESHES[strategy], SHAPE, "auto"), fail_on_spills=True)
     for mode, program in programs.items():
         _kernels_are_called(target, mode, program.compiled)
         if target == TPU:

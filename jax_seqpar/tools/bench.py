@@ -99,7 +99,19 @@ def layout_for(strategy: str, shape: LayerShape) -> str:
     return registry.default_layout(strategy, shape.causal)
 
 
-def build(strategy: str, mesh, shape: LayerShape, kernel: str = "xla"):
+@dataclasses.dataclass(frozen=True)
+class Case:
+    """One configuration the bench compiles: a strategy over mesh ``axes`` (``{name:
+    size}``, outer first) on a layer ``shape`` with a ``kernel`` (a name of
+    :data:`KERNELS`)."""
+
+    strategy: str
+    axes: dict
+    shape: LayerShape
+    kernel: str = "xla"
+
+
+def build(case: Case, mesh):
     """``(forward, forward_and_vjp)`` on global arrays already in the strategy's layout.
 
     ``forward(q, k, v) -> out [B, S, H, Dv]``; ``forward_and_vjp(q, k, v, dout) ->
@@ -107,15 +119,18 @@ def build(strategy: str, mesh, shape: LayerShape, kernel: str = "xla"):
     """
     axes = tuple(mesh.axis_names)
     axis_name = api.axis_name_of(axes)
-    attend, order = api.per_shard_fn(strategy, axes), layout_for(strategy, shape)
+    attend = api.per_shard_fn(case.strategy, axes)
+    order = layout_for(case.strategy, case.shape)
 
     def body(q, k, v):  # [B, S/P, H, D] each
         positions = layout.shard_positions(order, q.shape[1], axis_name=axis_name)  # [S/P]
         positions = jnp.broadcast_to(positions, q.shape[:2])  # [B, S/P]
-        return attend(q, k, v, causal=shape.causal, positions=positions, kernel=kernel)
+        return attend(q, k, v, causal=case.shape.causal, positions=positions,
+                      kernel=case.kernel)
 
     forward = jax.shard_map(body, mesh=mesh, in_specs=(P(None, axis_name),) * 3,
-                            out_specs=P(None, axis_name), check_vma=api.can_check_vma(kernel))
+                            out_specs=P(None, axis_name),
+                            check_vma=api.can_check_vma(case.kernel))
 
     def forward_and_vjp(q, k, v, dout):  # a given cotangent: no loss reduction in the program
         out, vjp = jax.vjp(forward, q, k, v)
@@ -124,17 +139,16 @@ def build(strategy: str, mesh, shape: LayerShape, kernel: str = "xla"):
     return forward, forward_and_vjp
 
 
-def compile_strategy(strategy: str, axes: dict, shape: LayerShape, kernel: str = "xla"):
-    """Compiles without running: ``(mesh, compiled_forward, compiled_forward_and_vjp)``.
-
-    ``axes`` is ``{name: size}`` (outer first) over the first devices of ``jax.devices()``.
-    """
+def compile_strategy(case: Case):
+    """Compiles without running: ``(mesh, compiled_forward, compiled_forward_and_vjp)``,
+    over the first devices of ``jax.devices()``."""
+    axes = case.axes
     devices = np.array(jax.devices()[:math.prod(axes.values())])
     mesh = Mesh(devices.reshape(tuple(axes.values())), tuple(axes))
     sharding = NamedSharding(mesh, P(None, tuple(axes)))
-    forward, forward_and_vjp = build(strategy, mesh, shape, kernel)
-    args = [jax.ShapeDtypeStruct(size, shape.dtype, sharding=sharding)
-            for size in shape.operand_shapes()]
+    forward, forward_and_vjp = build(case, mesh)
+    args = [jax.ShapeDtypeStruct(size, case.shape.dtype, sharding=sharding)
+            for size in case.shape.operand_shapes()]
     return (mesh, jax.jit(forward).lower(*args[:3]).compile(),
             jax.jit(forward_and_vjp).lower(*args).compile())
 
@@ -146,7 +160,7 @@ def costs(strategy: str, axes: dict, shape: LayerShape, compiled=None) -> dict:
     ``compiled``: the programs of :func:`compile_strategy` (compiled here if None).
     On CPU the model counts 16-bit elements as 4 bytes, as XLA:CPU sends them.
     """
-    fwd, fwd_bwd = compiled or compile_strategy(strategy, axes, shape)[1:]
+    fwd, fwd_bwd = compiled or compile_strategy(Case(strategy, axes, shape))[1:]
     if jax.default_backend() == "cpu" and shape.dtype_bytes < 4:
         shape = shape.replace(dtype="float32")  # what goes on XLA:CPU's wire
     sizes = tuple(axes.values())
@@ -195,7 +209,8 @@ def median_ms(compiled, args, warmup: int, runs: int):
 
 
 def configurations(shapes, meshes, strategies, kernels):
-    """``(todo, skipped, plans)``: what runs, what cannot (and why), plan's choices."""
+    """``(todo, skipped, plans)``: what runs (``(Case, planned strategy)`` pairs), what
+    cannot (and why), plan's choices."""
     for name, given, known in (("strategy", strategies, STRATEGIES), ("kernel", kernels, KERNELS)):
         if not given or set(given) - set(known):
             raise ValueError(f"{name} names must be some of {known}. Got {list(given)}.")
@@ -212,13 +227,13 @@ def configurations(shapes, meshes, strategies, kernels):
             chosen = plan.plan_layer(shape.replace(backward=True), axes)
             where = dict(seq_len=shape.seq_len, mesh=mesh_label(axes))
             plans.append(dict(where, strategy=chosen.strategy, reason=chosen.reason))
-            for kernel in kernels:
+            for name in kernels:
                 for strategy in strategies:
                     reason = skip_reason(strategy, axes, shape, one_axis)
                     if reason is None:
-                        todo.append((shape, axes, kernel, strategy, chosen.strategy))
+                        todo.append((Case(strategy, axes, shape, name), chosen.strategy))
                     else:
-                        skipped.append(dict(where, strategy=strategy, kernel=kernel,
+                        skipped.append(dict(where, strategy=strategy, kernel=name,
                                             reason=reason))
     if not todo:
         raise ValueError("nothing to run: " + "; ".join(
@@ -263,9 +278,9 @@ def run(shape: LayerShape = DEFAULT_SHAPE, meshes: Sequence = DEFAULT_MESHES, *,
                          f"before JAX starts.")
     todo, skipped, plans = configurations(shapes, meshes, strategies, kernels)
     rows, references = [], {}
-    for shape_, axes, kernel, strategy, chosen in tqdm(todo, desc="bench", disable=not progress,
-                                                       file=sys.stderr):
-        mesh, *compiled = compile_strategy(strategy, axes, shape_, kernel)
+    for case, chosen in tqdm(todo, desc="bench", disable=not progress, file=sys.stderr):
+        shape_, axes, strategy = case.shape, case.axes, case.strategy
+        mesh, *compiled = compile_strategy(case)
         shards, zigzag = mesh.devices.size, layout_for(strategy, shape_) == "zigzag"
         natural = [jax.random.normal(key, size, shape_.dtype) for key, size in
                    zip(jax.random.split(jax.random.key(0), 4), shape_.operand_shapes())]
@@ -274,7 +289,8 @@ def run(shape: LayerShape = DEFAULT_SHAPE, meshes: Sequence = DEFAULT_MESHES, *,
         fwd_ms, out = median_ms(compiled[0], args[:3], warmup, runs)
         fwd_bwd_ms, (_, grads) = median_ms(compiled[1], args, warmup, runs)
         row = dict(seq_len=shape_.seq_len, mesh=mesh_label(axes), strategy=strategy,
-                   kernel=kernel, layout="zigzag" if zigzag else "contiguous", fwd_ms=fwd_ms,
+                   kernel=case.kernel, layout="zigzag" if zigzag else "contiguous",
+                   fwd_ms=fwd_ms,
                    fwd_bwd_ms=fwd_bwd_ms, **costs(strategy, axes, shape_, compiled),
                    err_out=None, err_grad=None, planned=strategy == chosen)
         if check:

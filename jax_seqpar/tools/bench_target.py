@@ -43,23 +43,23 @@ def default_meshes(num_devices: int) -> list[dict]:
     return meshes
 
 
-def compile_strategy(target: str, strategy: str, axes: dict, shape: LayerShape,
-                     kernel: str = "auto", *, backward: Optional[bool] = None,
+def compile_strategy(target: str, case: bench.Case, *, backward: Optional[bool] = None,
                      fail_on_spills: bool = False, kernel_resources: bool = False):
-    """``{"fwd": aot.Compiled, "fwd_bwd": aot.Compiled}`` of ``strategy`` on ``target``.
+    """``{"fwd": aot.Compiled, "fwd_bwd": aot.Compiled}`` of ``case`` on ``target``.
 
-    ``axes`` is ``{name: size}`` (outer first; product: the target's devices);
+    ``case.axes`` is ``{name: size}`` (outer first; product: the target's devices);
     ``backward``: only the forward (False), only forward + vjp (True), or both (None).
     Compiled with the strategy's :func:`jax_seqpar.tools.targets.compile_options`.
     """
+    axes = case.axes
     mesh = targets.target_mesh(target, tuple(axes), tuple(axes.values()))
-    forward, forward_and_vjp = bench.build(strategy, mesh, shape, kernel)
+    forward, forward_and_vjp = bench.build(case, mesh)
     sharding = NamedSharding(mesh, P(None, tuple(axes)))
-    args = [jax.ShapeDtypeStruct(size, shape.dtype, sharding=sharding)
-            for size in shape.operand_shapes()]
+    args = [jax.ShapeDtypeStruct(size, case.shape.dtype, sharding=sharding)
+            for size in case.shape.operand_shapes()]
     platform = targets.target_platform(target)
     options = dict(fail_on_spills=fail_on_spills, kernel_resources=kernel_resources,
-                   compiler_options=targets.compile_options(platform, strategy))
+                   compiler_options=targets.compile_options(platform, case.strategy))
     programs = {}
     if backward is not True:
         programs["fwd"] = aot.compile_for(forward, args[:3], platform, **options)
@@ -99,14 +99,13 @@ def measure_program(program: aot.Compiled, model_bytes: float) -> dict:
                     name: dataclasses.asdict(r) for name, r in program.kernels.items()})
 
 
-def _configurations(target: str, shapes, meshes, strategies, kernel: str):
-    """``(todo, skipped, plans)`` over ``shapes x meshes x strategies`` (see bench)."""
+def _check_meshes(target: str, meshes) -> None:
+    """``ValueError`` unless every mesh spans all of ``target``'s devices."""
     devices = targets.parse(target).num_devices
     for axes in meshes:
         if math.prod(axes.values()) != devices:
             raise ValueError(f"mesh {bench.mesh_label(axes)} has {math.prod(axes.values())} "
                              f"devices but target {target!r} has {devices}.")
-    return bench.configurations(shapes, meshes, strategies, [kernel])
 
 
 def run_target(shape: LayerShape, target: str, meshes: Optional[Sequence] = None, *,
@@ -133,25 +132,27 @@ def run_target(shape: LayerShape, target: str, meshes: Optional[Sequence] = None
     meshes = [bench.parse_mesh(m) if isinstance(m, str) else dict(m)
               for m in meshes or default_meshes(parsed.num_devices)]
     shapes = [shape.replace(seq_len=int(s)) for s in seq_lens or [shape.seq_len]]
-    todo, skipped, plans = _configurations(target, shapes, meshes, strategies, kernel)
+    _check_meshes(target, meshes)
+    todo, skipped, plans = bench.configurations(shapes, meshes, strategies, [kernel])
     rows = []
-    for shape_, axes, _, strategy, chosen in tqdm(todo, desc=f"compile for {target}",
-                                                  disable=not progress, file=sys.stderr):
-        programs = compile_strategy(target, strategy, axes, shape_, kernel,
-                                    kernel_resources=parsed.platform == "cuda")
+    for case, chosen in tqdm(todo, desc=f"compile for {target}", disable=not progress,
+                             file=sys.stderr):
+        programs = compile_strategy(target, case, kernel_resources=parsed.platform == "cuda")
+        shape_, axes, strategy = case.shape, case.axes, case.strategy
         rows.append(dict(
             seq_len=shape_.seq_len, mesh=bench.mesh_label(axes), strategy=strategy,
-            kernel=kernel, layout=bench.layout_for(strategy, shape_), planned=strategy == chosen,
+            kernel=case.kernel, layout=bench.layout_for(strategy, shape_),
+            planned=strategy == chosen,
             **{mode: measure_program(program, _model(strategy, axes, shape_, mode != "fwd"))
                for mode, program in programs.items()}))
     return dict(target=target, platform=parsed.platform, shape=dataclasses.asdict(shape),
-                rows=rows, skipped=skipped, plans=plans, notes=_notes(parsed, kernel))
+                rows=rows, skipped=skipped, plans=plans, notes=_notes(parsed, todo))
 
 
-def _notes(parsed: targets.Target, kernel: str) -> list[str]:
+def _notes(parsed: targets.Target, todo) -> list[str]:
     notes = [f"compiled for {parsed.name}, not run: memory is XLA's memory_analysis per "
              "device, bytes are read from the compiled HLO."]
-    if parsed.platform == "tpu" and kernel == "auto":
+    if parsed.platform == "tpu" and any(case.kernel == "auto" for case, _ in todo):
         notes.append("kernel=auto lowers to the Mosaic kernel on TPU (the XLA kernel for "
                      "float16).")
     return notes
@@ -179,10 +180,10 @@ def _longest_fitting(fits, granule: int, start: int, limit: int) -> int:
     return low
 
 
-def max_seq(target: str, strategy: str, axes: dict, shape: LayerShape, *,
-            backward: bool, kernel: str = "auto", reserve: float = DEFAULT_RESERVE,
-            limit: int = 2**24) -> dict:
-    """The longest sequence ``strategy`` fits on ``target``, by compiling and bisecting.
+def max_seq(target: str, case: bench.Case, *, backward: bool,
+            reserve: float = DEFAULT_RESERVE, limit: int = 2**24) -> dict:
+    """The longest sequence ``case`` (its strategy, mesh, kernel and layer, at any length)
+    fits on ``target``, by compiling and bisecting.
 
     A length fits when :func:`footprint_bytes` of the compiled forward (or forward
     + vjp with ``backward``) is at most ``(1 - reserve)`` of a device's HBM (a
@@ -202,14 +203,14 @@ def max_seq(target: str, strategy: str, axes: dict, shape: LayerShape, *,
     if not 0 <= reserve < 1:
         raise ValueError(f"reserve={reserve} must be a fraction in [0, 1).")
     budget = (1 - reserve) * parsed.hbm_bytes
-    granule = 2 * math.prod(axes.values()) * 128
+    granule = 2 * math.prod(case.axes.values()) * 128
     mode = "fwd_bwd" if backward else "fwd"
     footprints = {}
 
     def fits(seq_len):
-        sized = shape.replace(seq_len=seq_len)
+        sized = dataclasses.replace(case, shape=case.shape.replace(seq_len=seq_len))
         try:
-            program = compile_strategy(target, strategy, axes, sized, kernel, backward=backward)
+            program = compile_strategy(target, sized, backward=backward)
         except jax.errors.JaxRuntimeError as error:  # XLA:TPU refuses programs over HBM
             if "RESOURCE_EXHAUSTED" not in str(error):
                 raise
@@ -218,7 +219,7 @@ def max_seq(target: str, strategy: str, axes: dict, shape: LayerShape, *,
         footprints[seq_len] = footprint_bytes(program[mode].compiled)
         return footprints[seq_len] <= budget
 
-    best = _longest_fitting(fits, granule, shape.seq_len, limit)
+    best = _longest_fitting(fits, granule, case.shape.seq_len, limit)
     return dict(max_seq=best, footprint_bytes=footprints.get(best), budget_bytes=budget,
                 compiles=len(footprints))
 
@@ -232,15 +233,15 @@ def run_max_seq(shape: LayerShape, target: str, meshes: Optional[Sequence] = Non
     parsed = targets.parse(target)
     meshes = [bench.parse_mesh(m) if isinstance(m, str) else dict(m)
               for m in meshes or default_meshes(parsed.num_devices)]
-    todo, skipped, _ = _configurations(target, [shape], meshes, strategies, kernel)
+    _check_meshes(target, meshes)
+    todo, skipped, _ = bench.configurations([shape], meshes, strategies, [kernel])
     rows = []
-    for _, axes, _, strategy, _ in tqdm(todo, desc=f"max seq on {target}",
-                                        disable=not progress, file=sys.stderr):
-        row = dict(mesh=bench.mesh_label(axes), strategy=strategy, kernel=kernel)
+    for case, _ in tqdm(todo, desc=f"max seq on {target}", disable=not progress,
+                        file=sys.stderr):
+        row = dict(mesh=bench.mesh_label(case.axes), strategy=case.strategy, kernel=case.kernel)
         for mode, backward in (("fwd", False), ("fwd_bwd", True)):
-            row[mode] = max_seq(target, strategy, axes, shape, backward=backward, kernel=kernel,
-                                reserve=reserve)
+            row[mode] = max_seq(target, case, backward=backward, reserve=reserve)
         rows.append(row)
     return dict(target=target, platform=parsed.platform, shape=dataclasses.asdict(shape),
                 hbm_bytes=parsed.hbm_bytes, reserve=reserve, rows=rows, skipped=skipped,
-                notes=_notes(parsed, kernel))
+                notes=_notes(parsed, todo))
