@@ -56,20 +56,15 @@ SIGNATURE_BITS = 32
 MAX_WINDOW = 2**32 - 1
 
 
-def _window_side(window, side):
-    if isinstance(side, (bool, np.bool_)) or isinstance(side, (float, np.floating)):
-        side = None  # True is not a length, and 2.5 tokens are none
-    else:
-        try:
-            side = operator.index(side)  # ints, numpy ints, concrete integer 0-d arrays
-        except TypeError:
-            side = None
-    if side is None:
-        raise ValueError(f"window sides must be whole numbers of tokens (ints): window=k or "
-                         f"(left, right). Got {window=}.")
-    if side < 0:
-        raise ValueError(f"window sides must be >= 0. Got {window=}.")
-    return min(side, MAX_WINDOW)
+def _whole(number) -> Optional[int]:
+    """``number`` as a Python int if it is a whole number of tokens (ints, numpy ints,
+    concrete integer 0-d arrays), else None: True is not a length, and 2.5 tokens are none."""
+    if isinstance(number, (bool, np.bool_, float, np.floating)):
+        return None
+    try:
+        return operator.index(number)
+    except TypeError:
+        return None
 
 
 def normalize_window(window: Union[None, int, tuple[int, int]]) -> Optional[tuple[int, int]]:
@@ -85,7 +80,13 @@ def normalize_window(window: Union[None, int, tuple[int, int]]) -> Optional[tupl
         window = (window, window)
     elif len(window) != 2:
         raise ValueError(f"window must be an int or a (left, right) pair. Got {window!r}.")
-    return tuple(_window_side(window, side) for side in window)
+    sides = tuple(_whole(side) for side in window)
+    if None in sides:
+        raise ValueError(f"window sides must be whole numbers of tokens (ints): window=k or "
+                         f"(left, right). Got window={window!r}.")
+    if min(sides) < 0:
+        raise ValueError(f"window sides must be >= 0. Got window={window!r}.")
+    return tuple(min(side, MAX_WINDOW) for side in sides)
 
 
 def shifted(x, by: int):
@@ -112,13 +113,7 @@ def normalize_chunk_size(chunk_size) -> Optional[int]:
     """``None`` or a positive int number of tokens (``ValueError`` otherwise)."""
     if chunk_size is None:
         return None
-    if isinstance(chunk_size, (bool, np.bool_, float, np.floating)):
-        value = None
-    else:
-        try:
-            value = operator.index(chunk_size)
-        except TypeError:
-            value = None
+    value = _whole(chunk_size)
     if value is None or value <= 0:
         raise ValueError(f"chunk_size must be a positive int number of tokens (Llama 4 uses "
                          f"8192), or None for no chunks. Got {chunk_size=!r}.")
