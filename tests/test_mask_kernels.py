@@ -32,11 +32,12 @@ from kernel_cases import Case
 
 FAMILIES = [
     pytest.param(Case(q_len=48, causal=True, chunk_size=11), id="chunked_causal"),
-    pytest.param(Case(q_len=40, chunk_size=11), id="chunked_noncausal"),
+    # Whole tiles, no documents: only the static fields (spec.bounded) say "mask".
+    pytest.param(Case(q_len=48, chunk_size=11), id="chunked_noncausal"),
     pytest.param(Case(q_len=48, causal=True, segments=True, bidirectional="prefix"),
                  id="prefix_lm_documents"),
     pytest.param(Case(q_len=48, causal=True, bidirectional="spans"), id="vlm_spans"),
-    pytest.param(Case(q_len=40, mask_fn=kc.stripes), id="mask_fn"),
+    pytest.param(Case(q_len=48, mask_fn=kc.stripes), id="mask_fn"),
     pytest.param(Case(q_len=40, heads=4, kv_heads=2, causal=True, segments=True,
                       mask_fn=kc.skewed), id="mask_fn_skewed_gqa_documents"),
     pytest.param(Case(q_len=37, heads=4, kv_heads=1, causal=True, segments=True,
