@@ -219,3 +219,41 @@ def test_options_skip_calls_with_no_visible_pair(family):
     ran, calls = _calls(options, q, k, v, q_tokens, near, accumulate)
     assert calls == 1
     assert not np.allclose(ran[0], accumulate[0])
+
+
+# --- lowering --------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("kernel", [pytest.param("pallas", marks=pytest.mark.matrix), "mosaic"])
+def test_new_masks_lower_for_the_accelerator(kernel):
+    """Forward and both backward kernels with documents and bidirectional ids (Triton:
+    chunks and a mask_fn too) lower to Triton (CUDA) and Mosaic (TPU) without the
+    device: the extra metadata rides in BlockSpecs the lowerings take. (Mosaic lowers
+    integer floor division and remainder by the TPU generation, which a CPU host
+    without a TPU topology lacks; chunks and mask_fn run interpreted above.)"""
+    seq, platform = (200, "cuda") if kernel == "pallas" else (256, "tpu")
+    q = jax.ShapeDtypeStruct((1, seq, 4, 64), jnp.bfloat16)
+    kv = jax.ShapeDtypeStruct((1, seq, 2, 64), jnp.bfloat16)
+    ids = jax.ShapeDtypeStruct((1, seq), jnp.int32)
+    spec = (MaskSpec.make(True, chunk_size=100, mask_fn=kc.skewed) if kernel == "pallas"
+            else MaskSpec.make(True, window=(100, 0)))
+
+    def grads(q, k, v, positions, segments, bidirectional):
+        tokens = Tokens(positions, segments, bidirectional)
+        options = Options.make(q, spec, kernel=kernel)
+
+        def loss(q, k, v):
+            out, lse = options.attention(q, k, v, tokens, tokens)
+            return out.astype(jnp.float32).sum() + lse.sum()
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    if kernel == "pallas":
+        text = jax.export.export(jax.jit(grads), platforms=[platform], disabled_checks=[
+            jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(
+            q, kv, kv, ids, ids, ids).mlir_module()
+        call = "__gpu$xla.gpu.triton"
+    else:  # as test_mosaic.py: lowered for TPU from the CPU host
+        text = jax.jit(grads).trace(q, kv, kv, ids, ids, ids).lower(
+            lowering_platforms=(platform,)).as_text()
+        call = "tpu_custom_call"
+    assert text.count(call) >= 3, text.count(call)
