@@ -35,6 +35,7 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from jax_seqpar.kernels.contract import Options  # noqa: E402
 from jax_seqpar.kernels.gpu import pallas  # noqa: E402
 from jax_seqpar.core.masks import MaskSpec, Tokens  # noqa: E402
 
@@ -127,11 +128,10 @@ def attention_grads(spec: MaskSpec, block_sizes, interpret=None):
 
     def grads(q, k, v, positions):
         tokens = Tokens(positions)
-        sizes = {} if block_sizes is None else {"block_sizes": block_sizes}
+        options = Options.make(q, spec, kernel="pallas", block_sizes=block_sizes)
 
         def loss(q, k, v):
-            out, lse = pallas.attention(q, k, v, tokens, tokens, spec=spec,
-                                        scale=q.shape[-1] ** -0.5, interpret=interpret, **sizes)
+            out, lse = pallas.attention(q, k, v, tokens, tokens, options, interpret=interpret)
             return out.sum() + lse.sum()
 
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax_seqpar.kernels.gpu import pallas
 from jax_seqpar.kernels import xla
 from jax_seqpar.core.masks import MaskSpec, Tokens
+from jax_seqpar.kernels.contract import Options
 
 CPU_MAX_SEQ = 1024
 IMPLEMENTATIONS = ("pallas", "cudnn", "xla")
@@ -48,7 +49,8 @@ def _attention_fn(impl: str, causal: bool, seq: int, batch: int):
     spec = MaskSpec.make(causal=causal)
 
     def fn(q, k, v):
-        out, _ = module.attention(q, k, v, tokens, tokens, spec=spec, scale=q.shape[-1] ** -0.5)
+        out, _ = module.attention(q, k, v, tokens, tokens,
+                                  Options(spec, q.shape[-1] ** -0.5, module))
         return out.astype(q.dtype)
 
     return fn

@@ -95,16 +95,16 @@ def kernel_fn(module_name, *, causal=True, block_sizes=None):
     """Forward+backward of one kernel call on ``[B, S, H, D]`` inputs."""
     from jax_seqpar import kernels
     from jax_seqpar.core.masks import MaskSpec, Tokens
+    from jax_seqpar.kernels.contract import Options
 
     module = kernels.get(module_name)
-    extra = {} if block_sizes is None else {"block_sizes": block_sizes}
 
     def fn(q, k, v):
         tokens = Tokens(jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2]))
 
         def loss(q, k, v):
-            out, lse = module.attention(q, k, v, tokens, tokens, spec=MaskSpec.make(causal),
-                                        scale=q.shape[-1] ** -0.5, **extra)
+            out, lse = module.attention(q, k, v, tokens, tokens, Options.make(
+                q, MaskSpec.make(causal), kernel=module_name, block_sizes=block_sizes))
             return out.sum() + lse.sum()
 
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)

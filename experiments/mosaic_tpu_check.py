@@ -27,6 +27,7 @@ import numpy as np
 from jax_seqpar import kernels
 from jax_seqpar.core import reference
 from jax_seqpar.core.masks import MaskSpec, Tokens
+from jax_seqpar.kernels.contract import Options
 
 TOLERANCES = {jnp.float32: (2e-5, 2e-5), jnp.bfloat16: (2e-2, 5e-2)}
 CASES = [  # (batch, seq, heads, kv_heads, d_qk, d_v, causal, window, segments)
@@ -67,8 +68,9 @@ def check_correctness() -> bool:
         for dtype in (jnp.float32, jnp.bfloat16):
             inputs, tokens, spec, weights = _case_inputs(case, dtype)
             scale = case[4] ** -0.5
-            ours = _grads(lambda q, k, v: module.attention(q, k, v, tokens, tokens, spec=spec,
-                                                           scale=scale), inputs, weights)
+            options = Options(spec, scale, module)
+            ours = _grads(lambda q, k, v: module.attention(q, k, v, tokens, tokens, options),
+                          inputs, weights)
             theirs = _grads(lambda q, k, v: reference.attention(
                 *(x.astype(jnp.float32) for x in (q, k, v)), causal=spec.causal,
                 window=spec.window, scale=scale, positions=tokens.positions,
@@ -120,7 +122,7 @@ def check_speed(batch, seq, heads, kv_heads, d_qk, d_v):
         else:
             module = kernels.get(name)
             fwd = jax.jit(lambda q, k, v, m=module: m.attention(
-                q, k, v, tokens, tokens, spec=MaskSpec.make(True), scale=d_qk**-0.5)[0])
+                q, k, v, tokens, tokens, Options(MaskSpec.make(True), d_qk**-0.5, m))[0])
             bwd = jax.jit(helpers.kernel_fn(name))
         line = f"{name:<7}"
         if fwd is not None:

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import NamedTuple, Optional
+from typing import Callable, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,8 @@ import pytest
 import checks
 from jax_seqpar import kernels
 from jax_seqpar.core import reference
-from jax_seqpar.core.masks import MaskSpec, Tokens
+from jax_seqpar.core.masks import PAD_SEGMENT, MaskSpec, Tokens
+from jax_seqpar.kernels.contract import Options
 
 KERNELS = ("xla", "pallas", "mosaic")
 #: The tile every case runs with, per kernel: Triton's smallest, and the TPU lane width.
@@ -50,6 +51,12 @@ class Case(NamedTuple):
     q_start: Optional[int] = None  # first query position; None: the last q_len keys
     hole: bool = False  # key tile 1 is a document that no query belongs to
     softcap: Optional[float] = None
+    chunk_size: Optional[int] = None  # Llama 4's chunked attention (tokens, scaled)
+    # Bidirectional ids (causal only): "prefix", a prefix-LM prompt per document (its first
+    # 6 tokens); "spans", several spans (images) with their own ids in one causal row.
+    bidirectional: Optional[str] = None
+    mask_fn: Optional[Callable] = None  # a module-level predicate (same object: one compile)
+    pad: bool = False  # the last 3 tokens of every row are padding (PAD_SEGMENT)
     tile: int = BASE_TILE  # the tile the lengths above are written for
 
     @property
@@ -67,7 +74,11 @@ class Case(NamedTuple):
         return self._replace(
             q_len=self.q_len * factor, kv_len=times(self.kv_len), q_start=times(self.q_start),
             window=None if self.window is None else tuple(w * factor for w in self.window),
-            tile=tile)
+            chunk_size=times(self.chunk_size), tile=tile)
+
+    @property
+    def spec(self) -> MaskSpec:
+        return MaskSpec.make(self.causal, self.window, self.chunk_size, self.mask_fn)
 
 
 def for_kernel(case: Case, kernel: str) -> Case:
@@ -83,23 +94,64 @@ def matrix(cases, kernels_=KERNELS, marks=None):
             for param in cases for kernel in kernels_]
 
 
+def stripes(q: Tokens, kv: Tokens):
+    """A ``mask_fn``: every third run of 4 keys hidden, except a query's own position."""
+    return ((kv.positions // 4) % 3 != 1) | (kv.positions == q.positions)
+
+
+def skewed(q: Tokens, kv: Tokens):
+    """A ``mask_fn`` that is not symmetric in queries and keys (holds the transposed
+    orientation of the Mosaic dk/dv kernel)."""
+    return (q.positions - 2 * kv.positions) % 7 != 0
+
+
+def _bidirectional(case: Case, positions, segments):
+    """Bidirectional ids ``int32[B, S]`` of a case's keys (see :class:`Case`)."""
+    factor = case.tile // BASE_TILE
+    if case.bidirectional == "prefix":  # the first 6 tokens of each document, id doc + 1
+        starts = np.zeros_like(positions)
+        if segments is not None:
+            new = np.concatenate([np.ones_like(segments[:, :1], bool),
+                                  segments[:, 1:] != segments[:, :-1]], axis=1)
+            starts = np.maximum.accumulate(np.where(new, positions, 0), axis=1)
+            doc = np.cumsum(new, axis=1)
+        else:
+            doc = np.ones_like(positions)
+        return np.where(positions - starts < 6 * factor, doc, 0).astype(np.int32)
+    spans = [(3, 9, 1), (13, 20, 2), (26, 30, 3)]  # "spans": images inside one causal row
+    ids = np.zeros_like(positions)
+    for lo, hi, value in spans:
+        ids = np.where((positions >= lo * factor) & (positions < hi * factor), value, ids)
+    return ids.astype(np.int32)
+
+
 def tokens(case: Case):
     """``(q_tokens, kv_tokens)`` of a case (made on the host)."""
     kv_positions = np.broadcast_to(np.arange(case.keys, dtype=np.int32), (case.batch, case.keys))
     start = case.keys - case.q_len if case.q_start is None else case.q_start
     q_positions = np.broadcast_to(np.arange(start, start + case.q_len, dtype=np.int32),
                                   (case.batch, case.q_len))
+    kv_segments = q_segments = None
     if case.hole:
         kv_segments = (kv_positions >= case.tile) & (kv_positions < 2 * case.tile)
         q_segments = np.zeros_like(q_positions)
-    elif case.segments:
+    elif case.segments or case.pad:
         ends = np.array([[case.keys // 3], [case.keys // 2]])[:case.batch]
-        kv_segments = (kv_positions >= ends).astype(np.int32) + (kv_positions >= case.keys - 5)
+        kv_segments = ((kv_positions >= ends).astype(np.int32) + (kv_positions >= case.keys - 5)
+                       if case.segments else np.zeros_like(kv_positions))
+        if case.pad:
+            kv_segments = np.where(kv_positions >= case.keys - 3 * case.tile // BASE_TILE,
+                                   PAD_SEGMENT, kv_segments)
         q_segments = kv_segments[:, start:start + case.q_len]
-    else:
-        return Tokens(jnp.asarray(q_positions)), Tokens(jnp.asarray(kv_positions))
-    return (Tokens(*(jnp.asarray(x, jnp.int32) for x in (q_positions, q_segments))),
-            Tokens(*(jnp.asarray(x, jnp.int32) for x in (kv_positions, kv_segments))))
+    kv_bids = q_bids = None
+    if case.bidirectional:
+        kv_bids = _bidirectional(case, kv_positions, kv_segments)
+        q_bids = kv_bids[:, start:start + case.q_len]
+
+    def make(*fields):
+        return Tokens(*(None if x is None else jnp.asarray(x, jnp.int32) for x in fields))
+
+    return make(q_positions, q_segments, q_bids), make(kv_positions, kv_segments, kv_bids)
 
 
 def inputs(case: Case, dtype):
@@ -139,26 +191,33 @@ def expected(case: Case, dtype):
     def attend(q, k, v):
         return reference.attention(
             *(x.astype(jnp.float32) for x in (q, k, v)), causal=case.causal,
-            window=case.window, scale=case.d_qk**-0.5, softcap=case.softcap,
+            window=case.window, chunk_size=case.chunk_size, mask_fn=case.mask_fn,
+            scale=case.d_qk**-0.5, softcap=case.softcap,
             positions=q_tokens.positions, segment_ids=q_tokens.segment_ids,
             kv_positions=kv_tokens.positions, kv_segment_ids=kv_tokens.segment_ids,
-            return_lse=True)
+            bidirectional_ids=q_tokens.bidirectional_ids,
+            kv_bidirectional_ids=kv_tokens.bidirectional_ids, return_lse=True)
 
     return value_and_grads(attend, *inputs(case, dtype))
 
 
+def options(kernel: str, case: Case) -> Options:
+    """The case's kernel options on ``kernel`` at the case's tile."""
+    q = jax.ShapeDtypeStruct((case.batch, case.q_len, case.heads, case.d_qk), jnp.float32)
+    return Options.make(q, case.spec, scale=case.d_qk**-0.5, kernel=kernel,
+                        block_sizes=block_sizes(kernel, case.tile), softcap=case.softcap)
+
+
 def run(kernel: str, case: Case, dtype, poison: Optional[slice] = None):
     """``kernel``'s results on the case's inputs, keys/values in ``poison`` set to NaN."""
-    spec = MaskSpec.make(case.causal, case.window)
     q_tokens, kv_tokens = tokens(case)
     (q, k, v), weights = inputs(case, dtype)
     if poison is not None:
         k, v = k.at[:, poison].set(jnp.nan), v.at[:, poison].set(jnp.nan)
-    module, sizes = kernels.get(kernel), block_sizes(kernel, case.tile)
+    call = options(kernel, case)
 
     def attend(q, k, v):
-        return module.attention(q, k, v, q_tokens, kv_tokens, spec=spec, scale=case.d_qk**-0.5,
-                                softcap=case.softcap, block_sizes=sizes)
+        return call.attention(q, k, v, q_tokens, kv_tokens)
 
     return value_and_grads(attend, (q, k, v), weights)
 

@@ -31,6 +31,7 @@ from jax_seqpar.tools import aot, bench, bench_report, bench_target, hlo, schedu
 from jax_seqpar.api import attention as api
 from jax_seqpar import comm_bytes, kernels
 from jax_seqpar.core.masks import MaskSpec, Tokens
+from jax_seqpar.kernels.contract import Options
 from jax_seqpar.planning import hardware, predict
 from jax_seqpar.strategies import registry
 
@@ -131,8 +132,8 @@ def test_time_model_overlaps_what_the_compiled_schedule_overlaps(target, kind):
     def body(q, k, v, x):
         n = q.shape[1]
         tokens = Tokens(jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (1, n)))
-        out, _ = kernels.get("auto").forward(q, k, v, tokens, tokens, scale=0.1,
-                                             spec=MaskSpec.make(causal=True))
+        out, _ = kernels.get("auto").forward(q, k, v, tokens, tokens, Options.make(
+            q, MaskSpec.make(causal=True), scale=0.1))
         return out, _COLLECTIVES[kind](x)
 
     f = jax.shard_map(body, mesh=mesh, in_specs=P("sp"), out_specs=P("sp"))
@@ -325,8 +326,8 @@ def test_pallas_float32_compiles_without_spills(target, head_dim):
 
         def loss(q, k, v):
             out, lse = kernels.get("pallas").attention(
-                q, k, v, tokens, tokens, spec=MaskSpec.make(causal=True),
-                scale=head_dim**-0.5)
+                q, k, v, tokens, tokens,
+                Options.make(q, MaskSpec.make(causal=True), kernel="pallas"))
             return out.sum() + lse.sum()
 
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
@@ -386,8 +387,8 @@ def test_kernel_choice_follows_the_lowering_platform():
         def run(q, k, v):
             n = q.shape[1]
             tokens = Tokens(jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (1, n)))
-            return kernels.get(kernel).forward(q, k, v, tokens, tokens, scale=0.25,
-                                               spec=MaskSpec.make(causal=True))
+            return kernels.get(kernel).forward(q, k, v, tokens, tokens, Options.make(
+                q, MaskSpec.make(causal=True), scale=0.25, kernel=kernel))
 
         return jax.export.export(jax.jit(run), platforms=platforms, disabled_checks=[
             jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(

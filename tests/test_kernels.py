@@ -26,6 +26,7 @@ import kernel_cases as kc
 from jax_seqpar import kernels
 from jax_seqpar.core import masks
 from jax_seqpar.core.masks import MaskSpec, Tokens
+from jax_seqpar.kernels.contract import Options
 from kernel_cases import Case
 
 CASES = [
@@ -119,16 +120,14 @@ def test_backward_accumulates(kernel):
                          kernel)
     q_tokens, kv_tokens = kc.tokens(case)
     (q, k, v), (dout, _) = kc.inputs(case, jnp.float32)
-    kwargs = dict(spec=MaskSpec.make(case.causal, case.window), scale=case.d_qk**-0.5,
-                  block_sizes=kc.block_sizes(kernel, case.tile))
+    options = kc.options(kernel, case)
 
     @jax.jit
     def plain_and_summed(q, k, v, totals):
-        out, lse = module.forward(q, k, v, q_tokens, kv_tokens, **kwargs)
+        out, lse = module.forward(q, k, v, q_tokens, kv_tokens, options)
         delta = jnp.sum(dout * out, axis=-1)
-        args = (q, k, v, q_tokens, kv_tokens, lse, delta, dout)
-        return (module.backward(*args, **kwargs),
-                module.backward(*args, accumulate=totals, **kwargs))
+        args = (q, k, v, q_tokens, kv_tokens, lse, delta, dout, options)
+        return module.backward(*args), module.backward(*args, accumulate=totals)
 
     totals = tuple(checks.normals((q.shape, k.shape, v.shape), seed=2))
     plain, summed = plain_and_summed(q, k, v, totals)
@@ -146,22 +145,21 @@ def test_forward_accumulates(kernel):
                               segments=True), kernel)
     q_tokens, kv_tokens = kc.tokens(case)
     (q, k, v), _ = kc.inputs(case, jnp.float32)
-    kwargs = dict(spec=MaskSpec.make(case.causal), scale=case.d_qk**-0.5,
-                  block_sizes=kc.block_sizes(kernel, case.tile))
-    full = module.forward(q, k, v, q_tokens, kv_tokens, **kwargs)
+    options = kc.options(kernel, case)
+    full = module.forward(q, k, v, q_tokens, kv_tokens, options)
     part = lambda x, s: jax.tree.map(lambda a: a[:, s], x)  # noqa: E731
     split = 24 * case.tile // kc.BASE_TILE  # after 1.5 tiles
     first, rest = slice(0, split), slice(split, None)
     earlier = module.forward(q, part(k, first), part(v, first), q_tokens,
-                             part(kv_tokens, first), **kwargs)
+                             part(kv_tokens, first), options)
     assert bool(jnp.any(earlier[1] == masks.EMPTY_LSE))  # some rows saw no key yet
     both = jax.jit(lambda acc: module.forward(
-        q, part(k, rest), part(v, rest), q_tokens, part(kv_tokens, rest), accumulate=acc,
-        **kwargs))(earlier)
+        q, part(k, rest), part(v, rest), q_tokens, part(kv_tokens, rest), options,
+        accumulate=acc))(earlier)
     for got, want in zip(both, full):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="accumulate must be"):
-        module.forward(q, k, v, q_tokens, kv_tokens, accumulate=(earlier[0],), **kwargs)
+        module.forward(q, k, v, q_tokens, kv_tokens, options, accumulate=(earlier[0],))
 
 
 # The kernel contract (jax_seqpar.kernels.contract): one BlockSizes, one custom_vjp.
@@ -197,12 +195,11 @@ def test_sizes_left_none_are_the_kernels_defaults(kernel, defaults, monkeypatch)
     tokens = Tokens(jnp.zeros((1, 32), jnp.int32))
     assert module.default_block_sizes(16, 16, jnp.float32) == kernels.BlockSizes(*defaults)
     seen = []
-    monkeypatch.setattr(module, "_forward", lambda *args, block_sizes, **kw: seen.append(
-        block_sizes))
+    monkeypatch.setattr(module, "_forward", lambda *args, **kw: seen.append(
+        args[5].block_sizes))  # (q, k, v, q_tokens, kv_tokens, options, ...)
     extra = dict(interpret=True) if kernel == "pallas" else {}
     for given in (None, kernels.BlockSizes(block_k=128)):
-        module.forward(q, q, q, tokens, tokens, spec=MaskSpec(), scale=1.0, block_sizes=given,
-                       **extra)
+        module.forward(q, q, q, tokens, tokens, Options(MaskSpec(), 1.0, module, given), **extra)
     assert seen == [kernels.BlockSizes(*defaults),
                     kernels.BlockSizes(defaults[0], 128, *defaults[2:])]
     assert kernels.BlockSizes(block_k=128).resolve(kernels.BlockSizes(1, 2, 3, 4)) == (
@@ -243,8 +240,8 @@ def test_per_platform_tiles_every_kernel_takes(kernel, sizes, fragments, method)
 
     def call(sizes):
         fn = getattr(kernels.get(kernel), method)
-        return jax.eval_shape(lambda q: fn(q, q, q, tokens, tokens, spec=MaskSpec(), scale=1.0,
-                                           block_sizes=sizes), q)
+        options = Options(MaskSpec(), 1.0, kernels.get(kernel), sizes)
+        return jax.eval_shape(lambda q: fn(q, q, q, tokens, tokens, options), q)
 
     with pytest.raises(ValueError) as error:
         call(kernels.BlockSizes(**sizes))
@@ -274,8 +271,9 @@ def test_residual_out_is_kept_in_the_input_dtype(kernel):
     tokens = Tokens(jnp.arange(seq, dtype=jnp.int32)[None])
     # jitted (one program each way): the vjp function is a pytree of the residuals
     (out, lse), vjp = jax.jit(lambda q, k, v: jax.vjp(
-        lambda q, k, v: module.attention(q, k, v, tokens, tokens, spec=MaskSpec.make(True),
-                                         scale=0.25, **extra), q, k, v))(q, k, v)
+        lambda q, k, v: module.attention(q, k, v, tokens, tokens,
+                                         Options(MaskSpec.make(True), 0.25, module),
+                                         **extra), q, k, v))(q, k, v)
     assert out.dtype == lse.dtype == jnp.float32
     residuals = [x for x in jax.tree.leaves(vjp) if hasattr(x, "dtype")]
     saved_out = [x for x in residuals if x.shape == (batch, seq, heads, d_v)]

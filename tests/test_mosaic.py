@@ -16,6 +16,7 @@ import checks
 import kernel_cases as kc
 from jax_seqpar.core import masks
 from jax_seqpar.core.masks import MaskSpec, Tokens
+from jax_seqpar.kernels.contract import Options
 from jax_seqpar.kernels.tpu import mosaic
 
 
@@ -30,38 +31,37 @@ def test_accumulate_in_the_kernel(dtype):
                          "mosaic")  # two 128-token tiles
     q_tokens, kv_tokens = kc.tokens(case)
     (q, k, v), (dout, _) = kc.inputs(case, dtype)
-    kwargs = dict(spec=MaskSpec.make(case.causal), scale=case.d_qk**-0.5)
-    blocks = kc.block_sizes("mosaic", case.tile)
+    plain = Options(MaskSpec.make(case.causal), case.d_qk**-0.5, mosaic)
+    tiled = kc.options("mosaic", case)
     part = lambda x, s: jax.tree.map(lambda a: a[:, s], x)  # noqa: E731
     first, rest = slice(0, case.tile), slice(case.tile, None)
     earlier = xla.forward(q, part(k, first), part(v, first), q_tokens, part(kv_tokens, first),
-                          **kwargs)
+                          plain)
     assert bool(jnp.any(earlier[1] == masks.EMPTY_LSE))
 
     @jax.jit
     def continued(acc):
         result = mosaic.forward(q, part(k, rest), part(v, rest), q_tokens,
-                                part(kv_tokens, rest), accumulate=acc, block_sizes=blocks,
-                                **kwargs)
+                                part(kv_tokens, rest), tiled, accumulate=acc)
         return result, acc
 
     (out, lse), kept = continued(earlier)
     want = xla.forward(q, part(k, rest), part(v, rest), q_tokens, part(kv_tokens, rest),
-                       accumulate=earlier, **kwargs)
+                       plain, accumulate=earlier)
     tol = 1e-5 if dtype == jnp.float32 else 2e-2
     np.testing.assert_allclose(out, want[0], atol=tol, rtol=tol)
     np.testing.assert_allclose(lse, want[1], atol=tol, rtol=tol)
     for got, given in zip(kept, earlier):
         np.testing.assert_array_equal(got, given)
-    full = xla.forward(q, k, v, q_tokens, kv_tokens, **kwargs)
+    full = xla.forward(q, k, v, q_tokens, kv_tokens, plain)
     np.testing.assert_allclose(out, full[0], atol=tol, rtol=tol)
 
     delta = jnp.sum(dout * full[0], axis=-1)
-    args = (q, k, v, q_tokens, kv_tokens, full[1], delta, dout.astype(dtype))
-    plain = mosaic.backward(*args, block_sizes=blocks, **kwargs)
-    totals = tuple(checks.normals([g.shape for g in plain], seed=3))
-    summed = mosaic.backward(*args, accumulate=totals, block_sizes=blocks, **kwargs)
-    for got, grad, total in zip(summed, plain, totals):
+    args = (q, k, v, q_tokens, kv_tokens, full[1], delta, dout.astype(dtype), tiled)
+    grads = mosaic.backward(*args)
+    totals = tuple(checks.normals([g.shape for g in grads], seed=3))
+    summed = mosaic.backward(*args, accumulate=totals)
+    for got, grad, total in zip(summed, grads, totals):
         np.testing.assert_allclose(got, grad + total, atol=1e-5, rtol=1e-5)
 
 
@@ -87,8 +87,8 @@ def test_bad_input_raises(bad, message):
     tokens = Tokens(jnp.zeros((1, 16), jnp.int32))
     with pytest.raises(ValueError, match=message):
         block_sizes = mosaic.BlockSizes(**bad.get("block_sizes", {}))
-        mosaic.forward(q, k, v, tokens, tokens, spec=MaskSpec(), scale=1.0,
-                       block_sizes=block_sizes, softcap=bad.get("softcap"))
+        mosaic.forward(q, k, v, tokens, tokens,
+                       Options(MaskSpec(), 1.0, mosaic, block_sizes, bad.get("softcap")))
 
 
 def test_lowering_for_tpu_emits_mosaic_and_cpu_interprets():
@@ -98,7 +98,8 @@ def test_lowering_for_tpu_emits_mosaic_and_cpu_interprets():
     (q, k, v), _ = kc.inputs(case, jnp.bfloat16)
 
     def f(q, k, v):
-        return mosaic.forward(q, k, v, q_tokens, kv_tokens, spec=MaskSpec.make(True), scale=0.1)
+        return mosaic.forward(q, k, v, q_tokens, kv_tokens,
+                              Options(MaskSpec.make(True), 0.1, mosaic))
 
     traced = jax.jit(f).trace(q, k, v)
     assert "tpu_custom_call" in traced.lower(lowering_platforms=("tpu",)).as_text()

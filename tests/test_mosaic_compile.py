@@ -24,6 +24,7 @@ pytest.importorskip("libtpu", reason="compiling for TPU needs libtpu (jax[tpu])"
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax_seqpar as sp  # noqa: E402
+from jax_seqpar.kernels.contract import Options  # noqa: E402
 from jax_seqpar.kernels.tpu import mosaic  # noqa: E402
 from jax_seqpar.core.masks import MaskSpec, Tokens  # noqa: E402
 
@@ -65,8 +66,8 @@ def test_kernel_compiles_at_default_tiles(target, heads, kv_heads, d_qk, d_v):
                         jnp.zeros((1, seq), jnp.int32))
 
         def loss(q, k, v):
-            out, lse = mosaic.attention(q, k, v, tokens, tokens, spec=MaskSpec.make(True),
-                                        scale=d_qk**-0.5, softcap=30.0)
+            out, lse = mosaic.attention(q, k, v, tokens, tokens, Options.make(
+                q, MaskSpec.make(True), kernel="mosaic", softcap=30.0))
             return out.sum() + lse.sum()
 
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)

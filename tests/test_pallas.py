@@ -11,6 +11,8 @@ A100 in the compile gate.
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -19,6 +21,7 @@ import pytest
 import kernel_cases as kc
 from jax_seqpar.core import masks
 from jax_seqpar.core.masks import MaskSpec, Tokens
+from jax_seqpar.kernels.contract import Options
 from jax_seqpar.kernels.gpu import _core as _pallas_core, pallas
 from jax_seqpar.kernels.tiling import Tiling
 from kernel_cases import Case
@@ -111,15 +114,17 @@ def test_validation():
     q = jnp.zeros((1, 32, 3, 16))
     k = jnp.zeros((1, 32, 2, 16))
     tokens = Tokens(jnp.zeros((1, 32), jnp.int32))
+    plain = Options(MaskSpec(), 1.0, pallas)
     with pytest.raises(ValueError, match="heads=3 must be a multiple of kv_heads=2"):
-        pallas.forward(q, k, k, tokens, tokens, spec=MaskSpec(), scale=1.0)
+        pallas.forward(q, k, k, tokens, tokens, plain)
     with pytest.raises(ValueError, match="power of two >= 16"):
-        pallas.forward(q, q, q, tokens, tokens, spec=MaskSpec(), scale=1.0, interpret=False,
-                       block_sizes=pallas.BlockSizes(block_q=24))
+        pallas.forward(q, q, q, tokens, tokens,
+                       dataclasses.replace(plain, block_sizes=pallas.BlockSizes(block_q=24)),
+                       interpret=False)
     with pytest.raises(ValueError, match="share one of"):
-        pallas.forward(q, q.astype(jnp.bfloat16), q, tokens, tokens, spec=MaskSpec(), scale=1.0)
+        pallas.forward(q, q.astype(jnp.bfloat16), q, tokens, tokens, plain)
     with pytest.raises(ValueError, match="softcap must be a positive float"):
-        pallas.forward(q, q, q, tokens, tokens, spec=MaskSpec(), scale=1.0, softcap=-1.0)
+        pallas.forward(q, q, q, tokens, tokens, dataclasses.replace(plain, softcap=-1.0))
 
 
 @pytest.mark.parametrize("interpret", [None, False])
@@ -137,8 +142,10 @@ def test_lowering_follows_the_platform(interpret):
         tokens = Tokens(positions, segment_ids)
 
         def loss(q, k, v):
-            out, lse = pallas.attention(q, k, v, tokens, tokens, scale=0.1, interpret=interpret,
-                                        spec=MaskSpec.make(causal=True, window=(64, 0)))
+            out, lse = pallas.attention(
+                q, k, v, tokens, tokens,
+                Options(MaskSpec.make(causal=True, window=(64, 0)), 0.1, pallas),
+                interpret=interpret)
             return out.sum() + lse.sum()
 
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-from typing import Mapping, Optional
+from typing import Mapping
 
 from jax_seqpar.kernels.contract import BlockSizes, Kernel
 
@@ -43,36 +43,28 @@ def _module(name: str):
     return importlib.import_module(_MODULES[name.split('-')[0]])
 
 
-def _check_tiles(choice: str, block_sizes: Optional[BlockSizes], kernels: set) -> None:
-    """Raise ``ValueError`` unless every kernel a ``choice`` may lower to takes the tiles."""
-    if block_sizes is None:
+def _check_tiles(choice: str, options, kernels: set) -> None:
+    """Raise ``ValueError`` unless every kernel a ``choice`` may lower to takes the tiles
+    of ``options``."""
+    sizes = options.block_sizes
+    if sizes is None:
         return
     problems = []
-    for kernel, check in (("pallas", block_sizes.check_gpu), ("mosaic", block_sizes.check_tpu)):
-        if kernel in kernels:
+    for name, check in (("pallas", sizes.check_gpu), ("mosaic", sizes.check_tpu)):
+        if name in kernels:
             try:
                 check()
             except ValueError as error:
-                problems.append(f"{kernel}: {str(error).rstrip('.')}")
+                problems.append(f"{name}: {str(error).rstrip('.')}")
     if not problems:
         return
     every = ("powers of two that are multiples of 128 such as 128/256/512, which every "
              "kernel takes" if "mosaic" in kernels else
              "powers of two >= 16 such as 16/32/64/128, which Triton takes")
     raise ValueError(
-        f"block_sizes={block_sizes} do not suit every kernel that kernel={choice!r} may run: "
+        f"block_sizes={sizes} do not suit every kernel that kernel={choice!r} may run: "
         f"tile sizes apply to whichever kernel the platform lowers to. {'; '.join(problems)}. "
         f"Use kernel='xla' for tiles under 16 (it takes any positive size), or {every}.")
-
-
-def _serves(kernel: str, args: tuple) -> bool:
-    """Whether ``kernel`` takes the operands ``(q, k, v, ...)`` and compiles them without
-    spills: Mosaic takes no float16; Triton's float32 backward spills for head dims over 128."""
-    q, _, v = args[:3]
-    module = _module(kernel)
-    if module.DTYPES is not None and q.dtype not in module.DTYPES:
-        return False
-    return kernel != "pallas" or module.compiles_clean(q.shape[-1], v.shape[-1], q.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,8 +72,9 @@ class PerPlatform:
     """A kernel that is a different kernel module on each lowering platform.
 
     It has the kernel contract (``forward``, ``backward``, ``attention``, taking the
-    keywords of the modules it stands for) and stages one branch per platform with
-    :func:`jax.lax.platform_dependent`, so nothing is decided before lowering.
+    :class:`~jax_seqpar.kernels.contract.Options` of the modules it stands for) and
+    stages one branch per platform with :func:`jax.lax.platform_dependent`, so nothing
+    is decided before lowering.
 
     Attributes:
       name: the ``kernel=`` choice (``"auto"`` or ``"pallas"``).
@@ -106,58 +99,59 @@ class PerPlatform:
         """Whether some platform runs the Pallas interpreter."""
         return any(k == "pallas-interpret" for _, k in self.platforms)
 
-    def _branches(self, method: str, args: tuple, block_sizes, static: dict) -> dict:
-        """``{platform or "default": fn(*args)}`` of ``method`` of each platform's kernel."""
-        branches, kernels = {}, set()
-        for platform, kernel in self.platforms:
-            module = _module(kernel)
-            if self.name == "auto" and not _serves(kernel, args):
-                # The automatic choice is the best kernel that takes the operands' dtype
-                # and compiles cleanly for them. Each branch is traced, so one a
-                # platform's kernel cannot serve must not be staged.
-                kernel, module = "xla", _module("xla")
-            kwargs = dict(static)
-            if block_sizes is not None:
-                kwargs["block_sizes"] = block_sizes
+    def _branches(self, method: str, args: tuple, options, extra: tuple) -> dict:
+        """``{platform or "default": fn(*args)}`` of ``method`` of each platform's kernel,
+        called with ``options`` and ``extra`` (``accumulate``) after the arrays."""
+        q, _, v = args[:3]
+        branches, chosen = {}, set()
+        for platform, name in self.platforms:
+            module = _module(name)
+            # The automatic choice is the best kernel that takes the operands' dtype and
+            # compiles cleanly for them (Mosaic takes no float16; Triton's float32
+            # backward spills for head dims over 128). Each branch is traced, so one a
+            # platform's kernel cannot serve must not be staged.
+            serves = (module.DTYPES is None or q.dtype in module.DTYPES) and (
+                name != "pallas" or module.compiles_clean(q.shape[-1], v.shape[-1], q.dtype))
+            if self.name == "auto" and not serves:
+                name, module = "xla", _module("xla")
+            keywords = {}
             if module.__name__.endswith("pallas"):
-                kwargs["interpret"] = kernel == "pallas-interpret"
-            kernels.add(kernel)
-            branches[platform] = functools.partial(getattr(module, method), **kwargs)
-        _check_tiles(self.name, block_sizes, kernels)
+                keywords["interpret"] = name == "pallas-interpret"
+            chosen.add(name)
+            branches[platform] = functools.partial(
+                lambda fn, keywords, *arrays: fn(*arrays, options, *extra, **keywords),
+                getattr(module, method), keywords)
+        _check_tiles(self.name, options, chosen)
         return branches
 
-    def _call(self, method: str, args: tuple, block_sizes, interpret, static: dict):
+    def _call(self, method: str, args: tuple, options, extra: tuple, interpret):
         import jax
 
         if interpret is not None:  # the caller pinned how Pallas lowers: no choice left
             if not self.may_interpret:
                 raise ValueError(f"interpret={interpret} is an option of kernel='pallas', "
                                  f"not of kernel={self.name!r}.")
-            if block_sizes is not None:
-                static = dict(static, block_sizes=block_sizes)
-            return getattr(_module("pallas"), method)(*args, interpret=interpret, **static)
-        branches = self._branches(method, args, block_sizes, static)
+            return getattr(_module("pallas"), method)(*args, options, *extra,
+                                                      interpret=interpret)
+        branches = self._branches(method, args, options, extra)
         default = branches.pop("default", None)
         return jax.lax.platform_dependent(*args, default=default, **branches)
 
-    def forward(self, q, k, v, q_tokens, kv_tokens, *, block_sizes=None, interpret=None,
-                **static):
-        """The forward of the platform's kernel (see :func:`jax_seqpar.kernels.xla.forward`;
-        ``accumulate=(out, lse)`` of earlier keys is one of the ``static`` keywords)."""
-        return self._call("forward", (q, k, v, q_tokens, kv_tokens), block_sizes, interpret,
-                          static)
+    def forward(self, q, k, v, q_tokens, kv_tokens, options, accumulate=None, *,
+                interpret=None):
+        """The forward of the platform's kernel (see :func:`jax_seqpar.kernels.xla.forward`)."""
+        return self._call("forward", (q, k, v, q_tokens, kv_tokens), options, (accumulate,),
+                          interpret)
 
-    def backward(self, q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, accumulate=None,
-                 block_sizes=None, interpret=None, **static):
+    def backward(self, q, k, v, q_tokens, kv_tokens, lse, delta, dout, options,
+                 accumulate=None, *, interpret=None):
         """The backward of the platform's kernel (see :func:`jax_seqpar.kernels.xla.backward`)."""
         return self._call("backward", (q, k, v, q_tokens, kv_tokens, lse, delta, dout),
-                          block_sizes, interpret, dict(static, accumulate=accumulate))
+                          options, (accumulate,), interpret)
 
-    def attention(self, q, k, v, q_tokens, kv_tokens, *, block_sizes=None, interpret=None,
-                  **static):
+    def attention(self, q, k, v, q_tokens, kv_tokens, options, *, interpret=None):
         """Differentiable forward of the platform's kernel: ``(out float32, lse float32)``."""
-        return self._call("attention", (q, k, v, q_tokens, kv_tokens), block_sizes, interpret,
-                          static)
+        return self._call("attention", (q, k, v, q_tokens, kv_tokens), options, (), interpret)
 
 
 def get(kernel: str = "auto") -> Kernel:

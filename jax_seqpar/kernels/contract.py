@@ -3,25 +3,28 @@
 A kernel (:mod:`.xla`, :mod:`.pallas`, :mod:`.mosaic`, or the per-platform choice
 of :func:`jax_seqpar.kernels.get`) is a :class:`Kernel`:
 
-* ``forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, softcap=None,
-  block_sizes=None, accumulate=None)`` -> ``(out float32[B, Sq, H, Dv], lse
-  float32[B, Sq, H])``; a query row that sees no key gets zeros and ``lse = EMPTY_LSE``.
-  ``accumulate``: the ``(out, lse)`` of earlier keys (a ring's running result); the
-  result is then attention over both, exactly :func:`jax_seqpar.core.merge.merge` of
-  the two. The Mosaic kernel continues it in the kernel, in place (its online softmax
-  starts from it: no float32 result per step, no merge pass); the XLA and Pallas
-  kernels merge after the kernel (:func:`merge_accumulated`);
-* ``backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, ..., accumulate=None)``
+* ``forward(q, k, v, q_tokens, kv_tokens, options, accumulate=None)`` -> ``(out
+  float32[B, Sq, H, Dv], lse float32[B, Sq, H])``, where ``options`` is the call's
+  :class:`Options` (the mask ``spec``, ``scale``, ``softcap``, ``block_sizes``; a kernel
+  ignores ``options.kernel``); a query row that sees no key gets zeros and
+  ``lse = EMPTY_LSE``. ``accumulate``: the ``(out, lse)`` of earlier keys (a ring's
+  running result); the result is then attention over both, exactly
+  :func:`jax_seqpar.core.merge.merge` of the two. The Mosaic kernel continues it in the
+  kernel, in place (its online softmax starts from it: no float32 result per step, no
+  merge pass); the XLA and Pallas kernels merge after the kernel
+  (:func:`merge_accumulated`);
+* ``backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options, accumulate=None)``
   takes the (final) ``lse`` and ``delta = sum(dout * out, -1) - dlse`` and returns
   float32 ``(dq, dk, dv)``, added to ``accumulate`` when given; strategies that
   merge partial results (the ring) call it with the statistics of the merged result;
-* ``attention(...)`` is both, wired by :func:`differentiable` as a ``custom_vjp``
-  that accepts cotangents for ``out`` AND ``lse``, so any composition of merges
+* ``attention(q, k, v, q_tokens, kv_tokens, options)`` is both, wired by
+  :func:`differentiable` as a ``custom_vjp`` that accepts cotangents for ``out`` AND ``lse``, so any composition of merges
   differentiates exactly;
-* ``softcap``: logits ``s = scale * q.k`` become ``softcap * tanh(s / softcap)``
+* ``options.softcap``: logits ``s = scale * q.k`` become ``softcap * tanh(s / softcap)``
   before masking (Gemma 2, arXiv:2408.00118);
-* ``block_sizes``: one :class:`BlockSizes` for every kernel; a size left ``None``
-  is the kernel's default for the head dims and dtype (its ``default_block_sizes``).
+* ``options.block_sizes``: one :class:`BlockSizes` for every kernel; a size left
+  ``None`` is the kernel's default for the head dims and dtype (its
+  ``default_block_sizes``); :meth:`Options.resolved` completes them.
 
 Shapes: ``q [B, Sq, H, Dqk]``, ``k [B, Sk, Hkv, Dqk]``, ``v [B, Sk, Hkv, Dv]``,
 ``H % Hkv == 0`` (GQA/MQA), token metadata (:class:`jax_seqpar.core.masks.Tokens`)
@@ -226,28 +229,36 @@ def folds_vmap(impl: Callable) -> Callable:
 
     Without it ``vmap`` would batch the kernel's internals: a Pallas call by a loop (whose
     carry, inside ``shard_map``, fails the varying-axes check), the XLA kernel's tile
-    ``switch`` by computing every branch (no tile skipped). Keyword arguments holding
-    arrays (``accumulate``) are operands too; the others are static.
+    ``switch`` by computing every branch (no tile skipped). Arguments holding arrays
+    (``accumulate`` too) are operands; the others (the :class:`Options`, flags, None)
+    are static.
     """
 
     @functools.wraps(impl)
     def folded(*args, **kwargs):
-        dynamic = {name: x for name, x in kwargs.items() if _has_arrays(x)}
-        static = {name: x for name, x in kwargs.items() if name not in dynamic}
-        call = jax.custom_batching.custom_vmap(
-            lambda args, dynamic: impl(*args, **dynamic, **static))
+        is_dynamic = tuple(_has_arrays(x) for x in args)
+        dynamic_args = tuple(x if dynamic else None for x, dynamic in zip(args, is_dynamic))
+        dynamic_kwargs = {name: x for name, x in kwargs.items() if _has_arrays(x)}
+        static_kwargs = {name: x for name, x in kwargs.items() if name not in dynamic_kwargs}
+
+        def apply(fn, dynamic_args, dynamic_kwargs):
+            merged = (given if dynamic else x
+                      for x, given, dynamic in zip(args, dynamic_args, is_dynamic))
+            return fn(*merged, **dynamic_kwargs, **static_kwargs)
+
+        call = jax.custom_batching.custom_vmap(functools.partial(apply, impl))
 
         @call.def_vmap
-        def rule(axis_size, in_batched, args, dynamic):
+        def rule(axis_size, in_batched, *operands):
             operands = jax.tree.map(
                 lambda x, batched: x if batched else jnp.broadcast_to(x, (axis_size, *x.shape)),
-                (args, dynamic), tuple(in_batched))
-            args, dynamic = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), operands)
-            out = folded(*args, **dynamic, **static)  # [V*B, ...]; nested vmaps fold again
+                operands, tuple(in_batched))
+            operands = jax.tree.map(lambda x: x.reshape(-1, *x.shape[2:]), operands)
+            out = apply(folded, *operands)  # [V*B, ...]; nested vmaps fold again
             out = jax.tree.map(lambda x: x.reshape(axis_size, -1, *x.shape[1:]), out)
             return out, jax.tree.map(lambda _: True, out)
 
-        return call(args, dynamic)
+        return call(dynamic_args, dynamic_kwargs)
 
     return folded
 
@@ -256,26 +267,26 @@ def differentiable(forward_impl: Callable, backward_impl: Callable) -> Callable:
     """The kernels' ``attention``: ``forward_impl`` with ``backward_impl`` as its VJP.
 
     Args:
-      forward_impl: ``(q, k, v, q_tokens, kv_tokens, **static) -> (out f32, lse f32)``.
-      backward_impl: ``(q, k, v, q_tokens, kv_tokens, lse, delta, dout, **static)
+      forward_impl: ``(q, k, v, q_tokens, kv_tokens, *static) -> (out f32, lse f32)``.
+      backward_impl: ``(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *static)
         -> float32 (dq, dk, dv)``.
     Returns:
-      ``attention_impl(q, k, v, q_tokens, kv_tokens, **static) -> (out, lse)``,
+      ``attention_impl(q, k, v, q_tokens, kv_tokens, *static) -> (out, lse)``,
       differentiable in q, k, v with cotangents for ``out`` AND ``lse``. ``static``
-      (spec, scale, softcap, resolved block sizes, ...) must be hashable: both impls
-      get it as given. The residuals are ``q, k, v``, the token metadata, ``out`` in
-      the input dtype (half the activation memory of float32 in bf16 training) and
-      ``lse`` in float32; the backward computes ``delta = sum(dout * out, -1) - dlse``
-      in float32, casts the gradients to the input dtypes, and gives the token
-      metadata no gradient.
+      (the resolved :class:`Options`, and what else a kernel needs, such as Pallas'
+      ``interpret``) must be hashable: both impls get it as given. The residuals are
+      ``q, k, v``, the token metadata, ``out`` in the input dtype (half the activation
+      memory of float32 in bf16 training) and ``lse`` in float32; the backward computes
+      ``delta = sum(dout * out, -1) - dlse`` in float32, casts the gradients to the
+      input dtypes, and gives the token metadata no gradient.
     """
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
     def attention_vjp(static, q, k, v, q_tokens, kv_tokens):
-        return forward_impl(q, k, v, q_tokens, kv_tokens, **dict(static))
+        return forward_impl(q, k, v, q_tokens, kv_tokens, *static)
 
     def attention_fwd(static, q, k, v, q_tokens, kv_tokens):
-        out, lse = forward_impl(q, k, v, q_tokens, kv_tokens, **dict(static))
+        out, lse = forward_impl(q, k, v, q_tokens, kv_tokens, *static)
         return (out, lse), (q, k, v, q_tokens, kv_tokens, out.astype(q.dtype), lse)
 
     def attention_bwd(static, residuals, cotangents):
@@ -283,15 +294,14 @@ def differentiable(forward_impl: Callable, backward_impl: Callable) -> Callable:
         dout, dlse = cotangents
         delta = jnp.einsum("bqhd,bqhd->bqh", dout.astype(F32), out.astype(F32),
                            precision=jax.lax.Precision.HIGHEST) - dlse
-        dq, dk, dv = backward_impl(q, k, v, q_tokens, kv_tokens, lse, delta, dout,
-                                   **dict(static))
+        dq, dk, dv = backward_impl(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *static)
         no_grad = jax.tree.map(lambda _: None, (q_tokens, kv_tokens))
         return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *no_grad)
 
     attention_vjp.defvjp(attention_fwd, attention_bwd)
 
-    def attention_impl(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, **static):
-        return attention_vjp(tuple(sorted(static.items())), q, k, v, q_tokens, kv_tokens)
+    def attention_impl(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *static):
+        return attention_vjp(static, q, k, v, q_tokens, kv_tokens)
 
     return attention_impl
 
@@ -301,8 +311,9 @@ class Kernel(Protocol):
     (:mod:`jax_seqpar.kernels.xla`, :mod:`jax_seqpar.kernels.gpu.pallas`,
     :mod:`jax_seqpar.kernels.tpu.mosaic`) or a per-platform choice of them.
 
-    Every kernel takes every keyword below (``softcap=None``: no soft-capping); kernels
-    may take more (the Pallas kernel's ``interpret``).
+    Every kernel reads its options from one :class:`Options` (``softcap=None``: no
+    soft-capping) and ignores ``options.kernel``; kernels may take more keywords (the
+    Pallas kernel's ``interpret``).
     """
 
     #: The tile-size class, :class:`BlockSizes` for every kernel.
@@ -311,34 +322,32 @@ class Kernel(Protocol):
     #: The input dtypes the kernel takes (q, k and v share one), or None: any float.
     DTYPES: Optional[tuple]
 
-    def forward(self, q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec,
-                scale: float, softcap: Optional[float] = None,
-                block_sizes: Optional[BlockSizes] = None, accumulate=None):
+    def forward(self, q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: "Options",
+                accumulate=None):
         """``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])`` of ``q [B, Sq, H, Dqk]``
         against ``k [B, Sk, Hkv, Dqk]``, ``v [B, Sk, Hkv, Dv]``, merged with
         ``accumulate`` (the ``(out, lse)`` of earlier keys) when given."""
 
-    def backward(self, q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
-                 spec: MaskSpec, scale: float, softcap: Optional[float] = None,
-                 block_sizes: Optional[BlockSizes] = None, accumulate=None):
+    def backward(self, q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout,
+                 options: "Options", accumulate=None):
         """float32 ``(dq [B, Sq, H, Dqk], dk [B, Sk, Hkv, Dqk], dv [B, Sk, Hkv, Dv])``
         given ``lse, delta float32[B, Sq, H]`` (``delta = sum(dout * out, -1) - dlse``)
         and ``dout [B, Sq, H, Dv]``, plus ``accumulate`` when given."""
 
-    def attention(self, q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec,
-                  scale: float, softcap: Optional[float] = None,
-                  block_sizes: Optional[BlockSizes] = None):
+    def attention(self, q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: "Options"):
         """Differentiable :meth:`forward` (cotangents for ``out`` and ``lse``)."""
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """The static options of one attention call (hashable, for custom_vjp).
+    """The static options of one attention call (hashable, for custom_vjp), the one
+    object the kernels take them in.
 
     Attributes:
       spec: the mask (:class:`jax_seqpar.core.masks.MaskSpec`).
       scale: score multiplier.
-      kernel: the kernel (see :func:`jax_seqpar.kernels.get`).
+      kernel: the kernel (see :func:`jax_seqpar.kernels.get`); the kernels themselves
+        ignore it.
       block_sizes: the tile sizes, or None for the kernel's defaults.
       softcap: logit soft-cap (``softcap * tanh(s / softcap)``), or None.
     """
@@ -366,41 +375,54 @@ class Options:
         softcap = check_softcap(softcap)
         return cls(spec, scale, module, block_sizes, softcap)
 
-    def _kwargs(self):
-        kwargs = dict(spec=self.spec, scale=self.scale, softcap=self.softcap)
-        if self.block_sizes is not None:
-            kwargs["block_sizes"] = self.block_sizes
-        return kwargs
+    def resolved(self, defaults: BlockSizes, kernel_name: str) -> "Options":
+        """These options as a kernel runs them: tile sizes completed from ``defaults``
+        (:func:`resolve_block_sizes`), the soft-cap checked (:func:`check_softcap`) and
+        the scale a float. Raises ``ValueError`` naming ``kernel_name``."""
+        if not isinstance(self.spec, MaskSpec):
+            raise ValueError(f"options.spec must be a jax_seqpar.core.masks.MaskSpec (the mask "
+                             f"{kernel_name} applies). Got {self.spec!r}.")
+        return dataclasses.replace(
+            self, scale=float(self.scale), softcap=check_softcap(self.softcap),
+            block_sizes=resolve_block_sizes(self.block_sizes, defaults, kernel_name))
 
     def forward(self, q, k, v, q_tokens, kv_tokens, accumulate=None):
         """The kernel's forward; with ``accumulate`` (the ``(out, lse)`` of earlier keys)
-        the result covers both (see :mod:`jax_seqpar.kernels.contract`), and a call whose
-        queries and keys share no document is skipped whole (:meth:`_unless_empty`)."""
-        kwargs = self._kwargs()
+        the result covers both (see :mod:`jax_seqpar.kernels.contract`), and a call in
+        which no query may see any key is skipped whole (:meth:`_unless_empty`)."""
         if accumulate is None:
-            return self.kernel.forward(q, k, v, q_tokens, kv_tokens, **kwargs)
+            return self.kernel.forward(q, k, v, q_tokens, kv_tokens, self)
         return self._unless_empty(
-            lambda: self.kernel.forward(q, k, v, q_tokens, kv_tokens, accumulate=accumulate,
-                                        **kwargs),
+            lambda: self.kernel.forward(q, k, v, q_tokens, kv_tokens, self, accumulate),
             accumulate, (q, k, v, q_tokens, kv_tokens))
 
     def backward(self, q, k, v, q_tokens, kv_tokens, lse, delta, dout, accumulate=None):
         """The kernel's backward (float32 ``(dq, dk, dv)``, plus ``accumulate``); with
         ``accumulate``, skipped whole like :meth:`forward`."""
         def call():
-            return self.kernel.backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout,
-                                        accumulate=accumulate, **self._kwargs())
+            return self.kernel.backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, self,
+                                        accumulate)
         if accumulate is None:
             return call()
         return self._unless_empty(call, accumulate, (q, k, v, q_tokens, kv_tokens))
 
+    def may_be_empty(self, q_tokens: Tokens) -> bool:
+        """Whether a whole call on these tokens can have no visible pair beyond what
+        causality alone rules out cheaply: with documents (segment ids), chunks
+        (``spec.chunk_size``) or bidirectional ids, a ring step or a pipeline's pair of
+        chunks may share nothing (then :meth:`_unless_empty` skips its kernel)."""
+        return (q_tokens.segment_ids is not None or q_tokens.bidirectional_ids is not None
+                or self.spec.chunk_size is not None)
+
     def _unless_empty(self, call, accumulate, operands):
-        """``call()``, or ``accumulate`` unchanged when its queries and keys share no
-        document (:func:`jax_seqpar.kernels.tiling.any_visible`): a ring step whose K/V
-        shard holds none of this shard's documents costs no kernel. Only with segment
-        ids (the step test is a few tile summaries; other masks keep one kernel call)."""
+        """``call()``, or ``accumulate`` unchanged when no query may see any key
+        (:func:`jax_seqpar.kernels.tiling.any_visible`, exact-conservative: a call it
+        skips has no visible pair): a ring step whose K/V shard holds none of this
+        shard's documents or chunks costs no kernel. Only where whole calls can be
+        empty (:meth:`may_be_empty`; the test is a few tile summaries, other masks keep
+        one kernel call)."""
         q_tokens, kv_tokens = operands[3:]
-        if q_tokens.segment_ids is None or kv_tokens.segment_ids is None:
+        if not self.may_be_empty(q_tokens):
             return call()
         like = (operands, accumulate)
         return jax.lax.cond(tiling.any_visible(self.spec, q_tokens, kv_tokens),
@@ -408,4 +430,5 @@ class Options:
                             lambda: _compat.match_varying(tuple(accumulate), like))
 
     def attention(self, q, k, v, q_tokens, kv_tokens):
-        return self.kernel.attention(q, k, v, q_tokens, kv_tokens, **self._kwargs())
+        """The kernel's differentiable forward: ``(out float32, lse float32)``."""
+        return self.kernel.attention(q, k, v, q_tokens, kv_tokens, self)

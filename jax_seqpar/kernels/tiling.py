@@ -43,6 +43,20 @@ def pad_seq(x, length, value=0, *, dim=None):
     return jnp.pad(x, widths, constant_values=value)
 
 
+def per_field(tokens: Tokens, value) -> Tokens:
+    """A Tokens holding ``value`` in every field ``tokens`` has (None elsewhere): e.g. one
+    BlockSpec per metadata array of a Pallas call."""
+    return Tokens(*(None if getattr(tokens, f.name) is None else value
+                    for f in dataclasses.fields(Tokens)))
+
+
+def loaded(tokens: Tokens, index=...) -> Tokens:
+    """The values at ``index`` of a Tokens-of-refs (inside a Pallas kernel): positions,
+    segment ids and bidirectional ids alike."""
+    return Tokens(*(None if ref is None else ref[index]
+                    for ref in (getattr(tokens, f.name) for f in dataclasses.fields(Tokens))))
+
+
 def padded_tokens(t: Tiling, q_tokens: Tokens, kv_tokens: Tokens):
     """Pad metadata to whole tiles; padded tokens are padding (:data:`PAD_SEGMENT`), which
     sees nothing and is left out of the tile summaries."""

@@ -13,8 +13,9 @@ It has the kernel contract (:mod:`jax_seqpar.kernels.contract`), shared with
 :func:`forward` -> ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])``,
 :func:`backward` (given the final ``lse`` and ``delta = sum(dout * out, -1) - dlse``)
 -> float32 ``(dq, dk, dv)``, and :func:`attention`, a ``custom_vjp`` of both that
-takes cotangents for ``out`` AND ``lse``. Every function takes ``softcap`` (logits
-``s = scale * q.k`` become ``softcap * tanh(s / softcap)`` before masking) and
+takes cotangents for ``out`` AND ``lse``. Every function takes the call's
+:class:`~jax_seqpar.kernels.contract.Options`: the mask, the scale, the soft-cap
+(logits ``s = scale * q.k`` become ``softcap * tanh(s / softcap)`` before masking) and
 any positive tile sizes (:class:`~jax_seqpar.kernels.contract.BlockSizes`).
 
 GQA/MQA (``H % Hkv == 0``) are computed group-wise without repeating K/V.
@@ -25,16 +26,14 @@ Paper: FlashAttention-2, arXiv:2307.08691.
 from __future__ import annotations
 
 import contextlib
-from typing import Optional
-
 import jax
 import jax.numpy as jnp
 
 from jax_seqpar.core import compat as _compat, masks
 from jax_seqpar.kernels import contract
-from jax_seqpar.kernels.contract import BlockSizes, check_softcap
+from jax_seqpar.kernels.contract import BlockSizes, Options, check_softcap
 from jax_seqpar.kernels.tiling import Tiling, pad_seq, schedule
-from jax_seqpar.core.masks import MaskSpec, Tokens
+from jax_seqpar.core.masks import Tokens
 
 #: The input dtypes the kernel takes: any float (q, k and v share one).
 DTYPES = None
@@ -56,11 +55,10 @@ def default_block_sizes(d_qk: int, d_v: int, dtype) -> BlockSizes:
     return BlockSizes(256, 256, 256, 256)
 
 
-def _checked(q, k, v, q_tokens, kv_tokens, block_sizes, softcap):
-    """Validated operands; ``(block sizes resolved, softcap as float or None)``."""
+def _checked(q, k, v, q_tokens, kv_tokens, options: Options) -> Options:
+    """Validated operands; the options resolved (:meth:`Options.resolved`)."""
     contract.check_operands(q, k, v, q_tokens, kv_tokens, kernel_name=__name__)
-    defaults = default_block_sizes(q.shape[-1], v.shape[-1], q.dtype)
-    return contract.resolve_block_sizes(block_sizes, defaults, __name__), check_softcap(softcap)
+    return options.resolved(default_block_sizes(q.shape[-1], v.shape[-1], q.dtype), __name__)
 
 
 def _tiling(q, k, block_q: int, block_k: int) -> Tiling:
@@ -145,44 +143,44 @@ def _tile_mask(spec, q_tile: Tokens, kv_tile: Tokens):
     return None if mask is None else mask[:, None, None]
 
 
-def _scores(q_tile, k_tile, scale, softcap=None):
+def _scores(q_tile, k_tile, options: Options):
     """Scaled (and soft-capped) logits, and the cap's derivative ``1 - tanh**2`` (or None)."""
     # [B, Hkv, G, bq, D] x [B, Hkv, bk, D] -> [B, Hkv, G, bq, bk]
-    s = jnp.einsum("bhgqd,bhkd->bhgqk", q_tile, k_tile, preferred_element_type=_F32) * scale
-    if softcap is None:
+    s = jnp.einsum("bhgqd,bhkd->bhgqk", q_tile, k_tile,
+                   preferred_element_type=_F32) * options.scale
+    cap = options.softcap
+    if cap is None:
         return s, None
-    capped = jnp.tanh(s / softcap)
-    return softcap * capped, 1.0 - capped * capped
+    capped = jnp.tanh(s / cap)
+    return cap * capped, 1.0 - capped * capped
 
 
-def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
-            block_sizes: Optional[BlockSizes] = None, softcap: Optional[float] = None,
-            accumulate=None):
+def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options, accumulate=None):
     """Attention of ``q`` against one run of keys.
 
     Args:
       q: ``[B, Sq, H, Dqk]``; k: ``[B, Sk, Hkv, Dqk]``; v: ``[B, Sk, Hkv, Dv]``.
       q_tokens, kv_tokens: metadata of the queries (``[B, Sq]``) and keys (``[B, Sk]``).
-      spec: causal / window; scale: score multiplier.
-      block_sizes: tile sizes, any positive ints; None (or a size left None):
-        :func:`default_block_sizes`.
-      softcap: cap of the logits (``softcap * tanh(s / softcap)``), or None.
+      options: the call's :class:`~jax_seqpar.kernels.contract.Options`: ``spec`` (the
+        mask), ``scale``, ``softcap`` (``softcap * tanh(s / softcap)`` of the logits, or
+        None) and ``block_sizes`` (any positive ints; None, or a size left None:
+        :func:`default_block_sizes`).
       accumulate: optional ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])`` of
         earlier keys, merged with this call's result
         (:func:`jax_seqpar.kernels.contract.merge_accumulated`).
     Returns:
       ``out float32[B, Sq, H, Dv]`` (normalized) and ``lse float32[B, Sq, H]``.
     """
-    block_sizes, softcap = _checked(q, k, v, q_tokens, kv_tokens, block_sizes, softcap)
+    options = _checked(q, k, v, q_tokens, kv_tokens, options)
     contract.check_accumulated(q, v, accumulate)
-    return contract.merge_accumulated(
-        _forward(q, k, v, q_tokens, kv_tokens, spec=spec, scale=scale,
-                 block_sizes=block_sizes, softcap=softcap), accumulate)
+    return contract.merge_accumulated(_forward(q, k, v, q_tokens, kv_tokens, options),
+                                      accumulate)
 
 
 @contract.folds_vmap
-def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, block_sizes, softcap):
-    t = _tiling(q, k, block_sizes.block_q, block_sizes.block_k)
+def _forward(q, k, v, q_tokens, kv_tokens, options: Options):
+    spec, tiles = options.spec, options.block_sizes
+    t = _tiling(q, k, tiles.block_q, tiles.block_k)
     q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # [B, nq, nk]
     _report("call", -1, q_tokens.positions, kv_tokens.positions)
     d_v = v.shape[-1]
@@ -199,7 +197,7 @@ def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, block_sizes, softcap)
 
         def update(carry, k_tile, v_tile, mask):
             m, l, acc = carry  # [1, Hkv, G, bq], same, [1, Hkv, G, bq, Dv]
-            s, _ = _scores(q_tile, k_tile, scale, softcap)
+            s, _ = _scores(q_tile, k_tile, options)
             if mask is not None:
                 s = jnp.where(mask, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=-1))
@@ -240,14 +238,12 @@ def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, block_sizes, softcap)
     return out, lse[:, :t.q_len].reshape(t.batch, t.q_len, heads)
 
 
-def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
-             spec: MaskSpec, scale: float, block_sizes: Optional[BlockSizes] = None,
-             accumulate=None, softcap: Optional[float] = None):
+def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout,
+             options: Options, accumulate=None):
     """Gradients of attention given the softmax statistics of the full result.
 
     Args:
-      q, k, v, q_tokens, kv_tokens, spec, scale, block_sizes, softcap: as in
-        :func:`forward`.
+      q, k, v, q_tokens, kv_tokens, options: as in :func:`forward`.
       lse: ``float32[B, Sq, H]`` log-sum-exp of the (possibly merged) result.
       delta: ``float32[B, Sq, H]`` = ``sum(dout * out, -1) - dlse``.
       dout: ``[B, Sq, H, Dv]`` cotangent of the (merged) output.
@@ -257,16 +253,16 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
       float32 ``dq [B, Sq, H, Dqk]``, ``dk [B, Sk, Hkv, Dqk]``, ``dv [B, Sk, Hkv, Dv]``
       (plus ``accumulate``).
     """
-    block_sizes, softcap = _checked(q, k, v, q_tokens, kv_tokens, block_sizes, softcap)
+    options = _checked(q, k, v, q_tokens, kv_tokens, options)
     contract.check_backward_operands(q, v, lse, delta, dout)
-    return _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, spec=spec, scale=scale,
-                     block_sizes=block_sizes, accumulate=accumulate, softcap=softcap)
+    return _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options, accumulate)
 
 
 @contract.folds_vmap
-def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, block_sizes,
-              softcap, accumulate=None):
-    t = _tiling(q, k, block_sizes.block_q_bwd, block_sizes.block_k_bwd)
+def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options: Options,
+              accumulate=None):
+    spec, tiles, scale = options.spec, options.block_sizes, options.scale
+    t = _tiling(q, k, tiles.block_q_bwd, tiles.block_k_bwd)
     q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # [B, nq, nk]
     hg = (t.kv_heads, t.group)
     q_len_pad, kv_len_pad = t.num_q * t.block_q, t.num_k * t.block_k
@@ -286,7 +282,7 @@ def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, bl
 
         def grads(carry, q_tile, do_tile, lse_tile, delta_tile, mask):
             dk, dv = carry
-            s, cap_slope = _scores(q_tile, k_tile, scale, softcap)
+            s, cap_slope = _scores(q_tile, k_tile, options)
             if mask is not None:  # before exp: rows with EMPTY_LSE must not overflow
                 s = jnp.where(mask, s, -jnp.inf)
             p = jnp.exp(s - lse_tile[..., None])
@@ -333,14 +329,12 @@ def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, bl
 _attention = contract.differentiable(_forward, _backward)
 
 
-def attention(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
-              block_sizes: Optional[BlockSizes] = None, softcap: Optional[float] = None):
+def attention(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options):
     """Differentiable :func:`forward`: ``(out float32, lse float32)``, through
     :func:`jax_seqpar.kernels.contract.differentiable`.
 
     The backward accepts cotangents for both ``out`` and ``lse``; the residual
     ``out`` is kept in the input dtype (``lse`` in float32).
     """
-    block_sizes, softcap = _checked(q, k, v, q_tokens, kv_tokens, block_sizes, softcap)
-    return _attention(q, k, v, q_tokens, kv_tokens, spec=spec, scale=float(scale),
-                      block_sizes=block_sizes, softcap=softcap)
+    return _attention(q, k, v, q_tokens, kv_tokens, _checked(q, k, v, q_tokens, kv_tokens,
+                                                                options))

@@ -30,12 +30,11 @@ _F32 = core.F32
 _MIN_PROGRAMS = 256
 
 
-def _grad_tile(q_chunks, k_chunks, v_chunks, do_chunks, lse2, delta, mask, *, scale,
-               softcap, precision):
+def _grad_tile(q_chunks, k_chunks, v_chunks, do_chunks, lse2, delta, mask, options,
+               precision):
     """``(p, ds)`` of one tile ``[bq, bk]``: probabilities from the row log-sum-exp
     (log2 units) and the gradient of the raw (pre-softcap) scores, unscaled."""
-    s, tanh = core.scores(q_chunks, k_chunks, scale=scale, softcap=softcap,
-                          precision=precision)
+    s, tanh = core.scores(q_chunks, k_chunks, options, precision)
     if mask is not None:
         s = jnp.where(mask, s, -jnp.inf)
     p = jnp.exp2(s - lse2[:, None])
@@ -46,7 +45,7 @@ def _grad_tile(q_chunks, k_chunks, v_chunks, do_chunks, lse2, delta, mask, *, sc
 
 
 def _dq_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref, delta_ref,
-               dq_ref, *, spec, scale, softcap, block_k, d_qk, d_v, has_mask, precision):
+               dq_ref, *, options, block_k, d_qk, d_v, has_mask, precision):
     rows = slice(None)
     q_tile = core.token_tile(q_tok, rows)
     q_chunks = None if d_qk.count > 1 else d_qk.load_all(q_ref, rows)
@@ -58,21 +57,21 @@ def _dq_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref, 
         k_chunks = d_qk.load_all(k_ref, window)
         v_chunks = d_v.load_all(v_ref, window)
         q_now = d_qk.load_all(q_ref, rows) if q_chunks is None else q_chunks
-        mask = core.tile_mask(spec, q_tile, core.token_tile(kv_tok, window)) if masked else None
-        _, ds = _grad_tile(q_now, k_chunks, v_chunks, do_chunks, lse2, delta, mask,
-                           scale=scale, softcap=softcap, precision=precision)
+        mask = (core.tile_mask(options.spec, q_tile, core.token_tile(kv_tok, window))
+                if masked else None)
+        _, ds = _grad_tile(q_now, k_chunks, v_chunks, do_chunks, lse2, delta, mask, options,
+                           precision)
         ds = ds.astype(k_chunks[0].dtype)
         return tuple(a + core.dot(ds, k, (1, 0), precision) for a, k in zip(dq, k_chunks))
 
     init = d_qk.zeros(q_ref.shape[0])
     dq = core.run_tiles(bounds_ref, step, init, has_mask=has_mask)
     for c, a in enumerate(dq):
-        d_qk.store(dq_ref, c, a * scale)
+        d_qk.store(dq_ref, c, a * options.scale)
 
 
 def _dkv_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, *, spec, scale, softcap, block_q, d_qk, d_v, has_mask,
-                precision):
+                dk_ref, dv_ref, *, options, block_q, d_qk, d_v, has_mask, precision):
     cols = slice(None)
     kv_tile = core.token_tile(kv_tok, cols)
     k_chunks = d_qk.load_all(k_ref, cols)
@@ -86,11 +85,10 @@ def _dkv_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref,
             q_chunks = d_qk.load_all(q_ref, window, head)
             do_chunks = d_v.load_all(do_ref, window, head)
             lse2 = lse_ref[head, window] * core.LOG2E
-            mask = (core.tile_mask(spec, core.token_tile(q_tok, window), kv_tile) if masked
-                    else None)
+            mask = (core.tile_mask(options.spec, core.token_tile(q_tok, window), kv_tile)
+                    if masked else None)
             p, ds = _grad_tile(q_chunks, k_chunks, v_chunks, do_chunks, lse2,
-                               delta_ref[head, window], mask, scale=scale, softcap=softcap,
-                               precision=precision)
+                               delta_ref[head, window], mask, options, precision)
             p, ds = p.astype(do_chunks[0].dtype), ds.astype(q_chunks[0].dtype)
             dv = tuple(a + core.dot(p, do, (0, 0), precision) for a, do in zip(dv, do_chunks))
             dk = tuple(a + core.dot(ds, q, (0, 0), precision) for a, q in zip(dk, q_chunks))
@@ -103,7 +101,7 @@ def _dkv_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref,
     dk, dv = (head_body(jnp.int32(0), init) if heads == 1
               else lax.fori_loop(0, heads, head_body, init))
     for c, a in enumerate(dk):
-        d_qk.store(dk_ref, c, a * scale)
+        d_qk.store(dk_ref, c, a * options.scale)
     for c, a in enumerate(dv):
         d_v.store(dv_ref, c, a)
 
@@ -117,9 +115,9 @@ def _head_splits(programs: int, group: int) -> int:
 
 
 @contract.folds_vmap
-def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, softcap,
-             block_sizes, interpret):
-    """:func:`jax_seqpar.kernels.gpu.pallas.backward` after validation."""
+def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options, interpret):
+    """:func:`jax_seqpar.kernels.gpu.pallas.backward` after validation (``options``
+    resolved: :meth:`jax_seqpar.kernels.contract.Options.resolved`)."""
     operands = (q, k, v, q_tokens, kv_tokens, lse, delta, dout)
     q, k, v, q_tokens, kv_tokens, lse, delta, dout = _compat.match_varying(operands, operands)
     (q_len, heads), kv_heads = q.shape[1:3], k.shape[2]
@@ -127,16 +125,15 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, sof
         group = heads // kv_heads
         q, lse, delta, dout = (core.fold(x, kv_heads) for x in (q, lse, delta, dout))
         dq, dk, dv = backward(q, k, v, core.fold_tokens(q_tokens, group), kv_tokens, lse,
-                              delta, dout, spec=spec, scale=scale, softcap=softcap,
-                              block_sizes=block_sizes, interpret=interpret)
+                              delta, dout, options, interpret)
         return core.unfold(dq, group), dk, dv
-    t = core.tiling(q, k, block_sizes.block_q_bwd, block_sizes.block_k_bwd)
+    spec, tiles = options.spec, options.block_sizes
+    t = core.tiling(q, k, tiles.block_q_bwd, tiles.block_k_bwd)
     q_tokens, kv_tokens = padded_tokens(t, q_tokens, kv_tokens)
     heads = q.shape[2]
     d_qk, d_v = HeadDim.of(q.shape[-1]), HeadDim.of(v.shape[-1])
     q_pad, kv_pad = t.num_q * t.block_q, t.num_k * t.block_k
-    static = dict(spec=spec, scale=scale, softcap=softcap, d_qk=d_qk, d_v=d_v,
-                  has_mask=core.masked(spec, q_tokens))
+    static = dict(options=options, d_qk=d_qk, d_v=d_v, has_mask=core.masked(spec, q_tokens))
     inputs = (
         pad_seq(q, q_pad), pad_seq(k, kv_pad), pad_seq(v, kv_pad), q_tokens, kv_tokens,
         pad_seq(dout.astype(v.dtype), q_pad),
@@ -188,7 +185,8 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, sof
             _compat.shape_struct((t.batch, kv_pad, t.kv_heads * splits, d_qk.size), _F32, q),
             _compat.shape_struct((t.batch, kv_pad, t.kv_heads * splits, d_v.size), _F32, q)],
         compiler_params=config.launch("dkv", t.block_k, d_qk.size, d_v.size, q.dtype,
-                                      segments=q_tokens.segment_ids is not None),
+                                      segments=q_tokens.segment_ids is not None
+                                      or q_tokens.bidirectional_ids is not None),
         name="seqpar_flash_dkv",
     )(core.tile_bounds(spec, t, q_tokens, kv_tokens, by_key=True), *inputs)
     if splits > 1:  # [B, Sk, Hkv * splits, D] -> [B, Sk, Hkv, D]

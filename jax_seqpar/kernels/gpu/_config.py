@@ -67,7 +67,8 @@ def launch(kind: str, rows: int, d_qk: int, d_v: int, dtype, *,
     """Warps and software-pipeline stages of one kernel (``kind``: fwd, dq, dkv) whose
     programs own ``rows`` tokens (measured with ``experiments/gpu_resources.py``:
     no spills on sm_80 or sm_90 at the default tiles). ``segments``: the call masks by
-    segment ids (the dk/dv kernel then holds each query tile's ids too)."""
+    per-token ids, segment or bidirectional (the dk/dv kernel then holds each query
+    tile's ids too)."""
     width = _width(d_qk, d_v)
     if jnp.dtype(dtype) == jnp.float32:  # TF32x3 operands: three registers per value
         return plgpu.CompilerParams(num_warps=4 if width <= 128 else 8,

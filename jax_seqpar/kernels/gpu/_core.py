@@ -27,6 +27,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from jax_seqpar.core import masks
+from jax_seqpar.kernels import tiling as _tiling
 from jax_seqpar.kernels.tiling import Tiling, pad_seq, padded_tokens
 from jax_seqpar.core.masks import MaskSpec, Tokens
 
@@ -257,36 +258,38 @@ def dot_chunks(a_chunks, b_chunks, contract, precision):
     return total
 
 
-def scores(q_chunks, k_chunks, *, scale, softcap, precision):
-    """``(s, tanh)``: scores in log2 units ``[bq, bk]`` and, with ``softcap``, the
-    ``tanh`` the backward needs (else ``None``)."""
+def scores(q_chunks, k_chunks, options, precision):
+    """``(s, tanh)``: scores in log2 units ``[bq, bk]`` and, with ``options.softcap``,
+    the ``tanh`` the backward needs (else ``None``)."""
     s = dot_chunks(q_chunks, k_chunks, (1, 1), precision)
-    if softcap is None:
-        return s * (scale * LOG2E), None
-    t = jnp.tanh(s * (scale / softcap))
-    return t * (softcap * LOG2E), t
+    cap = options.softcap
+    if cap is None:
+        return s * (options.scale * LOG2E), None
+    t = jnp.tanh(s * (options.scale / cap))
+    return t * (cap * LOG2E), t
 
 
-def tile_mask(spec: MaskSpec, q_tile, kv_tile):
-    """``bool[bq, bk]`` from ``(positions, segments|None)`` tiles ``[bq]``, ``[bk]``."""
-    (q_pos, q_seg), (kv_pos, kv_seg) = q_tile, kv_tile
-    return masks.visible(spec, masks.rows(Tokens(q_pos, q_seg)), masks.cols(Tokens(kv_pos, kv_seg)))
+def tile_mask(spec: MaskSpec, q_tile: Tokens, kv_tile: Tokens):
+    """``bool[bq, bk]`` (:func:`jax_seqpar.core.masks.visible`) of loaded metadata tiles
+    ``[bq]`` and ``[bk]`` (:func:`token_tile`)."""
+    return masks.visible(spec, masks.rows(q_tile), masks.cols(kv_tile))
 
 
-def token_tile(tokens: Tokens, window):
-    """Load the ``window`` (an index or slice) of a Tokens-of-refs: ``(pos, seg|None)``."""
-    seg = tokens.segment_ids
-    return tokens.positions[window], None if seg is None else seg[window]
+def token_tile(tokens: Tokens, span) -> Tokens:
+    """Load the ``span`` (an index or slice) of a Tokens-of-refs: every field present."""
+    return _tiling.loaded(tokens, span)
 
 
 def token_specs(tokens: Tokens, block: int, index_map) -> Tokens:
-    spec = pl.BlockSpec((None, block), index_map)
-    return Tokens(spec, None if tokens.segment_ids is None else spec)
+    """One ``[block]`` BlockSpec per metadata field ``tokens`` has."""
+    return _tiling.per_field(tokens, pl.BlockSpec((None, block), index_map))
 
 
 def masked(spec: MaskSpec, tokens: Tokens) -> bool:
-    """Whether any tile can be ``PARTIAL`` (statically): else one unmasked loop."""
-    return spec.causal or spec.window is not None or tokens.segment_ids is not None
+    """Whether any tile can be ``PARTIAL`` (statically): else one unmasked loop. The
+    static fields (:attr:`MaskSpec.bounded`: causal, window, chunks, ``mask_fn``) or
+    document ids can mask; bidirectional ids only lift a causal mask."""
+    return spec.bounded or tokens.segment_ids is not None
 
 
 def run_tiles(bounds_ref, step, carry, *, has_mask: bool):
@@ -305,14 +308,14 @@ def run_tiles(bounds_ref, step, carry, *, has_mask: bool):
     return lax.fori_loop(full_end, end, functools.partial(step, masked=True), carry)
 
 
-def call(kernel, *, interpret: Optional[bool], precision_dtype, **kwargs):
-    """``pallas_call`` of ``kernel(..., precision=...)``, lowered for the platform the
+def call(body, *, interpret: Optional[bool], precision_dtype, **kwargs):
+    """``pallas_call`` of the kernel ``body(..., precision=...)``, lowered for the platform the
     program is lowered for when ``interpret`` is None (Triton on CUDA / ROCm, the
     interpreter elsewhere); ``True`` / ``False`` force one."""
 
     def build(triton: bool):
-        body = functools.partial(kernel, precision=precision_for(precision_dtype, triton))
-        return pl.pallas_call(body, interpret=not triton, **kwargs)
+        run_body = functools.partial(body, precision=precision_for(precision_dtype, triton))
+        return pl.pallas_call(run_body, interpret=not triton, **kwargs)
 
     if interpret is not None:
         return build(not interpret)

@@ -64,10 +64,10 @@ from jax_seqpar.kernels import contract
 from jax_seqpar.kernels.gpu import _config as config
 from jax_seqpar.kernels.gpu import _core as core
 from jax_seqpar.kernels.gpu._config import compiles_clean, default_block_sizes
-from jax_seqpar.kernels.contract import BlockSizes
+from jax_seqpar.kernels.contract import BlockSizes, Options
 from jax_seqpar.kernels.gpu._core import HeadDim
 from jax_seqpar.kernels.tiling import pad_seq, padded_tokens
-from jax_seqpar.core.masks import MaskSpec, Tokens
+from jax_seqpar.core.masks import Tokens
 
 #: The input dtypes the kernel takes (q, k and v share one).
 DTYPES = core.DTYPES
@@ -79,7 +79,7 @@ _F32 = core.F32
 
 
 def _forward_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, out_ref, lse_ref, *,
-                    spec, scale, softcap, block_k, d_qk, d_v, has_mask, precision):
+                    options, block_k, d_qk, d_v, has_mask, precision):
     rows = slice(None)
     q_tile = core.token_tile(q_tok, rows)
     # Wide (chunked) queries are re-read per step (L2 hits) rather than held in
@@ -92,11 +92,10 @@ def _forward_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, out_ref, lse
         k_chunks = d_qk.load_all(k_ref, window)
         v_chunks = d_v.load_all(v_ref, window)
         q_now = d_qk.load_all(q_ref, rows) if q_chunks is None else q_chunks
-        s, _ = core.scores(q_now, k_chunks, scale=scale,
-                           softcap=softcap, precision=precision)  # [bq, bk]
+        s, _ = core.scores(q_now, k_chunks, options, precision)  # [bq, bk]
         if masked:
-            s = jnp.where(core.tile_mask(spec, q_tile, core.token_tile(kv_tok, window)), s,
-                          -jnp.inf)
+            s = jnp.where(core.tile_mask(options.spec, q_tile, core.token_tile(kv_tok, window)),
+                          s, -jnp.inf)
         # m starts at EMPTY_LSE (finite), so fully masked rows give exp2(-inf) = 0.
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp2(s - m_new[:, None])
@@ -116,34 +115,32 @@ def _forward_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, out_ref, lse
     lse_ref[...] = jnp.where(seen, (m + jnp.log2(l)) * core.LN2, masks.EMPTY_LSE)
 
 
-def _validate(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, block_sizes: Optional[BlockSizes],
-              interpret: Optional[bool], softcap):
-    """Checked operands; ``(block sizes resolved against :func:`default_block_sizes`,
-    softcap as float or None)``. Tiles must suit Triton unless ``interpret=True``."""
+def _validate(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options,
+              interpret: Optional[bool]) -> Options:
+    """Checked operands; the options resolved (:meth:`Options.resolved`, tiles from
+    :func:`default_block_sizes`). Tiles must suit Triton unless ``interpret=True``."""
     contract.check_operands(q, k, v, q_tokens, kv_tokens, dtypes=core.DTYPES,
                             kernel_name=__name__)
-    softcap = contract.check_softcap(softcap)
-    block_sizes = contract.resolve_block_sizes(
-        block_sizes, default_block_sizes(q.shape[-1], v.shape[-1], q.dtype), __name__)
+    options = options.resolved(default_block_sizes(q.shape[-1], v.shape[-1], q.dtype),
+                               __name__)
     if interpret is not True:  # the program may be lowered for a GPU
-        block_sizes.check_gpu()
-    return block_sizes, softcap
+        options.block_sizes.check_gpu()
+    return options
 
 
-def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
-            softcap: Optional[float] = None, block_sizes: Optional[BlockSizes] = None,
-            interpret: Optional[bool] = None, accumulate=None):
+def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options, accumulate=None,
+            *, interpret: Optional[bool] = None):
     """Attention of ``q`` against one run of keys (the contract of :func:`xla.forward`).
 
     Args:
       q: ``[B, Sq, H, Dqk]``; k: ``[B, Sk, Hkv, Dqk]``; v: ``[B, Sk, Hkv, Dv]``;
         one dtype among float32 / bfloat16 / float16, ``H % Hkv == 0``.
       q_tokens, kv_tokens: metadata of the queries (``[B, Sq]``) and keys (``[B, Sk]``).
-      spec: causal / window; scale: score multiplier.
-      softcap: logits ``s = scale * q.k`` become ``softcap * tanh(s / softcap)``
-        before masking (Gemma 2); None: no cap.
-      block_sizes: tile sizes (powers of two >= 16 unless ``interpret=True``); None,
-        or a size left None: :func:`default_block_sizes` for the head dims and dtype.
+      options: the call's :class:`~jax_seqpar.kernels.contract.Options`: ``spec`` (the
+        mask), ``scale``, ``softcap`` (logits ``s = scale * q.k`` become
+        ``softcap * tanh(s / softcap)`` before masking, Gemma 2; None: no cap) and
+        ``block_sizes`` (powers of two >= 16 unless ``interpret=True``; None, or a size
+        left None: :func:`default_block_sizes` for the head dims and dtype).
       interpret: None: Triton when the program is lowered for a GPU, the Pallas
         interpreter elsewhere; True / False force one.
       accumulate: optional ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])`` of
@@ -156,46 +153,44 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
 
     >>> q = k = v = jnp.ones((1, 32, 2, 16), jnp.bfloat16)
     >>> tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
-    >>> out, lse = forward(q, k, v, tokens, tokens, spec=MaskSpec.make(causal=True), scale=0.25)
+    >>> options = Options(MaskSpec.make(causal=True), scale=0.25, kernel="pallas")
+    >>> out, lse = forward(q, k, v, tokens, tokens, options)
     >>> out.shape, out.dtype, lse.shape
     ((1, 32, 2, 16), dtype('float32'), (1, 32, 2))
     """
-    block_sizes, softcap = _validate(q, k, v, q_tokens, kv_tokens, block_sizes, interpret,
-                                     softcap)
+    options = _validate(q, k, v, q_tokens, kv_tokens, options, interpret)
     contract.check_accumulated(q, v, accumulate)
     return contract.merge_accumulated(
-        _forward(q, k, v, q_tokens, kv_tokens, spec=spec, scale=float(scale),
-                 softcap=softcap, block_sizes=block_sizes, interpret=interpret), accumulate)
+        _forward(q, k, v, q_tokens, kv_tokens, options, interpret), accumulate)
 
 
 @contract.folds_vmap
-def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, softcap, block_sizes, interpret,
+def _forward(q, k, v, q_tokens, kv_tokens, options: Options, interpret: Optional[bool],
              may_split=True):
     # Inside shard_map every operand must vary over the same axes (e.g. replicated
     # decode queries against a sharded cache).
     q, k, v, q_tokens, kv_tokens = _compat.match_varying(
         (q, k, v, q_tokens, kv_tokens), (q, k, v, q_tokens, kv_tokens))
     (q_len, heads), kv_heads = q.shape[1:3], k.shape[2]
-    options = dict(spec=spec, scale=scale, softcap=softcap, block_sizes=block_sizes,
-                   interpret=interpret)
     if core.folds_group(q_len, heads, kv_heads):
         out, lse = _forward(core.fold(q, kv_heads), k, v,
-                            core.fold_tokens(q_tokens, heads // kv_heads), kv_tokens, **options)
+                            core.fold_tokens(q_tokens, heads // kv_heads), kv_tokens, options,
+                            interpret)
         return core.unfold(out, heads // kv_heads), core.unfold(lse, heads // kv_heads)
-    t = core.tiling(q, k, block_sizes.block_q, block_sizes.block_k)
+    spec, tiles = options.spec, options.block_sizes
+    t = core.tiling(q, k, tiles.block_q, tiles.block_k)
     splits = core.kv_splits(t.batch * heads, t.num_q, t.kv_len, t.block_k) if may_split else 1
     if splits > 1:  # a decode step: split-K over the cache, then merge
         out, lse = _forward(*core.split_kv(splits, q, k, v, q_tokens, kv_tokens, t),
-                            **options, may_split=False)
+                            options, interpret, may_split=False)
         return core.merge_splits(splits, out, lse)
     q_tokens, kv_tokens = padded_tokens(t, q_tokens, kv_tokens)
     d_qk, d_v = HeadDim.of(q.shape[-1]), HeadDim.of(v.shape[-1])
     q_pad, kv_pad = t.num_q * t.block_q, t.num_k * t.block_k
-    kernel = functools.partial(_forward_kernel, spec=spec, scale=scale, softcap=softcap,
-                               block_k=t.block_k, d_qk=d_qk, d_v=d_v,
-                               has_mask=core.masked(spec, q_tokens))
+    body = functools.partial(_forward_kernel, options=options, block_k=t.block_k, d_qk=d_qk,
+                             d_v=d_v, has_mask=core.masked(spec, q_tokens))
     out, lse = core.call(
-        kernel, interpret=interpret, precision_dtype=q.dtype,
+        body, interpret=interpret, precision_dtype=q.dtype,
         grid=(t.num_q, t.batch, heads),
         in_specs=core.query_row_specs(t, q_tokens, kv_tokens, d_qk, d_v),
         out_specs=[
@@ -211,15 +206,12 @@ def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, softcap, block_sizes,
     return out[:, :t.q_len], jnp.swapaxes(lse, 1, 2)[:, :t.q_len]
 
 
-def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
-             spec: MaskSpec, scale: float, softcap: Optional[float] = None,
-             block_sizes: Optional[BlockSizes] = None, interpret: Optional[bool] = None,
-             accumulate=None):
+def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout,
+             options: Options, accumulate=None, *, interpret: Optional[bool] = None):
     """Gradients of attention given the softmax statistics of the full result.
 
     Args:
-      q, k, v, q_tokens, kv_tokens, spec, scale, softcap, block_sizes, interpret: as
-        in :func:`forward`.
+      q, k, v, q_tokens, kv_tokens, options, interpret: as in :func:`forward`.
       lse: ``float32[B, Sq, H]`` log-sum-exp of the (possibly merged) result.
       delta: ``float32[B, Sq, H]`` = ``sum(dout * out, -1) - dlse``.
       dout: ``[B, Sq, H, Dv]`` cotangent of the (merged) output; it enters the
@@ -229,17 +221,14 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
       float32 ``dq [B, Sq, H, Dqk]``, ``dk [B, Sk, Hkv, Dqk]``, ``dv [B, Sk, Hkv, Dv]``
       (plus ``accumulate``).
     """
-    block_sizes, softcap = _validate(q, k, v, q_tokens, kv_tokens, block_sizes, interpret,
-                                     softcap)
+    options = _validate(q, k, v, q_tokens, kv_tokens, options, interpret)
     contract.check_backward_operands(q, v, lse, delta, dout)
-    grads = _pallas_bwd.backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, spec=spec,
-                                 scale=float(scale), softcap=softcap,
-                                 block_sizes=block_sizes, interpret=interpret)
+    grads = _pallas_bwd.backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options,
+                                 interpret)
     return contract.add_accumulated(grads, accumulate)
 
 
-def attention(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
-              softcap: Optional[float] = None, block_sizes: Optional[BlockSizes] = None,
+def attention(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options, *,
               interpret: Optional[bool] = None):
     """Differentiable :func:`forward`: ``(out float32, lse float32)``.
 
@@ -249,14 +238,13 @@ def attention(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, s
 
     >>> q = k = v = jnp.ones((1, 32, 2, 16), jnp.float32)
     >>> tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
-    >>> loss = lambda q: attention(q, k, v, tokens, tokens, spec=MaskSpec(), scale=0.25)[0].sum()
+    >>> options = Options(MaskSpec(), scale=0.25, kernel="pallas")
+    >>> loss = lambda q: attention(q, k, v, tokens, tokens, options)[0].sum()
     >>> jax.grad(loss)(q).shape
     (1, 32, 2, 16)
     """
-    block_sizes, softcap = _validate(q, k, v, q_tokens, kv_tokens, block_sizes, interpret,
-                                     softcap)
-    return _attention(q, k, v, q_tokens, kv_tokens, spec=spec, scale=float(scale),
-                      softcap=softcap, block_sizes=block_sizes, interpret=interpret)
+    options = _validate(q, k, v, q_tokens, kv_tokens, options, interpret)
+    return _attention(q, k, v, q_tokens, kv_tokens, options, interpret)
 
 
 _attention = contract.differentiable(_forward, _pallas_bwd.backward)

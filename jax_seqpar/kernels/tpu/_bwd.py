@@ -24,15 +24,15 @@ from jax_seqpar.kernels import contract
 from jax_seqpar.kernels.tiling import pad_seq, schedule
 
 
-def _grad_scores(s, t, p, dp, delta, softcap):
+def _grad_scores(t, p, dp, delta):
     """``dS`` w.r.t. the raw scaled scores: ``p * (dp - delta)``, times the soft
-    cap's derivative ``1 - tanh**2`` when there is one."""
+    cap's derivative ``1 - tanh**2`` when there is one (``t``, the cap's tanh, or None)."""
     ds = p * (dp - delta)
-    return ds if softcap is None else ds * (1.0 - t * t)
+    return ds if t is None else ds * (1.0 - t * t)
 
 
 def _dq_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref, delta_ref,
-               *refs, spec, scale, softcap, precision, accumulate):
+               *refs, options, precision, accumulate):
     if accumulate:  # dq so far (aliased to dq_ref): this call's dq is added in place
         dq_in, dq_ref, dq_acc, lse_col, delta_col = refs
     else:
@@ -47,25 +47,24 @@ def _dq_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref, de
 
     def tile(is_partial):
         k = k_ref[...]
-        s, t = mc.logits(q_ref[...], k, scale=scale, softcap=softcap,
-                         precision=precision)  # [bq, bk]
+        s, t = mc.logits(q_ref[...], k, options, precision)  # [bq, bk]
         if is_partial:
-            s = mc.masked(s, spec, q_tok, kv_tok, rows_are_queries=True)
+            s = mc.masked(s, options.spec, q_tok, kv_tok, rows_are_queries=True)
         p = jnp.exp(s - lse_col[:, :1])
         dp = mc.dot(do_ref[...], v_ref[...], transpose_b=True, precision=precision)
-        ds = _grad_scores(s, t, p, dp, delta_col[:, :1], softcap)
+        ds = _grad_scores(t, p, dp, delta_col[:, :1])
         dq_acc[...] += mc.dot(ds.astype(k.dtype), k, precision=precision)
 
     mc.run_tile(plan_ref, pl.program_id(0), q_tile, kv_tile, tile)
 
     @pl.when(kv_tile == pl.num_programs(3) - 1)
     def _finish():
-        dq = dq_acc[...] * scale
+        dq = dq_acc[...] * options.scale
         dq_ref[...] = dq if dq_in is None else dq_in[...] + dq
 
 
 def _dkv_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref, delta_ref,
-                dk_ref, dv_ref, dk_acc, dv_acc, *, spec, scale, softcap, precision):
+                dk_ref, dv_ref, dk_acc, dv_acc, *, options, precision):
     kv_tile, head, q_tile = pl.program_id(2), pl.program_id(3), pl.program_id(4)
     first = (head == 0) & (q_tile == 0)
     last = (head == pl.num_programs(3) - 1) & (q_tile == pl.num_programs(4) - 1)
@@ -77,28 +76,27 @@ def _dkv_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref, d
 
     def tile(is_partial):
         q, do = q_ref[...], do_ref[...]
-        s, t = mc.logits(k_ref[...], q, scale=scale, softcap=softcap,
-                         precision=precision)  # [bk, bq]
+        s, t = mc.logits(k_ref[...], q, options, precision)  # [bk, bq]
         if is_partial:
-            s = mc.masked(s, spec, kv_tok, q_tok, rows_are_queries=False)
+            s = mc.masked(s, options.spec, kv_tok, q_tok, rows_are_queries=False)
         p = jnp.exp(s - lse_ref[...])  # lse [1, bq]
         dv_acc[...] += mc.dot(p.astype(do.dtype), do, precision=precision)
         dp = mc.dot(v_ref[...], do, transpose_b=True, precision=precision)  # [bk, bq]
-        ds = _grad_scores(s, t, p, dp, delta_ref[...], softcap)
+        ds = _grad_scores(t, p, dp, delta_ref[...])
         dk_acc[...] += mc.dot(ds.astype(q.dtype), q, precision=precision)
 
     mc.run_tile(plan_ref, pl.program_id(0), kv_tile, q_tile, tile)
 
     @pl.when(last)
     def _finish():
-        dk_ref[...] = dk_acc[...] * scale
+        dk_ref[...] = dk_acc[...] * options.scale
         dv_ref[...] = dv_acc[...]
 
 
 @contract.folds_vmap
-def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, block_sizes,
-             softcap, dq_in=None):
-    """:func:`jax_seqpar.kernels.tpu.mosaic.backward` after validation.
+def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options, dq_in=None):
+    """:func:`jax_seqpar.kernels.tpu.mosaic.backward` after validation (``options``
+    resolved: :meth:`jax_seqpar.kernels.contract.Options.resolved`).
 
     ``dq_in``: float32 ``[B, Sq, H, Dqk]`` gradient so far (a ring's running dq), added
     to dq in the dq kernel, in place: no float32 dq per call and no add after it.
@@ -106,11 +104,11 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *, spec, scale, blo
     operands = (q, k, v, q_tokens, kv_tokens, lse, delta, dout, dq_in)
     q, k, v, q_tokens, kv_tokens, lse, delta, dout, dq_in = _compat.match_varying(
         operands, operands)
-    t = mc.tiling(q, k, block_sizes.block_q_bwd, block_sizes.block_k_bwd)
-    q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # classes [B, nq, nk]
+    t = mc.tiling(q, k, options.block_sizes.block_q_bwd, options.block_sizes.block_k_bwd)
+    q_tokens, kv_tokens, classes = schedule(options.spec, t, q_tokens, kv_tokens)  # [B, nq, nk]
     (batch, q_len, heads, d_qk), (kv_len, kv_heads), d_v = q.shape, k.shape[1:3], v.shape[-1]
     q_pad, kv_pad, group = t.num_q * t.block_q, t.num_k * t.block_k, t.group
-    kernel_args = dict(spec=spec, scale=scale, softcap=softcap, precision=mc.precision(q.dtype))
+    kernel_args = dict(options=options, precision=mc.precision(q.dtype))
     q_h, do_h = mc.heads_first(q, q_pad), mc.heads_first(dout.astype(v.dtype), q_pad)
     k_h, v_h = mc.heads_first(k, kv_pad), mc.heads_first(v, kv_pad)
     # Statistics lane-dense, [B, H, 1, Sq_pad]: a trailing dim of 1 would be padded to

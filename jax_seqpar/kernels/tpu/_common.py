@@ -28,6 +28,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from jax_seqpar.core import compat as _compat, masks
+from jax_seqpar.kernels import tiling as _tiling
 from jax_seqpar.kernels.tiling import Tiling
 from jax_seqpar.core.masks import Tokens
 
@@ -75,14 +76,9 @@ def row(tokens: Tokens) -> Tokens:
 
 
 def token_specs(tokens: Tokens, block_shape, index_map) -> Tokens:
-    spec = pl.BlockSpec(block_shape, index_map)
-    return Tokens(spec, None if tokens.segment_ids is None else spec)
-
-
-def load(tokens: Tokens):
-    """``(positions, segment_ids | None)`` of a Tokens-of-refs."""
-    seg = tokens.segment_ids
-    return tokens.positions[...], None if seg is None else seg[...]
+    """One BlockSpec per metadata field ``tokens`` has (positions, segment and
+    bidirectional ids)."""
+    return _tiling.per_field(tokens, pl.BlockSpec(block_shape, index_map))
 
 
 def plan(classes):
@@ -124,24 +120,27 @@ def dot(a, b, *, transpose_b=False, precision=None):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
 
 
-def logits(a, b, *, scale, softcap, precision):
-    """``(s, t)``: scaled (and soft-capped) scores ``a @ b.T`` in float32, and
-    ``t = tanh(raw / softcap)`` for the backward (``None`` without softcap)."""
-    s = dot(a, b, transpose_b=True, precision=precision) * scale
-    if softcap is None:
+def logits(a, b, options, precision):
+    """``(s, t)``: scaled (and soft-capped, ``options.softcap``) scores ``a @ b.T`` in
+    float32, and ``t = tanh(raw / softcap)`` for the backward (``None`` without cap)."""
+    s = dot(a, b, transpose_b=True, precision=precision) * options.scale
+    cap = options.softcap
+    if cap is None:
         return s, None
-    t = jnp.tanh(s / softcap)
-    return softcap * t, t
+    t = jnp.tanh(s / cap)
+    return cap * t, t
 
 
 def masked(s, spec, rows: Tokens, cols: Tokens, *, rows_are_queries: bool):
-    """``s`` with invisible pairs at ``-inf`` (:func:`jax_seqpar.core.masks.visible`)."""
-    row_pos, row_seg = load(rows)
-    col_pos, col_seg = load(cols)
-    if rows_are_queries:
-        mask = masks.visible(spec, Tokens(row_pos, row_seg), Tokens(col_pos, col_seg))
-    else:
-        mask = masks.visible(spec, Tokens(col_pos, col_seg), Tokens(row_pos, row_seg))
+    """``s`` with invisible pairs at ``-inf`` (:func:`jax_seqpar.core.masks.visible`).
+
+    ``rows`` / ``cols``: Tokens-of-refs of the tile's rows (``[n, 1]``) and columns
+    (``[1, m]``); ``rows_are_queries=False`` is the transposed ``[key, query]`` tile of
+    the dk/dv kernel: the predicate still gets the queries first (causality,
+    bidirectional ids and ``mask_fn`` are not symmetric)."""
+    row, col = _tiling.loaded(rows), _tiling.loaded(cols)
+    q, kv = (row, col) if rows_are_queries else (col, row)
+    mask = masks.visible(spec, q, kv)
     return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
 
@@ -156,7 +155,7 @@ def cost(*, flops, transcendentals, arrays):
                            bytes_accessed=int(accessed))
 
 
-def pallas(kernel, *, name, grid, in_specs, out_specs, out_shape, scratch_shapes,
+def pallas(body, *, name, grid, in_specs, out_specs, out_shape, scratch_shapes,
            semantics, like, cost_estimate=None, input_output_aliases=None):
     """``pallas_call`` with a scalar-prefetched plan, compiled by Mosaic when the program
     is lowered for TPU and run by the Pallas interpreter everywhere else.
@@ -176,7 +175,7 @@ def pallas(kernel, *, name, grid, in_specs, out_specs, out_shape, scratch_shapes
 
     def build(interpret):
         return pl.pallas_call(
-            kernel,
+            body,
             grid_spec=pltpu.PrefetchScalarGridSpec(
                 num_scalar_prefetch=1, grid=grid, in_specs=in_specs, out_specs=out_specs,
                 scratch_shapes=scratch_shapes),

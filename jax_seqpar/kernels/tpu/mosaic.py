@@ -4,8 +4,9 @@ The kernel contract (:mod:`jax_seqpar.kernels.contract`), like
 :mod:`jax_seqpar.kernels.xla`: :func:`forward` -> ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])``,
 :func:`backward` (given the final ``lse`` and ``delta = sum(dout * out, -1) - dlse``)
 -> float32 ``(dq, dk, dv)``, and :func:`attention`, a ``custom_vjp`` of both that
-takes cotangents for ``out`` AND ``lse``. Every function takes ``softcap``: scores
-``s = scale * q.k`` become ``softcap * tanh(s / softcap)`` before masking.
+takes cotangents for ``out`` AND ``lse``. Every function takes the call's
+:class:`~jax_seqpar.kernels.contract.Options` (mask, scale, tiles, ``softcap``: scores
+``s = scale * q.k`` become ``softcap * tanh(s / softcap)`` before masking).
 
 How the work is cut (FlashAttention-2):
 
@@ -20,8 +21,8 @@ How the work is cut (FlashAttention-2):
   kernel (:func:`jax_seqpar.core.masks.classify`) into a scalar-prefetched plan
   ``[B, nq, nk]`` (packed rows skip what their own documents do not share): ``EMPTY``
   tiles are neither computed nor copied in, ``FULL`` tiles are not masked, and
-  ``PARTIAL`` tiles apply :func:`jax_seqpar.core.masks.visible` to the tokens' positions
-  and segment ids;
+  ``PARTIAL`` tiles apply :func:`jax_seqpar.core.masks.visible` to the tokens' positions,
+  segment and bidirectional ids (chunks and ``mask_fn`` included);
 * GQA/MQA read K/V head ``h // group`` through the BlockSpec index map, never a
   repeated copy; the head dim is any size (64 .. 576, ``Dv != Dqk`` for MLA);
 * tiles are multiples of 128 tokens (``BlockSizes.check_tpu``), by default
@@ -35,7 +36,6 @@ Paper: FlashAttention-2, arXiv:2307.08691.
 from __future__ import annotations
 
 import functools
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -46,9 +46,9 @@ from jax_seqpar.core import compat as _compat, masks
 from jax_seqpar.kernels.tpu import _bwd as _mosaic_bwd
 from jax_seqpar.kernels import contract
 from jax_seqpar.kernels.tpu import _common as mc
-from jax_seqpar.kernels.contract import BlockSizes
+from jax_seqpar.kernels.contract import BlockSizes, Options
 from jax_seqpar.kernels.tiling import pad_seq, schedule
-from jax_seqpar.core.masks import MaskSpec, Tokens
+from jax_seqpar.core.masks import Tokens
 
 #: The input dtypes the kernel takes (q, k and v share one): the MXU's; no float16.
 DTYPES = mc.DTYPES
@@ -64,17 +64,17 @@ def default_block_sizes(d_qk: int, d_v: int, dtype) -> BlockSizes:
     return BlockSizes(512, 512, 256, 512)
 
 
-def _checked(q, k, v, q_tokens, kv_tokens, block_sizes, softcap):
-    """Validated operands; ``(block sizes resolved, softcap as float or None)``."""
+def _checked(q, k, v, q_tokens, kv_tokens, options: Options) -> Options:
+    """Validated operands; the options resolved (:meth:`Options.resolved`)."""
     contract.check_operands(q, k, v, q_tokens, kv_tokens, dtypes=mc.DTYPES, kernel_name=__name__)
-    block_sizes = contract.resolve_block_sizes(
-        block_sizes, default_block_sizes(q.shape[-1], v.shape[-1], q.dtype), __name__)
-    block_sizes.check_tpu()
-    return block_sizes, contract.check_softcap(softcap)
+    options = options.resolved(default_block_sizes(q.shape[-1], v.shape[-1], q.dtype),
+                               __name__)
+    options.block_sizes.check_tpu()
+    return options
 
 
-def _forward_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, *refs, spec, scale,
-                    softcap, precision, accumulate):
+def _forward_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, *refs, options,
+                    precision, accumulate):
     if accumulate:  # the result so far, aliased to the outputs: continued in place
         out_in, lse_in, out_ref, lse_ref, m_ref, l_ref, acc_ref = refs
     else:
@@ -96,10 +96,9 @@ def _forward_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, *refs, spec, s
             acc_ref[...] = jnp.zeros(acc_ref.shape, mc.F32)
 
     def tile(is_partial):
-        s, _ = mc.logits(q_ref[...], k_ref[...], scale=scale, softcap=softcap,
-                         precision=precision)  # [bq, bk]
+        s, _ = mc.logits(q_ref[...], k_ref[...], options, precision)  # [bq, bk]
         if is_partial:
-            s = mc.masked(s, spec, q_tok, kv_tok, rows_are_queries=True)
+            s = mc.masked(s, options.spec, q_tok, kv_tok, rows_are_queries=True)
         # Statistics are lane-replicated [bq, 128]. m starts at EMPTY_LSE (finite),
         # so a row masked so far gets exp(-inf) = 0, never NaN.
         m_prev = m_ref[...]
@@ -124,19 +123,17 @@ def _forward_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, *refs, spec, s
         lse_ref[...] = mc.column_to_row(lse)
 
 
-def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
-            block_sizes: Optional[BlockSizes] = None, softcap: Optional[float] = None,
-            accumulate=None):
+def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options, accumulate=None):
     """Attention of ``q`` against one run of keys (the contract of :func:`xla.forward`).
 
     Args:
       q: ``[B, Sq, H, Dqk]``; k: ``[B, Sk, Hkv, Dqk]``; v: ``[B, Sk, Hkv, Dv]``;
         one dtype, float32 or bfloat16 (the MXU inputs), ``H % Hkv == 0``.
       q_tokens, kv_tokens: metadata of the queries (``[B, Sq]``) and keys (``[B, Sk]``).
-      spec: causal / window; scale: score multiplier.
-      block_sizes: tile sizes, multiples of 128; None, or a size left None:
-        :func:`default_block_sizes`.
-      softcap: optional logit soft cap ``c``: ``s -> c * tanh(s / c)``.
+      options: the call's :class:`~jax_seqpar.kernels.contract.Options`: ``spec`` (the
+        mask), ``scale``, ``softcap`` (``s -> c * tanh(s / c)``, or None) and
+        ``block_sizes`` (multiples of 128; None, or a size left None:
+        :func:`default_block_sizes`).
       accumulate: optional ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])`` of
         earlier keys; the kernel continues it (the online softmax starts from it) and
         writes the result in its place: no float32 result per call and no merge pass.
@@ -147,25 +144,24 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, sca
 
     >>> q = k = v = jnp.ones((1, 32, 2, 64), jnp.bfloat16)
     >>> tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
-    >>> out, lse = forward(q, k, v, tokens, tokens, spec=MaskSpec.make(causal=True), scale=0.125)
+    >>> options = Options(MaskSpec.make(causal=True), scale=0.125, kernel="mosaic")
+    >>> out, lse = forward(q, k, v, tokens, tokens, options)
     >>> out.shape, out.dtype, lse.shape
     ((1, 32, 2, 64), dtype('float32'), (1, 32, 2))
     """
-    block_sizes, softcap = _checked(q, k, v, q_tokens, kv_tokens, block_sizes, softcap)
+    options = _checked(q, k, v, q_tokens, kv_tokens, options)
     contract.check_accumulated(q, v, accumulate)
-    return _forward(q, k, v, q_tokens, kv_tokens, spec=spec, scale=scale,
-                    block_sizes=block_sizes, softcap=softcap, accumulate=accumulate)
+    return _forward(q, k, v, q_tokens, kv_tokens, options, accumulate)
 
 
 @contract.folds_vmap
-def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, block_sizes, softcap,
-             accumulate=None):
+def _forward(q, k, v, q_tokens, kv_tokens, options: Options, accumulate=None):
     # Inside shard_map every operand must vary over the same axes (e.g. replicated
     # decode queries against a sharded cache).
     operands = (q, k, v, q_tokens, kv_tokens, accumulate)
     q, k, v, q_tokens, kv_tokens, accumulate = _compat.match_varying(operands, operands)
-    t = mc.tiling(q, k, block_sizes.block_q, block_sizes.block_k)
-    q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # classes [B, nq, nk]
+    t = mc.tiling(q, k, options.block_sizes.block_q, options.block_sizes.block_k)
+    q_tokens, kv_tokens, classes = schedule(options.spec, t, q_tokens, kv_tokens)  # [B, nq, nk]
     (batch, q_len, heads, d_qk), d_v = q.shape, v.shape[-1]
     q_pad, kv_pad, group = t.num_q * t.block_q, t.num_k * t.block_k, t.group
 
@@ -186,8 +182,8 @@ def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, block_sizes, softcap,
         operands += [mc.heads_first(out_in, q_pad),
                      jnp.swapaxes(pad_seq(lse_in, q_pad, masks.EMPTY_LSE), 1, 2)[:, :, None]]
     call = mc.pallas(
-        functools.partial(_forward_kernel, spec=spec, scale=scale, softcap=softcap,
-                          precision=mc.precision(q.dtype), accumulate=accumulate is not None),
+        functools.partial(_forward_kernel, options=options, precision=mc.precision(q.dtype),
+                          accumulate=accumulate is not None),
         name="seqpar_mosaic_forward",
         grid=(batch, heads, t.num_q, t.num_k),
         in_specs=[
@@ -213,14 +209,12 @@ def _forward(q, k, v, q_tokens, kv_tokens, *, spec, scale, block_sizes, softcap,
     return mc.tokens_first(out, q_len), jnp.swapaxes(lse[:, :, 0, :q_len], 1, 2)
 
 
-def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
-             spec: MaskSpec, scale: float, block_sizes: Optional[BlockSizes] = None,
-             softcap: Optional[float] = None, accumulate=None):
+def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout,
+             options: Options, accumulate=None):
     """Gradients of attention given the softmax statistics of the full result.
 
     Args:
-      q, k, v, q_tokens, kv_tokens, spec, scale, block_sizes, softcap: as in
-        :func:`forward`.
+      q, k, v, q_tokens, kv_tokens, options: as in :func:`forward`.
       lse: ``float32[B, Sq, H]`` log-sum-exp of the (possibly merged) result.
       delta: ``float32[B, Sq, H]`` = ``sum(dout * out, -1) - dlse``.
       dout: ``[B, Sq, H, Dv]`` cotangent of the (merged) output; it enters the
@@ -231,21 +225,19 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout, *,
       float32 ``dq [B, Sq, H, Dqk]``, ``dk [B, Sk, Hkv, Dqk]``, ``dv [B, Sk, Hkv, Dv]``
       (plus ``accumulate``).
     """
-    block_sizes, softcap = _checked(q, k, v, q_tokens, kv_tokens, block_sizes, softcap)
+    options = _checked(q, k, v, q_tokens, kv_tokens, options)
     contract.check_backward_operands(q, v, lse, delta, dout)
     # dq accumulates in the dq kernel, in place; dk, dv are added after (a ring's
     # overlapped backward computes them fresh while the accumulators travel).
     dq, dk, dv = _mosaic_bwd.backward(
-        q, k, v, q_tokens, kv_tokens, lse, delta, dout, spec=spec, scale=scale,
-        block_sizes=block_sizes, softcap=softcap,
+        q, k, v, q_tokens, kv_tokens, lse, delta, dout, options,
         dq_in=None if accumulate is None else accumulate[0])
     if accumulate is None:
         return dq, dk, dv
     return (dq, *contract.add_accumulated((dk, dv), accumulate[1:]))
 
 
-def attention(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, scale: float,
-              block_sizes: Optional[BlockSizes] = None, softcap: Optional[float] = None):
+def attention(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options):
     """Differentiable :func:`forward`: ``(out float32, lse float32)``, through
     :func:`jax_seqpar.kernels.contract.differentiable`.
 
@@ -255,13 +247,13 @@ def attention(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *, spec: MaskSpec, s
 
     >>> q = k = v = jnp.ones((1, 32, 2, 64), jnp.float32)
     >>> tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
-    >>> loss = lambda q: attention(q, k, v, tokens, tokens, spec=MaskSpec(), scale=0.125)[0].sum()
+    >>> options = Options(MaskSpec(), scale=0.125, kernel="mosaic")
+    >>> loss = lambda q: attention(q, k, v, tokens, tokens, options)[0].sum()
     >>> jax.grad(loss)(q).shape
     (1, 32, 2, 64)
     """
-    block_sizes, softcap = _checked(q, k, v, q_tokens, kv_tokens, block_sizes, softcap)
-    return _attention(q, k, v, q_tokens, kv_tokens, spec=spec, scale=float(scale),
-                      block_sizes=block_sizes, softcap=softcap)
+    return _attention(q, k, v, q_tokens, kv_tokens, _checked(q, k, v, q_tokens, kv_tokens,
+                                                                options))
 
 
 _attention = contract.differentiable(_forward, _mosaic_bwd.backward)
