@@ -79,6 +79,9 @@ def sequence_parallel_attention(
     overlap: Union[bool, str] = "auto",
     chunks: Union[int, str] = "auto",
     head_groups: Union[int, str] = "auto",
+    chunk_size: Optional[int] = None,
+    bidirectional_ids: Optional[jax.Array] = None,
+    mask_fn=None,
 ):
     """Exact attention with the sequence split over ``seq_axes`` of ``mesh``.
 
@@ -150,6 +153,15 @@ def sequence_parallel_attention(
         memory of ``overlap=False``), ``overlap=False`` (each exchange whole, one kernel
         call), or forced counts for experiments (``chunks`` also sets the all-gather's
         pieces); a strategy without the keyword refuses a value other than ``"auto"``.
+      chunk_size: tokens see each other only inside one chunk ``position // chunk_size``
+        (Llama 4's chunked attention: ``causal=True, chunk_size=8192``); a positive int
+        or None.
+      bidirectional_ids: ``int32[B, S]`` (needs ``causal``): tokens that carry the same
+        non-zero id see each other both ways (a prefix-LM's prompt: one id per
+        document's prefix; an image's tokens in a vision-language model); 0 is causal.
+      mask_fn: ``mask_fn(q_tokens, kv_tokens) -> bool``, an elementwise predicate on
+        broadcastable :class:`jax_seqpar.core.masks.Tokens` fields ANDed with the rest of
+        the mask (define it once: compiled programs are keyed on the function).
 
     Returns:
       ``[B, S, H, Dv]`` in ``q.dtype``, in the caller's token order, sharded like
@@ -172,6 +184,9 @@ def sequence_parallel_attention(
     positions = check_ids("positions", positions, batch, seq_len)
     kv_segment_ids = check_ids("kv_segment_ids", kv_segment_ids, batch, seq_len, segments=True)
     check_options(causal=causal, window=window, scale=scale, softcap=softcap)
+    spec = masks.MaskSpec.make(causal, window, chunk_size, mask_fn)
+    bidirectional_ids = checks.bidirectional_ids(bidirectional_ids, batch, seq_len, spec.causal)
+    checks.mask_fn(spec, batch, seq_len, seq_len)
     return_lse = checks.flag("return_lse", return_lse)
     sinks = check_sinks(sinks, q.shape[2])
     if mesh is None:
@@ -182,7 +197,8 @@ def sequence_parallel_attention(
             q, k, v, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
             positions=positions, kv_positions=positions, window=window, scale=scale,
             kernel=kernel, block_sizes=block_sizes, softcap=softcap, sinks=sinks,
-            return_lse=return_lse)
+            return_lse=return_lse, chunk_size=chunk_size, bidirectional_ids=bidirectional_ids,
+            mask_fn=mask_fn)
     axes = (seq_axes,) if isinstance(seq_axes, str) else tuple(seq_axes)
     for name in axes:
         if name not in mesh.shape:
@@ -216,14 +232,14 @@ def sequence_parallel_attention(
     pipeline = _pipeline_keywords(strategy, overlap=overlap, chunks=chunks,
                                   head_groups=head_groups)
     call = Call(mesh=mesh, axes=axes, strategy=strategy, ulysses_size=ulysses_size,
-                 layout="contiguous" if positions is not None else layout, causal=bool(causal),
-                 window=masks.normalize_window(window), scale=checks.scale(scale),
+                 layout="contiguous" if positions is not None else layout, spec=spec,
+                 scale=checks.scale(scale),
                  kernel=kernel, block_sizes=block_sizes, softcap=check_softcap(softcap),
                  return_lse=return_lse,
                  batch_entry=batch_entry, head_entry=head_entry,
                  out_spec=_placement.caller_spec(q, mesh), pipeline=pipeline)
     arrays = _placement.onto(mesh, q, k, v, segment_ids, kv_segment_ids, positions,
-                             None if sinks is None else jnp.asarray(sinks))
+                             bidirectional_ids, None if sinks is None else jnp.asarray(sinks))
     return run(*arrays, call=call)
 
 

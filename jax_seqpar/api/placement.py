@@ -122,16 +122,18 @@ def padded_length(seq_len: int, chunks: int) -> int:
     return -(-seq_len // chunks) * chunks
 
 
-def pad_inputs(length: int, q, k, v, segment_ids, kv_segment_ids, positions):
-    """Pad q, k, v, segment ids (both) and positions along the sequence to ``length``.
+def pad_inputs(length: int, q, k, v, segment_ids, kv_segment_ids, positions,
+               bidirectional_ids=None):
+    """Pad q, k, v, segment ids (both), positions and bidirectional ids along the
+    sequence to ``length``.
 
     The padding gets segment :data:`PAD_SEGMENT`, so no real token sees it (padded
-    queries see only padding; their rows are sliced off), and positions after the
-    last real one, so causal tile skipping is unaffected.
+    queries see only padding; their rows are sliced off), positions after the last
+    real one, so causal tile skipping is unaffected, and bidirectional id 0 (none).
 
     Returns:
       ``(q, k, v, segment_ids int32[B, length], kv_segment_ids (likewise, or None),
-      positions int32[B, length] or None)``.
+      positions int32[B, length] or None, bidirectional_ids (likewise, or None))``.
     """
     batch, seq_len = q.shape[:2]
     q, k, v = (pad_seq(x, length) for x in (q, k, v))  # [B, length, heads, D]
@@ -144,7 +146,9 @@ def pad_inputs(length: int, q, k, v, segment_ids, kv_segment_ids, positions):
         after = jnp.max(positions) + 1 + jnp.arange(length - seq_len, dtype=jnp.int32)
         positions = jnp.concatenate(
             [positions.astype(jnp.int32), jnp.broadcast_to(after, (batch, after.shape[0]))], 1)
-    return q, k, v, segment_ids, kv_segment_ids, positions
+    if bidirectional_ids is not None:
+        bidirectional_ids = pad_seq(bidirectional_ids.astype(jnp.int32), length, 0)
+    return q, k, v, segment_ids, kv_segment_ids, positions, bidirectional_ids
 
 
 def unpad(x, seq_len: int, axis: int = 1):
@@ -169,7 +173,7 @@ def onto(mesh, *arrays):
 
 def boundary_shardings(arrays: tuple, mesh, batch_entry, seq_entry, head_entry) -> tuple:
     """The shardings on ``mesh`` a call's program declares for its inputs ``(q, k, v,
-    segment_ids, kv_segment_ids, positions, sinks)`` (None: undeclared): on Explicit
+    segment_ids, kv_segment_ids, positions, bidirectional_ids, sinks)`` (None: undeclared): on Explicit
     meshes their types' (of a traced array, only a type that shards the sequence); a
     committed array's own; else (a traced array on an Auto mesh, an array on no mesh)
     where the program places it, ``P(batch_entry, seq_entry, ...)``
@@ -181,7 +185,7 @@ def boundary_shardings(arrays: tuple, mesh, batch_entry, seq_entry, head_entry) 
     among the backward's inputs: residuals, on a mesh the call built inside.
     """
     wanted = ((P(batch_entry, seq_entry, head_entry, None),) * 3
-              + (P(batch_entry, seq_entry),) * 3 + (P(head_entry),))
+              + (P(batch_entry, seq_entry),) * 4 + (P(head_entry),))
     return tuple(None if x is None else _boundary_sharding(x, mesh, spec)
                  for x, spec in zip(arrays, wanted))
 

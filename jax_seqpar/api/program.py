@@ -23,6 +23,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax_seqpar import kernels
 from jax_seqpar.api import placement as _placement
 from jax_seqpar.core import layout as layouts, packing
+from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.core.meshes import split_axis
 from jax_seqpar.strategies import registry
 
@@ -74,8 +75,7 @@ class Call:
     strategy: str
     ulysses_size: Optional[int]
     layout: str
-    causal: bool
-    window: Optional[tuple]
+    spec: MaskSpec
     scale: Optional[float]
     kernel: str
     block_sizes: object
@@ -108,16 +108,18 @@ def _geometry(call: Call, seq_len: int) -> _Geometry:
     num_shards = math.prod(mesh.shape[name] for name in axes)
     layout = call.layout
     if layout == "auto":
-        layout = registry.default_layout(call.strategy, call.causal, call.window, seq_len=seq_len,
+        layout = registry.default_layout(call.strategy, call.spec.causal, call.spec.window,
+                                         seq_len=seq_len,
                                 num_shards=num_shards)
     per_shard = {"contiguous": 1, "zigzag": 2, "striped": num_shards, "per_document": 1}[layout]
     return _Geometry(mesh, axes, layout, num_shards,
                      _placement.padded_length(seq_len, num_shards * per_shard))
 
 
-def run(q, k, v, segment_ids, kv_segment_ids, positions, sinks, *, call: Call):
+def run(q, k, v, segment_ids, kv_segment_ids, positions, bidirectional_ids, sinks, *,
+        call: Call):
     """``call`` run on its global arrays by its one compiled program."""
-    arrays = (q, k, v, segment_ids, kv_segment_ids, positions, sinks)
+    arrays = (q, k, v, segment_ids, kv_segment_ids, positions, bidirectional_ids, sinks)
     divides = q.shape[1] % math.prod(call.mesh.shape[a] for a in call.axes) == 0
     in_shardings = _placement.boundary_shardings(
         arrays, call.mesh, call.batch_entry, axis_name_of(call.axes) if divides else None,
@@ -151,34 +153,39 @@ def _program(call: Call, seq_len: int, in_shardings: tuple):
                    out_shardings=out_shardings if call.return_lse else out_shardings[0])
 
 
-def _attend(q, k, v, segment_ids, kv_segment_ids, positions, sinks, *, call: Call,
-            geometry: _Geometry, in_shardings: tuple):
-    q, k, v, segment_ids, kv_segment_ids, positions, sinks = _placement.bind(
-        (q, k, v, segment_ids, kv_segment_ids, positions, sinks), in_shardings, call.mesh)
+def _attend(q, k, v, segment_ids, kv_segment_ids, positions, bidirectional_ids, sinks, *,
+            call: Call, geometry: _Geometry, in_shardings: tuple):
+    q, k, v, segment_ids, kv_segment_ids, positions, bidirectional_ids, sinks = _placement.bind(
+        (q, k, v, segment_ids, kv_segment_ids, positions, bidirectional_ids, sinks),
+        in_shardings, call.mesh)
     seq_len, length, num_shards = q.shape[1], geometry.length, geometry.num_shards
     mesh, axes, layout = geometry.mesh, geometry.axes, geometry.layout
     if length != seq_len:
-        q, k, v, segment_ids, kv_segment_ids, positions = _placement.pad_inputs(
-            length, q, k, v, segment_ids, kv_segment_ids, positions)
+        q, k, v, segment_ids, kv_segment_ids, positions, bidirectional_ids = (
+            _placement.pad_inputs(length, q, k, v, segment_ids, kv_segment_ids, positions,
+                                  bidirectional_ids))
     inverse = None
     if layout == "per_document":  # a data-dependent order: gathered here, before shard_map
-        q, k, v, segment_ids, kv_segment_ids, positions, inverse = _per_document(
-            call, num_shards, q, k, v, segment_ids, kv_segment_ids)
+        q, k, v, segment_ids, kv_segment_ids, bidirectional_ids, positions, inverse = (
+            _per_document(call, num_shards, q, k, v, segment_ids, kv_segment_ids,
+                          bidirectional_ids))
         layout = "contiguous"
     attend = per_shard_fn(call.strategy, axes)
     axis_name = axis_name_of(axes)
     relayout_in, relayout_out = _RELAYOUTS[layout]
 
-    def body(q, k, v, segment_ids, kv_segment_ids, positions, sinks):
-        q, k, v, segment_ids, kv_segment_ids = (
+    def body(q, k, v, segment_ids, kv_segment_ids, positions, bidirectional_ids, sinks):
+        q, k, v, segment_ids, kv_segment_ids, bidirectional_ids = (
             None if x is None else relayout_in(x, axis_name=axis_name)
-            for x in (q, k, v, segment_ids, kv_segment_ids))  # [B, L, heads, D]
+            for x in (q, k, v, segment_ids, kv_segment_ids, bidirectional_ids))  # [B, L, ...]
         # Left out (None) only for the plain contiguous split, the order strategies know:
         # a window turns it into a halo exchange.
         if positions is None and layout != "contiguous":
             positions = layouts.shard_positions(layout, q.shape[1], axis_name=axis_name)
             positions = jnp.broadcast_to(positions, q.shape[:2])  # [B, L]
-        result = attend(q, k, v, causal=call.causal, window=call.window,
+        result = attend(q, k, v, causal=call.spec.causal, window=call.spec.window,
+                        chunk_size=call.spec.chunk_size, mask_fn=call.spec.mask_fn,
+                        bidirectional_ids=bidirectional_ids,
                         segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
                         positions=positions, scale=call.scale, kernel=call.kernel,
                         block_sizes=call.block_sizes, softcap=call.softcap, sinks=sinks,
@@ -189,7 +196,7 @@ def _attend(q, k, v, segment_ids, kv_segment_ids, positions, sinks, *, call: Cal
     batch_entry, head_entry = call.batch_entry, call.head_entry
     qkv_spec = P(batch_entry, axis_name, head_entry, None)
     ids_spec = P(batch_entry, axis_name)
-    ids = (segment_ids, kv_segment_ids, positions)
+    ids = (segment_ids, kv_segment_ids, positions, bidirectional_ids)
     out_specs = qkv_spec
     if call.return_lse:
         out_specs = (qkv_spec, P(batch_entry, axis_name, head_entry))
@@ -224,12 +231,13 @@ def _gather_seq(x, order, call: Call):
     return jnp.take_along_axis(x, index, axis=1)
 
 
-def _per_document(call: Call, num_shards: int, q, k, v, segment_ids, kv_segment_ids):
+def _per_document(call: Call, num_shards: int, q, k, v, segment_ids, kv_segment_ids,
+                  bidirectional_ids):
     """The call's arrays in the per-document order of its segment ids, the ``positions``
     of that order and its inverse (:mod:`jax_seqpar.core.packing`, traced)."""
     ids = _placement.place(segment_ids, call.mesh, P(call.batch_entry, None))
     block = getattr(call.block_sizes, "block_q", None) or packing.DEFAULT_BLOCK
     positions = packing.per_document_positions(ids, num_shards, block)  # [B, S]
     moved = [None if x is None else _gather_seq(x, positions, call)
-             for x in (q, k, v, segment_ids, kv_segment_ids)]
+             for x in (q, k, v, segment_ids, kv_segment_ids, bidirectional_ids)]
     return (*moved, positions, jnp.argsort(positions, axis=1).astype(jnp.int32))

@@ -89,7 +89,8 @@ def resolve_chunks(chunks, local_len: int) -> int:
 
 def allgather_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None, positions=None,
                         window=None, scale=None, kernel="auto", block_sizes=None, softcap=None,
-                        sinks=None, kv_segment_ids=None, return_lse=False, chunks="auto"):
+                        sinks=None, kv_segment_ids=None, chunk_size=None,
+        bidirectional_ids=None, mask_fn=None, return_lse=False, chunks="auto"):
     """Exact attention of a sequence sharded over ``seq_axes`` (call inside ``shard_map``).
 
     Args:
@@ -114,11 +115,13 @@ def allgather_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None, po
     q_tokens, kv_tokens, options = prepare(
         q, k, v, axis_name=seq_axes, causal=causal, segment_ids=segment_ids,
         positions=positions, window=window, scale=scale, kernel=kernel,
-        block_sizes=block_sizes, softcap=softcap, sinks=sinks, kv_segment_ids=kv_segment_ids)
+        block_sizes=block_sizes, softcap=softcap, sinks=sinks, kv_segment_ids=kv_segment_ids,
+        chunk_size=chunk_size, bidirectional_ids=bidirectional_ids, mask_fn=mask_fn)
     chunks = resolve_chunks(chunks, q.shape[1])
     reach = None
     if positions is None:
-        reach = halo.halo_sizes(options.spec, q.shape[1], axis_size(seq_axes))
+        reach = halo.halo_sizes(options.spec, q.shape[1], axis_size(seq_axes),
+                                 bidirectional=q_tokens.bidirectional_ids is not None)
     if reach is None:
         out, lse = chunked_attention(seq_axes, options, q, k, v, q_tokens, kv_tokens,
                                      chunks=chunks)

@@ -35,12 +35,16 @@ from jax_seqpar.core.masks import MaskSpec, Tokens
 from jax_seqpar.core.merge import merge
 
 
-def halo_sizes(spec: MaskSpec, local_len: int, num_shards: int) -> Optional[tuple[int, int]]:
+def halo_sizes(spec: MaskSpec, local_len: int, num_shards: int, *,
+               bidirectional: bool = False) -> Optional[tuple[int, int]]:
     """Tokens ``(left, right)`` a shard needs from its neighbours, or None for the full ring.
 
     Args:
-      spec: the mask; only a window bounds the reach (``causal`` makes ``right`` 0).
+      spec: the mask; only a window bounds the reach (``causal`` makes ``right`` 0,
+        unless ``bidirectional``). Chunks and ``mask_fn`` only take keys away.
       local_len: ``L = S/P`` tokens per shard; num_shards: ``P``.
+      bidirectional: the tokens carry bidirectional ids, with which a causal query
+        sees the later keys of its id: the window's right side still bounds them.
     Returns:
       ``(left, right)`` with ``left + right < (P-1)*L``, or None when there is no
       window or it reaches (nearly) every shard.
@@ -48,7 +52,7 @@ def halo_sizes(spec: MaskSpec, local_len: int, num_shards: int) -> Optional[tupl
     if spec.window is None:
         return None
     left, right = spec.window
-    if spec.causal:
+    if spec.causal and not bidirectional:
         right = 0
     if left + right >= (num_shards - 1) * local_len:
         return None
@@ -115,10 +119,13 @@ def exchange(axis_name, reach, tree):
 
 
 def _halo_tokens(axis_name, reach, tokens: Tokens) -> Tokens:
+    """The halo's metadata: positions computed, the ids exchanged with K/V (zeros past
+    the sequence ends, where the window reaches no query)."""
     batch, local_len = tokens.positions.shape
-    segment_ids = None if tokens.segment_ids is None else exchange(
-        axis_name, reach, tokens.segment_ids)
-    return Tokens(_halo_positions(reach, local_len, axis_name, batch), segment_ids)
+    ids = (tokens.segment_ids, tokens.bidirectional_ids)
+    if any(x is not None for x in ids):
+        ids = exchange(axis_name, reach, ids)
+    return Tokens(_halo_positions(reach, local_len, axis_name, batch), *ids)
 
 
 def _around(reach, own, pulled):

@@ -37,7 +37,8 @@ from jax_seqpar.strategies.ring import ring_over
 
 def hybrid_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None,
                      positions=None, window=None, scale=None, kernel="auto", block_sizes=None,
-                     softcap=None, sinks=None, kv_segment_ids=None,
+                     softcap=None, sinks=None, kv_segment_ids=None, chunk_size=None,
+        bidirectional_ids=None, mask_fn=None,
                      return_lse=False, overlap="auto", chunks="auto", head_groups="auto"):
     """Exact attention of a sequence sharded over ``seq_axes=(outer, inner)`` (in ``shard_map``).
 
@@ -74,7 +75,8 @@ def hybrid_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None,
     q_tokens, kv_tokens, options = prepare(
         q, k, v, axis_name=(ring_axis, ulysses_axis), causal=causal, segment_ids=segment_ids,
         positions=positions, window=window, scale=scale, kernel=kernel,
-        block_sizes=block_sizes, softcap=softcap, sinks=sinks, kv_segment_ids=kv_segment_ids)
+        block_sizes=block_sizes, softcap=softcap, sinks=sinks, kv_segment_ids=kv_segment_ids,
+        chunk_size=chunk_size, bidirectional_ids=bidirectional_ids, mask_fn=mask_fn)
     contiguous = positions is None  # then each ring shard holds S/O contiguous tokens
     inner = axis_size(ulysses_axis)
     try:

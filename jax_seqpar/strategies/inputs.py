@@ -82,13 +82,15 @@ def check_options(*, causal, window, scale, softcap) -> None:
     check_softcap(softcap)
 
 
-def shard_tokens(q, *, axis_name, segment_ids=None, positions=None) -> masks.Tokens:
+def shard_tokens(q, *, axis_name, segment_ids=None, positions=None,
+                 bidirectional_ids=None) -> masks.Tokens:
     """Metadata of this shard's tokens; positions default to the contiguous split.
 
     Args:
       q: the local ``[B, S_local, H, D]`` queries (for shapes).
       axis_name: the mesh axis (or tuple of axes) the sequence is split over.
-      segment_ids, positions: ``int32[B, S_local]`` or None.
+      segment_ids, positions, bidirectional_ids: ``int32[B, S_local]`` or None
+        (``bidirectional_ids`` already checked: :func:`jax_seqpar.core.checks.bidirectional_ids`).
     """
     batch, local_len = q.shape[:2]
     segment_ids = check_ids("segment_ids", segment_ids, batch, local_len, segments=True)
@@ -97,7 +99,8 @@ def shard_tokens(q, *, axis_name, segment_ids=None, positions=None) -> masks.Tok
         positions = layout.shard_positions("contiguous", local_len, axis_name=axis_name)
         positions = jnp.broadcast_to(positions, (batch, local_len)).astype(jnp.int32)
     return masks.Tokens(jnp.asarray(positions),
-                        None if segment_ids is None else jnp.asarray(segment_ids))
+                        None if segment_ids is None else jnp.asarray(segment_ids),
+                        None if bidirectional_ids is None else jnp.asarray(bidirectional_ids))
 
 
 def axis_size(axis_name) -> int:
@@ -106,7 +109,8 @@ def axis_size(axis_name) -> int:
 
 
 def prepare(q, k, v, *, axis_name, causal, segment_ids, positions, window, scale, kernel,
-            block_sizes, softcap=None, sinks=None, kv_segment_ids=None):
+            block_sizes, softcap=None, sinks=None, kv_segment_ids=None, chunk_size=None,
+            bidirectional_ids=None, mask_fn=None):
     """The common prologue of every per-shard strategy: validate, then build metadata.
 
     ``sinks`` (``[H]`` float, or None) is only validated here; strategies fold it
@@ -129,7 +133,11 @@ def prepare(q, k, v, *, axis_name, causal, segment_ids, positions, window, scale
             "local key/value tokens: shard q, k and v along the same split of the same "
             "sequence (for attention to another sequence, run "
             "jax_seqpar.dot_product_attention without a mesh).")
-    q_tokens = shard_tokens(q, axis_name=axis_name, segment_ids=segment_ids, positions=positions)
+    spec = masks.MaskSpec.make(checks.flag("causal", causal), window, chunk_size, mask_fn)
+    bidirectional_ids = checks.bidirectional_ids(bidirectional_ids, *q.shape[:2], spec.causal)
+    checks.mask_fn(spec, q.shape[0], q.shape[1], k.shape[1])
+    q_tokens = shard_tokens(q, axis_name=axis_name, segment_ids=segment_ids, positions=positions,
+                            bidirectional_ids=bidirectional_ids)
     kv_tokens = q_tokens
     if kv_segment_ids is not None:
         if segment_ids is None:
@@ -137,9 +145,9 @@ def prepare(q, k, v, *, axis_name, causal, segment_ids, positions, window, scale
                              "sees a key when their segment ids are equal).")
         kv_segment_ids = check_ids("kv_segment_ids", kv_segment_ids, *q.shape[:2],
                                    segments=True)
-        kv_tokens = masks.Tokens(q_tokens.positions, jnp.asarray(kv_segment_ids))
-    options = Options.make(q, masks.MaskSpec.make(checks.flag("causal", causal), window),
-                           scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap)
+        kv_tokens = masks.Tokens(q_tokens.positions, jnp.asarray(kv_segment_ids),
+                                 q_tokens.bidirectional_ids)
+    options = Options.make(q, spec, scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap)
     return q_tokens, kv_tokens, options
 
 

@@ -20,15 +20,21 @@ from jax_seqpar import kernels
 from jax_seqpar.strategies.inputs import (Options, check_ids, check_options, check_qkv,
                                           empty_result)
 from jax_seqpar.core import checks
-from jax_seqpar.core.masks import MaskSpec, Tokens, normalize_window
+from jax_seqpar.core.masks import MaskSpec, Tokens
 from jax_seqpar.core.merge import check_sinks, with_sinks
 
 
-def _tokens(positions, segment_ids, batch: int, length: int) -> Tokens:
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-    return Tokens(jnp.asarray(positions),
-                  None if segment_ids is None else jnp.asarray(segment_ids))
+def _tokens(positions, segment_ids, bidirectional_ids) -> Tokens:
+    """The metadata of a run of tokens (positions None: ``arange``, filled in staged)."""
+    return Tokens(*(None if x is None else jnp.asarray(x)
+                    for x in (positions, segment_ids, bidirectional_ids)))
+
+
+def _positioned(tokens: Tokens, batch: int, length: int) -> Tokens:
+    if tokens.positions is not None:
+        return tokens
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    return dataclasses.replace(tokens, positions=positions)
 
 
 def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
@@ -38,7 +44,9 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
                     kv_positions: Optional[jax.Array] = None, window=None,
                     scale: Optional[float] = None, kernel: str = "auto", block_sizes=None,
                     softcap: Optional[float] = None, sinks: Optional[jax.Array] = None,
-                    return_lse: bool = False):
+                    return_lse: bool = False, chunk_size: Optional[int] = None,
+                    bidirectional_ids: Optional[jax.Array] = None,
+                    kv_bidirectional_ids: Optional[jax.Array] = None, mask_fn=None):
     """Exact attention of ``q`` against ``k, v`` on whole arrays (queries and keys may
     differ in length).
 
@@ -53,6 +61,10 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
       scale, kernel, block_sizes, softcap, sinks: as in
         :func:`jax_seqpar.sequence_parallel_attention`.
       return_lse: also return the ``float32[B, T, H]`` log-sum-exp (sinks included).
+      chunk_size, mask_fn: as in :func:`jax_seqpar.sequence_parallel_attention`.
+      bidirectional_ids: ``int32[B, T]`` the queries' bidirectional ids (needs
+        ``causal``), or None; kv_bidirectional_ids: ``int32[B, S]`` the keys' (default
+        ``bidirectional_ids`` when ``T == S``).
 
     Returns:
       ``[B, T, H, Dv]`` in ``q.dtype`` (softmax in float32); with ``return_lse``,
@@ -74,18 +86,31 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     segment_ids = check_ids("segment_ids", segment_ids, batch, q_len, segments=True)
     kv_positions = check_ids("kv_positions", kv_positions, batch, kv_len)
     kv_segment_ids = check_ids("kv_segment_ids", kv_segment_ids, batch, kv_len, segments=True)
+    spec = MaskSpec.make(checks.flag("causal", causal), window, chunk_size, mask_fn)
+    if kv_bidirectional_ids is None and bidirectional_ids is not None:
+        if q_len != kv_len:
+            raise ValueError(f"bidirectional_ids of {q_len} queries cannot serve {kv_len} keys; "
+                             "pass kv_bidirectional_ids= for the keys.")
+        kv_bidirectional_ids = bidirectional_ids
+    if (bidirectional_ids is None) != (kv_bidirectional_ids is None):
+        raise ValueError("kv_bidirectional_ids needs bidirectional_ids for the queries too (a "
+                         "query and a key see each other both ways when their ids match).")
+    bidirectional_ids = checks.bidirectional_ids(bidirectional_ids, batch, q_len, spec.causal)
+    kv_bidirectional_ids = checks.bidirectional_ids(kv_bidirectional_ids, batch, kv_len,
+                                                    spec.causal, name="kv_bidirectional_ids")
+    checks.mask_fn(spec, batch, q_len, kv_len)
     sinks = check_sinks(sinks, heads)
     if not (batch and q_len and kv_len):  # nothing to attend: jax.nn's empty result
         out, lse = empty_result(q, v, True)
         lse = with_sinks(out, lse, sinks)[1]
         return (out, lse) if return_lse else out
-    options = Options.make(q, MaskSpec.make(checks.flag("causal", causal), window),
-                           scale=scale, kernel=kernel, block_sizes=block_sizes,
+    options = Options.make(q, spec, scale=scale, kernel=kernel, block_sizes=block_sizes,
                            softcap=softcap)  # refuses bad options
-    call = _Local(causal=options.spec.causal, window=normalize_window(window),
-                  scale=options.scale, kernel=kernel, block_sizes=block_sizes,
+    call = _Local(spec=spec, scale=options.scale, kernel=kernel, block_sizes=block_sizes,
                   softcap=options.softcap)
-    out, lse = _staged(q, k, v, segment_ids, kv_segment_ids, positions, kv_positions,
+    q_tokens = _tokens(positions, segment_ids, bidirectional_ids)
+    kv_tokens = _tokens(kv_positions, kv_segment_ids, kv_bidirectional_ids)
+    out, lse = _staged(q, k, v, q_tokens, kv_tokens,
                        None if sinks is None else jnp.asarray(sinks), call=call)
     return (out, lse) if return_lse else out
 
@@ -94,8 +119,7 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
 class _Local:
     """The static options of a local call (hashable: the key of its compiled program)."""
 
-    causal: bool
-    window: Optional[tuple]
+    spec: MaskSpec
     scale: Optional[float]
     kernel: str
     block_sizes: object
@@ -105,13 +129,10 @@ class _Local:
 # One program per signature: called eagerly, the kernel's scan and its closures would
 # otherwise be traced and compiled anew on every call.
 @functools.partial(jax.jit, static_argnames="call")
-def _staged(q, k, v, segment_ids, kv_segment_ids, positions, kv_positions, sinks, *,
-            call: _Local):
-    batch, q_len = q.shape[:2]
-    kv_len = k.shape[1]
-    q_tokens = _tokens(positions, segment_ids, batch, q_len)
-    kv_tokens = _tokens(kv_positions, kv_segment_ids, batch, kv_len)
-    options = Options.make(q, MaskSpec.make(call.causal, call.window), scale=call.scale,
+def _staged(q, k, v, q_tokens, kv_tokens, sinks, *, call: _Local):
+    q_tokens = _positioned(q_tokens, *q.shape[:2])
+    kv_tokens = _positioned(kv_tokens, *k.shape[:2])
+    options = Options.make(q, call.spec, scale=call.scale,
                            kernel=call.kernel, block_sizes=call.block_sizes,
                            softcap=call.softcap)
 

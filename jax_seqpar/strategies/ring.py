@@ -37,7 +37,8 @@ from jax_seqpar.core.masks import EMPTY_LSE
 
 def ring_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None, positions=None,
                    window=None, scale=None, kernel="auto", block_sizes=None, softcap=None,
-                   sinks=None, kv_segment_ids=None, return_lse=False):
+                   sinks=None, kv_segment_ids=None, chunk_size=None,
+        bidirectional_ids=None, mask_fn=None, return_lse=False):
     """Exact attention of a sequence sharded over ``seq_axes`` (call inside ``shard_map``).
 
     Args:
@@ -71,7 +72,8 @@ def ring_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None, positio
     q_tokens, kv_tokens, options = prepare(
         q, k, v, axis_name=seq_axes, causal=causal, segment_ids=segment_ids,
         positions=positions, window=window, scale=scale, kernel=kernel,
-        block_sizes=block_sizes, softcap=softcap, sinks=sinks, kv_segment_ids=kv_segment_ids)
+        block_sizes=block_sizes, softcap=softcap, sinks=sinks, kv_segment_ids=kv_segment_ids,
+        chunk_size=chunk_size, bidirectional_ids=bidirectional_ids, mask_fn=mask_fn)
     out, lse = ring_over(seq_axes, options, q, k, v, q_tokens, kv_tokens,
                          contiguous=contiguous)
     out, lse = with_sinks(out, lse, sinks)
@@ -92,7 +94,8 @@ def ring_over(axis_name, options, q, k, v, q_tokens, kv_tokens, *, contiguous=Fa
       differentiable (the backward accepts the ``lse`` cotangent).
     """
     if contiguous:
-        reach = halo.halo_sizes(options.spec, q.shape[1], axis_size(axis_name))
+        reach = halo.halo_sizes(options.spec, q.shape[1], axis_size(axis_name),
+                                 bidirectional=q_tokens.bidirectional_ids is not None)
         if reach is not None:
             return halo.halo_attention(axis_name, options, reach, q, k, v, q_tokens,
                                        kv_tokens)

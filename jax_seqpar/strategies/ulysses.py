@@ -29,7 +29,8 @@ from jax_seqpar.strategies.inputs import axis_size, gather_tokens, prepare
 
 def ulysses_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None, positions=None,
                       window=None, scale=None, kernel="auto", block_sizes=None, softcap=None,
-                      sinks=None, kv_segment_ids=None, return_lse=False, overlap="auto", chunks="auto",
+                      sinks=None, kv_segment_ids=None, chunk_size=None,
+        bidirectional_ids=None, mask_fn=None, return_lse=False, overlap="auto", chunks="auto",
                       head_groups="auto"):
     """Exact attention of a sequence sharded over ``seq_axes`` (call inside ``shard_map``).
 
@@ -66,7 +67,8 @@ def ulysses_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None, posi
     q_tokens, kv_tokens, options = prepare(
         q, k, v, axis_name=seq_axes, causal=causal, segment_ids=segment_ids,
         positions=positions, window=window, scale=scale, kernel=kernel,
-        block_sizes=block_sizes, softcap=softcap, sinks=sinks, kv_segment_ids=kv_segment_ids)
+        block_sizes=block_sizes, softcap=softcap, sinks=sinks, kv_segment_ids=kv_segment_ids,
+        chunk_size=chunk_size, bidirectional_ids=bidirectional_ids, mask_fn=mask_fn)
     size = axis_size(seq_axes)
     repeats = kv_replication(q.shape[2], k.shape[2], size)
     chunks, groups = resolve_pieces(overlap, chunks, head_groups, q.shape[2], k.shape[2], size,
