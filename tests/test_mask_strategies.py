@@ -64,17 +64,21 @@ def _family(name: str, batch: int, seq: int) -> dict:
 
 
 def _attention(strategy: str, mesh, **keywords):
-    """``(q, k, v) -> out`` of ``strategy`` on ``mesh`` (``"local"``: no mesh)."""
+    """``(q, k, v) -> out`` of ``strategy`` on ``mesh`` (``"local"``: no mesh; the hybrid
+    over a one-axis mesh splits it with ``ulysses_size=2``, over two axes runs on both)."""
     if strategy == "local":
         return functools.partial(sp.sequence_parallel_attention, mesh=None, kernel=KERNEL,
                                  **keywords)
-    extra = dict(ulysses_size=2) if strategy == "hybrid" else {}
+    extra = {}
+    if strategy == "hybrid":
+        extra = dict(ulysses_size=2) if len(mesh.axis_names) == 1 else dict(
+            seq_axes=tuple(mesh.axis_names))
     return functools.partial(sp.sequence_parallel_attention, mesh=mesh, strategy=strategy,
                              kernel=KERNEL, **extra, **keywords)
 
 
 def _check(strategy, keywords, tolerances, *, shape=(1, 32, 8, 2, 8), dtype=jnp.float32,
-           mesh=None, sinks=False, softcap=None, layout=None):
+           mesh=None, sinks=False, softcap=None, layout=None, pipeline=None):
     """``strategy``'s output and the gradients of a loss w.r.t. q, k, v (and sinks)
     equal the reference's, under ``jax.set_mesh``, ``jit`` of ``value_and_grad``."""
     batch, seq, heads, kv_heads, dim = shape
@@ -85,6 +89,7 @@ def _check(strategy, keywords, tolerances, *, shape=(1, 32, 8, 2, 8), dtype=jnp.
     ours_keywords = dict(keywords, **extra)
     if layout is not None:
         ours_keywords["layout"] = layout
+    ours_keywords.update(pipeline or {})
     mesh = jax.make_mesh((8,), ("sp",)) if mesh is None else mesh
     attend = _attention(strategy, mesh, **ours_keywords)
     cotangent = checks.normal((batch, seq, heads, dim), jnp.float32, seed=3)
@@ -128,6 +133,12 @@ _VARIANTS = {
     "per_document": (dict(layout="per_document"), dict()),
     "auto_mesh": (dict(mesh="auto"), dict()),
     "bfloat16": (dict(dtype=jnp.bfloat16), dict()),
+    # Ulysses' pipelines: head groups (2 heads a device), sequence chunks; the hybrid over
+    # two mesh axes.
+    "head_groups": (dict(shape=(1, 32, 16, 4, 8), pipeline=dict(head_groups=2)), dict()),
+    "sequence_chunks": (dict(shape=(1, 64, 8, 2, 8), pipeline=dict(overlap=True, chunks=2)),
+                        dict()),
+    "two_axes": (dict(mesh="two_axes"), dict()),
     "float16": (dict(dtype=jnp.float16), dict()),
 }
 
@@ -140,14 +151,23 @@ def test_mask_family_matrix(strategy, family, variant, tolerances):
     """Each family through each strategy, crossed with one more feature."""
     options, changes = _VARIANTS[variant]
     options = dict(options)
-    if strategy == "local" and variant in ("zigzag", "striped", "per_document", "auto_mesh"):
-        pytest.skip("the local path has no mesh and no token order")
+    if strategy == "local" and variant in ("zigzag", "striped", "per_document", "auto_mesh",
+                                           "head_groups", "sequence_chunks", "two_axes"):
+        pytest.skip("the local path has no mesh, no token order and no pipeline")
+    if variant in ("head_groups", "sequence_chunks") and strategy not in ("ulysses", "hybrid"):
+        pytest.skip("only Ulysses' exchange is pipelined")
+    if variant == "sequence_chunks" and strategy == "hybrid":
+        pytest.skip("the hybrid does not chunk the sequence")
+    if variant == "two_axes" and strategy != "hybrid":
+        pytest.skip("only the hybrid runs over two axes")
     shape = options.get("shape", (1, 32, 8, 2, 8))
     keywords = dict(_family(family, shape[0], shape[1]), **changes)
     if variant == "per_document" and "segment_ids" not in keywords:
         keywords["segment_ids"] = checks.segments(shape[0], shape[1], documents=3)
     if options.get("mesh") == "auto":
         options["mesh"] = jax.make_mesh((8,), ("sp",), axis_types=(AxisType.Auto,))
+    elif options.get("mesh") == "two_axes":
+        options["mesh"] = jax.make_mesh((2, 4), ("dcn", "ici"))
     _check(strategy, keywords, tolerances, **options)
 
 
@@ -190,6 +210,41 @@ def test_ring_runs_a_kernel_only_for_shard_pairs_with_a_visible_pair():
         jax.effects_barrier()
     assert pairs.sum() == 12 < shards * shards
     assert events.count("call") == pairs.sum()
+
+
+def test_per_shard_functions_take_the_mask_keywords(tolerances):
+    """Inside ``shard_map``, each per-shard function takes ``chunk_size``,
+    ``bidirectional_ids`` (sharded with the tokens) and ``mask_fn`` on the contiguous
+    split: out and gradients equal the reference's."""
+    batch, seq = 1, 32
+    ids = _family("vlm", batch, seq)["bidirectional_ids"]
+    keywords = dict(causal=True, chunk_size=11, mask_fn=_every_third_diagonal)
+    q, k, v = checks.normals([(batch, seq, 8, 8), (batch, seq, 2, 8), (batch, seq, 2, 8)],
+                             seed=5)
+    cotangent = checks.normal((batch, seq, 8, 8), seed=6)
+    expected, vjp = jax.vjp(lambda q, k, v: reference.attention(
+        q, k, v, bidirectional_ids=ids, **keywords), q, k, v)
+    want_grads = vjp(cotangent)
+    one, two = jax.make_mesh((8,), ("sp",)), jax.make_mesh((2, 4), ("dcn", "ici"))
+    for function, mesh, axes in ((ring_attention, one, "sp"), (ulysses_attention, one, "sp"),
+                                 (allgather_attention, one, "sp"),
+                                 (hybrid_attention, two, ("dcn", "ici"))):
+        seq_spec = P(None, axes)
+
+        def body(q, k, v, ids, function=function, axes=axes):
+            return function(q, k, v, seq_axes=axes, bidirectional_ids=ids, kernel=KERNEL,
+                            **keywords)
+
+        mapped = jax.shard_map(body, mesh=mesh, in_specs=(seq_spec,) * 4, out_specs=seq_spec)
+
+        def out_and_grads(q, k, v, mapped=mapped, seq_spec=seq_spec):
+            q, k, v, placed = (jax.reshard(x, seq_spec) for x in (q, k, v, ids))
+            out, vjp_ours = jax.vjp(lambda q, k, v: mapped(q, k, v, placed), q, k, v)
+            return out, vjp_ours(jax.reshard(cotangent, seq_spec))
+
+        with jax.set_mesh(mesh):
+            out, grads = jax.jit(out_and_grads)(q, k, v)
+        checks.assert_close(out, grads, expected, want_grads, tolerances, args=(q, k, v))
 
 
 # Bad input: refused by name, with the numbers, at every entry point.

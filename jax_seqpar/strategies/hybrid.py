@@ -31,8 +31,8 @@ import jax.numpy as jnp
 
 from jax_seqpar.strategies.head_pipeline import head_pipeline
 from jax_seqpar.strategies.heads import kv_replication, local_heads, resolve_pieces
-from jax_seqpar.strategies.inputs import (Call, Metadata, Options, axis_size, gather_tokens,
-                                          per_shard, prepare)
+from jax_seqpar.strategies.inputs import (Call, Metadata, Operands, Options, axis_size,
+                                          gather_tokens, per_shard, prepare)
 from jax_seqpar.strategies.ring import ring_over
 
 
@@ -91,8 +91,8 @@ def hybrid_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes, overl
     tokens = gather_tokens((shard.q_tokens, shard.kv_tokens), ulysses_axis)  # [B, S/O]
     # Default positions: each ring shard holds S/O contiguous tokens.
     stage = RingStage(ring_axis, shard.options, shard.contiguous)
-    return head_pipeline(ulysses_axis, stage, q, k, v, *tokens, groups=groups,
-                         sinks=local_heads(shard.sinks, ulysses_axis),
+    operands = Operands(*tokens, local_heads(shard.sinks, ulysses_axis))
+    return head_pipeline(ulysses_axis, stage, q, k, v, operands, groups=groups,
                          return_lse=call.return_lse)
 
 

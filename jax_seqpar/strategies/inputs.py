@@ -183,6 +183,21 @@ class Metadata:
         return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
 
 
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Operands:
+    """The dynamic operands of a pipeline beside q, k, v (a pytree, for custom_vjp).
+
+    Attributes:
+      q_tokens, kv_tokens: the query and key/value :class:`~jax_seqpar.core.masks.Tokens`.
+      sinks: ``[h]`` sink logits of the heads attended, or None.
+    """
+
+    q_tokens: masks.Tokens
+    kv_tokens: masks.Tokens
+    sinks: Optional[jax.Array] = None
+
+
 @dataclasses.dataclass(frozen=True)
 class Shard:
     """One shard's prepared call (:func:`prepare`), what a strategy's core reads.

@@ -24,8 +24,8 @@ from jax_seqpar.strategies.chunk_pipeline import chunk_pipeline
 from jax_seqpar.strategies.head_pipeline import KernelStage, head_pipeline
 from jax_seqpar.strategies.heads import (chunk_sizes, kv_replication, local_heads,
                                          resolve_pieces)
-from jax_seqpar.strategies.inputs import (Call, Metadata, axis_size, gather_tokens, per_shard,
-                                          prepare)
+from jax_seqpar.strategies.inputs import (Call, Metadata, Operands, axis_size, gather_tokens,
+                                          per_shard, prepare)
 
 
 @per_shard
@@ -73,10 +73,9 @@ def ulysses_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes, over
         # and sum in float32 and round once (the pipeline sends K/V in q.dtype).
         k, v = (x.astype(jnp.float32).repeat(repeats, axis=2) for x in (k, v))
     q_tokens, kv_tokens = gather_tokens((shard.q_tokens, shard.kv_tokens), seq_axes)  # [B, S]
-    sinks = local_heads(shard.sinks, seq_axes)
+    operands = Operands(q_tokens, kv_tokens, local_heads(shard.sinks, seq_axes))
     if chunks > 1:
-        return chunk_pipeline(seq_axes, shard.options, q, k, v, q_tokens, kv_tokens,
-                              sizes=chunk_sizes(q.shape[1], chunks), sinks=sinks,
-                              return_lse=call.return_lse)
-    return head_pipeline(seq_axes, KernelStage(shard.options), q, k, v, q_tokens, kv_tokens,
-                         groups=groups, sinks=sinks, return_lse=call.return_lse)
+        return chunk_pipeline(seq_axes, shard.options, q, k, v, operands,
+                              sizes=chunk_sizes(q.shape[1], chunks), return_lse=call.return_lse)
+    return head_pipeline(seq_axes, KernelStage(shard.options), q, k, v, operands,
+                         groups=groups, return_lse=call.return_lse)
