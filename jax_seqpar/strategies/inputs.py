@@ -81,25 +81,24 @@ def check_options(*, causal, window, scale, softcap) -> None:
     Call.make(causal=causal, window=window, scale=scale, softcap=softcap)
 
 
-def shard_tokens(q, *, axis_name, segment_ids=None, positions=None,
-                 bidirectional_ids=None) -> masks.Tokens:
+def shard_tokens(q, metadata: "Metadata", *, axis_name) -> masks.Tokens:
     """Metadata of this shard's tokens; positions default to the contiguous split.
 
     Args:
       q: the local ``[B, S_local, H, D]`` queries (for shapes).
+      metadata: the local ``int32[B, S_local]`` segment ids, positions and bidirectional
+        ids (each None or given; the bidirectional ids already checked:
+        :func:`jax_seqpar.core.checks.bidirectional_ids`).
       axis_name: the mesh axis (or tuple of axes) the sequence is split over.
-      segment_ids, positions, bidirectional_ids: ``int32[B, S_local]`` or None
-        (``bidirectional_ids`` already checked: :func:`jax_seqpar.core.checks.bidirectional_ids`).
     """
     batch, local_len = q.shape[:2]
-    segment_ids = check_ids("segment_ids", segment_ids, batch, local_len, segments=True)
-    positions = check_ids("positions", positions, batch, local_len)
+    segment_ids = check_ids("segment_ids", metadata.segment_ids, batch, local_len, segments=True)
+    positions = check_ids("positions", metadata.positions, batch, local_len)
     if positions is None:
         positions = layout.shard_positions("contiguous", local_len, axis_name=axis_name)
         positions = jnp.broadcast_to(positions, (batch, local_len)).astype(jnp.int32)
-    return masks.Tokens(jnp.asarray(positions),
-                        None if segment_ids is None else jnp.asarray(segment_ids),
-                        None if bidirectional_ids is None else jnp.asarray(bidirectional_ids))
+    return masks.Tokens(*(None if x is None else jnp.asarray(x)
+                          for x in (positions, segment_ids, metadata.bidirectional_ids)))
 
 
 def axis_size(axis_name) -> int:
@@ -248,8 +247,8 @@ def prepare(q, k, v, call: Call, metadata: Metadata, axis_name) -> Shard:
     bidirectional = checks.bidirectional_ids(metadata.bidirectional_ids, batch, local_len,
                                              spec.causal)
     checks.mask_fn(spec, batch, local_len, local_len)
-    q_tokens = shard_tokens(q, axis_name=axis_name, segment_ids=metadata.segment_ids,
-                            positions=metadata.positions, bidirectional_ids=bidirectional)
+    q_tokens = shard_tokens(q, dataclasses.replace(metadata, bidirectional_ids=bidirectional),
+                            axis_name=axis_name)
     kv_tokens = q_tokens
     if metadata.kv_segment_ids is not None:
         if metadata.segment_ids is None:

@@ -23,12 +23,6 @@ from jax_seqpar.core.masks import Tokens
 from jax_seqpar.core.merge import check_sinks, with_sinks
 
 
-def _tokens(positions, segment_ids, bidirectional_ids) -> Tokens:
-    """The metadata of a run of tokens (positions None: ``arange``, filled in staged)."""
-    return Tokens(*(None if x is None else jnp.asarray(x)
-                    for x in (positions, segment_ids, bidirectional_ids)))
-
-
 def _positioned(tokens: Tokens, batch: int, length: int) -> Tokens:
     if tokens.positions is not None:
         return tokens
@@ -106,9 +100,11 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
         lse = with_sinks(out, lse, sinks)[1]
         return (out, lse) if call.return_lse else out
     call.options(q)  # refuses a bad kernel or tile sizes here, not in the program
-    dynamic = (_tokens(positions, segment_ids, bidirectional_ids),
-               _tokens(kv_positions, kv_segment_ids, kv_bidirectional_ids),
-               None if sinks is None else jnp.asarray(sinks))
+    # Positions left None are arange, filled in the staged program.
+    q_tokens, kv_tokens = (Tokens(*(None if x is None else jnp.asarray(x) for x in fields))
+                           for fields in ((positions, segment_ids, bidirectional_ids),
+                                          (kv_positions, kv_segment_ids, kv_bidirectional_ids)))
+    dynamic = (q_tokens, kv_tokens, None if sinks is None else jnp.asarray(sinks))
     out, lse = _staged(q, k, v, dynamic, call=call)
     return (out, lse) if call.return_lse else out
 
