@@ -30,7 +30,7 @@ import checks
 import contexts
 from jax_seqpar import sequence_parallel_attention
 from jax_seqpar.api.attention import _choose_strategy
-from jax_seqpar.core import reference
+from jax_seqpar.core import masks, reference
 from jax_seqpar.flax import SelfAttention, make_attention_fn
 from jax_seqpar.strategies import registry
 
@@ -200,7 +200,8 @@ def test_three_training_steps_stay_on_the_callers_mesh(strategy, entry, context,
     mesh = contexts.make_mesh(shape, names, axis_type)
     if strategy == "auto-split":  # the case holds only while "auto" picks the split hybrid
         q = jnp.zeros((B, S, heads, D_MODEL // heads))
-        assert _choose_strategy(q, q, q, mesh, ("sp",), True, None, 1, 1) == ("hybrid", 4)
+        causal = masks.MaskSpec(causal=True)
+        assert _choose_strategy(q, q, q, mesh, ("sp",), causal, 1, 1) == ("hybrid", 4)
 
     with jax.set_mesh(mesh) if made_inside else contextlib.nullcontext():
         x, target = _data()

@@ -33,13 +33,13 @@ import jax.numpy as jnp
 
 from jax_seqpar.core import compat as _compat
 from jax_seqpar.core.merge import with_sinks
-from jax_seqpar.strategies.head_pipeline import (heads_to_seq, seq_to_heads, sink_cotangents,
-                                                 sink_gradient)
-from jax_seqpar.strategies.inputs import axis_size
+from jax_seqpar.strategies.head_pipeline import (heads_to_seq, no_gradient, seq_to_heads,
+                                                 sink_cotangents, sink_gradient)
+from jax_seqpar.strategies.inputs import Operands, axis_size
 
 
-def chunk_pipeline(axis_name, options, q, k, v, q_tokens, kv_tokens, *, sizes: tuple,
-                   sinks=None, return_lse: bool = False):
+def chunk_pipeline(axis_name, options, q, k, v, operands: Operands, *, sizes: tuple,
+                   return_lse: bool = False):
     """Ulysses' exchange around the local kernel, pipelined over sequence chunks.
 
     Args:
@@ -47,22 +47,20 @@ def chunk_pipeline(axis_name, options, q, k, v, q_tokens, kv_tokens, *, sizes: t
       options: the call's :class:`jax_seqpar.strategies.inputs.Options`.
       q: ``[B, L, H, Dqk]``; k, v: ``[B, L, Hkv', D]`` local sequence shards (``Hkv'``
         a multiple of P: :func:`jax_seqpar.strategies.heads.kv_replication`).
-      q_tokens, kv_tokens: the whole sequence's metadata ``[B, P*L]`` in device order
-        (:func:`jax_seqpar.strategies.inputs.gather_tokens`).
+      operands: the whole sequence's metadata ``[B, P*L]`` in device order
+        (:func:`jax_seqpar.strategies.inputs.gather_tokens`) and the ``[H/P]`` sink logits
+        of this device's heads, or None.
       sizes: local tokens per chunk, summing to ``L``
         (:func:`jax_seqpar.strategies.heads.chunk_sizes`).
-      sinks: ``[H/P]`` sink logits of this device's heads, or None.
       return_lse: also return the float32 ``[B, L, H]`` log-sum-exp.
     Returns:
       ``[B, L, H, Dv]`` in ``q.dtype`` (and the log-sum-exp).
     """
-    size = axis_size(axis_name)
     if sum(sizes) != q.shape[1]:
         raise ValueError(f"chunk sizes {sizes} do not sum to the {q.shape[1]} local tokens.")
-    q_chunks, kv_chunks = (_chunk_tokens(t, size, sizes) for t in (q_tokens, kv_tokens))
     # K/V travel in q's dtype; their gradients go back in k's (float32 for replicated K/V).
     config = (axis_name, options, tuple(sizes), bool(return_lse), jnp.dtype(k.dtype))
-    out, lse = _pipeline(config, q, k, v, sinks, q_chunks, kv_chunks)
+    out, lse = _pipeline(config, q, k, v, operands)
     return (out, lse) if return_lse else out
 
 
@@ -132,16 +130,23 @@ def _forward_order(c):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _pipeline(config, q, k, v, sinks, q_chunks, kv_chunks):
-    return _pipeline_fwd(config, q, k, v, sinks, q_chunks, kv_chunks)[0]
+def _pipeline(config, q, k, v, operands):
+    return _pipeline_fwd(config, q, k, v, operands)[0]
 
 
-def _pipeline_fwd(config, q, k, v, sinks, q_chunks, kv_chunks):
+def _chunks_of(operands: Operands, size: int, sizes):
+    """Every chunk's ``[B, P * s_i]`` query and key metadata."""
+    return (_chunk_tokens(t, size, sizes) for t in (operands.q_tokens, operands.kv_tokens))
+
+
+def _pipeline_fwd(config, q, k, v, operands):
     axis_name, options, sizes, return_lse, _ = config
     c = len(sizes)
     k, v = (x.astype(q.dtype) for x in (k, v))
 
     size = axis_size(axis_name)
+    q_chunks, kv_chunks = _chunks_of(operands, size, sizes)
+    sinks = operands.sinks
 
     def exchange_in(i, local):
         return tuple(_exchange([_local(x, sizes, i) for x in local], [], axis_name, size)[0])
@@ -184,14 +189,16 @@ def _pipeline_fwd(config, q, k, v, sinks, q_chunks, kv_chunks):
             arrived.append(upcoming)
     out = jnp.concatenate([s[0] for s in sent], axis=1)  # [B, L, H, Dv]
     lse = jnp.concatenate([s[1] for s in sent], axis=1)[..., 0] if return_lse else None
-    residuals = (arrived, lses, q_chunks, kv_chunks, sinks, out)
+    residuals = (arrived, lses, operands, out)
     return (out, lse), residuals
 
 
 def _pipeline_bwd(config, residuals, cotangents):
     axis_name, options, sizes, return_lse, kv_dtype = config
-    arrived, lses, q_chunks, kv_chunks, sinks, out = residuals
+    arrived, lses, operands, out = residuals
     c = len(sizes)
+    q_chunks, kv_chunks = _chunks_of(operands, axis_size(axis_name), sizes)
+    sinks = operands.sinks
     # Nothing of the backward before the whole forward (as in the head pipeline).
     cotangents, arrived = jax.lax.optimization_barrier((cotangents, arrived))
     dout, dlse = cotangents
@@ -231,7 +238,7 @@ def _pipeline_bwd(config, residuals, cotangents):
         delta_j = rowdot_j - dlse_j
         if sinks is not None:
             dout_j, dlse_j, delta_j, dsinks[j] = sink_cotangents(dout_j, dlse_j, rowdot_j,
-                                                                 lse_j, sinks)
+                                                                 lse_j, operands)
         qj = arrived[j][0]
         dq = None
         # At the last step the key chunks largest first: their dK/dV leave earliest.
@@ -266,9 +273,8 @@ def _pipeline_bwd(config, residuals, cotangents):
     dq = jnp.concatenate(sent_q, axis=1)
     dk = jnp.concatenate([s[0] for s in sent_kv], axis=1)
     dv = jnp.concatenate([s[1] for s in sent_kv], axis=1)
-    dsinks = None if sinks is None else sink_gradient(sum(dsinks[1:], dsinks[0]), sinks)
-    no_grad = jax.tree.map(lambda _: None, (q_chunks, kv_chunks))
-    return dq, dk, dv, dsinks, *no_grad
+    dsinks = None if sinks is None else sink_gradient(sum(dsinks[1:], dsinks[0]), operands)
+    return dq, dk, dv, no_gradient(operands, dsinks)
 
 
 _pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)

@@ -8,7 +8,8 @@ neighbours and ``ceil(right/L)`` from the higher ones, the far hop carrying only
 the remainder. Each hop forwards the needed suffix (prefix) of what the previous
 hop brought, so a device sends exactly ``left + right`` tokens of K/V, whatever P.
 The positions of the halo are known (the split is contiguous), so only K/V and
-segment ids travel. Permutations do not wrap around the sequence ends: shard 0
+segment ids (and bidirectional ids) travel. With bidirectional ids a causal query also
+sees later keys of its id, so the halo keeps the window's right side then. Permutations do not wrap around the sequence ends: shard 0
 gets zeros from "the left", at positions (mod S) the window never reaches.
 
 Used only when ``left + right < S - L`` (else the window reaches nearly every
@@ -35,12 +36,16 @@ from jax_seqpar.core.masks import MaskSpec, Tokens
 from jax_seqpar.core.merge import merge
 
 
-def halo_sizes(spec: MaskSpec, local_len: int, num_shards: int) -> Optional[tuple[int, int]]:
+def halo_sizes(spec: MaskSpec, local_len: int, num_shards: int, *,
+               bidirectional: bool = False) -> Optional[tuple[int, int]]:
     """Tokens ``(left, right)`` a shard needs from its neighbours, or None for the full ring.
 
     Args:
-      spec: the mask; only a window bounds the reach (``causal`` makes ``right`` 0).
+      spec: the mask; only a window bounds the reach (``causal`` makes ``right`` 0,
+        unless ``bidirectional``). Chunks and ``mask_fn`` only take keys away.
       local_len: ``L = S/P`` tokens per shard; num_shards: ``P``.
+      bidirectional: the tokens carry bidirectional ids, with which a causal query
+        sees the later keys of its id: the window's right side still bounds them.
     Returns:
       ``(left, right)`` with ``left + right < (P-1)*L``, or None when there is no
       window or it reaches (nearly) every shard.
@@ -48,7 +53,7 @@ def halo_sizes(spec: MaskSpec, local_len: int, num_shards: int) -> Optional[tupl
     if spec.window is None:
         return None
     left, right = spec.window
-    if spec.causal:
+    if spec.causal and not bidirectional:
         right = 0
     if left + right >= (num_shards - 1) * local_len:
         return None
@@ -115,10 +120,13 @@ def exchange(axis_name, reach, tree):
 
 
 def _halo_tokens(axis_name, reach, tokens: Tokens) -> Tokens:
+    """The halo's metadata: positions computed, the ids exchanged with K/V (zeros past
+    the sequence ends, where the window reaches no query)."""
     batch, local_len = tokens.positions.shape
-    segment_ids = None if tokens.segment_ids is None else exchange(
-        axis_name, reach, tokens.segment_ids)
-    return Tokens(_halo_positions(reach, local_len, axis_name, batch), segment_ids)
+    ids = (tokens.segment_ids, tokens.bidirectional_ids)
+    if any(x is not None for x in ids):
+        ids = exchange(axis_name, reach, ids)
+    return Tokens(_halo_positions(reach, local_len, axis_name, batch), *ids)
 
 
 def _around(reach, own, pulled):

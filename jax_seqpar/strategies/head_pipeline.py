@@ -33,7 +33,7 @@ import jax.numpy as jnp
 from jax_seqpar.core import compat as _compat
 from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.strategies.heads import head_group_counts
-from jax_seqpar.strategies.inputs import Options, axis_size
+from jax_seqpar.strategies.inputs import Operands, Options, axis_size
 
 
 def seq_to_heads(x, axis_name):
@@ -72,8 +72,8 @@ class KernelStage:
                                      dout.astype(q.dtype))
 
 
-def head_pipeline(axis_name, stage, q, k, v, q_tokens, kv_tokens, *, groups: int,
-                  sinks=None, return_lse: bool = False):
+def head_pipeline(axis_name, stage, q, k, v, operands: Operands, *, groups: int,
+                  return_lse: bool = False):
     """Ulysses' exchange around ``stage``, pipelined over ``groups`` head groups.
 
     Args:
@@ -82,11 +82,11 @@ def head_pipeline(axis_name, stage, q, k, v, q_tokens, kv_tokens, *, groups: int
         the hybrid's ring).
       q: ``[B, S/P, H, Dqk]``; k, v: ``[B, S/P, Hkv', D]`` with ``Hkv'`` a multiple of P
         (replicated with :func:`jax_seqpar.strategies.heads.kv_replication`) local sequence shards.
-      q_tokens, kv_tokens: the whole sequence's metadata
-        (:func:`jax_seqpar.strategies.inputs.gather_tokens`).
+      operands: the whole sequence's metadata
+        (:func:`jax_seqpar.strategies.inputs.gather_tokens`) and the ``[H/P]`` sink
+        logits of this device's heads (:func:`jax_seqpar.strategies.heads.local_heads`),
+        or None.
       groups: a count of :func:`jax_seqpar.strategies.heads.head_group_counts`.
-      sinks: ``[H/P]`` sink logits of this device's heads
-        (:func:`jax_seqpar.strategies.heads.local_heads`), or None.
       return_lse: also return the float32 ``[B, S/P, H]`` log-sum-exp.
     Returns:
       ``[B, S/P, H, Dv]`` in ``q.dtype`` (and the log-sum-exp), differentiable in q, k, v
@@ -94,7 +94,7 @@ def head_pipeline(axis_name, stage, q, k, v, q_tokens, kv_tokens, *, groups: int
     """
     layout = _Layout.of(q, k, axis_size(axis_name), groups)
     config = (axis_name, stage, layout, bool(return_lse))
-    out, lse = _pipeline(config, q, k, v, sinks, q_tokens, kv_tokens)
+    out, lse = _pipeline(config, q, k, v, operands)
     return (out, lse) if return_lse else out
 
 
@@ -160,12 +160,13 @@ def _exchange_in(axis_name, layout, g, q, k, v, shared_kv):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _pipeline(config, q, k, v, sinks, q_tokens, kv_tokens):
-    return _pipeline_fwd(config, q, k, v, sinks, q_tokens, kv_tokens)[0]
+def _pipeline(config, q, k, v, operands):
+    return _pipeline_fwd(config, q, k, v, operands)[0]
 
 
-def _pipeline_fwd(config, q, k, v, sinks, q_tokens, kv_tokens):
+def _pipeline_fwd(config, q, k, v, operands):
     axis_name, stage, layout, return_lse = config
+    q_tokens, kv_tokens, sinks = operands.q_tokens, operands.kv_tokens, operands.sinks
     k, v = (x.astype(q.dtype) for x in (k, v))  # the wire and the stage: q's dtype
     shared_kv = None
     if not layout.kv_group:  # every group reads them: exchanged once, ahead of group 0
@@ -200,12 +201,13 @@ def _pipeline_fwd(config, q, k, v, sinks, q_tokens, kv_tokens):
     lse = layout.put(lses)[..., 0] if return_lse else None
     # The output is saved as returned (sequence-sharded, input dtype): what the caller
     # holds anyway, and all the backward needs of it.
-    return (out, lse), (saved, q_tokens, kv_tokens, sinks, out)
+    return (out, lse), (saved, operands, out)
 
 
 def _pipeline_bwd(config, residuals, cotangents):
     axis_name, stage, layout, return_lse = config
-    saved, q_tokens, kv_tokens, sinks, out = residuals
+    saved, operands, out = residuals
+    q_tokens, kv_tokens, sinks = operands.q_tokens, operands.kv_tokens, operands.sinks
     # Nothing of the backward before the whole forward: a group's backward needs only
     # its own residuals, and where the cotangent does not depend on the output (a
     # given cotangent, as in a benchmark's program) XLA would otherwise interleave the
@@ -249,9 +251,9 @@ def _pipeline_bwd(config, residuals, cotangents):
             dlse_g = _compat.match_varying(jnp.zeros(dout_g.shape[:3], jnp.float32), dout_g)
         delta_g = None if rowdot_g is None else rowdot_g - dlse_g
         if sinks is not None:
-            sink = sinks[g * layout.q_group:(g + 1) * layout.q_group]
+            heads = slice(g * layout.q_group, (g + 1) * layout.q_group)
             dout_g, dlse_g, delta_g, dsink = sink_cotangents(dout_g, dlse_g, rowdot_g, lse_g,
-                                                             sink)
+                                                             operands, heads)
             dsinks.append(dsink)
         grads = stage.backward(stage_residuals, q_tokens, kv_tokens, dout_g, dlse_g,
                                delta_g if stage.takes_delta else None)  # float32
@@ -282,15 +284,14 @@ def _pipeline_bwd(config, residuals, cotangents):
     else:  # the shared K/V's gradients go back once, after the last group
         dk, dv = (heads_to_seq(jnp.concatenate([s[i] for s in shared], axis=2).astype(kv_dtype),
                                axis_name) for i in (0, 1))
-    dsinks = None if sinks is None else sink_gradient(jnp.concatenate(dsinks), sinks)
-    no_grad = jax.tree.map(lambda _: None, (q_tokens, kv_tokens))
-    return dq, dk, dv, dsinks, *no_grad
+    dsinks = None if sinks is None else sink_gradient(jnp.concatenate(dsinks), operands)
+    return dq, dk, dv, no_gradient(operands, dsinks)
 
 
 _pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)
 
 
-def sink_cotangents(dout, dlse, rowdot, lse, sinks):
+def sink_cotangents(dout, dlse, rowdot, lse, operands: Operands, heads=slice(None)):
     """The kernel's cotangents of rows whose result went through
     :func:`jax_seqpar.core.merge.with_sinks`, and the sinks' gradient of these rows.
 
@@ -302,21 +303,29 @@ def sink_cotangents(dout, dlse, rowdot, lse, sinks):
     Args:
       dout: ``[B, S, h, Dv]`` cotangent of the output with sinks; dlse, rowdot, lse:
         float32 ``[B, S, h]`` (``rowdot = <dout, out'>``, ``lse`` without sinks);
-      sinks: ``[h]`` these heads' sink logits.
+      operands: their sink logits, of which ``heads`` are these rows' ``[h]``.
     Returns:
       ``(dout float32, dlse, delta, dsinks float32[h])`` for the kernel without sinks.
     """
-    w = jnp.exp(lse - jnp.logaddexp(lse, sinks.astype(jnp.float32).reshape(1, 1, -1)))
+    sink = operands.sinks[heads].astype(jnp.float32)
+    w = jnp.exp(lse - jnp.logaddexp(lse, sink.reshape(1, 1, -1)))
     dsinks = jnp.sum((1 - w) * (dlse - rowdot), axis=(0, 1))
     return (dout.astype(jnp.float32) * w[..., None], w * dlse + (1 - w) * rowdot,
             w * (rowdot - dlse), dsinks)
 
 
-def sink_gradient(dsinks, sinks):
-    """The sinks' gradient summed over every row: this device's, and those of the devices
-    that share its heads along the axes the sinks do not vary over (the hybrid's ring, a
-    batch axis), as the transpose of an implicit pvary would; in the sinks' dtype."""
-    extra = _compat.varying_axes(dsinks) - _compat.varying_axes(sinks)
+def sink_gradient(dsinks, operands: Operands):
+    """The gradient of ``operands.sinks`` summed over every row: this device's, and those
+    of the devices that share its heads along the axes the sinks do not vary over (the
+    hybrid's ring, a batch axis), as the transpose of an implicit pvary would; in the
+    sinks' dtype."""
+    extra = _compat.varying_axes(dsinks) - _compat.varying_axes(operands.sinks)
     if extra:
         dsinks = jax.lax.psum(dsinks, tuple(sorted(extra)))
-    return dsinks.astype(sinks.dtype)
+    return dsinks.astype(operands.sinks.dtype)
+
+
+def no_gradient(operands: Operands, dsinks) -> Operands:
+    """The cotangent of ``operands``: none for the token metadata, ``dsinks`` for the sinks."""
+    return Operands(*(jax.tree.map(lambda _: None, t)
+                      for t in (operands.q_tokens, operands.kv_tokens)), dsinks)

@@ -17,18 +17,17 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
 from jax_seqpar import kernels
-from jax_seqpar.strategies.inputs import (Options, check_ids, check_options, check_qkv,
-                                          empty_result)
+from jax_seqpar.strategies.inputs import Call, check_ids, check_qkv, empty_result
 from jax_seqpar.core import checks
-from jax_seqpar.core.masks import MaskSpec, Tokens, normalize_window
+from jax_seqpar.core.masks import Tokens
 from jax_seqpar.core.merge import check_sinks, with_sinks
 
 
-def _tokens(positions, segment_ids, batch: int, length: int) -> Tokens:
-    if positions is None:
-        positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
-    return Tokens(jnp.asarray(positions),
-                  None if segment_ids is None else jnp.asarray(segment_ids))
+def _positioned(tokens: Tokens, batch: int, length: int) -> Tokens:
+    if tokens.positions is not None:
+        return tokens
+    positions = jnp.broadcast_to(jnp.arange(length, dtype=jnp.int32), (batch, length))
+    return dataclasses.replace(tokens, positions=positions)
 
 
 def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
@@ -38,7 +37,9 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
                     kv_positions: Optional[jax.Array] = None, window=None,
                     scale: Optional[float] = None, kernel: str = "auto", block_sizes=None,
                     softcap: Optional[float] = None, sinks: Optional[jax.Array] = None,
-                    return_lse: bool = False):
+                    return_lse: bool = False, chunk_size: Optional[int] = None,
+                    bidirectional_ids: Optional[jax.Array] = None,
+                    kv_bidirectional_ids: Optional[jax.Array] = None, mask_fn=None):
     """Exact attention of ``q`` against ``k, v`` on whole arrays (queries and keys may
     differ in length).
 
@@ -53,13 +54,20 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
       scale, kernel, block_sizes, softcap, sinks: as in
         :func:`jax_seqpar.sequence_parallel_attention`.
       return_lse: also return the ``float32[B, T, H]`` log-sum-exp (sinks included).
+      chunk_size, mask_fn: as in :func:`jax_seqpar.sequence_parallel_attention`.
+      bidirectional_ids: ``int32[B, T]`` the queries' bidirectional ids (needs
+        ``causal``), or None; kv_bidirectional_ids: ``int32[B, S]`` the keys' (default
+        ``bidirectional_ids`` when ``T == S``).
 
     Returns:
       ``[B, T, H, Dv]`` in ``q.dtype`` (softmax in float32); with ``return_lse``,
       ``(out, lse)``. A query that sees no key gets zeros.
     """
     check_qkv(q, k, v)
-    check_options(causal=causal, window=window, scale=scale, softcap=softcap)
+    call = Call.make(causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
+                     scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
+                     return_lse=return_lse)
+    spec = call.spec
     batch, q_len, heads = q.shape[:3]
     kv_len = k.shape[1]
     if kv_segment_ids is None and segment_ids is not None:
@@ -74,65 +82,63 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     segment_ids = check_ids("segment_ids", segment_ids, batch, q_len, segments=True)
     kv_positions = check_ids("kv_positions", kv_positions, batch, kv_len)
     kv_segment_ids = check_ids("kv_segment_ids", kv_segment_ids, batch, kv_len, segments=True)
+    if kv_bidirectional_ids is None and bidirectional_ids is not None:
+        if q_len != kv_len:
+            raise ValueError(f"bidirectional_ids of {q_len} queries cannot serve {kv_len} keys; "
+                             "pass kv_bidirectional_ids= for the keys.")
+        kv_bidirectional_ids = bidirectional_ids
+    if (bidirectional_ids is None) != (kv_bidirectional_ids is None):
+        raise ValueError("kv_bidirectional_ids needs bidirectional_ids for the queries too (a "
+                         "query and a key see each other both ways when their ids match).")
+    bidirectional_ids = checks.bidirectional_ids(bidirectional_ids, batch, q_len, spec.causal)
+    kv_bidirectional_ids = checks.bidirectional_ids(kv_bidirectional_ids, batch, kv_len,
+                                                    spec.causal, name="kv_bidirectional_ids")
+    checks.mask_fn(spec, batch, q_len, kv_len)
     sinks = check_sinks(sinks, heads)
     if not (batch and q_len and kv_len):  # nothing to attend: jax.nn's empty result
         out, lse = empty_result(q, v, True)
         lse = with_sinks(out, lse, sinks)[1]
-        return (out, lse) if return_lse else out
-    options = Options.make(q, MaskSpec.make(checks.flag("causal", causal), window),
-                           scale=scale, kernel=kernel, block_sizes=block_sizes,
-                           softcap=softcap)  # refuses bad options
-    call = _Local(causal=options.spec.causal, window=normalize_window(window),
-                  scale=options.scale, kernel=kernel, block_sizes=block_sizes,
-                  softcap=options.softcap)
-    out, lse = _staged(q, k, v, segment_ids, kv_segment_ids, positions, kv_positions,
-                       None if sinks is None else jnp.asarray(sinks), call=call)
-    return (out, lse) if return_lse else out
-
-
-@dataclasses.dataclass(frozen=True)
-class _Local:
-    """The static options of a local call (hashable: the key of its compiled program)."""
-
-    causal: bool
-    window: Optional[tuple]
-    scale: Optional[float]
-    kernel: str
-    block_sizes: object
-    softcap: Optional[float]
+        return (out, lse) if call.return_lse else out
+    call.options(q)  # refuses a bad kernel or tile sizes here, not in the program
+    # Positions left None are arange, filled in the staged program.
+    q_tokens, kv_tokens = (Tokens(*(None if x is None else jnp.asarray(x) for x in fields))
+                           for fields in ((positions, segment_ids, bidirectional_ids),
+                                          (kv_positions, kv_segment_ids, kv_bidirectional_ids)))
+    dynamic = (q_tokens, kv_tokens, None if sinks is None else jnp.asarray(sinks))
+    out, lse = _staged(q, k, v, dynamic, call=call)
+    return (out, lse) if call.return_lse else out
 
 
 # One program per signature: called eagerly, the kernel's scan and its closures would
 # otherwise be traced and compiled anew on every call.
 @functools.partial(jax.jit, static_argnames="call")
-def _staged(q, k, v, segment_ids, kv_segment_ids, positions, kv_positions, sinks, *,
-            call: _Local):
-    batch, q_len = q.shape[:2]
-    kv_len = k.shape[1]
-    q_tokens = _tokens(positions, segment_ids, batch, q_len)
-    kv_tokens = _tokens(kv_positions, kv_segment_ids, batch, kv_len)
-    options = Options.make(q, MaskSpec.make(call.causal, call.window), scale=call.scale,
-                           kernel=call.kernel, block_sizes=call.block_sizes,
-                           softcap=call.softcap)
+def _staged(q, k, v, dynamic, *, call: Call):
+    """``(out, lse)`` of ``call`` on whole arrays; ``dynamic``: ``(q_tokens, kv_tokens,
+    sinks)``."""
+    q_tokens, kv_tokens, sinks = dynamic
+    dynamic = (_positioned(q_tokens, *q.shape[:2]), _positioned(kv_tokens, *k.shape[:2]), sinks)
+    options = call.options(q)
 
-    def attend(q, k, v, q_tokens, kv_tokens, sinks):
+    def attend(q, k, v, dynamic):
+        q_tokens, kv_tokens, sinks = dynamic
         out, lse = options.attention(q, k, v, q_tokens, kv_tokens)  # f32 [B, T, H, Dv], [B, T, H]
         out, lse = with_sinks(out, lse, sinks)
         return out.astype(q.dtype), lse
 
-    return _per_shard(attend, call.kernel, q, k, v, q_tokens, kv_tokens, sinks)
+    return _per_shard(attend, call, q, k, v, dynamic)
 
 
-def _per_shard(attend, kernel: str, q, k, v, q_tokens, kv_tokens, sinks):
-    """``attend(q, k, v, q_tokens, kv_tokens, sinks)`` on arrays typed with an Explicit
-    sharding: each device attends its own batch rows and heads (``shard_map`` over q's
-    batch and head axes; the sequence gathered whole), and the output keeps q's sharding,
-    as ``jax.nn`` gives it. Unsharded or Auto-mesh arrays are attended as they are."""
+def _per_shard(attend, call: Call, q, k, v, dynamic):
+    """``attend(q, k, v, dynamic)`` on arrays typed with an Explicit sharding (``dynamic``:
+    ``(q_tokens, kv_tokens, sinks)``): each device attends its own batch rows and heads
+    (``shard_map`` over q's batch and head axes; the sequence gathered whole), and the
+    output keeps q's sharding, as ``jax.nn`` gives it. Unsharded or Auto-mesh arrays are
+    attended as they are."""
     sharding = getattr(jax.typeof(q), "sharding", None)
     spec = tuple(getattr(sharding, "spec", None) or ())
     mesh = getattr(sharding, "mesh", None)
     if not any(spec) or not any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
-        return attend(q, k, v, q_tokens, kv_tokens, sinks)
+        return attend(q, k, v, dynamic)
     spec = (spec + (None,) * 4)[:4]
     batch_entry, head_entry = spec[0], spec[2]
     kv_spec = [tuple(getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ())
@@ -140,13 +146,13 @@ def _per_shard(attend, kernel: str, q, k, v, q_tokens, kv_tokens, sinks):
     if head_entry is not None and any((s + (None,) * 3)[2] != head_entry for s in kv_spec):
         head_entry = None  # q's head split alone would pair local heads with wrong K/V heads
     qkv, ids = P(batch_entry, None, head_entry, None), P(batch_entry, None)
+    dynamic_specs = (*(jax.tree.map(lambda _: ids, t) for t in dynamic[:2]), P(head_entry))
     placed = [jax.reshard(x, qkv) for x in (q, k, v)]
-    placed += [jax.tree.map(lambda x: jax.reshard(x, ids), t) for t in (q_tokens, kv_tokens)]
-    placed.append(None if sinks is None else jax.reshard(sinks, P(head_entry)))
-    token_specs = [jax.tree.map(lambda _: ids, t) for t in (q_tokens, kv_tokens)]
+    q_tokens, kv_tokens, sinks = dynamic
+    placed.append((*(jax.tree.map(lambda x: jax.reshard(x, ids), t) for t in (q_tokens, kv_tokens)),
+                   None if sinks is None else jax.reshard(sinks, P(head_entry))))
     out, lse = jax.shard_map(
-        attend, mesh=mesh,
-        in_specs=(qkv,) * 3 + tuple(token_specs) + (P(head_entry),),
+        attend, mesh=mesh, in_specs=(qkv,) * 3 + (dynamic_specs,),
         out_specs=(qkv, P(batch_entry, None, head_entry)),
-        check_vma=not kernels.may_interpret(kernel))(*placed)
+        check_vma=not kernels.may_interpret(call.kernel))(*placed)
     return jax.reshard(out, P(*spec[:3], None)), jax.reshard(lse, P(*spec[:3]))

@@ -234,4 +234,4 @@ def comm_bytes(strategy: str, *, batch: int, seq_len: int, num_heads: int, num_k
     if entry.global_view:  # decode's seq_len is the new tokens, any number
         traffic.check_shape(sizes=sizes, **shape)
     return float(entry.bytes(sizes, backward=backward, with_segment_ids=with_segment_ids,
-                             window=window, causal=causal, **shape))
+                             spec=MaskSpec.make(causal, window), **shape))

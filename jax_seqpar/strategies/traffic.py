@@ -23,12 +23,14 @@ from __future__ import annotations
 import math
 import numbers
 
+from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.core.shape import check_counts, check_head_groups, is_count
 
 __all__ = ["allgather_bytes", "axis_sizes_tuple", "check_shape", "decode_bytes",
            "hybrid_bytes", "replicated_kv_heads", "ring_bytes", "ulysses_bytes"]
 
 _INDEX_BYTES = 4  # int32 positions and segment ids
+_NO_MASK = MaskSpec()
 
 
 def replicated_kv_heads(num_kv_heads: int, axis_size: int) -> int:
@@ -79,14 +81,13 @@ def _ulysses_bytes(*, batch, seq_len, num_heads, num_kv_heads, head_dim, v_head_
     return sent + (axis_size - 1) * metadata
 
 
-def _window_reach(window, causal, seq_len, axis_size):
+def _window_reach(spec: MaskSpec, seq_len, axis_size):
     """``(left, right)`` halo tokens of a windowed ring / all-gather, or None (full)."""
-    if window is None:
+    if spec.window is None:
         return None
     from jax_seqpar.strategies.halo import halo_sizes
-    from jax_seqpar.core.masks import MaskSpec
 
-    return halo_sizes(MaskSpec.make(causal, window), seq_len // axis_size, axis_size)
+    return halo_sizes(spec, seq_len // axis_size, axis_size)
 
 
 def _halo_bytes(*, batch, reach, kv_heads, head_dim, v_head_dim, dtype_bytes, backward,
@@ -201,7 +202,7 @@ def check_shape(*, batch, seq_len, num_heads, num_kv_heads, head_dim, v_head_dim
                          f"seq_axes={sizes}; pad the sequence to a multiple of {devices}.")
 
 
-def hybrid_bytes(sizes, *, num_heads, num_kv_heads, seq_len, window=None, causal=False,
+def hybrid_bytes(sizes, *, num_heads, num_kv_heads, seq_len, spec: MaskSpec = _NO_MASK,
                  **shape) -> float:
     """Ulysses over the inner axis of ``sizes=(outer, inner)`` on the local shard, then
     the ring over the outer one on ``lcm(Hkv, inner)/inner`` K/V heads."""
@@ -216,10 +217,10 @@ def hybrid_bytes(sizes, *, num_heads, num_kv_heads, seq_len, window=None, causal
                            num_kv_heads=num_kv_heads, axis_size=inner, row_statistic=False,
                            **shape)
             + _ring_bytes(seq_len=seq_len, kv_heads=kv_heads_after_ulysses, axis_size=outer,
-                          reach=_window_reach(window, causal, seq_len, outer), **shape))
+                          reach=_window_reach(spec, seq_len, outer), **shape))
 
 
-def ulysses_bytes(sizes, *, num_heads, window=None, causal=False, **shape) -> float:
+def ulysses_bytes(sizes, *, num_heads, spec: MaskSpec = _NO_MASK, **shape) -> float:
     """Ulysses over all ``sizes`` devices (a window changes nothing)."""
     devices = math.prod(sizes)
     if num_heads % devices:
@@ -228,16 +229,17 @@ def ulysses_bytes(sizes, *, num_heads, window=None, causal=False, **shape) -> fl
     return _ulysses_bytes(num_heads=num_heads, axis_size=devices, **shape)
 
 
-def ring_bytes(sizes, *, num_heads, num_kv_heads, seq_len, window=None, causal=False,
+def ring_bytes(sizes, *, num_heads, num_kv_heads, seq_len, spec: MaskSpec = _NO_MASK,
                **shape) -> float:
     """The ring over all ``sizes`` devices (a halo exchange with a window)."""
     devices = math.prod(sizes)
     return _ring_bytes(seq_len=seq_len, kv_heads=num_kv_heads, axis_size=devices,
-                       reach=_window_reach(window, causal, seq_len, devices), **shape)
+                       reach=_window_reach(spec, seq_len, devices), **shape)
 
 
-def allgather_bytes(sizes, *, num_heads, seq_len, window=None, causal=False, **shape) -> float:
+def allgather_bytes(sizes, *, num_heads, seq_len, spec: MaskSpec = _NO_MASK,
+                    **shape) -> float:
     """The all-gather over all ``sizes`` devices (the halo only with a window)."""
     devices = math.prod(sizes)
     return _allgather_bytes(seq_len=seq_len, axis_size=devices,
-                            reach=_window_reach(window, causal, seq_len, devices), **shape)
+                            reach=_window_reach(spec, seq_len, devices), **shape)
