@@ -8,7 +8,6 @@ README's context (an Explicit mesh from ``jax.make_mesh((8,), ("sp",))`` inside
 ``jax.set_mesh``, unsharded inputs, ``jax.jit``, ``jax.grad``), and bad input refused
 with a ``ValueError`` that names the numbers."""
 
-import functools
 
 import jax
 import jax.numpy as jnp
