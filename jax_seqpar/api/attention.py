@@ -13,6 +13,7 @@ shardings (data and tensor parallelism) are kept.
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import math
 from typing import Optional, Union
@@ -21,15 +22,14 @@ import jax
 import jax.numpy as jnp
 
 from jax_seqpar.api import placement as _placement
-from jax_seqpar.api.program import Call, axis_name_of, can_check_vma, per_shard_fn, run
+from jax_seqpar.api.program import axis_name_of, can_check_vma, per_shard_fn, run
 from jax_seqpar.core import checks, masks
 from jax_seqpar.core.merge import check_sinks
 from jax_seqpar.core.meshes import split_axis
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.planning import plan as planning
 from jax_seqpar.strategies import registry
-from jax_seqpar.kernels.contract import check_softcap
-from jax_seqpar.strategies.inputs import (check_ids, check_options, check_self_attention,
+from jax_seqpar.strategies.inputs import (Call, Metadata, check_ids, check_self_attention,
                                           empty_result)
 from jax_seqpar.strategies.local import local_attention
 
@@ -41,7 +41,7 @@ __all__ = ["LAYOUTS", "STRATEGIES", "axis_name_of", "can_check_vma", "per_shard_
            "sequence_parallel_attention"]
 
 
-def _choose_strategy(q, k, v, mesh, axes: tuple, causal: bool, window, batch_shards: int,
+def _choose_strategy(q, k, v, mesh, axes: tuple, spec: masks.MaskSpec, batch_shards: int,
                      head_shards: int):
     """``(strategy, ulysses_size)`` for the batch rows and heads one sequence group really
     holds: a tuned plan, else the hardware model's choice."""
@@ -50,7 +50,7 @@ def _choose_strategy(q, k, v, mesh, axes: tuple, causal: bool, window, batch_sha
     seq_len = _placement.padded_length(seq_len, 2 * math.prod(mesh.shape[a] for a in axes))
     local = LayerShape(batch // batch_shards, seq_len, heads // head_shards,
                        k.shape[2] // head_shards, head_dim, v.shape[3], dtype=q.dtype,
-                       causal=causal, window=window)
+                       causal=spec.causal, window=spec.window)
     return planning.auto_choice(local, mesh, axes)
 
 
@@ -183,11 +183,12 @@ def sequence_parallel_attention(
     batch, seq_len = q.shape[:2]
     positions = check_ids("positions", positions, batch, seq_len)
     kv_segment_ids = check_ids("kv_segment_ids", kv_segment_ids, batch, seq_len, segments=True)
-    check_options(causal=causal, window=window, scale=scale, softcap=softcap)
-    spec = masks.MaskSpec.make(causal, window, chunk_size, mask_fn)
-    bidirectional_ids = checks.bidirectional_ids(bidirectional_ids, batch, seq_len, spec.causal)
-    checks.mask_fn(spec, batch, seq_len, seq_len)
-    return_lse = checks.flag("return_lse", return_lse)
+    call = Call.make(causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
+                     scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
+                     return_lse=return_lse)
+    bidirectional_ids = checks.bidirectional_ids(bidirectional_ids, batch, seq_len,
+                                                 call.spec.causal)
+    checks.mask_fn(call.spec, batch, seq_len, seq_len)
     sinks = check_sinks(sinks, q.shape[2])
     if mesh is None:
         checks.mesh_only(seq_axes=(seq_axes, "sp"), strategy=(strategy, "auto"),
@@ -217,7 +218,7 @@ def sequence_parallel_attention(
                          "segment_ids= (int32[B, S]); without documents use "
                          'layout="zigzag".')
     if not (batch and seq_len):  # no token: jax.nn's empty result, no program to shard
-        return empty_result(q, v, return_lse)
+        return empty_result(q, v, call.return_lse)
     batch_entry, head_entry = _placement.kept_entries(q, k, v, mesh, axes, batch_axes)
     if ulysses_size is not None:  # the hybrid's split, named: nothing left to choose
         if strategy not in ("auto", "hybrid"):
@@ -227,20 +228,18 @@ def sequence_parallel_attention(
         split_axis(mesh, axes, ulysses_size)  # refuses a size the devices do not divide
     elif strategy == "auto":
         strategy, ulysses_size = _choose_strategy(
-            q, k, v, mesh, axes, causal, window, _placement.entry_size(mesh, batch_entry),
+            q, k, v, mesh, axes, call.spec, _placement.entry_size(mesh, batch_entry),
             _placement.entry_size(mesh, head_entry))
     pipeline = _pipeline_keywords(strategy, overlap=overlap, chunks=chunks,
                                   head_groups=head_groups)
-    call = Call(mesh=mesh, axes=axes, strategy=strategy, ulysses_size=ulysses_size,
-                 layout="contiguous" if positions is not None else layout, spec=spec,
-                 scale=checks.scale(scale),
-                 kernel=kernel, block_sizes=block_sizes, softcap=check_softcap(softcap),
-                 return_lse=return_lse,
-                 batch_entry=batch_entry, head_entry=head_entry,
-                 out_spec=_placement.caller_spec(q, mesh), pipeline=pipeline)
-    arrays = _placement.onto(mesh, q, k, v, segment_ids, kv_segment_ids, positions,
-                             bidirectional_ids, None if sinks is None else jnp.asarray(sinks))
-    return run(*arrays, call=call)
+    call = dataclasses.replace(
+        call, mesh=mesh, axes=axes, strategy=strategy, ulysses_size=ulysses_size,
+        layout="contiguous" if positions is not None else layout, batch_entry=batch_entry,
+        head_entry=head_entry, out_spec=_placement.caller_spec(q, mesh), pipeline=pipeline)
+    q, k, v, *ids = _placement.onto(mesh, q, k, v, segment_ids, kv_segment_ids, positions,
+                                    bidirectional_ids,
+                                    None if sinks is None else jnp.asarray(sinks))
+    return run(q, k, v, Metadata(*ids), call=call)
 
 
 def _pipeline_keywords(strategy: str, **keywords) -> tuple:

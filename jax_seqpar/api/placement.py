@@ -12,6 +12,7 @@ Two decisions the global view makes before ``shard_map``:
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 from typing import Optional
 
@@ -122,33 +123,36 @@ def padded_length(seq_len: int, chunks: int) -> int:
     return -(-seq_len // chunks) * chunks
 
 
-def pad_inputs(length: int, q, k, v, segment_ids, kv_segment_ids, positions,
-               bidirectional_ids=None):
-    """Pad q, k, v, segment ids (both), positions and bidirectional ids along the
-    sequence to ``length``.
+def pad_inputs(length: int, q, k, v, metadata):
+    """Pad q, k, v and the token ids of ``metadata`` (a
+    :class:`~jax_seqpar.strategies.inputs.Metadata`) along the sequence to ``length``.
 
-    The padding gets segment :data:`PAD_SEGMENT`, so no real token sees it (padded
-    queries see only padding; their rows are sliced off), positions after the last
-    real one, so causal tile skipping is unaffected, and bidirectional id 0 (none).
+    The padding gets segment :data:`PAD_SEGMENT` (in ``segment_ids``, made when absent,
+    and ``kv_segment_ids``), so no real token sees it (padded queries see only padding;
+    their rows are sliced off), positions after the last real one, so causal tile
+    skipping is unaffected, and bidirectional id 0 (none).
 
     Returns:
-      ``(q, k, v, segment_ids int32[B, length], kv_segment_ids (likewise, or None),
-      positions int32[B, length] or None, bidirectional_ids (likewise, or None))``.
+      ``(q, k, v, metadata)`` at ``length`` (``int32[B, length]`` ids).
     """
     batch, seq_len = q.shape[:2]
     q, k, v = (pad_seq(x, length) for x in (q, k, v))  # [B, length, heads, D]
+    segment_ids = metadata.segment_ids
     if segment_ids is None:
         segment_ids = jnp.zeros((batch, seq_len), jnp.int32)
-    segment_ids, kv_segment_ids = (
-        None if x is None else pad_seq(x.astype(jnp.int32), length, PAD_SEGMENT)
-        for x in (segment_ids, kv_segment_ids))
+
+    def padded(x, value):
+        return None if x is None else pad_seq(x.astype(jnp.int32), length, value)
+
+    positions = metadata.positions
     if positions is not None:
         after = jnp.max(positions) + 1 + jnp.arange(length - seq_len, dtype=jnp.int32)
         positions = jnp.concatenate(
             [positions.astype(jnp.int32), jnp.broadcast_to(after, (batch, after.shape[0]))], 1)
-    if bidirectional_ids is not None:
-        bidirectional_ids = pad_seq(bidirectional_ids.astype(jnp.int32), length, 0)
-    return q, k, v, segment_ids, kv_segment_ids, positions, bidirectional_ids
+    return q, k, v, dataclasses.replace(
+        metadata, segment_ids=padded(segment_ids, PAD_SEGMENT), positions=positions,
+        kv_segment_ids=padded(metadata.kv_segment_ids, PAD_SEGMENT),
+        bidirectional_ids=padded(metadata.bidirectional_ids, 0))
 
 
 def unpad(x, seq_len: int, axis: int = 1):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +22,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax_seqpar import kernels
 from jax_seqpar.api import placement as _placement
 from jax_seqpar.core import layout as layouts, packing
-from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.core.meshes import split_axis
 from jax_seqpar.strategies import registry
+from jax_seqpar.strategies.inputs import Call, Metadata
 
 
 def _keep(x, *, axis_name):
@@ -57,34 +56,16 @@ def can_check_vma(kernel: str) -> bool:
     return not kernels.may_interpret(kernel)
 
 
-def per_shard_fn(strategy: str, axes: tuple):
-    """The per-shard attention function for ``strategy`` over the sequence ``axes``."""
+def per_shard_fn(strategy: str, axes: tuple, *, core: bool = False):
+    """The per-shard attention function for ``strategy`` over the sequence ``axes``
+    (``core``: its core, ``f(q, k, v, call, metadata, **pipeline)``, which the global
+    view calls with the call's :class:`~jax_seqpar.strategies.inputs.Call`)."""
     entry = registry.get(strategy)
     if entry.seq_axes == 2 and len(axes) != 2:  # the others run over the axes flattened
         raise ValueError(f"strategy={strategy!r} runs over two sequence axes (outer, inner); "
                          f"got seq_axes={axes}. Pass ulysses_size= to split one axis in two.")
-    return functools.partial(entry.attention, seq_axes=axis_name_of(axes))
-
-
-@dataclasses.dataclass(frozen=True)
-class Call:
-    """Everything static about one global call (hashable: the key of its compiled program)."""
-
-    mesh: jax.sharding.Mesh
-    axes: tuple
-    strategy: str
-    ulysses_size: Optional[int]
-    layout: str
-    spec: MaskSpec
-    scale: Optional[float]
-    kernel: str
-    block_sizes: object
-    softcap: Optional[float]
-    return_lse: bool
-    batch_entry: object
-    head_entry: object
-    out_spec: Optional[P]
-    pipeline: tuple = ()
+    function = entry.attention.core if core else entry.attention
+    return functools.partial(function, seq_axes=axis_name_of(axes))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,10 +97,10 @@ def _geometry(call: Call, seq_len: int) -> _Geometry:
                      _placement.padded_length(seq_len, num_shards * per_shard))
 
 
-def run(q, k, v, segment_ids, kv_segment_ids, positions, bidirectional_ids, sinks, *,
-        call: Call):
-    """``call`` run on its global arrays by its one compiled program."""
-    arrays = (q, k, v, segment_ids, kv_segment_ids, positions, bidirectional_ids, sinks)
+def run(q, k, v, metadata: Metadata, *, call: Call):
+    """``call`` run on its global arrays (``metadata``: the ids and sinks beside q, k, v)
+    by its one compiled program."""
+    arrays = (q, k, v, *metadata.arrays())
     divides = q.shape[1] % math.prod(call.mesh.shape[a] for a in call.axes) == 0
     in_shardings = _placement.boundary_shardings(
         arrays, call.mesh, call.batch_entry, axis_name_of(call.axes) if divides else None,
@@ -153,63 +134,54 @@ def _program(call: Call, seq_len: int, in_shardings: tuple):
                    out_shardings=out_shardings if call.return_lse else out_shardings[0])
 
 
-def _attend(q, k, v, segment_ids, kv_segment_ids, positions, bidirectional_ids, sinks, *,
-            call: Call, geometry: _Geometry, in_shardings: tuple):
-    q, k, v, segment_ids, kv_segment_ids, positions, bidirectional_ids, sinks = _placement.bind(
-        (q, k, v, segment_ids, kv_segment_ids, positions, bidirectional_ids, sinks),
-        in_shardings, call.mesh)
+def _attend(*arrays, call: Call, geometry: _Geometry, in_shardings: tuple):
+    q, k, v, *rest = _placement.bind(arrays, in_shardings, call.mesh)
+    metadata = Metadata(*rest)
     seq_len, length, num_shards = q.shape[1], geometry.length, geometry.num_shards
     mesh, axes, layout = geometry.mesh, geometry.axes, geometry.layout
     if length != seq_len:
-        q, k, v, segment_ids, kv_segment_ids, positions, bidirectional_ids = (
-            _placement.pad_inputs(length, q, k, v, segment_ids, kv_segment_ids, positions,
-                                  bidirectional_ids))
+        q, k, v, metadata = _placement.pad_inputs(length, q, k, v, metadata)
     inverse = None
     if layout == "per_document":  # a data-dependent order: gathered here, before shard_map
-        q, k, v, segment_ids, kv_segment_ids, bidirectional_ids, positions, inverse = (
-            _per_document(call, num_shards, q, k, v, segment_ids, kv_segment_ids,
-                          bidirectional_ids))
+        q, k, v, metadata, inverse = _per_document(call, num_shards, q, k, v, metadata)
         layout = "contiguous"
-    attend = per_shard_fn(call.strategy, axes)
+    attend = per_shard_fn(call.strategy, axes, core=True)
     axis_name = axis_name_of(axes)
     relayout_in, relayout_out = _RELAYOUTS[layout]
 
-    def body(q, k, v, segment_ids, kv_segment_ids, positions, bidirectional_ids, sinks):
-        q, k, v, segment_ids, kv_segment_ids, bidirectional_ids = (
-            None if x is None else relayout_in(x, axis_name=axis_name)
-            for x in (q, k, v, segment_ids, kv_segment_ids, bidirectional_ids))  # [B, L, ...]
+    def body(q, k, v, metadata):
+        def relayout(x):
+            return None if x is None else relayout_in(x, axis_name=axis_name)
+
+        q, k, v = (relayout(x) for x in (q, k, v))  # [B, L, heads, D]
+        metadata = dataclasses.replace(metadata, **{  # the token ids travel with the tokens
+            name: relayout(getattr(metadata, name))
+            for name in ("segment_ids", "kv_segment_ids", "bidirectional_ids")})  # [B, L]
         # Left out (None) only for the plain contiguous split, the order strategies know:
         # a window turns it into a halo exchange.
-        if positions is None and layout != "contiguous":
+        if metadata.positions is None and layout != "contiguous":
             positions = layouts.shard_positions(layout, q.shape[1], axis_name=axis_name)
-            positions = jnp.broadcast_to(positions, q.shape[:2])  # [B, L]
-        result = attend(q, k, v, causal=call.spec.causal, window=call.spec.window,
-                        chunk_size=call.spec.chunk_size, mask_fn=call.spec.mask_fn,
-                        bidirectional_ids=bidirectional_ids,
-                        segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-                        positions=positions, scale=call.scale, kernel=call.kernel,
-                        block_sizes=call.block_sizes, softcap=call.softcap, sinks=sinks,
-                        return_lse=call.return_lse,
+            metadata.positions = jnp.broadcast_to(positions, q.shape[:2])  # [B, L]
+        result = attend(q, k, v, call, metadata,
                         **dict(call.pipeline))  # [B, L, H, Dv] (and lse [B, L, H])
         return jax.tree.map(lambda x: relayout_out(x, axis_name=axis_name), result)
 
     batch_entry, head_entry = call.batch_entry, call.head_entry
     qkv_spec = P(batch_entry, axis_name, head_entry, None)
     ids_spec = P(batch_entry, axis_name)
-    ids = (segment_ids, kv_segment_ids, positions, bidirectional_ids)
+    specs = Metadata(*(P() if x is None else ids_spec for x in metadata.arrays()[:-1]),
+                     sinks=P(head_entry))
     out_specs = qkv_spec
     if call.return_lse:
         out_specs = (qkv_spec, P(batch_entry, axis_name, head_entry))
     mapped = jax.shard_map(
-        body, mesh=mesh,
-        in_specs=(qkv_spec,) * 3 + tuple(P() if x is None else ids_spec for x in ids)
-        + (P(head_entry),), out_specs=out_specs, check_vma=can_check_vma(call.kernel))
+        body, mesh=mesh, in_specs=(qkv_spec,) * 3 + (specs,), out_specs=out_specs,
+        check_vma=can_check_vma(call.kernel))
     with _placement.on_mesh(mesh, call.mesh):  # a split mesh is the context of its shard_map
         q, k, v = (_placement.place(x, mesh, qkv_spec) for x in (q, k, v))
-        ids = [None if x is None else _placement.place(x, mesh, ids_spec) for x in ids]
-        if sinks is not None:
-            sinks = _placement.place(sinks, mesh, P(head_entry))
-        result = mapped(q, k, v, *ids, sinks)
+        metadata = Metadata(*(None if x is None else _placement.place(x, mesh, spec)
+                              for x, spec in zip(metadata.arrays(), specs.arrays())))
+        result = mapped(q, k, v, metadata)
     if inverse is not None:  # back to natural order
         result = jax.tree.map(lambda x: _gather_seq(x, inverse, call), result)
     # Back on the caller's mesh (a split mesh has the same devices: no data moves there)
@@ -231,13 +203,19 @@ def _gather_seq(x, order, call: Call):
     return jnp.take_along_axis(x, index, axis=1)
 
 
-def _per_document(call: Call, num_shards: int, q, k, v, segment_ids, kv_segment_ids,
-                  bidirectional_ids):
-    """The call's arrays in the per-document order of its segment ids, the ``positions``
-    of that order and its inverse (:mod:`jax_seqpar.core.packing`, traced)."""
-    ids = _placement.place(segment_ids, call.mesh, P(call.batch_entry, None))
+def _per_document(call: Call, num_shards: int, q, k, v, metadata: Metadata):
+    """``(q, k, v, metadata, inverse)``: the call's arrays in the per-document order of
+    its segment ids, with the ``positions`` of that order, and the order's inverse
+    (:mod:`jax_seqpar.core.packing`, traced)."""
+    ids = _placement.place(metadata.segment_ids, call.mesh, P(call.batch_entry, None))
     block = getattr(call.block_sizes, "block_q", None) or packing.DEFAULT_BLOCK
     positions = packing.per_document_positions(ids, num_shards, block)  # [B, S]
-    moved = [None if x is None else _gather_seq(x, positions, call)
-             for x in (q, k, v, segment_ids, kv_segment_ids, bidirectional_ids)]
-    return (*moved, positions, jnp.argsort(positions, axis=1).astype(jnp.int32))
+
+    def moved(x):
+        return None if x is None else _gather_seq(x, positions, call)
+
+    metadata = dataclasses.replace(metadata, positions=positions, **{
+        name: moved(getattr(metadata, name))
+        for name in ("segment_ids", "kv_segment_ids", "bidirectional_ids")})
+    q, k, v = (moved(x) for x in (q, k, v))
+    return q, k, v, metadata, jnp.argsort(positions, axis=1).astype(jnp.int32)

@@ -37,9 +37,9 @@ import jax.numpy as jnp
 
 from jax_seqpar.core import compat as _compat
 from jax_seqpar.core.masks import EMPTY_LSE
-from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.strategies import halo
-from jax_seqpar.strategies.inputs import axis_size, gather_tokens, prepare
+from jax_seqpar.strategies.inputs import (Call, Metadata, axis_size, gather_tokens, per_shard,
+                                          prepare)
 
 #: ``chunks="auto"`` takes at most this many pieces: 16 hide fifteen sixteenths of the
 #: gathered bytes (B=1, S=16384, H=16, Hkv=4, D=128, bf16, causal, 8 devices, compiled
@@ -87,17 +87,15 @@ def resolve_chunks(chunks, local_len: int) -> int:
     return chunks
 
 
-def allgather_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None, positions=None,
-                        window=None, scale=None, kernel="auto", block_sizes=None, softcap=None,
-                        sinks=None, kv_segment_ids=None, chunk_size=None,
-        bidirectional_ids=None, mask_fn=None, return_lse=False, chunks="auto"):
+@per_shard
+def allgather_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes, chunks="auto"):
     """Exact attention of a sequence sharded over ``seq_axes`` (call inside ``shard_map``).
 
     Args:
       q: ``[B, S/P, H, Dqk]``; k: ``[B, S/P, Hkv, Dqk]``; v: ``[B, S/P, Hkv, Dv]``.
-      seq_axes, causal, window, segment_ids, positions, scale, kernel,
-        block_sizes, softcap, sinks, kv_segment_ids, return_lse: as in
-        :func:`jax_seqpar.strategies.ring.ring_attention`.
+      seq_axes, causal, window, chunk_size, mask_fn, segment_ids, positions,
+        bidirectional_ids, scale, kernel, block_sizes, softcap, sinks, kv_segment_ids,
+        return_lse: as in :func:`jax_seqpar.strategies.ring.ring_attention`.
       chunks: how many pieces K/V are gathered in (see the module docstring; a divisor
         of ``S/P``; :func:`chunk_counts`). ``"auto"`` (default, :func:`default_chunks`): up to
         :data:`MAX_AUTO_CHUNKS`, each device's slice of a piece at least
@@ -112,24 +110,19 @@ def allgather_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None, po
     >>> out = jax.shard_map(functools.partial(allgather_attention, seq_axes="sp"),
     ...                     mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
     """
-    q_tokens, kv_tokens, options = prepare(
-        q, k, v, axis_name=seq_axes, causal=causal, segment_ids=segment_ids,
-        positions=positions, window=window, scale=scale, kernel=kernel,
-        block_sizes=block_sizes, softcap=softcap, sinks=sinks, kv_segment_ids=kv_segment_ids,
-        chunk_size=chunk_size, bidirectional_ids=bidirectional_ids, mask_fn=mask_fn)
+    shard = prepare(q, k, v, call, metadata, seq_axes)
     chunks = resolve_chunks(chunks, q.shape[1])
     reach = None
-    if positions is None:
-        reach = halo.halo_sizes(options.spec, q.shape[1], axis_size(seq_axes),
-                                 bidirectional=q_tokens.bidirectional_ids is not None)
+    if shard.contiguous:
+        reach = halo.halo_sizes(call.spec, q.shape[1], axis_size(seq_axes),
+                                bidirectional=shard.q_tokens.bidirectional_ids is not None)
     if reach is None:
-        out, lse = chunked_attention(seq_axes, options, q, k, v, q_tokens, kv_tokens,
-                                     chunks=chunks)
+        out, lse = chunked_attention(seq_axes, shard.options, q, k, v, shard.q_tokens,
+                                     shard.kv_tokens, chunks=chunks)
     else:
-        out, lse = halo.window_attention(seq_axes, options, reach, q, k, v, q_tokens,
-                                         kv_tokens)
-    out, lse = with_sinks(out, lse, sinks)
-    return (out.astype(q.dtype), lse) if return_lse else out.astype(q.dtype)  # [B, S/P, H, Dv]
+        out, lse = halo.window_attention(seq_axes, shard.options, reach, q, k, v,
+                                         shard.q_tokens, shard.kv_tokens)
+    return shard.finish(q, out, lse)  # [B, S/P, H, Dv]
 
 
 def chunked_attention(axis_name, options, q, k, v, q_tokens, kv_tokens, *, chunks: int):

@@ -31,15 +31,14 @@ import jax.numpy as jnp
 
 from jax_seqpar.strategies.head_pipeline import head_pipeline
 from jax_seqpar.strategies.heads import kv_replication, local_heads, resolve_pieces
-from jax_seqpar.strategies.inputs import Options, axis_size, gather_tokens, prepare
+from jax_seqpar.strategies.inputs import (Call, Metadata, Options, axis_size, gather_tokens,
+                                          per_shard, prepare)
 from jax_seqpar.strategies.ring import ring_over
 
 
-def hybrid_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None,
-                     positions=None, window=None, scale=None, kernel="auto", block_sizes=None,
-                     softcap=None, sinks=None, kv_segment_ids=None, chunk_size=None,
-        bidirectional_ids=None, mask_fn=None,
-                     return_lse=False, overlap="auto", chunks="auto", head_groups="auto"):
+@per_shard
+def hybrid_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes, overlap="auto",
+                     chunks="auto", head_groups="auto"):
     """Exact attention of a sequence sharded over ``seq_axes=(outer, inner)`` (in ``shard_map``).
 
     Args:
@@ -47,8 +46,9 @@ def hybrid_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None,
         this device's shard; ``H`` must be divisible by the inner size ``I``.
       seq_axes: ``(outer, inner)`` mesh axes: the ring runs over the outer (slow) axis,
         of size ``O``, Ulysses over the inner (fast) one, of size ``I``.
-      causal, window, segment_ids, positions, scale, kernel, block_sizes, softcap,
-        sinks, kv_segment_ids, return_lse: as in :func:`jax_seqpar.strategies.ring.ring_attention`;
+      causal, window, chunk_size, mask_fn, segment_ids, positions, bidirectional_ids,
+        scale, kernel, block_sizes, softcap, sinks, kv_segment_ids, return_lse: as in
+        :func:`jax_seqpar.strategies.ring.ring_attention`;
         default positions are
         the contiguous split over ``(outer, inner)``, with which a
         window shrinks the ring part to a halo exchange.
@@ -72,12 +72,7 @@ def hybrid_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None,
     ...                     out_specs=P(None, ("dcn", "ici")))(q, k, v)
     """
     ring_axis, ulysses_axis = _outer_inner(seq_axes)
-    q_tokens, kv_tokens, options = prepare(
-        q, k, v, axis_name=(ring_axis, ulysses_axis), causal=causal, segment_ids=segment_ids,
-        positions=positions, window=window, scale=scale, kernel=kernel,
-        block_sizes=block_sizes, softcap=softcap, sinks=sinks, kv_segment_ids=kv_segment_ids,
-        chunk_size=chunk_size, bidirectional_ids=bidirectional_ids, mask_fn=mask_fn)
-    contiguous = positions is None  # then each ring shard holds S/O contiguous tokens
+    shard = prepare(q, k, v, call, metadata, (ring_axis, ulysses_axis))
     inner = axis_size(ulysses_axis)
     try:
         repeats = kv_replication(q.shape[2], k.shape[2], inner)
@@ -93,10 +88,12 @@ def hybrid_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None,
         # Replicated in float32: the replicas' gradients, on different devices, come back
         # and sum in float32 and round once (the pipeline sends K/V in q.dtype).
         k, v = (x.astype(jnp.float32).repeat(repeats, axis=2) for x in (k, v))
-    q_tokens, kv_tokens = gather_tokens((q_tokens, kv_tokens), ulysses_axis)  # [B, S/O]
-    return head_pipeline(ulysses_axis, RingStage(ring_axis, options, contiguous), q, k, v,
-                         q_tokens, kv_tokens, groups=groups,
-                         sinks=local_heads(sinks, ulysses_axis), return_lse=return_lse)
+    tokens = gather_tokens((shard.q_tokens, shard.kv_tokens), ulysses_axis)  # [B, S/O]
+    # Default positions: each ring shard holds S/O contiguous tokens.
+    stage = RingStage(ring_axis, shard.options, shard.contiguous)
+    return head_pipeline(ulysses_axis, stage, q, k, v, *tokens, groups=groups,
+                         sinks=local_heads(shard.sinks, ulysses_axis),
+                         return_lse=call.return_lse)
 
 
 @dataclasses.dataclass(frozen=True)

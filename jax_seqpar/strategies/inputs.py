@@ -7,6 +7,9 @@ entry point, global or per shard, reaches them through the functions here.
 
 from __future__ import annotations
 
+import dataclasses
+import inspect
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -73,13 +76,9 @@ def empty_result(q, v, return_lse: bool):
 
 
 def check_options(*, causal, window, scale, softcap) -> None:
-    """Raise ``ValueError`` for a bad ``causal`` (a bool), ``window`` (non-negative
-    ints), ``scale`` (a finite number) or ``softcap`` (a positive number): before any
-    array work, at the public boundary (:meth:`Options.make` reads them again)."""
-    checks.flag("causal", causal)
-    masks.normalize_window(window)
-    checks.scale(scale)
-    check_softcap(softcap)
+    """Raise ``ValueError`` for a bad ``causal``, ``window``, ``scale`` or ``softcap``
+    (:meth:`Call.make`'s checks, for callers that check before they build a call)."""
+    Call.make(causal=causal, window=window, scale=scale, softcap=softcap)
 
 
 def shard_tokens(q, *, axis_name, segment_ids=None, positions=None,
@@ -108,24 +107,121 @@ def axis_size(axis_name) -> int:
     return jax.lax.axis_size(axis_name)
 
 
-def prepare(q, k, v, *, axis_name, causal, segment_ids, positions, window, scale, kernel,
-            block_sizes, softcap=None, sinks=None, kv_segment_ids=None, chunk_size=None,
-            bidirectional_ids=None, mask_fn=None):
+@dataclasses.dataclass(frozen=True)
+class Call:
+    """Everything static about one attention call: the one description every entry
+    point builds from its keywords (:meth:`make`) and every layer below reads (hashable:
+    the key of its compiled program).
+
+    Attributes:
+      spec: the mask (:class:`~jax_seqpar.core.masks.MaskSpec`).
+      scale: the score multiplier, or None (``1/sqrt(Dqk)``).
+      kernel: the ``kernel=`` name (:func:`jax_seqpar.kernels.get`); block_sizes: its
+        tiles or None; softcap: the logit soft-cap or None.
+      return_lse: also return the float32 log-sum-exp.
+      mesh, axes, strategy, ulysses_size, layout, batch_entry, head_entry, out_spec,
+        pipeline: the global view's choices (:mod:`jax_seqpar.api.program`): the mesh and
+        its sequence axes, the strategy and the hybrid's split, the token order, the
+        kept batch/head shardings, the output's sharding and the pipelining keywords set
+        (``(name, value)`` pairs). Unused by the per-shard and local paths.
+    """
+
+    spec: masks.MaskSpec = masks.MaskSpec()
+    scale: Optional[float] = None
+    kernel: str = "auto"
+    block_sizes: object = None
+    softcap: Optional[float] = None
+    return_lse: bool = False
+    mesh: object = None
+    axes: tuple = ()
+    strategy: Optional[str] = None
+    ulysses_size: Optional[int] = None
+    layout: str = "contiguous"
+    batch_entry: object = None
+    head_entry: object = None
+    out_spec: object = None
+    pipeline: tuple = ()
+
+    @classmethod
+    def make(cls, *, causal=False, window=None, chunk_size=None, mask_fn=None, scale=None,
+             kernel="auto", block_sizes=None, softcap=None, return_lse=False) -> "Call":
+        """The call of these keywords, each checked (``ValueError`` naming it): ``causal``
+        and ``return_lse`` bools, ``window`` non-negative ints, ``chunk_size`` a positive
+        int, ``mask_fn`` a callable, ``scale`` a finite number, ``softcap`` a positive
+        one. Array arguments are checked against the arrays by :func:`prepare` and the
+        entry points."""
+        spec = masks.MaskSpec.make(checks.flag("causal", causal), window, chunk_size, mask_fn)
+        return cls(spec, checks.scale(scale), kernel, block_sizes, check_softcap(softcap),
+                   checks.flag("return_lse", return_lse))
+
+    def options(self, q) -> Options:
+        """The kernels' options for queries ``q [..., Dqk]`` (``ValueError`` for a bad
+        kernel or tile sizes)."""
+        return Options.make(q, self.spec, scale=self.scale, kernel=self.kernel,
+                            block_sizes=self.block_sizes, softcap=self.softcap)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Metadata:
+    """The dynamic arrays of a call beside q, k, v (a pytree; absent fields None).
+
+    Attributes:
+      segment_ids, kv_segment_ids, positions, bidirectional_ids: ``int32[B, S]`` (the
+        local ``S`` inside ``shard_map``), as the entry points document them.
+      sinks: ``[H]`` float sink logits.
+    """
+
+    segment_ids: Optional[jax.Array] = None
+    kv_segment_ids: Optional[jax.Array] = None
+    positions: Optional[jax.Array] = None
+    bidirectional_ids: Optional[jax.Array] = None
+    sinks: Optional[jax.Array] = None
+
+    def arrays(self) -> tuple:
+        """The fields in order (None kept)."""
+        return tuple(getattr(self, f.name) for f in dataclasses.fields(self))
+
+
+@dataclasses.dataclass(frozen=True)
+class Shard:
+    """One shard's prepared call (:func:`prepare`), what a strategy's core reads.
+
+    Attributes:
+      q_tokens, kv_tokens: the local tokens' metadata (the keys' segment ids may differ).
+      options: the kernels' options; sinks: ``[H]`` or None.
+      contiguous: the positions are the default contiguous split (a window may then
+        shrink the exchange to a halo); return_lse: as the call's.
+    """
+
+    q_tokens: masks.Tokens
+    kv_tokens: masks.Tokens
+    options: Options
+    sinks: Optional[jax.Array]
+    contiguous: bool
+    return_lse: bool
+
+    def finish(self, q, out, lse):
+        """The float32 ``(out, lse)`` of this shard with the sinks folded in, out in
+        ``q.dtype``; the result the per-shard functions return."""
+        from jax_seqpar.core.merge import with_sinks
+
+        out, lse = with_sinks(out, lse, self.sinks)
+        return (out.astype(q.dtype), lse) if self.return_lse else out.astype(q.dtype)
+
+
+def prepare(q, k, v, call: Call, metadata: Metadata, axis_name) -> Shard:
     """The common prologue of every per-shard strategy: validate, then build metadata.
 
-    ``sinks`` (``[H]`` float, or None) is only validated here; strategies fold it
-    into their merged result with :func:`jax_seqpar.core.merge.with_sinks`.
-
-    Returns:
-      ``(q_tokens, kv_tokens, options)``: this shard's query and key/value
-      :class:`~jax_seqpar.core.masks.Tokens` (the same positions; the keys' segment ids
-      are ``kv_segment_ids`` when given) and the call's static :class:`Options`.
+    Args:
+      q, k, v: the local ``[B, S/P, H|Hkv, D]`` shards.
+      call: the static call; metadata: its local arrays.
+      axis_name: the mesh axis (or axes) the sequence is split over (default positions).
     """
     from jax_seqpar.core.merge import check_sinks
 
     check_qkv(q, k, v)
-    check_sinks(sinks, q.shape[2])
-    check_options(causal=causal, window=window, scale=scale, softcap=softcap)
+    check_sinks(metadata.sinks, q.shape[2])
     if q.shape[1] != k.shape[1]:
         raise ValueError(
             f"sequence-parallel attention splits ONE sequence, so every shard holds as many "
@@ -133,22 +229,51 @@ def prepare(q, k, v, *, axis_name, causal, segment_ids, positions, window, scale
             "local key/value tokens: shard q, k and v along the same split of the same "
             "sequence (for attention to another sequence, run "
             "jax_seqpar.dot_product_attention without a mesh).")
-    spec = masks.MaskSpec.make(checks.flag("causal", causal), window, chunk_size, mask_fn)
-    bidirectional_ids = checks.bidirectional_ids(bidirectional_ids, *q.shape[:2], spec.causal)
-    checks.mask_fn(spec, q.shape[0], q.shape[1], k.shape[1])
-    q_tokens = shard_tokens(q, axis_name=axis_name, segment_ids=segment_ids, positions=positions,
-                            bidirectional_ids=bidirectional_ids)
+    spec, (batch, local_len) = call.spec, q.shape[:2]
+    bidirectional = checks.bidirectional_ids(metadata.bidirectional_ids, batch, local_len,
+                                             spec.causal)
+    checks.mask_fn(spec, batch, local_len, local_len)
+    q_tokens = shard_tokens(q, axis_name=axis_name, segment_ids=metadata.segment_ids,
+                            positions=metadata.positions, bidirectional_ids=bidirectional)
     kv_tokens = q_tokens
-    if kv_segment_ids is not None:
-        if segment_ids is None:
+    if metadata.kv_segment_ids is not None:
+        if metadata.segment_ids is None:
             raise ValueError("kv_segment_ids needs segment_ids for the queries too (a query "
                              "sees a key when their segment ids are equal).")
-        kv_segment_ids = check_ids("kv_segment_ids", kv_segment_ids, *q.shape[:2],
-                                   segments=True)
-        kv_tokens = masks.Tokens(q_tokens.positions, jnp.asarray(kv_segment_ids),
-                                 q_tokens.bidirectional_ids)
-    options = Options.make(q, spec, scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap)
-    return q_tokens, kv_tokens, options
+        kv_segment_ids = check_ids("kv_segment_ids", metadata.kv_segment_ids, batch,
+                                   local_len, segments=True)
+        kv_tokens = dataclasses.replace(q_tokens, segment_ids=jnp.asarray(kv_segment_ids))
+    return Shard(q_tokens, kv_tokens, call.options(q), metadata.sinks,
+                 metadata.positions is None, call.return_lse)
+
+
+def per_shard(core: Callable) -> Callable:
+    """The public per-shard function of a strategy's ``core``: the keywords every
+    per-shard function takes, written once here, read into a :class:`Call` and a
+    :class:`Metadata`, then ``core(q, k, v, call, metadata, *, seq_axes, **extra)``
+    (``extra``: the core's own keyword-only arguments, e.g. Ulysses' pipelining, which
+    the public signature lists after the common ones). The core's docstring is the
+    function's; the core itself is its ``core`` attribute (what the global view calls).
+    """
+
+    def attention(q, k, v, *, seq_axes, causal=False, segment_ids=None, positions=None,
+                  window=None, scale=None, kernel="auto", block_sizes=None, softcap=None,
+                  sinks=None, kv_segment_ids=None, chunk_size=None, bidirectional_ids=None,
+                  mask_fn=None, return_lse=False, **extra):
+        call = Call.make(causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
+                         scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
+                         return_lse=return_lse)
+        metadata = Metadata(segment_ids, kv_segment_ids, positions, bidirectional_ids, sinks)
+        return core(q, k, v, call, metadata, seq_axes=seq_axes, **extra)
+
+    common = list(inspect.signature(attention).parameters.values())[:-1]
+    own = [p for p in inspect.signature(core).parameters.values()
+           if p.kind == p.KEYWORD_ONLY and p.name != "seq_axes"]
+    attention.__signature__ = inspect.Signature(common + own)
+    for name in ("__module__", "__name__", "__qualname__", "__doc__"):
+        setattr(attention, name, getattr(core, name))
+    attention.core = core
+    return attention
 
 
 def gather_tokens(tokens, axis_name):

@@ -17,10 +17,9 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
 from jax_seqpar import kernels
-from jax_seqpar.strategies.inputs import (Options, check_ids, check_options, check_qkv,
-                                          empty_result)
+from jax_seqpar.strategies.inputs import Call, check_ids, check_qkv, empty_result
 from jax_seqpar.core import checks
-from jax_seqpar.core.masks import MaskSpec, Tokens
+from jax_seqpar.core.masks import Tokens
 from jax_seqpar.core.merge import check_sinks, with_sinks
 
 
@@ -71,7 +70,10 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
       ``(out, lse)``. A query that sees no key gets zeros.
     """
     check_qkv(q, k, v)
-    check_options(causal=causal, window=window, scale=scale, softcap=softcap)
+    call = Call.make(causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
+                     scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
+                     return_lse=return_lse)
+    spec = call.spec
     batch, q_len, heads = q.shape[:3]
     kv_len = k.shape[1]
     if kv_segment_ids is None and segment_ids is not None:
@@ -86,7 +88,6 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     segment_ids = check_ids("segment_ids", segment_ids, batch, q_len, segments=True)
     kv_positions = check_ids("kv_positions", kv_positions, batch, kv_len)
     kv_segment_ids = check_ids("kv_segment_ids", kv_segment_ids, batch, kv_len, segments=True)
-    spec = MaskSpec.make(checks.flag("causal", causal), window, chunk_size, mask_fn)
     if kv_bidirectional_ids is None and bidirectional_ids is not None:
         if q_len != kv_len:
             raise ValueError(f"bidirectional_ids of {q_len} queries cannot serve {kv_len} keys; "
@@ -103,57 +104,45 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = 
     if not (batch and q_len and kv_len):  # nothing to attend: jax.nn's empty result
         out, lse = empty_result(q, v, True)
         lse = with_sinks(out, lse, sinks)[1]
-        return (out, lse) if return_lse else out
-    options = Options.make(q, spec, scale=scale, kernel=kernel, block_sizes=block_sizes,
-                           softcap=softcap)  # refuses bad options
-    call = _Local(spec=spec, scale=options.scale, kernel=kernel, block_sizes=block_sizes,
-                  softcap=options.softcap)
-    q_tokens = _tokens(positions, segment_ids, bidirectional_ids)
-    kv_tokens = _tokens(kv_positions, kv_segment_ids, kv_bidirectional_ids)
-    out, lse = _staged(q, k, v, q_tokens, kv_tokens,
-                       None if sinks is None else jnp.asarray(sinks), call=call)
-    return (out, lse) if return_lse else out
-
-
-@dataclasses.dataclass(frozen=True)
-class _Local:
-    """The static options of a local call (hashable: the key of its compiled program)."""
-
-    spec: MaskSpec
-    scale: Optional[float]
-    kernel: str
-    block_sizes: object
-    softcap: Optional[float]
+        return (out, lse) if call.return_lse else out
+    call.options(q)  # refuses a bad kernel or tile sizes here, not in the program
+    dynamic = (_tokens(positions, segment_ids, bidirectional_ids),
+               _tokens(kv_positions, kv_segment_ids, kv_bidirectional_ids),
+               None if sinks is None else jnp.asarray(sinks))
+    out, lse = _staged(q, k, v, dynamic, call=call)
+    return (out, lse) if call.return_lse else out
 
 
 # One program per signature: called eagerly, the kernel's scan and its closures would
 # otherwise be traced and compiled anew on every call.
 @functools.partial(jax.jit, static_argnames="call")
-def _staged(q, k, v, q_tokens, kv_tokens, sinks, *, call: _Local):
-    q_tokens = _positioned(q_tokens, *q.shape[:2])
-    kv_tokens = _positioned(kv_tokens, *k.shape[:2])
-    options = Options.make(q, call.spec, scale=call.scale,
-                           kernel=call.kernel, block_sizes=call.block_sizes,
-                           softcap=call.softcap)
+def _staged(q, k, v, dynamic, *, call: Call):
+    """``(out, lse)`` of ``call`` on whole arrays; ``dynamic``: ``(q_tokens, kv_tokens,
+    sinks)``."""
+    q_tokens, kv_tokens, sinks = dynamic
+    dynamic = (_positioned(q_tokens, *q.shape[:2]), _positioned(kv_tokens, *k.shape[:2]), sinks)
+    options = call.options(q)
 
-    def attend(q, k, v, q_tokens, kv_tokens, sinks):
+    def attend(q, k, v, dynamic):
+        q_tokens, kv_tokens, sinks = dynamic
         out, lse = options.attention(q, k, v, q_tokens, kv_tokens)  # f32 [B, T, H, Dv], [B, T, H]
         out, lse = with_sinks(out, lse, sinks)
         return out.astype(q.dtype), lse
 
-    return _per_shard(attend, call.kernel, q, k, v, q_tokens, kv_tokens, sinks)
+    return _per_shard(attend, call, q, k, v, dynamic)
 
 
-def _per_shard(attend, kernel: str, q, k, v, q_tokens, kv_tokens, sinks):
-    """``attend(q, k, v, q_tokens, kv_tokens, sinks)`` on arrays typed with an Explicit
-    sharding: each device attends its own batch rows and heads (``shard_map`` over q's
-    batch and head axes; the sequence gathered whole), and the output keeps q's sharding,
-    as ``jax.nn`` gives it. Unsharded or Auto-mesh arrays are attended as they are."""
+def _per_shard(attend, call: Call, q, k, v, dynamic):
+    """``attend(q, k, v, dynamic)`` on arrays typed with an Explicit sharding (``dynamic``:
+    ``(q_tokens, kv_tokens, sinks)``): each device attends its own batch rows and heads
+    (``shard_map`` over q's batch and head axes; the sequence gathered whole), and the
+    output keeps q's sharding, as ``jax.nn`` gives it. Unsharded or Auto-mesh arrays are
+    attended as they are."""
     sharding = getattr(jax.typeof(q), "sharding", None)
     spec = tuple(getattr(sharding, "spec", None) or ())
     mesh = getattr(sharding, "mesh", None)
     if not any(spec) or not any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ())):
-        return attend(q, k, v, q_tokens, kv_tokens, sinks)
+        return attend(q, k, v, dynamic)
     spec = (spec + (None,) * 4)[:4]
     batch_entry, head_entry = spec[0], spec[2]
     kv_spec = [tuple(getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ())
@@ -161,13 +150,13 @@ def _per_shard(attend, kernel: str, q, k, v, q_tokens, kv_tokens, sinks):
     if head_entry is not None and any((s + (None,) * 3)[2] != head_entry for s in kv_spec):
         head_entry = None  # q's head split alone would pair local heads with wrong K/V heads
     qkv, ids = P(batch_entry, None, head_entry, None), P(batch_entry, None)
+    dynamic_specs = (*(jax.tree.map(lambda _: ids, t) for t in dynamic[:2]), P(head_entry))
     placed = [jax.reshard(x, qkv) for x in (q, k, v)]
-    placed += [jax.tree.map(lambda x: jax.reshard(x, ids), t) for t in (q_tokens, kv_tokens)]
-    placed.append(None if sinks is None else jax.reshard(sinks, P(head_entry)))
-    token_specs = [jax.tree.map(lambda _: ids, t) for t in (q_tokens, kv_tokens)]
+    q_tokens, kv_tokens, sinks = dynamic
+    placed.append((*(jax.tree.map(lambda x: jax.reshard(x, ids), t) for t in (q_tokens, kv_tokens)),
+                   None if sinks is None else jax.reshard(sinks, P(head_entry))))
     out, lse = jax.shard_map(
-        attend, mesh=mesh,
-        in_specs=(qkv,) * 3 + tuple(token_specs) + (P(head_entry),),
+        attend, mesh=mesh, in_specs=(qkv,) * 3 + (dynamic_specs,),
         out_specs=(qkv, P(batch_entry, None, head_entry)),
-        check_vma=not kernels.may_interpret(kernel))(*placed)
+        check_vma=not kernels.may_interpret(call.kernel))(*placed)
     return jax.reshard(out, P(*spec[:3], None)), jax.reshard(lse, P(*spec[:3]))

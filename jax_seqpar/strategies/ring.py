@@ -30,26 +30,26 @@ import jax.numpy as jnp
 
 from jax_seqpar.core import compat as _compat
 from jax_seqpar.strategies import halo
-from jax_seqpar.strategies.inputs import axis_size, prepare
-from jax_seqpar.core.merge import with_sinks
+from jax_seqpar.strategies.inputs import Call, Metadata, axis_size, per_shard, prepare
 from jax_seqpar.core.masks import EMPTY_LSE
 
 
-def ring_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None, positions=None,
-                   window=None, scale=None, kernel="auto", block_sizes=None, softcap=None,
-                   sinks=None, kv_segment_ids=None, chunk_size=None,
-        bidirectional_ids=None, mask_fn=None, return_lse=False):
+@per_shard
+def ring_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes):
     """Exact attention of a sequence sharded over ``seq_axes`` (call inside ``shard_map``).
 
     Args:
       q: ``[B, S/P, H, Dqk]`` this device's queries.
       k: ``[B, S/P, Hkv, Dqk]``; v: ``[B, S/P, Hkv, Dv]`` this device's keys/values.
       seq_axes: mesh axis (or tuple of axes) along which the sequence is split.
-      causal, window: mask (see :class:`jax_seqpar.core.masks.MaskSpec`), on global positions.
+      causal, window, chunk_size, mask_fn: the mask (see
+        :class:`jax_seqpar.core.masks.MaskSpec`), on global positions.
       segment_ids: ``int32[B, S/P]`` document ids of the local tokens, or None.
       positions: ``int32[B, S/P]`` global positions of the local tokens; default
         (None) is the contiguous split, and only then does a window shrink the
         ring to a halo exchange (given positions are honoured with the full ring).
+      bidirectional_ids: ``int32[B, S/P]`` (needs ``causal``): tokens of one non-zero
+        id see each other both ways (prefix-LM, images), or None.
       scale: defaults to ``1/sqrt(Dqk)``.
       kernel: ``"auto"``, ``"xla"``, ``"pallas"`` or ``"mosaic"`` (see
         :func:`jax_seqpar.kernels.get`); block_sizes: the kernel's tiles.
@@ -61,6 +61,9 @@ def ring_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None, positio
       return_lse: also return the float32 ``[B, S/P, H]`` log-sum-exp of each row
         (sinks included), for callers that merge partial results.
 
+    The keywords are read into ``call`` and ``metadata``
+    (:func:`jax_seqpar.strategies.inputs.per_shard`).
+
     Returns:
       ``[B, S/P, H, Dv]`` in ``q.dtype`` (softmax statistics and carries in float32),
       and with ``return_lse`` the log-sum-exp.
@@ -68,16 +71,10 @@ def ring_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None, positio
     >>> out = jax.shard_map(functools.partial(ring_attention, seq_axes="sp", causal=True),
     ...                     mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
     """
-    contiguous = positions is None
-    q_tokens, kv_tokens, options = prepare(
-        q, k, v, axis_name=seq_axes, causal=causal, segment_ids=segment_ids,
-        positions=positions, window=window, scale=scale, kernel=kernel,
-        block_sizes=block_sizes, softcap=softcap, sinks=sinks, kv_segment_ids=kv_segment_ids,
-        chunk_size=chunk_size, bidirectional_ids=bidirectional_ids, mask_fn=mask_fn)
-    out, lse = ring_over(seq_axes, options, q, k, v, q_tokens, kv_tokens,
-                         contiguous=contiguous)
-    out, lse = with_sinks(out, lse, sinks)
-    return (out.astype(q.dtype), lse) if return_lse else out.astype(q.dtype)
+    shard = prepare(q, k, v, call, metadata, seq_axes)
+    out, lse = ring_over(seq_axes, shard.options, q, k, v, shard.q_tokens, shard.kv_tokens,
+                         contiguous=shard.contiguous)
+    return shard.finish(q, out, lse)
 
 
 def ring_over(axis_name, options, q, k, v, q_tokens, kv_tokens, *, contiguous=False):

@@ -24,23 +24,22 @@ from jax_seqpar.strategies.chunk_pipeline import chunk_pipeline
 from jax_seqpar.strategies.head_pipeline import KernelStage, head_pipeline
 from jax_seqpar.strategies.heads import (chunk_sizes, kv_replication, local_heads,
                                          resolve_pieces)
-from jax_seqpar.strategies.inputs import axis_size, gather_tokens, prepare
+from jax_seqpar.strategies.inputs import (Call, Metadata, axis_size, gather_tokens, per_shard,
+                                          prepare)
 
 
-def ulysses_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None, positions=None,
-                      window=None, scale=None, kernel="auto", block_sizes=None, softcap=None,
-                      sinks=None, kv_segment_ids=None, chunk_size=None,
-        bidirectional_ids=None, mask_fn=None, return_lse=False, overlap="auto", chunks="auto",
-                      head_groups="auto"):
+@per_shard
+def ulysses_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes, overlap="auto",
+                      chunks="auto", head_groups="auto"):
     """Exact attention of a sequence sharded over ``seq_axes`` (call inside ``shard_map``).
 
     Args:
       q: ``[B, S/P, H, Dqk]``; k: ``[B, S/P, Hkv, Dqk]``; v: ``[B, S/P, Hkv, Dv]``
         this device's shard. ``H`` must be divisible by P.
       seq_axes: mesh axis (or tuple of axes) along which the sequence is split.
-      causal, window, segment_ids, positions, scale, kernel, block_sizes, softcap,
-        sinks, kv_segment_ids, return_lse: as in :func:`jax_seqpar.strategies.ring.ring_attention`
-        (``sinks`` replicated).
+      causal, window, chunk_size, mask_fn, segment_ids, positions, bidirectional_ids,
+        scale, kernel, block_sizes, softcap, sinks, kv_segment_ids, return_lse: as in
+        :func:`jax_seqpar.strategies.ring.ring_attention` (``sinks`` replicated).
       overlap: ``"auto"`` (default): the exchange pipelined behind the kernel in
         ``head_groups`` head groups; True: in ``chunks`` sequence chunks (about 90 % of
         the bytes hidden in a compiled training step, 1.8-2.9x the temp memory of
@@ -64,11 +63,7 @@ def ulysses_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None, posi
     >>> out = jax.shard_map(functools.partial(ulysses_attention, seq_axes="sp"),
     ...                     mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
     """
-    q_tokens, kv_tokens, options = prepare(
-        q, k, v, axis_name=seq_axes, causal=causal, segment_ids=segment_ids,
-        positions=positions, window=window, scale=scale, kernel=kernel,
-        block_sizes=block_sizes, softcap=softcap, sinks=sinks, kv_segment_ids=kv_segment_ids,
-        chunk_size=chunk_size, bidirectional_ids=bidirectional_ids, mask_fn=mask_fn)
+    shard = prepare(q, k, v, call, metadata, seq_axes)
     size = axis_size(seq_axes)
     repeats = kv_replication(q.shape[2], k.shape[2], size)
     chunks, groups = resolve_pieces(overlap, chunks, head_groups, q.shape[2], k.shape[2], size,
@@ -77,11 +72,11 @@ def ulysses_attention(q, k, v, *, seq_axes, causal=False, segment_ids=None, posi
         # Replicated in float32: the replicas' gradients, on different devices, come back
         # and sum in float32 and round once (the pipeline sends K/V in q.dtype).
         k, v = (x.astype(jnp.float32).repeat(repeats, axis=2) for x in (k, v))
-    q_tokens, kv_tokens = gather_tokens((q_tokens, kv_tokens), seq_axes)  # [B, S]
-    sinks = local_heads(sinks, seq_axes)
+    q_tokens, kv_tokens = gather_tokens((shard.q_tokens, shard.kv_tokens), seq_axes)  # [B, S]
+    sinks = local_heads(shard.sinks, seq_axes)
     if chunks > 1:
-        return chunk_pipeline(seq_axes, options, q, k, v, q_tokens, kv_tokens,
+        return chunk_pipeline(seq_axes, shard.options, q, k, v, q_tokens, kv_tokens,
                               sizes=chunk_sizes(q.shape[1], chunks), sinks=sinks,
-                              return_lse=return_lse)
-    return head_pipeline(seq_axes, KernelStage(options), q, k, v, q_tokens, kv_tokens,
-                         groups=groups, sinks=sinks, return_lse=return_lse)
+                              return_lse=call.return_lse)
+    return head_pipeline(seq_axes, KernelStage(shard.options), q, k, v, q_tokens, kv_tokens,
+                         groups=groups, sinks=sinks, return_lse=call.return_lse)
