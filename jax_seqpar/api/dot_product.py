@@ -10,14 +10,16 @@ and locally without one (:func:`jax_seqpar.strategies.local.local_attention`).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import PartitionSpec as P
 
-from jax_seqpar.core import checks
+from jax_seqpar.core import checks, masks
 from jax_seqpar.strategies.inputs import check_qkv
 from jax_seqpar.api.attention import sequence_parallel_attention
 from jax_seqpar.strategies.local import local_attention
@@ -26,6 +28,29 @@ from jax_seqpar.core.merge import with_sinks
 # Segment ids of the metadata: a query sees a key when their ids are equal, so a padded
 # (or masked) key and a padded query, each with an id of its own, see nothing.
 _REAL, _MASKED_KEY, _PADDED_QUERY = 0, 1, 2
+
+
+@dataclasses.dataclass(frozen=True)
+class _WithoutSegmentIds:
+    """A caller's ``mask_fn`` shown the tokens' positions and bidirectional ids only: the
+    segment ids an entry point makes for itself (padding, KV heads) are not the caller's.
+    Equal (and hashed) by the function it wraps, so a compiled program is reused."""
+
+    mask_fn: Callable
+
+    def __call__(self, q: masks.Tokens, kv: masks.Tokens):
+        hide = lambda t: masks.Tokens(t.positions, None, t.bidirectional_ids)  # noqa: E731
+        return self.mask_fn(hide(q), hide(kv))
+
+
+def without_segment_ids(spec: masks.MaskSpec) -> masks.MaskSpec:
+    """``spec`` whose ``mask_fn`` (if any) is called with ``masks.Tokens`` whose
+    ``segment_ids`` are None, for entry points that take no segment ids from the caller
+    (:func:`dot_product_attention`, ``prefill``, ``decode``): the ids they make for
+    themselves (padding, KV heads) are not the caller's to read."""
+    if spec.mask_fn is None or isinstance(spec.mask_fn, _WithoutSegmentIds):
+        return spec
+    return dataclasses.replace(spec, mask_fn=_WithoutSegmentIds(spec.mask_fn))
 
 
 def _ensure_4d(x):
@@ -131,6 +156,9 @@ def dot_product_attention(
     softcap: Optional[float] = None,
     sinks: Optional[jax.Array] = None,
     ulysses_size: Optional[int] = None,
+    chunk_size: Optional[int] = None,
+    bidirectional_ids: Optional[jax.Array] = None,
+    mask_fn: Optional[Callable] = None,
 ):
     """Scaled dot-product attention, exact, sequence-parallel over ``mesh`` when given.
 
@@ -179,6 +207,17 @@ def dot_product_attention(
         the shapes allow; ``kernel`` and ``block_sizes`` also apply without a mesh).
       softcap, sinks: logit soft-capping and per-head attention sinks ``[N]`` (not in
         ``jax.nn``; see :func:`jax_seqpar.sequence_parallel_attention`).
+      chunk_size: query ``i`` and key ``j`` see each other only inside one chunk,
+        ``i // chunk_size == j // chunk_size`` (Llama 4's chunked attention is
+        ``is_causal=True, chunk_size=8192``); a positive int, or None.
+      bidirectional_ids: ``int32[B, T]`` (or ``[T]``), with ``is_causal`` and ``T == S``:
+        tokens that carry the same non-zero id see each other in both directions (a
+        prefix-LM prompt, an image's tokens); 0 is plain causal.
+      mask_fn: ``mask_fn(q_tokens, kv_tokens) -> bool``, a jittable elementwise
+        predicate on :class:`jax_seqpar.core.masks.Tokens` (``positions``, and
+        ``bidirectional_ids`` when given; ``segment_ids`` is None), ANDed with the rest
+        (see :class:`jax_seqpar.core.masks.MaskSpec`). Define it once: compiled
+        programs are keyed on the function.
 
     Returns:
       ``[B, T, N, Hv]`` (or ``[T, N, Hv]``) in ``query.dtype``, sharded like ``query``
@@ -217,10 +256,21 @@ def dot_product_attention(
     key_mask = mask is not None and mask.shape[2] == 1  # varies along keys only
     dense = {name: x for name, x in (("bias", bias), ("mask", None if key_mask else mask))
              if x is not None}
+    spec = without_segment_ids(masks.MaskSpec.make(is_causal, local_window_size, chunk_size,
+                                                   mask_fn))
+    bidirectional_ids = _check_bidirectional(bidirectional_ids, ndim, is_causal, batch, q_len,
+                                             kv_len)
     if mesh is None and (dense or implementation is not None):
-        if softcap is not None or sinks is not None:
-            raise ValueError("softcap= and sinks= are ours, not jax.nn's: they cannot combine "
-                             "with a bias, a dense mask or a jax.nn implementation.")
+        ours = {name: value for name, value in (
+            ("softcap", softcap), ("sinks", sinks), ("chunk_size", chunk_size),
+            ("bidirectional_ids", bidirectional_ids), ("mask_fn", mask_fn)) if value is not None}
+        if ours:
+            raise ValueError("softcap= and sinks= are ours, not jax.nn's, and so are "
+                             "chunk_size=, bidirectional_ids= and mask_fn=: "
+                             f"{', '.join(n + '=' for n in ours)} cannot combine with a bias, "
+                             "a dense mask or a jax.nn implementation. Fold the mask into the "
+                             "dense mask, or express it with is_causal=, local_window_size=, "
+                             "the sequence lengths and a key-padding mask [B, 1, 1, S].")
         result = jax.nn.dot_product_attention(
             query, key, value, bias, mask, scale=scale, is_causal=is_causal,
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
@@ -247,8 +297,11 @@ def dot_product_attention(
     else:
         attend = functools.partial(sequence_parallel_attention, mesh=mesh, seq_axes=seq_axes,
                                    strategy=strategy, layout=layout, ulysses_size=ulysses_size)
+    checks.mask_fn(spec, batch, q_len, kv_len)
     attend = functools.partial(attend, causal=is_causal, window=local_window_size, scale=scale,
-                               kernel=kernel, block_sizes=block_sizes, softcap=softcap)
+                               kernel=kernel, block_sizes=block_sizes, softcap=softcap,
+                               chunk_size=spec.chunk_size, mask_fn=spec.mask_fn)
+    q_tokens = masks.Tokens(None, q_segments, bidirectional_ids)  # [B, T] fields or None
     if kv_segments is not None and kv_segments.ndim == 3:  # a per-head mask
         if mesh is not None and (strategy in ("ulysses", "hybrid") or ulysses_size):
             raise ValueError(
@@ -256,11 +309,15 @@ def dot_product_attention(
                 f"as a batch row of its own (one head each), which strategy={strategy!r} "
                 "cannot split over devices by heads; use strategy='ring', 'allgather' or "
                 "'auto', or a mask shared by the heads ([B, 1, 1, S]).")
-        result = _per_head(attend, query, key, value, q_segments, kv_segments, sinks,
-                           return_residual)
+        out, lse = _per_head(attend, query, key, value, q_tokens, kv_segments)
+        if sinks is not None:  # per head: folded in once the heads are unfolded
+            out, lse = with_sinks(out.astype(jnp.float32), lse, sinks)
+            out = out.astype(query.dtype)
+        result = (out, lse) if return_residual else out
     else:
         result = attend(query, key, value, segment_ids=q_segments, kv_segment_ids=kv_segments,
-                        sinks=sinks, return_lse=return_residual)
+                        bidirectional_ids=bidirectional_ids, sinks=sinks,
+                        return_lse=return_residual)
     if not return_residual:
         return _squeeze(result, ndim)  # [B, T, N, Hv]
     out, lse = result  # [B, T, N, Hv], float32 [B, T, N]
@@ -272,10 +329,12 @@ def _squeeze(x, ndim: int):
     return jnp.squeeze(x, tuple(range(4 - ndim)))
 
 
-def _per_head(attend, query, key, value, q_segments, kv_segments, sinks, return_lse: bool):
+def _per_head(attend, query, key, value, q_tokens: masks.Tokens, kv_segments):
     """``attend`` with per-head key segments ``int32[B, N, S]``: each head a batch row.
 
-    Sinks are per head, so they are folded in after the heads are unfolded.
+    ``q_tokens``: the queries' ``[B, T]`` segment and bidirectional ids (positions
+    None). Returns ``(out [B, T, N, Hv] in query.dtype, lse float32[B, T, N])``, no
+    sinks (they are per head: the caller folds them in).
     """
     batch, _, heads = query.shape[:3]
     groups = heads // key.shape[2]
@@ -283,17 +342,32 @@ def _per_head(attend, query, key, value, q_segments, kv_segments, sinks, return_
     batch_entry, head_entry, seq_entry = _entries(kv_segments)
     kv_segments = _reshape(kv_segments, (batch * heads, kv_segments.shape[2]),
                            (_joined(batch_entry, head_entry), seq_entry))  # [B*N, S]
-    with_lse = return_lse or sinks is not None
-    result = attend(*folded, segment_ids=jnp.repeat(q_segments, heads, axis=0),
-                    kv_segment_ids=kv_segments, return_lse=with_lse)  # [B*N, T, 1, Hv]
-    out, lse = result if with_lse else (result, None)
+    per_row = jax.tree.map(lambda ids: jnp.repeat(ids, heads, axis=0), q_tokens)  # [B*N, T]
+    out, lse = attend(*folded, segment_ids=per_row.segment_ids, kv_segment_ids=kv_segments,
+                      bidirectional_ids=per_row.bidirectional_ids,
+                      return_lse=True)  # [B*N, T, 1, Hv], float32 [B*N, T, 1]
     out = _unfold_heads(out, query)  # [B, T, N, Hv]
-    if lse is not None:
-        lse = _unfold_heads(lse[..., None], query)[..., 0]  # float32 [B, T, N]
-    if sinks is not None:
-        out, lse = with_sinks(out.astype(jnp.float32), lse, sinks)
-        out = out.astype(query.dtype)
-    return (out, lse) if return_lse else out
+    return out, _unfold_heads(lse[..., None], query)[..., 0]  # float32 [B, T, N]
+
+
+def _check_bidirectional(ids, ndim: int, is_causal: bool, batch: int, q_len: int,
+                         kv_len: int):
+    """``int32[B, T]`` bidirectional ids (``[T]`` for a ``TNH`` call), or None;
+    ``ValueError`` for ids without ``is_causal``, between two sequences, or of
+    another shape."""
+    if ids is None:
+        return None
+    if not is_causal:
+        raise ValueError("bidirectional_ids lift the causal mask for tokens that share a "
+                         "non-zero id; without is_causal=True every token already sees both "
+                         "directions. Pass is_causal=True (prefix-LM, vision-language masks) "
+                         "or drop bidirectional_ids.")
+    if q_len != kv_len:
+        raise ValueError(f"bidirectional_ids need one sequence (self-attention): got query "
+                         f"length {q_len} and key/value length {kv_len}.")
+    if ndim == 3 and jnp.ndim(ids) == 1:  # TNH: ids [T]
+        ids = (ids if hasattr(ids, "shape") else np.asarray(ids))[None]
+    return checks.bidirectional_ids(ids, batch, q_len, True)
 
 
 def _check_mesh_call(dense: dict, implementation, q_len: int, kv_len: int) -> None:

@@ -42,164 +42,32 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
-import numbers
-from typing import Optional, Union
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import PartitionSpec as P
 
 from jax_seqpar.core import checks, masks
 from jax_seqpar.kernels import tiling
+from jax_seqpar.kernels.contract import Options
 from jax_seqpar.strategies.inputs import check_qkv, check_self_attention
 from jax_seqpar.api import placement as _placement
 from jax_seqpar.api.placement import place as _place
 from jax_seqpar.api.attention import axis_name_of, can_check_vma, sequence_parallel_attention
+from jax_seqpar.api.dot_product import without_segment_ids
+from jax_seqpar.api.kv_cache import KVCache, check_against_cache
 from jax_seqpar.strategies import decode as decode_steps
-from jax_seqpar.strategies.decode import EMPTY_POSITION
 
-
-def _static(**kwargs):
-    return dataclasses.field(metadata=dict(static=True), **kwargs)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class KVCache:
-    """Keys and values of a batch of sequences, sharded along the sequence (a pytree).
-
-    Attributes:
-      k: ``[B, C, Hkv, Dqk]`` keys, sharded ``P(None, seq_axes)``.
-      v: ``[B, C, Hkv, Dv]`` values, sharded likewise.
-      positions: ``int32[B, C]`` the global position each slot holds
-        (:data:`~jax_seqpar.strategies.decode.EMPTY_POSITION`: empty), sharded likewise.
-      length: ``int32[B]`` tokens written per row (positions ``0 .. length-1``).
-      mesh: the device mesh (static).
-      seq_axes: the mesh axes splitting the slots, a tuple of names (static).
-      window: None (every token keeps its slot), or ``W``: a sliding-window cache that
-        keeps each row's latest ``C`` tokens, for attention that sees ``W`` keys back
-        at most (static).
-    """
-
-    k: jax.Array
-    v: jax.Array
-    positions: jax.Array
-    length: jax.Array
-    mesh: jax.sharding.Mesh = _static()
-    seq_axes: tuple = _static()
-    window: Optional[int] = _static(default=None)
-
-    @classmethod
-    def create(cls, mesh: jax.sharding.Mesh, *, batch: int, capacity: int, num_kv_heads: int,
-               head_dim: int, v_head_dim: Optional[int] = None, dtype=jnp.bfloat16,
-               seq_axes: Union[str, tuple] = "sp", window: Optional[int] = None) -> "KVCache":
-        """An empty cache of ``capacity`` slots per row, created sharded (never whole).
-
-        Args:
-          mesh: the device mesh (Explicit or Auto axis types).
-          batch, capacity: rows and slots per row (``capacity`` divisible by the
-            number of shards).
-          num_kv_heads, head_dim: ``Hkv`` and ``Dqk``; v_head_dim: ``Dv``
-            (default ``head_dim``; MLA absorbed: ``Hkv=1``, 576 / 512).
-          dtype: storage dtype of k and v.
-          seq_axes: the mesh axis (or tuple of axes) the slots are split over.
-          window: opt in to a bounded cache for sliding-window attention that sees at
-            most ``window`` keys back: position ``p`` overwrites ``p - capacity``, so
-            rows never fill up, and every decode must attend with
-            ``window=(left <= window, 0)`` and ``T <= capacity - window`` new tokens (a
-            query then never needs an overwritten key). None (default): every token
-            keeps its slot and a full row refuses more.
-
-        Raises:
-          ValueError: unknown axes, non-positive sizes, or a capacity the shards
-            do not divide.
-        """
-        axes = (seq_axes,) if isinstance(seq_axes, str) else tuple(seq_axes)
-        for name in axes:
-            if name not in mesh.shape:
-                raise ValueError(f"seq_axes names {name!r}, which is not an axis of the mesh "
-                                 f"{dict(mesh.shape)}.")
-        v_head_dim = head_dim if v_head_dim is None else v_head_dim
-        sizes = dict(batch=batch, capacity=capacity, num_kv_heads=num_kv_heads,
-                     head_dim=head_dim, v_head_dim=v_head_dim)
-        for name, value in sizes.items():
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-                raise ValueError(f"{name} must be a positive int. Got {name}={value!r}.")
-        shards = math.prod(mesh.shape[name] for name in axes)
-        if capacity % shards:
-            raise ValueError(f"capacity={capacity} is not divisible by the {shards} shards of "
-                             f"{axes}; use capacity={-(-capacity // shards) * shards}.")
-        k, v, positions, length = _empty(mesh, axes, batch, capacity, num_kv_heads, head_dim,
-                                         v_head_dim, np.dtype(dtype))()
-        if window is not None and (isinstance(window, bool) or not isinstance(
-                window, numbers.Integral) or not 0 <= window < capacity):
-            raise ValueError(f"window must be an int in 0..capacity-1={capacity - 1} (the keys "
-                             f"a query sees back). Got window={window!r}.")
-        return cls(k, v, positions, length, mesh=mesh, seq_axes=axes,
-                   window=None if window is None else int(window))
-
-    @property
-    def capacity(self) -> int:
-        """``C``, slots per row."""
-        return self.k.shape[1]
-
-    @property
-    def num_shards(self) -> int:
-        """``P``, devices along ``seq_axes``."""
-        return math.prod(self.mesh.shape[name] for name in self.seq_axes)
-
-    def check_room(self, new_tokens: int) -> None:
-        """Raise ``ValueError`` if appending ``new_tokens`` to some row would pass the capacity.
-
-        Reads ``length`` (a small host transfer) when it is concrete; a cache traced
-        under ``jit`` is checked by the compiled step instead (see the module docstring).
-        """
-        if self.window is not None or isinstance(self.length, jax.core.Tracer):
-            return
-        lengths = np.asarray(self.length)
-        if (lengths + new_tokens > self.capacity).any():
-            raise ValueError(decode_steps.overflow_message(lengths, new_tokens, self.capacity))
-
-    def _specs(self):
-        seq = P(None, axis_name_of(self.seq_axes))
-        return seq, seq, seq
-
-    def _placed(self):
-        """``(k, v, positions)`` sharded along the sequence, as ``shard_map`` takes them (a
-        cache made or carried inside ``jit`` may have lost its sharding in its type)."""
-        return tuple(_place(x, self.mesh, spec)
-                     for x, spec in zip((self.k, self.v, self.positions), self._specs()))
-
-
-@functools.lru_cache(maxsize=None)
-def _empty(mesh, axes, batch, capacity, num_kv_heads, head_dim, v_head_dim, dtype):
-    """The jitted maker of an empty cache's arrays, one per signature (compiled once)."""
-    seq = NamedSharding(mesh, P(None, axis_name_of(axes)))
-
-    @functools.partial(jax.jit, out_shardings=(seq, seq, seq, NamedSharding(mesh, P())))
-    def empty():
-        return (jnp.zeros((batch, capacity, num_kv_heads, head_dim), dtype),
-                jnp.zeros((batch, capacity, num_kv_heads, v_head_dim), dtype),
-                jnp.full((batch, capacity), EMPTY_POSITION, jnp.int32),
-                jnp.zeros((batch,), jnp.int32))
-
-    return empty
-
-
-def _check_against_cache(k, v, cache: KVCache) -> None:
-    expected = (cache.k.shape[0], cache.k.shape[2], cache.k.shape[3], cache.v.shape[3])
-    got = (k.shape[0], k.shape[2], k.shape[3], v.shape[3])
-    if got != expected:
-        raise ValueError(f"k/v [batch, ., kv_heads, head_dim] / v_head_dim must match the "
-                         f"cache's (batch, Hkv, Dqk, Dv)={expected}. Got {got}.")
+__all__ = ["KVCache", "decode", "prefill"]
 
 
 def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal: bool = True,
             strategy: str = "auto", lengths: Optional[jax.Array] = None, window=None,
             scale: Optional[float] = None, layout: str = "auto", kernel: str = "auto",
-            block_sizes=None, softcap: Optional[float] = None, sinks: Optional[jax.Array] = None):
+            block_sizes=None, softcap: Optional[float] = None, sinks: Optional[jax.Array] = None,
+            chunk_size: Optional[int] = None, bidirectional_ids: Optional[jax.Array] = None,
+            mask_fn: Optional[Callable] = None):
     """Attend over the prompts sequence-parallel and write their K/V into an emptied cache.
 
     Args:
@@ -211,6 +79,15 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
         needs a cache over ``(outer, inner)`` axes).
       lengths: ``int32[B]`` true prompt lengths (default ``S``): later tokens are
         padding, not written to the cache, and (with ``causal=False``) not attended.
+      chunk_size: tokens see each other only inside one chunk ``position // chunk_size``
+        (Llama 4's chunked layers); decode with the same ``chunk_size``.
+      bidirectional_ids: ``int32[B, S]`` (needs ``causal``): prompt tokens that carry
+        the same non-zero id see each other in both directions, e.g. a prefix-LM
+        prompt (PaliGemma: image and prefix one id, then decode causally); padding
+        past ``lengths`` is never seen whatever its id.
+      mask_fn: ``mask_fn(q_tokens, kv_tokens) -> bool`` on the tokens' global
+        ``positions`` (and ``bidirectional_ids``; ``segment_ids`` is None), ANDed with
+        the rest (see :class:`jax_seqpar.core.masks.MaskSpec`); decode with the same one.
 
     Returns:
       ``(out [B, S, H, Dv] in q.dtype, cache)``; ``out`` of padding tokens is
@@ -223,7 +100,7 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
     >>> out, cache = prefill(q, k, v, cache, lengths=jnp.array([4000, 17]))
     """
     check_self_attention(q, k, v, None)
-    _check_against_cache(k, v, cache)
+    check_against_cache(k, v, cache)
     batch, seq_len = q.shape[:2]
     if seq_len > cache.capacity:
         raise ValueError(f"the prompt has {seq_len} tokens but the cache holds only "
@@ -237,17 +114,25 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
     # no mesh spec may name.
     q, k, v, lengths, sinks = _placement.onto(cache.mesh, q, k, v, lengths,
                                               None if sinks is None else jnp.asarray(sinks))
+    causal = checks.flag("causal", causal)
+    bidirectional_ids = checks.bidirectional_ids(bidirectional_ids, batch, seq_len, causal)
+    spec = without_segment_ids(masks.MaskSpec.make(causal, window, chunk_size, mask_fn))
+    checks.mask_fn(spec, batch, seq_len, seq_len)
     lengths = _prompt_lengths(lengths, batch=batch, seq_len=seq_len)
     segment_ids = None
     if not causal:  # causal prompts never see their own later padding; others must not
         segment_ids = _padding_segments(lengths, seq_len=seq_len)
+    if bidirectional_ids is not None:  # padding carries no id: causality hides it then
+        prompt = masks.Tokens(None, None, *_placement.onto(cache.mesh, bidirectional_ids))
+        bidirectional_ids = _without_padding(prompt, lengths).bidirectional_ids
     seq_axes = cache.seq_axes if len(cache.seq_axes) > 1 else cache.seq_axes[0]
     # The attention is its own staged program (sequence_parallel_attention), the cache
     # write another: each compiles once, and what the attention builds inside stays there.
     out = sequence_parallel_attention(
         q, k, v, mesh=cache.mesh, seq_axes=seq_axes, strategy=strategy, causal=causal,
         segment_ids=segment_ids, window=window, scale=scale, layout=layout, kernel=kernel,
-        block_sizes=block_sizes, softcap=softcap, sinks=sinks)  # [B, S, H, Dv], like q
+        block_sizes=block_sizes, softcap=softcap, sinks=sinks, chunk_size=spec.chunk_size,
+        bidirectional_ids=bidirectional_ids, mask_fn=spec.mask_fn)  # [B, S, H, Dv], like q
     return out, _write_prompt(k, v, cache, lengths)
 
 
@@ -257,6 +142,15 @@ def _prompt_lengths(lengths, *, batch: int, seq_len: int):
     if lengths is None:
         return jnp.full((batch,), seq_len, jnp.int32)
     return jnp.minimum(lengths.astype(jnp.int32), seq_len)
+
+
+@jax.jit
+def _without_padding(prompt: masks.Tokens, lengths) -> masks.Tokens:
+    """The prompts' metadata with the bidirectional ids ``int32[B, S]`` of every token past
+    ``lengths`` at 0 (then later than every real token, so never seen)."""
+    ids = prompt.bidirectional_ids
+    real = jnp.arange(ids.shape[1])[None] < lengths[:, None]
+    return dataclasses.replace(prompt, bidirectional_ids=jnp.where(real, ids, 0))
 
 
 @functools.partial(jax.jit, static_argnames="seq_len")
@@ -288,7 +182,8 @@ def _write_prompt(k, v, cache: KVCache, lengths):
 def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, window=None,
            scale: Optional[float] = None, kernel: str = "auto", block_sizes=None,
            softcap: Optional[float] = None, sinks: Optional[jax.Array] = None,
-           check_capacity: bool = True):
+           check_capacity: bool = True, chunk_size: Optional[int] = None,
+           bidirectional_ids: Optional[jax.Array] = None, mask_fn: Optional[Callable] = None):
     """Append ``T >= 1`` new tokens per row and attend them to the whole cache.
 
     Row ``b``'s new tokens take positions ``length[b] .. length[b]+T-1`` (rows may
@@ -309,6 +204,17 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, window=N
         ``generate`` does): a refused step still writes nothing, but says nothing under
         ``jit``. (A program holding a host callback cannot also hold a split-axis
         hybrid prefill: JAX then requires one mesh across the whole program.)
+      chunk_size: a new token sees only the cached (and new) tokens of its own chunk
+        ``position // chunk_size`` (Llama 4's chunked layers).
+      bidirectional_ids: ``int32[B, T]`` the new tokens' ids: new tokens that carry
+        the same non-zero id see each other in both directions (an image or a prompt
+        appended in one step). Every cached token is earlier than every new one and
+        seen anyway, so the cache's ids are never needed (nothing is stored): the
+        outputs equal attention over the sequence so far (cached and new tokens) with
+        these ids. A span continued in a later step is seen whole only from there (the
+        outputs already returned stay as they were: decode them in one step).
+      mask_fn: ``mask_fn(q_tokens, kv_tokens) -> bool`` on global ``positions`` (and
+        ``bidirectional_ids``; ``segment_ids`` is None), as in :func:`prefill`.
 
     Returns:
       ``(out [B, T, H, Dv] in q.dtype, replicated; cache with length + T)``.
@@ -323,7 +229,7 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, window=N
     >>> out, cache = step(q_new, k_new, v_new, cache)  # q_new [B, 1, H, Dqk]
     """
     check_qkv(q, k, v)
-    _check_against_cache(k, v, cache)
+    check_against_cache(k, v, cache)
     new_tokens = q.shape[1]
     if k.shape[1] != new_tokens:
         raise ValueError(f"q and k/v must hold the same new tokens. Got q seq={new_tokens}, "
@@ -343,43 +249,51 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, window=N
                              f"{cache.capacity}; decode at most "
                              f"{cache.capacity - cache.window} tokens a step.")
     cache.check_room(new_tokens)
-    call = _Decode(window=masks.normalize_window(window),
-                   scale=None if scale is None else float(scale), kernel=kernel,
-                   block_sizes=block_sizes, softcap=None if softcap is None else float(softcap),
-                   check_capacity=bool(check_capacity))
-    q, k, v, sinks = _placement.onto(cache.mesh, q, k, v,
-                                     None if sinks is None else jnp.asarray(sinks))  # as prefill
-    return _decode(q, k, v, cache, sinks, call=call)
+    batch = q.shape[0]
+    bidirectional_ids = checks.bidirectional_ids(bidirectional_ids, batch, new_tokens, True)
+    spec = without_segment_ids(masks.MaskSpec.make(True, window, chunk_size, mask_fn))
+    checks.mask_fn(spec, batch, new_tokens, cache.capacity)
+    call = _Decode(options=Options.make(q, spec, scale=scale, kernel=kernel,
+                                        block_sizes=block_sizes, softcap=softcap),
+                   check_capacity=checks.flag("check_capacity", check_capacity),
+                   check_vma=can_check_vma(kernel))
+    step = decode_steps.Step(*_placement.onto(
+        cache.mesh, q, k, v, bidirectional_ids,
+        None if sinks is None else jnp.asarray(sinks)))  # as prefill
+    return _decode(step, cache, call=call)
 
 
 @dataclasses.dataclass(frozen=True)
 class _Decode:
-    """The static options of a decode step (hashable: the key of its compiled program)."""
+    """The static options of a decode step (hashable: the key of its compiled program).
 
-    window: Optional[tuple]
-    scale: Optional[float]
-    kernel: str
-    block_sizes: object
-    softcap: Optional[float]
+    Attributes:
+      options: the kernel's options (:class:`jax_seqpar.kernels.contract.Options`, an
+        always causal :class:`~jax_seqpar.core.masks.MaskSpec`).
+      check_capacity: a refused step raises (see :func:`decode`).
+      check_vma: whether ``shard_map`` may check varying manual axes (not for kernels
+        the Pallas interpreter runs).
+    """
+
+    options: Options
     check_capacity: bool
+    check_vma: bool
 
 
 @functools.partial(jax.jit, static_argnames="call")
-def _decode(q, k, v, cache: KVCache, sinks, *, call: _Decode):
-    new_tokens = q.shape[1]
+def _decode(step: decode_steps.Step, cache: KVCache, *, call: _Decode):
+    new_tokens = step.q.shape[1]
     new_length = cache.length + new_tokens  # [B]
     fits = jnp.all(new_length <= cache.capacity) | (cache.window is not None)  # a ring fits
     axis_name = axis_name_of(cache.seq_axes)
-    options = dict(window=call.window, scale=call.scale, kernel=call.kernel,
-                   block_sizes=call.block_sizes, softcap=call.softcap)
-    step = jax.shard_map(
-        functools.partial(decode_steps.append_and_attend, axis_name=axis_name, options=options,
-                          ring=cache.window is not None, check=call.check_capacity),
-        mesh=cache.mesh, in_specs=(P(),) * 3 + cache._specs() + (P(), P(), P()),
-        out_specs=(P(),) + cache._specs(), check_vma=can_check_vma(call.kernel))
-    q, k, v, length, fits = (_place(x, cache.mesh, P()) for x in (q, k, v, cache.length, fits))
-    if sinks is not None:
-        sinks = _place(sinks, cache.mesh, P())
-    out, new_k, new_v, positions = step(q, k, v, *cache._placed(), length, fits, sinks)
+    attend = jax.shard_map(
+        functools.partial(decode_steps.append_and_attend, axis_name=axis_name,
+                          options=call.options, ring=cache.window is not None,
+                          check=call.check_capacity),
+        mesh=cache.mesh, in_specs=(P(),) + cache._specs() + (P(), P()),
+        out_specs=(P(),) + cache._specs(), check_vma=call.check_vma)
+    step = jax.tree.map(lambda x: _place(x, cache.mesh, P()), step)  # replicated
+    length, fits = (_place(x, cache.mesh, P()) for x in (cache.length, fits))
+    out, new_k, new_v, positions = attend(step, *cache._placed(), length, fits)
     return out, dataclasses.replace(cache, k=new_k, v=new_v, positions=positions,
                                     length=jnp.where(fits, new_length, cache.length))

@@ -9,10 +9,12 @@ from jax_seqpar.core.extras import require
 for _module in ("flax", "optax"):
     require(_module, "examples", "jax_seqpar.examples (jax-seqpar demo)")
 
+from jax_seqpar.examples._data import MASKS as MASKS
 from jax_seqpar.examples._data import PackedRows as PackedRows
 from jax_seqpar.examples._data import pack_documents as pack_documents
 from jax_seqpar.examples._data import stdlib_documents as stdlib_documents
 from jax_seqpar.examples._data import training_batches as training_batches
+from jax_seqpar.examples._data import with_mask as with_mask
 from jax_seqpar.examples._model import ModelConfig as ModelConfig
 from jax_seqpar.examples._model import Parallelism as Parallelism
 from jax_seqpar.examples._model import TransformerLM as TransformerLM

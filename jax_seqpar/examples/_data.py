@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import pathlib
+from typing import Optional
 
 import numpy as np
 
@@ -54,13 +55,16 @@ class PackedRows:
       segment_ids: ``int32[rows, seq_len]`` document index of each input byte.
       weights: ``float32[rows, seq_len]`` 1 where the target is in the input's
         document, 0 at the last byte of a document (the next document's first
-        byte is not predictable from it).
+        byte is not predictable from it) and where the input sees its target (both
+        carry one non-zero bidirectional id).
+      bidirectional_ids: ``int32[rows, seq_len]`` (see :data:`MASKS`), or None.
     """
 
     tokens: np.ndarray
     targets: np.ndarray
     segment_ids: np.ndarray
     weights: np.ndarray
+    bidirectional_ids: Optional[np.ndarray] = None
 
 
 def pack_documents(documents: list[bytes], seq_len: int) -> PackedRows:
@@ -89,8 +93,57 @@ def pack_documents(documents: list[bytes], seq_len: int) -> PackedRows:
         weights=(document[:used] == document[1:used + 1]).astype(np.float32).reshape(shape))
 
 
-def training_batches(*, steps: int, batch: int, seq_len: int, seed: int) -> PackedRows:
-    """``steps`` batches of fresh rows, shuffled by ``seed``: arrays ``[steps, batch, seq_len]``.
+#: The masks a batch can carry (``jax-seqpar demo --mask``): ``"prefix"``, prefix-LM
+#: documents (each document's first quarter in a row one bidirectional id, seen in both
+#: directions); ``"vlm"``, image-like spans (a quarter of every ``seq_len // 4`` tokens
+#: one id each, text causal around them); ``"chunked"``, Llama 4's chunked causal
+#: attention (no ids: the model's ``chunk_size``).
+MASKS = ("chunked", "prefix", "vlm")
+
+
+def _prefix_ids(rows: PackedRows) -> np.ndarray:
+    """``int32[rows, S]``: each document's first quarter in its row one id (its run's
+    index + 1), the rest 0."""
+    ids = np.zeros_like(rows.segment_ids, np.int32)
+    for row, segments in zip(ids, rows.segment_ids):
+        starts = np.flatnonzero(np.r_[True, segments[1:] != segments[:-1]])
+        ends = np.r_[starts[1:], segments.size]
+        for run, (start, end) in enumerate(zip(starts, ends)):
+            row[start:start + max(1, (end - start) // 4)] = run + 1
+    return ids
+
+
+def _span_ids(shape: tuple) -> np.ndarray:
+    """``int32[rows, S]``: spans of ``S // 16`` tokens every ``S // 4``, one id each."""
+    seq_len = shape[-1]
+    period = max(4, seq_len // 4)
+    offset = np.arange(seq_len) % period
+    ids = np.where((offset >= period // 4) & (offset < period // 2),
+                   np.arange(seq_len) // period + 1, 0).astype(np.int32)
+    return np.broadcast_to(ids, shape).copy()
+
+
+def with_mask(rows: PackedRows, mask: Optional[str]) -> PackedRows:
+    """``rows`` with the bidirectional ids of ``mask`` (one of :data:`MASKS`, or None),
+    and no weight where an input sees its target (the same non-zero id: predicting it
+    would be copying it)."""
+    if mask is None or mask == "chunked":
+        return rows
+    if mask not in MASKS:
+        raise ValueError(f"mask={mask!r} is not one of {MASKS} (or None).")
+    ids = _prefix_ids(rows) if mask == "prefix" else _span_ids(
+        rows.segment_ids.shape)
+    sees_target = np.zeros(ids.shape, bool)
+    sees_target[:, :-1] = (ids[:, :-1] != 0) & (ids[:, 1:] == ids[:, :-1])
+    return dataclasses.replace(rows, bidirectional_ids=ids,
+                               weights=np.where(sees_target, 0.0, rows.weights)
+                               .astype(np.float32))
+
+
+def training_batches(*, steps: int, batch: int, seq_len: int, seed: int,
+                     mask: Optional[str] = None) -> PackedRows:
+    """``steps`` batches of fresh rows, shuffled by ``seed``: arrays ``[steps, batch, seq_len]``,
+    with the bidirectional ids of ``mask`` (:func:`with_mask`).
 
     >>> data = training_batches(steps=10, batch=2, seq_len=1024, seed=0)
     >>> data.tokens.shape
@@ -99,5 +152,9 @@ def training_batches(*, steps: int, batch: int, seq_len: int, seed: int) -> Pack
     rows_needed = steps * batch
     rows = pack_documents(stdlib_documents(rows_needed * seq_len + 1), seq_len)
     order = np.random.default_rng(seed).permutation(rows.tokens.shape[0])[:rows_needed]
-    return PackedRows(*(getattr(rows, f.name)[order].reshape(steps, batch, seq_len)
+    rows = with_mask(dataclasses.replace(rows, **{
+        f.name: getattr(rows, f.name)[order] for f in dataclasses.fields(PackedRows)
+        if getattr(rows, f.name) is not None}), mask)
+    return PackedRows(*(None if getattr(rows, f.name) is None else
+                        getattr(rows, f.name).reshape(steps, batch, seq_len)
                         for f in dataclasses.fields(PackedRows)))

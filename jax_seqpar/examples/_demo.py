@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+import dataclasses
+from typing import Callable, Optional, Sequence
 
 import jax
 import numpy as np
@@ -108,6 +109,7 @@ def run_demo(
     print_fn: Callable[[str], None] = print,
     fsdp: bool = False,
     packed: bool = False,
+    mask: Optional[str] = None,
 ) -> dict[str, TrainResult]:
     """Train one byte-level LM from the same parameters and data, unsharded and with
     each strategy on all devices, then print a loss table and plot the curves.
@@ -126,6 +128,11 @@ def run_demo(
       packed: put every batch of the sequence-parallel runs in the per-document order
         of its segment ids (run name ``"<strategy>+packed"``) instead of zigzag, and
         report both orders' busiest/mean work per device.
+      mask: train with one of :data:`jax_seqpar.examples.MASKS`: ``"prefix"``
+        (prefix-LM documents, each one's prefix bidirectional), ``"vlm"`` (image-like
+        bidirectional spans amid causal text) or ``"chunked"`` (the local layers causal
+        within chunks of ``seq_len // 4`` tokens, unless ``model_config.chunk_size``
+        says otherwise); None: plain causal.
 
     Returns:
       ``{run name: TrainResult}``, the unsharded run first.
@@ -133,10 +140,12 @@ def run_demo(
     >>> results = run_demo(steps=10, seq_len=256, strategies=["ring"], out="losses.png")
     """
     train_config = TrainConfig(steps=steps, batch=batch, seq_len=seq_len, seed=seed)
+    if mask == "chunked" and model_config.chunk_size is None:
+        model_config = dataclasses.replace(model_config, chunk_size=max(1, seq_len // 4))
     devices = jax.devices()
     print_fn(f"{len(devices)} {devices[0].platform} devices; model {model_config}; "
-             f"{train_config}")
-    data = training_batches(steps=steps, batch=batch, seq_len=seq_len, seed=seed)
+             f"{train_config}" + ("" if mask is None else f"; mask {mask}"))
+    data = training_batches(steps=steps, batch=batch, seq_len=seq_len, seed=seed, mask=mask)
     params = init_params(model_config, seed)
     runs = {UNSHARDED: Parallelism()}
     suffix = "+packed" if packed else ""

@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from jax_seqpar.core import checks
 from jax_seqpar.examples._model import TransformerLM
 
 
@@ -59,10 +60,21 @@ def init_caches(model: TransformerLM, *, batch: int, capacity: int, dtype=jnp.fl
         block.attention.init_cache(batch, capacity, dtype=dtype)
 
 
-def _greedy_loop(state, prompts, lengths, *, graphdef, num_tokens):
-    """Prefill, then ``num_tokens - 1`` decode steps; returns ``(int32[B, N], state)``."""
+def prefix_ids(prefix_lengths, seq_len: int):
+    """``int32[B, seq_len]``: id 1 on each row's first ``prefix_lengths[b]`` tokens (one
+    bidirectional prefix), 0 after; None for None."""
+    if prefix_lengths is None:
+        return None
+    return (jnp.arange(seq_len)[None] < prefix_lengths[:, None]).astype(jnp.int32)
+
+
+def _greedy_loop(state, prompts, lengths, prefix_lengths, *, graphdef, num_tokens):
+    """Prefill (the prefixes bidirectional), then ``num_tokens - 1`` decode steps; returns
+    ``(int32[B, N], state)``."""
     model = nnx.merge(graphdef, state)
-    logits = _forward(model, prompts, lambda layer, x: layer.prefill(x, lengths=lengths))
+    ids = prefix_ids(prefix_lengths, prompts.shape[1])
+    logits = _forward(model, prompts, lambda layer, x: layer.prefill(
+        x, lengths=lengths, bidirectional_ids=ids))
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
     first = jnp.argmax(last, axis=-1).astype(jnp.int32)  # [B]
 
@@ -108,14 +120,19 @@ def _compiled_loop(graphdef, num_tokens: int, *args):
 
 
 def generate(model: TransformerLM, prompts, lengths, *, num_tokens: int,
-             capacity: int | None = None, cache_dtype=jnp.float32) -> Generation:
+             capacity: int | None = None, cache_dtype=jnp.float32,
+             prefix_lengths=None) -> Generation:
     """Greedy decoding of ``num_tokens`` tokens per row after each prompt.
 
     Args:
-      model: the LM; its layers' mesh and strategy shard the prompt and the cache
-        (``Parallelism()``: one device).
+      model: the LM; its layers' mesh, strategy and masks (a chunked model's chunks
+        too) shard and mask the prompt and the cache (``Parallelism()``: one device).
       prompts: ``int32[B, S]`` prompt tokens, rows padded at the end.
       lengths: ``int32[B]`` true prompt lengths (``1 .. S``).
+      prefix_lengths: ``int32[B]`` (``0 .. lengths``): a prefix-LM's generation
+        (PaliGemma's): each row's first ``prefix_lengths[b]`` tokens are one
+        bidirectional prefix, prefilled seeing each other both ways; the rest of the
+        prompt and every generated token are causal. None: all causal.
       num_tokens: ``N >= 1`` tokens to generate per row.
       capacity: cache slots per row (default: ``S + N`` rounded up to the shards).
       cache_dtype: storage dtype of the cached keys and values.
@@ -132,6 +149,11 @@ def generate(model: TransformerLM, prompts, lengths, *, num_tokens: int,
         raise ValueError(f"num_tokens must be >= 1. Got {num_tokens}.")
     if lengths.shape != (batch,) or int(lengths.min()) < 1 or int(lengths.max()) > seq_len:
         raise ValueError(f"lengths must be int32[{batch}] in 1..{seq_len}. Got {lengths}.")
+    if prefix_lengths is not None:
+        prefix_lengths = jnp.asarray(checks.lengths("prefix_lengths", prefix_lengths, batch))
+        if int(prefix_lengths.min()) < 0 or bool((prefix_lengths > lengths).any()):
+            raise ValueError(f"prefix_lengths must be int32[{batch}] in 0..lengths={lengths} "
+                             f"(a prefix inside each prompt). Got {prefix_lengths}.")
     needed = int(lengths.max()) + num_tokens
     if capacity is None:
         attention = model.blocks[0].attention
@@ -150,10 +172,12 @@ def generate(model: TransformerLM, prompts, lengths, *, num_tokens: int,
     if mesh is not None:
         # The prompts replicated over the caches' mesh: left unplaced, the partitioner may
         # give the loop's tokens a sharding no mesh spec can name (an error when compiling).
-        prompts, lengths = jax.device_put((prompts, lengths), jax.NamedSharding(mesh, jax.P()))
-    compiled, compile_seconds = _compiled_loop(graphdef, num_tokens, state, prompts, lengths)
+        prompts, lengths, prefix_lengths = jax.device_put(
+            (prompts, lengths, prefix_lengths), jax.NamedSharding(mesh, jax.P()))
+    compiled, compile_seconds = _compiled_loop(graphdef, num_tokens, state, prompts, lengths,
+                                               prefix_lengths)
     start = time.perf_counter()
-    tokens, state = compiled(state, prompts, lengths)
+    tokens, state = compiled(state, prompts, lengths, prefix_lengths)
     tokens = np.asarray(tokens)  # waits for the result
     seconds = time.perf_counter() - start
     nnx.update(model, state)
@@ -162,8 +186,9 @@ def generate(model: TransformerLM, prompts, lengths, *, num_tokens: int,
 
 
 def generate_unsharded_reference(model: TransformerLM, prompts, lengths, *,
-                                 num_tokens: int) -> np.ndarray:
-    """The same greedy tokens without a cache: the full model on all tokens at each step.
+                                 num_tokens: int, prefix_lengths=None) -> np.ndarray:
+    """The same greedy tokens without a cache: the full model on all tokens at each step
+    (each row's prefix one bidirectional id, as :func:`generate` prefills it).
 
     ``int32[B, N]``. The token buffer has a fixed length (later slots are
     padding that causal attention never lets earlier tokens see), so it compiles once.
@@ -173,8 +198,10 @@ def generate_unsharded_reference(model: TransformerLM, prompts, lengths, *,
     batch, seq_len = prompts.shape
     buffer = np.zeros((batch, seq_len + num_tokens), np.int32)
     buffer[:, :seq_len] = prompts
+    ids = prefix_ids(None if prefix_lengths is None else jnp.asarray(prefix_lengths),
+                     buffer.shape[1])
     logits_at = jax.jit(lambda tokens, where: jnp.take_along_axis(
-        model(tokens), where[:, None, None], axis=1)[:, 0])
+        model(tokens, bidirectional_ids=ids), where[:, None, None], axis=1)[:, 0])
     rows = np.arange(batch)
     for step in range(num_tokens):
         token = np.asarray(jnp.argmax(logits_at(buffer, lengths + step - 1), axis=-1))

@@ -10,6 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_seqpar.core.masks import Tokens
 from jax_seqpar.examples._data import VOCAB_SIZE
 from jax_seqpar.flax import SelfAttention
 
@@ -31,6 +32,9 @@ class ModelConfig:
       global_every: the period of global layers among local ones.
       softcap: attention logit soft-cap (Gemma 2), or None.
       sinks: learnable per-head attention sinks in every layer (gpt-oss).
+      chunk_size: with a value C, the local layers (all but every ``global_every``-th)
+        attend causally within chunks of C tokens (Llama 4's chunked attention, 3
+        chunked : 1 global is ``global_every=4``); None: no chunks.
     """
 
     vocab_size: int = VOCAB_SIZE
@@ -43,12 +47,21 @@ class ModelConfig:
     global_every: int = 2
     softcap: Optional[float] = None
     sinks: bool = False
+    chunk_size: Optional[int] = None
+
+    def is_local(self, layer: int) -> bool:
+        """Whether block ``layer`` (0-based) is local: all but every ``global_every``-th."""
+        return (layer + 1) % self.global_every != 0
 
     def window_of(self, layer: int):
         """The attention window of block ``layer`` (0-based): ``(W, 0)`` or None (global)."""
-        if self.local_window is None or (layer + 1) % self.global_every == 0:
+        if self.local_window is None or not self.is_local(layer):
             return None
         return (self.local_window, 0)
+
+    def chunk_of(self, layer: int) -> Optional[int]:
+        """The chunk size of block ``layer`` (0-based), or None (one chunk)."""
+        return self.chunk_size if self.is_local(layer) else None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,21 +109,25 @@ class Parallelism:
 class Block(nnx.Module):
     """Pre-norm Transformer block: ``x + attn(norm(x))``, then ``x + mlp(norm(x))``."""
 
-    def __init__(self, config: ModelConfig, parallelism: Parallelism, *, window=None,
+    def __init__(self, config: ModelConfig, parallelism: Parallelism, *, layer: int,
                  rngs: nnx.Rngs):
         self.attention_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
         self.attention = SelfAttention(
             config.d_model, config.num_heads, num_kv_heads=config.num_kv_heads,
             mesh=parallelism.mesh, seq_axes=parallelism.seq_axes,
             strategy=parallelism.strategy, kernel=parallelism.kernel, causal=True,
-            window=window, softcap=config.softcap, sinks=config.sinks, rngs=rngs)
+            window=config.window_of(layer), chunk_size=config.chunk_of(layer),
+            softcap=config.softcap, sinks=config.sinks, rngs=rngs)
         self.mlp_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
         self.mlp_in = nnx.Linear(config.d_model, config.mlp_hidden, rngs=rngs)
         self.mlp_out = nnx.Linear(config.mlp_hidden, config.d_model, rngs=rngs)
 
-    def __call__(self, x, *, segment_ids, positions):
-        x = x + self.attention(self.attention_norm(x), segment_ids=segment_ids,
-                               positions=positions)
+    def __call__(self, x, tokens: Tokens):
+        """``x [B, S, d_model]``, ``tokens`` the batch's ``[B, S]`` metadata (positions
+        None: natural order)."""
+        x = x + self.attention(self.attention_norm(x), segment_ids=tokens.segment_ids,
+                               positions=tokens.positions,
+                               bidirectional_ids=tokens.bidirectional_ids)
         return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.mlp_norm(x))))
 
 
@@ -135,15 +152,18 @@ class TransformerLM(nnx.Module):
                  rngs: nnx.Rngs):
         self.config = config
         self.embed = nnx.Embed(config.vocab_size, config.d_model, rngs=rngs)
-        self.blocks = nnx.List([Block(config, parallelism, window=config.window_of(i), rngs=rngs)
+        self.blocks = nnx.List([Block(config, parallelism, layer=i, rngs=rngs)
                                 for i in range(config.num_layers)])
         self.final_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
 
     def __call__(self, tokens: jax.Array, *, segment_ids: Optional[jax.Array] = None,
-                 positions: Optional[jax.Array] = None):
-        """``int32[B, S]`` tokens (document ids, and global positions of the tokens
-        as given: see :func:`jax_seqpar.permute_batch`) -> ``float32[B, S, vocab]`` logits."""
+                 positions: Optional[jax.Array] = None,
+                 bidirectional_ids: Optional[jax.Array] = None):
+        """``int32[B, S]`` tokens (document ids, global positions of the tokens as
+        given: see :func:`jax_seqpar.permute_batch`, and bidirectional ids: a prefix or
+        an image seen in both directions) -> ``float32[B, S, vocab]`` logits."""
         x = self.embed(tokens)  # [B, S, d_model]
+        metadata = Tokens(positions, segment_ids, bidirectional_ids)
         for block in self.blocks:
-            x = block(x, segment_ids=segment_ids, positions=positions)
+            x = block(x, metadata)
         return self.embed.attend(self.final_norm(x)).astype(jnp.float32)  # [B, S, vocab]

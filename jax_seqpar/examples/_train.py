@@ -118,7 +118,8 @@ def fsdp_sharding(mesh: jax.sharding.Mesh, x) -> NamedSharding:
 def next_byte_loss(graphdef, params, batch):
     model = nnx.merge(graphdef, params)
     logits = model(batch["tokens"], segment_ids=batch["segment_ids"],
-                   positions=batch.get("positions"))  # [B, S, V]
+                   positions=batch.get("positions"),
+                   bidirectional_ids=batch.get("bidirectional_ids"))  # [B, S, V]
     losses = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
     weights = batch["weights"]
     return jnp.sum(losses * weights) / jnp.maximum(jnp.sum(weights), 1.0)
@@ -147,7 +148,8 @@ def train(
         optimizer state are replicated, or sharded with ``parallelism.fsdp``.
         ``Parallelism()`` trains unsharded.
       params: initial parameters (default: :func:`init_params` with the seed).
-      data: the batches (default: :func:`training_batches` with the seed).
+      data: the batches (default: :func:`training_batches` with the seed); their
+        ``bidirectional_ids``, when set, go to every layer.
       progress: show a tqdm progress bar labelled ``description``.
 
     Returns:
@@ -183,6 +185,8 @@ def train(
     def batch_at(index):
         batch = {"tokens": data.tokens[index], "targets": data.targets[index],
                  "segment_ids": data.segment_ids[index], "weights": data.weights[index]}
+        if data.bidirectional_ids is not None:
+            batch["bidirectional_ids"] = data.bidirectional_ids[index]
         if mesh is not None:
             by_document = parallelism.layout == "per_document"
             batch, batch["positions"] = permute_batch(

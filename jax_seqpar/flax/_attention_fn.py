@@ -12,15 +12,55 @@ named here and refused when we cannot honour it: a request is never dropped.
 
 from __future__ import annotations
 
+import dataclasses
 import math
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
 
 from jax_seqpar.api.attention import sequence_parallel_attention
-from jax_seqpar.core import checks
+from jax_seqpar.core import checks, masks
 from jax_seqpar.strategies.inputs import check_options
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionConfig:
+    """The static keywords of :func:`jax_seqpar.sequence_parallel_attention` one layer
+    calls it with (every field but ``causal`` passed as is; see there).
+
+    Attributes:
+      mesh, seq_axes, strategy, layout, kernel, block_sizes, ulysses_size: where and how
+        the sequence is split and attended.
+      causal, window, chunk_size, mask_fn: the mask (``causal`` may be switched on per
+        call, e.g. by NNX's ``is_causal``).
+      scale, softcap: the logits.
+    """
+
+    mesh: Optional[jax.sharding.Mesh] = None
+    seq_axes: Union[str, tuple] = "sp"
+    strategy: str = "auto"
+    causal: bool = False
+    window: object = None
+    scale: Optional[float] = None
+    layout: str = "auto"
+    kernel: str = "auto"
+    block_sizes: object = None
+    softcap: Optional[float] = None
+    ulysses_size: Optional[int] = None
+    chunk_size: Optional[int] = None
+    mask_fn: Optional[Callable] = None
+
+    def __post_init__(self):  # refused when the layer is made, before any call
+        check_options(causal=self.causal, window=self.window, scale=self.scale,
+                      softcap=self.softcap)
+        masks.MaskSpec.make(self.causal, self.window, self.chunk_size, self.mask_fn)
+
+    def keywords(self, causal: bool) -> dict:
+        """The keywords of a call, ``causal`` switched on when either asks for it."""
+        keywords = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        keywords["causal"] = self.causal or causal
+        return keywords
 
 
 def _refuse(name: str, value, fix: str) -> None:
@@ -40,16 +80,20 @@ def make_attention_fn(
     block_sizes=None,
     softcap: Optional[float] = None,
     ulysses_size: Optional[int] = None,
+    chunk_size: Optional[int] = None,
+    mask_fn: Optional[Callable] = None,
 ):
     """An ``attention_fn`` for Flax NNX ``MultiHeadAttention`` and Linen
     ``MultiHeadDotProductAttention`` that runs sequence-parallel exact attention.
 
-    The mask is configured here, from per-token metadata (``causal``, ``window``),
-    never passed as a dense ``[S, S]`` array. NNX's ``is_causal=True`` (a call
-    argument of its ``MultiHeadAttention``) turns causal masking on as well.
-    Segment ids of packed documents cannot travel through Flax's layers (they do
-    not forward them); call the returned function directly with
-    ``segment_ids=``, or use :class:`jax_seqpar.flax.SelfAttention`.
+    The mask is configured here, from per-token metadata (``causal``, ``window``,
+    ``chunk_size``, ``mask_fn``), never passed as a dense ``[S, S]`` array. NNX's
+    ``is_causal=True`` (a call argument of its ``MultiHeadAttention``) turns causal
+    masking on as well. Segment ids of packed documents and bidirectional ids (a
+    prefix-LM prompt, an image's tokens) vary per batch and cannot travel through
+    Flax's layers (they do not forward them); call the returned function directly
+    with ``segment_ids=`` / ``bidirectional_ids=``, or use
+    :class:`jax_seqpar.flax.SelfAttention`.
 
     Refused with ``ValueError`` (at trace time) rather than ignored: a dense
     ``mask`` (use ``causal=`` / ``window=`` / ``segment_ids=``), a ``bias``,
@@ -63,27 +107,32 @@ def make_attention_fn(
       mesh: the device mesh to split the sequence over, or ``None`` for the
         local (unsharded) blockwise kernel.
       seq_axes, strategy, causal, window, scale, layout, kernel, block_sizes,
-        softcap, ulysses_size: as in :func:`jax_seqpar.sequence_parallel_attention`.
+        softcap, ulysses_size, chunk_size, mask_fn: as in
+        :func:`jax_seqpar.sequence_parallel_attention` (kept in an
+        :class:`AttentionConfig`).
 
     Returns:
       ``attention_fn(query, key, value, bias=None, mask=None, ..., is_causal=False,
-      *, segment_ids=None, sinks=None)``: ``query [batch..., S, H, Dqk]``, ``key
-      [batch..., S, Hkv, Dqk]``, ``value [batch..., S, Hkv, Dv]`` (any number of
-      batch dims, including none), ``segment_ids int32[batch..., S]``; returns
-      ``[batch..., S, H, Dv]`` in the promoted dtype of the inputs (or ``dtype``).
+      *, segment_ids=None, bidirectional_ids=None, sinks=None)``: ``query [batch...,
+      S, H, Dqk]``, ``key [batch..., S, Hkv, Dqk]``, ``value [batch..., S, Hkv, Dv]``
+      (any number of batch dims, including none), ``segment_ids`` and
+      ``bidirectional_ids`` ``int32[batch..., S]`` (the latter with causal masking);
+      returns ``[batch..., S, H, Dv]`` in the promoted dtype of the inputs (or ``dtype``).
 
     >>> mesh = jax.make_mesh((8,), ("sp",))
     >>> layer = nnx.MultiHeadAttention(
     ...     num_heads=8, in_features=256, decode=False, rngs=nnx.Rngs(0),
     ...     attention_fn=make_attention_fn(mesh, strategy="ring", causal=True))
     """
-    check_options(causal=causal, window=window, scale=scale, softcap=softcap)
+    config = AttentionConfig(mesh, seq_axes, strategy, causal, window, scale, layout, kernel,
+                             block_sizes, softcap, ulysses_size, chunk_size, mask_fn)
 
     def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
                      dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
                      precision=None, module=None, is_causal=False,
                      force_fp32_for_softmax=False, qk_attn_weights_einsum=None,
-                     attn_weights_value_einsum=None, *, segment_ids=None, sinks=None):
+                     attn_weights_value_einsum=None, *, segment_ids=None,
+                     bidirectional_ids=None, sinks=None):
         """Flax's ``attention_fn`` contract; see :func:`make_attention_fn`."""
         del broadcast_dropout, dropout_rng, precision, force_fp32_for_softmax
         if mask is not None:
@@ -116,18 +165,18 @@ def make_attention_fn(
                                  f"query.shape={query.shape}, {name}.shape={x.shape}.")
         flat = math.prod(batch_dims)
         query, key, value = (x.reshape(flat, *x.shape[-3:]) for x in (query, key, value))
-        if segment_ids is not None:
+        ids = masks.Tokens(None, segment_ids, bidirectional_ids)
+        for name in ("segment_ids", "bidirectional_ids"):
+            x = getattr(ids, name)
             expected = (*batch_dims, query.shape[1])
-            if tuple(segment_ids.shape) != expected:
-                raise ValueError(f"segment_ids must have shape [batch..., length]={expected}. "
-                                 f"Got {tuple(segment_ids.shape)}.")
-            segment_ids = segment_ids.reshape(flat, query.shape[1])
+            if x is not None and tuple(jnp.shape(x)) != expected:
+                raise ValueError(f"{name} must have shape [batch..., length]={expected}. "
+                                 f"Got {tuple(jnp.shape(x))}.")
+        ids = jax.tree.map(lambda x: jnp.reshape(x, (flat, query.shape[1])), ids)  # [B, S]
         out = sequence_parallel_attention(
-            query, key, value, mesh=mesh, seq_axes=seq_axes, strategy=strategy,
-            causal=causal or checks.flag("is_causal", is_causal), segment_ids=segment_ids,
-            window=window,
-            scale=scale, layout=layout, kernel=kernel, block_sizes=block_sizes,
-            softcap=softcap, sinks=sinks, ulysses_size=ulysses_size)
+            query, key, value, segment_ids=ids.segment_ids,
+            bidirectional_ids=ids.bidirectional_ids, sinks=sinks,
+            **config.keywords(checks.flag("is_causal", is_causal)))
         return out.reshape(*batch_dims, *out.shape[1:])  # [batch..., S, H, Dv]
 
     return attention_fn

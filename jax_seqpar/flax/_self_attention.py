@@ -3,7 +3,7 @@ sequence-parallel exact attention."""
 
 from __future__ import annotations
 
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -11,6 +11,7 @@ from flax import nnx
 
 from jax_seqpar.api import inference
 from jax_seqpar.api.attention import sequence_parallel_attention
+from jax_seqpar.core import masks
 from jax_seqpar.flax._rope import apply_rope
 from jax_seqpar.strategies.inputs import check_options
 
@@ -29,7 +30,9 @@ class SelfAttention(nnx.Module):
     :func:`jax_seqpar.sequence_parallel_attention`.
 
     Packed documents: pass ``segment_ids`` and tokens attend only within their
-    document. RoPE positions stay global within the row; RoPE scores depend only
+    document. Prefix-LM and vision-language masks: pass ``bidirectional_ids`` (with
+    ``causal=True``) and tokens that carry the same non-zero id see each other in
+    both directions. RoPE positions stay global within the row; RoPE scores depend only
     on the distance between two tokens, so this equals restarting positions per
     document.
 
@@ -52,6 +55,13 @@ class SelfAttention(nnx.Module):
         mode refuses it).
       causal: decoder (causal) masking; default ``False``.
       window: sliding window ``(left, right)`` or one int, or ``None`` (default).
+      chunk_size: tokens see each other only inside one chunk ``position //
+        chunk_size`` (Llama 4's chunked layers), or ``None`` (default); decode mode
+        keeps it.
+      mask_fn: a jittable elementwise predicate ``mask_fn(q_tokens, kv_tokens) ->
+        bool`` on :class:`jax_seqpar.core.masks.Tokens`, ANDed with the rest (see
+        :class:`jax_seqpar.core.masks.MaskSpec`; in decode mode its tokens carry
+        ``positions`` and ``bidirectional_ids``, no ``segment_ids``), or ``None``.
       layout: token order for the sharded call; ``"auto"`` (default) is zigzag
         where it balances causal work.
       kernel: local kernel, ``"auto"`` (default: Triton on GPU, Mosaic on TPU, XLA
@@ -84,6 +94,8 @@ class SelfAttention(nnx.Module):
         ulysses_size: Optional[int] = None,
         causal: bool = False,
         window=None,
+        chunk_size: Optional[int] = None,
+        mask_fn: Optional[Callable] = None,
         layout: str = "auto",
         kernel: str = "auto",
         rope_base: float = 10000.0,
@@ -95,6 +107,7 @@ class SelfAttention(nnx.Module):
         rngs: nnx.Rngs,
     ):
         check_options(causal=causal, window=window, scale=None, softcap=softcap)
+        masks.MaskSpec.make(causal, window, chunk_size, mask_fn)  # refused before any call
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be a positive multiple of "
@@ -111,6 +124,7 @@ class SelfAttention(nnx.Module):
         self.mesh, self.seq_axes, self.strategy = mesh, seq_axes, strategy
         self.ulysses_size = ulysses_size
         self.causal, self.window, self.layout, self.kernel = causal, window, layout, kernel
+        self.chunk_size, self.mask_fn = chunk_size, mask_fn
         self.rope_base, self.softcap = rope_base, softcap
         self.sinks = nnx.Param(jnp.zeros((num_heads,), jnp.float32)) if sinks else None
 
@@ -125,12 +139,15 @@ class SelfAttention(nnx.Module):
         self.cache = nnx.data(None)  # decode mode: an nnx.Cache of a KVCache, see init_cache
 
     def __call__(self, x: jax.Array, *, segment_ids: Optional[jax.Array] = None,
-                 positions: Optional[jax.Array] = None) -> jax.Array:
+                 positions: Optional[jax.Array] = None,
+                 bidirectional_ids: Optional[jax.Array] = None) -> jax.Array:
         """Attend.
 
         Args:
           x: ``[B, S, d_model]`` (sequence-sharded or not).
           segment_ids: ``int32[B, S]`` document ids of packed sequences, or None.
+          bidirectional_ids: ``int32[B, S]`` (a causal layer): tokens of one non-zero id
+            see each other in both directions (a document's prefix, an image), or None.
           positions: ``int32[B, S]`` global positions of the tokens as given (RoPE
             and masks use them, and no layer relayouts: see
             :func:`jax_seqpar.permute_batch`), or None for natural order.
@@ -144,7 +161,8 @@ class SelfAttention(nnx.Module):
         out = sequence_parallel_attention(
             q, k, v, mesh=self.mesh, seq_axes=self.seq_axes, strategy=self.strategy,
             causal=self.causal, segment_ids=segment_ids, positions=positions,
-            ulysses_size=self.ulysses_size, **self._mask_options())  # [B, S, H, Dh]
+            bidirectional_ids=bidirectional_ids, ulysses_size=self.ulysses_size,
+            **self._mask_options())  # [B, S, H, Dh]
         return self.o_proj(out)  # [B, S, d_model]
 
     # --- decode mode: prefill and decode against a sequence-sharded KV cache ---------
@@ -181,8 +199,8 @@ class SelfAttention(nnx.Module):
         return self.cache.get_value()
 
     def _mask_options(self) -> dict:
-        return dict(window=self.window, layout=self.layout, kernel=self.kernel,
-                    softcap=self.softcap,
+        return dict(window=self.window, chunk_size=self.chunk_size, mask_fn=self.mask_fn,
+                    layout=self.layout, kernel=self.kernel, softcap=self.softcap,
                     sinks=None if self.sinks is None else self.sinks[...])
 
     def _rotated_qkv(self, x, positions):
@@ -193,12 +211,15 @@ class SelfAttention(nnx.Module):
         k = apply_rope(self.k_proj(x), positions, base=self.rope_base)  # [B, S, Hkv, Dh]
         return q, k, self.v_proj(x)
 
-    def prefill(self, x: jax.Array, *, lengths: Optional[jax.Array] = None) -> jax.Array:
+    def prefill(self, x: jax.Array, *, lengths: Optional[jax.Array] = None,
+                bidirectional_ids: Optional[jax.Array] = None) -> jax.Array:
         """Attend over prompts sequence-parallel and fill the cache with their K/V.
 
         Args:
           x: ``[B, S, d_model]`` prompts at positions ``0 .. S-1``, in natural order.
           lengths: ``int32[B]`` true prompt lengths (rows padded at the end), or None.
+          bidirectional_ids: ``int32[B, S]`` the prompts' bidirectional ids (a prefix-LM
+            prompt seen in both directions, then decoded causally), or None.
 
         Returns:
           ``[B, S, d_model]`` (padding rows' outputs are meaningless).
@@ -211,7 +232,7 @@ class SelfAttention(nnx.Module):
         q, k, v = self._rotated_qkv(x, jnp.arange(x.shape[1], dtype=jnp.int32))
         out, cache = inference.prefill(
             q, k, v, cache, causal=True, strategy=self.strategy, lengths=lengths,
-            **self._mask_options())  # [B, S, H, Dh]
+            bidirectional_ids=bidirectional_ids, **self._mask_options())  # [B, S, H, Dh]
         self.cache.set_value(cache)
         return self.o_proj(out)  # [B, S, d_model]
 

@@ -16,6 +16,9 @@ when a row would pass the cache's capacity) before attending.
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Optional
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -30,7 +33,8 @@ from jax_seqpar.core.merge import check_sinks, merge_across
 EMPTY_POSITION = 2**31 - 1
 
 
-def _heads_as_tokens(options, q, k_cache, v_cache, q_positions, kv_positions):
+def _heads_as_tokens(options: Options, q, k_cache, v_cache, q_tokens: masks.Tokens,
+                     kv_tokens: masks.Tokens):
     """The local attention with every (token, KV head) pair as a token of one KV head.
 
     ``[B, C/P, Hkv, D] -> [B, C/P * Hkv, 1, D]`` is a free reshape, and a pair
@@ -39,21 +43,48 @@ def _heads_as_tokens(options, q, k_cache, v_cache, q_positions, kv_positions):
     XLA relayout the whole shard first (a second cache-sized buffer); the cost is
     ``Hkv`` times the score arithmetic, small next to reading the cache once.
 
+    Args:
+      q_tokens, kv_tokens: the queries' ``[B, T]`` and the slots' ``[B, C/P]``
+        metadata (positions, optional bidirectional ids; no segment ids).
+
     Returns:
       ``(out float32[B, T, H, Dv], lse float32[B, T, H])``.
     """
     batch, new_tokens, heads, _ = q.shape
     slots, kv_heads = k_cache.shape[1:3]
     head = jnp.arange(kv_heads, dtype=jnp.int32)[None, None]  # [1, 1, Hkv]
-    pairs = lambda positions: masks.Tokens(
-        jnp.broadcast_to(positions[:, :, None], positions.shape + (kv_heads,)).reshape(
-            batch, -1),
-        jnp.broadcast_to(head, positions.shape + (kv_heads,)).reshape(batch, -1))
+
+    def pairs(tokens):  # [B, L] fields -> [B, L * Hkv], the KV head as the segment id
+        spread = lambda x: None if x is None else jnp.broadcast_to(
+            x[:, :, None], x.shape + (kv_heads,)).reshape(batch, -1)
+        return masks.Tokens(spread(tokens.positions),
+                            jnp.broadcast_to(head, tokens.positions.shape + (kv_heads,))
+                            .reshape(batch, -1), spread(tokens.bidirectional_ids))
+
     q = q.reshape(batch, new_tokens * kv_heads, heads // kv_heads, q.shape[3])  # [B, T*Hkv, G, D]
     k_cache = k_cache.reshape(batch, slots * kv_heads, 1, k_cache.shape[3])  # [B, C/P*Hkv, 1, D]
     v_cache = v_cache.reshape(batch, slots * kv_heads, 1, v_cache.shape[3])
-    out, lse = options.forward(q, k_cache, v_cache, pairs(q_positions), pairs(kv_positions))
+    out, lse = options.forward(q, k_cache, v_cache, pairs(q_tokens), pairs(kv_tokens))
     return out.reshape(batch, new_tokens, heads, -1), lse.reshape(batch, new_tokens, heads)
+
+
+def _attend_slots(options: Options, q, k_cache, v_cache, q_tokens: masks.Tokens,
+                  kv_tokens: masks.Tokens):
+    """This shard's partial ``(out float32[B, T, H, Dv], lse float32[B, T, H])`` of the
+    queries against its slots; a slot at ``EMPTY_POSITION`` is later than every query
+    (the mask is always causal) and never seen."""
+    if k_cache.shape[2] == 1:  # MQA / MLA: tiles are heads-first already
+        return options.forward(q, k_cache, v_cache, q_tokens, kv_tokens)
+    return _heads_as_tokens(options, q, k_cache, v_cache, q_tokens, kv_tokens)
+
+
+def _hide_unwritten(kv_positions, kv_length):
+    """``int32[B, C/P]`` slot positions with every slot at or past ``kv_length`` (stale
+    or empty) and every negative "empty" marker at :data:`EMPTY_POSITION`: later than
+    every query, so the causal mask hides them."""
+    kv_positions = kv_positions.astype(jnp.int32)
+    hidden = (kv_positions < 0) | (kv_positions >= kv_length[:, None])
+    return jnp.where(hidden, EMPTY_POSITION, kv_positions)
 
 
 def decode_attention(q, k_cache, v_cache, *, seq_axes, kv_length, scale=None, kernel="auto",
@@ -101,17 +132,9 @@ def decode_attention(q, k_cache, v_cache, *, seq_axes, kv_length, scale=None, ke
         kv_positions = layout.shard_positions("contiguous", k_cache.shape[1],
                                               axis_name=seq_axes)
         kv_positions = jnp.broadcast_to(kv_positions, (batch, k_cache.shape[1]))
-    kv_positions = kv_positions.astype(jnp.int32)
-    # Slots at or past kv_length (stale or empty) are later than every query: the
-    # causal mask hides them. Negative "empty" markers become EMPTY_POSITION too.
-    hidden = (kv_positions < 0) | (kv_positions >= kv_length[:, None])
-    kv_positions = jnp.where(hidden, EMPTY_POSITION, kv_positions)  # [B, C/P]
     q_positions = kv_length[:, None] - new_tokens + jnp.arange(new_tokens, dtype=jnp.int32)[None]
-    if k_cache.shape[2] == 1:  # MQA / MLA: tiles are heads-first already
-        out, lse = options.forward(q, k_cache, v_cache, masks.Tokens(q_positions),
-                                   masks.Tokens(kv_positions))
-    else:
-        out, lse = _heads_as_tokens(options, q, k_cache, v_cache, q_positions, kv_positions)
+    out, lse = _attend_slots(options, q, k_cache, v_cache, masks.Tokens(q_positions),
+                             masks.Tokens(_hide_unwritten(kv_positions, kv_length)))
     # out float32 [B, T, H, Dv], lse float32 [B, T, H]
     return merge_across(out, lse, seq_axes, sinks).astype(q.dtype)  # [B, T, H, Dv]
 
@@ -194,16 +217,37 @@ def deal_round_robin(k, v, lengths, k_cache, v_cache, *, axis_name):
 _put = jax.vmap(lambda cache, slot, x: cache.at[slot].set(x.astype(cache.dtype), mode="drop"))
 
 
-def append_and_attend(q, k, v, k_cache, v_cache, positions, length, fits, sinks, *,
-                      axis_name, options, ring=False, check=True):
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Step:
+    """The dynamic operands of one decode step, the same on every device (a pytree).
+
+    Attributes:
+      q: ``[B, T, H, Dqk]``; k: ``[B, T, Hkv, Dqk]``; v: ``[B, T, Hkv, Dv]`` the new tokens.
+      bidirectional_ids: ``int32[B, T]`` the new tokens' ids, or None (all 0). Every
+        cached token is earlier than every new one and seen anyway, so the ids only
+        lift causality among the step's own tokens: nothing of them is stored.
+      sinks: ``float32[H]`` sink logits, or None.
+    """
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    bidirectional_ids: Optional[jax.Array] = None
+    sinks: Optional[jax.Array] = None
+
+
+def append_and_attend(step: Step, k_cache, v_cache, positions, length, fits, *, axis_name,
+                      options: Options, ring=False, check=True):
     """Per shard: write the new tokens this shard owns, attend to the local slots, merge.
 
-    q: ``[B, T, H, Dqk]``, k/v: ``[B, T, Hkv, D]`` (the same on every device);
-    k_cache/v_cache: ``[B, C/P, Hkv, D]``, positions ``int32[B, C/P]``; ``fits``: whether
-    the step is allowed (a refused one writes nothing); ``ring``: a sliding-window cache,
-    where position ``p`` overwrites ``p - C``; ``check``: a refused step raises.
+    ``step``: the new tokens (the same on every device); k_cache/v_cache:
+    ``[B, C/P, Hkv, D]``, positions ``int32[B, C/P]``; ``fits``: whether the step is
+    allowed (a refused one writes nothing); ``options``: the kernel's static options
+    (an always causal mask); ``ring``: a sliding-window cache, where position ``p``
+    overwrites ``p - C``; ``check``: a refused step raises.
     """
-    new_tokens, local_capacity = q.shape[1], k_cache.shape[1]
+    new_tokens, local_capacity = step.q.shape[1], k_cache.shape[1]
     shards, shard = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
     if check:
         length = _refuse_overflow(fits, length, new_tokens, local_capacity * shards)
@@ -213,9 +257,13 @@ def append_and_attend(q, k, v, k_cache, v_cache, positions, length, fits, sinks,
         slot = slot % local_capacity
     mine = (new_positions % shards == shard) & fits
     slot = jnp.where(mine, slot, local_capacity)  # others' tokens (and a refused step): dropped
-    k_cache, v_cache = _put(k_cache, slot, k), _put(v_cache, slot, v)  # [B, C/P, Hkv, D]
+    k_cache, v_cache = _put(k_cache, slot, step.k), _put(v_cache, slot, step.v)  # [B, C/P, Hkv, D]
     positions = _put(positions, slot, new_positions)  # [B, C/P]
-    out = decode_attention(q, k_cache, v_cache, seq_axes=axis_name,
-                           kv_length=length + new_tokens, kv_positions=positions, sinks=sinks,
-                           **options)
+    kv_tokens = masks.Tokens(_hide_unwritten(positions, length + new_tokens))
+    if step.bidirectional_ids is not None:  # cached slots: 0 (earlier than every query)
+        kv_tokens.bidirectional_ids = _put(jnp.zeros_like(positions), slot,
+                                           step.bidirectional_ids)  # [B, C/P]
+    q_tokens = masks.Tokens(new_positions, None, step.bidirectional_ids)
+    out, lse = _attend_slots(options, step.q, k_cache, v_cache, q_tokens, kv_tokens)
+    out = merge_across(out, lse, axis_name, step.sinks).astype(step.q.dtype)
     return out, k_cache, v_cache, positions  # out [B, T, H, Dv], the same on every device

@@ -51,7 +51,7 @@ def _demo(args: argparse.Namespace) -> int:
     demo.run_demo(steps=args.steps, seq_len=args.seq_len, batch=args.batch,
                   strategies=strategies, out=args.out, seed=args.seed,
                   progress=not args.no_progress, fsdp=args.fsdp, model_config=model_config,
-                  packed=args.packed)
+                  packed=args.packed, mask=args.mask)
     print(f"demo wall time: {time.perf_counter() - start:.1f} s")
     return 0
 
@@ -137,6 +137,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="put every batch in the per-document order of its packed "
                            "documents (balanced causal work per device) instead of zigzag, "
                            "and print both orders' busiest/mean work per device")
+    demo.add_argument("--mask", choices=("chunked", "prefix", "vlm"), default=None,
+                      help="train with a mask beyond causal: chunked (the local layers causal "
+                           "within chunks of seq-len/4 tokens, Llama 4), prefix (each "
+                           "document's first quarter bidirectional, prefix-LM) or vlm "
+                           "(image-like bidirectional spans amid causal text)")
     demo.add_argument("--layers", type=_positive_int, default=2, help="Transformer blocks")
     demo.add_argument("--local-window", type=_positive_int, default=None,
                       help="make layers local (causal sliding window of this many past tokens) "
