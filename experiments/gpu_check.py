@@ -28,7 +28,7 @@ import numpy as np
 
 from jax_seqpar.core import reference
 from jax_seqpar.api.attention import sequence_parallel_attention
-from jax_seqpar.kernels.contract import Options
+from jax_seqpar.kernels import make_options
 from jax_seqpar.kernels.gpu import pallas
 from jax_seqpar.core.masks import MaskSpec, Tokens
 
@@ -77,7 +77,7 @@ def check_kernel(d_qk, d_v, dtype, *, seq=1024, q_len=None, heads=8, kv_heads=2,
     scale = d_qk**-0.5
 
     def ours(q, k, v):
-        return pallas.attention(q, k, v, q_tokens, kv_tokens, Options.make(
+        return pallas.attention(q, k, v, q_tokens, kv_tokens, make_options(
             q, MaskSpec.make(causal=True), scale=scale, kernel="pallas", softcap=softcap))
 
     def theirs(q, k, v):

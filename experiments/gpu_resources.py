@@ -35,7 +35,7 @@ os.environ.setdefault("JAX_SKIP_CUDA_CONSTRAINTS_CHECK", "1")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from jax_seqpar.kernels.contract import Options  # noqa: E402
+from jax_seqpar.kernels import make_options  # noqa: E402
 from jax_seqpar.kernels.gpu import pallas  # noqa: E402
 from jax_seqpar.core.masks import MaskSpec, Tokens  # noqa: E402
 
@@ -128,7 +128,7 @@ def attention_grads(spec: MaskSpec, block_sizes, interpret=None):
 
     def grads(q, k, v, positions):
         tokens = Tokens(positions)
-        options = Options.make(q, spec, kernel="pallas", block_sizes=block_sizes)
+        options = make_options(q, spec, kernel="pallas", block_sizes=block_sizes)
 
         def loss(q, k, v):
             out, lse = pallas.attention(q, k, v, tokens, tokens, options, interpret=interpret)

@@ -95,7 +95,7 @@ def kernel_fn(module_name, *, causal=True, block_sizes=None):
     """Forward+backward of one kernel call on ``[B, S, H, D]`` inputs."""
     from jax_seqpar import kernels
     from jax_seqpar.core.masks import MaskSpec, Tokens
-    from jax_seqpar.kernels.contract import Options
+    from jax_seqpar.kernels import make_options
 
     module = kernels.get(module_name)
 
@@ -103,7 +103,7 @@ def kernel_fn(module_name, *, causal=True, block_sizes=None):
         tokens = Tokens(jnp.broadcast_to(jnp.arange(q.shape[1], dtype=jnp.int32), q.shape[:2]))
 
         def loss(q, k, v):
-            out, lse = module.attention(q, k, v, tokens, tokens, Options.make(
+            out, lse = module.attention(q, k, v, tokens, tokens, make_options(
                 q, MaskSpec.make(causal), kernel=module_name, block_sizes=block_sizes))
             return out.sum() + lse.sum()
 

@@ -25,7 +25,7 @@ import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
 from jax_seqpar.core.masks import MaskSpec, Tokens  # noqa: E402
-from jax_seqpar.kernels.contract import Options  # noqa: E402
+from jax_seqpar.kernels import make_options  # noqa: E402
 from jax_seqpar.kernels.tpu import mosaic  # noqa: E402
 from jax_seqpar.tools import aot, hlo, schedule, targets  # noqa: E402
 
@@ -40,7 +40,7 @@ def _tokens(n):
 def _attend(q, k, v, accumulate=None):
     n = k.shape[1]
     return mosaic.forward(q, k, v, _tokens(q.shape[1]), _tokens(n),
-                          Options.make(q, SPEC, scale=D**-0.5, kernel="mosaic"), accumulate)
+                          make_options(q, SPEC, scale=D**-0.5, kernel="mosaic"), accumulate)
 
 
 def a2a(q, k, v):  # local [1, S/P, H, D]

@@ -28,6 +28,7 @@ from jax_seqpar import kernels
 from jax_seqpar.core import reference
 from jax_seqpar.core.masks import PAD_SEGMENT, MaskSpec, Tokens
 from jax_seqpar.kernels.contract import Options
+from jax_seqpar.kernels import make_options
 
 KERNELS = ("xla", "pallas", "mosaic")
 #: The tile every case runs with, per kernel: Triton's smallest, and the TPU lane width.
@@ -204,7 +205,7 @@ def expected(case: Case, dtype):
 def options(kernel: str, case: Case) -> Options:
     """The case's kernel options on ``kernel`` at the case's tile."""
     q = jax.ShapeDtypeStruct((case.batch, case.q_len, case.heads, case.d_qk), jnp.float32)
-    return Options.make(q, case.spec, scale=case.d_qk**-0.5, kernel=kernel,
+    return make_options(q, case.spec, scale=case.d_qk**-0.5, kernel=kernel,
                         block_sizes=block_sizes(kernel, case.tile), softcap=case.softcap)
 
 

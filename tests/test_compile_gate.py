@@ -31,7 +31,7 @@ from jax_seqpar.tools import aot, bench, bench_report, bench_target, hlo, schedu
 from jax_seqpar.api import attention as api
 from jax_seqpar import comm_bytes, kernels
 from jax_seqpar.core.masks import MaskSpec, Tokens
-from jax_seqpar.kernels.contract import Options
+from jax_seqpar.kernels import make_options
 from jax_seqpar.planning import hardware, predict
 from jax_seqpar.strategies import registry
 
@@ -132,7 +132,7 @@ def test_time_model_overlaps_what_the_compiled_schedule_overlaps(target, kind):
     def body(q, k, v, x):
         n = q.shape[1]
         tokens = Tokens(jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (1, n)))
-        out, _ = kernels.get("auto").forward(q, k, v, tokens, tokens, Options.make(
+        out, _ = kernels.get("auto").forward(q, k, v, tokens, tokens, make_options(
             q, MaskSpec.make(causal=True), scale=0.1))
         return out, _COLLECTIVES[kind](x)
 
@@ -327,7 +327,7 @@ def test_pallas_float32_compiles_without_spills(target, head_dim):
         def loss(q, k, v):
             out, lse = kernels.get("pallas").attention(
                 q, k, v, tokens, tokens,
-                Options.make(q, MaskSpec.make(causal=True), kernel="pallas"))
+                make_options(q, MaskSpec.make(causal=True), kernel="pallas"))
             return out.sum() + lse.sum()
 
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
@@ -387,7 +387,7 @@ def test_kernel_choice_follows_the_lowering_platform():
         def run(q, k, v):
             n = q.shape[1]
             tokens = Tokens(jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (1, n)))
-            return kernels.get(kernel).forward(q, k, v, tokens, tokens, Options.make(
+            return kernels.get(kernel).forward(q, k, v, tokens, tokens, make_options(
                 q, MaskSpec.make(causal=True), scale=0.25, kernel=kernel))
 
         return jax.export.export(jax.jit(run), platforms=platforms, disabled_checks=[

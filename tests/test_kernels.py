@@ -27,6 +27,7 @@ from jax_seqpar import kernels
 from jax_seqpar.core import masks
 from jax_seqpar.core.masks import MaskSpec, Tokens
 from jax_seqpar.kernels.contract import Options
+from jax_seqpar.kernels import make_options
 from kernel_cases import Case
 
 CASES = [
@@ -252,11 +253,9 @@ def test_per_platform_tiles_every_kernel_takes(kernel, sizes, fragments, method)
 
 
 def test_options_reject_other_tile_objects():
-    from jax_seqpar.strategies.inputs import Options
-
     q = jnp.zeros((1, 32, 2, 16))
     with pytest.raises(ValueError, match="is not a jax_seqpar.kernels.BlockSizes"):
-        Options.make(q, masks.MaskSpec(causal=True), kernel="auto",
+        make_options(q, masks.MaskSpec(causal=True), kernel="auto",
                      block_sizes=(128, 128, 128, 128))
 
 

@@ -24,8 +24,7 @@ from jax.experimental import pallas as pl
 import kernel_cases as kc
 from jax_seqpar.core import masks
 from jax_seqpar.core.masks import MaskSpec, Tokens
-from jax_seqpar.kernels import tiling, xla
-from jax_seqpar.kernels.contract import Options
+from jax_seqpar.kernels import make_options, tiling, xla
 from jax_seqpar.kernels.gpu import _core as gpu_core
 from jax_seqpar.kernels.tpu import _common as tpu_common
 from kernel_cases import Case
@@ -209,7 +208,7 @@ def test_options_skip_calls_with_no_visible_pair(family):
         q_tokens = Tokens(positions, bidirectional_ids=ids)
         apart = Tokens(positions + 16, bidirectional_ids=2 * ids)
         near = Tokens(positions + 16, bidirectional_ids=ids)
-    options = Options.make(q, spec, kernel="xla", block_sizes=xla.BlockSizes(8, 8, 8, 8))
+    options = make_options(q, spec, kernel="xla", block_sizes=xla.BlockSizes(8, 8, 8, 8))
     skipped, calls = _calls(options, q, k, v, q_tokens, apart, accumulate)
     assert calls == 0
     for got, given in zip(skipped, accumulate):
@@ -238,7 +237,7 @@ def test_new_masks_lower_for_the_accelerator(kernel):
 
     def grads(q, k, v, positions, segments, bidirectional):
         tokens = Tokens(positions, segments, bidirectional)
-        options = Options.make(q, spec, kernel=kernel)
+        options = make_options(q, spec, kernel=kernel)
 
         def loss(q, k, v):
             out, lse = options.attention(q, k, v, tokens, tokens)

@@ -24,7 +24,7 @@ pytest.importorskip("libtpu", reason="compiling for TPU needs libtpu (jax[tpu])"
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 import jax_seqpar as sp  # noqa: E402
-from jax_seqpar.kernels.contract import Options  # noqa: E402
+from jax_seqpar.kernels import make_options  # noqa: E402
 from jax_seqpar.kernels.tpu import mosaic  # noqa: E402
 from jax_seqpar.core.masks import MaskSpec, Tokens  # noqa: E402
 
@@ -66,7 +66,7 @@ def test_kernel_compiles_at_default_tiles(target, heads, kv_heads, d_qk, d_v):
                         jnp.zeros((1, seq), jnp.int32))
 
         def loss(q, k, v):
-            out, lse = mosaic.attention(q, k, v, tokens, tokens, Options.make(
+            out, lse = mosaic.attention(q, k, v, tokens, tokens, make_options(
                 q, MaskSpec.make(True), kernel="mosaic", softcap=30.0))
             return out.sum() + lse.sum()
 

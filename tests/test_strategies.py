@@ -102,7 +102,8 @@ def _plain_scan_ring(q, k, v, tokens, *, axis_name, options):
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_custom_ring_backward_matches_autodiff_of_plain_ring(causal, make_qkv):
-    from jax_seqpar.strategies.inputs import Metadata, Options, shard_tokens
+    from jax_seqpar.strategies.inputs import Metadata, shard_tokens
+    from jax_seqpar.kernels import make_options
 
     q, k, v = make_qkv(batch=B, seq=S, heads=H, kv_heads=2, head_dim=D, v_head_dim=8, seed=4)
     segment_ids = checks.segments(B, S, seed=9)
@@ -110,7 +111,7 @@ def test_custom_ring_backward_matches_autodiff_of_plain_ring(causal, make_qkv):
 
     def plain(q, k, v, segment_ids):
         tokens = shard_tokens(q, Metadata(segment_ids=segment_ids), axis_name=axes)
-        options = Options.make(q, masks.MaskSpec(causal=causal), kernel="xla")
+        options = make_options(q, masks.MaskSpec(causal=causal), kernel="xla")
         return _plain_scan_ring(q, k, v, tokens, axis_name=axes, options=options)
 
     def ours(q, k, v, segment_ids):

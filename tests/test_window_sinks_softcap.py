@@ -21,7 +21,7 @@ from jax_seqpar.strategies import registry
 from jax_seqpar.tools import hlo
 from jax_seqpar.core import layout, reference
 from jax_seqpar.kernels import xla
-from jax_seqpar.kernels.contract import Options
+from jax_seqpar.kernels import make_options
 from jax_seqpar.core.masks import MaskSpec, Tokens
 from jax_seqpar import comm_bytes
 
@@ -149,7 +149,7 @@ def test_xla_kernel_softcap_out_lse_and_grads(tolerances):
     spec = MaskSpec.make(True, (9, 0))
 
     def ours(q, k, v):
-        return xla.attention(q, k, v, tokens, tokens, Options.make(
+        return xla.attention(q, k, v, tokens, tokens, make_options(
             q, spec, scale=0.5, kernel="xla", softcap=1.5,
             block_sizes=xla.BlockSizes(16, 8, 8, 16)))
 

@@ -51,6 +51,7 @@ from jax.sharding import PartitionSpec as P
 from jax_seqpar.core import checks, masks
 from jax_seqpar.kernels import tiling
 from jax_seqpar.kernels.contract import Options
+from jax_seqpar.kernels import make_options
 from jax_seqpar.strategies.inputs import check_qkv, check_self_attention
 from jax_seqpar.api import placement as _placement
 from jax_seqpar.api.placement import place as _place
@@ -253,7 +254,7 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, window=N
     bidirectional_ids = checks.bidirectional_ids(bidirectional_ids, batch, new_tokens, True)
     spec = without_segment_ids(masks.MaskSpec.make(True, window, chunk_size, mask_fn))
     checks.mask_fn(spec, batch, new_tokens, cache.capacity)
-    call = _Decode(options=Options.make(q, spec, scale=scale, kernel=kernel,
+    call = _Decode(options=make_options(q, spec, scale=scale, kernel=kernel,
                                         block_sizes=block_sizes, softcap=softcap),
                    check_capacity=checks.flag("check_capacity", check_capacity),
                    check_vma=can_check_vma(kernel))

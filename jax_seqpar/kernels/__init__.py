@@ -20,9 +20,12 @@ import functools
 import importlib
 from typing import Mapping
 
-from jax_seqpar.kernels.contract import BlockSizes, Kernel
+from jax_seqpar.core import checks
+from jax_seqpar.core.masks import MaskSpec
+from jax_seqpar.kernels.contract import BlockSizes, Kernel, Options, check_softcap
 
-__all__ = ["KERNELS", "BlockSizes", "Kernel", "PerPlatform", "get", "may_interpret"]
+__all__ = ["KERNELS", "BlockSizes", "Kernel", "Options", "PerPlatform", "get", "make_options",
+           "may_interpret"]
 
 KERNELS = ("auto", "xla", "pallas", "mosaic")
 
@@ -178,3 +181,20 @@ def get(kernel: str = "auto") -> Kernel:
 def may_interpret(kernel: str) -> bool:
     """Whether ``kernel`` runs the Pallas interpreter on some lowering platform."""
     return kernel == "mosaic" or getattr(get(kernel), "may_interpret", False)
+
+
+def make_options(q, spec: MaskSpec, *, scale=None, kernel: str = "auto", block_sizes=None,
+                 softcap=None) -> Options:
+    """The static :class:`~jax_seqpar.kernels.contract.Options` of a call on queries
+    ``q [..., Dqk]`` (for the default scale ``1/sqrt(Dqk)``): the mask ``spec``, the
+    kernel :func:`get` chooses for ``kernel``, its tiles and soft-cap, all checked."""
+    scale = checks.scale(scale)
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    module = get(kernel)
+    if block_sizes is not None and not isinstance(block_sizes, module.BlockSizes):
+        raise ValueError(
+            f"block_sizes={block_sizes!r} is not a jax_seqpar.kernels.BlockSizes, the tile "
+            f"sizes every kernel takes (kernel={kernel!r}); pass e.g. "
+            "BlockSizes(block_q=256, block_k=256), or None for the kernel's defaults.")
+    softcap = check_softcap(softcap)
+    return Options(spec, scale, module, block_sizes, softcap)

@@ -358,23 +358,6 @@ class Options:
     block_sizes: Optional[BlockSizes] = None
     softcap: Optional[float] = None
 
-    @classmethod
-    def make(cls, q, spec: MaskSpec, *, scale=None, kernel="auto", block_sizes=None,
-             softcap=None) -> "Options":
-        """The options of a call on queries ``q [..., Dqk]`` (for the default scale)."""
-        from jax_seqpar import kernels
-
-        scale = checks.scale(scale)
-        scale = q.shape[-1] ** -0.5 if scale is None else scale
-        module = kernels.get(kernel)
-        if block_sizes is not None and not isinstance(block_sizes, module.BlockSizes):
-            raise ValueError(
-                f"block_sizes={block_sizes!r} is not a jax_seqpar.kernels.BlockSizes, the tile "
-                f"sizes every kernel takes (kernel={kernel!r}); pass e.g. "
-                "BlockSizes(block_q=256, block_k=256), or None for the kernel's defaults.")
-        softcap = check_softcap(softcap)
-        return cls(spec, scale, module, block_sizes, softcap)
-
     def resolved(self, defaults: BlockSizes, kernel_name: str) -> "Options":
         """These options as a kernel runs them: tile sizes completed from ``defaults``
         (:func:`resolve_block_sizes`), the soft-cap checked (:func:`check_softcap`) and

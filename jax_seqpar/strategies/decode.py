@@ -26,6 +26,7 @@ import numpy as np
 from jax_seqpar.core import layout, masks
 from jax_seqpar.kernels import tiling
 from jax_seqpar.strategies.inputs import Options, check_ids, check_qkv
+from jax_seqpar.kernels import make_options
 from jax_seqpar.core.merge import check_sinks, merge_across
 
 #: The position of an empty cache slot: later than every query, so the causal
@@ -125,7 +126,7 @@ def decode_attention(q, k_cache, v_cache, *, seq_axes, kv_length, scale=None, ke
         raise ValueError(f"kv_length must have shape [batch]=({batch},). "
                          f"Got {tuple(kv_length.shape)}.")
     check_ids("kv_positions", kv_positions, batch, k_cache.shape[1])
-    options = Options.make(q, masks.MaskSpec.make(True, window), scale=scale, kernel=kernel,
+    options = make_options(q, masks.MaskSpec.make(True, window), scale=scale, kernel=kernel,
                            block_sizes=block_sizes, softcap=softcap)
     kv_length = kv_length.astype(jnp.int32)
     if kv_positions is None:

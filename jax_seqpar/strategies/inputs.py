@@ -16,6 +16,7 @@ import jax.numpy as jnp
 
 from jax_seqpar.core import checks, layout, masks
 from jax_seqpar.kernels.contract import Options, check_softcap
+from jax_seqpar.kernels import make_options
 
 
 def check_qkv(q, k, v) -> None:
@@ -156,7 +157,7 @@ class Call:
     def options(self, q) -> Options:
         """The kernels' options for queries ``q [..., Dqk]`` (``ValueError`` for a bad
         kernel or tile sizes)."""
-        return Options.make(q, self.spec, scale=self.scale, kernel=self.kernel,
+        return make_options(q, self.spec, scale=self.scale, kernel=self.kernel,
                             block_sizes=self.block_sizes, softcap=self.softcap)
 
 

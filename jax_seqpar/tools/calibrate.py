@@ -73,10 +73,10 @@ def _attention_rate(mesh, axis, seq_len, heads, head_dim, runs) -> float:
     from jax_seqpar.core import masks
     from jax_seqpar.core.shape import LayerShape
     from jax_seqpar.planning import compute
-    from jax_seqpar.kernels.contract import Options
+    from jax_seqpar.kernels import make_options
 
     def body(q, k, v, dout):  # [1, S, H, D] per device
-        options = Options.make(q, masks.MaskSpec(causal=True), kernel="xla")
+        options = make_options(q, masks.MaskSpec(causal=True), kernel="xla")
         positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), q.shape[:2])
         tokens = masks.Tokens(positions, None)
         out, vjp = jax.vjp(lambda q, k, v: options.attention(q, k, v, tokens, tokens)[0],
