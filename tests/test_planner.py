@@ -17,6 +17,7 @@ from jax_seqpar.tools import calibrate, hlo, tune
 from jax_seqpar.planning import compute, hardware, plan as planner, predict, tuned
 from jax_seqpar.core import reference
 from jax_seqpar.core.meshes import split_axis
+from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.strategies import registry
 from jax_seqpar.planning.plan import plan
@@ -113,7 +114,8 @@ def test_visible_pairs_counts_the_mask(seq_len, causal, window):
         seen &= key <= query
     if window:
         seen &= (key >= query - window[0]) & (key <= query + window[1])
-    assert compute.visible_pairs(seq_len, causal, window) == seen.sum()
+    spec = MaskSpec.make(causal=causal, window=window)
+    assert compute.visible_pairs(seq_len, spec) == seen.sum()
 
 
 def test_ring_hides_hops_behind_compute_only_where_the_hardware_overlaps():

@@ -204,7 +204,8 @@ def test_bad_input_raises(kwargs, message):
     ("hybrid", True, (1024, 0), dict(seq_len=1024, num_shards=8), "zigzag"),
 ])
 def test_default_layout(strategy, causal, window, kwargs, expected):
-    assert registry.default_layout(strategy, causal, window, **kwargs) == expected
+    spec = MaskSpec.make(causal=causal, window=window)
+    assert registry.default_layout(strategy, spec, **kwargs) == expected
 
 
 # --- traffic: compiled HLO against comm_bytes ----------------------------------------

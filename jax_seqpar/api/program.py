@@ -89,9 +89,8 @@ def _geometry(call: Call, seq_len: int) -> _Geometry:
     num_shards = math.prod(mesh.shape[name] for name in axes)
     layout = call.layout
     if layout == "auto":
-        layout = registry.default_layout(call.strategy, call.spec.causal, call.spec.window,
-                                         seq_len=seq_len,
-                                num_shards=num_shards)
+        layout = registry.default_layout(call.strategy, call.spec, seq_len=seq_len,
+                                         num_shards=num_shards)
     per_shard = {"contiguous": 1, "zigzag": 2, "striped": num_shards, "per_document": 1}[layout]
     return _Geometry(mesh, axes, layout, num_shards,
                      _placement.padded_length(seq_len, num_shards * per_shard))

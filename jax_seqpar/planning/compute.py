@@ -11,10 +11,10 @@ counted per row by :mod:`.packed`. The FLOPs are ``2 B H (Dqk + Dv)`` per pair f
 
 from __future__ import annotations
 
-from typing import Optional
 
 import numpy as np
 
+from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.planning import packed
 from jax_seqpar.planning.hardware import Hardware
@@ -25,10 +25,12 @@ __all__ = ["TILE", "step_seconds", "tile_pairs", "visible_pairs"]
 TILE = 256
 
 
-def visible_pairs(seq_len: int, causal: bool, window: Optional[tuple[int, int]]) -> float:
-    """(query, key) pairs a causal and/or ``(left, right)`` window mask keeps (exact)."""
+def visible_pairs(seq_len: int, spec: MaskSpec) -> float:
+    """(query, key) pairs a causal and/or ``(left, right)`` window mask keeps (exact;
+    ``spec``'s other fields are not counted here)."""
+    window = spec.window
     left = seq_len - 1 if window is None else min(window[0], seq_len - 1)
-    right = 0 if causal else (seq_len - 1 if window is None else min(window[1], seq_len - 1))
+    right = 0 if spec.causal else (seq_len - 1 if window is None else min(window[1], seq_len - 1))
 
     def clipped_sum(limit):  # sum over i < seq_len of min(i, limit)
         return limit * (limit + 1) / 2 + (seq_len - 1 - limit) * limit
@@ -117,7 +119,7 @@ def step_seconds(strategy: str, ring: int, ulysses: int, shape: LayerShape,
     elif _tile_count(ring, shape, tile) <= _MAX_TILE_PAIRS:
         pairs = _step_pairs(strategy, ring, ulysses, shape, tile)
     else:  # too many tiles to classify: exact visible pairs, spread evenly
-        per_device = visible_pairs(shape.seq_len, shape.causal, shape.window) / ring
+        per_device = visible_pairs(shape.seq_len, MaskSpec.make(shape.causal, shape.window)) / ring
         steps = 1 if strategy == "allgather" else ring
         pairs = [per_device / steps] * steps
     forward = [2 * shape.batch * heads * (d_qk + d_v) * p / hardware.attention_flops

@@ -1,7 +1,7 @@
 """The choice of strategy: by predicted time on a hardware description, else by bytes.
 
 :func:`plan` picks the strategy for one attention layer on a mesh. With a
-:class:`~jax_seqpar.planning.hardware.Hardware` (:func:`plan_for_hardware`) every
+:class:`~jax_seqpar.planning.hardware.Hardware` (``plan(hardware=)``) every
 strategy and ``ring x ulysses`` factorization is predicted
 (:mod:`jax_seqpar.planning.predict`) and the fastest within memory wins. Without, it
 refines the decision tree of the seed notes (ring whenever ``num_kv_heads < P``):
@@ -11,7 +11,7 @@ decide; the ring has no limit; on a two-level mesh the hybrid runs Ulysses on th
 inner axis and the ring on the slow outer one (USP, arXiv:2405.07719).
 
 :func:`plan_layer` is the same choice for a :class:`~jax_seqpar.core.shape.LayerShape`
-(:func:`plan` and :func:`plan_for_hardware` take its fields as keywords and call it).
+(:func:`plan` takes its fields as keywords and calls it).
 :func:`auto_choice` is what ``strategy="auto"`` of
 :func:`jax_seqpar.sequence_parallel_attention` runs: a tuned plan when the caller asks
 for them (:mod:`jax_seqpar.planning.tuned`), else the prediction for the mesh's device
@@ -29,7 +29,7 @@ from jax_seqpar.planning import hardware as hardware_lib, predict, tuned
 from jax_seqpar.strategies.registry import comm_bytes
 from jax_seqpar.strategies.traffic import axis_sizes_tuple, replicated_kv_heads
 
-__all__ = ["Plan", "auto_choice", "choose", "plan", "plan_for_hardware", "plan_layer"]
+__all__ = ["Plan", "auto_choice", "choose", "plan", "plan_layer"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,15 +93,6 @@ def _seq_sizes(seq_axes) -> tuple[tuple[str, ...], tuple[int, ...]]:
                      f"axes ordered outer->inner (e.g. mesh.shape). Got {seq_axes!r}.")
 
 
-def _layer(seq_len, num_heads, num_kv_heads, head_dim, *, batch, v_head_dim, dtype_bytes,
-           causal, backward, window) -> LayerShape:
-    """The :class:`LayerShape` of the keyword form (a layer of ``dtype_bytes`` per element)."""
-    return LayerShape(batch=batch, seq_len=seq_len, num_heads=num_heads,
-                      num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim,
-                      dtype=dtype_of_size(dtype_bytes), causal=causal, window=window,
-                      backward=backward)
-
-
 def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
          seq_axes: int | Mapping[str, int], *, batch: int = 1, v_head_dim: int | None = None,
          dtype_bytes: float = 2, causal: bool = False, backward: bool = True,
@@ -109,9 +100,14 @@ def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
     """Chooses the sequence-parallel strategy: fastest on ``hardware``, else fewest bytes.
 
     With ``hardware`` (a :class:`~jax_seqpar.planning.hardware.Hardware` or preset name),
-    see :func:`plan_for_hardware`: every ``ring x ulysses`` factorization predicted, the
-    fastest within ``memory_budget`` wins (``jax-seqpar tune`` times the best on a mesh:
-    :func:`jax_seqpar.tools.tune.tune`). Without, the choice by bytes:
+    every strategy and ``ring x ulysses`` factorization of the devices
+    (:func:`jax_seqpar.planning.predict.candidates`) is predicted on it (time and
+    per-device memory, :func:`jax_seqpar.planning.predict.predict`); candidates over
+    ``memory_budget`` bytes (default: the hardware's HBM) are rejected with the reason,
+    and the fastest of the rest wins (``jax-seqpar tune`` times the best on a mesh:
+    :func:`jax_seqpar.tools.tune.tune`); the :class:`Plan` then has
+    ``predicted_seconds``, ``memory_bytes``, ``rejected`` and ``factorization``. Without,
+    the choice by bytes:
 
     One axis of ``P`` devices: Ulysses when ``P`` divides ``num_heads`` (K/V
     heads are replicated up to ``lcm(num_kv_heads, P)``), else the ring; when
@@ -139,9 +135,10 @@ def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
     >>> plan(32768, 128, 1, 576, {"sp": 8}, v_head_dim=512).reason
     'ring: only 1 KV head (MQA/MLA) and ulysses would move 7.9x more bytes'
     """
-    shape = _layer(seq_len, num_heads, num_kv_heads, head_dim, batch=batch,
-                   v_head_dim=v_head_dim, dtype_bytes=dtype_bytes, causal=causal,
-                   backward=backward, window=window)
+    shape = LayerShape(batch=batch, seq_len=seq_len, num_heads=num_heads,
+                       num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim,
+                       dtype=dtype_of_size(dtype_bytes), causal=causal, window=window,
+                       backward=backward)
     return plan_layer(shape, seq_axes, hardware=hardware, memory_budget=memory_budget)
 
 
@@ -229,33 +226,6 @@ def _ms(seconds: float) -> str:
 
 def _gib(num_bytes: float) -> str:
     return f"{num_bytes / _GIB:.3g} GiB"
-
-
-def plan_for_hardware(seq_len, num_heads, num_kv_heads, head_dim, seq_axes, *, batch=1,
-                      v_head_dim=None, dtype_bytes=2, causal=False, backward=True,
-                      hardware, memory_budget=None, window=None):
-    """The fastest predicted candidate within the memory budget (``plan(hardware=...)``).
-
-    Every strategy and every ``ring x ulysses`` factorization of the devices
-    (:func:`jax_seqpar.planning.predict.candidates`) is predicted on ``hardware`` (time
-    and per-device memory, :func:`jax_seqpar.planning.predict.predict`); candidates over
-    ``memory_budget`` bytes (default: the hardware's HBM) are rejected with the
-    reason; the fastest of the rest wins (:func:`jax_seqpar.tools.tune.tune` then times
-    the best on a mesh). ``window`` cuts the predicted compute. Other arguments as in
-    :func:`plan`.
-
-    Returns:
-      A :class:`Plan` with ``predicted_seconds``, ``memory_bytes``, ``rejected`` and
-      ``factorization``; its ``reason`` names the predicted times.
-
-    >>> plan_for_hardware(32768, 12, 12, 64, {"sp": 8}, hardware="tpu-v5p",
-    ...                   causal=True).factorization
-    (4, 2)
-    """
-    shape = _layer(seq_len, num_heads, num_kv_heads, head_dim, batch=batch,
-                   v_head_dim=v_head_dim, dtype_bytes=dtype_bytes, causal=causal,
-                   backward=backward, window=window)
-    return plan_layer(shape, seq_axes, hardware=hardware, memory_budget=memory_budget)
 
 
 def _plan_predicted(shape: LayerShape, names, sizes, hardware, memory_budget,

@@ -115,7 +115,7 @@ def get(name: str) -> Strategy:
     return STRATEGIES[name]
 
 
-def default_layout(strategy: str, causal: bool, window=None, *, seq_len=None,
+def default_layout(strategy: str, spec: MaskSpec = MaskSpec(), *, seq_len=None,
                    num_shards=None) -> str:
     """The token order ``layout="auto"`` uses: balance and locality.
 
@@ -127,19 +127,18 @@ def default_layout(strategy: str, causal: bool, window=None, *, seq_len=None,
 
     Args:
       strategy: a name of :data:`STRATEGIES`.
-      causal, window: the mask.
+      spec: the mask (its ``causal`` and ``window`` decide).
       seq_len, num_shards: when both are given, a window that reaches (nearly)
         every shard (no halo, see :func:`jax_seqpar.strategies.halo.halo_sizes`)
         counts as no window.
     Returns:
       ``"contiguous"`` or ``"zigzag"``.
 
-    >>> default_layout("ring", True, window=(4096, 0))
+    >>> default_layout("ring", MaskSpec.make(causal=True, window=(4096, 0)))
     'contiguous'
-    >>> default_layout("ring", True)
+    >>> default_layout("ring", MaskSpec(causal=True))
     'zigzag'
     """
-    spec = MaskSpec.make(causal, window)
     if spec.window is not None:
         if seq_len is None or num_shards is None:
             return "contiguous"

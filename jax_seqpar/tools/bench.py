@@ -32,6 +32,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from jax_seqpar.api import attention as api
 from jax_seqpar.tools import hlo
 from jax_seqpar.core import layout, reference
+from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.planning import plan
 from jax_seqpar import kernels
@@ -96,7 +97,7 @@ def skip_reason(strategy: str, axes: dict, shape: LayerShape,
 
 def layout_for(strategy: str, shape: LayerShape) -> str:
     """The token order the strategy runs ``shape`` in (zigzag for causal rings)."""
-    return registry.default_layout(strategy, shape.causal)
+    return registry.default_layout(strategy, MaskSpec(causal=shape.causal))
 
 
 @dataclasses.dataclass(frozen=True)
