@@ -1,0 +1,201 @@
+"""The per-document token order balanced by the mask: prefix-LM, images, chunks.
+
+:mod:`jax_seqpar.core.packing` balances causal-within-document work, where a token at
+offset ``t`` of a document sees ``t + 1`` keys. A bidirectional prefix or image makes
+its queries see every key of their span (the prefix's first token is as costly as its
+last), and chunks (``position // chunk_size``) cap every query's keys at its chunk: the
+causal cost is then wrong by up to the whole span, and so is its balance. Here every
+token's cost is what the mask gives it, counted by the mask predicate itself
+(:func:`jax_seqpar.core.work.visible_per_token`), and every shard gets the mean cost
+in visible (query, key) pairs and in computed tiles. Per row (``S`` tokens, ``P``
+shards, tile ``c``):
+
+1. *Pieces*: every document of at least :data:`MIN_TILES` tiles is cut into whole
+   tiles from its start, ``c`` consecutive tokens each (the cheapest few go back to
+   the fill, so that ``P`` divides their number). Each piece costs its queries'
+   visible pairs.
+2. *Fill*: everything else (short documents, what is left of dealt ones, padding) is
+   cut into ``P`` equal windows of the stream :mod:`.packing` merges from its dense and
+   sparse halves, each token's density being its document's mean mask cost over those
+   tokens. Within a document the stream folds the tokens in cost order (cheapest with
+   costliest), so a window end that cuts a document splits its cost evenly.
+3. *Deal*: the fill's loads are exact before the pieces move (a token's pairs do not
+   depend on the order; every shard takes as many pieces, so its fill tiles start at
+   the same slot), and so is every tile's computed count against all the others
+   (:func:`jax_seqpar.core.masks.classify`). Pieces go, costliest first, to the shard
+   with room whose overload after taking it is lowest (pairs over their mean, and
+   tiles over theirs with twice the slack), then pairs of pieces swap between the
+   most overloaded shard and another while that lowers it.
+4. Within a shard: the dealt pieces first (so they stay whole tiles), then the fill in
+   (document, position) order, padding last.
+
+Host numpy only (a data pipeline step): the deal is a loop over at most ``S / c``
+pieces. Exactness never depends on it: positions travel with the tokens.
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from jax_seqpar.core import masks, work
+from jax_seqpar.core.masks import PAD_SEGMENT
+
+__all__ = ["masked_row_positions"]
+
+#: Documents of at least this many whole tiles are cut into pieces (the rest is fill):
+#: many pieces give the deal room; a document of one tile gains nothing from it.
+MIN_TILES = 2
+#: How far over its mean a shard's pairs and tiles may go, relatively, in the deal.
+PAIR_SLACK, TILE_SLACK = 1.0, 2.0
+#: Most piece swaps after the first deal (each lowers the worst overload).
+SWAPS = 256
+
+
+def _runs(ids: np.ndarray):
+    """``(start, length)`` of each token's run of equal ``ids`` (sorted ids)."""
+    start = np.searchsorted(ids, ids, side="left")
+    return start, np.searchsorted(ids, ids, side="right") - start
+
+
+def _tile_costs(spec: masks.MaskSpec, tiles: masks.Tokens) -> np.ndarray:
+    """``float64[T]``: of the ``T`` tiles ``tiles`` (``[T, c]`` fields, padding
+    :data:`PAD_SEGMENT`), how many each computes as queries against all of them as keys
+    (:func:`jax_seqpar.core.masks.classify`, the kernels' rule)."""
+    count, block = tiles.positions.shape
+    flat = jax.tree.map(lambda x: x.reshape(1, count * block).astype(np.int32), tiles)
+    summary = jax.tree.map(lambda x: x[0], masks.summarize(flat, block, per_row=True))
+    return (masks.classify(spec, summary, summary) != masks.EMPTY).sum(1).astype(np.float64)
+
+
+def _overload(load, mean):
+    """A shard's worst overload, ``[..., P]`` from ``load [2, ..., P]`` (pairs, tiles):
+    each over its mean, relative to its slack."""
+    return np.maximum((load[0] / mean[0] - 1) / PAIR_SLACK, (load[1] / mean[1] - 1) / TILE_SLACK)
+
+
+def _deal(pairs, tiles, num_shards: int, base_pairs, base_tiles) -> np.ndarray:
+    """``int32[n]`` the shard of each piece (``n / P`` pieces per shard), the shards
+    starting from the fill's loads ``base_pairs``, ``base_tiles`` ``[P]``: costliest
+    first, each to the shard with room whose overload after taking it is lowest; then
+    swaps of two pieces between the most overloaded shard and another while the pair's
+    worse overload drops (a longest-processing-time schedule alone strands the last
+    expensive pieces when every shard must take as many)."""
+    cost = np.stack([pairs, tiles]).astype(np.float64)  # [2, n]
+    load = np.stack([base_pairs, base_tiles]).astype(np.float64)  # [2, P]
+    mean = np.maximum((cost.sum(1) + load.sum(1)) / num_shards, 1e-30)[:, None]
+    room = np.full(num_shards, pairs.size // num_shards)
+    shard = np.zeros(pairs.size, np.int32)
+    for piece in np.lexsort((np.arange(pairs.size), -(cost / mean).sum(0))):
+        after = _overload(load + cost[:, piece, None], mean)
+        best = int(np.argmin(np.where(room > 0, after + 1e-9 * load.sum(0), np.inf)))
+        shard[piece] = best
+        load[:, best] += cost[:, piece]
+        room[best] -= 1
+    for _ in range(SWAPS):
+        over = _overload(load, mean)
+        worst = int(np.argmax(over))
+        mine, others = np.flatnonzero(shard == worst), np.flatnonzero(shard != worst)
+        if not mine.size or not others.size:
+            break
+        moved = cost[:, mine, None] - cost[:, None, others]  # [2, mine, others]
+        target = shard[others]
+        new_worst = _overload(load[:, worst, None, None] - moved, mean)
+        new_other = _overload(load[:, target][:, None, :] + moved, mean)
+        gain = np.maximum(new_worst, new_other)
+        i, j = np.unravel_index(np.argmin(gain), gain.shape)
+        if gain[i, j] >= over[worst] - 1e-12:
+            break
+        load[:, worst] -= moved[:, i, j]
+        load[:, target[j]] += moved[:, i, j]
+        shard[mine[i]], shard[others[j]] = target[j], worst
+    return shard
+
+
+def masked_row_positions(spec: masks.MaskSpec, tokens: masks.Tokens, *, num_shards: int,
+                         block: int) -> np.ndarray:
+    """``int32[S]``: the natural position of the token at each slot, for one row.
+
+    Args:
+      spec: the mask (causal, chunks) the order balances.
+      tokens: the row in natural order, 1-D fields (``positions`` is ``arange(S)``;
+        segment ids required, bidirectional ids optional).
+      num_shards, block: ``P`` and the tile ``c``.
+    """
+    size, P = tokens.positions.shape[0], num_shards
+    cost = work.visible_per_token(spec, tokens)[0].astype(np.float64)
+    order = np.lexsort((tokens.positions, tokens.segment_ids)).astype(np.int32)
+    ids = tokens.segment_ids[order]
+    pad = ids == PAD_SEGMENT
+    start, n = _runs(ids)
+    offset = np.arange(size) - start
+    cost = cost[order]
+    dealt_doc = ~pad & (n >= MIN_TILES * block)
+
+    # 1. Pieces: whole tiles from each dealt document's start, P-fold in number.
+    in_piece = dealt_doc & (offset // block < n // block)
+    heads = np.flatnonzero(in_piece & (offset % block == 0))
+    extra = heads.size % P  # the cheapest extra pieces go to the fill
+    if extra:
+        cheapest = np.argsort(cost[heads[:, None] + np.arange(block)].sum(1),
+                              kind="stable")[:extra]
+        for head in heads[cheapest]:
+            in_piece[head:head + block] = False
+        heads = np.delete(heads, cheapest)
+    piece_id = np.cumsum(in_piece & (offset % block == 0)) - 1  # valid where in_piece
+    pairs = cost[heads[:, None] + np.arange(block)].sum(1)
+
+    # 2. The fill: each document's leftover tokens at their mean cost, folded by cost.
+    fill = ~in_piece
+    # cost rank within the document, fill tokens first (earlier documents hold `start`)
+    by_cost = np.lexsort((np.arange(size), cost, ~fill, start))
+    rank = np.empty(size, np.int64)
+    rank[by_cost] = np.arange(size)
+    rank -= start
+    count = np.bincount(start[fill], minlength=size)[start]  # fill tokens of the document
+    fill_cost = np.bincount(start[fill], weights=cost[fill], minlength=size)[start]
+    density = np.where(pad | ~fill, 0.0, fill_cost / np.maximum(count, 1))
+    pair = np.minimum(rank, count - 1 - rank)
+    back = (rank > count - 1 - rank).astype(np.int64)
+    fill_tokens = int(fill.sum())
+    window_len = fill_tokens // P
+    mean_density = density[fill].sum() / max(fill_tokens, 1)
+    excess = density - mean_density
+    stream = np.lexsort((2 * pair + back, start, ~fill))
+    in_fill = fill[stream]
+    weight = np.where(in_fill, np.abs(excess[stream]), 0.0)
+    dense = (excess > 0)[stream]
+    halves = np.stack([np.where(dense, weight, 0.0), np.where(dense, 0.0, weight)])
+    running = np.cumsum(halves, axis=1)
+    fraction = (running - halves / 2) / np.maximum(running[:, -1:], 1e-30)
+    key = np.where(dense, fraction[0], fraction[1])
+    merged = stream[np.lexsort((key, ~in_fill))]
+    slot = (np.arange(size) + window_len // 2) % max(fill_tokens, 1)
+    fill_shard = np.empty(size, np.int64)
+    fill_shard[merged] = slot // max(window_len, 1)
+
+    # 3. Deal the pieces on top of the fill's loads. Both are exact before the deal: a
+    # token's pairs do not depend on the order, and every shard holds the same number
+    # of pieces, so its fill tiles start at the same slot wherever the pieces go.
+    fill_pairs = np.bincount(fill_shard[fill], weights=cost[fill], minlength=P)
+    local = size // P - heads.size // P * block  # fill slots of a shard
+    fill_slots = order[np.lexsort((np.arange(size), pad, np.where(fill, fill_shard, P)))]
+    fill_slots = fill_slots[:P * local].reshape(P, local)
+    fill_rows = -(-local // block)
+    natural = tokens
+    grid = np.concatenate([order[heads[:, None] + np.arange(block)],
+                           np.pad(fill_slots, ((0, 0), (0, fill_rows * block - local)),
+                                  constant_values=-1).reshape(-1, block)])
+    tile_tokens = masks.Tokens(
+        np.where(grid < 0, 0, natural.positions[grid]),
+        np.where(grid < 0, PAD_SEGMENT, natural.segment_ids[grid]),
+        None if natural.bidirectional_ids is None else
+        np.where(grid < 0, 0, natural.bidirectional_ids[grid]))
+    tile_cost = _tile_costs(spec, tile_tokens)
+    fill_tiles = tile_cost[heads.size:].reshape(P, fill_rows).sum(1)
+    piece_shard = _deal(pairs, tile_cost[:heads.size], P, fill_pairs, fill_tiles)
+    shard = np.where(in_piece, piece_shard[np.maximum(piece_id, 0)], fill_shard)
+
+    # 4. Slots by (shard, dealt pieces first, padding last), document order within.
+    group = np.where(in_piece, 0, np.where(pad, 2, 1))
+    return order[np.lexsort((np.arange(size), group, shard))].astype(np.int32)
