@@ -50,6 +50,10 @@ MIN_TILES = 2
 PAIR_SLACK, TILE_SLACK = 1.0, 2.0
 #: Most piece swaps after the first deal (each lowers the worst overload).
 SWAPS = 256
+#: Rounds of (split the fill, deal the pieces); the best round is kept.
+ROUNDS = 3
+#: The deal's orders tried each round (weights of pairs and tiles); the best is kept.
+WEIGHTS = ((1.0, 1.0), (1.0, 0.0), (0.0, 1.0))
 
 
 def _runs(ids: np.ndarray):
@@ -74,10 +78,11 @@ def _overload(load, mean):
     return np.maximum((load[0] / mean[0] - 1) / PAIR_SLACK, (load[1] / mean[1] - 1) / TILE_SLACK)
 
 
-def _deal(pairs, tiles, num_shards: int, base_pairs, base_tiles) -> np.ndarray:
+def _deal(pairs, tiles, num_shards: int, base_pairs, base_tiles, weight=(1.0, 1.0)):
     """``int32[n]`` the shard of each piece (``n / P`` pieces per shard), the shards
     starting from the fill's loads ``base_pairs``, ``base_tiles`` ``[P]``: costliest
-    first, each to the shard with room whose overload after taking it is lowest; then
+    first (``weight``: of pairs and tiles, each over its mean, in that order), each to
+    the shard with room whose overload after taking it is lowest; then
     swaps of two pieces between the most overloaded shard and another while the pair's
     worse overload drops (a longest-processing-time schedule alone strands the last
     expensive pieces when every shard must take as many)."""
@@ -86,7 +91,8 @@ def _deal(pairs, tiles, num_shards: int, base_pairs, base_tiles) -> np.ndarray:
     mean = np.maximum((cost.sum(1) + load.sum(1)) / num_shards, 1e-30)[:, None]
     room = np.full(num_shards, pairs.size // num_shards)
     shard = np.zeros(pairs.size, np.int32)
-    for piece in np.lexsort((np.arange(pairs.size), -(cost / mean).sum(0))):
+    weight = np.asarray(weight, np.float64)[:, None]
+    for piece in np.lexsort((np.arange(pairs.size), -(weight * cost / mean).sum(0))):
         after = _overload(load + cost[:, piece, None], mean)
         best = int(np.argmin(np.where(room > 0, after + 1e-9 * load.sum(0), np.inf)))
         shard[piece] = best
@@ -110,6 +116,47 @@ def _deal(pairs, tiles, num_shards: int, base_pairs, base_tiles) -> np.ndarray:
         load[:, target[j]] += moved[:, i, j]
         shard[mine[i]], shard[others[j]] = target[j], worst
     return shard
+
+
+def _split_fill(excess, halves, targets, size: int, num_shards: int) -> np.ndarray:
+    """``int64[S]`` the shard of each fill token: shard ``r`` takes the next run of the
+    dense half and the next of the sparse half (stream order), as many tokens as every
+    other shard, the dense share chosen so that its summed ``excess`` is nearest
+    ``targets[r]``; the last shard takes what is left."""
+    dense, sparse = halves
+    window = (dense.size + sparse.size) // num_shards
+    cum_dense = np.r_[0.0, np.cumsum(excess[dense])]
+    cum_sparse = np.r_[0.0, np.cumsum(excess[sparse])]
+    shard = np.full(size, -1, np.int64)
+    at_dense = at_sparse = 0
+    for r in range(num_shards):
+        low = max(0, window - (sparse.size - at_sparse))
+        high = min(window, dense.size - at_dense)
+        if r == num_shards - 1:
+            take = dense.size - at_dense
+        else:
+            share = np.arange(low, high + 1)
+            got = (cum_dense[at_dense + share] - cum_dense[at_dense]
+                   + cum_sparse[at_sparse + window - share] - cum_sparse[at_sparse])
+            take = int(share[np.argmin(np.abs(got - targets[r]))])
+        shard[dense[at_dense:at_dense + take]] = r
+        shard[sparse[at_sparse:at_sparse + window - take]] = r
+        at_dense, at_sparse = at_dense + take, at_sparse + window - take
+    return shard
+
+
+def _whole_tiles(slots: np.ndarray, block: int) -> np.ndarray:
+    """``[P, L]`` token indices cut in ``[-1, block]`` tiles per shard (``-1``: padding)."""
+    rows = -(-slots.shape[1] // block)
+    return np.pad(slots, ((0, 0), (0, rows * block - slots.shape[1])),
+                  constant_values=-1).reshape(-1, block)
+
+
+def _grid(tokens: masks.Tokens, index: np.ndarray) -> masks.Tokens:
+    """``tokens`` gathered at ``index`` (``-1``: a padding token)."""
+    fills = masks.Tokens(0, PAD_SEGMENT, None if tokens.bidirectional_ids is None else 0)
+    return jax.tree.map(lambda x, fill: np.where(index < 0, fill, x[np.maximum(index, 0)]),
+                        tokens, fills)
 
 
 def masked_row_positions(spec: masks.MaskSpec, tokens: masks.Tokens, *, num_shards: int,
@@ -158,42 +205,38 @@ def masked_row_positions(spec: masks.MaskSpec, tokens: masks.Tokens, *, num_shar
     pair = np.minimum(rank, count - 1 - rank)
     back = (rank > count - 1 - rank).astype(np.int64)
     fill_tokens = int(fill.sum())
-    window_len = fill_tokens // P
     mean_density = density[fill].sum() / max(fill_tokens, 1)
     excess = density - mean_density
-    stream = np.lexsort((2 * pair + back, start, ~fill))
-    in_fill = fill[stream]
-    weight = np.where(in_fill, np.abs(excess[stream]), 0.0)
-    dense = (excess > 0)[stream]
-    halves = np.stack([np.where(dense, weight, 0.0), np.where(dense, 0.0, weight)])
-    running = np.cumsum(halves, axis=1)
-    fraction = (running - halves / 2) / np.maximum(running[:, -1:], 1e-30)
-    key = np.where(dense, fraction[0], fraction[1])
-    merged = stream[np.lexsort((key, ~in_fill))]
-    slot = (np.arange(size) + window_len // 2) % max(fill_tokens, 1)
-    fill_shard = np.empty(size, np.int64)
-    fill_shard[merged] = slot // max(window_len, 1)
+    stream = np.lexsort((2 * pair + back, start, ~fill))[:fill_tokens]
+    halves = (stream[excess[stream] > 0], stream[excess[stream] <= 0])  # dense, sparse
 
-    # 3. Deal the pieces on top of the fill's loads. Both are exact before the deal: a
-    # token's pairs do not depend on the order, and every shard holds the same number
+    # 3. Deal the pieces on top of the fill's loads, then re-split the fill towards
+    # what each shard's pieces leave it, and again. Every load is exact before the deal:
+    # a token's pairs do not depend on the order, and every shard holds the same number
     # of pieces, so its fill tiles start at the same slot wherever the pieces go.
-    fill_pairs = np.bincount(fill_shard[fill], weights=cost[fill], minlength=P)
     local = size // P - heads.size // P * block  # fill slots of a shard
-    fill_slots = order[np.lexsort((np.arange(size), pad, np.where(fill, fill_shard, P)))]
-    fill_slots = fill_slots[:P * local].reshape(P, local)
-    fill_rows = -(-local // block)
-    natural = tokens
-    grid = np.concatenate([order[heads[:, None] + np.arange(block)],
-                           np.pad(fill_slots, ((0, 0), (0, fill_rows * block - local)),
-                                  constant_values=-1).reshape(-1, block)])
-    tile_tokens = masks.Tokens(
-        np.where(grid < 0, 0, natural.positions[grid]),
-        np.where(grid < 0, PAD_SEGMENT, natural.segment_ids[grid]),
-        None if natural.bidirectional_ids is None else
-        np.where(grid < 0, 0, natural.bidirectional_ids[grid]))
-    tile_cost = _tile_costs(spec, tile_tokens)
-    fill_tiles = tile_cost[heads.size:].reshape(P, fill_rows).sum(1)
-    piece_shard = _deal(pairs, tile_cost[:heads.size], P, fill_pairs, fill_tiles)
+    targets, best = np.zeros(P), None
+    for _ in range(ROUNDS):
+        fill_shard = _split_fill(excess, halves, targets, size, P)
+        fill_pairs = np.bincount(fill_shard[fill], weights=cost[fill], minlength=P)
+        fill_slots = order[np.lexsort((np.arange(size), pad, np.where(fill, fill_shard, P)))]
+        tile_cost = _tile_costs(spec, _grid(tokens, np.concatenate([
+            order[heads[:, None] + np.arange(block)],
+            _whole_tiles(fill_slots[:P * local].reshape(P, local), block)])))
+        fill_tiles = tile_cost[heads.size:].reshape(P, -1).sum(1)
+        for weight in WEIGHTS:
+            piece_shard = _deal(pairs, tile_cost[:heads.size], P, fill_pairs, fill_tiles,
+                                weight)
+            load = np.stack([fill_pairs + np.bincount(piece_shard, pairs, minlength=P),
+                             fill_tiles + np.bincount(piece_shard, tile_cost[:heads.size],
+                                                      minlength=P)])
+            worst = _overload(load, np.maximum(load.mean(1, keepdims=True), 1e-30)).max()
+            if best is None or worst < best[0]:
+                best = (worst, fill_shard, piece_shard, load)
+        load = best[3]
+        piece_pairs = load[0] - fill_pairs
+        targets = (load[0].mean() - piece_pairs) - (fill_tokens // P) * mean_density
+    _, fill_shard, piece_shard, _ = best
     shard = np.where(in_piece, piece_shard[np.maximum(piece_id, 0)], fill_shard)
 
     # 4. Slots by (shard, dealt pieces first, padding last), document order within.
