@@ -178,3 +178,26 @@ def test_permute_batch_refusals():
                          bidirectional_ids=bids[:, :128])
     with pytest.raises(ValueError, match="chunk_size"):
         sp.permute_batch(batch, "per_document", 8, segment_ids=ids, chunk_size=0)
+
+
+# -- the planner counts the mask ----------------------------------------------------------
+
+def test_predict_counts_bidirectional_ids_and_chunks():
+    from jax_seqpar.core.shape import LayerShape
+    from jax_seqpar.planning.predict import Candidate, predict
+
+    ids, bids = mixes.prefix_lm(1, 2048, np.random.default_rng(0))
+    shape = LayerShape(1, 2048, 8, 8, 64, causal=True, segment_ids=True)
+
+    def compute(**kw):
+        return predict(Candidate("ring", 4, 1), shape, "h100", tile=128,
+                       **kw)["compute_seconds"]
+
+    causal = compute(segment_ids=ids)
+    assert compute(segment_ids=ids, bidirectional_ids=bids) > causal  # prefixes see more
+    assert compute(segment_ids=ids, chunk_size=64) < causal  # chunks see less
+    assert compute(segment_ids=ids, bidirectional_ids=bids, layout="per_document") > 0
+    assert compute(chunk_size=256) < compute()
+    with pytest.raises(ValueError, match="causal"):
+        predict(Candidate("ring", 4, 1), LayerShape(1, 2048, 8, 8, 64), "h100",
+                segment_ids=ids, bidirectional_ids=bids)

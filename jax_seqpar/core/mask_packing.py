@@ -11,21 +11,23 @@ in visible (query, key) pairs and in computed tiles. Per row (``S`` tokens, ``P`
 shards, tile ``c``):
 
 1. *Pieces*: every document of at least :data:`MIN_TILES` tiles is cut into whole
-   tiles from its start, ``c`` consecutive tokens each (the cheapest few go back to
-   the fill, so that ``P`` divides their number). Each piece costs its queries'
-   visible pairs.
-2. *Fill*: everything else (short documents, what is left of dealt ones, padding) is
-   cut into ``P`` equal windows of the stream :mod:`.packing` merges from its dense and
-   sparse halves, each token's density being its document's mean mask cost over those
-   tokens. Within a document the stream folds the tokens in cost order (cheapest with
-   costliest), so a window end that cuts a document splits its cost evenly.
+   tiles from its start, ``c`` consecutive tokens each (the last few of the row go
+   back to the fill, next to their document's tail, so that ``P`` divides their
+   number). Each piece costs its queries' visible pairs.
+2. *Fill*: everything else (short documents, the tails of cut ones, padding), each
+   token at its document's mean cost over those tokens, is split in two halves,
+   denser and sparser than the fill's mean, each in document order. Every shard
+   takes a run of each, as many tokens as every other shard, the dense share chosen
+   so that the shard's fill cost is nearest its target (first: the mean).
 3. *Deal*: the fill's loads are exact before the pieces move (a token's pairs do not
    depend on the order; every shard takes as many pieces, so its fill tiles start at
    the same slot), and so is every tile's computed count against all the others
    (:func:`jax_seqpar.core.masks.classify`). Pieces go, costliest first, to the shard
    with room whose overload after taking it is lowest (pairs over their mean, and
    tiles over theirs with twice the slack), then pairs of pieces swap between the
-   most overloaded shard and another while that lowers it.
+   most overloaded shard and another while that lowers it. The fill is then split
+   again towards what each shard's pieces leave it, and dealt again
+   (:data:`ROUNDS`); the best round is kept.
 4. Within a shard: the dealt pieces first (so they stay whole tiles), then the fill in
    (document, position) order, padding last.
 
@@ -182,32 +184,22 @@ def masked_row_positions(spec: masks.MaskSpec, tokens: masks.Tokens, *, num_shar
     # 1. Pieces: whole tiles from each dealt document's start, P-fold in number.
     in_piece = dealt_doc & (offset // block < n // block)
     heads = np.flatnonzero(in_piece & (offset % block == 0))
-    extra = heads.size % P  # the cheapest extra pieces go to the fill
-    if extra:
-        cheapest = np.argsort(cost[heads[:, None] + np.arange(block)].sum(1),
-                              kind="stable")[:extra]
-        for head in heads[cheapest]:
-            in_piece[head:head + block] = False
-        heads = np.delete(heads, cheapest)
+    extra = heads.size % P  # the last few pieces go back to the fill, by their tail
+    for head in heads[heads.size - extra:]:
+        in_piece[head:head + block] = False
+    heads = heads[:heads.size - extra]
     piece_id = np.cumsum(in_piece & (offset % block == 0)) - 1  # valid where in_piece
     pairs = cost[heads[:, None] + np.arange(block)].sum(1)
 
     # 2. The fill: each document's leftover tokens at their mean cost, folded by cost.
     fill = ~in_piece
-    # cost rank within the document, fill tokens first (earlier documents hold `start`)
-    by_cost = np.lexsort((np.arange(size), cost, ~fill, start))
-    rank = np.empty(size, np.int64)
-    rank[by_cost] = np.arange(size)
-    rank -= start
     count = np.bincount(start[fill], minlength=size)[start]  # fill tokens of the document
     fill_cost = np.bincount(start[fill], weights=cost[fill], minlength=size)[start]
     density = np.where(pad | ~fill, 0.0, fill_cost / np.maximum(count, 1))
-    pair = np.minimum(rank, count - 1 - rank)
-    back = (rank > count - 1 - rank).astype(np.int64)
     fill_tokens = int(fill.sum())
     mean_density = density[fill].sum() / max(fill_tokens, 1)
     excess = density - mean_density
-    stream = np.lexsort((2 * pair + back, start, ~fill))[:fill_tokens]
+    stream = np.flatnonzero(fill)  # document order: a window holds runs of tokens
     halves = (stream[excess[stream] > 0], stream[excess[stream] <= 0])  # dense, sparse
 
     # 3. Deal the pieces on top of the fill's loads, then re-split the fill towards
