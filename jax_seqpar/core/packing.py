@@ -190,8 +190,9 @@ def per_document_positions(segment_ids, num_shards: int, block_size: int = DEFAU
     spread = 2 * num_shards * block_size if spread_tokens is None else int(spread_tokens)
     options = dict(num_shards=int(num_shards), block=int(block_size), spread_tokens=spread)
     if bidirectional_ids is not None or chunk_size is not None:
-        positions = _masked_rows(rows, bidirectional_ids, chunk_size, num_shards=int(num_shards),
-                                 block=int(block_size))
+        spec = MaskSpec.make(causal=True, chunk_size=chunk_size)
+        positions = _masked_rows(spec, Tokens(None, rows, bidirectional_ids),
+                                 num_shards=int(num_shards), block=int(block_size))
     elif _is_numpy(xp):
         row = functools.partial(_row_positions, np, **options)
         positions = np.stack([row(r) for r in rows]) if rows.shape[0] else rows
@@ -200,9 +201,10 @@ def per_document_positions(segment_ids, num_shards: int, block_size: int = DEFAU
     return positions if seg.ndim == 2 else positions[0]
 
 
-def _masked_rows(rows, bidirectional_ids, chunk_size, *, num_shards: int, block: int):
-    """The mask-balanced order of numpy ``rows`` ``[B, S]`` (:mod:`.mask_packing`)."""
-    bids = bidirectional_ids
+def _masked_rows(spec: MaskSpec, natural: Tokens, *, num_shards: int, block: int):
+    """The mask-balanced order (:mod:`.mask_packing`) of ``natural``'s numpy rows:
+    segment ids ``[B, S]``, bidirectional ids ``[B, S]`` or ``[S]`` (or None)."""
+    rows, bids = natural.segment_ids, natural.bidirectional_ids
     if not isinstance(rows, np.ndarray) or not (bids is None or isinstance(bids, np.ndarray)):
         raise ValueError("the per_document order balanced by bidirectional_ids/chunk_size is "
                          "laid out on host: pass numpy segment_ids and bidirectional_ids (a "
@@ -211,8 +213,7 @@ def _masked_rows(rows, bidirectional_ids, chunk_size, *, num_shards: int, block:
         bids = bids[None] if bids.ndim == 1 else bids
         if bids.shape != rows.shape:
             raise ValueError(f"bidirectional_ids must have the shape of segment_ids "
-                             f"{rows.shape}. Got {np.shape(bidirectional_ids)}.")
-    spec = MaskSpec.make(causal=True, chunk_size=chunk_size)
+                             f"{rows.shape}. Got {np.shape(natural.bidirectional_ids)}.")
     arange = np.arange(rows.shape[1], dtype=np.int32)
     return np.stack([mask_packing.masked_row_positions(
         spec, Tokens(arange, row, None if bids is None else bids[b].astype(np.int32)),
