@@ -191,7 +191,7 @@ def masked_row_positions(spec: masks.MaskSpec, tokens: masks.Tokens, *, num_shar
     piece_id = np.cumsum(in_piece & (offset % block == 0)) - 1  # valid where in_piece
     pairs = cost[heads[:, None] + np.arange(block)].sum(1)
 
-    # 2. The fill: each document's leftover tokens at their mean cost, folded by cost.
+    # 2. The fill: each document's leftover tokens at their mean cost, in two halves.
     fill = ~in_piece
     count = np.bincount(start[fill], minlength=size)[start]  # fill tokens of the document
     fill_cost = np.bincount(start[fill], weights=cost[fill], minlength=size)[start]
@@ -225,9 +225,8 @@ def masked_row_positions(spec: masks.MaskSpec, tokens: masks.Tokens, *, num_shar
             worst = _overload(load, np.maximum(load.mean(1, keepdims=True), 1e-30)).max()
             if best is None or worst < best[0]:
                 best = (worst, fill_shard, piece_shard, load)
-        load = best[3]
-        piece_pairs = load[0] - fill_pairs
-        targets = (load[0].mean() - piece_pairs) - (fill_tokens // P) * mean_density
+        piece_pairs = np.bincount(best[2], pairs, minlength=P)
+        targets = (best[3][0].mean() - piece_pairs) - (fill_tokens // P) * mean_density
     _, fill_shard, piece_shard, _ = best
     shard = np.where(in_piece, piece_shard[np.maximum(piece_id, 0)], fill_shard)
 
