@@ -225,8 +225,12 @@ def masked_row_positions(spec: masks.MaskSpec, tokens: masks.Tokens, *, num_shar
             worst = _overload(load, np.maximum(load.mean(1, keepdims=True), 1e-30)).max()
             if best is None or worst < best[0]:
                 best = (worst, fill_shard, piece_shard, load)
-        piece_pairs = np.bincount(best[2], pairs, minlength=P)
-        targets = (best[3][0].mean() - piece_pairs) - (fill_tokens // P) * mean_density
+        # The next fill's targets: the mean less what the best deal so far leaves each
+        # shard beyond this round's fill (its pieces' pairs when it is this round's; else
+        # also the change of fill, which damps the steps: measured, it balances more rows
+        # than the pieces' pairs alone).
+        beyond = best[3][0] - fill_pairs
+        targets = (best[3][0].mean() - beyond) - (fill_tokens // P) * mean_density
     _, fill_shard, piece_shard, _ = best
     shard = np.where(in_piece, piece_shard[np.maximum(piece_id, 0)], fill_shard)
 
