@@ -1,4 +1,4 @@
-"""Packed documents: how evenly each token order spreads causal work over the devices.
+"""Packed documents: how evenly each token order spreads the work over the devices.
 
 For three document mixes (one long document per row; uniform short documents; heavy-tailed
 lengths) and the orders contiguous, zigzag, striped and per_document, prints the busiest
@@ -6,8 +6,12 @@ device's token work and computed tiles over the mean (median/worst over ``--seed
 draws; tiles per-row classified with segment signatures, at each kernel's default tiles
 and at 128), then the CPU-mesh time of a causal ring layer (XLA kernel) for zigzag vs
 per_document, and saves a plot of the work per device (and, with ``--json``, every
-number). The balance is counted at ``--seq`` (host numpy, no attention is run); the
-ring is timed at ``--time-seq`` (the CPU mesh is slow; 0 skips the timing).
+number). Then the masked mixes (prefix-LM documents with heavy-tailed lengths,
+vision-language documents with 1-4 images, chunked causal rows with chunks of 2560,
+3000, 6000 tokens): zigzag, striped and the per-document order balanced by the mask,
+busiest/mean visible pairs and computed 128-token tiles, plotted to ``--masked-plot``.
+The balance is counted at ``--seq`` (host numpy, no attention is run); the ring is
+timed at ``--time-seq`` (the CPU mesh is slow; 0 skips the timing).
 
     python experiments/packed_balance.py                 # B=2, S=16384, P=8, ring at 4096
     python experiments/packed_balance.py --seeds 2 --time-seq 0 --plot /tmp/packed.png
@@ -37,6 +41,9 @@ def main(argv=None) -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--plot", default=os.path.join(os.path.dirname(__file__), "results",
                                                        "packed_balance.png"))
+    parser.add_argument("--masked-plot", default=os.path.join(
+        os.path.dirname(__file__), "results", "packed_masked.png"),
+        help="plot of the masked mixes (prefix-LM, images, chunks) per layout")
     parser.add_argument("--json", default=None, help="also write every number here")
     args = parser.parse_args(argv)
 
@@ -60,10 +67,17 @@ def main(argv=None) -> int:
     print(packed_bench.format_packed(result))
     if args.time_seq:
         print(f"(ring timed at S={args.time_seq})")
-    if args.plot:
-        os.makedirs(os.path.dirname(os.path.abspath(args.plot)), exist_ok=True)
-        packed_bench.plot_packed(result, args.plot)
-        print(f"plot: {args.plot}")
+    import importlib.util
+
+    if importlib.util.find_spec("matplotlib") is None:
+        print("matplotlib is not installed: no plot saved")
+        args.plot = args.masked_plot = None
+    for path, plot in ((args.plot, packed_bench.plot_packed),
+                       (args.masked_plot, packed_bench.plot_masked)):
+        if path:
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            plot(result, path)
+            print(f"plot: {path}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_seqpar.core import layout as layouts, packing
+from jax_seqpar.core.masks import MaskSpec, Tokens
 
 #: What :func:`permute_batch` takes: the static orders and the per-document one.
 BATCH_LAYOUTS = layouts.LAYOUTS + ("per_document",)
@@ -57,21 +58,28 @@ def _gather(batch, order, axis: int):
     return jax.tree.map(take, batch)
 
 
-def _per_document(batch, num_shards, axis, lead, segment_ids, block_size):
-    if segment_ids is None:
+def _per_document(batch, num_shards, axis, lead, tokens: Tokens, spec: MaskSpec, block_size):
+    """``tokens``: the natural-order ids (``positions`` unused); ``spec``: the chunks."""
+    if tokens.segment_ids is None:
         raise ValueError('layout="per_document" orders every row by its documents: pass '
                          "segment_ids= (int[batch, seq], in natural order).")
-    if tuple(segment_ids.shape) != tuple(lead):
-        raise ValueError(f"segment_ids must have the batch's leading dims {tuple(lead)}. Got "
-                         f"{tuple(segment_ids.shape)}.")
-    rows = segment_ids.reshape(-1, lead[axis])
+    for name in ("segment_ids", "bidirectional_ids"):
+        ids = getattr(tokens, name)
+        if ids is not None and tuple(ids.shape) != tuple(lead):
+            raise ValueError(f"{name} must have the batch's leading dims {tuple(lead)}. Got "
+                             f"{tuple(ids.shape)}.")
+    rows = tokens.segment_ids.reshape(-1, lead[axis])
+    bids = tokens.bidirectional_ids
+    bids = None if bids is None else bids.reshape(-1, lead[axis])
     block = packing.DEFAULT_BLOCK if block_size is None else block_size
-    positions = packing.per_document_positions(rows, num_shards, block).reshape(lead)
+    positions = packing.per_document_positions(rows, num_shards, block, bidirectional_ids=bids,
+                                               chunk_size=spec.chunk_size).reshape(lead)
     return _gather(batch, positions, axis), positions
 
 
 def permute_batch(batch, layout: str, num_shards: int, *, axis: int = 1,
-                  segment_ids=None, block_size: Optional[int] = None):
+                  segment_ids=None, block_size: Optional[int] = None, bidirectional_ids=None,
+                  chunk_size: Optional[int] = None):
     """Reorder every array of ``batch`` into ``layout`` along the sequence ``axis``.
 
     Args:
@@ -89,6 +97,12 @@ def permute_batch(batch, layout: str, num_shards: int, *, axis: int = 1,
         numpy; JAX ids (traceable, under ``jit``) give JAX arrays.
       block_size: ``"per_document"`` only: the kernel tile dealt chunks are aligned
         to (default :data:`~jax_seqpar.core.packing.DEFAULT_BLOCK`).
+      bidirectional_ids: ``"per_document"`` only: ``int[B, S]`` in natural order (the
+        ids the attention layers take: a prefix-LM prompt, an image), or None.
+      chunk_size: ``"per_document"`` only: the layers' chunked attention, or None.
+        With either, every shard gets the mean work of the causal mask they make, in
+        visible pairs and in computed tiles (:mod:`jax_seqpar.core.mask_packing`; host
+        numpy ids only), instead of the mean causal-within-document work.
 
     Returns:
       ``(batch, positions)``: the batch in layout order, and ``int32[B, S]`` the global
@@ -99,19 +113,26 @@ def permute_batch(batch, layout: str, num_shards: int, *, axis: int = 1,
       ValueError: an unknown layout, an ``axis`` that is not a dim of every array,
         arrays that disagree on ``[B, S]``, a sequence
         the layout cannot split (zigzag needs ``S % 2P == 0``, the others
-        ``S % P == 0``), or ``"per_document"`` without ``segment_ids``.
+        ``S % P == 0``), ``"per_document"`` without ``segment_ids``, or with
+        bidirectional ids or chunks and JAX (not numpy) ids.
 
     >>> batch, positions = permute_batch({"tokens": tokens, "targets": targets},
     ...                                  "zigzag", num_shards=8)
     >>> batch, positions = permute_batch(batch, "per_document", num_shards=8,
     ...                                  segment_ids=batch["segment_ids"])
+    >>> batch, positions = permute_batch(batch, "per_document", num_shards=8,
+    ...                                  segment_ids=batch["segment_ids"],
+    ...                                  bidirectional_ids=batch["image_ids"])
     """
     lead = _check(batch, layout, axis)
+    spec = MaskSpec.make(causal=True, chunk_size=chunk_size)
+    tokens = Tokens(None, segment_ids, bidirectional_ids)
     if layout == "per_document":
-        return _per_document(batch, num_shards, axis, lead, segment_ids, block_size)
-    if segment_ids is not None or block_size is not None:
-        raise ValueError(f"segment_ids= and block_size= shape the per_document layout only; "
-                         f"layout={layout!r} is the same for every batch.")
+        return _per_document(batch, num_shards, axis, lead, tokens, spec, block_size)
+    if any(x is not None for x in (segment_ids, block_size, bidirectional_ids, chunk_size)):
+        raise ValueError(f"segment_ids=, block_size=, bidirectional_ids= and chunk_size= shape "
+                         f"the per_document layout only; layout={layout!r} is the same for "
+                         "every batch.")
     seq_len = lead[axis]
     arange = jnp.arange(seq_len, dtype=jnp.int32)
     if layout != "contiguous":

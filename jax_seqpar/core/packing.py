@@ -43,7 +43,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_seqpar.core.masks import PAD_SEGMENT
+from jax_seqpar.core import mask_packing
+from jax_seqpar.core.masks import PAD_SEGMENT, MaskSpec, Tokens
 
 __all__ = ["DEFAULT_BLOCK", "balance_bound", "per_document_positions"]
 
@@ -136,7 +137,8 @@ def _namespace(segment_ids):
 
 
 def per_document_positions(segment_ids, num_shards: int, block_size: int = DEFAULT_BLOCK, *,
-                           spread_tokens: Optional[int] = None):
+                           spread_tokens: Optional[int] = None, bidirectional_ids=None,
+                           chunk_size: Optional[int] = None):
     """The per-document order of packed rows: ``int32[B, S]`` natural positions.
 
     ``positions[b, i]`` is the natural position of the token at slot ``i`` of row
@@ -153,13 +155,19 @@ def per_document_positions(segment_ids, num_shards: int, block_size: int = DEFAU
         the tile counts depend on it, never correctness).
       spread_tokens: documents at least this long are dealt to every shard (default
         ``2 * P * block_size``: every chunk whole tiles). Documents with more work than
-        a shard's mean are dealt whatever their length.
+        a shard's mean are dealt whatever their length. (The causal order only.)
+      bidirectional_ids: ``int[B, S]`` (or ``[S]``) in natural order, or None; with
+        ``chunk_size`` (or None: one chunk), the causal mask the order balances. When
+        either is given, every token costs the pairs the mask gives it and documents
+        are dealt in whole tiles (:mod:`jax_seqpar.core.mask_packing`, host numpy:
+        numpy ids only); else the causal order above (numpy or traced).
 
     Returns:
       ``int32[B, S]`` (``[S]`` for ``[S]`` ids), numpy for numpy ids, else a JAX array.
 
     Raises:
-      ValueError: ``S`` not divisible by ``num_shards``, or a non-positive size.
+      ValueError: ``S`` not divisible by ``num_shards``, a non-positive size, or
+        bidirectional ids or chunks with traced (JAX) ids or of another shape.
 
     >>> ids = np.repeat(np.arange(4), [100, 12, 10, 6])[None]   # one row, 4 documents
     >>> per_document_positions(ids, num_shards=4, block_size=16).shape
@@ -181,12 +189,36 @@ def per_document_positions(segment_ids, num_shards: int, block_size: int = DEFAU
                          f"id PAD_SEGMENT ({PAD_SEGMENT}).")
     spread = 2 * num_shards * block_size if spread_tokens is None else int(spread_tokens)
     options = dict(num_shards=int(num_shards), block=int(block_size), spread_tokens=spread)
-    if _is_numpy(xp):
+    if bidirectional_ids is not None or chunk_size is not None:
+        spec = MaskSpec.make(causal=True, chunk_size=chunk_size)
+        positions = _masked_rows(spec, Tokens(None, rows, bidirectional_ids),
+                                 num_shards=int(num_shards), block=int(block_size))
+    elif _is_numpy(xp):
         row = functools.partial(_row_positions, np, **options)
         positions = np.stack([row(r) for r in rows]) if rows.shape[0] else rows
     else:
         positions = _traced_rows(rows, **options)
     return positions if seg.ndim == 2 else positions[0]
+
+
+def _masked_rows(spec: MaskSpec, natural: Tokens, *, num_shards: int, block: int):
+    """The mask-balanced order (:mod:`.mask_packing`) of ``natural``'s numpy rows:
+    segment ids ``[B, S]``, bidirectional ids ``[B, S]`` or ``[S]`` (or None)."""
+    rows, bids = natural.segment_ids, natural.bidirectional_ids
+    if not isinstance(rows, np.ndarray) or not (bids is None or isinstance(bids, np.ndarray)):
+        raise ValueError("the per_document order balanced by bidirectional_ids/chunk_size is "
+                         "laid out on host: pass numpy segment_ids and bidirectional_ids (a "
+                         "data pipeline step, jax_seqpar.permute_batch), not JAX arrays.")
+    if bids is not None:
+        bids = bids[None] if bids.ndim == 1 else bids
+        if bids.shape != rows.shape:
+            raise ValueError(f"bidirectional_ids must have the shape of segment_ids "
+                             f"{rows.shape}. Got {np.shape(natural.bidirectional_ids)}.")
+    arange = np.arange(rows.shape[1], dtype=np.int32)
+    return np.stack([mask_packing.masked_row_positions(
+        spec, Tokens(arange, row, None if bids is None else bids[b].astype(np.int32)),
+        num_shards=num_shards, block=block) for b, row in enumerate(rows)]
+                    ) if rows.shape[0] else rows
 
 
 @functools.partial(jax.jit, static_argnames=("num_shards", "block", "spread_tokens"))

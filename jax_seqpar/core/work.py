@@ -1,12 +1,19 @@
 """How much attention work each device of a token order does: visible (query, key) pairs.
 
 A device's work in a sequence-parallel layer is the number of (query, key) pairs its
-queries see, whichever device holds the keys (a ring brings them all). Host numpy, no
-``[S, S]`` matrix: a query at position ``p`` of document ``s`` sees exactly the keys
-whose ``(document, position)`` lies in ``[(s, lo), (s, hi)]`` (``lo, hi`` from the
-window and causality), so its count is the distance between two insertion points in
-the row's keys sorted by ``(document, position)``. ``O(S log S)`` a row, any window,
-any ids (a document need not be one run: equal ids are one document, as for the mask).
+queries see, whichever device holds the keys (a ring brings them all). Host numpy,
+counted by the mask's own rules: both sides sorted by (document, position) and cut in
+tiles, each pair of tiles classified (:func:`jax_seqpar.core.masks.classify`, exact
+where it says EMPTY or FULL) and the PARTIAL ones counted pair by pair by the mask
+predicate (:func:`jax_seqpar.core.masks.visible`: causal, window, chunks, documents,
+bidirectional ids). No ``[S, S]`` matrix is held. A document need not be one run:
+equal ids are one document, as for the mask.
+
+The keyword functions below take the mask as the public entry points do; each has an
+object form (:func:`visible_per_token`, :func:`visible_per_shard`,
+:func:`visible_per_step`, :func:`tiles_per_shard`) that takes a
+:class:`~jax_seqpar.core.masks.MaskSpec` and laid-out :class:`~jax_seqpar.core.masks.Tokens`,
+for the layers above (the planner, the bench).
 
 * :func:`token_work`: each token's visible keys;
 * :func:`work_per_shard`: summed over each shard's slots (``[P]``, or ``[B, P]``);
@@ -27,61 +34,108 @@ import jax
 import numpy as np
 
 from jax_seqpar.core import masks
-from jax_seqpar.core.masks import PAD_SEGMENT, normalize_window
+from jax_seqpar.core.masks import PAD_SEGMENT
 
-__all__ = ["computed_tiles_per_shard", "ring_makespans", "token_work", "work_per_shard",
+__all__ = ["computed_tiles_per_shard", "ring_makespans", "tiles_per_shard", "token_work",
+           "visible_per_shard", "visible_per_step", "visible_per_token", "work_per_shard",
            "work_per_step"]
 
 
-def _rows(positions, segment_ids):
-    """``(positions int64[B, S], segment_ids int64[B, S])`` (one document when None)."""
-    positions = np.asarray(positions, np.int64)
+def _rows(tokens: masks.Tokens) -> masks.Tokens:
+    """``tokens`` as ``int64[B, S]`` numpy fields (``[S]`` is one row); no segment ids:
+    one document (zeros)."""
+    positions = np.asarray(tokens.positions, np.int64)
     if positions.ndim == 1:
         positions = positions[None]
     if positions.ndim != 2:
         raise ValueError(f"positions must be [batch, seq] (or [seq]). Got {positions.shape}.")
-    if segment_ids is None:
-        return positions, np.zeros_like(positions)
-    segment_ids = np.asarray(segment_ids, np.int64)
-    segment_ids = segment_ids[None] if segment_ids.ndim == 1 else segment_ids
-    if segment_ids.shape != positions.shape:
-        raise ValueError(f"segment_ids {segment_ids.shape} must have the shape of positions "
-                         f"{positions.shape}.")
-    return positions, segment_ids
+
+    def field(name, value, default):
+        if value is None:
+            return default
+        value = np.asarray(value, np.int64)
+        value = value[None] if value.ndim == 1 else value
+        if value.shape != positions.shape:
+            raise ValueError(f"{name} {value.shape} must have the shape of positions "
+                             f"{positions.shape}.")
+        return value
+
+    return masks.Tokens(positions,
+                        field("segment_ids", tokens.segment_ids, np.zeros_like(positions)),
+                        field("bidirectional_ids", tokens.bidirectional_ids, None))
 
 
-def _counts(q_pos, q_seg, k_pos, k_seg, causal: bool, window: Optional[tuple]):
-    """For each query of one row, how many of the given keys it sees (1-D arrays)."""
-    real = k_seg != PAD_SEGMENT
-    k_pos, k_seg = k_pos[real], k_seg[real]
-    low = int(min(q_pos.min(), k_pos.min(initial=q_pos.min())))
-    span = int(max(q_pos.max(), k_pos.max(initial=q_pos.max()))) - low + 1
-    ids = np.unique(np.concatenate([q_seg, k_seg]))
-    keys = np.sort(np.searchsorted(ids, k_seg) * span + (k_pos - low))
-    rel = q_pos - low
-    lo = np.zeros_like(rel) if window is None else rel - window[0]
-    hi = np.full_like(rel, span - 1) if window is None else rel + window[1]
-    if causal:
-        hi = np.minimum(hi, rel)
-    lo, hi = np.clip(lo, 0, span - 1), np.clip(hi, 0, span - 1)
-    base = np.searchsorted(ids, q_seg) * span
-    count = np.searchsorted(keys, base + hi, "right") - np.searchsorted(keys, base + lo, "left")
-    return np.where((hi >= lo) & (q_seg != PAD_SEGMENT), count, 0)
+#: Tokens a side of the tiles :func:`_counts` classifies; partial tiles evaluated at once.
+_TILE, _PARTIAL_BATCH = 128, 256
 
 
-def token_work(positions, segment_ids=None, *, causal: bool = True, window=None) -> np.ndarray:
+def _sorted_tiles(tokens: masks.Tokens):
+    """``(order, tiles)``: ``tokens`` (1-D fields) in (document, position) order, padded
+    with :data:`PAD_SEGMENT` to whole tiles, ``[n, _TILE]`` fields; ``order`` maps each
+    slot to its token (``-1``: padding)."""
+    size = tokens.positions.shape[0]
+    order = np.lexsort((tokens.positions, tokens.segment_ids))
+    padded = -(-max(size, 1) // _TILE) * _TILE
+    order = np.pad(order, (0, padded - size), constant_values=-1)
+    fills = masks.Tokens(0, PAD_SEGMENT, None if tokens.bidirectional_ids is None else 0)
+    tiles = jax.tree.map(lambda x, fill: np.where(order < 0, fill, x[order]).reshape(-1, _TILE),
+                         tokens, fills)
+    return order.reshape(-1, _TILE), tiles
+
+
+def _counts(spec: masks.MaskSpec, q: masks.Tokens, kv: masks.Tokens) -> np.ndarray:
+    """``int64[Sq]``: how many of the keys ``kv`` each query of ``q`` sees (one row,
+    1-D fields). Both sides sorted by (document, position) and tiled; each tile pair
+    classified by :func:`jax_seqpar.core.masks.classify` (exact where it claims EMPTY
+    or FULL), the PARTIAL ones counted element by element by
+    :func:`jax_seqpar.core.masks.visible`: no ``[S, S]`` matrix."""
+    q_order, q_tiles = _sorted_tiles(q)
+    kv_order, kv_tiles = _sorted_tiles(kv)
+    flat = lambda tiles: jax.tree.map(lambda x: x.reshape(1, -1).astype(np.int32), tiles)  # noqa
+    q_sum = jax.tree.map(lambda x: x[0], masks.summarize(flat(q_tiles), _TILE, per_row=True))
+    kv_sum = jax.tree.map(lambda x: x[0], masks.summarize(flat(kv_tiles), _TILE, per_row=True))
+    kind = masks.classify(spec, q_sum, kv_sum)  # [nq, nk]
+    per_slot = np.zeros(q_order.shape, np.int64)
+    full_keys = ((kind == masks.FULL) * (kv_order >= 0).sum(1)).sum(1)  # FULL: no padding
+    per_slot += full_keys[:, None]
+    rows, cols = np.nonzero(kind == masks.PARTIAL)
+    for first in range(0, rows.size, _PARTIAL_BATCH):
+        qi, ki = rows[first:first + _PARTIAL_BATCH], cols[first:first + _PARTIAL_BATCH]
+        seen = masks.visible(spec, masks.rows(jax.tree.map(lambda x: x[qi], q_tiles)),
+                             masks.cols(jax.tree.map(lambda x: x[ki], kv_tiles)))
+        np.add.at(per_slot, qi, seen.sum(-1))
+    out = np.zeros(q.positions.shape, np.int64)
+    real = q_order >= 0
+    out[q_order[real]] = per_slot[real]
+    return np.where(q.segment_ids != PAD_SEGMENT, out, 0)
+
+
+def visible_per_token(spec: masks.MaskSpec, tokens: masks.Tokens) -> np.ndarray:
+    """``int64[B, S]``: how many keys of its row each token sees under ``spec``
+    (:func:`token_work` with the mask and the tokens as objects)."""
+    tokens = _rows(tokens)
+    return np.stack([_counts(spec, row, row) for row in _unbatched(tokens)])
+
+
+def _unbatched(tokens: masks.Tokens):
+    """The rows of ``[B, S]`` tokens, each with 1-D fields."""
+    return [jax.tree.map(lambda x: x[b], tokens) for b in range(tokens.positions.shape[0])]
+
+
+def token_work(positions, segment_ids=None, *, causal: bool = True, window=None,
+               bidirectional_ids=None, chunk_size=None) -> np.ndarray:
     """``int64[B, S]``: how many keys of its row each token sees.
 
     Args:
       positions: ``int[B, S]`` global (natural-order) positions, unique within a row,
         in any token order (a layout's order).
       segment_ids: ``int[B, S]`` document ids in the same order, or None (one document).
-      causal, window: the mask (``window``: an int or ``(left, right)``).
+      causal, window, chunk_size: the mask (``window``: an int or ``(left, right)``).
+      bidirectional_ids: ``int[B, S]`` in the same order, or None: tokens that share a
+        non-zero id see each other both ways under ``causal``.
     """
-    positions, segment_ids = _rows(positions, segment_ids)
-    window = normalize_window(window)
-    return np.stack([_counts(p, s, p, s, causal, window)
-                     for p, s in zip(positions, segment_ids)])
+    spec = masks.MaskSpec.make(causal, window, chunk_size)
+    return visible_per_token(spec, masks.Tokens(positions, segment_ids, bidirectional_ids))
 
 
 def _check_split(seq_len: int, num_shards: int) -> int:
@@ -92,8 +146,19 @@ def _check_split(seq_len: int, num_shards: int) -> int:
     return seq_len // num_shards
 
 
+def visible_per_shard(spec: masks.MaskSpec, tokens: masks.Tokens, num_shards: int, *,
+                      per_row: bool = False) -> np.ndarray:
+    """:func:`work_per_shard` with the mask and the laid-out tokens as objects."""
+    work = visible_per_token(spec, tokens)
+    rows, seq_len = work.shape
+    local = _check_split(seq_len, num_shards)
+    per = work.reshape(rows, num_shards, local).sum(-1)
+    return per if per_row else per.sum(0)
+
+
 def work_per_shard(positions, segment_ids, num_shards: int, causal: bool = True,
-                   window=None, *, per_row: bool = False) -> np.ndarray:
+                   window=None, *, per_row: bool = False, bidirectional_ids=None,
+                   chunk_size=None) -> np.ndarray:
     """Visible (query, key) pairs of each shard's queries: ``int64[P]`` summed over the
     rows (``[B, P]`` with ``per_row``).
 
@@ -104,36 +169,42 @@ def work_per_shard(positions, segment_ids, num_shards: int, causal: bool = True,
       positions: ``int[B, S]`` the tokens' global positions in layout order (the
         ``positions`` :func:`jax_seqpar.permute_batch` returns).
       segment_ids: ``int[B, S]`` their document ids in the same order, or None.
-      num_shards: ``P``; causal, window: the mask.
+      num_shards: ``P``; causal, window, chunk_size: the mask.
       per_row: one row of counts per batch row.
+      bidirectional_ids: ``int[B, S]`` in the same order, or None.
 
     >>> batch, positions = permute_batch(batch, "zigzag", 8)
     >>> work = work_per_shard(positions, batch["segment_ids"], 8)
     >>> float(work.max() / work.mean())  # 1.0: balanced
     """
-    work = token_work(positions, segment_ids, causal=causal, window=window)
-    rows, seq_len = work.shape
-    local = _check_split(seq_len, num_shards)
-    per = work.reshape(rows, num_shards, local).sum(-1)
-    return per if per_row else per.sum(0)
+    spec = masks.MaskSpec.make(causal, window, chunk_size)
+    return visible_per_shard(spec, masks.Tokens(positions, segment_ids, bidirectional_ids),
+                             num_shards, per_row=per_row)
+
+
+def visible_per_step(spec: masks.MaskSpec, tokens: masks.Tokens,
+                     num_shards: int) -> np.ndarray:
+    """:func:`work_per_step` with the mask and the laid-out tokens as objects."""
+    tokens = _rows(tokens)
+    local = _check_split(tokens.positions.shape[1], num_shards)
+    out = np.zeros((num_shards, num_shards), np.int64)
+    shards = np.arange(num_shards)
+    for row in _unbatched(tokens):
+        for j in range(num_shards):
+            keys = jax.tree.map(lambda x: x[j * local:(j + 1) * local], row)  # noqa: B023
+            seen = _counts(spec, row, keys)
+            out[shards, (shards - j) % num_shards] += seen.reshape(num_shards, local).sum(1)
+    return out
 
 
 def work_per_step(positions, segment_ids, num_shards: int, causal: bool = True,
-                  window=None) -> np.ndarray:
+                  window=None, *, bidirectional_ids=None, chunk_size=None) -> np.ndarray:
     """``int64[P, P]``: entry ``[r, k]`` is the visible pairs of shard ``r``'s queries with
     the keys of shard ``(r - k) % P``, the keys a ring brings at step ``k``, summed over
     the rows. Arguments as :func:`work_per_shard`."""
-    positions, segment_ids = _rows(positions, segment_ids)
-    window = normalize_window(window)
-    local = _check_split(positions.shape[1], num_shards)
-    out = np.zeros((num_shards, num_shards), np.int64)
-    shards = np.arange(num_shards)
-    for pos, seg in zip(positions, segment_ids):
-        for j in range(num_shards):
-            keys = slice(j * local, (j + 1) * local)
-            seen = _counts(pos, seg, pos[keys], seg[keys], causal, window)
-            out[shards, (shards - j) % num_shards] += seen.reshape(num_shards, local).sum(1)
-    return out
+    spec = masks.MaskSpec.make(causal, window, chunk_size)
+    return visible_per_step(spec, masks.Tokens(positions, segment_ids, bidirectional_ids),
+                            num_shards)
 
 
 def ring_makespans(per_step) -> dict:
@@ -155,52 +226,32 @@ def ring_makespans(per_step) -> dict:
             "lockstep": per_step.max(0).sum() / mean}
 
 
-def _shard_summaries(positions, segment_ids, num_shards: int, block: int):
+def _shard_summaries(tokens: masks.Tokens, num_shards: int, block: int):
     """Per-row summaries of each shard's tiles, ``[B, P, n]`` fields: each shard tiled
     on its own as a kernel call tiles it (the tile clipped to the shard, its tail padded)."""
-    rows, seq_len = positions.shape
+    rows, seq_len = tokens.positions.shape
     local = _check_split(seq_len, num_shards)
     block = min(block, local)
     padded = -(-local // block) * block
+    fills = masks.Tokens(0, PAD_SEGMENT, None if tokens.bidirectional_ids is None else 0)
 
     def shards(x, fill):
         x = x.reshape(rows * num_shards, local)
-        return np.pad(x, ((0, 0), (0, padded - local)), constant_values=fill)
+        return np.pad(x, ((0, 0), (0, padded - local)), constant_values=fill).astype(np.int32)
 
-    tokens = masks.Tokens(shards(positions, 0).astype(np.int32),
-                          shards(segment_ids, PAD_SEGMENT).astype(np.int32))
-    summary = masks.summarize(tokens, block, per_row=True)  # [B*P, n]
+    summary = masks.summarize(jax.tree.map(shards, tokens, fills), block,
+                              per_row=True)  # [B*P, n]
     return jax.tree.map(lambda x: x.reshape(rows, num_shards, -1), summary)
 
 
-def computed_tiles_per_shard(positions, segment_ids, num_shards: int, *, block_q: int,
-                             block_k: Optional[int] = None, causal: bool = True, window=None,
-                             count: str = "skip", per_step: bool = False) -> np.ndarray:
-    """Row-tiles each shard's queries compute in a ring: ``int64[P]`` (``[P, P]`` per ring
-    step with ``per_step``: ``[r, k]`` is shard ``r``'s queries against the keys of
-    shard ``(r - k) % P``).
-
-    Each ring step is one kernel call on a shard's queries and one shard's keys, tiled
-    on their own and classified per batch row with :func:`jax_seqpar.core.masks.classify`
-    (ranges and segment signatures, padding left out), as the kernels classify them.
-
-    Args:
-      positions, segment_ids: ``int[B, S]`` in layout order (see :func:`work_per_shard`;
-        no segment ids: one document).
-      num_shards: ``P``; block_q, block_k: the kernel's tiles (``block_k`` defaults to
-        ``block_q``; both clipped to a shard).
-      causal, window: the mask.
-      count: ``"skip"``, the non-``EMPTY`` tiles (the XLA and Mosaic kernels compute
-        those), or ``"range"``, every tile from a query tile's first to its last
-        non-``EMPTY`` one at each step (the Triton kernel's loop bounds).
-      per_step: per device and ring step.
-    """
-    positions, segment_ids = _rows(positions, segment_ids)
-    window = normalize_window(window)
-    spec = masks.MaskSpec.make(causal, window)
+def tiles_per_shard(spec: masks.MaskSpec, tokens: masks.Tokens, num_shards: int, *,
+                    block_q: int, block_k: Optional[int] = None, count: str = "skip",
+                    per_step: bool = False) -> np.ndarray:
+    """:func:`computed_tiles_per_shard` with the mask and the laid-out tokens as objects."""
+    tokens = _rows(tokens)
     block_k = block_q if block_k is None else block_k
-    q = _shard_summaries(positions, segment_ids, num_shards, block_q)
-    kv = _shard_summaries(positions, segment_ids, num_shards, block_k)
+    q = _shard_summaries(tokens, num_shards, block_q)
+    kv = _shard_summaries(tokens, num_shards, block_k)
     expand = lambda tree, axis: jax.tree.map(lambda x: np.expand_dims(x, axis), tree)  # noqa
     # [B, P (queries), P (keys), nq, nk], classified on host by the kernels' rule
     nonempty = masks.classify(spec, expand(q, 2), expand(kv, 1)) != masks.EMPTY
@@ -218,3 +269,34 @@ def computed_tiles_per_shard(positions, segment_ids, num_shards: int, *, block_q
         return per_pair.sum(1)
     shards = np.arange(num_shards)
     return per_pair[shards[:, None], (shards[:, None] - shards[None, :]) % num_shards]
+
+
+def computed_tiles_per_shard(positions, segment_ids, num_shards: int, *, block_q: int,
+                             block_k: Optional[int] = None, causal: bool = True, window=None,
+                             count: str = "skip", per_step: bool = False,
+                             bidirectional_ids=None, chunk_size=None) -> np.ndarray:
+    """Row-tiles each shard's queries compute in a ring: ``int64[P]`` (``[P, P]`` per ring
+    step with ``per_step``: ``[r, k]`` is shard ``r``'s queries against the keys of
+    shard ``(r - k) % P``).
+
+    Each ring step is one kernel call on a shard's queries and one shard's keys, tiled
+    on their own and classified per batch row with :func:`jax_seqpar.core.masks.classify`
+    (ranges, segment signatures and bidirectional id ranges, padding left out), as the
+    kernels classify them.
+
+    Args:
+      positions, segment_ids: ``int[B, S]`` in layout order (see :func:`work_per_shard`;
+        no segment ids: one document).
+      num_shards: ``P``; block_q, block_k: the kernel's tiles (``block_k`` defaults to
+        ``block_q``; both clipped to a shard).
+      causal, window, chunk_size: the mask.
+      count: ``"skip"``, the non-``EMPTY`` tiles (the XLA and Mosaic kernels compute
+        those), or ``"range"``, every tile from a query tile's first to its last
+        non-``EMPTY`` one at each step (the Triton kernel's loop bounds).
+      per_step: per device and ring step.
+      bidirectional_ids: ``int[B, S]`` in layout order, or None.
+    """
+    spec = masks.MaskSpec.make(causal, window, chunk_size)
+    return tiles_per_shard(spec, masks.Tokens(positions, segment_ids, bidirectional_ids),
+                           num_shards, block_q=block_q, block_k=block_k, count=count,
+                           per_step=per_step)

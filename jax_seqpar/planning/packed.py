@@ -7,20 +7,23 @@ document, so a layout that balances one document (zigzag) may leave a device wit
 twice the mean. The model lays the batch out over the candidate's devices, classifies
 every (query tile, key tile) pair of every ring step per batch row
 (:func:`jax_seqpar.core.work.computed_tiles_per_shard`, the kernels' own rule) and
-charges each step its busiest device: the ring waits for it.
+charges each step its busiest device: the ring waits for it. The mask is the layer's
+(its causality and window) with the batch's bidirectional ids (prefix-LM prompts,
+images) and chunks, counted as the kernels classify them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import numpy as np
 
 from jax_seqpar.core import layout as layouts, packing, work
-from jax_seqpar.core.masks import PAD_SEGMENT
+from jax_seqpar.core.masks import PAD_SEGMENT, MaskSpec, Tokens
 from jax_seqpar.core.shape import LayerShape
 
-__all__ = ["LAYOUTS", "documents", "step_pairs"]
+__all__ = ["Documents", "LAYOUTS", "documents", "laid_out", "step_pairs"]
 
 #: The token orders ``predict(layout=)`` takes.
 LAYOUTS = ("contiguous", "zigzag", "striped", "per_document")
@@ -29,47 +32,89 @@ LAYOUTS = ("contiguous", "zigzag", "striped", "per_document")
 MAX_TILE_PAIRS = 2**24
 
 
-def documents(shape: LayerShape, segment_ids, layout: Optional[str]):
-    """``(ids [B', S], layout or None)`` validated, or None (one document per row in the
-    default layout: :mod:`.predict`'s own position-only count)."""
+@dataclasses.dataclass
+class Documents:
+    """A representative packed batch, as the time model lays it out.
+
+    Attributes:
+      tokens: natural-order ``[B', S]`` segment ids and bidirectional ids (``positions``
+        unused).
+      layout: the token order (:data:`LAYOUTS`), or None for the package's default.
+      spec: the mask (the layer's causality and window, and its chunks).
+    """
+
+    tokens: Tokens
+    layout: Optional[str]
+    spec: MaskSpec
+
+
+def documents(shape: LayerShape, natural: Tokens, layout: Optional[str],
+              spec: Optional[MaskSpec] = None) -> Optional[Documents]:
+    """The batch ``natural`` (natural-order segment ids and bidirectional ids, either
+    None) validated, or None (one document per row, no ids, no chunks, the default
+    layout: :mod:`.predict`'s own position-only count). ``spec``: the mask, by default
+    the shape's causality and window."""
+    spec = MaskSpec.make(shape.causal, shape.window) if spec is None else spec
     if layout is not None and layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}.")
+    segment_ids, bids = natural.segment_ids, natural.bidirectional_ids
+    if bids is not None and not spec.causal:
+        raise ValueError("bidirectional_ids lift causality: they mean nothing without "
+                         "causal=True. Drop them or make the layer causal.")
     if segment_ids is None:
         if layout == "per_document":
             raise ValueError('layout="per_document" is laid out from documents: pass '
                              "segment_ids= (a representative batch, int[batch, seq_len]).")
-        if layout is None:
+        if layout is None and bids is None and spec.chunk_size is None:
             return None
-        segment_ids = np.zeros((1, shape.seq_len), np.int32)
-    ids = np.asarray(segment_ids)
-    ids = ids[None] if ids.ndim == 1 else ids
-    if ids.ndim != 2 or ids.shape[1] != shape.seq_len:
-        raise ValueError(f"segment_ids must be [batch, seq_len={shape.seq_len}]. Got "
-                         f"{ids.shape}.")
-    return ids.astype(np.int32), layout
+        rows = np.shape(bids)[0] if bids is not None and np.ndim(bids) == 2 else 1
+        segment_ids = np.zeros((rows, shape.seq_len), np.int32)
+
+    def rows(name, ids):
+        ids = np.asarray(ids)
+        ids = ids[None] if ids.ndim == 1 else ids
+        if ids.ndim != 2 or ids.shape[1] != shape.seq_len:
+            raise ValueError(f"{name} must be [batch, seq_len={shape.seq_len}]. Got "
+                             f"{ids.shape}.")
+        return ids.astype(np.int32)
+
+    segment_ids = rows("segment_ids", segment_ids)
+    if bids is not None:
+        bids = rows("bidirectional_ids", bids)
+        if bids.shape != segment_ids.shape:
+            raise ValueError(f"bidirectional_ids {bids.shape} must have the shape of "
+                             f"segment_ids {segment_ids.shape}.")
+    return Documents(Tokens(None, segment_ids, bids), layout, spec)
 
 
-def laid_out(strategy: str, devices: int, shape: LayerShape, tile: int, batch):
-    """``(positions, segment_ids)`` ``[B', S']`` of ``batch = (ids, layout)`` in its layout
-    over ``devices`` (padded with :data:`PAD_SEGMENT` as the entry point pads)."""
-    ids, layout = batch
+def laid_out(strategy: str, devices: int, shape: LayerShape, tile: int,
+             batch: Documents) -> Tokens:
+    """``batch``'s tokens ``[B', S']`` in its layout over ``devices``: positions, segment
+    ids and bidirectional ids (padded with :data:`PAD_SEGMENT` as the entry point pads)."""
+    ids, bids, layout = batch.tokens.segment_ids, batch.tokens.bidirectional_ids, batch.layout
     if layout is None:
         layout = "zigzag" if shape.causal and strategy != "ulysses" else "contiguous"
     chunks = {"zigzag": 2 * devices, "striped": devices * devices}.get(layout, devices)
     length = -(-ids.shape[1] // chunks) * chunks
-    ids = np.pad(ids, ((0, 0), (0, length - ids.shape[1])), constant_values=PAD_SEGMENT)
+    pad = ((0, 0), (0, length - ids.shape[1]))
+    ids = np.pad(ids, pad, constant_values=PAD_SEGMENT)
+    bids = None if bids is None else np.pad(bids, pad)
     if layout == "per_document":
-        positions = packing.per_document_positions(ids, devices, tile)
+        masked = bids is not None or batch.spec.chunk_size is not None
+        positions = packing.per_document_positions(
+            ids, devices, tile, **(dict(bidirectional_ids=bids, chunk_size=batch.spec.chunk_size)
+                                   if masked else {}))
     else:
         order = {"contiguous": np.arange(length, dtype=np.int32),
                  "zigzag": np.asarray(layouts.zigzag_positions(length, devices)),
                  "striped": np.asarray(layouts.striped_positions(length, devices))}[layout]
         positions = np.broadcast_to(order, ids.shape)
-    return positions, np.take_along_axis(ids, positions, 1)
+    gather = lambda x: None if x is None else np.take_along_axis(x, positions, 1)  # noqa
+    return Tokens(positions, gather(ids), gather(bids))
 
 
 def step_pairs(strategy: str, ring: int, ulysses: int, shape: LayerShape, tile: int,
-               batch) -> list[float]:
+               batch: Documents) -> list[float]:
     """Computed (query, key) pairs per row at each ring step, on that step's busiest
     device (the all-gather: one step, its busiest device's total).
 
@@ -77,15 +122,14 @@ def step_pairs(strategy: str, ring: int, ulysses: int, shape: LayerShape, tile: 
     all-to-all gathers); tiles are ``tile`` clipped to a group. Past
     :data:`MAX_TILE_PAIRS`, the exact visible pairs (no tile rounding).
     """
-    positions, ids = laid_out(strategy, ring * ulysses, shape, tile, batch)
-    rows, length = ids.shape
+    tokens = laid_out(strategy, ring * ulysses, shape, tile, batch)
+    rows, length = tokens.positions.shape
     block = min(tile, length // ring)
     if rows * (length / block) ** 2 <= MAX_TILE_PAIRS:
-        steps = work.computed_tiles_per_shard(positions, ids, ring, block_q=block,
-                                              causal=shape.causal, window=shape.window,
-                                              per_step=True) * float(block * block)
+        steps = work.tiles_per_shard(batch.spec, tokens, ring, block_q=block,
+                                     per_step=True) * float(block * block)
     else:
-        steps = work.work_per_step(positions, ids, ring, shape.causal, shape.window)
+        steps = work.visible_per_step(batch.spec, tokens, ring)
     steps = steps / rows  # [device, step], per row
     if strategy == "allgather":
         return [float(steps.sum(1).max())]

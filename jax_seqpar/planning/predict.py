@@ -57,6 +57,7 @@ import dataclasses
 import math
 from typing import Optional
 
+from jax_seqpar.core.masks import MaskSpec, Tokens
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.planning import hardware as hardware_lib, packed
 from jax_seqpar.planning.compute import TILE, step_seconds
@@ -269,7 +270,8 @@ def _memory(candidate: Candidate, shape: LayerShape, tile: int) -> float:
 
 
 def predict(candidate: Candidate, shape: LayerShape, hardware, *, tile: int = TILE,
-            segment_ids=None, layout: Optional[str] = None) -> dict:
+            segment_ids=None, layout: Optional[str] = None, bidirectional_ids=None,
+            chunk_size: Optional[int] = None) -> dict:
     """One layer's predicted time, broken down, and memory for ``candidate`` on ``hardware``.
 
     Args:
@@ -284,6 +286,10 @@ def predict(candidate: Candidate, shape: LayerShape, hardware, *, tile: int = TI
       layout: the batch's token order (:data:`jax_seqpar.planning.packed.LAYOUTS`), or None: the package's default
         (zigzag for causal rings, hybrids and all-gathers; else contiguous).
         ``"per_document"`` needs ``segment_ids`` and is laid out with ``tile``.
+      bidirectional_ids: ``int[B', S]`` natural-order ids of the same batch (a
+        prefix-LM prompt, an image: tokens that see each other both ways under a causal
+        mask), or None. chunk_size: the layer's chunked attention, or None. With
+        either, compute counts that mask, and ``"per_document"`` is balanced by it.
 
     Returns:
       A dict, per device:
@@ -310,7 +316,9 @@ def predict(candidate: Candidate, shape: LayerShape, hardware, *, tile: int = TI
     True
     """
     hardware = hardware_lib.get(hardware)
-    documents = packed.documents(shape, segment_ids, layout)
+    spec = MaskSpec.make(shape.causal, shape.window, chunk_size)
+    documents = packed.documents(shape, Tokens(None, segment_ids, bidirectional_ids), layout,
+                                 spec)
     result = _seconds(candidate, shape, hardware, tile, documents)
     result["memory"] = _memory(candidate, shape, tile)
     return result

@@ -15,8 +15,8 @@ import numpy as np
 
 from jax_seqpar.core.masks import PAD_SEGMENT
 
-__all__ = ["ADVERSARIAL", "MIXES", "draw", "heavy_tailed", "one_long", "pack",
-           "uniform_short", "with_padding"]
+__all__ = ["ADVERSARIAL", "MASKED", "MIXES", "chunked", "draw", "heavy_tailed", "one_long",
+           "pack", "prefix_lm", "uniform_short", "vlm", "with_padding"]
 
 
 def pack(lengths, batch: int, seq_len: int) -> np.ndarray:
@@ -109,4 +109,65 @@ ADVERSARIAL = {
     "padded_one_doc": lambda b, s, r: with_padding(one_long, b, s, r),
     "padded_short": lambda b, s, r: with_padding(
         lambda b2, s2, r2: draw(lambda g, n: g.integers(1, 16, n), b2, s2, r2), b, s, r, 0.9),
+}
+
+
+# Masked mixes: ``(segment_ids, bidirectional_ids)`` (ids ``int32[B, S]``; bidirectional
+# ids non-zero on each prefix or image, unique along the stream, or None), packed like
+# :func:`pack`: a document cut by a row end keeps its ids, its spans too.
+
+
+def _pack_spans(documents, batch: int, seq_len: int):
+    """``documents``: a list of ``int32[n]`` bidirectional ids (0: causal), one array a
+    document; their stream cut into ``(segment_ids, bidirectional_ids)`` rows."""
+    bids = np.concatenate(documents)[:batch * seq_len].reshape(batch, seq_len)
+    return pack([d.size for d in documents], batch, seq_len), bids.astype(np.int32)
+
+
+def prefix_lm(batch: int, seq_len: int, rng, low: float = 0.1, high: float = 0.6):
+    """Heavy-tailed documents (:func:`heavy_tailed`'s lengths), each with a bidirectional
+    prefix of a uniform ``low .. high`` fraction of its tokens (at least one)."""
+    documents, total = [], 0
+    while total < batch * seq_len:
+        n = int(np.ceil(64 * (1 + rng.pareto(1.3))))
+        prefix = max(1, int(round(rng.uniform(low, high) * n)))
+        documents.append(np.r_[np.full(prefix, len(documents) + 1), np.zeros(n - prefix)])
+        total += n
+    return _pack_spans(documents, batch, seq_len)
+
+
+def vlm(batch: int, seq_len: int, rng, images=(1, 4), image_tokens=(256, 1024)):
+    """Vision-language documents: 1-4 images of 256-1024 tokens (each one bidirectional
+    id), between heavy-tailed runs of text (causal)."""
+    documents, total, next_id = [], 0, 1
+    while total < batch * seq_len:
+        parts = [np.zeros(int(np.ceil(64 * (1 + rng.pareto(1.3)))))]
+        for _ in range(int(rng.integers(images[0], images[1] + 1))):
+            parts.append(np.full(int(rng.integers(image_tokens[0], image_tokens[1] + 1)),
+                                 next_id))
+            parts.append(np.zeros(int(np.ceil(64 * (1 + rng.pareto(1.3))))))
+            next_id += 1
+        documents.append(np.concatenate(parts))
+        total += documents[-1].size
+    return _pack_spans(documents, batch, seq_len)
+
+
+def chunked(batch: int, seq_len: int, rng, few: bool = False):
+    """Chunked causal rows (no bidirectional ids): one document per row, or with ``few``
+    documents of ``S/4 .. S`` tokens (one to four a row)."""
+    if not few:
+        return one_long(batch, seq_len), None
+    return draw(lambda r, n: r.integers(seq_len // 4, seq_len + 1, n), batch, seq_len,
+                rng), None
+
+
+#: The masked mixes: ``name: (mix, chunk_size)``; each mix returns
+#: ``(segment_ids, bidirectional_ids or None)``.
+MASKED = {
+    "prefix_lm": (prefix_lm, None),
+    "vlm": (vlm, None),
+    "chunked_2560": (chunked, 2560),
+    "chunked_3000": (chunked, 3000),
+    "chunked_6000": (chunked, 6000),
+    "chunked_few_3000": (lambda b, s, r: chunked(b, s, r, few=True), 3000),
 }

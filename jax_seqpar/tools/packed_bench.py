@@ -11,6 +11,10 @@ striped and per_document, over ``seeds`` draws of each mix:
   kernels' default tiles (:func:`jax_seqpar.core.work.computed_tiles_per_shard`: XLA
   and Mosaic compute the non-EMPTY tiles, Triton every tile within its loop bounds),
   and the busiest device's count itself (``busiest``: what a ring waits for);
+* ``masked``: for the masked mixes (:data:`jax_seqpar.tools.mixes.MASKED`: prefix-LM,
+  vision-language images, chunked causal), the busiest device's visible pairs and
+  computed 128-token tiles over the mean, zigzag, striped and the per-document order
+  balanced by the mask;
 * time: a causal ring layer on this machine's mesh (the XLA kernel on CPU), zigzag vs
   per_document, median milliseconds of forward (and forward + backward) calls.
 
@@ -27,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jax_seqpar.core import layout, packing, work
+from jax_seqpar.core.masks import MaskSpec, Tokens
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.tools import mixes
 from jax_seqpar.tools.report import text_table
@@ -93,6 +98,53 @@ def balance(batch: int, seq_len: int, num_shards: int, seeds: int, block: int) -
     return rows
 
 
+#: The orders the masked mixes are measured in.
+MASKED_LAYOUTS = ("zigzag", "striped", "per_document")
+
+
+def masked_positions(name: str, ids: np.ndarray, bids, spec: MaskSpec, num_shards: int,
+                     block: int) -> np.ndarray:
+    """``int32[B, S]`` positions of a masked mix's rows in the order ``name`` (the
+    per-document order balanced by the mask: its bidirectional ids and chunks)."""
+    if name == "per_document":
+        return packing.per_document_positions(ids, num_shards, block, bidirectional_ids=bids,
+                                              chunk_size=spec.chunk_size)
+    return positions_of(name, ids, num_shards, block)
+
+
+def masked_measure(spec: MaskSpec, natural: Tokens, positions: np.ndarray, num_shards: int,
+                   block: int) -> dict:
+    """Busiest/mean shard of visible pairs and of computed ``block`` tiles, and the
+    per-shard counts, of ``natural`` (ids in natural order) laid out by ``positions``."""
+    laid = Tokens(positions, *(None if x is None else np.take_along_axis(x, positions, 1)
+                               for x in (natural.segment_ids, natural.bidirectional_ids)))
+    pairs = work.visible_per_shard(spec, laid, num_shards)
+    tiles = work.tiles_per_shard(spec, laid, num_shards, block_q=block)
+    return {"pairs": float(pairs.max() / pairs.mean()), "tiles": float(tiles.max() / tiles.mean()),
+            "busiest tiles": int(tiles.max()), "pairs per device": pairs.tolist(), "tiles per device": tiles.tolist()}
+
+
+def masked_balance(batch: int, seq_len: int, num_shards: int, seeds: int,
+                   block: int) -> list[dict]:
+    """One row per (masked mix, layout): median and worst over ``seeds`` of the busiest
+    shard's pairs and ``block``-tiles over the mean (:data:`mixes.MASKED`: prefix-LM,
+    vision-language, chunked causal)."""
+    rows = []
+    for mix_name, (mix, chunk_size) in mixes.MASKED.items():
+        spec = MaskSpec.make(causal=True, chunk_size=chunk_size)
+        draws = [mix(batch, seq_len, np.random.default_rng(seed)) for seed in range(seeds)]
+        for name in MASKED_LAYOUTS:
+            found = [masked_measure(spec, Tokens(None, ids, bids),
+                                    masked_positions(name, ids, bids, spec, num_shards, block),
+                                    num_shards, block) for ids, bids in draws]
+            row = {"mix": mix_name, "layout": name, "first": found[0]}
+            for key in ("pairs", "tiles", "busiest tiles"):
+                values = [f[key] for f in found]
+                row[key] = {"median": float(np.median(values)), "worst": float(max(values))}
+            rows.append(row)
+    return rows
+
+
 def _ring_layer(mesh, backward: bool, block: int):
     """A jitted causal ring layer on laid-out tokens (forward, or forward + vjp)."""
     from jax_seqpar.api.attention import sequence_parallel_attention
@@ -148,7 +200,8 @@ def run_packed(shape: LayerShape, num_shards: int, *, seeds: int = 4, runs: int 
                         "num_heads": shape.num_heads, "num_kv_heads": shape.num_kv_heads,
                         "head_dim": shape.head_dim, "dtype": shape.dtype},
               "num_shards": num_shards, "seeds": seeds, "block": block,
-              "balance": balance(shape.batch, shape.seq_len, num_shards, seeds, block)}
+              "balance": balance(shape.batch, shape.seq_len, num_shards, seeds, block),
+              "masked": masked_balance(shape.batch, shape.seq_len, num_shards, seeds, block)}
     if time_ring:
         result["times"] = ring_times(shape, num_shards, runs=runs, warmup=warmup)
         result["load"] = _load()
@@ -179,6 +232,14 @@ def format_packed(result: dict) -> str:
             "tiles: per-row classes with segment signatures, the kernels' default tiles "
             "(triton: its loop bounds); busiest: computed tiles of the busiest device "
             "(row-tiles)", text_table(headers, lines)]
+    if "masked" in result:
+        lines = [[r["mix"], r["layout"], _cell(r["pairs"], "{:.3f}"), _cell(r["tiles"], "{:.3f}"),
+                  _cell(r["busiest tiles"], "{:.0f}")] for r in result["masked"]]
+        text += ["", f"masked mixes, busiest/mean per device, median/worst over "
+                 f"{result['seeds']} seeds: visible (query, key) pairs and computed "
+                 f"{result['block']}-token tiles (per_document: balanced by the mask); "
+                 "busiest tiles: the busiest device's computed tiles (row-tiles)",
+                 text_table(["mix", "layout", "pairs", "tiles", "busiest tiles"], lines)]
     if "times" in result:
         modes = [m for m in ("fwd_ms", "fwd_bwd_ms") if m in result["times"][0]]
         rows = [[t["mix"], t["layout"], t["block"]] + [f"{t[m]:.0f}" for m in modes]
@@ -217,11 +278,34 @@ def plot_packed(result: dict, path: str) -> None:
     figure.savefig(path, dpi=110)
 
 
+def plot_masked(result: dict, path: str) -> None:
+    """PNG: per masked mix, the worst busiest/mean pairs and tiles of each layout."""
+    from matplotlib.figure import Figure
+
+    rows = result["masked"]
+    mixes_seen = list(dict.fromkeys(r["mix"] for r in rows))
+    figure = Figure(figsize=(9, 6), layout="constrained")
+    axes = figure.subplots(2, 1, squeeze=False)[:, 0]
+    width = 0.8 / len(MASKED_LAYOUTS)
+    for ax, key in zip(axes, ("pairs", "tiles")):
+        for i, name in enumerate(MASKED_LAYOUTS):
+            values = [next(r[key]["worst"] for r in rows if r["mix"] == m and r["layout"] == name)
+                      for m in mixes_seen]
+            ax.bar(np.arange(len(mixes_seen)) + i * width, values, width, label=name)
+        ax.axhline({"pairs": 1.05, "tiles": 1.10}[key], color="k", linewidth=0.6, ls="--")
+        ax.set(title=f"busiest/mean {key} (worst over {result['seeds']} seeds)",
+               ylabel="/ mean", ylim=(0.9, None))
+        ax.set_xticks(np.arange(len(mixes_seen)) + 0.4 - width / 2, mixes_seen)
+    axes[0].legend(fontsize=7)
+    figure.savefig(path, dpi=110)
+
+
 def heavy_tailed_ratios(result: dict) -> dict:
     """``{layout: median token busiest/mean}`` of the heavy-tailed mix (before/after)."""
     return {r["layout"]: r["tokens"]["median"] for r in result["balance"]
             if r["mix"] == "heavy_tailed"}
 
 
-__all__ = ["KERNEL_TILES", "LAYOUTS", "balance", "format_packed", "heavy_tailed_ratios",
-           "measure", "plot_packed", "positions_of", "ring_times", "run_packed"]
+__all__ = ["KERNEL_TILES", "LAYOUTS", "MASKED_LAYOUTS", "balance", "format_packed",
+           "heavy_tailed_ratios", "masked_balance", "masked_measure", "masked_positions",
+           "measure", "plot_masked", "plot_packed", "positions_of", "ring_times", "run_packed"]
