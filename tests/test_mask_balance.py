@@ -31,8 +31,8 @@ def _ratios(ids, bids, chunk, positions):
     laid = lambda x: None if x is None else np.take_along_axis(x, positions, 1)  # noqa: E731
     spec = masks.MaskSpec.make(causal=True, chunk_size=chunk)
     tokens = masks.Tokens(positions, laid(ids), laid(bids))
-    pairs = work.visible_per_shard(spec, tokens, SHARDS)
-    tiles = work.tiles_per_shard(spec, tokens, SHARDS, block_q=BLOCK)
+    pairs = work.work_per_shard(spec, tokens, SHARDS)
+    tiles = work.computed_tiles_per_shard(spec, tokens, SHARDS, block_q=BLOCK)
     return pairs.max() / pairs.mean(), tiles.max() / tiles.mean()
 
 
@@ -108,14 +108,12 @@ def test_counts_equal_brute_force(chunk, window):
             b = bids if with_bids else None
             spec = masks.MaskSpec.make(causal, window, chunk)
             expected = _brute(spec, masks.Tokens(positions, ids, b))
-            got = work.token_work(positions, ids, causal=causal, window=window,
-                                  bidirectional_ids=b, chunk_size=chunk)
+            tokens = masks.Tokens(positions, ids, b)
+            got = work.token_work(spec, tokens)
             np.testing.assert_array_equal(got, expected)
-            per_shard = work.work_per_shard(positions, ids, 4, causal, window,
-                                            bidirectional_ids=b, chunk_size=chunk)
+            per_shard = work.work_per_shard(spec, tokens, 4)
             np.testing.assert_array_equal(per_shard, expected.reshape(2, 4, -1).sum((0, 2)))
-            steps = work.work_per_step(positions, ids, 4, causal, window,
-                                       bidirectional_ids=b, chunk_size=chunk)
+            steps = work.work_per_step(spec, tokens, 4)
             np.testing.assert_array_equal(steps.sum(1), per_shard)
             _check_tiles(spec, positions, ids, b)
 
@@ -124,9 +122,8 @@ def _check_tiles(spec, positions, ids, bids):
     """Computed tiles: at least every tile pair holding a visible pair (brute force), at
     most every tile pair; per step they add up to the total."""
     shards, block = 4, 16
-    tiles = work.computed_tiles_per_shard(
-        positions, ids, shards, block_q=block, causal=spec.causal, window=spec.window,
-        bidirectional_ids=bids, chunk_size=spec.chunk_size)
+    tokens = masks.Tokens(positions, ids, bids)
+    tiles = work.computed_tiles_per_shard(spec, tokens, shards, block_q=block)
     dense = masks.visible_tokens(spec, masks.Tokens(positions, ids, bids),
                                  masks.Tokens(positions, ids, bids))  # [B, S, S]
     rows, seq = ids.shape
@@ -134,21 +131,8 @@ def _check_tiles(spec, positions, ids, bids):
     seen = dense.reshape(rows, n, block, n, block).any((2, 4)).sum((0, 2))  # per q tile
     needed = seen.reshape(shards, -1).sum(1)
     assert (tiles >= needed).all() and (tiles <= rows * (n // shards) * n).all()
-    steps = work.computed_tiles_per_shard(
-        positions, ids, shards, block_q=block, causal=spec.causal, window=spec.window,
-        bidirectional_ids=bids, chunk_size=spec.chunk_size, per_step=True)
+    steps = work.computed_tiles_per_shard(spec, tokens, shards, block_q=block, per_step=True)
     np.testing.assert_array_equal(steps.sum(1), tiles)
-
-
-def test_object_forms_match_keywords():
-    rng = np.random.default_rng(3)
-    positions, ids, bids = _small_case(rng, 128)
-    spec = masks.MaskSpec.make(True, None, 24)
-    tokens = masks.Tokens(positions, ids, bids)
-    np.testing.assert_array_equal(
-        work.visible_per_shard(spec, tokens, 4, per_row=True),
-        work.work_per_shard(positions, ids, 4, per_row=True, bidirectional_ids=bids,
-                            chunk_size=24))
 
 
 # -- permute_batch's new arguments ------------------------------------------------------

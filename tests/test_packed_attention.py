@@ -10,6 +10,7 @@ from jax.sharding import Mesh
 import checks
 import jax_seqpar as sp
 from jax_seqpar.core import reference
+from jax_seqpar.core.masks import MaskSpec, Tokens
 from jax_seqpar.tools import mixes
 
 STRATEGIES = list(checks.STRATEGIES)
@@ -117,8 +118,9 @@ def test_kernels_compute_only_tiles_and_steps_that_share_a_document(layout, make
             block_sizes=sp.kernels.BlockSizes(block, block)))(q, k, v)
         jax.block_until_ready(out)
         jax.effects_barrier()
-    per_step = work.computed_tiles_per_shard(np.asarray(positions), np.asarray(ids), shards,
-                                             block_q=block, causal=True, per_step=True)
+    per_step = work.computed_tiles_per_shard(
+        MaskSpec(causal=True), Tokens(np.asarray(positions), np.asarray(ids)), shards,
+        block_q=block, per_step=True)
     every_tile = batch * shards * shards * (seq // shards // block) ** 2
     assert events.count("tile") == per_step.sum() < every_tile // 3
     assert events.count("call") == (per_step > 0).sum()

@@ -9,8 +9,10 @@ import pytest
 
 import jax_seqpar as sp
 from jax_seqpar.core import packing, work
-from jax_seqpar.core.masks import PAD_SEGMENT
+from jax_seqpar.core.masks import PAD_SEGMENT, MaskSpec, Tokens
 from jax_seqpar.tools import mixes
+
+CAUSAL = MaskSpec(causal=True)
 
 #: A shard with at least this many real tokens (on average) is within 1.05 of the mean;
 #: below, a few tokens' work is more than 5% of a shard's (no order of whole tokens helps),
@@ -36,7 +38,7 @@ def _check_order(ids, positions, num_shards):
 
 def _ratios(ids, positions, num_shards):
     """Per row: busiest/mean work, and the real tokens per shard."""
-    per_row = work.work_per_shard(positions, np.take_along_axis(ids, positions, 1),
+    per_row = work.work_per_shard(CAUSAL, Tokens(positions, np.take_along_axis(ids, positions, 1)),
                                   num_shards, per_row=True)
     mean = per_row.mean(1)
     ratio = np.where(mean > 0, per_row.max(1) / np.maximum(mean, 1e-9), 1.0)
@@ -89,7 +91,7 @@ def test_heavy_tailed_mix_at_the_issue_size():
     before, after = [], []
     for seed in range(8):
         ids = mixes.heavy_tailed(2, 16384, np.random.default_rng(seed))
-        counts = work.work_per_shard(zigzag, np.take_along_axis(ids, zigzag, 1), 8)
+        counts = work.work_per_shard(CAUSAL, Tokens(zigzag, np.take_along_axis(ids, zigzag, 1)), 8)
         before.append(counts.max() / counts.mean())
         after.append(_check_balance(ids, 8, 128).max())
     assert np.median(before) > 1.5 and max(after) <= 1.05, (before, after)
@@ -165,12 +167,12 @@ def test_work_counts_against_brute_force(causal, window):
         positions = np.stack([rng.permutation(seq) for _ in range(2)]).astype(np.int32)
         laid = np.take_along_axis(ids, positions, 1)
         seen = _brute_visible(positions, laid, causal, window)
-        np.testing.assert_array_equal(
-            work.token_work(positions, laid, causal=causal, window=window), seen.sum(2))
+        spec, tokens = MaskSpec.make(causal, window), Tokens(positions, laid)
+        np.testing.assert_array_equal(work.token_work(spec, tokens), seen.sum(2))
         per_row = seen.sum(2).reshape(2, shards, local).sum(2)
         np.testing.assert_array_equal(
-            work.work_per_shard(positions, laid, shards, causal, window, per_row=True), per_row)
-        steps = work.work_per_step(positions, laid, shards, causal, window)
+            work.work_per_shard(spec, tokens, shards, per_row=True), per_row)
+        steps = work.work_per_step(spec, tokens, shards)
         for r in range(shards):
             for step in range(shards):
                 j = (r - step) % shards

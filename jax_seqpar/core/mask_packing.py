@@ -6,7 +6,7 @@ its queries see every key of their span (the prefix's first token is as costly a
 last), and chunks (``position // chunk_size``) cap every query's keys at its chunk: the
 causal cost is then wrong by up to the whole span, and so is its balance. Here every
 token's cost is what the mask gives it, counted by the mask predicate itself
-(:func:`jax_seqpar.core.work.visible_per_token`), and every shard gets the mean cost
+(:func:`jax_seqpar.core.work.token_work`), and every shard gets the mean cost
 in visible (query, key) pairs and in computed tiles. Per row (``S`` tokens, ``P``
 shards, tile ``c``):
 
@@ -172,7 +172,7 @@ def masked_row_positions(spec: masks.MaskSpec, tokens: masks.Tokens, *, num_shar
       num_shards, block: ``P`` and the tile ``c``.
     """
     size, P = tokens.positions.shape[0], num_shards
-    cost = work.visible_per_token(spec, tokens)[0].astype(np.float64)
+    cost = work.token_work(spec, tokens)[0].astype(np.float64)
     order = np.lexsort((tokens.positions, tokens.segment_ids)).astype(np.int32)
     ids = tokens.segment_ids[order]
     pad = ids == PAD_SEGMENT

@@ -9,11 +9,8 @@ predicate (:func:`jax_seqpar.core.masks.visible`: causal, window, chunks, docume
 bidirectional ids). No ``[S, S]`` matrix is held. A document need not be one run:
 equal ids are one document, as for the mask.
 
-The keyword functions below take the mask as the public entry points do; each has an
-object form (:func:`visible_per_token`, :func:`visible_per_shard`,
-:func:`visible_per_step`, :func:`tiles_per_shard`) that takes a
-:class:`~jax_seqpar.core.masks.MaskSpec` and laid-out :class:`~jax_seqpar.core.masks.Tokens`,
-for the layers above (the planner, the bench).
+Every count takes the mask as data: a :class:`~jax_seqpar.core.masks.MaskSpec` and the
+laid-out :class:`~jax_seqpar.core.masks.Tokens` (positions, segment ids, bidirectional ids).
 
 * :func:`token_work`: each token's visible keys;
 * :func:`work_per_shard`: summed over each shard's slots (``[P]``, or ``[B, P]``);
@@ -36,8 +33,7 @@ import numpy as np
 from jax_seqpar.core import masks
 from jax_seqpar.core.masks import PAD_SEGMENT
 
-__all__ = ["computed_tiles_per_shard", "ring_makespans", "tiles_per_shard", "token_work",
-           "visible_per_shard", "visible_per_step", "visible_per_token", "work_per_shard",
+__all__ = ["computed_tiles_per_shard", "ring_makespans", "token_work", "work_per_shard",
            "work_per_step"]
 
 
@@ -110,9 +106,15 @@ def _counts(spec: masks.MaskSpec, q: masks.Tokens, kv: masks.Tokens) -> np.ndarr
     return np.where(q.segment_ids != PAD_SEGMENT, out, 0)
 
 
-def visible_per_token(spec: masks.MaskSpec, tokens: masks.Tokens) -> np.ndarray:
-    """``int64[B, S]``: how many keys of its row each token sees under ``spec``
-    (:func:`token_work` with the mask and the tokens as objects)."""
+def token_work(spec: masks.MaskSpec, tokens: masks.Tokens) -> np.ndarray:
+    """``int64[B, S]``: how many keys of its row each token sees under ``spec``.
+
+    Args:
+      spec: the mask (causal, window, chunk_size; a ``mask_fn`` too).
+      tokens: ``int[B, S]`` (or ``[S]``) fields in any token order (a layout's order):
+        global positions, unique within a row; document ids or None (one document);
+        bidirectional ids or None.
+    """
     tokens = _rows(tokens)
     return np.stack([_counts(spec, row, row) for row in _unbatched(tokens)])
 
@@ -120,22 +122,6 @@ def visible_per_token(spec: masks.MaskSpec, tokens: masks.Tokens) -> np.ndarray:
 def _unbatched(tokens: masks.Tokens):
     """The rows of ``[B, S]`` tokens, each with 1-D fields."""
     return [jax.tree.map(lambda x: x[b], tokens) for b in range(tokens.positions.shape[0])]
-
-
-def token_work(positions, segment_ids=None, *, causal: bool = True, window=None,
-               bidirectional_ids=None, chunk_size=None) -> np.ndarray:
-    """``int64[B, S]``: how many keys of its row each token sees.
-
-    Args:
-      positions: ``int[B, S]`` global (natural-order) positions, unique within a row,
-        in any token order (a layout's order).
-      segment_ids: ``int[B, S]`` document ids in the same order, or None (one document).
-      causal, window, chunk_size: the mask (``window``: an int or ``(left, right)``).
-      bidirectional_ids: ``int[B, S]`` in the same order, or None: tokens that share a
-        non-zero id see each other both ways under ``causal``.
-    """
-    spec = masks.MaskSpec.make(causal, window, chunk_size)
-    return visible_per_token(spec, masks.Tokens(positions, segment_ids, bidirectional_ids))
 
 
 def _check_split(seq_len: int, num_shards: int) -> int:
@@ -146,19 +132,8 @@ def _check_split(seq_len: int, num_shards: int) -> int:
     return seq_len // num_shards
 
 
-def visible_per_shard(spec: masks.MaskSpec, tokens: masks.Tokens, num_shards: int, *,
-                      per_row: bool = False) -> np.ndarray:
-    """:func:`work_per_shard` with the mask and the laid-out tokens as objects."""
-    work = visible_per_token(spec, tokens)
-    rows, seq_len = work.shape
-    local = _check_split(seq_len, num_shards)
-    per = work.reshape(rows, num_shards, local).sum(-1)
-    return per if per_row else per.sum(0)
-
-
-def work_per_shard(positions, segment_ids, num_shards: int, causal: bool = True,
-                   window=None, *, per_row: bool = False, bidirectional_ids=None,
-                   chunk_size=None) -> np.ndarray:
+def work_per_shard(spec: masks.MaskSpec, tokens: masks.Tokens, num_shards: int, *,
+                   per_row: bool = False) -> np.ndarray:
     """Visible (query, key) pairs of each shard's queries: ``int64[P]`` summed over the
     rows (``[B, P]`` with ``per_row``).
 
@@ -166,25 +141,27 @@ def work_per_shard(positions, segment_ids, num_shards: int, causal: bool = True,
     keys on every shard. ``work.max() / work.mean()`` is a layout's imbalance.
 
     Args:
-      positions: ``int[B, S]`` the tokens' global positions in layout order (the
-        ``positions`` :func:`jax_seqpar.permute_batch` returns).
-      segment_ids: ``int[B, S]`` their document ids in the same order, or None.
-      num_shards: ``P``; causal, window, chunk_size: the mask.
-      per_row: one row of counts per batch row.
-      bidirectional_ids: ``int[B, S]`` in the same order, or None.
+      spec: the mask.
+      tokens: ``int[B, S]`` fields in layout order: the tokens' global positions (the
+        ``positions`` :func:`jax_seqpar.permute_batch` returns), their document ids
+        and bidirectional ids in the same order (or None).
+      num_shards: ``P``; per_row: one row of counts per batch row.
 
     >>> batch, positions = permute_batch(batch, "zigzag", 8)
-    >>> work = work_per_shard(positions, batch["segment_ids"], 8)
+    >>> work = work_per_shard(MaskSpec(causal=True), Tokens(positions, batch["segment_ids"]), 8)
     >>> float(work.max() / work.mean())  # 1.0: balanced
     """
-    spec = masks.MaskSpec.make(causal, window, chunk_size)
-    return visible_per_shard(spec, masks.Tokens(positions, segment_ids, bidirectional_ids),
-                             num_shards, per_row=per_row)
+    work = token_work(spec, tokens)
+    rows, seq_len = work.shape
+    local = _check_split(seq_len, num_shards)
+    per = work.reshape(rows, num_shards, local).sum(-1)
+    return per if per_row else per.sum(0)
 
 
-def visible_per_step(spec: masks.MaskSpec, tokens: masks.Tokens,
-                     num_shards: int) -> np.ndarray:
-    """:func:`work_per_step` with the mask and the laid-out tokens as objects."""
+def work_per_step(spec: masks.MaskSpec, tokens: masks.Tokens, num_shards: int) -> np.ndarray:
+    """``int64[P, P]``: entry ``[r, k]`` is the visible pairs of shard ``r``'s queries with
+    the keys of shard ``(r - k) % P``, the keys a ring brings at step ``k``, summed over
+    the rows. Arguments as :func:`work_per_shard`."""
     tokens = _rows(tokens)
     local = _check_split(tokens.positions.shape[1], num_shards)
     out = np.zeros((num_shards, num_shards), np.int64)
@@ -195,16 +172,6 @@ def visible_per_step(spec: masks.MaskSpec, tokens: masks.Tokens,
             seen = _counts(spec, row, keys)
             out[shards, (shards - j) % num_shards] += seen.reshape(num_shards, local).sum(1)
     return out
-
-
-def work_per_step(positions, segment_ids, num_shards: int, causal: bool = True,
-                  window=None, *, bidirectional_ids=None, chunk_size=None) -> np.ndarray:
-    """``int64[P, P]``: entry ``[r, k]`` is the visible pairs of shard ``r``'s queries with
-    the keys of shard ``(r - k) % P``, the keys a ring brings at step ``k``, summed over
-    the rows. Arguments as :func:`work_per_shard`."""
-    spec = masks.MaskSpec.make(causal, window, chunk_size)
-    return visible_per_step(spec, masks.Tokens(positions, segment_ids, bidirectional_ids),
-                            num_shards)
 
 
 def ring_makespans(per_step) -> dict:
@@ -244,10 +211,27 @@ def _shard_summaries(tokens: masks.Tokens, num_shards: int, block: int):
     return jax.tree.map(lambda x: x.reshape(rows, num_shards, -1), summary)
 
 
-def tiles_per_shard(spec: masks.MaskSpec, tokens: masks.Tokens, num_shards: int, *,
-                    block_q: int, block_k: Optional[int] = None, count: str = "skip",
-                    per_step: bool = False) -> np.ndarray:
-    """:func:`computed_tiles_per_shard` with the mask and the laid-out tokens as objects."""
+def computed_tiles_per_shard(spec: masks.MaskSpec, tokens: masks.Tokens, num_shards: int, *,
+                             block_q: int, block_k: Optional[int] = None, count: str = "skip",
+                             per_step: bool = False) -> np.ndarray:
+    """Row-tiles each shard's queries compute in a ring: ``int64[P]`` (``[P, P]`` per ring
+    step with ``per_step``: ``[r, k]`` is shard ``r``'s queries against the keys of
+    shard ``(r - k) % P``).
+
+    Each ring step is one kernel call on a shard's queries and one shard's keys, tiled
+    on their own and classified per batch row with :func:`jax_seqpar.core.masks.classify`
+    (ranges, segment signatures and bidirectional id ranges, padding left out), as the
+    kernels classify them.
+
+    Args:
+      spec, tokens: the mask and the tokens in layout order (see :func:`work_per_shard`).
+      num_shards: ``P``; block_q, block_k: the kernel's tiles (``block_k`` defaults to
+        ``block_q``; both clipped to a shard).
+      count: ``"skip"``, the non-``EMPTY`` tiles (the XLA and Mosaic kernels compute
+        those), or ``"range"``, every tile from a query tile's first to its last
+        non-``EMPTY`` one at each step (the Triton kernel's loop bounds).
+      per_step: per device and ring step.
+    """
     tokens = _rows(tokens)
     block_k = block_q if block_k is None else block_k
     q = _shard_summaries(tokens, num_shards, block_q)
@@ -269,34 +253,3 @@ def tiles_per_shard(spec: masks.MaskSpec, tokens: masks.Tokens, num_shards: int,
         return per_pair.sum(1)
     shards = np.arange(num_shards)
     return per_pair[shards[:, None], (shards[:, None] - shards[None, :]) % num_shards]
-
-
-def computed_tiles_per_shard(positions, segment_ids, num_shards: int, *, block_q: int,
-                             block_k: Optional[int] = None, causal: bool = True, window=None,
-                             count: str = "skip", per_step: bool = False,
-                             bidirectional_ids=None, chunk_size=None) -> np.ndarray:
-    """Row-tiles each shard's queries compute in a ring: ``int64[P]`` (``[P, P]`` per ring
-    step with ``per_step``: ``[r, k]`` is shard ``r``'s queries against the keys of
-    shard ``(r - k) % P``).
-
-    Each ring step is one kernel call on a shard's queries and one shard's keys, tiled
-    on their own and classified per batch row with :func:`jax_seqpar.core.masks.classify`
-    (ranges, segment signatures and bidirectional id ranges, padding left out), as the
-    kernels classify them.
-
-    Args:
-      positions, segment_ids: ``int[B, S]`` in layout order (see :func:`work_per_shard`;
-        no segment ids: one document).
-      num_shards: ``P``; block_q, block_k: the kernel's tiles (``block_k`` defaults to
-        ``block_q``; both clipped to a shard).
-      causal, window, chunk_size: the mask.
-      count: ``"skip"``, the non-``EMPTY`` tiles (the XLA and Mosaic kernels compute
-        those), or ``"range"``, every tile from a query tile's first to its last
-        non-``EMPTY`` one at each step (the Triton kernel's loop bounds).
-      per_step: per device and ring step.
-      bidirectional_ids: ``int[B, S]`` in layout order, or None.
-    """
-    spec = masks.MaskSpec.make(causal, window, chunk_size)
-    return tiles_per_shard(spec, masks.Tokens(positions, segment_ids, bidirectional_ids),
-                           num_shards, block_q=block_q, block_k=block_k, count=count,
-                           per_step=per_step)

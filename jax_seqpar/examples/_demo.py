@@ -11,6 +11,7 @@ import numpy as np
 from jax_seqpar.api import attention as api
 from jax_seqpar.core import work
 from jax_seqpar.core.batch_layout import permute_batch
+from jax_seqpar.core.masks import MaskSpec, Tokens
 from jax_seqpar.core.extras import require
 from jax_seqpar.examples._data import PackedRows, training_batches
 from jax_seqpar.examples._model import ModelConfig, Parallelism
@@ -67,7 +68,8 @@ def format_balance(data: PackedRows, num_shards: int) -> str:
         for segment_ids in data.segment_ids:  # [B, S] per step
             options = {"segment_ids": segment_ids} if layout == "per_document" else {}
             laid, positions = permute_batch(segment_ids, layout, num_shards, **options)
-            counts = work.work_per_shard(positions, laid, num_shards)
+            counts = work.work_per_shard(MaskSpec(causal=True), Tokens(positions, laid),
+                                         num_shards)
             worst.append(counts.max() / counts.mean())
         ratios[layout] = (float(np.median(worst)), float(max(worst)))
     return (f"busiest/mean causal work per device over {len(data.segment_ids)} batches "

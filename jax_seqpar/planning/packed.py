@@ -126,10 +126,10 @@ def step_pairs(strategy: str, ring: int, ulysses: int, shape: LayerShape, tile: 
     rows, length = tokens.positions.shape
     block = min(tile, length // ring)
     if rows * (length / block) ** 2 <= MAX_TILE_PAIRS:
-        steps = work.tiles_per_shard(batch.spec, tokens, ring, block_q=block,
+        steps = work.computed_tiles_per_shard(batch.spec, tokens, ring, block_q=block,
                                      per_step=True) * float(block * block)
     else:
-        steps = work.visible_per_step(batch.spec, tokens, ring)
+        steps = work.work_per_step(batch.spec, tokens, ring)
     steps = steps / rows  # [device, step], per row
     if strategy == "allgather":
         return [float(steps.sum(1).max())]

@@ -59,13 +59,14 @@ def measure(ids: np.ndarray, positions: np.ndarray, num_shards: int,
     ``{block_q: positions}``, the order each kernel's tiles are counted in when it
     depends on the tile (per_document, aligned to the kernel's ``block_q``)."""
     laid = np.take_along_axis(ids, positions, 1)
-    tokens = work.work_per_shard(positions, laid, num_shards)
+    causal = MaskSpec(causal=True)
+    tokens = work.work_per_shard(causal, Tokens(positions, laid), num_shards)
     row = {"tokens": float(tokens.max() / tokens.mean()), "token_work": tokens.tolist()}
     for name, (block_q, block_k, count) in KERNEL_TILES.items():
         order = (aligned or {}).get(block_q, positions)
-        tiles = work.computed_tiles_per_shard(order, np.take_along_axis(ids, order, 1),
-                                              num_shards, block_q=block_q,
-                                              block_k=block_k, count=count)
+        tiles = work.computed_tiles_per_shard(
+            causal, Tokens(order, np.take_along_axis(ids, order, 1)), num_shards,
+            block_q=block_q, block_k=block_k, count=count)
         row[f"tiles {name}"] = float(tiles.max() / tiles.mean())
         row[f"busiest {name}"] = int(tiles.max())
         row[f"per device {name}"] = tiles.tolist()
@@ -118,8 +119,8 @@ def masked_measure(spec: MaskSpec, natural: Tokens, positions: np.ndarray, num_s
     per-shard counts, of ``natural`` (ids in natural order) laid out by ``positions``."""
     laid = Tokens(positions, *(None if x is None else np.take_along_axis(x, positions, 1)
                                for x in (natural.segment_ids, natural.bidirectional_ids)))
-    pairs = work.visible_per_shard(spec, laid, num_shards)
-    tiles = work.tiles_per_shard(spec, laid, num_shards, block_q=block)
+    pairs = work.work_per_shard(spec, laid, num_shards)
+    tiles = work.computed_tiles_per_shard(spec, laid, num_shards, block_q=block)
     return {"pairs": float(pairs.max() / pairs.mean()), "tiles": float(tiles.max() / tiles.mean()),
             "busiest tiles": int(tiles.max()), "pairs per device": pairs.tolist(), "tiles per device": tiles.tolist()}
 
