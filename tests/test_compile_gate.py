@@ -491,3 +491,40 @@ def test_packed_documents_compile(target):
         assert set(calls) == TRITON_ALL
     else:
         assert calls and all(c.startswith("mosaic:") for c in calls), calls
+
+
+@pytest.mark.compile_gate
+@pytest.mark.parametrize("target, mask", [
+    _on(target, mask) for target in (GPU, TPU) for mask in ("chunked", "bidirectional")])
+def test_new_masks_compile(target, mask):
+    """Chunked attention (``chunk_size`` not a multiple of the tiles) and bidirectional
+    spans (``bidirectional_ids``, with documents) through every strategy, forward + vjp,
+    with ``kernel="auto"``: Triton on GPU (no register spill), Mosaic on TPU."""
+    mesh = targets.target_mesh(target)
+    sharding = NamedSharding(mesh, P(None, "sp"))
+    batch, seq = 2, 2048
+    q, k, v = (jax.ShapeDtypeStruct((batch, seq, h, 128), jnp.bfloat16, sharding=sharding)
+               for h in (8, 2, 2))
+    ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=sharding)
+    masks_of = {"chunked": lambda ids: dict(chunk_size=600),
+                "bidirectional": lambda ids: dict(segment_ids=ids, bidirectional_ids=ids + 1)}
+    strategies = [dict(strategy=s) for s in ("ring", "ulysses", "allgather")] + [
+        dict(strategy="hybrid", ulysses_size=2)]
+
+    def attend(q, k, v, ids):
+        return [api.sequence_parallel_attention(q, k, v, mesh=mesh, causal=True,
+                                                **masks_of[mask](ids), **s)
+                for s in strategies]
+
+    def run(q, k, v, ids):
+        outs, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, ids), q, k, v)
+        return outs, vjp([jnp.ones_like(o) for o in outs])
+
+    platform = targets.target_platform(target)
+    program = aot.compile_for(run, (q, k, v, ids), platform,
+                              fail_on_spills=platform == "cuda")
+    calls = hlo.kernel_calls(program.compiled)
+    if platform == "cuda":
+        assert set(calls) == TRITON_ALL
+    else:
+        assert calls and all(c.startswith("mosaic:") for c in calls), calls

@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import importlib
 import io
 import os
@@ -183,8 +184,37 @@ def _check_models(ns, tolerances):
     np.testing.assert_allclose(out[:, ROWS], expected, **tolerances(out.dtype))
 
 
+@functools.partial(jax.jit, static_argnames="chunk_size")
+def _sampled_masked(q, k, v, segment_ids, bidirectional_ids, chunk_size=None):
+    """:func:`_sampled_reference` with bidirectional ids and chunks."""
+    rows = jnp.asarray(ROWS, jnp.int32)
+    kv_positions = jnp.arange(k.shape[1], dtype=jnp.int32)[None]
+    return reference.attention(
+        q[:, rows], k, v, causal=True, positions=rows[None], kv_positions=kv_positions,
+        segment_ids=None if segment_ids is None else segment_ids[:, rows],
+        kv_segment_ids=segment_ids,
+        bidirectional_ids=None if bidirectional_ids is None else bidirectional_ids[:, rows],
+        kv_bidirectional_ids=bidirectional_ids, chunk_size=chunk_size)
+
+
+def _check_masks(ns, tolerances):
+    # Laid out by the mask; back in natural order each output is its mask's attention.
+    positions = ns["positions"]
+    back = lambda x: jax_seqpar.unpermute_batch(  # noqa: E731
+        x, "per_document", num_shards=8, positions=positions)
+    natural = back(ns["batch"])
+    np.testing.assert_array_equal(natural["prompts"], ns["prompts"])
+    q = k = v = ns["embed"][natural["tokens"]]
+    docs, prompts = jnp.asarray(ns["docs"]), jnp.asarray(ns["prompts"])
+    for name, expected in (("prefix_lm", _sampled_masked(q, k, v, docs, prompts)),
+                           ("chunked", _sampled_masked(q, k, v, None, None, 1024))):
+        np.testing.assert_allclose(back(ns[name])[:, ROWS], expected,
+                                   **tolerances(ns[name].dtype))
+
+
 #: {block title: check(namespace after the block, tolerances fixture)}
-CHECKS = {"Usage": _check_usage, "Models: lay the batch out once.": _check_models}
+CHECKS = {"Usage": _check_usage, "Models: lay the batch out once.": _check_models,
+          "Masks beyond causal.": _check_masks}
 
 
 class _Session:
