@@ -29,8 +29,8 @@ from jax_seqpar.core.meshes import split_axis
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.planning import plan as planning
 from jax_seqpar.strategies import registry
-from jax_seqpar.strategies.inputs import (Call, Metadata, check_ids, check_self_attention,
-                                          empty_result)
+from jax_seqpar.strategies.inputs import (Call, Metadata, Operands, check_ids,
+                                          check_self_attention, empty_result)
 from jax_seqpar.strategies.local import local_attention
 
 #: What ``strategy=`` takes: a registered strategy that runs on the global view, or "auto".
@@ -194,12 +194,9 @@ def sequence_parallel_attention(
         checks.mesh_only(seq_axes=(seq_axes, "sp"), strategy=(strategy, "auto"),
                          layout=(layout, "auto"), batch_axes=(batch_axes, None),
                          ulysses_size=(ulysses_size, None))
-        return local_attention(
-            q, k, v, causal=causal, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-            positions=positions, kv_positions=positions, window=window, scale=scale,
-            kernel=kernel, block_sizes=block_sizes, softcap=softcap, sinks=sinks,
-            return_lse=return_lse, chunk_size=chunk_size, bidirectional_ids=bidirectional_ids,
-            mask_fn=mask_fn)
+        tokens = masks.Tokens(positions, segment_ids, bidirectional_ids)
+        kv_tokens = dataclasses.replace(tokens, segment_ids=kv_segment_ids)
+        return local_attention(q, k, v, call, Operands(tokens, kv_tokens, sinks))
     axes = (seq_axes,) if isinstance(seq_axes, str) else tuple(seq_axes)
     for name in axes:
         if name not in mesh.shape:

@@ -11,7 +11,6 @@ and locally without one (:func:`jax_seqpar.strategies.local.local_attention`).
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable, Optional, Union
 
 import jax
@@ -20,7 +19,7 @@ import numpy as np
 from jax.sharding import PartitionSpec as P
 
 from jax_seqpar.core import checks, masks
-from jax_seqpar.strategies.inputs import check_qkv
+from jax_seqpar.strategies.inputs import Call, Operands, check_qkv
 from jax_seqpar.api.attention import sequence_parallel_attention
 from jax_seqpar.strategies.local import local_attention
 from jax_seqpar.core.merge import with_sinks
@@ -292,15 +291,25 @@ def dot_product_attention(
             kv_segments = jnp.zeros((batch, kv_len), jnp.int32)
     elif kv_segments is not None:
         q_segments = jnp.zeros((batch, q_len), jnp.int32)
-    if mesh is None:
-        attend = local_attention
-    else:
-        attend = functools.partial(sequence_parallel_attention, mesh=mesh, seq_axes=seq_axes,
-                                   strategy=strategy, layout=layout, ulysses_size=ulysses_size)
     checks.mask_fn(spec, batch, q_len, kv_len)
-    attend = functools.partial(attend, causal=is_causal, window=local_window_size, scale=scale,
-                               kernel=kernel, block_sizes=block_sizes, softcap=softcap,
-                               chunk_size=spec.chunk_size, mask_fn=spec.mask_fn)
+    call = dataclasses.replace(
+        Call.make(causal=is_causal, window=local_window_size, scale=scale, kernel=kernel,
+                  block_sizes=block_sizes, softcap=softcap), spec=spec)
+    if mesh is None:
+        def attend(q, k, v, operands: Operands, return_lse: bool):
+            return local_attention(q, k, v, dataclasses.replace(call, return_lse=return_lse),
+                                   operands)
+    else:
+        def attend(q, k, v, operands: Operands, return_lse: bool):
+            q_tokens, kv_tokens = operands.q_tokens, operands.kv_tokens
+            return sequence_parallel_attention(
+                q, k, v, mesh=mesh, seq_axes=seq_axes, strategy=strategy, layout=layout,
+                ulysses_size=ulysses_size, causal=is_causal, window=local_window_size,
+                scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
+                chunk_size=spec.chunk_size, mask_fn=spec.mask_fn,
+                segment_ids=q_tokens.segment_ids, kv_segment_ids=kv_tokens.segment_ids,
+                bidirectional_ids=q_tokens.bidirectional_ids, sinks=operands.sinks,
+                return_lse=return_lse)
     q_tokens = masks.Tokens(None, q_segments, bidirectional_ids)  # [B, T] fields or None
     if kv_segments is not None and kv_segments.ndim == 3:  # a per-head mask
         if mesh is not None and (strategy in ("ulysses", "hybrid") or ulysses_size):
@@ -315,9 +324,9 @@ def dot_product_attention(
             out = out.astype(query.dtype)
         result = (out, lse) if return_residual else out
     else:
-        result = attend(query, key, value, segment_ids=q_segments, kv_segment_ids=kv_segments,
-                        bidirectional_ids=bidirectional_ids, sinks=sinks,
-                        return_lse=return_residual)
+        result = attend(query, key, value,
+                        Operands(q_tokens, masks.Tokens(None, kv_segments), sinks),
+                        return_residual)
     if not return_residual:
         return _squeeze(result, ndim)  # [B, T, N, Hv]
     out, lse = result  # [B, T, N, Hv], float32 [B, T, N]
@@ -332,8 +341,10 @@ def _squeeze(x, ndim: int):
 def _per_head(attend, query, key, value, q_tokens: masks.Tokens, kv_segments):
     """``attend`` with per-head key segments ``int32[B, N, S]``: each head a batch row.
 
-    ``q_tokens``: the queries' ``[B, T]`` segment and bidirectional ids (positions
-    None). Returns ``(out [B, T, N, Hv] in query.dtype, lse float32[B, T, N])``, no
+    ``attend(q, k, v, operands, return_lse)``: the call on ``[B*N, L, 1, D]`` rows
+    (:class:`~jax_seqpar.strategies.inputs.Operands`; the keys' bidirectional ids left
+    None: the queries'). ``q_tokens``: the queries' ``[B, T]`` segment and bidirectional
+    ids (positions None). Returns ``(out [B, T, N, Hv] in query.dtype, lse float32[B, T, N])``, no
     sinks (they are per head: the caller folds them in).
     """
     batch, _, heads = query.shape[:3]
@@ -343,9 +354,8 @@ def _per_head(attend, query, key, value, q_tokens: masks.Tokens, kv_segments):
     kv_segments = _reshape(kv_segments, (batch * heads, kv_segments.shape[2]),
                            (_joined(batch_entry, head_entry), seq_entry))  # [B*N, S]
     per_row = jax.tree.map(lambda ids: jnp.repeat(ids, heads, axis=0), q_tokens)  # [B*N, T]
-    out, lse = attend(*folded, segment_ids=per_row.segment_ids, kv_segment_ids=kv_segments,
-                      bidirectional_ids=per_row.bidirectional_ids,
-                      return_lse=True)  # [B*N, T, 1, Hv], float32 [B*N, T, 1]
+    operands = Operands(per_row, masks.Tokens(None, kv_segments))
+    out, lse = attend(*folded, operands, True)  # [B*N, T, 1, Hv], float32 [B*N, T, 1]
     out = _unfold_heads(out, query)  # [B, T, N, Hv]
     return out, _unfold_heads(lse[..., None], query)[..., 0]  # float32 [B, T, N]
 

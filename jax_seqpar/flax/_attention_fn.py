@@ -21,7 +21,7 @@ import jax.numpy as jnp
 
 from jax_seqpar.api.attention import sequence_parallel_attention
 from jax_seqpar.core import checks, masks
-from jax_seqpar.strategies.inputs import check_options
+from jax_seqpar.strategies.inputs import Call
 
 
 @dataclasses.dataclass(frozen=True)
@@ -52,9 +52,8 @@ class AttentionConfig:
     mask_fn: Optional[Callable] = None
 
     def __post_init__(self):  # refused when the layer is made, before any call
-        check_options(causal=self.causal, window=self.window, scale=self.scale,
-                      softcap=self.softcap)
-        masks.MaskSpec.make(self.causal, self.window, self.chunk_size, self.mask_fn)
+        Call.make(causal=self.causal, window=self.window, chunk_size=self.chunk_size,
+                  mask_fn=self.mask_fn, scale=self.scale, softcap=self.softcap)
 
     def keywords(self, causal: bool) -> dict:
         """The keywords of a call, ``causal`` switched on when either asks for it."""

@@ -11,9 +11,8 @@ from flax import nnx
 
 from jax_seqpar.api import inference
 from jax_seqpar.api.attention import sequence_parallel_attention
-from jax_seqpar.core import masks
 from jax_seqpar.flax._rope import apply_rope
-from jax_seqpar.strategies.inputs import check_options
+from jax_seqpar.strategies.inputs import Call
 
 
 class SelfAttention(nnx.Module):
@@ -106,8 +105,9 @@ class SelfAttention(nnx.Module):
         param_dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
-        check_options(causal=causal, window=window, scale=None, softcap=softcap)
-        masks.MaskSpec.make(causal, window, chunk_size, mask_fn)  # refused before any call
+        # refused before any call
+        Call.make(causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
+                  softcap=softcap)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be a positive multiple of "

@@ -76,12 +76,6 @@ def empty_result(q, v, return_lse: bool):
     return out, jnp.full(q.shape[:3], masks.EMPTY_LSE, jnp.float32)
 
 
-def check_options(*, causal, window, scale, softcap) -> None:
-    """Raise ``ValueError`` for a bad ``causal``, ``window``, ``scale`` or ``softcap``
-    (:meth:`Call.make`'s checks, for callers that check before they build a call)."""
-    Call.make(causal=causal, window=window, scale=scale, softcap=softcap)
-
-
 def shard_tokens(q, metadata: "Metadata", *, axis_name) -> masks.Tokens:
     """Metadata of this shard's tokens; positions default to the contiguous split.
 
