@@ -8,6 +8,8 @@ held by the compile gate, ``tests/test_compile_gate.py``).
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Optional
 
 import jax
@@ -23,12 +25,23 @@ def _width(d_qk: int, d_v: int) -> int:
     return max(HeadDim.of(d_qk).padded, HeadDim.of(d_v).padded)
 
 
-def default_block_sizes(d_qk: int, d_v: int, dtype) -> BlockSizes:
+def default_block_sizes(d_qk: int, d_v: int, dtype, *, rich_mask: bool = False) -> BlockSizes:
     """The Pallas kernel's tiles for these head dims and dtype (what a size left ``None``
     becomes): they compile without spills and within shared memory on both sm_80 and
     sm_90 (measured with ``experiments/gpu_resources.py``): the per-thread
     accumulators shrink as the head dims grow, so the tiles do; float32 (TF32x3
-    dots, three registers per operand value) takes smaller ones."""
+    dots, three registers per operand value) takes smaller ones. ``rich_mask``: the
+    mask tests more than positions and segment ids per element (chunks, bidirectional
+    ids, a ``mask_fn``): the dk/dv kernel, at 255 registers with segment ids alone,
+    then takes half the query rows per step (sm_90, head dim 128: 168 registers, no
+    spill, where the full tile spills)."""
+    sizes = _default_block_sizes(d_qk, d_v, dtype)
+    if rich_mask:
+        sizes = dataclasses.replace(sizes, block_q_bwd=max(16, sizes.block_q_bwd // 2))
+    return sizes
+
+
+def _default_block_sizes(d_qk: int, d_v: int, dtype) -> BlockSizes:
     width = _width(d_qk, d_v)
     if jnp.dtype(dtype) == jnp.float32:
         if width <= 64:

@@ -121,8 +121,11 @@ def _validate(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options,
     :func:`default_block_sizes`). Tiles must suit Triton unless ``interpret=True``."""
     contract.check_operands(q, k, v, q_tokens, kv_tokens, dtypes=core.DTYPES,
                             kernel_name=__name__)
-    options = options.resolved(default_block_sizes(q.shape[-1], v.shape[-1], q.dtype),
-                               __name__)
+    spec = options.spec
+    rich = (spec.chunk_size is not None or spec.mask_fn is not None
+            or q_tokens.bidirectional_ids is not None)
+    options = options.resolved(
+        default_block_sizes(q.shape[-1], v.shape[-1], q.dtype, rich_mask=rich), __name__)
     if interpret is not True:  # the program may be lowered for a GPU
         options.block_sizes.check_gpu()
     return options
