@@ -117,9 +117,16 @@ def test_prefill_then_decode_matches_reference(mesh_kind, strategy, heads, kv_he
     assert (per_shard.max(-1) - per_shard.min(-1) <= 1).all(), per_shard
 
 
-@pytest.mark.parametrize("new_tokens", [2])
-def test_decode_attention_is_exact_for_any_placement(new_tokens, tolerances):
-    """Slots shuffled across shards, empty slots marked -1 or EMPTY_POSITION."""
+def _every_third_key_hidden(q, kv):
+    return kv.positions % 3 != 1
+
+
+@pytest.mark.parametrize("new_tokens, mask", [
+    (2, {}), (2, dict(chunk_size=16)), (3, dict(mask_fn=_every_third_key_hidden))],
+    ids=["causal", "chunked", "mask_fn"])
+def test_decode_attention_is_exact_for_any_placement(new_tokens, mask, tolerances):
+    """Slots shuffled across shards, empty slots marked -1 or EMPTY_POSITION; the
+    per-shard decode takes chunks and a mask_fn on the slots' positions."""
     batch, capacity, heads, kv_heads, dim = 2, 64, 4, 2, 16
     _, k, v = _stream(batch, capacity, heads, kv_heads, dim, dim, jnp.float32, seed=4)
     q = checks.normal((batch, new_tokens, heads, dim), seed=5)
@@ -133,14 +140,14 @@ def test_decode_attention_is_exact_for_any_placement(new_tokens, tolerances):
     seq = P(None, axes)
     f = jax.shard_map(
         lambda q, k, v, n, pos: decode_attention(q, k, v, seq_axes=axes, kv_length=n,
-                                                 kv_positions=pos),
+                                                 kv_positions=pos, **mask),
         mesh=mesh, in_specs=(P(), seq, seq, P(), seq), out_specs=P())
     out = jax.jit(f)(q, placed(k), placed(v), jnp.asarray(kv_length), jnp.asarray(positions))
     for b, n in enumerate(kv_length):
         expected = reference.attention(
             q[b:b + 1], k[b:b + 1, :n], v[b:b + 1, :n], causal=True,
             positions=n - new_tokens + jnp.arange(new_tokens, dtype=jnp.int32)[None],
-            kv_positions=jnp.arange(n, dtype=jnp.int32)[None])
+            kv_positions=jnp.arange(n, dtype=jnp.int32)[None], **mask)
         np.testing.assert_allclose(out[b:b + 1], expected, **tolerances(jnp.float32))
 
 

@@ -23,7 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_seqpar.core import layout, masks
+from jax_seqpar.core import checks, layout, masks
 from jax_seqpar.kernels import tiling
 from jax_seqpar.strategies.inputs import Options, check_ids, check_qkv
 from jax_seqpar.kernels import make_options
@@ -90,7 +90,7 @@ def _hide_unwritten(kv_positions, kv_length):
 
 def decode_attention(q, k_cache, v_cache, *, seq_axes, kv_length, scale=None, kernel="auto",
                      kv_positions=None, window=None, block_sizes=None, softcap=None,
-                     sinks=None):
+                     sinks=None, chunk_size=None, mask_fn=None):
     """Attend new queries to a sequence-sharded cache (call inside ``shard_map``).
 
     Args:
@@ -111,11 +111,16 @@ def decode_attention(q, k_cache, v_cache, *, seq_axes, kv_length, scale=None, ke
         key blocks wholly outside every query's window are skipped.
       block_sizes: the kernel's tile sizes, or None.
       softcap: logit soft-cap, or None; sinks: ``[H]`` sink logits (replicated), or None.
+      chunk_size: a query sees only keys of its chunk (``position // chunk_size``);
+        mask_fn: a predicate on the queries' and the slots' metadata (their positions;
+        see :class:`jax_seqpar.core.masks.MaskSpec`). Both as in
+        :func:`jax_seqpar.sequence_parallel_attention`. (Bidirectional ids need the ids
+        the cache holds: :func:`jax_seqpar.api.inference.decode` keeps them.)
 
     Returns:
       ``[B, T, H, Dv]`` in ``q.dtype``, the same on every device.
 
-    >>> f = lambda q, k, v, n: decode_attention(q, k, v, axis_name="sp", kv_length=n)
+    >>> f = lambda q, k, v, n: decode_attention(q, k, v, seq_axes="sp", kv_length=n)
     >>> out = jax.shard_map(f, mesh=mesh, in_specs=(P(), P(None, "sp"), P(None, "sp"), P()),
     ...                     out_specs=P())(q, k_cache, v_cache, kv_length)
     """
@@ -126,8 +131,10 @@ def decode_attention(q, k_cache, v_cache, *, seq_axes, kv_length, scale=None, ke
         raise ValueError(f"kv_length must have shape [batch]=({batch},). "
                          f"Got {tuple(kv_length.shape)}.")
     check_ids("kv_positions", kv_positions, batch, k_cache.shape[1])
-    options = make_options(q, masks.MaskSpec.make(True, window), scale=scale, kernel=kernel,
-                           block_sizes=block_sizes, softcap=softcap)
+    spec = masks.MaskSpec.make(True, window, chunk_size, mask_fn)
+    checks.mask_fn(spec, batch, new_tokens, k_cache.shape[1])
+    options = make_options(q, spec, scale=scale, kernel=kernel, block_sizes=block_sizes,
+                           softcap=softcap)
     kv_length = kv_length.astype(jnp.int32)
     if kv_positions is None:
         kv_positions = layout.shard_positions("contiguous", k_cache.shape[1],
