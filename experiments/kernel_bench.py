@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jax_seqpar.kernels.gpu import pallas
 from jax_seqpar.kernels import xla
 from jax_seqpar.core.masks import MaskSpec, Tokens
-from jax_seqpar.kernels.contract import Options
+from jax_seqpar.kernels.options import Options
 
 CPU_MAX_SEQ = 1024
 IMPLEMENTATIONS = ("pallas", "cudnn", "xla")

@@ -27,7 +27,7 @@ import numpy as np
 from jax_seqpar import kernels
 from jax_seqpar.core import reference
 from jax_seqpar.core.masks import MaskSpec, Tokens
-from jax_seqpar.kernels.contract import Options
+from jax_seqpar.kernels.options import Options
 
 TOLERANCES = {jnp.float32: (2e-5, 2e-5), jnp.bfloat16: (2e-2, 5e-2)}
 CASES = [  # (batch, seq, heads, kv_heads, d_qk, d_v, causal, window, segments)

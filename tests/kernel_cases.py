@@ -27,7 +27,7 @@ import checks
 from jax_seqpar import kernels
 from jax_seqpar.core import reference
 from jax_seqpar.core.masks import PAD_SEGMENT, MaskSpec, Tokens
-from jax_seqpar.kernels.contract import Options
+from jax_seqpar.kernels.options import Options
 from jax_seqpar.kernels import make_options
 
 KERNELS = ("xla", "pallas", "mosaic")

@@ -26,7 +26,7 @@ import kernel_cases as kc
 from jax_seqpar import kernels
 from jax_seqpar.core import masks
 from jax_seqpar.core.masks import MaskSpec, Tokens
-from jax_seqpar.kernels.contract import Options
+from jax_seqpar.kernels.options import Options
 from jax_seqpar.kernels import make_options
 from kernel_cases import Case
 

@@ -1,7 +1,7 @@
 """The new mask families on every local kernel (``xla``, ``pallas`` and ``mosaic``, the last
 two in the Pallas interpreter), forward and backward, against
 :func:`jax_seqpar.core.reference.attention`; the tiles the kernels compute; the calls
-:class:`jax_seqpar.kernels.contract.Options` skips whole.
+:class:`jax_seqpar.kernels.options.Options` skips whole.
 
 Families (``tests/kernel_cases.py`` builds their tokens): Llama 4's chunked attention with
 a chunk that is not a multiple of the tile, a prefix-LM prompt per document (bidirectional

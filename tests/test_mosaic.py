@@ -16,7 +16,7 @@ import checks
 import kernel_cases as kc
 from jax_seqpar.core import masks
 from jax_seqpar.core.masks import MaskSpec, Tokens
-from jax_seqpar.kernels.contract import Options
+from jax_seqpar.kernels.options import Options
 from jax_seqpar.kernels.tpu import mosaic
 
 

@@ -2,7 +2,7 @@
 
 Strategies, kernels and the pipelines receive the mask and the per-call options as
 static objects (:class:`jax_seqpar.core.masks.MaskSpec`,
-:class:`jax_seqpar.kernels.contract.Options`, the API's frozen call description) and the
+:class:`jax_seqpar.kernels.options.Options`, the API's frozen call description) and the
 token metadata as one pytree (:class:`jax_seqpar.core.masks.Tokens`), built once from the
 public keywords at the entry points. This test counts, over every ``def`` and ``lambda``
 of the package (nested ones too), the functions that take each option as a parameter.

@@ -21,7 +21,7 @@ import pytest
 import kernel_cases as kc
 from jax_seqpar.core import masks
 from jax_seqpar.core.masks import MaskSpec, Tokens
-from jax_seqpar.kernels.contract import Options
+from jax_seqpar.kernels.options import Options
 from jax_seqpar.kernels.gpu import _core as _pallas_core, pallas
 from jax_seqpar.kernels.tiling import Tiling
 from kernel_cases import Case

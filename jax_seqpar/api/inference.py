@@ -50,7 +50,7 @@ from jax.sharding import PartitionSpec as P
 
 from jax_seqpar.core import checks, masks
 from jax_seqpar.kernels import tiling
-from jax_seqpar.kernels.contract import Options
+from jax_seqpar.kernels.options import Options
 from jax_seqpar.kernels import make_options
 from jax_seqpar.strategies.inputs import check_qkv, check_self_attention
 from jax_seqpar.api import placement as _placement
@@ -269,7 +269,7 @@ class _Decode:
     """The static options of a decode step (hashable: the key of its compiled program).
 
     Attributes:
-      options: the kernel's options (:class:`jax_seqpar.kernels.contract.Options`, an
+      options: the kernel's options (:class:`jax_seqpar.kernels.options.Options`, an
         always causal :class:`~jax_seqpar.core.masks.MaskSpec`).
       check_capacity: a refused step raises (see :func:`decode`).
       check_vma: whether ``shard_map`` may check varying manual axes (not for kernels

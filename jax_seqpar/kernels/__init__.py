@@ -22,7 +22,8 @@ from typing import Mapping
 
 from jax_seqpar.core import checks
 from jax_seqpar.core.masks import MaskSpec
-from jax_seqpar.kernels.contract import BlockSizes, Kernel, Options, check_softcap
+from jax_seqpar.kernels.contract import BlockSizes, Kernel, check_softcap
+from jax_seqpar.kernels.options import Options
 
 __all__ = ["KERNELS", "BlockSizes", "Kernel", "Options", "PerPlatform", "get", "make_options",
            "may_interpret"]
@@ -75,7 +76,7 @@ class PerPlatform:
     """A kernel that is a different kernel module on each lowering platform.
 
     It has the kernel contract (``forward``, ``backward``, ``attention``, taking the
-    :class:`~jax_seqpar.kernels.contract.Options` of the modules it stands for) and
+    :class:`~jax_seqpar.kernels.options.Options` of the modules it stands for) and
     stages one branch per platform with :func:`jax.lax.platform_dependent`, so nothing
     is decided before lowering.
 
@@ -185,7 +186,7 @@ def may_interpret(kernel: str) -> bool:
 
 def make_options(q, spec: MaskSpec, *, scale=None, kernel: str = "auto", block_sizes=None,
                  softcap=None) -> Options:
-    """The static :class:`~jax_seqpar.kernels.contract.Options` of a call on queries
+    """The static :class:`~jax_seqpar.kernels.options.Options` of a call on queries
     ``q [..., Dqk]`` (for the default scale ``1/sqrt(Dqk)``): the mask ``spec``, the
     kernel :func:`get` chooses for ``kernel``, its tiles and soft-cap, all checked."""
     scale = checks.scale(scale)

@@ -14,7 +14,7 @@ It has the kernel contract (:mod:`jax_seqpar.kernels.contract`), shared with
 :func:`backward` (given the final ``lse`` and ``delta = sum(dout * out, -1) - dlse``)
 -> float32 ``(dq, dk, dv)``, and :func:`attention`, a ``custom_vjp`` of both that
 takes cotangents for ``out`` AND ``lse``. Every function takes the call's
-:class:`~jax_seqpar.kernels.contract.Options`: the mask, the scale, the soft-cap
+:class:`~jax_seqpar.kernels.options.Options`: the mask, the scale, the soft-cap
 (logits ``s = scale * q.k`` become ``softcap * tanh(s / softcap)`` before masking) and
 any positive tile sizes (:class:`~jax_seqpar.kernels.contract.BlockSizes`).
 
@@ -31,7 +31,8 @@ import jax.numpy as jnp
 
 from jax_seqpar.core import compat as _compat, masks
 from jax_seqpar.kernels import contract
-from jax_seqpar.kernels.contract import BlockSizes, Options, check_softcap
+from jax_seqpar.kernels.contract import BlockSizes, check_softcap
+from jax_seqpar.kernels.options import Options
 from jax_seqpar.kernels.tiling import Tiling, pad_seq, schedule
 from jax_seqpar.core.masks import Tokens
 
@@ -161,7 +162,7 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options, accu
     Args:
       q: ``[B, Sq, H, Dqk]``; k: ``[B, Sk, Hkv, Dqk]``; v: ``[B, Sk, Hkv, Dv]``.
       q_tokens, kv_tokens: metadata of the queries (``[B, Sq]``) and keys (``[B, Sk]``).
-      options: the call's :class:`~jax_seqpar.kernels.contract.Options`: ``spec`` (the
+      options: the call's :class:`~jax_seqpar.kernels.options.Options`: ``spec`` (the
         mask), ``scale``, ``softcap`` (``softcap * tanh(s / softcap)`` of the logits, or
         None) and ``block_sizes`` (any positive ints; None, or a size left None:
         :func:`default_block_sizes`).

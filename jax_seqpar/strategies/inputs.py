@@ -15,7 +15,8 @@ import jax
 import jax.numpy as jnp
 
 from jax_seqpar.core import checks, layout, masks
-from jax_seqpar.kernels.contract import Options, check_softcap
+from jax_seqpar.kernels.contract import check_softcap
+from jax_seqpar.kernels.options import Options
 from jax_seqpar.kernels import make_options
 
 

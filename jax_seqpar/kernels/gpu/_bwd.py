@@ -117,7 +117,7 @@ def _head_splits(programs: int, group: int) -> int:
 @contract.folds_vmap
 def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options, interpret):
     """:func:`jax_seqpar.kernels.gpu.pallas.backward` after validation (``options``
-    resolved: :meth:`jax_seqpar.kernels.contract.Options.resolved`)."""
+    resolved: :meth:`jax_seqpar.kernels.options.Options.resolved`)."""
     operands = (q, k, v, q_tokens, kv_tokens, lse, delta, dout)
     q, k, v, q_tokens, kv_tokens, lse, delta, dout = _compat.match_varying(operands, operands)
     (q_len, heads), kv_heads = q.shape[1:3], k.shape[2]

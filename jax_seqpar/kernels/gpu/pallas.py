@@ -64,7 +64,8 @@ from jax_seqpar.kernels import contract
 from jax_seqpar.kernels.gpu import _config as config
 from jax_seqpar.kernels.gpu import _core as core
 from jax_seqpar.kernels.gpu._config import compiles_clean, default_block_sizes
-from jax_seqpar.kernels.contract import BlockSizes, Options
+from jax_seqpar.kernels.contract import BlockSizes
+from jax_seqpar.kernels.options import Options
 from jax_seqpar.kernels.gpu._core import HeadDim
 from jax_seqpar.kernels.tiling import pad_seq, padded_tokens
 from jax_seqpar.core.masks import Tokens
@@ -139,7 +140,7 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options, accu
       q: ``[B, Sq, H, Dqk]``; k: ``[B, Sk, Hkv, Dqk]``; v: ``[B, Sk, Hkv, Dv]``;
         one dtype among float32 / bfloat16 / float16, ``H % Hkv == 0``.
       q_tokens, kv_tokens: metadata of the queries (``[B, Sq]``) and keys (``[B, Sk]``).
-      options: the call's :class:`~jax_seqpar.kernels.contract.Options`: ``spec`` (the
+      options: the call's :class:`~jax_seqpar.kernels.options.Options`: ``spec`` (the
         mask), ``scale``, ``softcap`` (logits ``s = scale * q.k`` become
         ``softcap * tanh(s / softcap)`` before masking, Gemma 2; None: no cap) and
         ``block_sizes`` (powers of two >= 16 unless ``interpret=True``; None, or a size

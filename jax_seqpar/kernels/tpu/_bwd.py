@@ -96,7 +96,7 @@ def _dkv_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref, d
 @contract.folds_vmap
 def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options, dq_in=None):
     """:func:`jax_seqpar.kernels.tpu.mosaic.backward` after validation (``options``
-    resolved: :meth:`jax_seqpar.kernels.contract.Options.resolved`).
+    resolved: :meth:`jax_seqpar.kernels.options.Options.resolved`).
 
     ``dq_in``: float32 ``[B, Sq, H, Dqk]`` gradient so far (a ring's running dq), added
     to dq in the dq kernel, in place: no float32 dq per call and no add after it.

@@ -5,7 +5,7 @@ The kernel contract (:mod:`jax_seqpar.kernels.contract`), like
 :func:`backward` (given the final ``lse`` and ``delta = sum(dout * out, -1) - dlse``)
 -> float32 ``(dq, dk, dv)``, and :func:`attention`, a ``custom_vjp`` of both that
 takes cotangents for ``out`` AND ``lse``. Every function takes the call's
-:class:`~jax_seqpar.kernels.contract.Options` (mask, scale, tiles, ``softcap``: scores
+:class:`~jax_seqpar.kernels.options.Options` (mask, scale, tiles, ``softcap``: scores
 ``s = scale * q.k`` become ``softcap * tanh(s / softcap)`` before masking).
 
 How the work is cut (FlashAttention-2):
@@ -46,7 +46,8 @@ from jax_seqpar.core import compat as _compat, masks
 from jax_seqpar.kernels.tpu import _bwd as _mosaic_bwd
 from jax_seqpar.kernels import contract
 from jax_seqpar.kernels.tpu import _common as mc
-from jax_seqpar.kernels.contract import BlockSizes, Options
+from jax_seqpar.kernels.contract import BlockSizes
+from jax_seqpar.kernels.options import Options
 from jax_seqpar.kernels.tiling import pad_seq, schedule
 from jax_seqpar.core.masks import Tokens
 
@@ -130,7 +131,7 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options, accu
       q: ``[B, Sq, H, Dqk]``; k: ``[B, Sk, Hkv, Dqk]``; v: ``[B, Sk, Hkv, Dv]``;
         one dtype, float32 or bfloat16 (the MXU inputs), ``H % Hkv == 0``.
       q_tokens, kv_tokens: metadata of the queries (``[B, Sq]``) and keys (``[B, Sk]``).
-      options: the call's :class:`~jax_seqpar.kernels.contract.Options`: ``spec`` (the
+      options: the call's :class:`~jax_seqpar.kernels.options.Options`: ``spec`` (the
         mask), ``scale``, ``softcap`` (``s -> c * tanh(s / c)``, or None) and
         ``block_sizes`` (multiples of 128; None, or a size left None:
         :func:`default_block_sizes`).
