@@ -16,13 +16,13 @@ from typing import Callable, Optional, Union
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec as P
 
 from jax_seqpar.core import checks, masks
 from jax_seqpar.strategies.inputs import Call, Operands, check_qkv
 from jax_seqpar.api.attention import sequence_parallel_attention
 from jax_seqpar.strategies.local import local_attention
 from jax_seqpar.core.merge import with_sinks
+from jax_seqpar.api.head_rows import per_head
 
 # Segment ids of the metadata: a query sees a key when their ids are equal, so a padded
 # (or masked) key and a padded query, each with an id of its own, see nothing.
@@ -87,49 +87,6 @@ def _key_segments(mask, kv_lengths, batch: int, kv_len: int):
         return None
     segments = jnp.where(visible, _REAL, _MASKED_KEY).astype(jnp.int32)
     return segments[:, 0] if segments.shape[1] == 1 else segments
-
-
-def _entries(x) -> tuple:
-    """The PartitionSpec entry of each dim of ``x``'s type (all None off Explicit meshes)."""
-    spec = tuple(getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ())
-    return (spec + (None,) * x.ndim)[:x.ndim]
-
-
-def _reshape(x, shape: tuple, spec: tuple):
-    """``x.reshape(shape)``, sharded ``spec`` where ``x``'s type is sharded (an Explicit
-    reshape that merges or splits sharded dims must name its result's sharding)."""
-    if all(e is None for e in _entries(x)):
-        return x.reshape(shape)
-    return jax.lax.reshape(x, shape, out_sharding=jax.typeof(x).sharding.update(spec=P(*spec)))
-
-
-def _joined(*entries):
-    """One PartitionSpec entry sharding a merged dim over the axes of ``entries`` in order."""
-    names = tuple(name for entry in entries if entry is not None
-                  for name in (entry if isinstance(entry, tuple) else (entry,)))
-    return None if not names else names[0] if len(names) == 1 else names
-
-
-def _fold_heads(x, groups: int):
-    """``[B, L, K, D] -> [B*N, L, 1, D]`` (``N = K * groups``): every head a batch row of its
-    own, key/value heads repeated to the query head they serve."""
-    x = jnp.repeat(x, groups, axis=2) if groups > 1 else x  # [B, L, N, D]
-    batch, length, heads, dim = x.shape
-    batch_entry, seq_entry, head_entry, _ = _entries(x)
-    x = _reshape(jnp.moveaxis(x, 2, 1), (batch * heads, length, dim),
-                 (_joined(batch_entry, head_entry), seq_entry, None))  # [B*N, L, D]
-    return x[:, :, None]
-
-
-def _unfold_heads(x, query):
-    """``[B*N, T, 1, ...] -> [B, T, N, ...]`` sharded like ``query``: the inverse of
-    :func:`_fold_heads` on a result."""
-    batch, _, heads = query.shape[:3]
-    batch_entry, seq_entry, head_entry = _entries(query)[:3]
-    x = x[:, :, 0]  # [B*N, T, ...]
-    rest = (None,) * (x.ndim - 2)
-    x = _reshape(x, (batch, heads) + x.shape[1:], (batch_entry, head_entry, seq_entry) + rest)
-    return jnp.moveaxis(x, 1, 2)  # [B, T, N, ...]
 
 
 def dot_product_attention(
@@ -318,7 +275,7 @@ def dot_product_attention(
                 f"as a batch row of its own (one head each), which strategy={strategy!r} "
                 "cannot split over devices by heads; use strategy='ring', 'allgather' or "
                 "'auto', or a mask shared by the heads ([B, 1, 1, S]).")
-        out, lse = _per_head(attend, query, key, value, q_tokens, kv_segments)
+        out, lse = per_head(attend, query, key, value, q_tokens, kv_segments)
         if sinks is not None:  # per head: folded in once the heads are unfolded
             out, lse = with_sinks(out.astype(jnp.float32), lse, sinks)
             out = out.astype(query.dtype)
@@ -336,28 +293,6 @@ def dot_product_attention(
 def _squeeze(x, ndim: int):
     """``x`` without the leading unit dims :func:`_ensure_4d` gave an ``ndim``-D input."""
     return jnp.squeeze(x, tuple(range(4 - ndim)))
-
-
-def _per_head(attend, query, key, value, q_tokens: masks.Tokens, kv_segments):
-    """``attend`` with per-head key segments ``int32[B, N, S]``: each head a batch row.
-
-    ``attend(q, k, v, operands, return_lse)``: the call on ``[B*N, L, 1, D]`` rows
-    (:class:`~jax_seqpar.strategies.inputs.Operands`; the keys' bidirectional ids left
-    None: the queries'). ``q_tokens``: the queries' ``[B, T]`` segment and bidirectional
-    ids (positions None). Returns ``(out [B, T, N, Hv] in query.dtype, lse float32[B, T, N])``, no
-    sinks (they are per head: the caller folds them in).
-    """
-    batch, _, heads = query.shape[:3]
-    groups = heads // key.shape[2]
-    folded = [_fold_heads(x, g) for x, g in ((query, 1), (key, groups), (value, groups))]
-    batch_entry, head_entry, seq_entry = _entries(kv_segments)
-    kv_segments = _reshape(kv_segments, (batch * heads, kv_segments.shape[2]),
-                           (_joined(batch_entry, head_entry), seq_entry))  # [B*N, S]
-    per_row = jax.tree.map(lambda ids: jnp.repeat(ids, heads, axis=0), q_tokens)  # [B*N, T]
-    operands = Operands(per_row, masks.Tokens(None, kv_segments))
-    out, lse = attend(*folded, operands, True)  # [B*N, T, 1, Hv], float32 [B*N, T, 1]
-    out = _unfold_heads(out, query)  # [B, T, N, Hv]
-    return out, _unfold_heads(lse[..., None], query)[..., 0]  # float32 [B, T, N]
 
 
 def _check_bidirectional(ids, ndim: int, is_causal: bool, batch: int, q_len: int,
