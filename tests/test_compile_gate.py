@@ -458,12 +458,11 @@ def test_longest_fitting_bisects():
     assert bench_target._longest_fitting(lambda n: True, 1024, 8192, 2**16) == 2**16
 
 
-@pytest.mark.compile_gate
-@pytest.mark.parametrize("target", [_on(GPU), _on(TPU)])
-def test_packed_documents_compile(target):
-    """Packed documents (segment ids, per-document positions, B=2: per-row tile plans
-    and the ring's whole-step skip) through every strategy, forward + vjp, with
-    ``kernel="auto"``: Triton on GPU (no spill), Mosaic on TPU."""
+def _compiles_every_strategy_with(target, keywords_of):
+    """Ring, Ulysses, all-gather and a one-axis hybrid (``ulysses_size=2``), causal, with
+    the mask keywords ``keywords_of(ids, positions)`` (two ``int32[B, S]`` arrays, B=2,
+    S=2048), forward + vjp in one program, ``kernel="auto"``: every Triton kernel on GPU
+    (a spill is a compile error), Mosaic kernels only on TPU."""
     mesh = targets.target_mesh(target)
     sharding = NamedSharding(mesh, P(None, "sp"))
     batch, seq = 2, 2048
@@ -475,8 +474,8 @@ def test_packed_documents_compile(target):
         dict(strategy="hybrid", ulysses_size=2)]
 
     def attend(q, k, v, ids, positions):
-        return [api.sequence_parallel_attention(
-            q, k, v, mesh=mesh, causal=True, segment_ids=ids, positions=positions, **s)
+        return [api.sequence_parallel_attention(q, k, v, mesh=mesh, causal=True,
+                                                **keywords_of(ids, positions), **s)
                 for s in strategies]
 
     def run(q, k, v, ids, positions):
@@ -494,37 +493,25 @@ def test_packed_documents_compile(target):
 
 
 @pytest.mark.compile_gate
+@pytest.mark.parametrize("target", [_on(GPU), _on(TPU)])
+def test_packed_documents_compile(target):
+    """Packed documents (segment ids, per-document positions: per-row tile plans and the
+    ring's whole-step skip) through every strategy (:func:`_compiles_every_strategy_with`)."""
+    _compiles_every_strategy_with(
+        target, lambda ids, positions: dict(segment_ids=ids, positions=positions))
+
+
+#: The new mask families of the gate: chunks that are not a multiple of the tiles, and
+#: bidirectional spans within documents.
+NEW_MASKS = {"chunked": lambda ids, positions: dict(chunk_size=600),
+             "bidirectional": lambda ids, positions: dict(segment_ids=ids,
+                                                          bidirectional_ids=ids + 1)}
+
+
+@pytest.mark.compile_gate
 @pytest.mark.parametrize("target, mask", [
-    _on(target, mask) for target in (GPU, TPU) for mask in ("chunked", "bidirectional")])
+    _on(target, mask) for target in (GPU, TPU) for mask in NEW_MASKS])
 def test_new_masks_compile(target, mask):
-    """Chunked attention (``chunk_size`` not a multiple of the tiles) and bidirectional
-    spans (``bidirectional_ids``, with documents) through every strategy, forward + vjp,
-    with ``kernel="auto"``: Triton on GPU (no register spill), Mosaic on TPU."""
-    mesh = targets.target_mesh(target)
-    sharding = NamedSharding(mesh, P(None, "sp"))
-    batch, seq = 2, 2048
-    q, k, v = (jax.ShapeDtypeStruct((batch, seq, h, 128), jnp.bfloat16, sharding=sharding)
-               for h in (8, 2, 2))
-    ids = jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=sharding)
-    masks_of = {"chunked": lambda ids: dict(chunk_size=600),
-                "bidirectional": lambda ids: dict(segment_ids=ids, bidirectional_ids=ids + 1)}
-    strategies = [dict(strategy=s) for s in ("ring", "ulysses", "allgather")] + [
-        dict(strategy="hybrid", ulysses_size=2)]
-
-    def attend(q, k, v, ids):
-        return [api.sequence_parallel_attention(q, k, v, mesh=mesh, causal=True,
-                                                **masks_of[mask](ids), **s)
-                for s in strategies]
-
-    def run(q, k, v, ids):
-        outs, vjp = jax.vjp(lambda q, k, v: attend(q, k, v, ids), q, k, v)
-        return outs, vjp([jnp.ones_like(o) for o in outs])
-
-    platform = targets.target_platform(target)
-    program = aot.compile_for(run, (q, k, v, ids), platform,
-                              fail_on_spills=platform == "cuda")
-    calls = hlo.kernel_calls(program.compiled)
-    if platform == "cuda":
-        assert set(calls) == TRITON_ALL
-    else:
-        assert calls and all(c.startswith("mosaic:") for c in calls), calls
+    """Chunked attention and bidirectional spans through every strategy
+    (:func:`_compiles_every_strategy_with`): no register spill on GPU, Mosaic on TPU."""
+    _compiles_every_strategy_with(target, NEW_MASKS[mask])
