@@ -9,8 +9,9 @@ the remainder. Each hop forwards the needed suffix (prefix) of what the previous
 hop brought, so a device sends exactly ``left + right`` tokens of K/V, whatever P.
 The positions of the halo are known (the split is contiguous), so only K/V and
 segment ids (and bidirectional ids) travel. With bidirectional ids a causal query also
-sees later keys of its id, so the halo keeps the window's right side then. Permutations do not wrap around the sequence ends: shard 0
-gets zeros from "the left", at positions (mod S) the window never reaches.
+sees later keys of its id, so the halo keeps the window's right side then. Permutations
+do not wrap around the sequence ends: shard 0 gets zeros from "the left", at positions
+(mod S) the window never reaches.
 
 Used only when ``left + right < S - L`` (else the window reaches nearly every
 shard and the full ring is as cheap) and only for the contiguous split: with any
