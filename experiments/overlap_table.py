@@ -70,12 +70,13 @@ def loss_program(target, strategy, axes, shape, *, backward, overlap="auto"):
 
 
 def dump(args):
+    from jax_seqpar.core.shape import LayerShape
     from jax_seqpar.tools import bench, bench_target, hlo
 
     os.makedirs(args.dir, exist_ok=True)
-    shape = bench.BenchShape(batch=1, seq_len=args.seq, num_heads=args.heads,
-                             num_kv_heads=args.kv_heads, head_dim=args.head_dim,
-                             dtype="bfloat16", causal=True)
+    shape = LayerShape(batch=1, seq_len=args.seq, num_heads=args.heads,
+                       num_kv_heads=args.kv_heads, head_dim=args.head_dim,
+                       dtype="bfloat16", causal=True)
     for target in args.targets.split(","):
         for strategy in args.strategies.split(","):
             for mode in args.modes.split(","):

@@ -7,11 +7,8 @@ and the global-view entry points, :func:`sequence_parallel_attention` and the
 
 The package is layered (``docs/design.md`` §2): ``core`` → ``kernels`` →
 ``strategies`` → ``planning`` → ``api`` → ``flax``, ``examples`` → ``tools``; each
-imports only the layers before it. Module paths from before the layers
-(``jax_seqpar.plan``, ``jax_seqpar.layout``, ...) still import (:mod:`jax_seqpar._moved`).
+imports only the layers before it.
 """
-
-from jax_seqpar import _moved
 
 from jax_seqpar.api.attention import sequence_parallel_attention as sequence_parallel_attention
 from jax_seqpar.api.dot_product import dot_product_attention as dot_product_attention
@@ -31,5 +28,3 @@ from jax_seqpar.strategies.hybrid import hybrid_attention as hybrid_attention
 from jax_seqpar.strategies.ring import ring_attention as ring_attention
 from jax_seqpar.strategies.registry import comm_bytes as comm_bytes
 from jax_seqpar.strategies.ulysses import ulysses_attention as ulysses_attention
-
-_moved.install()

@@ -129,3 +129,32 @@ def strategy_mesh(strategy: str):
     if strategy == "hybrid":
         return jax.sharding.Mesh(devices.reshape(2, 4), ("dcn", "ici")), ("dcn", "ici")
     return jax.sharding.Mesh(devices, ("sp",)), "sp"
+
+
+def record_xla_tiles(monkeypatch, record: Callable) -> None:
+    """Make the XLA kernel's forward report, when it runs, each call as
+    ``record("call", -1, q_position, kv_position)`` and each tile it computes as
+    ``record("tile", row, q_position, kv_position)`` (the first position of the call's or
+    the tile's queries and keys, which name them), through ``jax.debug.callback``.
+    Programs traced before (a cached ``jit``) report nothing: clear the caches first."""
+    from jax_seqpar.kernels import xla
+
+    def report(kind, row, q_positions, kv_positions):
+        jax.debug.callback(lambda *a: record(kind, *(int(x) for x in a)), row,
+                           q_positions[0, 0], kv_positions[0, 0])
+
+    schedule, tile_step = xla.schedule, xla._tile_step
+
+    def scheduled(spec, tiling, q_tokens, kv_tokens):
+        q_tokens, kv_tokens, classes = schedule(spec, tiling, q_tokens, kv_tokens)
+        report("call", -1, q_tokens.positions, kv_tokens.positions)
+        return q_tokens, kv_tokens, classes
+
+    def reported(row, tile_class, spec, q_tile, kv_tile, update, carry):
+        def counted(carry, mask):
+            report("tile", row, q_tile.positions, kv_tile.positions)
+            return update(carry, mask)
+        return tile_step(row, tile_class, spec, q_tile, kv_tile, counted, carry)
+
+    monkeypatch.setattr(xla, "schedule", scheduled)
+    monkeypatch.setattr(xla, "_tile_step", reported)

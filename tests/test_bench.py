@@ -123,7 +123,6 @@ def test_cli_error_is_a_message_and_status_2(capsys):
 def test_bad_dtype():
     with pytest.raises(ValueError, match="dtype='int8' is not a floating-point dtype"):
         TINY.replace(dtype="int8")
-    assert bench.BenchShape is LayerShape  # the old name of the one record
 
 
 # --- projection (the planner's time model: no devices) ----------------------------

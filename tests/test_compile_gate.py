@@ -31,13 +31,14 @@ from jax_seqpar.tools import aot, bench, bench_report, bench_target, hlo, schedu
 from jax_seqpar.api import attention as api
 from jax_seqpar import comm_bytes, kernels
 from jax_seqpar.core.masks import MaskSpec, Tokens
+from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.kernels import make_options
 from jax_seqpar.planning import hardware, predict
 from jax_seqpar.strategies import registry
 
 GPU, TPU = "h100:8", "v5p:2x2x2"
-SHAPE = bench.BenchShape(batch=1, seq_len=4096, num_heads=16, num_kv_heads=4, head_dim=128,
-                         dtype="bfloat16", causal=True)
+SHAPE = LayerShape(batch=1, seq_len=4096, num_heads=16, num_kv_heads=4, head_dim=128,
+               dtype="bfloat16", causal=True)
 MESHES = {"ulysses": {"sp": 8}, "ring": {"sp": 8}, "allgather": {"sp": 8},
           "hybrid": {"dcn": 2, "ici": 4}}
 TRITON_FORWARD = {"triton:seqpar_flash_forward"}

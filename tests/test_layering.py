@@ -4,17 +4,14 @@ within one; no import cycle; no module imports another's private name or private
 """
 
 import ast
-import importlib
 import pathlib
 
-from jax_seqpar._moved import MOVED
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent / "jax_seqpar"
 #: The layers, lowest first; a module may import its own layer and the ones before it.
 LAYERS = ("core", "kernels", "strategies", "planning", "api", "flax", "examples", "tools")
-#: Top-level modules outside the layers: the facade that re-exports the public API, and
-#: the table of moved module paths (it names modules as strings and imports none).
-TOP = {"jax_seqpar", "jax_seqpar._moved"}
+#: The top-level module outside the layers: the facade that re-exports the public API.
+TOP = {"jax_seqpar"}
 
 
 def _modules() -> dict:
@@ -118,11 +115,3 @@ def test_no_import_cycles():
         if module not in state:
             visit(module, [module])
     assert not cycles, "\n".join(cycles)
-
-
-def test_moved_paths_import_the_new_module():
-    """Code written against the flat layout (``import jax_seqpar.plan``) runs unchanged."""
-    for old, new in MOVED.items():
-        assert importlib.import_module(f"jax_seqpar.{old}") is importlib.import_module(
-            f"jax_seqpar.{new}"), old
-    from jax_seqpar.layout import zigzag_permute  # noqa: F401  (a name through an old path)

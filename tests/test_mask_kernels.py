@@ -22,6 +22,7 @@ import pytest
 from jax.experimental import pallas as pl
 
 import kernel_cases as kc
+from checks import record_xla_tiles
 from jax_seqpar.core import masks
 from jax_seqpar.core.masks import MaskSpec, Tokens
 from jax_seqpar.kernels import make_options, tiling, xla
@@ -100,8 +101,8 @@ def _computed_tiles(kernel: str, case: Case, monkeypatch) -> list:
         def record(kind, row, q_position, kv_position):
             if kind == "tile":
                 seen.append((row, q_position // tile, kv_position // tile))
-        with xla.recording_tiles(record):
-            jax.block_until_ready(jax.jit(options.forward)(q, k, v, q_tokens, kv_tokens))
+        record_xla_tiles(monkeypatch, record)
+        jax.block_until_ready(jax.jit(options.forward)(q, k, v, q_tokens, kv_tokens))
         return seen
 
     def report(*index):
@@ -181,17 +182,18 @@ def test_mosaic_plan_runs_the_non_empty_tiles():
 
 # --- whole calls skipped by Options --------------------------------------------------------
 
-def _calls(options, q, k, v, q_tokens, kv_tokens, accumulate):
+def _calls(options, q, k, v, q_tokens, kv_tokens, accumulate, monkeypatch):
     """``(result, kernel calls run)`` of ``options.forward`` with ``accumulate``."""
     events = []
-    with xla.recording_tiles(lambda kind, *_: events.append(kind)):
-        result = jax.block_until_ready(jax.jit(options.forward)(q, k, v, q_tokens, kv_tokens,
-                                                                accumulate))
+    record_xla_tiles(monkeypatch, lambda kind, *_: events.append(kind))
+    result = jax.block_until_ready(jax.jit(options.forward)(q, k, v, q_tokens, kv_tokens,
+                                                            accumulate))
+    monkeypatch.undo()
     return result, events.count("call")
 
 
 @pytest.mark.parametrize("family", ["chunks", "bidirectional"])
-def test_options_skip_calls_with_no_visible_pair(family):
+def test_options_skip_calls_with_no_visible_pair(family, monkeypatch):
     """A ring step whose keys share no chunk with its queries (or, causal, lie after them
     with no shared bidirectional id) costs no kernel call and keeps ``accumulate``
     exactly; one whose keys share a chunk (an id) runs and changes it."""
@@ -209,12 +211,12 @@ def test_options_skip_calls_with_no_visible_pair(family):
         apart = Tokens(positions + 16, bidirectional_ids=2 * ids)
         near = Tokens(positions + 16, bidirectional_ids=ids)
     options = make_options(q, spec, kernel="xla", block_sizes=xla.BlockSizes(8, 8, 8, 8))
-    skipped, calls = _calls(options, q, k, v, q_tokens, apart, accumulate)
+    skipped, calls = _calls(options, q, k, v, q_tokens, apart, accumulate, monkeypatch)
     assert calls == 0
     for got, given in zip(skipped, accumulate):
         np.testing.assert_array_equal(got, given)
     assert not bool(tiling.any_visible(spec, q_tokens, apart))
-    ran, calls = _calls(options, q, k, v, q_tokens, near, accumulate)
+    ran, calls = _calls(options, q, k, v, q_tokens, near, accumulate, monkeypatch)
     assert calls == 1
     assert not np.allclose(ran[0], accumulate[0])
 

@@ -198,12 +198,11 @@ def test_causal_window_halo_fetches_the_right_side_with_bidirectional_ids(strate
     _check(strategy, keywords, tolerances, shape=(1, 64, 8, 2, 8), layout="contiguous")
 
 
-def test_ring_runs_a_kernel_only_for_shard_pairs_with_a_visible_pair():
+def test_ring_runs_a_kernel_only_for_shard_pairs_with_a_visible_pair(monkeypatch):
     """Chunked causal attention in the ring: the forward's kernel calls, counted as they
-    run (the XLA kernel's test hook), equal the (query shard, key shard) pairs that hold
+    run (``checks.record_xla_tiles``), equal the (query shard, key shard) pairs that hold
     a visible (query, key) pair; every other step is skipped."""
     from jax_seqpar.core import masks
-    from jax_seqpar.kernels import xla
 
     batch, seq, shards = 1, 64, 8
     keywords = dict(causal=True, chunk_size=16)  # a chunk spans two shards
@@ -217,7 +216,8 @@ def test_ring_runs_a_kernel_only_for_shard_pairs_with_a_visible_pair():
     pairs = visible.reshape(shards, local, shards, local).any(axis=(1, 3))
     events = []
     jax.clear_caches()  # a program traced before reports nothing
-    with jax.set_mesh(mesh), xla.recording_tiles(lambda *event: events.append(event[0])):
+    checks.record_xla_tiles(monkeypatch, lambda *event: events.append(event[0]))
+    with jax.set_mesh(mesh):
         out = jax.jit(lambda q, k, v: sp.sequence_parallel_attention(
             q, k, v, mesh=mesh, strategy="ring", positions=positions, kernel=KERNEL,
             **keywords))(q, k, v)

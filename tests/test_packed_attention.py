@@ -91,13 +91,13 @@ def test_layout_per_document_needs_segment_ids(make_qkv):
 
 
 @pytest.mark.parametrize("layout", ["per_document", "contiguous"])
-def test_kernels_compute_only_tiles_and_steps_that_share_a_document(layout, make_qkv):
+def test_kernels_compute_only_tiles_and_steps_that_share_a_document(layout, make_qkv,
+                                                                     monkeypatch):
     """The XLA kernel's computed tiles and kernel calls in a ring, counted as they run,
     equal what work.computed_tiles_per_shard predicts: tiles whose queries and keys share
     no document (per batch row) are skipped, and so are whole ring steps (short documents
     in natural order: a shard shares documents with its neighbours only)."""
     from jax_seqpar.core import work
-    from jax_seqpar.kernels import xla
 
     batch, seq, shards, block = 2, 256, 8, 8
     ids = np.stack([np.arange(seq) // 16, np.arange(seq) // 24 + 100])  # short documents
@@ -111,13 +111,13 @@ def test_kernels_compute_only_tiles_and_steps_that_share_a_document(layout, make
     mesh, axes = _mesh("ring")
     events = []
     jax.clear_caches()  # a program traced before reports nothing
-    with xla.recording_tiles(lambda *event: events.append(event[0])):
-        out = jax.jit(lambda q, k, v: sp.sequence_parallel_attention(
-            q, k, v, mesh=mesh, seq_axes=axes, strategy="ring", causal=True,
-            segment_ids=ids, positions=positions, kernel="xla",
-            block_sizes=sp.kernels.BlockSizes(block, block)))(q, k, v)
-        jax.block_until_ready(out)
-        jax.effects_barrier()
+    checks.record_xla_tiles(monkeypatch, lambda *event: events.append(event[0]))
+    out = jax.jit(lambda q, k, v: sp.sequence_parallel_attention(
+        q, k, v, mesh=mesh, seq_axes=axes, strategy="ring", causal=True,
+        segment_ids=ids, positions=positions, kernel="xla",
+        block_sizes=sp.kernels.BlockSizes(block, block)))(q, k, v)
+    jax.block_until_ready(out)
+    jax.effects_barrier()
     per_step = work.computed_tiles_per_shard(
         MaskSpec(causal=True), Tokens(np.asarray(positions), np.asarray(ids)), shards,
         block_q=block, per_step=True)

@@ -35,13 +35,6 @@ def place(x, mesh, spec):
     return x
 
 
-def place_on(x, mesh, spec):
-    """Constrain ``x`` (from another mesh over the same devices) to ``spec`` on ``mesh``."""
-    if is_explicit(mesh):
-        return jax.reshard(x, NamedSharding(mesh, spec))
-    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
-
-
 def entry_size(mesh, entry) -> int:
     """Number of devices a PartitionSpec entry (None, a name or a tuple) spans."""
     if entry is None:

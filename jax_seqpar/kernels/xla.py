@@ -25,7 +25,6 @@ Paper: FlashAttention-2, arXiv:2307.08691.
 
 from __future__ import annotations
 
-import contextlib
 import jax
 import jax.numpy as jnp
 
@@ -83,46 +82,6 @@ def _put(buffer, row, index, tile):
     return jax.lax.dynamic_update_slice(buffer, tile, start)
 
 
-#: Test hook (:func:`recording_tiles`): a function the forward's calls and computed
-#: tiles report to, or None.
-_RECORD = None
-
-
-@contextlib.contextmanager
-def recording_tiles(record):
-    """Test hook: forward calls TRACED inside this context report, when they run, each call
-    as ``record("call", -1, q_position, kv_position)`` and each tile they compute as
-    ``record("tile", row, q_position, kv_position)`` (the first position of the call's
-    or the tile's queries and keys, which name them), through ``jax.debug.callback``.
-    A program traced before (a cached ``jit``) reports nothing."""
-    global _RECORD
-    previous, _RECORD = _RECORD, record
-    try:
-        yield
-    finally:
-        _RECORD = previous
-
-
-def _report(kind, row, q_positions, kv_positions):
-    """While recording: report ``(kind, row, first q / kv position)`` when this runs."""
-    record = _RECORD
-    if record is not None:
-        jax.debug.callback(lambda *a: record(kind, *(int(x) for x in a)), row,
-                           q_positions[0, 0], kv_positions[0, 0])
-
-
-def _reported(row, q_positions, kv_positions, branch):
-    """A tile ``branch`` that reports its tile first (:func:`_report`)."""
-    if _RECORD is None:
-        return branch
-
-    def reporting(carry):
-        _report("tile", row, q_positions, kv_positions)
-        return branch(carry)
-
-    return reporting
-
-
 def _heads_first(x):
     """``[B, block, *heads, F] -> [B, *heads, block, F]``: tile products become batched matmuls."""
     return jnp.moveaxis(x, 1, -2).astype(_F32)
@@ -142,6 +101,16 @@ def _tile_mask(spec, q_tile: Tokens, kv_tile: Tokens):
     """``bool[B, 1, 1, bq, bk]`` for one tile pair (broadcasts over heads)."""
     mask = masks.visible(spec, masks.rows(q_tile), masks.cols(kv_tile))
     return None if mask is None else mask[:, None, None]
+
+
+def _tile_step(row, tile_class, spec, q_tile: Tokens, kv_tile: Tokens, update, carry):
+    """One key tile of a query tile of batch ``row``, by its class: skipped (EMPTY),
+    ``update(carry, mask)`` with its mask (PARTIAL) or without (FULL)."""
+    return jax.lax.switch(tile_class, [
+        lambda c: c,
+        lambda c: update(c, _tile_mask(spec, q_tile, kv_tile)),
+        lambda c: update(c, None),
+    ], carry)
 
 
 def _scores(q_tile, k_tile, options: Options):
@@ -183,7 +152,6 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options):
     spec, tiles = options.spec, options.block_sizes
     t = _tiling(q, k, tiles.block_q, tiles.block_k)
     q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # [B, nq, nk]
-    _report("call", -1, q_tokens.positions, kv_tokens.positions)
     d_v = v.shape[-1]
     hg = (t.kv_heads, t.group)
     q = pad_seq(q, t.num_q * t.block_q).reshape(t.batch, -1, *hg, q.shape[-1])  # [B, Sq, Hkv, G, D]
@@ -194,7 +162,6 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options):
         b, i = index // t.num_q, index % t.num_q
         q_tile = _heads_first(_tile(q, b, i, t.block_q))  # [1, Hkv, G, bq, D]
         qt = _token_tile(q_tokens, b, i, t.block_q)  # [1, bq] fields
-        qp = qt.positions
 
         def update(carry, k_tile, v_tile, mask):
             m, l, acc = carry  # [1, Hkv, G, bq], same, [1, Hkv, G, bq, Dv]
@@ -210,14 +177,8 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options):
         def kv_block(j, carry):
             k_tile, v_tile = (_heads_first(_tile(x, b, j, t.block_k)) for x in (k, v))
             kt = _token_tile(kv_tokens, b, j, t.block_k)
-            kp = kt.positions
-            branches = [
-                lambda c: c,
-                lambda c: update(c, k_tile, v_tile, _tile_mask(spec, qt, kt)),
-                lambda c: update(c, k_tile, v_tile, None),
-            ]
-            branches[1:] = [_reported(b, qp, kp, f) for f in branches[1:]]
-            return jax.lax.switch(classes[b, i, j], branches, carry)
+            return _tile_step(b, classes[b, i, j], spec, qt, kt,
+                              lambda c, mask: update(c, k_tile, v_tile, mask), carry)
 
         stats_shape = (1, *hg, t.block_q)
         init = (jnp.full(stats_shape, masks.EMPTY_LSE, _F32), jnp.zeros(stats_shape, _F32),

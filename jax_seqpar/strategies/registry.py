@@ -40,7 +40,6 @@ class Strategy:
         divide the query heads (K/V heads are replicated up to it).
       zigzag_balances: whether the zigzag order balances its causal work (a ring's
         steps); Ulysses attends the whole sequence on every device: balanced already.
-      windows, sinks: whether it serves sliding windows and attention sinks.
       global_view: whether :func:`jax_seqpar.sequence_parallel_attention` runs it
         (decode runs against a KV cache: :mod:`jax_seqpar.api.inference`).
       pieces: ``pieces(shape, devices) -> (forward, backward)``: into how many pieces
@@ -58,8 +57,6 @@ class Strategy:
     seq_axes: int = 1
     splits_heads: bool = False
     zigzag_balances: bool = False
-    windows: bool = True
-    sinks: bool = True
     global_view: bool = True
     pieces: Optional[Callable] = None
 

@@ -51,10 +51,6 @@ REFERENCE_GRAD_LIMIT = 2**24
 MIB = 2.0**20
 
 
-#: The name the bench's shape had before the layer had one record; new code says LayerShape.
-BenchShape = LayerShape
-
-
 def parse_mesh(text: str) -> dict:
     """``"sp=8"`` -> ``{"sp": 8}``; ``"dcn=2,ici=4"`` -> ``{"dcn": 2, "ici": 4}`` (outer first)."""
     axes = {}

@@ -301,12 +301,6 @@ def plot_masked(result: dict, path: str) -> None:
     figure.savefig(path, dpi=110)
 
 
-def heavy_tailed_ratios(result: dict) -> dict:
-    """``{layout: median token busiest/mean}`` of the heavy-tailed mix (before/after)."""
-    return {r["layout"]: r["tokens"]["median"] for r in result["balance"]
-            if r["mix"] == "heavy_tailed"}
-
-
 __all__ = ["KERNEL_TILES", "LAYOUTS", "MASKED_LAYOUTS", "balance", "format_packed",
-           "heavy_tailed_ratios", "masked_balance", "masked_measure", "masked_positions",
+           "masked_balance", "masked_measure", "masked_positions",
            "measure", "plot_masked", "plot_packed", "positions_of", "ring_times", "run_packed"]
