@@ -67,7 +67,7 @@ def main():
     for strategy in args.strategies.split(","):
         model = functools.partial(sp.comm_bytes, strategy, batch=1, seq_len=args.seq,
                                   num_heads=args.heads, num_kv_heads=args.kv_heads,
-                                  head_dim=args.head_dim, seq_axes=8, dtype_bytes=4)
+                                  head_dim=args.head_dim, axis_sizes=8, dtype_bytes=4)
         natural = layer_bytes(strategy, laid_out=False, **shape)
         laid = layer_bytes(strategy, laid_out=True, **shape)
         for name, a, b, m in (("fwd", natural[0], laid[0], model()),

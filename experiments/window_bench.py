@@ -123,7 +123,7 @@ def measure(target: str, seq: int, window: int, num_shards: int, label: str, str
         hlo_bytes=sum(hlo.collective_bytes(compiled).values()),
         model_bytes=comm_bytes(strategy, batch=1, seq_len=seq, num_heads=HEADS,
                                num_kv_heads=KV_HEADS, head_dim=HEAD_DIM,
-                               seq_axes=num_shards, dtype_bytes=4, backward=True,
+                               axis_sizes=num_shards, dtype_bytes=4, backward=True,
                                window=(window, 0) if windowed else None, causal=True),
         temp_mib=hlo.memory_bytes(compiled)["temp"] / 2**20, kernels=_kernels(compiled),
         compile_s=program.seconds)

@@ -90,7 +90,7 @@ def test_layer_with_positions_sends_exactly_comm_bytes():
                           causal=True, positions=positions)
     model = functools.partial(comm_bytes, "ring", batch=batch, seq_len=seq,
                               num_heads=heads, num_kv_heads=kv_heads, head_dim=dim,
-                              seq_axes=8, dtype_bytes=4)
+                              axis_sizes=8, dtype_bytes=4)
     fwd = hlo.collective_bytes(jax.jit(f).lower(q, k, v).compile())
     assert sum(fwd.values()) == model(), fwd
     vjp = lambda q, k, v, dout: jax.vjp(f, q, k, v)[1](dout)  # noqa: E731
@@ -153,7 +153,7 @@ def test_auto_mesh_dp_sp_sends_the_groups_bytes():
     sent = hlo.collective_bytes(jax.jit(f).lower(q, k, k).compile())
     assert sum(sent.values()) == comm_bytes(
         "ring", batch=batch // 2, seq_len=seq, num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=dim, seq_axes=4, dtype_bytes=4), sent
+        head_dim=dim, axis_sizes=4, dtype_bytes=4), sent
 
 
 def test_batch_axes_errors(make_qkv):
@@ -218,6 +218,6 @@ def test_global_window_ring_sends_only_the_halo():
                           causal=True, window=(64, 0))
     sent = sum(hlo.collective_bytes(jax.jit(f).lower(q, k, k).compile()).values())
     model = functools.partial(comm_bytes, "ring", batch=1, seq_len=1024, num_heads=8,
-                              num_kv_heads=2, head_dim=16, seq_axes=8, dtype_bytes=4,
+                              num_kv_heads=2, head_dim=16, axis_sizes=8, dtype_bytes=4,
                               causal=True)
     assert sent == model(window=(64, 0)) < model() / 4

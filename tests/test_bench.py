@@ -41,7 +41,7 @@ def test_run_measures_every_strategy(tiny_result):
                                                          rel=0.01), row
         assert row["err_out"] < 1e-4 and row["err_grad"] < 1e-4, row
     assert rows[("ring", "sp=8")]["model_fwd_bytes"] == comm_bytes(
-        "ring", seq_axes=8, **TINY.replace(backward=False).comm_kwargs())
+        "ring", axis_sizes=8, **TINY.replace(backward=False).comm_kwargs())
     assert rows[("ring", "sp=8")]["layout"] == "zigzag"  # causal ring: balanced order
     assert rows[("ulysses", "sp=8")]["layout"] == "contiguous"
 
@@ -176,7 +176,7 @@ def test_projection_bytes_are_comm_bytes_and_plan_is_marked():
             assert "not divisible" in row["reason"]  # ulysses: 64 heads on 256 chips
             continue
         assert row["bytes_per_device"] == pytest.approx(comm_bytes(
-            row["strategy"], batch=1, seq_len=131072, seq_axes=sizes, backward=True, **GQA))
+            row["strategy"], batch=1, seq_len=131072, axis_sizes=sizes, backward=True, **GQA))
     for chips, mesh in ((8, {"ici": 8}), (256, {"dcn": 32, "ici": 8})):
         planned = [r["strategy"] for r in rows if r["chips"] == chips and r["planned"]]
         assert planned == [plan(131072, 64, 8, 128, mesh).strategy]

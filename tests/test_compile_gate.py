@@ -186,7 +186,7 @@ def _sends_comm_bytes(strategy, mode, compiled):
     all-gather's dK/dV accumulators in float32 but for the hop home, in bf16). Checked
     on TPU, where it was compiled; XLA:CPU sends bf16 as float32."""
     sizes = tuple(MESHES[strategy].values())
-    expected = comm_bytes(strategy, seq_axes=sizes if len(sizes) > 1 else sizes[0],
+    expected = comm_bytes(strategy, axis_sizes=sizes if len(sizes) > 1 else sizes[0],
                           **SHAPE.replace(backward=mode == "fwd_bwd").comm_kwargs())
     assert sum(hlo.collective_bytes(compiled).values()) == expected, (mode, expected)
 

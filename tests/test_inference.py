@@ -86,7 +86,7 @@ def test_prefill_then_decode_matches_reference(mesh_kind, strategy, heads, kv_he
     prefill = jax.jit(functools.partial(inference.prefill, strategy=strategy, causal=causal,
                                         window=window, **options))
     out, cache = prefill(q[:, :prompt_len], k[:, :prompt_len], v[:, :prompt_len], cache,
-                         lengths=jnp.asarray(lengths))
+                         seq_lengths=jnp.asarray(lengths))
     assert out.shape == (batch, prompt_len, heads, v_head_dim) and out.dtype == dtype
     np.testing.assert_array_equal(cache.length, lengths)
     stream = _expected_stream(q, k, v, window=window, **options)  # [B, N, H, Dv]
@@ -139,7 +139,7 @@ def test_decode_attention_is_exact_for_any_placement(new_tokens, mask, tolerance
     mesh, axes = _mesh("auto")
     seq = P(None, axes)
     f = jax.shard_map(
-        lambda q, k, v, n, pos: decode_attention(q, k, v, seq_axes=axes, kv_length=n,
+        lambda q, k, v, n, pos: decode_attention(q, k, v, seq_axes=axes, seq_lengths=n,
                                                  kv_positions=pos, **mask),
         mesh=mesh, in_specs=(P(), seq, seq, P(), seq), out_specs=P())
     out = jax.jit(f)(q, placed(k), placed(v), jnp.asarray(kv_length), jnp.asarray(positions))
@@ -165,7 +165,7 @@ def test_comm_bytes_decode_matches_compiled_hlo(new_tokens, heads, kv_heads, hea
     measured = hlo.collective_bytes(jax.jit(inference.decode).lower(q, k, v, cache).compile())
     predicted = comm_bytes("decode", batch=batch, seq_len=new_tokens, num_heads=heads,
                            num_kv_heads=kv_heads, head_dim=head_dim, v_head_dim=v_head_dim,
-                           seq_axes=8, dtype_bytes=dtype(0).itemsize)
+                           axis_sizes=8, dtype_bytes=dtype(0).itemsize)
     assert sum(measured.values()) == measured["all-reduce"] == predicted, measured
     # One pmax of the lse and the psums of the weights and outputs, all float32.
     assert predicted == 2 * 7 / 8 * 4 * batch * new_tokens * heads * (v_head_dim + 2)
@@ -192,8 +192,8 @@ def _small_cache(**kwargs):
                  r"must match the cache's \(batch, Hkv, Dqk, Dv\)=\(2, 2, 16, 16\)",
                  id="kv-heads"),
     pytest.param(lambda: inference.prefill(*_stream(2, 8, 4, 2, 16, 16, jnp.float32),
-                                           _small_cache(), lengths=jnp.ones(3, jnp.int32)),
-                 r"lengths must have shape \[batch\]=\(2,\)", id="lengths"),
+                                           _small_cache(), seq_lengths=jnp.ones(3, jnp.int32)),
+                 r"seq_lengths must have shape \[batch\]=\(2,\)", id="lengths"),
     pytest.param(lambda: inference.decode(*_stream(2, 65, 4, 2, 16, 16, jnp.float32),
                                           _small_cache()),
                  "65 new tokens do not fit a cache of capacity=64", id="too-many-new"),
@@ -246,7 +246,7 @@ def test_a_refused_step_writes_no_token_of_any_row():
     cache = inference.KVCache.create(mesh, batch=2, capacity=16, num_kv_heads=2, head_dim=16,
                                      dtype=jnp.float32)
     _, cache = inference.prefill(q[:, :14], k[:, :14], v[:, :14], cache,
-                                 lengths=jnp.array([14, 3], jnp.int32))
+                                 seq_lengths=jnp.array([14, 3], jnp.int32))
     before = _snapshot(cache)
     with pytest.raises(ValueError, match=r"row 0 holds length=14 and 3 new token"):
         inference.decode(q[:, :3], k[:, :3], v[:, :3], cache)

@@ -142,7 +142,7 @@ def test_prefix_lm_prefilled_bidirectionally_then_decoded_token_by_token(mesh, t
     at = lambda x, t: x[np.arange(B), lengths + t][:, None]  # noqa: E731
 
     out, cache = jax.jit(inference.prefill)(q[:, :prompt], k[:, :prompt], v[:, :prompt],
-                                            _cache(mesh), lengths=jnp.asarray(lengths),
+                                            _cache(mesh), seq_lengths=jnp.asarray(lengths),
                                             bidirectional_ids=jnp.asarray(prompt_ids))
     for b in range(B):
         np.testing.assert_allclose(out[b, :lengths[b]], expected[b, :lengths[b]],

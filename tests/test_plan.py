@@ -41,15 +41,15 @@ def _positions_per_token(p):
 
 @pytest.mark.parametrize("p, seed_elements", [(4, 6144), (8, 3584), (16, 1920), (64, 504)])
 def test_ulysses_matches_seed_formula(p, seed_elements):
-    sent = comm_bytes("ulysses", batch=1, seq_len=N, seq_axes=p, dtype_bytes=1, **MHA)
+    sent = comm_bytes("ulysses", batch=1, seq_len=N, axis_sizes=p, dtype_bytes=1, **MHA)
     assert sent / N == seed_elements + _positions_per_token(p)
     assert seed_elements == 4 * 64 * 128 * (p - 1) / p**2
 
 
 def test_ring_seed_cases():
-    ring_mha = comm_bytes("ring", batch=1, seq_len=N, seq_axes=8, dtype_bytes=1, **MHA)
+    ring_mha = comm_bytes("ring", batch=1, seq_len=N, axis_sizes=8, dtype_bytes=1, **MHA)
     assert ring_mha / N == 64 * 128 * 2 * 7 / 8 + _positions_per_token(8)  # seed: 224
-    ring_mla = comm_bytes("ring", batch=1, seq_len=N, seq_axes=8, dtype_bytes=1, **MLA)
+    ring_mla = comm_bytes("ring", batch=1, seq_len=N, axis_sizes=8, dtype_bytes=1, **MLA)
     assert ring_mla / N == (576 + 512) * 7 / 8 + _positions_per_token(8)  # seed: 576 * 7/8
 
 
@@ -63,7 +63,7 @@ def test_ring_seed_cases():
 def test_ulysses_replicates_kv_heads(heads, kv_heads, p, kv_heads_sent):
     assert kv_heads_sent == kv_heads * p // math.gcd(kv_heads, p)
     sent = comm_bytes("ulysses", batch=2, seq_len=N, num_heads=heads, num_kv_heads=kv_heads,
-                      head_dim=16, v_head_dim=8, seq_axes=p, dtype_bytes=2)
+                      head_dim=16, v_head_dim=8, axis_sizes=p, dtype_bytes=2)
     local_tokens = 2 * N // p
     per_token = heads * 16 + kv_heads_sent * 16 + kv_heads_sent * 8 + heads * 8
     assert sent == local_tokens * per_token * 2 * (p - 1) / p + (p - 1) * local_tokens * 4
@@ -93,7 +93,7 @@ SMALL = dict(batch=2, seq_len=256, num_heads=8, num_kv_heads=2, head_dim=16, v_h
     ("allgather", True, True, 7 / 8 * (98304 + 4096) + 8 * 12288),
 ])
 def test_comm_bytes_hand_computed(strategy, backward, segments, expected):
-    assert comm_bytes(strategy, seq_axes=8, backward=backward, with_segment_ids=segments,
+    assert comm_bytes(strategy, axis_sizes=8, backward=backward, with_segment_ids=segments,
                       **SMALL) == expected
 
 
@@ -105,7 +105,7 @@ def test_allgather_bf16_sends_float32_gradients(window):
     # one (home, the sums done) in bf16. With a causal window of 40 (a halo of 40
     # tokens): 40 tokens of bf16 K/V forward and of float32 dK/dV back.
     shape = dict(SMALL, dtype_bytes=2)
-    sent = comm_bytes("allgather", seq_axes=8, backward=True, window=window, causal=True,
+    sent = comm_bytes("allgather", axis_sizes=8, backward=True, window=window, causal=True,
                       **shape)
     if window is None:
         assert sent == 7 / 8 * (49152 + 2048) + 7 * 12288 + 6144
@@ -123,10 +123,10 @@ def test_hybrid_hand_computed():
     gather_positions = 3 * 128 * 4
     rotation = 1 * (512 * 1 * 32 * 2 + 512 * 4)
     accumulators = 512 * 1 * 32 * (4 + 2)  # float32 on the ring's hop, bf16 home
-    assert comm_bytes("hybrid", seq_axes=(2, 4), **shape) == a2a + gather_positions + rotation
+    assert comm_bytes("hybrid", axis_sizes=(2, 4), **shape) == a2a + gather_positions + rotation
     # Backward: dout in, dq out in bf16; the replicated K/V's dK/dV out in float32.
     grads_a2a = 128 * (8 * 16 + 8 * 16) * 2 * 3 / 4 + 128 * (4 * 16 + 4 * 16) * 4 * 3 / 4
-    assert comm_bytes("hybrid", seq_axes=(2, 4), backward=True, **shape) == (
+    assert comm_bytes("hybrid", axis_sizes=(2, 4), backward=True, **shape) == (
         a2a + grads_a2a + gather_positions + 2 * rotation + accumulators)
 
 
@@ -134,17 +134,17 @@ def test_hybrid_hand_computed():
 def test_hybrid_degenerates(backward):
     shape = dict(SMALL, backward=backward)
     rows = 2048 * 7 / 8 if backward else 0  # Ulysses' <dout, out> rows; the hybrid's ring
-    assert comm_bytes("hybrid", seq_axes=(1, 8), **shape) + rows == comm_bytes(  # keeps out
-        "ulysses", seq_axes=8, **shape)
-    assert comm_bytes("hybrid", seq_axes=(8, 1), **shape) == comm_bytes(
-        "ring", seq_axes=8, **shape)
-    assert comm_bytes("ring", seq_axes=(2, 4), **shape) == comm_bytes(
-        "ring", seq_axes=8, **shape)
+    assert comm_bytes("hybrid", axis_sizes=(1, 8), **shape) + rows == comm_bytes(  # keeps out
+        "ulysses", axis_sizes=8, **shape)
+    assert comm_bytes("hybrid", axis_sizes=(8, 1), **shape) == comm_bytes(
+        "ring", axis_sizes=8, **shape)
+    assert comm_bytes("ring", axis_sizes=(2, 4), **shape) == comm_bytes(
+        "ring", axis_sizes=8, **shape)
 
 
 @pytest.mark.parametrize("strategy", ["ulysses", "ring", "allgather"])
 def test_one_device_sends_nothing(strategy):
-    assert comm_bytes(strategy, seq_axes=1, backward=True, **SMALL) == 0.0
+    assert comm_bytes(strategy, axis_sizes=1, backward=True, **SMALL) == 0.0
 
 
 def test_crossover_near_4hd_over_dkv():
@@ -152,8 +152,8 @@ def test_crossover_near_4hd_over_dkv():
     latent = dict(num_heads=64, num_kv_heads=1, head_dim=288, v_head_dim=288)  # 576 per token
     crossover = 4 * 64 * 128 / 576
     for p in (2, 4, 8, 16, 32, 64):
-        ulysses = comm_bytes("ulysses", batch=1, seq_len=N * 64, seq_axes=p, **MHA)
-        ring = comm_bytes("ring", batch=1, seq_len=N * 64, seq_axes=p, **latent)
+        ulysses = comm_bytes("ulysses", batch=1, seq_len=N * 64, axis_sizes=p, **MHA)
+        ring = comm_bytes("ring", batch=1, seq_len=N * 64, axis_sizes=p, **latent)
         assert (ulysses > ring) == (p < crossover), p
 
 
@@ -165,13 +165,13 @@ def test_crossover_near_4hd_over_dkv():
     (dict(num_kv_heads=3), "num_heads=8 must be a multiple of num_kv_heads=3"),
     (dict(head_dim=0), "head_dim must be a positive int. Got head_dim=0"),
     (dict(dtype_bytes=0), "dtype_bytes must be a positive number"),
-    (dict(seq_axes=(2, 0)), "seq_axes must be a positive int"),
-    (dict(strategy="hybrid"), r"hybrid needs seq_axes=\(outer, inner\). Got \(8,\)"),
-    (dict(strategy="hybrid", seq_axes=(1, 8), num_heads=4, num_kv_heads=4),
+    (dict(axis_sizes=(2, 0)), "axis_sizes must be a positive int"),
+    (dict(strategy="hybrid"), r"hybrid needs axis_sizes=\(outer, inner\). Got \(8,\)"),
+    (dict(strategy="hybrid", axis_sizes=(1, 8), num_heads=4, num_kv_heads=4),
      "num_heads=4 is not divisible by the ulysses \\(inner\\) axis size 8"),
 ])
 def test_comm_bytes_errors(kwargs, message):
-    args = dict(SMALL, strategy="ulysses", seq_axes=8)
+    args = dict(SMALL, strategy="ulysses", axis_sizes=8)
     args.update(kwargs)
     strategy = args.pop("strategy")
     with pytest.raises(ValueError, match=message):
@@ -210,13 +210,13 @@ def test_plan_choices(args, kwargs, strategy, reason):
     assert chosen.reason == reason
     assert chosen.bytes_per_device == chosen.candidates[strategy] == min(
         chosen.candidates.values())
-    seq_len, heads, kv_heads, head_dim, seq_axes = args
-    sizes = seq_axes if isinstance(seq_axes, int) else tuple(seq_axes.values())
+    seq_len, heads, kv_heads, head_dim, axis_sizes = args
+    sizes = axis_sizes if isinstance(axis_sizes, int) else tuple(axis_sizes.values())
     sizes = sizes[0] if isinstance(sizes, tuple) and len(sizes) == 1 else sizes
     assert chosen.axis_sizes == sizes
     assert chosen.bytes_per_device == comm_bytes(
         strategy, batch=1, seq_len=seq_len, num_heads=heads, num_kv_heads=kv_heads,
-        head_dim=head_dim, v_head_dim=kwargs.get("v_head_dim"), seq_axes=sizes,
+        head_dim=head_dim, v_head_dim=kwargs.get("v_head_dim"), axis_sizes=sizes,
         backward=True)
 
 
@@ -229,10 +229,10 @@ def test_plan_from_mesh_shape():
     assert plan(4096, 8, 8, 64, {"seq": 8}).seq_axes == "seq"
 
 
-@pytest.mark.parametrize("seq_axes", ["sp", {}, {"a": 2, "b": 2, "c": 2}, {"sp": 0}])
-def test_plan_rejects_bad_mesh_axes(seq_axes):
-    with pytest.raises(ValueError, match="seq_axes"):
-        plan(4096, 8, 8, 64, seq_axes)
+@pytest.mark.parametrize("axis_sizes", ["sp", {}, {"a": 2, "b": 2, "c": 2}, {"sp": 0}])
+def test_plan_rejects_bad_mesh_axes(axis_sizes):
+    with pytest.raises(ValueError, match="axis_sizes"):
+        plan(4096, 8, 8, 64, axis_sizes)
 
 
 def test_plan_validates_through_comm_bytes():
@@ -274,18 +274,18 @@ def test_layer_shape_errors(kwargs, message):
                                head_dim=16), **kwargs))
 
 
-@pytest.mark.parametrize("strategy, seq_axes", [
+@pytest.mark.parametrize("strategy, axis_sizes", [
     ("ulysses", 8), ("ring", 8), ("allgather", 4), ("hybrid", (2, 4))])
 @pytest.mark.parametrize("extra", [
     dict(), dict(backward=False), dict(segment_ids=True), dict(causal=True, window=(32, 32))])
-def test_comm_bytes_of_a_layer_shape_is_its_keywords(strategy, seq_axes, extra):
+def test_comm_bytes_of_a_layer_shape_is_its_keywords(strategy, axis_sizes, extra):
     shape = LayerShape(2, 256, 8, 2, 16, 8, dtype="float32", **extra)
     keywords = dict(batch=2, seq_len=256, num_heads=8, num_kv_heads=2, head_dim=16,
                     v_head_dim=8, dtype_bytes=4, backward=extra.get("backward", True),
                     with_segment_ids=extra.get("segment_ids", False),
                     window=extra.get("window"), causal=extra.get("causal", False))
-    assert comm_bytes(strategy, seq_axes=seq_axes, **shape.comm_kwargs()) == comm_bytes(
-        strategy, seq_axes=seq_axes, **keywords)
+    assert comm_bytes(strategy, axis_sizes=axis_sizes, **shape.comm_kwargs()) == comm_bytes(
+        strategy, axis_sizes=axis_sizes, **keywords)
 
 
 @pytest.mark.parametrize("hardware", [None, "h100"])
@@ -341,6 +341,6 @@ def test_comm_bytes_matches_compiled_hlo(strategy, backward, with_segment_ids):
     else:
         mesh, axis_sizes = Mesh(devices, ("sp",)), 8
     measured = _compiled_bytes(_per_shard(strategy), mesh, backward, with_segment_ids)
-    predicted = comm_bytes(strategy, seq_axes=axis_sizes, backward=backward,
+    predicted = comm_bytes(strategy, axis_sizes=axis_sizes, backward=backward,
                            with_segment_ids=with_segment_ids, **SMALL)
     assert sum(measured.values()) == predicted, measured

@@ -23,7 +23,7 @@ from jax_seqpar.strategies import registry
 from jax_seqpar.planning.plan import plan
 
 GIB = 2.0**30
-SHAPES = [  # (seq_len, heads, kv_heads, head_dim, v_head_dim, seq_axes, causal, window)
+SHAPES = [  # (seq_len, heads, kv_heads, head_dim, v_head_dim, axis_sizes, causal, window)
     pytest.param(32768, 32, 8, 128, None, 8, True, None, id="gqa_8"),
     pytest.param(32768, 12, 12, 64, None, 8, True, None, id="12_heads_8"),
     pytest.param(131072, 128, 1, 576, 512, {"dcn": 4, "ici": 8}, True, None, id="mla_4x8"),
@@ -33,13 +33,13 @@ SHAPES = [  # (seq_len, heads, kv_heads, head_dim, v_head_dim, seq_axes, causal,
 
 
 @pytest.mark.parametrize("preset", sorted(hardware.PRESETS))
-@pytest.mark.parametrize("seq_len, heads, kv_heads, head_dim, v_head_dim, seq_axes, causal, "
+@pytest.mark.parametrize("seq_len, heads, kv_heads, head_dim, v_head_dim, axis_sizes, causal, "
                          "window", SHAPES)
 def test_every_prediction_is_finite_and_positive(preset, seq_len, heads, kv_heads, head_dim,
-                                                 v_head_dim, seq_axes, causal, window):
-    chosen = plan(seq_len, heads, kv_heads, head_dim, seq_axes, v_head_dim=v_head_dim,
+                                                 v_head_dim, axis_sizes, causal, window):
+    chosen = plan(seq_len, heads, kv_heads, head_dim, axis_sizes, v_head_dim=v_head_dim,
                   causal=causal, window=window, hardware=preset, memory_budget=1e15)
-    devices = seq_axes if isinstance(seq_axes, int) else math.prod(seq_axes.values())
+    devices = axis_sizes if isinstance(axis_sizes, int) else math.prod(axis_sizes.values())
     labels = {c.label for c in predict.candidates(devices, heads)}
     assert set(chosen.predicted_seconds) == set(chosen.memory_bytes) == labels
     for label, seconds in chosen.predicted_seconds.items():

@@ -189,7 +189,7 @@ def test_decode_matches_reference(kernel, make_qkv, tolerances):
     kv_length = jnp.array([64, 20, 3], jnp.int32)  # full, mid-shard, first shard only
     mesh, axes = _mesh("ring")
     f = jax.shard_map(
-        lambda q, k, v, n: decode_attention(q, k, v, seq_axes=axes, kv_length=n, kernel=kernel),
+        lambda q, k, v, n: decode_attention(q, k, v, seq_axes=axes, seq_lengths=n, kernel=kernel),
         mesh=mesh, in_specs=(P(), P(None, axes), P(None, axes), P()), out_specs=P(),
         check_vma=can_check_vma(kernel))
     out = jax.jit(f)(q, k, v, kv_length)

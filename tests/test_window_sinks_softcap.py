@@ -127,7 +127,7 @@ def test_decode_sinks_softcap(tolerances):
     kv_length = jnp.array([64, 3], jnp.int32)
     mesh = Mesh(np.array(jax.devices()), ("sp",))
     f = jax.shard_map(
-        lambda q, k, v, n, s: sp.decode_attention(q, k, v, seq_axes="sp", kv_length=n,
+        lambda q, k, v, n, s: sp.decode_attention(q, k, v, seq_axes="sp", seq_lengths=n,
                                                   kernel="xla", softcap=2.0, sinks=s),
         mesh=mesh, in_specs=(P(), P(None, "sp"), P(None, "sp"), P(), P()), out_specs=P())
     out = jax.jit(f)(q, k, v, kv_length, SINKS)
@@ -247,13 +247,13 @@ def _hlo_bytes(strategy, num_shards, window, causal=True, segments=False, mesh_s
 def test_causal_window_ring_bytes_constant_in_p(num_shards):
     window = (SHAPE["seq_len"] // 8, 0)  # W = S/8 <= S/P
     measured = _hlo_bytes("ring", num_shards, window)
-    expected = comm_bytes("ring", seq_axes=num_shards, backward=True, window=window,
+    expected = comm_bytes("ring", axis_sizes=num_shards, backward=True, window=window,
                           causal=True, **SHAPE)
     assert measured == expected
     # W tokens of K/V forward, W tokens of float32 dK/dV back: no P in it.
     assert expected == 64 * 2 * (16 + 8) * 4 * 2
     if num_shards == 8:
-        full = comm_bytes("ring", seq_axes=8, backward=True, **SHAPE)
+        full = comm_bytes("ring", axis_sizes=8, backward=True, **SHAPE)
         assert full == _hlo_bytes("ring", 8, None)
         assert measured <= full / 2
 
@@ -266,8 +266,8 @@ def test_causal_window_ring_bytes_constant_in_p(num_shards):
 ])
 def test_window_bytes_match_comm_bytes(strategy, window, causal, segments, mesh_shape):
     measured = _hlo_bytes(strategy, 8, window, causal, segments, mesh_shape)
-    expected = comm_bytes(strategy, seq_axes=mesh_shape or 8, backward=True, window=window,
+    expected = comm_bytes(strategy, axis_sizes=mesh_shape or 8, backward=True, window=window,
                           causal=causal, with_segment_ids=segments, **SHAPE)
     assert measured == expected
-    assert expected < comm_bytes(strategy, seq_axes=mesh_shape or 8, backward=True,
+    assert expected < comm_bytes(strategy, axis_sizes=mesh_shape or 8, backward=True,
                                  with_segment_ids=segments, **SHAPE)

@@ -59,7 +59,7 @@ def sequence_parallel_attention(
     k: jax.Array,
     v: jax.Array,
     *,
-    mesh: Optional[jax.sharding.Mesh],
+    mesh: Optional[jax.sharding.Mesh] = None,
     seq_axes: Union[str, tuple] = "sp",
     strategy: str = "auto",
     causal: bool = False,

@@ -64,7 +64,7 @@ __all__ = ["KVCache", "decode", "prefill"]
 
 
 def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal: bool = True,
-            strategy: str = "auto", lengths: Optional[jax.Array] = None, window=None,
+            strategy: str = "auto", seq_lengths: Optional[jax.Array] = None, window=None,
             scale: Optional[float] = None, layout: str = "auto", kernel: str = "auto",
             block_sizes=None, softcap: Optional[float] = None, sinks: Optional[jax.Array] = None,
             chunk_size: Optional[int] = None, bidirectional_ids: Optional[jax.Array] = None,
@@ -78,27 +78,27 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
       causal, window, scale, layout, kernel, block_sizes, strategy, softcap, sinks: as in
         :func:`jax_seqpar.sequence_parallel_attention` (``strategy="hybrid"``
         needs a cache over ``(outer, inner)`` axes).
-      lengths: ``int32[B]`` true prompt lengths (default ``S``): later tokens are
+      seq_lengths: ``int32[B]`` true prompt lengths (default ``S``): later tokens are
         padding, not written to the cache, and (with ``causal=False``) not attended.
       chunk_size: tokens see each other only inside one chunk ``position // chunk_size``
         (Llama 4's chunked layers); decode with the same ``chunk_size``.
       bidirectional_ids: ``int32[B, S]`` (needs ``causal``): prompt tokens that carry
         the same non-zero id see each other in both directions, e.g. a prefix-LM
         prompt (PaliGemma: image and prefix one id, then decode causally); padding
-        past ``lengths`` is never seen whatever its id.
+        past ``seq_lengths`` is never seen whatever its id.
       mask_fn: ``mask_fn(q_tokens, kv_tokens) -> bool`` on the tokens' global
         ``positions`` (and ``bidirectional_ids``; ``segment_ids`` is None), ANDed with
         the rest (see :class:`jax_seqpar.core.masks.MaskSpec`); decode with the same one.
 
     Returns:
       ``(out [B, S, H, Dv] in q.dtype, cache)``; ``out`` of padding tokens is
-      meaningless, the cache's ``length`` is ``lengths``.
+      meaningless, the cache's ``length`` is ``seq_lengths``.
 
     Raises:
       ValueError: shapes that do not match the cache, a prompt longer than it.
 
     >>> cache = KVCache.create(mesh, batch=2, capacity=8192, num_kv_heads=8, head_dim=128)
-    >>> out, cache = prefill(q, k, v, cache, lengths=jnp.array([4000, 17]))
+    >>> out, cache = prefill(q, k, v, cache, seq_lengths=jnp.array([4000, 17]))
     """
     check_self_attention(q, k, v, None)
     check_against_cache(k, v, cache)
@@ -107,25 +107,25 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
         raise ValueError(f"the prompt has {seq_len} tokens but the cache holds only "
                          f"capacity={cache.capacity} per row (prefill replaces its content: "
                          f"length 0 + {seq_len} tokens asked); create a larger KVCache.")
-    lengths = checks.lengths("lengths", lengths, batch)  # int32[B] or None
-    if lengths is not None:
-        lengths = jnp.asarray(lengths, jnp.int32)
+    seq_lengths = checks.lengths("seq_lengths", seq_lengths, batch)  # int32[B] or None
+    if seq_lengths is not None:
+        seq_lengths = jnp.asarray(seq_lengths, jnp.int32)
     # Eager arrays replicated onto the cache's mesh: left on one device, the programs'
     # inputs would take whatever sharding the partitioner propagates back to them, which
     # no mesh spec may name.
-    q, k, v, lengths, sinks = _placement.onto(cache.mesh, q, k, v, lengths,
-                                              None if sinks is None else jnp.asarray(sinks))
+    q, k, v, seq_lengths, sinks = _placement.onto(cache.mesh, q, k, v, seq_lengths,
+                                                  None if sinks is None else jnp.asarray(sinks))
     causal = checks.flag("causal", causal)
     bidirectional_ids = checks.bidirectional_ids(bidirectional_ids, batch, seq_len, causal)
     spec = without_segment_ids(masks.MaskSpec.make(causal, window, chunk_size, mask_fn))
     checks.mask_fn(spec, batch, seq_len, seq_len)
-    lengths = _prompt_lengths(lengths, batch=batch, seq_len=seq_len)
+    seq_lengths = _prompt_lengths(seq_lengths, batch=batch, seq_len=seq_len)
     segment_ids = None
     if not causal:  # causal prompts never see their own later padding; others must not
-        segment_ids = _padding_segments(lengths, seq_len=seq_len)
+        segment_ids = _padding_segments(seq_lengths, seq_len=seq_len)
     if bidirectional_ids is not None:  # padding carries no id: causality hides it then
         prompt = masks.Tokens(None, None, *_placement.onto(cache.mesh, bidirectional_ids))
-        bidirectional_ids = _without_padding(prompt, lengths).bidirectional_ids
+        bidirectional_ids = _without_padding(prompt, seq_lengths).bidirectional_ids
     seq_axes = cache.seq_axes if len(cache.seq_axes) > 1 else cache.seq_axes[0]
     # The attention is its own staged program (sequence_parallel_attention), the cache
     # write another: each compiles once, and what the attention builds inside stays there.
@@ -134,7 +134,7 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
         segment_ids=segment_ids, window=window, scale=scale, layout=layout, kernel=kernel,
         block_sizes=block_sizes, softcap=softcap, sinks=sinks, chunk_size=spec.chunk_size,
         bidirectional_ids=bidirectional_ids, mask_fn=spec.mask_fn)  # [B, S, H, Dv], like q
-    return out, _write_prompt(k, v, cache, lengths)
+    return out, _write_prompt(k, v, cache, seq_lengths)
 
 
 @functools.partial(jax.jit, static_argnames=("batch", "seq_len"))

@@ -61,7 +61,7 @@ def per_shard_fn(strategy: str, axes: tuple, *, core: bool = False):
     (``core``: its core, ``f(q, k, v, call, metadata, **pipeline)``, which the global
     view calls with the call's :class:`~jax_seqpar.strategies.inputs.Call`)."""
     entry = registry.get(strategy)
-    if entry.seq_axes == 2 and len(axes) != 2:  # the others run over the axes flattened
+    if entry.num_seq_axes == 2 and len(axes) != 2:  # the others run over the axes flattened
         raise ValueError(f"strategy={strategy!r} runs over two sequence axes (outer, inner); "
                          f"got seq_axes={axes}. Pass ulysses_size= to split one axis in two.")
     function = entry.attention.core if core else entry.attention

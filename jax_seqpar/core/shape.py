@@ -5,7 +5,7 @@ A :class:`LayerShape` is pure data: the sizes of ``q [batch, seq_len, num_heads,
 head_dim]``, ``k [batch, seq_len, num_kv_heads, head_dim]`` and ``v [batch, seq_len,
 num_kv_heads, v_head_dim]``, their dtype, the mask (causal, window, whether segment
 ids travel with the tokens) and whether the backward pass counts. What is not the
-layer's stays out: the mesh (``seq_axes`` of :func:`jax_seqpar.comm_bytes` and the
+layer's stays out: the mesh (``axis_sizes`` of :func:`jax_seqpar.comm_bytes` and the
 planner), the kernel's tile (:func:`jax_seqpar.planning.predict.predict`), the
 hardware.
 """
@@ -133,7 +133,7 @@ class LayerShape:
 
     def comm_kwargs(self) -> dict:
         """The layer keywords of :func:`jax_seqpar.comm_bytes`:
-        ``comm_bytes(strategy, seq_axes=8, **shape.comm_kwargs())``."""
+        ``comm_bytes(strategy, axis_sizes=8, **shape.comm_kwargs())``."""
         return dict(batch=self.batch, seq_len=self.seq_len, num_heads=self.num_heads,
                     num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                     v_head_dim=self.v_head_dim, dtype_bytes=self.dtype_bytes,

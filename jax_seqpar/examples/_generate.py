@@ -74,7 +74,7 @@ def _greedy_loop(state, prompts, lengths, prefix_lengths, *, graphdef, num_token
     model = nnx.merge(graphdef, state)
     ids = prefix_ids(prefix_lengths, prompts.shape[1])
     logits = _forward(model, prompts, lambda layer, x: layer.prefill(
-        x, lengths=lengths, bidirectional_ids=ids))
+        x, seq_lengths=lengths, bidirectional_ids=ids))
     last = jnp.take_along_axis(logits, (lengths - 1)[:, None, None], axis=1)[:, 0]  # [B, V]
     first = jnp.argmax(last, axis=-1).astype(jnp.int32)  # [B]
 

@@ -211,13 +211,13 @@ class SelfAttention(nnx.Module):
         k = apply_rope(self.k_proj(x), positions, base=self.rope_base)  # [B, S, Hkv, Dh]
         return q, k, self.v_proj(x)
 
-    def prefill(self, x: jax.Array, *, lengths: Optional[jax.Array] = None,
+    def prefill(self, x: jax.Array, *, seq_lengths: Optional[jax.Array] = None,
                 bidirectional_ids: Optional[jax.Array] = None) -> jax.Array:
         """Attend over prompts sequence-parallel and fill the cache with their K/V.
 
         Args:
           x: ``[B, S, d_model]`` prompts at positions ``0 .. S-1``, in natural order.
-          lengths: ``int32[B]`` true prompt lengths (rows padded at the end), or None.
+          seq_lengths: ``int32[B]`` true prompt lengths (rows padded at the end), or None.
           bidirectional_ids: ``int32[B, S]`` the prompts' bidirectional ids (a prefix-LM
             prompt seen in both directions, then decoded causally), or None.
 
@@ -231,7 +231,7 @@ class SelfAttention(nnx.Module):
                              f"init_cache(batch, capacity >= {x.shape[1]}) first.")
         q, k, v = self._rotated_qkv(x, jnp.arange(x.shape[1], dtype=jnp.int32))
         out, cache = inference.prefill(
-            q, k, v, cache, causal=True, strategy=self.strategy, lengths=lengths,
+            q, k, v, cache, causal=True, strategy=self.strategy, seq_lengths=seq_lengths,
             bidirectional_ids=bidirectional_ids, **self._mask_options())  # [B, S, H, Dh]
         self.cache.set_value(cache)
         return self.o_proj(out)  # [B, S, d_model]

@@ -83,18 +83,20 @@ def _ratio(numerator: float, denominator: float) -> float:
     return 1.0 if numerator == denominator else numerator / denominator
 
 
-def _seq_sizes(seq_axes) -> tuple[tuple[str, ...], tuple[int, ...]]:
-    if is_count(seq_axes):
-        return ("sp",), axis_sizes_tuple(seq_axes)
-    if isinstance(seq_axes, Mapping) and 1 <= len(seq_axes) <= 2:
-        names = tuple(seq_axes)
-        return names, axis_sizes_tuple(tuple(seq_axes[n] for n in names))
-    raise ValueError(f"seq_axes must be an int or a dict {{axis_name: size}} of one or two "
-                     f"axes ordered outer->inner (e.g. mesh.shape). Got {seq_axes!r}.")
+def _names_and_sizes(axis_sizes) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """``(axis names, sizes)`` of ``axis_sizes``: an int (one axis, ``"sp"``) or
+    ``{name: size}`` of one or two axes."""
+    if is_count(axis_sizes):
+        return ("sp",), axis_sizes_tuple(axis_sizes)
+    if isinstance(axis_sizes, Mapping) and 1 <= len(axis_sizes) <= 2:
+        names = tuple(axis_sizes)
+        return names, axis_sizes_tuple(tuple(axis_sizes[n] for n in names))
+    raise ValueError(f"axis_sizes must be an int or a dict {{axis_name: size}} of one or two "
+                     f"axes ordered outer->inner (e.g. mesh.shape). Got {axis_sizes!r}.")
 
 
 def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
-         seq_axes: int | Mapping[str, int], *, batch: int = 1, v_head_dim: int | None = None,
+         axis_sizes: int | Mapping[str, int], *, batch: int = 1, v_head_dim: int | None = None,
          dtype_bytes: float = 2, causal: bool = False, backward: bool = True,
          hardware=None, memory_budget: Optional[float] = None, window=None) -> Plan:
     """Chooses the sequence-parallel strategy: fastest on ``hardware``, else fewest bytes.
@@ -118,7 +120,7 @@ def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
 
     Args:
       seq_len, num_heads, num_kv_heads, head_dim: global attention sizes.
-      seq_axes: devices along the sequence: an int (axis named ``"sp"``) or
+      axis_sizes: devices along the sequence: an int (axis named ``"sp"``) or
         ``{axis_name: size}`` of one or two axes ordered outer->inner
         (``mesh.shape`` of a ``jax.sharding.Mesh`` works).
       batch, v_head_dim, dtype_bytes, backward, window: as in :func:`comm_bytes`
@@ -139,10 +141,10 @@ def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
                        num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim,
                        dtype=dtype_of_size(dtype_bytes), causal=causal, window=window,
                        backward=backward)
-    return plan_layer(shape, seq_axes, hardware=hardware, memory_budget=memory_budget)
+    return plan_layer(shape, axis_sizes, hardware=hardware, memory_budget=memory_budget)
 
 
-def plan_layer(shape: LayerShape, seq_axes: int | Mapping[str, int], *, hardware=None,
+def plan_layer(shape: LayerShape, axis_sizes: int | Mapping[str, int], *, hardware=None,
                memory_budget: Optional[float] = None, segment_ids=None,
                layout: Optional[str] = None) -> Plan:
     """:func:`plan` for a :class:`~jax_seqpar.core.shape.LayerShape`.
@@ -155,7 +157,7 @@ def plan_layer(shape: LayerShape, seq_axes: int | Mapping[str, int], *, hardware
     >>> plan_layer(LayerShape(1, 32768, 32, 32, 128), {"sp": 8}).strategy
     'ulysses'
     """
-    names, sizes = _seq_sizes(seq_axes)
+    names, sizes = _names_and_sizes(axis_sizes)
     if hardware is not None:
         return _plan_predicted(shape, names, sizes, hardware_lib.get(hardware), memory_budget,
                                dict(segment_ids=segment_ids, layout=layout))
@@ -166,14 +168,14 @@ def plan_layer(shape: LayerShape, seq_axes: int | Mapping[str, int], *, hardware
     traffic = shape.comm_kwargs()
     num_heads, num_kv_heads = shape.num_heads, shape.num_kv_heads
     # comm_bytes validates everything else (divisibility, positivity).
-    ring = comm_bytes("ring", seq_axes=devices, **traffic)
+    ring = comm_bytes("ring", axis_sizes=devices, **traffic)
     balance = "; zigzag layout balances causal work" if shape.causal else ""
 
     if len(sizes) == 1:
         (axis,), (size,) = names, sizes
         candidates = {"ring": ring}
         if num_heads % size == 0:
-            candidates["ulysses"] = comm_bytes("ulysses", seq_axes=size, **traffic)
+            candidates["ulysses"] = comm_bytes("ulysses", axis_sizes=size, **traffic)
         strategy = min(candidates, key=lambda s: (candidates[s], _PREFERENCE.index(s)))
         seq_axes, axis_sizes = axis, size
         if strategy == "ulysses":
@@ -195,7 +197,7 @@ def plan_layer(shape: LayerShape, seq_axes: int | Mapping[str, int], *, hardware
         seq_axes, axis_sizes = (outer, inner), (outer_size, inner_size)
         candidates = {"ring": ring}
         if num_heads % inner_size == 0:
-            candidates["hybrid"] = comm_bytes("hybrid", seq_axes=sizes, **traffic)
+            candidates["hybrid"] = comm_bytes("hybrid", axis_sizes=sizes, **traffic)
         strategy = min(candidates, key=lambda s: (candidates[s], _PREFERENCE.index(s)))
         if strategy == "hybrid":
             reason = (f"hybrid: ulysses over {inner!r} ({inner_size} divides {num_heads} heads) "
@@ -236,7 +238,7 @@ def _plan_predicted(shape: LayerShape, names, sizes, hardware, memory_budget,
         raise ValueError(f"memory_budget must be a positive number of bytes. Got "
                          f"{memory_budget!r}.")
     # Validates the shape (divisibility, positivity) with comm_bytes' messages.
-    comm_bytes("ring", seq_axes=devices, **shape.comm_kwargs())
+    comm_bytes("ring", axis_sizes=devices, **shape.comm_kwargs())
     found = {c.label: c for c in predict.candidates(devices, shape.num_heads)}
     predictions = {label: predict.predict(c, shape, hardware, **(documents or {}))
                    for label, c in found.items()}

@@ -77,7 +77,7 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        if registry.get(self.strategy).seq_axes == 2:
+        if registry.get(self.strategy).num_seq_axes == 2:
             return f"{self.strategy} {self.ring}x{self.ulysses}"
         return self.strategy
 
@@ -87,7 +87,7 @@ def candidates(devices: int, num_heads: int) -> list[Candidate]:
     two-axis strategy over every ``O x I`` with ``1 < I < P`` dividing the heads."""
     found = []
     for strategy in registry.STRATEGIES.values():
-        if strategy.seq_axes == 2:
+        if strategy.num_seq_axes == 2:
             found += [Candidate(strategy.name, devices // inner, inner)
                       for inner in range(2, devices)
                       if devices % inner == 0 and num_heads % inner == 0]
@@ -98,7 +98,7 @@ def candidates(devices: int, num_heads: int) -> list[Candidate]:
 
 def _comm_bytes(strategy, shape: LayerShape, axis_sizes):
     """:func:`~jax_seqpar.comm_bytes` of ``shape`` over ``axis_sizes``."""
-    return comm_bytes(strategy, seq_axes=axis_sizes, **shape.comm_kwargs())
+    return comm_bytes(strategy, axis_sizes=axis_sizes, **shape.comm_kwargs())
 
 
 def _ulysses_steps(size: int, shape: LayerShape) -> int:
@@ -201,7 +201,7 @@ def _seconds(candidate: Candidate, shape: LayerShape, hardware: Hardware, tile: 
              documents=None) -> dict:
     strategy, ring, inner = candidate.strategy, candidate.ring, candidate.ulysses
     devices = ring * inner
-    sizes = (ring, inner) if registry.get(strategy).seq_axes == 2 else devices
+    sizes = (ring, inner) if registry.get(strategy).num_seq_axes == 2 else devices
     compute_fwd, compute_bwd = step_seconds(strategy, ring, inner, shape, hardware, tile,
                                             documents)
     compute = sum(compute_fwd) + sum(compute_bwd)

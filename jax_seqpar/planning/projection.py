@@ -96,7 +96,7 @@ def project(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: Option
             except ValueError:
                 chosen = None
             for entry in registry.STRATEGIES.values():
-                if entry.seq_axes == 2 and size <= inner:  # one node: no ring of nodes
+                if entry.num_seq_axes == 2 and size <= inner:  # one node: no ring of nodes
                     continue
                 rows.append(_row(entry, shape, size, inner, chips_per_node, model, chosen))
     return rows

@@ -79,29 +79,29 @@ def _attend_slots(options: Options, q, k_cache, v_cache, q_tokens: masks.Tokens,
     return _heads_as_tokens(options, q, k_cache, v_cache, q_tokens, kv_tokens)
 
 
-def _hide_unwritten(kv_positions, kv_length):
-    """``int32[B, C/P]`` slot positions with every slot at or past ``kv_length`` (stale
+def _hide_unwritten(kv_positions, seq_lengths):
+    """``int32[B, C/P]`` slot positions with every slot at or past ``seq_lengths`` (stale
     or empty) and every negative "empty" marker at :data:`EMPTY_POSITION`: later than
     every query, so the causal mask hides them."""
     kv_positions = kv_positions.astype(jnp.int32)
-    hidden = (kv_positions < 0) | (kv_positions >= kv_length[:, None])
+    hidden = (kv_positions < 0) | (kv_positions >= seq_lengths[:, None])
     return jnp.where(hidden, EMPTY_POSITION, kv_positions)
 
 
-def decode_attention(q, k_cache, v_cache, *, seq_axes, kv_length, scale=None, kernel="auto",
+def decode_attention(q, k_cache, v_cache, *, seq_axes, seq_lengths, scale=None, kernel="auto",
                      kv_positions=None, window=None, block_sizes=None, softcap=None,
                      sinks=None, chunk_size=None, mask_fn=None):
     """Attend new queries to a sequence-sharded cache (call inside ``shard_map``).
 
     Args:
       q: ``[B, T, H, Dqk]`` the T newest tokens' queries, the same on every device;
-        query ``t`` sits at global position ``kv_length - T + t`` and sees cache
+        query ``t`` sits at global position ``seq_lengths - T + t`` and sees cache
         entries at positions ``<=`` its own (so ``T > 1`` is causal among them).
       k_cache: ``[B, C/P, Hkv, Dqk]``; v_cache: ``[B, C/P, Hkv, Dv]`` this device's
         slice of a cache of capacity ``C`` (any dtype; softmax in float32).
       seq_axes: the mesh axis (or tuple of axes) the cache is split over.
-      kv_length: ``int32[B]`` tokens in the cache (positions ``0 .. kv_length-1``),
-        including the T new tokens.
+      seq_lengths: ``int32[B]`` each row's true length: tokens in the cache (positions
+        ``0 .. seq_lengths-1``), including the T new tokens.
       scale: defaults to ``1/sqrt(Dqk)``; kernel: ``"auto"``, ``"xla"``, ``"pallas"``,
         ``"mosaic"``.
       kv_positions: ``int32[B, C/P]`` the global position held by each local slot
@@ -120,29 +120,29 @@ def decode_attention(q, k_cache, v_cache, *, seq_axes, kv_length, scale=None, ke
     Returns:
       ``[B, T, H, Dv]`` in ``q.dtype``, the same on every device.
 
-    >>> f = lambda q, k, v, n: decode_attention(q, k, v, seq_axes="sp", kv_length=n)
+    >>> f = lambda q, k, v, n: decode_attention(q, k, v, seq_axes="sp", seq_lengths=n)
     >>> out = jax.shard_map(f, mesh=mesh, in_specs=(P(), P(None, "sp"), P(None, "sp"), P()),
-    ...                     out_specs=P())(q, k_cache, v_cache, kv_length)
+    ...                     out_specs=P())(q, k_cache, v_cache, seq_lengths)
     """
     check_qkv(q, k_cache, v_cache)
     check_sinks(sinks, q.shape[2])
     batch, new_tokens = q.shape[:2]
-    if tuple(kv_length.shape) != (batch,):
-        raise ValueError(f"kv_length must have shape [batch]=({batch},). "
-                         f"Got {tuple(kv_length.shape)}.")
+    if tuple(seq_lengths.shape) != (batch,):
+        raise ValueError(f"seq_lengths must have shape [batch]=({batch},). "
+                         f"Got {tuple(seq_lengths.shape)}.")
     check_ids("kv_positions", kv_positions, batch, k_cache.shape[1])
     spec = masks.MaskSpec.make(True, window, chunk_size, mask_fn)
     checks.mask_fn(spec, batch, new_tokens, k_cache.shape[1])
     options = make_options(q, spec, scale=scale, kernel=kernel, block_sizes=block_sizes,
                            softcap=softcap)
-    kv_length = kv_length.astype(jnp.int32)
+    seq_lengths = seq_lengths.astype(jnp.int32)
     if kv_positions is None:
         kv_positions = layout.shard_positions("contiguous", k_cache.shape[1],
                                               axis_name=seq_axes)
         kv_positions = jnp.broadcast_to(kv_positions, (batch, k_cache.shape[1]))
-    q_positions = kv_length[:, None] - new_tokens + jnp.arange(new_tokens, dtype=jnp.int32)[None]
+    q_positions = seq_lengths[:, None] - new_tokens + jnp.arange(new_tokens, dtype=jnp.int32)[None]
     out, lse = _attend_slots(options, q, k_cache, v_cache, masks.Tokens(q_positions),
-                             masks.Tokens(_hide_unwritten(kv_positions, kv_length)))
+                             masks.Tokens(_hide_unwritten(kv_positions, seq_lengths)))
     # out float32 [B, T, H, Dv], lse float32 [B, T, H]
     return merge_across(out, lse, seq_axes, sinks).astype(q.dtype)  # [B, T, H, Dv]
 

@@ -34,7 +34,7 @@ class Strategy:
         inside ``jax.shard_map``.
       bytes: its traffic model, ``bytes(sizes, **shape) -> bytes one device sends``
         (:func:`comm_bytes`).
-      seq_axes: how many sequence axes it runs over: 1, or 2 (``(outer, inner)``: the
+      num_seq_axes: how many sequence axes it runs over: 1, or 2 (``(outer, inner)``: the
         ring over the outer, Ulysses over the inner).
       splits_heads: whether it splits heads over its (inner) axis, whose size must then
         divide the query heads (K/V heads are replicated up to it).
@@ -54,7 +54,7 @@ class Strategy:
     name: str
     attention: Callable
     bytes: Callable
-    seq_axes: int = 1
+    num_seq_axes: int = 1
     splits_heads: bool = False
     zigzag_balances: bool = False
     global_view: bool = True
@@ -63,7 +63,7 @@ class Strategy:
     def factorization(self, devices: int, ulysses: int) -> tuple[int, int]:
         """``(ring, ulysses)`` devices of this strategy over ``devices`` (``ulysses``: the
         inner group of a two-axis strategy)."""
-        if self.seq_axes == 2:
+        if self.num_seq_axes == 2:
             return devices // ulysses, ulysses
         return (1, devices) if self.splits_heads else (devices, 1)
 
@@ -95,7 +95,7 @@ STRATEGIES: Mapping[str, Strategy] = {s.name: s for s in (
     Strategy("allgather", allgather_attention, traffic.allgather_bytes, zigzag_balances=True,
              pieces=lambda shape, devices: (
                  allgather.default_chunks(-(-shape.seq_len // devices)), devices)),
-    Strategy("hybrid", hybrid_attention, traffic.hybrid_bytes, seq_axes=2, splits_heads=True,
+    Strategy("hybrid", hybrid_attention, traffic.hybrid_bytes, num_seq_axes=2, splits_heads=True,
              zigzag_balances=True),
 )}
 
@@ -144,23 +144,17 @@ def default_layout(strategy: str, spec: MaskSpec = MaskSpec(), *, seq_len=None,
     return "zigzag" if spec.causal and get(strategy).zigzag_balances else "contiguous"
 
 
-def seq_sizes(seq_axes) -> tuple[int, ...]:
-    """Devices per sequence axis from an int, a tuple of ints or ``{name: size}``."""
-    if isinstance(seq_axes, Mapping):
-        seq_axes = tuple(seq_axes.values())
-    return traffic.axis_sizes_tuple(seq_axes)
-
-
 def comm_bytes(strategy: str, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
-               head_dim: int, v_head_dim: int | None = None, seq_axes,
+               head_dim: int, v_head_dim: int | None = None,
+               axis_sizes: int | tuple[int, ...] | Mapping[str, int],
                dtype_bytes: float = 2, backward: bool = False,
                with_segment_ids: bool = False, window=None, causal: bool = False) -> float:
     """Bytes ONE device sends in one attention call.
 
     Shapes are global: q ``[batch, seq_len, num_heads, head_dim]``, k
     ``[batch, seq_len, num_kv_heads, head_dim]``, v ``[..., v_head_dim]``. A
-    :class:`~jax_seqpar.core.shape.LayerShape` gives every keyword but ``seq_axes``:
-    ``comm_bytes(strategy, seq_axes=8, **shape.comm_kwargs())``.
+    :class:`~jax_seqpar.core.shape.LayerShape` gives every keyword but ``axis_sizes``:
+    ``comm_bytes(strategy, axis_sizes=8, **shape.comm_kwargs())``.
 
     * ``"ulysses"``: all_to_all of q, k, v (K/V heads replicated to
       ``lcm(num_kv_heads, P)``) and of the output, backward doubles it and adds
@@ -171,7 +165,7 @@ def comm_bytes(strategy: str, *, batch: int, seq_len: int, num_heads: int, num_k
       backward re-rotates them and sends ``P`` float32 dK/dV accumulators.
     * ``"allgather"``: all_gather of K/V (in pieces) and positions; backward sends
       the dK/dV accumulators ``P`` hops around the ring in the input dtype.
-    * ``"hybrid"`` with ``seq_axes=(outer, inner)``: Ulysses over ``inner`` on
+    * ``"hybrid"`` with ``axis_sizes=(outer, inner)``: Ulysses over ``inner`` on
       the local shard ``[B, S/(outer*inner), ...]``, then the ring over ``outer``
       on ``[B, S/outer, lcm(Hkv, inner)/inner, .]`` (positions gathered over
       ``inner``, then rotated over ``outer``).
@@ -203,7 +197,7 @@ def comm_bytes(strategy: str, *, batch: int, seq_len: int, num_heads: int, num_k
       strategy: a name of :data:`STRATEGIES`.
       batch, seq_len, num_heads, num_kv_heads, head_dim: global sizes.
       v_head_dim: ``Dv``, defaults to ``head_dim`` (MLA absorbed: 576 / 512).
-      seq_axes: the sequence axes' sizes: an int, ``(outer, inner)``, or
+      axis_sizes: the sequence axes' sizes: an int, ``(outer, inner)``, or
         ``{name: size}`` (``mesh.shape`` of the sequence axes).
       dtype_bytes: bytes per element of q/k/v (2 for bf16). Cotangents use it
         too; the ring's dK/dV accumulators are float32 whatever it is.
@@ -217,12 +211,12 @@ def comm_bytes(strategy: str, *, batch: int, seq_len: int, num_heads: int, num_k
       Bytes one device sends, as a float (fractions of ``(P-1)/P``).
 
     >>> comm_bytes("ulysses", batch=1, seq_len=1024, num_heads=64, num_kv_heads=64,
-    ...            head_dim=128, seq_axes=8, dtype_bytes=1) / 1024
+    ...            head_dim=128, axis_sizes=8, dtype_bytes=1) / 1024
     3587.5
 
     (the seed's ``N x 3584`` for q, k, v, out, plus 3.5 bytes of int32 positions.)
     """
-    sizes = seq_sizes(seq_axes)
+    sizes = traffic.axis_sizes_tuple(axis_sizes)
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
     shape = dict(batch=batch, seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
                  head_dim=head_dim, v_head_dim=v_head_dim, dtype_bytes=dtype_bytes)

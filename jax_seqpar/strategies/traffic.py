@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Mapping
 
 from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.core.shape import check_counts, check_head_groups, is_count
@@ -177,10 +178,16 @@ def decode_bytes(sizes, *, batch, seq_len, num_heads, num_kv_heads, head_dim, v_
     return 2 * (devices - 1) / devices * rows * (v_head_dim + 2) * 4
 
 
-def axis_sizes_tuple(axis_sizes) -> tuple[int, ...]:
-    sizes = (axis_sizes,) if not isinstance(axis_sizes, (tuple, list)) else tuple(axis_sizes)
+def axis_sizes_tuple(axis_sizes: int | tuple[int, ...] | Mapping[str, int]) -> tuple[int, ...]:
+    """Devices per sequence axis from an int, a tuple of ints or ``{name: size}``."""
+    if isinstance(axis_sizes, Mapping):
+        sizes = tuple(axis_sizes.values())
+    elif isinstance(axis_sizes, (tuple, list)):
+        sizes = tuple(axis_sizes)
+    else:
+        sizes = (axis_sizes,)
     if not sizes or not all(is_count(s) for s in sizes):
-        raise ValueError(f"seq_axes must be a positive int, a tuple of positive ints or "
+        raise ValueError(f"axis_sizes must be a positive int, a tuple of positive ints or "
                          f"{{name: size}}. Got {axis_sizes!r}.")
     return tuple(int(s) for s in sizes)
 
@@ -199,7 +206,7 @@ def check_shape(*, batch, seq_len, num_heads, num_kv_heads, head_dim, v_head_dim
     devices = math.prod(sizes)
     if seq_len % devices:
         raise ValueError(f"seq_len={seq_len} is not divisible by the {devices} devices of "
-                         f"seq_axes={sizes}; pad the sequence to a multiple of {devices}.")
+                         f"axis_sizes={sizes}; pad the sequence to a multiple of {devices}.")
 
 
 def hybrid_bytes(sizes, *, num_heads, num_kv_heads, seq_len, spec: MaskSpec = _NO_MASK,
@@ -207,7 +214,7 @@ def hybrid_bytes(sizes, *, num_heads, num_kv_heads, seq_len, spec: MaskSpec = _N
     """Ulysses over the inner axis of ``sizes=(outer, inner)`` on the local shard, then
     the ring over the outer one on ``lcm(Hkv, inner)/inner`` K/V heads."""
     if len(sizes) != 2:
-        raise ValueError(f"hybrid needs seq_axes=(outer, inner). Got {sizes!r}.")
+        raise ValueError(f"hybrid needs axis_sizes=(outer, inner). Got {sizes!r}.")
     outer, inner = sizes
     if num_heads % inner:
         raise ValueError(f"num_heads={num_heads} is not divisible by the ulysses (inner) "

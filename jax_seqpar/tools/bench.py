@@ -81,7 +81,7 @@ def skip_reason(strategy: str, axes: dict, shape: LayerShape,
     if strategy != "hybrid" and len(sizes) == 2 and devices in one_axis_sizes:
         return f"over the flattened axes it is the {devices}-device one-axis run above"
     try:
-        comm_bytes(strategy, seq_axes=sizes if strategy == "hybrid" else devices,
+        comm_bytes(strategy, axis_sizes=sizes if strategy == "hybrid" else devices,
                    **shape.comm_kwargs())
     except ValueError as error:
         return str(error)
@@ -161,11 +161,11 @@ def costs(strategy: str, axes: dict, shape: LayerShape, compiled=None) -> dict:
     if jax.default_backend() == "cpu" and shape.dtype_bytes < 4:
         shape = shape.replace(dtype="float32")  # what goes on XLA:CPU's wire
     sizes = tuple(axes.values())
-    seq_axes = sizes if strategy == "hybrid" else math.prod(sizes)
+    axis_sizes = sizes if strategy == "hybrid" else math.prod(sizes)
     return dict(temp_fwd_bytes=hlo.memory_bytes(fwd)["temp"],
                 temp_fwd_bwd_bytes=hlo.memory_bytes(fwd_bwd)["temp"],
                 hlo_fwd_bytes=_bytes_sent(fwd), hlo_fwd_bwd_bytes=_bytes_sent(fwd_bwd),
-                **{f"model_{mode}_bytes": comm_bytes(strategy, seq_axes=seq_axes,
+                **{f"model_{mode}_bytes": comm_bytes(strategy, axis_sizes=axis_sizes,
                                                      **shape.replace(backward=backward)
                                                      .comm_kwargs())
                    for mode, backward in (("fwd", False), ("fwd_bwd", True))})

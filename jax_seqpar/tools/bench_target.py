@@ -76,7 +76,7 @@ def footprint_bytes(compiled) -> int:
 
 def _model(strategy: str, axes: dict, shape: LayerShape, backward: bool) -> float:
     sizes = tuple(axes.values())
-    return comm_bytes(strategy, seq_axes=sizes if strategy == "hybrid" else math.prod(sizes),
+    return comm_bytes(strategy, axis_sizes=sizes if strategy == "hybrid" else math.prod(sizes),
                       **shape.replace(backward=backward).comm_kwargs())
 
 
