@@ -28,7 +28,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 
-from jax_seqpar.api import attention as api  # noqa: E402
+from jax_seqpar.api import program as api  # noqa: E402
 from jax_seqpar.core import layout  # noqa: E402
 from jax_seqpar.core.shape import LayerShape  # noqa: E402
 from jax_seqpar.tools import aot, bench, hlo, schedule, targets  # noqa: E402

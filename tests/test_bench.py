@@ -13,6 +13,7 @@ import json
 import pytest
 
 from jax_seqpar import comm_bytes
+from jax_seqpar.core.layout import LAYOUTS
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.planning import hardware, predict, projection
 from jax_seqpar.planning.plan import plan
@@ -220,7 +221,7 @@ def test_packed_balance_table_and_plot(tmp_path):
     assert len(per_document) == 3
     assert all(r["tokens"]["worst"] <= 1.05 for r in per_document)
     text = packed_bench.format_packed(result)
-    assert all(name in text for name in packed_bench.LAYOUTS)
+    assert all(name in text for name in LAYOUTS)
     packed_bench.plot_packed(result, str(tmp_path / "packed.png"))
     assert (tmp_path / "packed.png").read_bytes()[:4] == b"\x89PNG"
     parser = bench_report.add_bench_arguments(argparse.ArgumentParser())

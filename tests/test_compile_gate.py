@@ -28,7 +28,7 @@ from jax.experimental.pallas import triton as plgpu
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_seqpar.tools import aot, bench, bench_report, bench_target, hlo, schedule, targets
-from jax_seqpar.api import attention as api
+from jax_seqpar.api import attention as api, program as api_program
 from jax_seqpar import comm_bytes, kernels
 from jax_seqpar.core.masks import MaskSpec, Tokens
 from jax_seqpar.core.shape import LayerShape
@@ -410,8 +410,8 @@ def test_kernel_choice_follows_the_lowering_platform():
     half, brain = (jax.ShapeDtypeStruct((1, 256, 2, 128), d) for d in (jnp.float16, jnp.bfloat16))
     assert mosaic in exported("auto", ["tpu"], brain, brain, brain)
     assert mosaic not in exported("auto", ["tpu"], half, half, half)
-    assert api.can_check_vma("auto") and api.can_check_vma("xla")
-    assert not api.can_check_vma("pallas")  # its CPU branch is the Pallas interpreter
+    assert api_program.can_check_vma("auto") and api_program.can_check_vma("xla")
+    assert not api_program.can_check_vma("pallas")  # its CPU branch is the Pallas interpreter
 
 
 def test_target_names():

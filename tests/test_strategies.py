@@ -180,7 +180,7 @@ def test_vmap_and_checkpoint(make_qkv, tolerances):
 
 @pytest.mark.parametrize("kernel", ["xla", "pallas"])
 def test_decode_matches_reference(kernel, make_qkv, tolerances):
-    from jax_seqpar.api.attention import can_check_vma
+    from jax_seqpar.api.program import can_check_vma
     from jax_seqpar.strategies.decode import decode_attention
 
     capacity, new = 64, 2

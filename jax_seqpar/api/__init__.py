@@ -3,3 +3,5 @@ global entry point), :mod:`.dot_product` (``jax.nn``-compatible), :mod:`.inferen
 (a sequence-sharded KV cache), and :mod:`.placement` (shardings and padding)."""
 
 from jax_seqpar.api.attention import sequence_parallel_attention as sequence_parallel_attention
+
+__all__ = ["sequence_parallel_attention"]

@@ -16,14 +16,16 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import math
-from typing import Optional, Union
+import typing
+from typing import Literal, Optional, Union
 
 import jax
 import jax.numpy as jnp
 
 from jax_seqpar.api import placement as _placement
-from jax_seqpar.api.program import axis_name_of, can_check_vma, per_shard_fn, run
+from jax_seqpar.api.program import run
 from jax_seqpar.core import checks, masks
+from jax_seqpar.core.layout import LayoutName
 from jax_seqpar.core.merge import check_sinks
 from jax_seqpar.core.meshes import split_axis
 from jax_seqpar.core.shape import LayerShape
@@ -32,12 +34,18 @@ from jax_seqpar.strategies import registry
 from jax_seqpar.strategies.inputs import (Call, Metadata, Operands, check_ids,
                                           check_self_attention, empty_result)
 from jax_seqpar.strategies.local import local_attention
+from jax_seqpar.kernels import KernelName
 
-#: What ``strategy=`` takes: a registered strategy that runs on the global view, or "auto".
-STRATEGIES = ("auto",) + tuple(registry.STRATEGIES)
-LAYOUTS = ("auto", "contiguous", "zigzag", "striped", "per_document")
+#: What ``strategy=`` takes: a registered strategy that runs on the global view, or
+#: ``"auto"`` (planned: :func:`jax_seqpar.planning.plan.auto_choice`).
+StrategyChoice = Literal["auto", registry.StrategyName]
+STRATEGIES: tuple[str, ...] = typing.get_args(StrategyChoice)
+#: What ``layout=`` takes: a token order, or ``"auto"``
+#: (:func:`jax_seqpar.strategies.registry.default_layout`).
+LayoutChoice = Literal["auto", LayoutName]
+LAYOUTS: tuple[str, ...] = typing.get_args(LayoutChoice)
 
-__all__ = ["LAYOUTS", "STRATEGIES", "axis_name_of", "can_check_vma", "per_shard_fn",
+__all__ = ["LAYOUTS", "STRATEGIES", "LayoutChoice", "StrategyChoice",
            "sequence_parallel_attention"]
 
 
@@ -61,15 +69,15 @@ def sequence_parallel_attention(
     *,
     mesh: Optional[jax.sharding.Mesh] = None,
     seq_axes: Union[str, tuple] = "sp",
-    strategy: str = "auto",
+    strategy: StrategyChoice = "auto",
     causal: bool = False,
     segment_ids: Optional[jax.Array] = None,
     positions: Optional[jax.Array] = None,
     kv_segment_ids: Optional[jax.Array] = None,
     window=None,
     scale: Optional[float] = None,
-    layout: str = "auto",
-    kernel: str = "auto",
+    layout: LayoutChoice = "auto",
+    kernel: KernelName = "auto",
     block_sizes=None,
     batch_axes=None,
     softcap: Optional[float] = None,

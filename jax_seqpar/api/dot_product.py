@@ -23,6 +23,10 @@ from jax_seqpar.api.attention import sequence_parallel_attention
 from jax_seqpar.strategies.local import local_attention
 from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.api.head_rows import per_head
+from jax_seqpar.api.attention import LayoutChoice, StrategyChoice
+from jax_seqpar.kernels import KernelName
+
+__all__ = ["dot_product_attention", "without_segment_ids"]
 
 # Segment ids of the metadata: a query sees a key when their ids are equal, so a padded
 # (or masked) key and a padded query, each with an id of its own, see nothing.
@@ -105,9 +109,9 @@ def dot_product_attention(
     return_residual: bool = False,
     mesh: Optional[jax.sharding.Mesh] = None,
     seq_axes: Union[str, tuple] = "sp",
-    strategy: str = "auto",
-    layout: str = "auto",
-    kernel: str = "auto",
+    strategy: StrategyChoice = "auto",
+    layout: LayoutChoice = "auto",
+    kernel: KernelName = "auto",
     block_sizes=None,
     softcap: Optional[float] = None,
     sinks: Optional[jax.Array] = None,

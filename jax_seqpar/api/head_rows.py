@@ -15,6 +15,8 @@ from jax.sharding import PartitionSpec as P
 from jax_seqpar.core import masks
 from jax_seqpar.strategies.inputs import Operands
 
+__all__ = ["per_head"]
+
 
 def _entries(x) -> tuple:
     """The PartitionSpec entry of each dim of ``x``'s type (all None off Explicit meshes)."""

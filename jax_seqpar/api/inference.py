@@ -55,17 +55,20 @@ from jax_seqpar.kernels import make_options
 from jax_seqpar.strategies.inputs import check_qkv, check_self_attention
 from jax_seqpar.api import placement as _placement
 from jax_seqpar.api.placement import place as _place
-from jax_seqpar.api.attention import axis_name_of, can_check_vma, sequence_parallel_attention
+from jax_seqpar.api.attention import sequence_parallel_attention
+from jax_seqpar.api.program import axis_name_of, can_check_vma
 from jax_seqpar.api.dot_product import without_segment_ids
 from jax_seqpar.api.kv_cache import KVCache, check_against_cache
 from jax_seqpar.strategies import decode as decode_steps
+from jax_seqpar.api.attention import LayoutChoice, StrategyChoice
+from jax_seqpar.kernels import KernelName
 
 __all__ = ["KVCache", "decode", "prefill"]
 
 
 def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal: bool = True,
-            strategy: str = "auto", seq_lengths: Optional[jax.Array] = None, window=None,
-            scale: Optional[float] = None, layout: str = "auto", kernel: str = "auto",
+            strategy: StrategyChoice = "auto", seq_lengths: Optional[jax.Array] = None, window=None,
+            scale: Optional[float] = None, layout: LayoutChoice = "auto", kernel: KernelName = "auto",
             block_sizes=None, softcap: Optional[float] = None, sinks: Optional[jax.Array] = None,
             chunk_size: Optional[int] = None, bidirectional_ids: Optional[jax.Array] = None,
             mask_fn: Optional[Callable] = None):
@@ -181,7 +184,7 @@ def _write_prompt(k, v, cache: KVCache, lengths):
 
 
 def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, window=None,
-           scale: Optional[float] = None, kernel: str = "auto", block_sizes=None,
+           scale: Optional[float] = None, kernel: KernelName = "auto", block_sizes=None,
            softcap: Optional[float] = None, sinks: Optional[jax.Array] = None,
            check_capacity: bool = True, chunk_size: Optional[int] = None,
            bidirectional_ids: Optional[jax.Array] = None, mask_fn: Optional[Callable] = None):

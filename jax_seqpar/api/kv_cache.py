@@ -24,6 +24,8 @@ from jax_seqpar.api.program import axis_name_of
 from jax_seqpar.strategies import decode as decode_steps
 from jax_seqpar.strategies.decode import EMPTY_POSITION
 
+__all__ = ["KVCache", "check_against_cache"]
+
 
 def _static(**kwargs):
     return dataclasses.field(metadata=dict(static=True), **kwargs)

@@ -23,6 +23,10 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 from jax_seqpar.core.masks import PAD_SEGMENT
 from jax_seqpar.kernels.tiling import pad_seq
 
+__all__ = ["bind", "boundary_shardings", "caller_spec", "entry_size", "finish",
+           "kept_entries", "on_mesh", "onto", "pad_inputs", "padded_length", "place",
+           "result_spec"]
+
 
 def is_explicit(mesh) -> bool:
     return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))

@@ -25,6 +25,10 @@ from jax_seqpar.core import layout as layouts, packing
 from jax_seqpar.core.meshes import split_axis
 from jax_seqpar.strategies import registry
 from jax_seqpar.strategies.inputs import Call, Metadata
+from jax_seqpar.kernels import KernelName
+from jax_seqpar.strategies.registry import StrategyName
+
+__all__ = ["axis_name_of", "can_check_vma", "per_shard_fn", "run"]
 
 
 def _keep(x, *, axis_name):
@@ -44,7 +48,7 @@ def axis_name_of(axes: tuple):
     return axes[0] if len(axes) == 1 else axes
 
 
-def can_check_vma(kernel: str) -> bool:
+def can_check_vma(kernel: KernelName) -> bool:
     """Whether ``shard_map`` may check varying axes around ``kernel``.
 
     The Pallas interpreter (``kernel="pallas"`` lowered for anything but CUDA,
@@ -56,7 +60,7 @@ def can_check_vma(kernel: str) -> bool:
     return not kernels.may_interpret(kernel)
 
 
-def per_shard_fn(strategy: str, axes: tuple, *, core: bool = False):
+def per_shard_fn(strategy: StrategyName, axes: tuple, *, core: bool = False):
     """The per-shard attention function for ``strategy`` over the sequence ``axes``
     (``core``: its core, ``f(q, k, v, call, metadata, **pipeline)``, which the global
     view calls with the call's :class:`~jax_seqpar.strategies.inputs.Call`)."""

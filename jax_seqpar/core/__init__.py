@@ -7,3 +7,5 @@ online-softmax merge (:mod:`.merge`), token orders (:mod:`.layout`,
 (:mod:`.meshes`), the public boundary's argument checks (:mod:`.checks`), JAX-version
 shims (:mod:`.compat`) and optional dependencies (:mod:`.extras`).
 """
+
+__all__: list[str] = []

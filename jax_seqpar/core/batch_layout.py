@@ -21,17 +21,18 @@ import numpy as np
 
 from jax_seqpar.core import layout as layouts, packing
 from jax_seqpar.core.masks import MaskSpec, Tokens
+from jax_seqpar.core.layout import LayoutName
 
-#: What :func:`permute_batch` takes: the static orders and the per-document one.
-BATCH_LAYOUTS = layouts.LAYOUTS + ("per_document",)
+__all__ = ["permute_batch", "unpermute_batch"]
+
 
 _PERMUTE = {"zigzag": layouts.zigzag_permute, "striped": layouts.striped_permute}
 _UNPERMUTE = {"zigzag": layouts.zigzag_unpermute, "striped": layouts.striped_unpermute}
 
 
 def _check(batch, layout: str, axis: int):
-    if layout not in BATCH_LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not one of {BATCH_LAYOUTS}.")
+    if layout not in layouts.LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {layouts.LAYOUTS}.")
     ranks = {jnp.ndim(x) for x in jax.tree.leaves(batch)}
     if not ranks:
         raise ValueError("batch holds no array to reorder.")
@@ -77,7 +78,7 @@ def _per_document(batch, num_shards, axis, lead, tokens: Tokens, spec: MaskSpec,
     return _gather(batch, positions, axis), positions
 
 
-def permute_batch(batch, layout: str, num_shards: int, *, axis: int = 1,
+def permute_batch(batch, layout: LayoutName, num_shards: int, *, axis: int = 1,
                   segment_ids=None, block_size: Optional[int] = None, bidirectional_ids=None,
                   chunk_size: Optional[int] = None):
     """Reorder every array of ``batch`` into ``layout`` along the sequence ``axis``.
@@ -141,7 +142,7 @@ def permute_batch(batch, layout: str, num_shards: int, *, axis: int = 1,
     return batch, jnp.broadcast_to(arange, (*lead[:axis], seq_len))
 
 
-def unpermute_batch(batch, layout: str, num_shards: int, *, axis: int = 1, positions=None):
+def unpermute_batch(batch, layout: LayoutName, num_shards: int, *, axis: int = 1, positions=None):
     """Inverse of :func:`permute_batch`: arrays in ``layout`` order back to natural order.
 
     Args:

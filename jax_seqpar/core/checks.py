@@ -29,6 +29,9 @@ from typing import Optional
 import jax
 import numpy as np
 
+__all__ = ["bidirectional_ids", "flag", "lengths", "mask_fn", "mesh_only", "positions",
+           "real", "scale", "segment_ids"]
+
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
 

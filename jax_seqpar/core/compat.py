@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import jax
 
+__all__ = ["match_varying", "shape_struct", "varying_axes"]
+
 
 def varying_axes(x) -> frozenset:
     """The manual mesh axes along which ``x`` varies inside ``shard_map``."""

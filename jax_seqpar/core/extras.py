@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import importlib
 
+__all__ = ["require"]
+
 
 def require(module: str, extra: str, needed_by: str):
     """Import ``module``, or raise ``ImportError`` naming the extra that installs it.

@@ -28,13 +28,25 @@ A layout is a property of the token order, so it is applied once to a model's in
 
 from __future__ import annotations
 
-from typing import Hashable, Sequence, Union
+import typing
+from typing import Hashable, Literal, Sequence, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-LAYOUTS = ("contiguous", "zigzag", "striped")
+__all__ = ["LAYOUTS", "LayoutName", "contiguous_positions", "from_striped", "from_zigzag",
+           "shard_positions", "striped_permute", "striped_positions",
+           "striped_unpermute", "to_striped", "to_zigzag", "zigzag_permute",
+           "zigzag_positions", "zigzag_unpermute"]
+
+#: A token order, what ``layout=`` names (:func:`jax_seqpar.permute_batch`, the planner):
+#: contiguous, zigzag and striped are formulas of the length and the shard count;
+#: per_document follows a batch's documents. The entry points add ``"auto"``.
+LayoutName = Literal["contiguous", "zigzag", "striped", "per_document"]
+LAYOUTS: tuple[str, ...] = typing.get_args(LayoutName)
+#: The orders a formula gives (positions inside ``shard_map``: :func:`shard_positions`).
+_FORMULA_LAYOUTS = tuple(name for name in LAYOUTS if name != "per_document")
 
 AxisName = Union[Hashable, Sequence[Hashable]]
 
@@ -157,8 +169,8 @@ def contiguous_positions(seq_len: int) -> jax.Array:
 
 
 def _check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}.")
+    if layout not in _FORMULA_LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {_FORMULA_LAYOUTS}.")
 
 
 def _check_even_local_len(local_len: int, what: str) -> int:

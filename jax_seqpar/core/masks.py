@@ -36,6 +36,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+__all__ = ["EMPTY_LSE", "MaskSpec", "PAD_SEGMENT", "Tokens", "classify", "cols",
+           "normalize_window", "rows", "shifted", "summarize", "visible",
+           "visible_tokens"]
+
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
 #: The log-sum-exp given to a query row that sees no key: finite, so merges and

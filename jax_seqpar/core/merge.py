@@ -10,6 +10,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+__all__ = ["check_sinks", "merge", "merge_across", "with_sinks"]
+
 
 def merge(out_a, lse_a, out_b, lse_b):
     """Combine attention over two disjoint sets of keys into attention over their union.

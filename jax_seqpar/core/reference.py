@@ -13,6 +13,8 @@ import jax.numpy as jnp
 
 from jax_seqpar.core import masks
 
+__all__ = ["attention"]
+
 
 def attention(
     q: jax.Array,

@@ -32,3 +32,9 @@ from jax_seqpar.examples._generate import Generation as Generation
 from jax_seqpar.examples._generate import generate as generate
 from jax_seqpar.examples._generate import load_params as load_params
 from jax_seqpar.examples._generate import save_params as save_params
+
+__all__ = ["DEFAULT_STRATEGIES", "Generation", "MASKS", "ModelConfig", "PackedRows",
+           "Parallelism", "TrainConfig", "TrainResult", "TransformerLM",
+           "as_strategy_list", "generate", "init_params", "load_params",
+           "make_optimizer", "mesh_for", "pack_documents", "run_demo", "run_generate",
+           "save_params", "stdlib_documents", "train", "training_batches", "with_mask"]

@@ -22,6 +22,8 @@ import jax.numpy as jnp
 from jax_seqpar.api.attention import sequence_parallel_attention
 from jax_seqpar.core import checks, masks
 from jax_seqpar.strategies.inputs import Call
+from jax_seqpar.api.attention import LayoutChoice, StrategyChoice
+from jax_seqpar.kernels import KernelName
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,12 +72,12 @@ def make_attention_fn(
     mesh: Optional[jax.sharding.Mesh],
     *,
     seq_axes: Union[str, tuple] = "sp",
-    strategy: str = "auto",
+    strategy: StrategyChoice = "auto",
     causal: bool = False,
     window=None,
     scale: Optional[float] = None,
-    layout: str = "auto",
-    kernel: str = "auto",
+    layout: LayoutChoice = "auto",
+    kernel: KernelName = "auto",
     block_sizes=None,
     softcap: Optional[float] = None,
     ulysses_size: Optional[int] = None,

@@ -13,6 +13,8 @@ from jax_seqpar.api import inference
 from jax_seqpar.api.attention import sequence_parallel_attention
 from jax_seqpar.flax._rope import apply_rope
 from jax_seqpar.strategies.inputs import Call
+from jax_seqpar.api.attention import LayoutChoice, StrategyChoice
+from jax_seqpar.kernels import KernelName
 
 
 class SelfAttention(nnx.Module):
@@ -89,14 +91,14 @@ class SelfAttention(nnx.Module):
         head_dim: Optional[int] = None,
         mesh: Optional[jax.sharding.Mesh] = None,
         seq_axes: Union[str, tuple] = "sp",
-        strategy: str = "auto",
+        strategy: StrategyChoice = "auto",
         ulysses_size: Optional[int] = None,
         causal: bool = False,
         window=None,
         chunk_size: Optional[int] = None,
         mask_fn: Optional[Callable] = None,
-        layout: str = "auto",
-        kernel: str = "auto",
+        layout: LayoutChoice = "auto",
+        kernel: KernelName = "auto",
         rope_base: float = 10000.0,
         softcap: Optional[float] = None,
         sinks: bool = False,

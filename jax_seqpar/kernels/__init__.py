@@ -18,17 +18,20 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-from typing import Mapping
+import typing
+from typing import Literal, Mapping
 
 from jax_seqpar.core import checks
 from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.kernels.contract import BlockSizes, Kernel, check_softcap
 from jax_seqpar.kernels.options import Options
 
-__all__ = ["KERNELS", "BlockSizes", "Kernel", "Options", "PerPlatform", "get", "make_options",
+__all__ = ["KERNELS", "BlockSizes", "KernelName", "Kernel", "Options", "PerPlatform", "get", "make_options",
            "may_interpret"]
 
-KERNELS = ("auto", "xla", "pallas", "mosaic")
+#: What ``kernel=`` takes: a per-platform choice (``"auto"``) or one kernel.
+KernelName = Literal["auto", "xla", "pallas", "mosaic"]
+KERNELS: tuple[str, ...] = typing.get_args(KernelName)
 
 # The kernel each choice lowers to, per lowering platform ("default": every other).
 # ``pallas-interpret`` is the Pallas kernel run by the Pallas interpreter.
@@ -158,7 +161,7 @@ class PerPlatform:
         return self._call("attention", (q, k, v, q_tokens, kv_tokens), options, (), interpret)
 
 
-def get(kernel: str = "auto") -> Kernel:
+def get(kernel: KernelName = "auto") -> Kernel:
     """The kernel for ``kernel``: a module, or a :class:`PerPlatform` of modules.
 
     ``"xla"``: the XLA kernel everywhere. ``"pallas"``: Triton when lowered for
@@ -179,12 +182,12 @@ def get(kernel: str = "auto") -> Kernel:
     return PerPlatform(kernel, tuple(_PLATFORM_KERNELS[kernel].items()))
 
 
-def may_interpret(kernel: str) -> bool:
+def may_interpret(kernel: KernelName) -> bool:
     """Whether ``kernel`` runs the Pallas interpreter on some lowering platform."""
     return kernel == "mosaic" or getattr(get(kernel), "may_interpret", False)
 
 
-def make_options(q, spec: MaskSpec, *, scale=None, kernel: str = "auto", block_sizes=None,
+def make_options(q, spec: MaskSpec, *, scale=None, kernel: KernelName = "auto", block_sizes=None,
                  softcap=None) -> Options:
     """The static :class:`~jax_seqpar.kernels.options.Options` of a call on queries
     ``q [..., Dqk]`` (for the default scale ``1/sqrt(Dqk)``): the mask ``spec``, the

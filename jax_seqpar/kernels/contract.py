@@ -46,6 +46,10 @@ import numpy as np
 from jax_seqpar.core import checks
 from jax_seqpar.core.masks import Tokens
 
+__all__ = ["BlockSizes", "F32", "Kernel", "add_accumulated", "check_accumulated",
+           "check_backward_operands", "check_operands", "check_softcap",
+           "differentiable", "folds_vmap", "merge_accumulated", "resolve_block_sizes"]
+
 F32 = jnp.float32
 #: Smallest tile the Triton (GPU) lowering takes; tiles there are powers of two.
 GPU_MIN_TILE = 16

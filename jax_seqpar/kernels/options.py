@@ -17,6 +17,8 @@ from jax_seqpar.core.masks import MaskSpec, Tokens
 from jax_seqpar.kernels import tiling
 from jax_seqpar.kernels.contract import BlockSizes, Kernel, check_softcap, resolve_block_sizes
 
+__all__ = ["Options"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Options:

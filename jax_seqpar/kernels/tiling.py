@@ -9,6 +9,9 @@ import jax.numpy as jnp
 from jax_seqpar.core import masks
 from jax_seqpar.core.masks import PAD_SEGMENT, MaskSpec, Tokens
 
+__all__ = ["Tiling", "any_visible", "loaded", "pad_seq", "padded_tokens", "per_field",
+           "schedule"]
+
 
 @dataclasses.dataclass(frozen=True)
 class Tiling:

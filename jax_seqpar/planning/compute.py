@@ -18,6 +18,7 @@ from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.planning import packed
 from jax_seqpar.planning.hardware import Hardware
+from jax_seqpar.strategies.registry import StrategyName
 
 __all__ = ["TILE", "step_seconds", "tile_pairs", "visible_pairs"]
 
@@ -107,7 +108,7 @@ def _sampled(items, limit: int = 8):
     return [items[i] for i in np.linspace(0, len(items) - 1, limit).round().astype(int)]
 
 
-def step_seconds(strategy: str, ring: int, ulysses: int, shape: LayerShape,
+def step_seconds(strategy: StrategyName, ring: int, ulysses: int, shape: LayerShape,
                  hardware: Hardware, tile: int, documents=None):
     """Forward and backward compute seconds per ring step of ``strategy`` over ``ring x
     ulysses`` devices (tile-level, busiest device; one step: no ring); ``documents``:

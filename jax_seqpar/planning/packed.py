@@ -22,11 +22,11 @@ import numpy as np
 from jax_seqpar.core import layout as layouts, packing, work
 from jax_seqpar.core.masks import PAD_SEGMENT, MaskSpec, Tokens
 from jax_seqpar.core.shape import LayerShape
+from jax_seqpar.core.layout import LayoutName
+from jax_seqpar.strategies.registry import StrategyName
 
-__all__ = ["Documents", "LAYOUTS", "documents", "laid_out", "step_pairs"]
+__all__ = ["Documents", "documents", "laid_out", "step_pairs"]
 
-#: The token orders ``predict(layout=)`` takes.
-LAYOUTS = ("contiguous", "zigzag", "striped", "per_document")
 
 #: Tile pairs classified at most (rows x tiles x tiles); beyond, exact visible pairs.
 MAX_TILE_PAIRS = 2**24
@@ -39,7 +39,7 @@ class Documents:
     Attributes:
       tokens: natural-order ``[B', S]`` segment ids and bidirectional ids (``positions``
         unused).
-      layout: the token order (:data:`LAYOUTS`), or None for the package's default.
+      layout: the token order (:data:`jax_seqpar.core.layout.LAYOUTS`), or None for the package's default.
       spec: the mask (the layer's causality and window, and its chunks).
     """
 
@@ -48,15 +48,15 @@ class Documents:
     spec: MaskSpec
 
 
-def documents(shape: LayerShape, natural: Tokens, layout: Optional[str],
+def documents(shape: LayerShape, natural: Tokens, layout: Optional[LayoutName],
               spec: Optional[MaskSpec] = None) -> Optional[Documents]:
     """The batch ``natural`` (natural-order segment ids and bidirectional ids, either
     None) validated, or None (one document per row, no ids, no chunks, the default
     layout: :mod:`.predict`'s own position-only count). ``spec``: the mask, by default
     the shape's causality and window."""
     spec = MaskSpec.make(shape.causal, shape.window) if spec is None else spec
-    if layout is not None and layout not in LAYOUTS:
-        raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}.")
+    if layout is not None and layout not in layouts.LAYOUTS:
+        raise ValueError(f"layout={layout!r} is not one of {layouts.LAYOUTS}.")
     segment_ids, bids = natural.segment_ids, natural.bidirectional_ids
     if bids is not None and not spec.causal:
         raise ValueError("bidirectional_ids lift causality: they mean nothing without "
@@ -87,7 +87,7 @@ def documents(shape: LayerShape, natural: Tokens, layout: Optional[str],
     return Documents(Tokens(None, segment_ids, bids), layout, spec)
 
 
-def laid_out(strategy: str, devices: int, shape: LayerShape, tile: int,
+def laid_out(strategy: StrategyName, devices: int, shape: LayerShape, tile: int,
              batch: Documents) -> Tokens:
     """``batch``'s tokens ``[B', S']`` in its layout over ``devices``: positions, segment
     ids and bidirectional ids (padded with :data:`PAD_SEGMENT` as the entry point pads)."""
@@ -113,7 +113,7 @@ def laid_out(strategy: str, devices: int, shape: LayerShape, tile: int,
     return Tokens(positions, gather(ids), gather(bids))
 
 
-def step_pairs(strategy: str, ring: int, ulysses: int, shape: LayerShape, tile: int,
+def step_pairs(strategy: StrategyName, ring: int, ulysses: int, shape: LayerShape, tile: int,
                batch: Documents) -> list[float]:
     """Computed (query, key) pairs per row at each ring step, on that step's busiest
     device (the all-gather: one step, its busiest device's total).

@@ -28,6 +28,7 @@ from jax_seqpar.core.shape import LayerShape, dtype_of_size, is_count
 from jax_seqpar.planning import hardware as hardware_lib, predict, tuned
 from jax_seqpar.strategies.registry import comm_bytes
 from jax_seqpar.strategies.traffic import axis_sizes_tuple, replicated_kv_heads
+from jax_seqpar.core.layout import LayoutName
 
 __all__ = ["Plan", "auto_choice", "choose", "plan", "plan_layer"]
 
@@ -146,7 +147,7 @@ def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
 
 def plan_layer(shape: LayerShape, axis_sizes: int | Mapping[str, int], *, hardware=None,
                memory_budget: Optional[float] = None, segment_ids=None,
-               layout: Optional[str] = None) -> Plan:
+               layout: Optional[LayoutName] = None) -> Plan:
     """:func:`plan` for a :class:`~jax_seqpar.core.shape.LayerShape`.
 
     With ``hardware``, ``segment_ids`` (a representative batch of packed documents,

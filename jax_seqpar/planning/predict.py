@@ -64,6 +64,7 @@ from jax_seqpar.planning.compute import TILE, step_seconds
 from jax_seqpar.planning.hardware import Hardware
 from jax_seqpar.strategies import registry
 from jax_seqpar.strategies.registry import comm_bytes
+from jax_seqpar.core.layout import LayoutName
 
 __all__ = ["TILE", "Candidate", "candidates", "predict"]
 
@@ -270,7 +271,7 @@ def _memory(candidate: Candidate, shape: LayerShape, tile: int) -> float:
 
 
 def predict(candidate: Candidate, shape: LayerShape, hardware, *, tile: int = TILE,
-            segment_ids=None, layout: Optional[str] = None, bidirectional_ids=None,
+            segment_ids=None, layout: Optional[LayoutName] = None, bidirectional_ids=None,
             chunk_size: Optional[int] = None) -> dict:
     """One layer's predicted time, broken down, and memory for ``candidate`` on ``hardware``.
 
@@ -283,7 +284,7 @@ def predict(candidate: Candidate, shape: LayerShape, hardware, *, tile: int = TI
         (packed documents), or None: one document per row. With them, compute is the
         busiest device's computed tiles at every ring step, each tile classified per
         row (causal within documents), as the kernels compute them.
-      layout: the batch's token order (:data:`jax_seqpar.planning.packed.LAYOUTS`), or None: the package's default
+      layout: the batch's token order (:data:`jax_seqpar.core.layout.LAYOUTS`), or None: the package's default
         (zigzag for causal rings, hybrids and all-gathers; else contiguous).
         ``"per_document"`` needs ``segment_ids`` and is laid out with ``tile``.
       bidirectional_ids: ``int[B', S]`` natural-order ids of the same batch (a

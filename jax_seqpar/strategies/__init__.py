@@ -2,3 +2,5 @@
 ``jax.shard_map``), one strategy per module, the local (no-mesh) path, and what each
 strategy sends (:mod:`.traffic`). Strategies reach kernels only through
 :class:`.inputs.Options`."""
+
+__all__: list[str] = []

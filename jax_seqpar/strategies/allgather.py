@@ -41,6 +41,9 @@ from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.inputs import (Call, Metadata, axis_size, gather_tokens, per_shard,
                                           prepare)
 
+__all__ = ["MAX_AUTO_CHUNKS", "allgather_attention", "chunk_counts", "default_chunks",
+           "resolve_chunks"]
+
 #: ``chunks="auto"`` takes at most this many pieces: 16 hide fifteen sixteenths of the
 #: gathered bytes (B=1, S=16384, H=16, Hkv=4, D=128, bf16, causal, 8 devices, compiled
 #: for h100:8 and v5p:2x2x2: 93.6 % of the forward's bytes and 90.3 % of the forward +

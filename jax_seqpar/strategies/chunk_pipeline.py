@@ -37,6 +37,8 @@ from jax_seqpar.strategies.head_pipeline import (heads_to_seq, no_gradient, seq_
                                                  sink_cotangents, sink_gradient)
 from jax_seqpar.strategies.inputs import Operands, axis_size
 
+__all__ = ["chunk_pipeline"]
+
 
 def chunk_pipeline(axis_name, options, q, k, v, operands: Operands, *, sizes: tuple,
                    return_lse: bool = False):

@@ -28,6 +28,10 @@ from jax_seqpar.kernels import tiling
 from jax_seqpar.strategies.inputs import Options, check_ids, check_qkv
 from jax_seqpar.kernels import make_options
 from jax_seqpar.core.merge import check_sinks, merge_across
+from jax_seqpar.kernels import KernelName
+
+__all__ = ["EMPTY_POSITION", "Step", "append_and_attend", "deal_round_robin",
+           "decode_attention", "overflow_message"]
 
 #: The position of an empty cache slot: later than every query, so the causal
 #: mask hides it and whole empty key blocks are skipped.
@@ -88,7 +92,7 @@ def _hide_unwritten(kv_positions, seq_lengths):
     return jnp.where(hidden, EMPTY_POSITION, kv_positions)
 
 
-def decode_attention(q, k_cache, v_cache, *, seq_axes, seq_lengths, scale=None, kernel="auto",
+def decode_attention(q, k_cache, v_cache, *, seq_axes, seq_lengths, scale=None, kernel: KernelName = "auto",
                      kv_positions=None, window=None, block_sizes=None, softcap=None,
                      sinks=None, chunk_size=None, mask_fn=None):
     """Attend new queries to a sequence-sharded cache (call inside ``shard_map``).

@@ -36,6 +36,8 @@ from jax_seqpar.strategies.inputs import axis_size
 from jax_seqpar.core.masks import MaskSpec, Tokens
 from jax_seqpar.core.merge import merge
 
+__all__ = ["exchange", "halo_attention", "halo_sizes", "window_attention"]
+
 
 def halo_sizes(spec: MaskSpec, local_len: int, num_shards: int, *,
                bidirectional: bool = False) -> Optional[tuple[int, int]]:

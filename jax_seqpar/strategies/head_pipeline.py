@@ -35,6 +35,9 @@ from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.strategies.heads import head_group_counts
 from jax_seqpar.strategies.inputs import Operands, Options, axis_size
 
+__all__ = ["KernelStage", "head_pipeline", "heads_to_seq", "no_gradient",
+           "seq_to_heads", "sink_cotangents", "sink_gradient"]
+
 
 def seq_to_heads(x, axis_name):
     """``[B, S/P, h, D] -> [B, S, h/P, D]`` (all-to-all over ``axis_name``)."""

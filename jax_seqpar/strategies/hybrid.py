@@ -35,6 +35,8 @@ from jax_seqpar.strategies.inputs import (Call, Metadata, Operands, Options, axi
                                           gather_tokens, per_shard, prepare)
 from jax_seqpar.strategies.ring import ring_over
 
+__all__ = ["hybrid_attention"]
+
 
 @per_shard
 def hybrid_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes, overlap="auto",

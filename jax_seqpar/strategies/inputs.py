@@ -18,6 +18,11 @@ from jax_seqpar.core import checks, layout, masks
 from jax_seqpar.kernels.contract import check_softcap
 from jax_seqpar.kernels.options import Options
 from jax_seqpar.kernels import make_options
+from jax_seqpar.kernels import KernelName
+
+__all__ = ["Call", "Metadata", "Operands", "Shard", "axis_size", "check_ids",
+           "check_qkv", "check_self_attention", "empty_result", "gather_tokens",
+           "per_shard", "prepare", "shard_tokens"]
 
 
 def check_qkv(q, k, v) -> None:
@@ -139,7 +144,7 @@ class Call:
 
     @classmethod
     def make(cls, *, causal=False, window=None, chunk_size=None, mask_fn=None, scale=None,
-             kernel="auto", block_sizes=None, softcap=None, return_lse=False) -> "Call":
+             kernel: KernelName = "auto", block_sizes=None, softcap=None, return_lse=False) -> "Call":
         """The call of these keywords, each checked (``ValueError`` naming it): ``causal``
         and ``return_lse`` bools, ``window`` non-negative ints, ``chunk_size`` a positive
         int, ``mask_fn`` a callable, ``scale`` a finite number, ``softcap`` a positive
@@ -267,7 +272,7 @@ def per_shard(core: Callable) -> Callable:
     """
 
     def attention(q, k, v, *, seq_axes, causal=False, segment_ids=None, positions=None,
-                  window=None, scale=None, kernel="auto", block_sizes=None, softcap=None,
+                  window=None, scale=None, kernel: KernelName = "auto", block_sizes=None, softcap=None,
                   sinks=None, kv_segment_ids=None, chunk_size=None, bidirectional_ids=None,
                   mask_fn=None, return_lse=False, **extra):
         call = Call.make(causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,

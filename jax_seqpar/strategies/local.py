@@ -20,6 +20,8 @@ from jax_seqpar.core import checks
 from jax_seqpar.core.masks import Tokens
 from jax_seqpar.core.merge import check_sinks, with_sinks
 
+__all__ = ["local_attention"]
+
 
 def _positioned(tokens: Tokens, batch: int, length: int) -> Tokens:
     if tokens.positions is not None:

@@ -10,7 +10,8 @@ module and one entry here.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Mapping, Optional
+import typing
+from typing import Callable, Literal, Mapping, Optional
 
 from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.strategies import allgather, heads, traffic
@@ -21,7 +22,7 @@ from jax_seqpar.strategies.hybrid import hybrid_attention
 from jax_seqpar.strategies.ring import ring_attention
 from jax_seqpar.strategies.ulysses import ulysses_attention
 
-__all__ = ["DECODE", "STRATEGIES", "Strategy", "comm_bytes", "default_layout", "get"]
+__all__ = ["DECODE", "STRATEGIES", "Strategy", "StrategyName", "comm_bytes", "default_layout", "get"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,8 +87,11 @@ def _ulysses_pieces(shape, devices: int) -> int:
     return groups if kv_local % groups == 0 else 1
 
 
-#: Every strategy the global entry point runs, in the order tables list them.
-STRATEGIES: Mapping[str, Strategy] = {s.name: s for s in (
+#: The name of a strategy the global entry point runs (``strategy=``; the entry points
+#: add ``"auto"``), in the order tables list them.
+StrategyName = Literal["ulysses", "ring", "allgather", "hybrid"]
+
+_ENTRIES = {s.name: s for s in (
     Strategy("ulysses", ulysses_attention, traffic.ulysses_bytes, splits_heads=True,
              pieces=lambda shape, devices: (_ulysses_pieces(shape, devices),) * 2),
     Strategy("ring", ring_attention, traffic.ring_bytes, zigzag_balances=True),
@@ -98,6 +102,9 @@ STRATEGIES: Mapping[str, Strategy] = {s.name: s for s in (
     Strategy("hybrid", hybrid_attention, traffic.hybrid_bytes, num_seq_axes=2, splits_heads=True,
              zigzag_balances=True),
 )}
+#: Every strategy the global entry point runs, by :data:`StrategyName`.
+STRATEGIES: Mapping[str, Strategy] = {name: _ENTRIES[name]
+                                      for name in typing.get_args(StrategyName)}
 
 #: Attention of new tokens to a sequence-sharded KV cache (forward only).
 DECODE = Strategy("decode", decode_attention, traffic.decode_bytes, global_view=False)
@@ -112,7 +119,7 @@ def get(name: str) -> Strategy:
     return STRATEGIES[name]
 
 
-def default_layout(strategy: str, spec: MaskSpec = MaskSpec(), *, seq_len=None,
+def default_layout(strategy: StrategyName, spec: MaskSpec = MaskSpec(), *, seq_len=None,
                    num_shards=None) -> str:
     """The token order ``layout="auto"`` uses: balance and locality.
 
@@ -144,7 +151,7 @@ def default_layout(strategy: str, spec: MaskSpec = MaskSpec(), *, seq_len=None,
     return "zigzag" if spec.causal and get(strategy).zigzag_balances else "contiguous"
 
 
-def comm_bytes(strategy: str, *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
+def comm_bytes(strategy: Literal[StrategyName, "decode"], *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
                head_dim: int, v_head_dim: int | None = None,
                axis_sizes: int | tuple[int, ...] | Mapping[str, int],
                dtype_bytes: float = 2, backward: bool = False,

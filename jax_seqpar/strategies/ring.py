@@ -33,6 +33,8 @@ from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.inputs import Call, Metadata, axis_size, per_shard, prepare
 from jax_seqpar.core.masks import EMPTY_LSE
 
+__all__ = ["ring_attention", "ring_over"]
+
 
 @per_shard
 def ring_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes):

@@ -27,6 +27,8 @@ from jax_seqpar.strategies.heads import (chunk_sizes, kv_replication, local_head
 from jax_seqpar.strategies.inputs import (Call, Metadata, Operands, axis_size, gather_tokens,
                                           per_shard, prepare)
 
+__all__ = ["ulysses_attention"]
+
 
 @per_shard
 def ulysses_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes, overlap="auto",

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from jax_seqpar.api import attention as api
+from jax_seqpar.api import program as api
 from jax_seqpar.tools import hlo
 from jax_seqpar.core import layout, reference
 from jax_seqpar.core.masks import MaskSpec
@@ -38,6 +38,12 @@ from jax_seqpar.planning import plan
 from jax_seqpar import kernels
 from jax_seqpar.strategies import registry
 from jax_seqpar.strategies.registry import comm_bytes
+from jax_seqpar.kernels import KernelName
+from jax_seqpar.strategies.registry import StrategyName
+
+__all__ = ["Case", "DEFAULT_MESHES", "DEFAULT_SHAPE", "DTYPES", "KERNELS", "MIB",
+           "STRATEGIES", "build", "compile_strategy", "configurations", "costs",
+           "layout_for", "median_ms", "mesh_label", "parse_mesh", "run"]
 
 STRATEGIES = tuple(registry.STRATEGIES)
 KERNELS = kernels.KERNELS
@@ -91,7 +97,7 @@ def skip_reason(strategy: str, axes: dict, shape: LayerShape,
     return None
 
 
-def layout_for(strategy: str, shape: LayerShape) -> str:
+def layout_for(strategy: StrategyName, shape: LayerShape) -> str:
     """The token order the strategy runs ``shape`` in (zigzag for causal rings)."""
     return registry.default_layout(strategy, MaskSpec(causal=shape.causal))
 
@@ -150,7 +156,7 @@ def compile_strategy(case: Case):
             jax.jit(forward_and_vjp).lower(*args).compile())
 
 
-def costs(strategy: str, axes: dict, shape: LayerShape, compiled=None) -> dict:
+def costs(strategy: StrategyName, axes: dict, shape: LayerShape, compiled=None) -> dict:
     """``{temp, hlo, model}_{fwd, fwd_bwd}_bytes`` per device: ``memory_analysis`` temp,
     bytes sent read from the compiled HLO, and :func:`jax_seqpar.comm_bytes`.
 
@@ -205,7 +211,7 @@ def median_ms(compiled, args, warmup: int, runs: int):
     return statistics.median(times) * 1e3, result
 
 
-def configurations(shapes, meshes, strategies, kernels):
+def configurations(shapes, meshes, strategies: Sequence[StrategyName], kernels: Sequence[KernelName]):
     """``(todo, skipped, plans)``: what runs (``(Case, planned strategy)`` pairs), what
     cannot (and why), plan's choices."""
     for name, given, known in (("strategy", strategies, STRATEGIES), ("kernel", kernels, KERNELS)):
@@ -240,8 +246,8 @@ def configurations(shapes, meshes, strategies, kernels):
 
 
 def run(shape: LayerShape = DEFAULT_SHAPE, meshes: Sequence = DEFAULT_MESHES, *,
-        seq_lens: Optional[Sequence[int]] = None, strategies: Sequence[str] = STRATEGIES,
-        kernels: Sequence[str] = ("auto",), warmup: int = 1, runs: int = 3, check: bool = True,
+        seq_lens: Optional[Sequence[int]] = None, strategies: Sequence[StrategyName] = STRATEGIES,
+        kernels: Sequence[KernelName] = ("auto",), warmup: int = 1, runs: int = 3, check: bool = True,
         progress: bool = True) -> dict:
     """Compiles, times and measures every applicable (seq_len, mesh, kernel, strategy).
 

@@ -20,6 +20,8 @@ from jax_seqpar.tools.bench import (MIB, DEFAULT_MESHES, DTYPES, KERNELS, STRATE
 from jax_seqpar.tools.bench_target import DEFAULT_RESERVE, MAX_SEQ_TOLERANCE
 from jax_seqpar.tools.report import format_projection, text_table
 
+__all__ = ["add_bench_arguments", "format_table", "plot", "run_bench"]
+
 
 def format_table(result: dict) -> str:
     """One text table of :func:`run`'s rows; plan's reasons, skips and notes below it."""

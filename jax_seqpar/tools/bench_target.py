@@ -27,6 +27,11 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.tools import aot, bench, hlo, schedule, targets
 from jax_seqpar.strategies.registry import comm_bytes
+from jax_seqpar.kernels import KernelName
+from jax_seqpar.strategies.registry import StrategyName
+
+__all__ = ["DEFAULT_RESERVE", "MAX_SEQ_TOLERANCE", "compile_strategy",
+           "footprint_bytes", "max_seq", "run_max_seq", "run_target"]
 
 #: Share of a device's HBM kept for the runtime, collectives' buffers and the rest of
 #: the model: a program fits when its footprint is at most ``(1 - reserve) * HBM``.
@@ -110,7 +115,7 @@ def _check_meshes(target: str, meshes) -> None:
 
 def run_target(shape: LayerShape, target: str, meshes: Optional[Sequence] = None, *,
                seq_lens: Optional[Sequence[int]] = None,
-               strategies: Sequence[str] = bench.STRATEGIES, kernel: str = "auto",
+               strategies: Sequence[StrategyName] = bench.STRATEGIES, kernel: KernelName = "auto",
                progress: bool = True) -> dict:
     """Compiles (runs nothing) every applicable (seq_len, mesh, strategy) for ``target``.
 
@@ -225,7 +230,7 @@ def max_seq(target: str, case: bench.Case, *, backward: bool,
 
 
 def run_max_seq(shape: LayerShape, target: str, meshes: Optional[Sequence] = None, *,
-                strategies: Sequence[str] = bench.STRATEGIES, kernel: str = "auto",
+                strategies: Sequence[StrategyName] = bench.STRATEGIES, kernel: KernelName = "auto",
                 reserve: float = DEFAULT_RESERVE, progress: bool = True) -> dict:
     """:func:`max_seq` forward and forward + backward for every applicable strategy."""
     from tqdm.auto import tqdm

@@ -20,6 +20,8 @@ import sys
 import time
 from typing import Optional, Sequence
 
+__all__ = ["build_parser", "main"]
+
 DEMO_DEVICES = 8
 
 

@@ -10,6 +10,9 @@ import dataclasses
 import math
 import re
 
+__all__ = ["Instruction", "bodies", "callees", "multipliers", "parse_module",
+           "shape_bytes", "split_top_level"]
+
 # Bits per element of every HLO primitive type that can appear in a shape.
 _ELEMENT_BITS = {
     "pred": 8, "s1": 1, "u1": 1, "s2": 2, "u2": 2, "s4": 4, "u4": 4, "s8": 8, "u8": 8,

@@ -36,7 +36,6 @@ from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.tools import mixes
 from jax_seqpar.tools.report import text_table
 
-LAYOUTS = ("contiguous", "zigzag", "striped", "per_document")
 #: The kernels' default tiles (block_q, block_k) and what each computes of them.
 KERNEL_TILES = {"xla 256": (256, 256, "skip"), "triton 128x64": (128, 64, "range"),
                 "mosaic 512": (512, 512, "skip"), "128": (128, 128, "skip")}
@@ -87,7 +86,7 @@ def balance(batch: int, seq_len: int, num_shards: int, seeds: int, block: int) -
     rows = []
     for mix_name, mix in mixes.MIXES.items():
         draws = [mix(batch, seq_len, np.random.default_rng(seed)) for seed in range(seeds)]
-        for name in LAYOUTS:
+        for name in layout.LAYOUTS:
             found = [measure(ids, positions_of(name, ids, num_shards, block), num_shards,
                              _aligned(name, ids, num_shards)) for ids in draws]
             row = {"mix": mix_name, "layout": name, "first": found[0]}
@@ -100,7 +99,7 @@ def balance(batch: int, seq_len: int, num_shards: int, seeds: int, block: int) -
 
 
 #: The orders the masked mixes are measured in.
-MASKED_LAYOUTS = ("zigzag", "striped", "per_document")
+MASKED_LAYOUTS = tuple(name for name in layout.LAYOUTS if name != "contiguous")
 
 
 def masked_positions(name: str, ids: np.ndarray, bids, spec: MaskSpec, num_shards: int,
@@ -301,6 +300,6 @@ def plot_masked(result: dict, path: str) -> None:
     figure.savefig(path, dpi=110)
 
 
-__all__ = ["KERNEL_TILES", "LAYOUTS", "MASKED_LAYOUTS", "balance", "format_packed",
+__all__ = ["KERNEL_TILES", "MASKED_LAYOUTS", "balance", "format_packed",
            "masked_balance", "masked_measure", "masked_positions",
            "measure", "plot_masked", "plot_packed", "positions_of", "ring_times", "run_packed"]

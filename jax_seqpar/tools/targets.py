@@ -27,9 +27,16 @@ import importlib.util
 import math
 import os
 import re
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:  # targets imports nothing of the package at run time
+    from jax_seqpar.strategies.registry import StrategyName
+
+__all__ = ["COMPILE_OPTIONS", "Target", "compile_only_environment", "compile_options",
+           "emulate_cpu_devices", "libtpu_init_args", "parse", "require_plugin",
+           "target_mesh", "target_platform"]
 
 #: GPU kinds: (target description file, GPUs per host).
 GPUS = {"h100": ("h100_sxm.txtpb", 8), "h200": ("h200.txtpb", 8), "a100": ("a100_sxm_80.txtpb", 8)}
@@ -121,7 +128,7 @@ def parse(name: str) -> Target:
     raise ValueError(f"unknown target {name!r}; known forms: {_KNOWN}.")
 
 
-def compile_options(platform: str, strategy: Optional[str] = None) -> dict:
+def compile_options(platform: str, strategy: Optional[StrategyName] = None) -> dict:
     """The XLA options of :data:`COMPILE_OPTIONS` for ``strategy``'s programs on
     ``platform`` (``"tpu"``, ...), or every strategy's (None: a program that runs several),
     for ``jax.jit(f).lower(*args).compile(compiler_options=compile_options("tpu"))``.
@@ -137,7 +144,7 @@ def compile_options(platform: str, strategy: Optional[str] = None) -> dict:
     return {key: value for options in per_strategy.values() for key, value in options.items()}
 
 
-def libtpu_init_args(strategy: Optional[str] = None) -> str:
+def libtpu_init_args(strategy: Optional[StrategyName] = None) -> str:
     """:func:`compile_options` for TPU as command-line flags, for ``LIBTPU_INIT_ARGS`` (set
     before JAX starts the TPU backend; every program of the process then compiles with
     them).

@@ -13,6 +13,8 @@ import argparse
 import math
 import sys
 
+__all__ = ["add_tune_arguments", "run_tune"]
+
 _MIB = 2.0**20
 
 
