@@ -17,7 +17,7 @@ import dataclasses
 import inspect
 import math
 import typing
-from typing import Literal, Optional, Union
+from typing import TYPE_CHECKING, Callable, Literal, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -44,6 +44,9 @@ STRATEGIES: tuple[str, ...] = typing.get_args(StrategyChoice)
 #: (:func:`jax_seqpar.strategies.registry.default_layout`).
 LayoutChoice = Literal["auto", LayoutName]
 LAYOUTS: tuple[str, ...] = typing.get_args(LayoutChoice)
+
+if TYPE_CHECKING:  # annotations only
+    from jax_seqpar.kernels.contract import BlockSizes
 
 __all__ = ["LAYOUTS", "STRATEGIES", "LayoutChoice", "StrategyChoice",
            "sequence_parallel_attention"]
@@ -74,12 +77,12 @@ def sequence_parallel_attention(
     segment_ids: Optional[jax.Array] = None,
     positions: Optional[jax.Array] = None,
     kv_segment_ids: Optional[jax.Array] = None,
-    window=None,
+    window: int | tuple[int, int] | None = None,
     scale: Optional[float] = None,
     layout: LayoutChoice = "auto",
     kernel: KernelName = "auto",
-    block_sizes=None,
-    batch_axes=None,
+    block_sizes: BlockSizes | None = None,
+    batch_axes: str | tuple[str, ...] | None = None,
     softcap: Optional[float] = None,
     sinks: Optional[jax.Array] = None,
     return_lse: bool = False,
@@ -89,7 +92,7 @@ def sequence_parallel_attention(
     head_groups: Union[int, str] = "auto",
     chunk_size: Optional[int] = None,
     bidirectional_ids: Optional[jax.Array] = None,
-    mask_fn=None,
+    mask_fn: Callable | None = None,
 ):
     """Exact attention with the sequence split over ``seq_axes`` of ``mesh``.
 

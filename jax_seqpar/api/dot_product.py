@@ -11,7 +11,7 @@ and locally without one (:func:`jax_seqpar.strategies.local.local_attention`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable, Optional, Union
+from typing import TYPE_CHECKING, Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -25,6 +25,9 @@ from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.api.head_rows import per_head
 from jax_seqpar.api.attention import LayoutChoice, StrategyChoice
 from jax_seqpar.kernels import KernelName
+
+if TYPE_CHECKING:  # annotations only
+    from jax_seqpar.kernels.contract import BlockSizes
 
 __all__ = ["dot_product_attention", "without_segment_ids"]
 
@@ -112,7 +115,7 @@ def dot_product_attention(
     strategy: StrategyChoice = "auto",
     layout: LayoutChoice = "auto",
     kernel: KernelName = "auto",
-    block_sizes=None,
+    block_sizes: BlockSizes | None = None,
     softcap: Optional[float] = None,
     sinks: Optional[jax.Array] = None,
     ulysses_size: Optional[int] = None,

@@ -8,6 +8,8 @@ unfolded, keeping Explicit shardings of the batch and head dims.
 
 from __future__ import annotations
 
+from typing import Callable
+
 import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
@@ -62,7 +64,8 @@ def _unfold_heads(x, query):
 
 
 
-def per_head(attend, query, key, value, q_tokens: masks.Tokens, kv_segments):
+def per_head(attend: Callable, query: jax.Array, key: jax.Array, value: jax.Array,
+             q_tokens: masks.Tokens, kv_segments: jax.Array):
     """``attend`` with per-head key segments ``int32[B, N, S]``: each head a batch row.
 
     ``attend(q, k, v, operands, return_lse)``: the call on ``[B*N, L, 1, D]`` rows

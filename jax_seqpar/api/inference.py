@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -63,15 +63,19 @@ from jax_seqpar.strategies import decode as decode_steps
 from jax_seqpar.api.attention import LayoutChoice, StrategyChoice
 from jax_seqpar.kernels import KernelName
 
+if TYPE_CHECKING:  # annotations only
+    from jax_seqpar.kernels.contract import BlockSizes
+
 __all__ = ["KVCache", "decode", "prefill"]
 
 
 def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal: bool = True,
-            strategy: StrategyChoice = "auto", seq_lengths: Optional[jax.Array] = None, window=None,
-            scale: Optional[float] = None, layout: LayoutChoice = "auto", kernel: KernelName = "auto",
-            block_sizes=None, softcap: Optional[float] = None, sinks: Optional[jax.Array] = None,
-            chunk_size: Optional[int] = None, bidirectional_ids: Optional[jax.Array] = None,
-            mask_fn: Optional[Callable] = None):
+            strategy: StrategyChoice = "auto", seq_lengths: Optional[jax.Array] = None,
+            window: int | tuple[int, int] | None = None, scale: Optional[float] = None,
+            layout: LayoutChoice = "auto", kernel: KernelName = "auto",
+            block_sizes: BlockSizes | None = None, softcap: Optional[float] = None,
+            sinks: Optional[jax.Array] = None, chunk_size: Optional[int] = None,
+            bidirectional_ids: Optional[jax.Array] = None, mask_fn: Optional[Callable] = None):
     """Attend over the prompts sequence-parallel and write their K/V into an emptied cache.
 
     Args:
@@ -183,8 +187,9 @@ def _write_prompt(k, v, cache: KVCache, lengths):
     return dataclasses.replace(cache, k=new_k, v=new_v, positions=positions, length=lengths)
 
 
-def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, window=None,
-           scale: Optional[float] = None, kernel: KernelName = "auto", block_sizes=None,
+def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *,
+           window: int | tuple[int, int] | None = None, scale: Optional[float] = None,
+           kernel: KernelName = "auto", block_sizes: BlockSizes | None = None,
            softcap: Optional[float] = None, sinks: Optional[jax.Array] = None,
            check_capacity: bool = True, chunk_size: Optional[int] = None,
            bidirectional_ids: Optional[jax.Array] = None, mask_fn: Optional[Callable] = None):

@@ -59,8 +59,9 @@ class KVCache:
 
     @classmethod
     def create(cls, mesh: jax.sharding.Mesh, *, batch: int, capacity: int, num_kv_heads: int,
-               head_dim: int, v_head_dim: Optional[int] = None, dtype=jnp.bfloat16,
-               seq_axes: Union[str, tuple] = "sp", window: Optional[int] = None) -> "KVCache":
+               head_dim: int, v_head_dim: Optional[int] = None,
+               dtype: jax.typing.DTypeLike = jnp.bfloat16, seq_axes: Union[str, tuple] = "sp",
+               window: Optional[int] = None) -> "KVCache":
         """An empty cache of ``capacity`` slots per row, created sharded (never whole).
 
         Args:
@@ -154,7 +155,7 @@ def _empty(mesh, axes, batch, capacity, num_kv_heads, head_dim, v_head_dim, dtyp
     return empty
 
 
-def check_against_cache(k, v, cache: KVCache) -> None:
+def check_against_cache(k: jax.Array, v: jax.Array, cache: KVCache) -> None:
     """Raise ``ValueError`` unless new ``k, v`` have the cache's batch, heads and dims."""
     expected = (cache.k.shape[0], cache.k.shape[2], cache.k.shape[3], cache.v.shape[3])
     got = (k.shape[0], k.shape[2], k.shape[3], v.shape[3])

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +22,10 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jax_seqpar.core.masks import PAD_SEGMENT
 from jax_seqpar.kernels.tiling import pad_seq
+
+if TYPE_CHECKING:  # annotations only
+    from jax_seqpar.core.masks import MaskSpec
+    from jax_seqpar.strategies.inputs import Metadata
 
 __all__ = ["bind", "boundary_shardings", "caller_spec", "entry_size", "finish",
            "kept_entries", "on_mesh", "onto", "pad_inputs", "padded_length", "place",
@@ -32,14 +36,14 @@ def is_explicit(mesh) -> bool:
     return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
 
-def place(x, mesh, spec):
+def place(x: jax.Array, mesh: jax.sharding.Mesh, spec: MaskSpec):
     """Put ``x`` in ``spec`` sharding: explicit meshes need it before ``shard_map``."""
     if is_explicit(mesh):
         return jax.reshard(x, NamedSharding(mesh, spec))
     return x
 
 
-def entry_size(mesh, entry) -> int:
+def entry_size(mesh: jax.sharding.Mesh, entry: str | tuple[str, ...] | None) -> int:
     """Number of devices a PartitionSpec entry (None, a name or a tuple) spans."""
     if entry is None:
         return 1
@@ -67,7 +71,8 @@ def _entry(spec, dim: int, seq_axes: tuple):
     return None if entry is None or set(names) & set(seq_axes) else entry
 
 
-def kept_entries(q, k, v, mesh, seq_axes: tuple, batch_axes=None):
+def kept_entries(q: jax.Array, k: jax.Array, v: jax.Array, mesh: jax.sharding.Mesh, seq_axes: tuple,
+                 batch_axes: str | tuple[str, ...] | None = None):
     """``(batch_entry, head_entry)``: the batch and head shardings to keep in ``shard_map``.
 
     The batch sharding comes from ``batch_axes`` when given, else from ``q``'s known
@@ -120,7 +125,7 @@ def padded_length(seq_len: int, chunks: int) -> int:
     return -(-seq_len // chunks) * chunks
 
 
-def pad_inputs(length: int, q, k, v, metadata):
+def pad_inputs(length: int, q: jax.Array, k: jax.Array, v: jax.Array, metadata: Metadata):
     """Pad q, k, v and the token ids of ``metadata`` (a
     :class:`~jax_seqpar.strategies.inputs.Metadata`) along the sequence to ``length``.
 
@@ -157,7 +162,7 @@ def unpad(x, seq_len: int, axis: int = 1):
     return x if x.shape[axis] == seq_len else jax.lax.slice_in_dim(x, 0, seq_len, axis=axis)
 
 
-def onto(mesh, *arrays):
+def onto(mesh: jax.sharding.Mesh, *arrays: jax.Array | None):
     """``arrays`` (None kept), with each concrete array that lives on devices outside
     ``mesh`` copied onto it, replicated: one program cannot take inputs from another
     device set (a shape-only or traced array is left to its caller)."""
@@ -172,7 +177,10 @@ def onto(mesh, *arrays):
     return tuple(None if x is None else moved(x) for x in arrays)
 
 
-def boundary_shardings(arrays: tuple, mesh, batch_entry, seq_entry, head_entry) -> tuple:
+def boundary_shardings(arrays: tuple, mesh: jax.sharding.Mesh,
+                       batch_entry: str | tuple[str, ...] | None,
+                       seq_entry: str | tuple[str, ...] | None,
+                       head_entry: str | tuple[str, ...] | None) -> tuple:
     """The shardings on ``mesh`` a call's program declares for its inputs ``(q, k, v,
     segment_ids, kv_segment_ids, positions, bidirectional_ids, sinks)`` (None: undeclared): on Explicit
     meshes their types' (of a traced array, only a type that shards the sequence); a
@@ -205,7 +213,7 @@ def _boundary_sharding(x, mesh, wanted: P):
     return NamedSharding(mesh, wanted)
 
 
-def bind(arrays: tuple, shardings: tuple, mesh) -> tuple:
+def bind(arrays: tuple, shardings: tuple, mesh: jax.sharding.Mesh) -> tuple:
     """``arrays`` (None kept) constrained to ``shardings`` on an Auto ``mesh``, so their
     gradients (the constraints' transposes) are typed on it too, not on a mesh the call
     built inside; on Explicit meshes their types already say so."""
@@ -216,7 +224,7 @@ def bind(arrays: tuple, shardings: tuple, mesh) -> tuple:
                  for x, sharding in zip(arrays, shardings))
 
 
-def caller_spec(q, mesh) -> Optional[P]:
+def caller_spec(q: jax.Array, mesh: jax.sharding.Mesh) -> Optional[P]:
     """The sharding the caller's ``q [B, S, H, D]`` has on an Explicit ``mesh`` (its type's
     batch, sequence and head entries; None for the head dim), which the output keeps;
     None on Auto meshes, where XLA propagates shardings."""
@@ -227,7 +235,7 @@ def caller_spec(q, mesh) -> Optional[P]:
     return P(*spec, None)
 
 
-def on_mesh(mesh, user_mesh):
+def on_mesh(mesh: jax.sharding.Mesh, user_mesh: jax.sharding.Mesh):
     """The context for placing arrays on, and ``shard_map`` over, ``mesh``: the caller's
     context as it is, or, for a mesh split from the caller's (same devices, other axes),
     that mesh as the abstract context, which ``shard_map`` and explicit shardings need."""
@@ -236,7 +244,7 @@ def on_mesh(mesh, user_mesh):
     return jax.sharding.use_abstract_mesh(mesh.abstract_mesh)
 
 
-def finish(x, mesh, seq_len: int, seq_spec: P, out_spec: Optional[P]):
+def finish(x: jax.Array, mesh: jax.sharding.Mesh, seq_len: int, seq_spec: P, out_spec: Optional[P]):
     """A result ``[B, L, ...]`` of ``shard_map`` back on the caller's ``mesh`` at the
     caller's length ``seq_len <= L``.
 

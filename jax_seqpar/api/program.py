@@ -100,7 +100,7 @@ def _geometry(call: Call, seq_len: int) -> _Geometry:
                      _placement.padded_length(seq_len, num_shards * per_shard))
 
 
-def run(q, k, v, metadata: Metadata, *, call: Call):
+def run(q: jax.Array, k: jax.Array, v: jax.Array, metadata: Metadata, *, call: Call):
     """``call`` run on its global arrays (``metadata``: the ids and sinks beside q, k, v)
     by its one compiled program."""
     arrays = (q, k, v, *metadata.arrays())

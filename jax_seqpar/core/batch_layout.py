@@ -78,9 +78,9 @@ def _per_document(batch, num_shards, axis, lead, tokens: Tokens, spec: MaskSpec,
     return _gather(batch, positions, axis), positions
 
 
-def permute_batch(batch, layout: LayoutName, num_shards: int, *, axis: int = 1,
-                  segment_ids=None, block_size: Optional[int] = None, bidirectional_ids=None,
-                  chunk_size: Optional[int] = None):
+def permute_batch(batch: int, layout: LayoutName, num_shards: int, *, axis: int = 1,
+                  segment_ids: jax.Array | None = None, block_size: Optional[int] = None,
+                  bidirectional_ids: jax.Array | None = None, chunk_size: Optional[int] = None):
     """Reorder every array of ``batch`` into ``layout`` along the sequence ``axis``.
 
     Args:
@@ -142,7 +142,8 @@ def permute_batch(batch, layout: LayoutName, num_shards: int, *, axis: int = 1,
     return batch, jnp.broadcast_to(arange, (*lead[:axis], seq_len))
 
 
-def unpermute_batch(batch, layout: LayoutName, num_shards: int, *, axis: int = 1, positions=None):
+def unpermute_batch(batch: int, layout: LayoutName, num_shards: int, *, axis: int = 1,
+                    positions: jax.Array | None = None):
     """Inverse of :func:`permute_batch`: arrays in ``layout`` order back to natural order.
 
     Args:

@@ -24,10 +24,13 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import jax
 import numpy as np
+
+if TYPE_CHECKING:  # annotations only
+    from jax_seqpar.core.masks import MaskSpec
 
 __all__ = ["bidirectional_ids", "flag", "lengths", "mask_fn", "mesh_only", "positions",
            "real", "scale", "segment_ids"]
@@ -90,22 +93,22 @@ def int32_array(name: str, x, shape: tuple, *, dims: str = "[batch, seq]"):
     return x.astype(np.int32)
 
 
-def segment_ids(name: str, x, batch: int, seq: int):
+def segment_ids(name: str, x: jax.Array, batch: int, seq: int):
     """``int32[batch, seq]`` document ids (:func:`int32_array`; ``PAD_SEGMENT``: padding)."""
     return int32_array(name, x, (batch, seq))
 
 
-def positions(name: str, x, batch: int, seq: int):
+def positions(name: str, x: jax.Array, batch: int, seq: int):
     """``int32[batch, seq]`` token positions (:func:`int32_array`)."""
     return int32_array(name, x, (batch, seq))
 
 
-def lengths(name: str, x, batch: int):
+def lengths(name: str, x: jax.Array, batch: int):
     """``int32[batch]`` sequence lengths (:func:`int32_array`)."""
     return int32_array(name, x, (batch,), dims="[batch]")
 
 
-def flag(name: str, value) -> bool:
+def flag(name: str, value: object) -> bool:
     """``value`` if it is a bool (Python or numpy), else ``ValueError``: a string or a
     number is not a yes/no answer (``causal="no"`` would count as causal)."""
     if isinstance(value, (bool, np.bool_)):
@@ -114,7 +117,7 @@ def flag(name: str, value) -> bool:
                      f"({type(value).__name__}).")
 
 
-def real(name: str, value, *, positive: bool = False) -> float:
+def real(name: str, value: object, *, positive: bool = False) -> float:
     """A static real number (a Python or numpy scalar, or a concrete 0-d array) as a float.
 
     ``bool`` is refused (``True`` is not a number), and so are arrays of other shapes,
@@ -143,7 +146,7 @@ def real(name: str, value, *, positive: bool = False) -> float:
     return number
 
 
-def scale(value) -> Optional[float]:
+def scale(value: object) -> Optional[float]:
     """``None`` (the default ``1/sqrt(head_dim)``) or a finite real number."""
     if value is None:
         return None
@@ -153,7 +156,7 @@ def scale(value) -> Optional[float]:
     return number
 
 
-def mesh_only(**given) -> None:
+def mesh_only(**given: tuple[object, object]) -> None:
     """Raise ``ValueError`` for arguments that mean something only with a mesh, given
     non-default values in a call with ``mesh=None``: never silently dropped.
 
@@ -168,7 +171,8 @@ def mesh_only(**given) -> None:
                 f"or drop {name}= (default {default!r}).")
 
 
-def bidirectional_ids(x, batch: int, seq: int, causal: bool, name: str = "bidirectional_ids"):
+def bidirectional_ids(x: jax.Array, batch: int, seq: int, causal: bool,
+                      name: str = "bidirectional_ids"):
     """``int32[batch, seq]`` bidirectional ids (:func:`int32_array`), or None. They only
     lift a causal mask, so without ``causal`` they would mean nothing: ``ValueError``."""
     if x is None:
@@ -181,7 +185,7 @@ def bidirectional_ids(x, batch: int, seq: int, causal: bool, name: str = "bidire
     return int32_array(name, x, (batch, seq))
 
 
-def mask_fn(spec, batch: int, q_len: int, kv_len: int) -> None:
+def mask_fn(spec: MaskSpec, batch: int, q_len: int, kv_len: int) -> None:
     """Raise ``ValueError`` unless ``spec.mask_fn`` (if any) maps query metadata
     ``[batch, q_len, 1]`` and key metadata ``[batch, 1, kv_len]`` (int32
     :class:`~jax_seqpar.core.masks.Tokens`, the optional ids given) to booleans that

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 
 __all__ = ["match_varying", "shape_struct", "varying_axes"]
 
 
-def varying_axes(x) -> frozenset:
+def varying_axes(x: jax.Array) -> frozenset:
     """The manual mesh axes along which ``x`` varies inside ``shard_map``."""
     aval = jax.typeof(x)
     manual = getattr(aval, "manual_axis_type", None)
@@ -16,7 +18,7 @@ def varying_axes(x) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))
 
 
-def match_varying(tree, like):
+def match_varying(tree: Any, like: jax.Array):
     """Mark every array of ``tree`` as varying along every axis an array of ``like`` does.
 
     Scan carries inside ``shard_map`` must keep one varying-axes type; fresh
@@ -36,7 +38,8 @@ def match_varying(tree, like):
     return jax.tree.map(mark, tree)
 
 
-def shape_struct(shape, dtype, like) -> jax.ShapeDtypeStruct:
+def shape_struct(shape: tuple[int, ...], dtype: jax.typing.DTypeLike,
+                 like: jax.Array) -> jax.ShapeDtypeStruct:
     """A ``ShapeDtypeStruct`` that varies over the mesh axes ``like`` varies over.
 
     ``pallas_call`` inside ``shard_map`` must declare how its outputs vary.

@@ -182,7 +182,7 @@ def _check_even_local_len(local_len: int, what: str) -> int:
     return local_len // 2
 
 
-def shard_positions(layout: str, local_len: int, *, axis_name: AxisName) -> jax.Array:
+def shard_positions(layout: LayoutName, local_len: int, *, axis_name: AxisName) -> jax.Array:
     """Global positions of this shard's tokens, inside ``jax.shard_map``.
 
     Args:

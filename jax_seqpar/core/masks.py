@@ -93,7 +93,7 @@ def normalize_window(window: Union[None, int, tuple[int, int]]) -> Optional[tupl
     return tuple(min(side, MAX_WINDOW) for side in sides)
 
 
-def shifted(x, by: int):
+def shifted(x: jax.Array, by: int):
     """``x + by`` for int32 positions ``x`` and a Python int ``by``, saturated to the
     int32 range instead of wrapping around: comparisons against it stay exact for every
     int32 key position (a window edge below ``-2**31`` admits every key, like ``-2**31``).
@@ -149,8 +149,8 @@ class MaskSpec:
     mask_fn: Optional[Callable] = None
 
     @classmethod
-    def make(cls, causal: bool = False, window=None, chunk_size=None,
-             mask_fn=None) -> "MaskSpec":
+    def make(cls, causal: bool = False, window: int | tuple[int, int] | None = None,
+             chunk_size: int | None = None, mask_fn: Callable | None = None) -> "MaskSpec":
         if mask_fn is not None and not callable(mask_fn):
             raise ValueError(f"mask_fn must be a callable mask_fn(q_tokens, kv_tokens) -> bool "
                              f"array, or None. Got {mask_fn!r}.")

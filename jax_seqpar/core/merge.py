@@ -13,7 +13,7 @@ import jax.numpy as jnp
 __all__ = ["check_sinks", "merge", "merge_across", "with_sinks"]
 
 
-def merge(out_a, lse_a, out_b, lse_b):
+def merge(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array):
     """Combine attention over two disjoint sets of keys into attention over their union.
 
     Args:
@@ -31,7 +31,7 @@ def merge(out_a, lse_a, out_b, lse_b):
     return out, lse + jnp.log(total)
 
 
-def with_sinks(out, lse, sinks):
+def with_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array):
     """Add a zero-valued virtual key of logit ``sinks[h]`` to every row of a result.
 
     ``p_j = exp(s_j) / (exp(sinks[h]) + sum_k exp(s_k))``: the output shrinks by
@@ -54,7 +54,7 @@ def with_sinks(out, lse, sinks):
     return out * jnp.exp(lse - new_lse)[..., None], new_lse
 
 
-def check_sinks(sinks, num_heads: int):
+def check_sinks(sinks: jax.Array, num_heads: int):
     """``sinks`` as a float ``[num_heads]`` array, or None; ``ValueError`` otherwise.
 
     One logit per head: a scalar is refused (it would not say whether every head shares
@@ -75,7 +75,8 @@ def check_sinks(sinks, num_heads: int):
     return sinks
 
 
-def merge_across(out, lse, axis_name, sinks=None):
+def merge_across(out: jax.Array, lse: jax.Array, axis_name: str | tuple[str, ...],
+                 sinks: jax.Array | None = None):
     """:func:`merge` of one partial result per device along ``axis_name``, in one reduction.
 
     Args:

@@ -20,7 +20,8 @@ from jax.sharding import Mesh
 __all__ = ["split_axis"]
 
 
-def split_axis(mesh: Mesh, axes, ulysses_size: int) -> tuple[Mesh, tuple[str, str]]:
+def split_axis(mesh: Mesh, axes: tuple[str, ...],
+               ulysses_size: int) -> tuple[Mesh, tuple[str, str]]:
     """A mesh whose sequence devices form ``(ring, ulysses)`` axes of ``P/I x I``.
 
     Args:

@@ -136,8 +136,9 @@ def _namespace(segment_ids):
     return np if isinstance(segment_ids, np.ndarray) else jnp
 
 
-def per_document_positions(segment_ids, num_shards: int, block_size: int = DEFAULT_BLOCK, *,
-                           spread_tokens: Optional[int] = None, bidirectional_ids=None,
+def per_document_positions(segment_ids: jax.Array, num_shards: int, block_size: int = DEFAULT_BLOCK,
+                           *, spread_tokens: Optional[int] = None,
+                           bidirectional_ids: jax.Array | None = None,
                            chunk_size: Optional[int] = None):
     """The per-document order of packed rows: ``int32[B, S]`` natural positions.
 
@@ -227,7 +228,7 @@ def _traced_rows(rows, **options):
     return jax.vmap(functools.partial(_row_positions, jnp, **options))(rows)
 
 
-def balance_bound(segment_ids, num_shards: int, block_size: int = DEFAULT_BLOCK, *,
+def balance_bound(segment_ids: jax.Array, num_shards: int, block_size: int = DEFAULT_BLOCK, *,
                   spread_tokens: Optional[int] = None) -> np.ndarray:
     """Per row, a guaranteed bound on the per-document order's busiest/mean shard work.
 

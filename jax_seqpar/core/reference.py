@@ -6,7 +6,7 @@ for small shapes only.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -26,11 +26,11 @@ def attention(
     positions: Optional[jax.Array] = None,
     kv_segment_ids: Optional[jax.Array] = None,
     kv_positions: Optional[jax.Array] = None,
-    window=None,
+    window: int | tuple[int, int] | None = None,
     chunk_size: Optional[int] = None,
     bidirectional_ids: Optional[jax.Array] = None,
     kv_bidirectional_ids: Optional[jax.Array] = None,
-    mask_fn=None,
+    mask_fn: Callable | None = None,
     scale: Optional[float] = None,
     softcap: Optional[float] = None,
     sinks: Optional[jax.Array] = None,

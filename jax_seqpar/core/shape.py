@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
-from typing import Optional
+from typing import Any, Optional
 
 import jax.numpy as jnp
 import numpy as np
@@ -27,12 +27,12 @@ __all__ = ["LayerShape", "check_counts", "check_head_groups", "dtype_of_size", "
 _DTYPE_OF_SIZE = {1: "float8_e4m3fn", 2: "bfloat16", 4: "float32", 8: "float64"}
 
 
-def is_count(value) -> bool:
+def is_count(value: object) -> bool:
     """Whether ``value`` is a positive int (``bool`` is not)."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
 
 
-def check_counts(**values) -> None:
+def check_counts(**values: object) -> None:
     """Raise ``ValueError`` naming the first of ``values`` that is not a positive int."""
     for name, value in values.items():
         if not is_count(value):
@@ -46,7 +46,7 @@ def check_head_groups(num_heads: int, num_kv_heads: int) -> None:
                          f"{num_kv_heads} (MHA, GQA or MQA).")
 
 
-def dtype_of_size(dtype_bytes) -> str:
+def dtype_of_size(dtype_bytes: float) -> str:
     """The dtype name a layer of ``dtype_bytes`` per element is modelled in (``2``:
     ``"bfloat16"``): the planner's keyword form gives sizes, not dtypes.
 
@@ -146,7 +146,7 @@ class LayerShape:
         d, dv = self.head_dim, self.v_head_dim
         return (b, s, h, d), (b, s, kv, d), (b, s, kv, dv), (b, s, h, dv)
 
-    def replace(self, **changes) -> "LayerShape":
+    def replace(self, **changes: Any) -> "LayerShape":
         """A copy with ``changes``, validated again (``shape.replace(seq_len=8192)``).
         ``v_head_dim`` is stored resolved: a new ``head_dim`` leaves it as it was."""
         return dataclasses.replace(self, **changes)

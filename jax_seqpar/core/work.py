@@ -174,7 +174,7 @@ def work_per_step(spec: masks.MaskSpec, tokens: masks.Tokens, num_shards: int) -
     return out
 
 
-def ring_makespans(per_step) -> dict:
+def ring_makespans(per_step: np.ndarray) -> dict:
     """A ring's time, relative to the mean device's total, from per-step loads
     ``[P, P]`` (``[r, k]``: device ``r`` at step ``k``; work or tile counts).
 

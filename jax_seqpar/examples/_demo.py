@@ -103,7 +103,7 @@ def run_demo(
     steps: int = 40,
     seq_len: int = 1024,
     batch: int = 4,
-    strategies: Sequence[str] = DEFAULT_STRATEGIES,
+    strategies: Sequence[api.StrategyChoice] = DEFAULT_STRATEGIES,
     out: str = "jax-seqpar-demo.png",
     seed: int = 0,
     model_config: ModelConfig = ModelConfig(),

@@ -119,9 +119,9 @@ def _compiled_loop(graphdef, num_tokens: int, *args):
     return compiled, time.perf_counter() - start
 
 
-def generate(model: TransformerLM, prompts, lengths, *, num_tokens: int,
-             capacity: int | None = None, cache_dtype=jnp.float32,
-             prefix_lengths=None) -> Generation:
+def generate(model: TransformerLM, prompts: jax.Array, lengths: jax.Array, *, num_tokens: int,
+             capacity: int | None = None, cache_dtype: jax.typing.DTypeLike = jnp.float32,
+             prefix_lengths: jax.Array | None = None) -> Generation:
     """Greedy decoding of ``num_tokens`` tokens per row after each prompt.
 
     Args:

@@ -11,6 +11,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from jax_seqpar.api.attention import StrategyChoice
 from jax_seqpar.examples import _train
 from jax_seqpar.examples._data import training_batches
 from jax_seqpar.examples._generate import generate, load_params, save_params
@@ -42,7 +43,7 @@ def train_params(model_config: ModelConfig, train_config: _train.TrainConfig, *,
     return params
 
 
-def run_generate(*, prompt: str, num_tokens: int, strategy: str = "auto",
+def run_generate(*, prompt: str, num_tokens: int, strategy: StrategyChoice = "auto",
                  params_path: str | None = None, train_steps: int = 150,
                  seed: int = 0, model_config: ModelConfig = ModelConfig(),
                  print_fn: Callable[[str], None] = print) -> np.ndarray:

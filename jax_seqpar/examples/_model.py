@@ -10,7 +10,9 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from jax_seqpar.api.attention import StrategyChoice
 from jax_seqpar.core.masks import Tokens
+from jax_seqpar.kernels import KernelName
 from jax_seqpar.examples._data import VOCAB_SIZE
 from jax_seqpar.flax import SelfAttention
 
@@ -81,8 +83,8 @@ class Parallelism:
 
     mesh: Optional[jax.sharding.Mesh] = None
     seq_axes: Union[str, tuple] = "sp"
-    strategy: str = "auto"
-    kernel: str = "auto"
+    strategy: StrategyChoice = "auto"
+    kernel: KernelName = "auto"
     fsdp: bool = False
     per_document: bool = False
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Optional
+from typing import Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -14,6 +14,7 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from jax_seqpar.api.attention import StrategyChoice
 from jax_seqpar.core.extras import require
 from jax_seqpar.core.batch_layout import permute_batch
 from jax_seqpar.examples._data import PackedRows, training_batches
@@ -64,7 +65,7 @@ class TrainResult:
     state_bytes: int = 0
 
 
-def mesh_for(strategy: str, devices=None):
+def mesh_for(strategy: StrategyChoice, devices: Sequence[jax.Device] | None = None):
     """``(mesh, seq_axes)`` for ``strategy`` over ``devices`` (default: all devices).
 
     ``"hybrid"`` gets a 2 x N/2 ``("dcn", "ici")`` mesh (ring across the outer

@@ -23,7 +23,7 @@ from jax_seqpar.api.attention import sequence_parallel_attention
 from jax_seqpar.core import checks, masks
 from jax_seqpar.strategies.inputs import Call
 from jax_seqpar.api.attention import LayoutChoice, StrategyChoice
-from jax_seqpar.kernels import KernelName
+from jax_seqpar.kernels import BlockSizes, KernelName
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,11 +74,11 @@ def make_attention_fn(
     seq_axes: Union[str, tuple] = "sp",
     strategy: StrategyChoice = "auto",
     causal: bool = False,
-    window=None,
+    window: int | tuple[int, int] | None = None,
     scale: Optional[float] = None,
     layout: LayoutChoice = "auto",
     kernel: KernelName = "auto",
-    block_sizes=None,
+    block_sizes: BlockSizes | None = None,
     softcap: Optional[float] = None,
     ulysses_size: Optional[int] = None,
     chunk_size: Optional[int] = None,

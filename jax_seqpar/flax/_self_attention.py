@@ -94,7 +94,7 @@ class SelfAttention(nnx.Module):
         strategy: StrategyChoice = "auto",
         ulysses_size: Optional[int] = None,
         causal: bool = False,
-        window=None,
+        window: int | tuple[int, int] | None = None,
         chunk_size: Optional[int] = None,
         mask_fn: Optional[Callable] = None,
         layout: LayoutChoice = "auto",
@@ -103,8 +103,8 @@ class SelfAttention(nnx.Module):
         softcap: Optional[float] = None,
         sinks: bool = False,
         use_bias: bool = False,
-        dtype=None,
-        param_dtype=jnp.float32,
+        dtype: jax.typing.DTypeLike | None = None,
+        param_dtype: jax.typing.DTypeLike = jnp.float32,
         rngs: nnx.Rngs,
     ):
         # refused before any call
@@ -169,7 +169,8 @@ class SelfAttention(nnx.Module):
 
     # --- decode mode: prefill and decode against a sequence-sharded KV cache ---------
 
-    def init_cache(self, batch: int, capacity: int, *, dtype=jnp.bfloat16) -> None:
+    def init_cache(self, batch: int, capacity: int, *,
+                   dtype: jax.typing.DTypeLike = jnp.bfloat16) -> None:
         """Enter decode mode: an empty :class:`~jax_seqpar.api.inference.KVCache` as NNX state.
 
         The cache is an ``nnx.Cache`` variable (``self.cache``), sharded along

@@ -19,12 +19,17 @@ import dataclasses
 import functools
 import importlib
 import typing
-from typing import Literal, Mapping
+from typing import TYPE_CHECKING, Literal, Mapping
+
+import jax
 
 from jax_seqpar.core import checks
 from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.kernels.contract import BlockSizes, Kernel, check_softcap
 from jax_seqpar.kernels.options import Options
+
+if TYPE_CHECKING:  # annotations only
+    from jax_seqpar.core.masks import Tokens
 
 __all__ = ["KERNELS", "BlockSizes", "KernelName", "Kernel", "Options", "PerPlatform", "get", "make_options",
            "may_interpret"]
@@ -144,19 +149,23 @@ class PerPlatform:
         default = branches.pop("default", None)
         return jax.lax.platform_dependent(*args, default=default, **branches)
 
-    def forward(self, q, k, v, q_tokens, kv_tokens, options, accumulate=None, *,
-                interpret=None):
+    def forward(self, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
+                options: Options, accumulate: tuple[jax.Array, jax.Array] | None = None, *,
+                interpret: bool | None = None):
         """The forward of the platform's kernel (see :func:`jax_seqpar.kernels.xla.forward`)."""
         return self._call("forward", (q, k, v, q_tokens, kv_tokens), options, (accumulate,),
                           interpret)
 
-    def backward(self, q, k, v, q_tokens, kv_tokens, lse, delta, dout, options,
-                 accumulate=None, *, interpret=None):
+    def backward(self, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens,
+                 kv_tokens: Tokens, lse: jax.Array, delta: jax.Array, dout: jax.Array,
+                 options: Options, accumulate: tuple[jax.Array, jax.Array] | None = None, *,
+                 interpret: bool | None = None):
         """The backward of the platform's kernel (see :func:`jax_seqpar.kernels.xla.backward`)."""
         return self._call("backward", (q, k, v, q_tokens, kv_tokens, lse, delta, dout),
                           options, (accumulate,), interpret)
 
-    def attention(self, q, k, v, q_tokens, kv_tokens, options, *, interpret=None):
+    def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens,
+                  kv_tokens: Tokens, options: Options, *, interpret: bool | None = None):
         """Differentiable forward of the platform's kernel: ``(out float32, lse float32)``."""
         return self._call("attention", (q, k, v, q_tokens, kv_tokens), options, (), interpret)
 
@@ -187,8 +196,9 @@ def may_interpret(kernel: KernelName) -> bool:
     return kernel == "mosaic" or getattr(get(kernel), "may_interpret", False)
 
 
-def make_options(q, spec: MaskSpec, *, scale=None, kernel: KernelName = "auto", block_sizes=None,
-                 softcap=None) -> Options:
+def make_options(q: jax.Array, spec: MaskSpec, *, scale: float | None = None,
+                 kernel: KernelName = "auto", block_sizes: BlockSizes | None = None,
+                 softcap: float | None = None) -> Options:
     """The static :class:`~jax_seqpar.kernels.options.Options` of a call on queries
     ``q [..., Dqk]`` (for the default scale ``1/sqrt(Dqk)``): the mask ``spec``, the
     kernel :func:`get` chooses for ``kernel``, its tiles and soft-cap, all checked."""

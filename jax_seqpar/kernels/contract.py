@@ -37,7 +37,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-from typing import Callable, Optional, Protocol, Sequence
+from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -45,6 +45,9 @@ import numpy as np
 
 from jax_seqpar.core import checks
 from jax_seqpar.core.masks import Tokens
+
+if TYPE_CHECKING:  # annotations only
+    from jax_seqpar.kernels.options import Options
 
 __all__ = ["BlockSizes", "F32", "Kernel", "add_accumulated", "check_accumulated",
            "check_backward_operands", "check_operands", "check_softcap",
@@ -134,7 +137,7 @@ def resolve_block_sizes(block_sizes: Optional[BlockSizes], defaults: BlockSizes,
     return block_sizes.resolve(defaults)
 
 
-def check_softcap(softcap) -> Optional[float]:
+def check_softcap(softcap: float | None) -> Optional[float]:
     """``None`` or a positive number (not a bool) as a float, else ``ValueError``.
 
     ``softcap=inf`` is no cap (``c * tanh(s / c) -> s`` as ``c`` grows; computed as
@@ -146,7 +149,7 @@ def check_softcap(softcap) -> Optional[float]:
     return None if math.isinf(softcap) else softcap
 
 
-def check_operands(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *,
+def check_operands(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens, *,
                    dtypes: Optional[Sequence] = None, kernel_name: str) -> None:
     """Raise ``ValueError`` unless the operands form one kernel call.
 
@@ -181,7 +184,8 @@ def check_operands(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, *,
                 raise ValueError(f"{name}_tokens.{field} must have shape {shape}. Got {x.shape}.")
 
 
-def check_backward_operands(q, v, lse, delta, dout) -> None:
+def check_backward_operands(q: jax.Array, v: jax.Array, lse: jax.Array, delta: jax.Array,
+                            dout: jax.Array) -> None:
     """Raise ``ValueError`` unless ``lse, delta`` are ``[B, Sq, H]`` and ``dout``
     ``[B, Sq, H, Dv]`` for ``q [B, Sq, H, Dqk]`` and ``v [.., Dv]``."""
     rows, dout_shape = q.shape[:3], q.shape[:3] + v.shape[3:]
@@ -190,7 +194,8 @@ def check_backward_operands(q, v, lse, delta, dout) -> None:
                          f"{lse.shape=}, {delta.shape=}, {dout.shape=}.")
 
 
-def check_accumulated(q, v, accumulate) -> None:
+def check_accumulated(q: jax.Array, v: jax.Array,
+                      accumulate: tuple[jax.Array, jax.Array] | None) -> None:
     """Raise ``ValueError`` unless ``accumulate`` is None or a forward's running result
     ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])`` for ``q`` and ``v``."""
     if accumulate is None:
@@ -206,7 +211,8 @@ def check_accumulated(q, v, accumulate) -> None:
                          f"float32{list(shapes[1])}), the result over earlier keys. Got {got}.")
 
 
-def merge_accumulated(result, accumulate):
+def merge_accumulated(result: tuple[jax.Array, jax.Array],
+                      accumulate: tuple[jax.Array, jax.Array] | None):
     """A forward's ``(out, lse)`` merged with ``accumulate`` (earlier keys') when given."""
     if accumulate is None:
         return result
@@ -215,7 +221,8 @@ def merge_accumulated(result, accumulate):
     return merge(*accumulate, *result)
 
 
-def add_accumulated(grads, accumulate):
+def add_accumulated(grads: tuple[jax.Array, jax.Array, jax.Array],
+                    accumulate: tuple[jax.Array, jax.Array] | None):
     """``grads`` (float32 ``(dq, dk, dv)``) plus ``accumulate`` when it is given."""
     if accumulate is None:
         return grads
@@ -325,18 +332,20 @@ class Kernel(Protocol):
     #: The input dtypes the kernel takes (q, k and v share one), or None: any float.
     DTYPES: Optional[tuple]
 
-    def forward(self, q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options,
-                accumulate=None):
+    def forward(self, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
+                options: Options, accumulate: tuple[jax.Array, jax.Array] | None = None):
         """``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])`` of ``q [B, Sq, H, Dqk]``
         against ``k [B, Sk, Hkv, Dqk]``, ``v [B, Sk, Hkv, Dv]`` under ``options`` (the
         call's :class:`jax_seqpar.kernels.options.Options`), merged with ``accumulate``
         (the ``(out, lse)`` of earlier keys) when given."""
 
-    def backward(self, q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout,
-                 options, accumulate=None):
+    def backward(self, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens,
+                 kv_tokens: Tokens, lse: jax.Array, delta: jax.Array, dout: jax.Array,
+                 options: Options, accumulate: tuple[jax.Array, jax.Array] | None = None):
         """float32 ``(dq [B, Sq, H, Dqk], dk [B, Sk, Hkv, Dqk], dv [B, Sk, Hkv, Dv])``
         given ``lse, delta float32[B, Sq, H]`` (``delta = sum(dout * out, -1) - dlse``)
         and ``dout [B, Sq, H, Dv]``, plus ``accumulate`` when given."""
 
-    def attention(self, q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options):
+    def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens,
+                  kv_tokens: Tokens, options: Options):
         """Differentiable :meth:`forward` (cotangents for ``out`` and ``lse``)."""

@@ -51,7 +51,8 @@ class Options:
             self, scale=float(self.scale), softcap=check_softcap(self.softcap),
             block_sizes=resolve_block_sizes(self.block_sizes, defaults, kernel_name))
 
-    def forward(self, q, k, v, q_tokens, kv_tokens, accumulate=None):
+    def forward(self, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
+                accumulate: tuple[jax.Array, jax.Array] | None = None):
         """The kernel's forward; with ``accumulate`` (the ``(out, lse)`` of earlier keys)
         the result covers both (see :mod:`jax_seqpar.kernels.contract`), and a call in
         which no query may see any key is skipped whole (:meth:`_unless_empty`)."""
@@ -61,7 +62,9 @@ class Options:
             lambda: self.kernel.forward(q, k, v, q_tokens, kv_tokens, self, accumulate),
             accumulate, (q, k, v, q_tokens, kv_tokens))
 
-    def backward(self, q, k, v, q_tokens, kv_tokens, lse, delta, dout, accumulate=None):
+    def backward(self, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens,
+                 kv_tokens: Tokens, lse: jax.Array, delta: jax.Array, dout: jax.Array,
+                 accumulate: tuple[jax.Array, jax.Array] | None = None):
         """The kernel's backward (float32 ``(dq, dk, dv)``, plus ``accumulate``); with
         ``accumulate``, skipped whole like :meth:`forward`."""
         def call():
@@ -94,6 +97,7 @@ class Options:
                             lambda: _compat.match_varying(tuple(call()), like),
                             lambda: _compat.match_varying(tuple(accumulate), like))
 
-    def attention(self, q, k, v, q_tokens, kv_tokens):
+    def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens,
+                  kv_tokens: Tokens):
         """The kernel's differentiable forward: ``(out float32, lse float32)``."""
         return self.kernel.attention(q, k, v, q_tokens, kv_tokens, self)

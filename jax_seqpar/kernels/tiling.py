@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import jax.numpy as jnp
 
 from jax_seqpar.core import masks
@@ -34,7 +35,7 @@ class Tiling:
         return -(-self.kv_len // self.block_k)
 
 
-def pad_seq(x, length, value=0, *, dim=None):
+def pad_seq(x: jax.Array, length: int, value: float = 0, *, dim: int | None = None):
     """Pad axis 1 (the sequence) of ``x`` to ``length`` with ``value`` (and, with
     ``dim``, zero-pad the last axis to ``dim``); ``x`` itself when nothing is padded."""
     widths = [(0, 0)] * x.ndim
@@ -46,14 +47,14 @@ def pad_seq(x, length, value=0, *, dim=None):
     return jnp.pad(x, widths, constant_values=value)
 
 
-def per_field(tokens: Tokens, value) -> Tokens:
+def per_field(tokens: Tokens, value: object) -> Tokens:
     """A Tokens holding ``value`` in every field ``tokens`` has (None elsewhere): e.g. one
     BlockSpec per metadata array of a Pallas call."""
     return Tokens(*(None if getattr(tokens, f.name) is None else value
                     for f in dataclasses.fields(Tokens)))
 
 
-def loaded(tokens: Tokens, index=...) -> Tokens:
+def loaded(tokens: Tokens, index: int = ...) -> Tokens:
     """The values at ``index`` of a Tokens-of-refs (inside a Pallas kernel): positions,
     segment ids and bidirectional ids alike."""
     return Tokens(*(None if ref is None else ref[index]

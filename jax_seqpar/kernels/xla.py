@@ -44,7 +44,7 @@ __all__ = ["DTYPES", "BlockSizes", "attention", "backward", "check_softcap", "de
 _F32 = jnp.float32
 
 
-def default_block_sizes(d_qk: int, d_v: int, dtype) -> BlockSizes:
+def default_block_sizes(d_qk: int, d_v: int, dtype: jax.typing.DTypeLike) -> BlockSizes:
     """256 tokens everywhere, whatever the head dims and dtype.
 
     256 tokens keep a tile's float32 scores ([B, H, 256, 256]) in cache-sized
@@ -125,7 +125,8 @@ def _scores(q_tile, k_tile, options: Options):
     return cap * capped, 1.0 - capped * capped
 
 
-def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options, accumulate=None):
+def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
+            options: Options, accumulate: tuple[jax.Array, jax.Array] | None = None):
     """Attention of ``q`` against one run of keys.
 
     Args:
@@ -200,8 +201,9 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options):
     return out, lse[:, :t.q_len].reshape(t.batch, t.q_len, heads)
 
 
-def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout,
-             options: Options, accumulate=None):
+def backward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
+             lse: jax.Array, delta: jax.Array, dout: jax.Array, options: Options,
+             accumulate: tuple[jax.Array, jax.Array] | None = None):
     """Gradients of attention given the softmax statistics of the full result.
 
     Args:
@@ -291,7 +293,8 @@ def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options: Options,
 _attention = contract.differentiable(_forward, _backward)
 
 
-def attention(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options):
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
+              options: Options):
     """Differentiable :func:`forward`: ``(out float32, lse float32)``, through
     :func:`jax_seqpar.kernels.contract.differentiable`.
 

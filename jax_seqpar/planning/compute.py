@@ -12,6 +12,7 @@ counted per row by :mod:`.packed`. The FLOPs are ``2 B H (Dqk + Dv)`` per pair f
 from __future__ import annotations
 
 
+import jax
 import numpy as np
 
 from jax_seqpar.core.masks import MaskSpec
@@ -50,7 +51,8 @@ def _shard_positions(seq_len: int, shards: int, zigzag: bool) -> np.ndarray:
     return np.concatenate([chunks[:shards], chunks[::-1][:shards]], axis=1)
 
 
-def tile_pairs(q_positions, kv_positions, shape: LayerShape, tile: int = TILE) -> float:
+def tile_pairs(q_positions: jax.Array, kv_positions: jax.Array, shape: LayerShape,
+               tile: int = TILE) -> float:
     """(query, key) pairs a kernel computes: whole tiles that are not EMPTY.
 
     Tiles are ``tile`` tokens clipped to the lengths, classified from
@@ -109,7 +111,7 @@ def _sampled(items, limit: int = 8):
 
 
 def step_seconds(strategy: StrategyName, ring: int, ulysses: int, shape: LayerShape,
-                 hardware: Hardware, tile: int, documents=None):
+                 hardware: Hardware, tile: int, documents: packed.Documents | None = None):
     """Forward and backward compute seconds per ring step of ``strategy`` over ``ring x
     ulysses`` devices (tile-level, busiest device; one step: no ring); ``documents``:
     :func:`jax_seqpar.planning.packed.documents` of a packed batch, or None."""

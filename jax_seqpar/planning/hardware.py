@@ -17,7 +17,7 @@ placeholders until :func:`jax_seqpar.tools.calibrate.calibrate_cpu` measures the
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import Any, Optional
 
 __all__ = ["COLLECTIVES", "GPU_OVERLAPS", "Hardware", "Link", "PRESETS", "TPU_OVERLAPS",
            "for_device_kind", "get"]
@@ -144,7 +144,7 @@ class Hardware:
         """
         return self.ici if size * stride <= self.devices_per_domain else self.dcn
 
-    def replace(self, **changes) -> "Hardware":
+    def replace(self, **changes: Any) -> "Hardware":
         """A copy with ``changes`` (e.g. ``devices_per_domain=4``)."""
         return dataclasses.replace(self, **changes)
 
@@ -225,7 +225,7 @@ _DEVICE_KINDS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100"), ("v5 lite
                  ("v6", "tpu-v6e"), ("cpu", "cpu"))
 
 
-def get(hardware) -> Hardware:
+def get(hardware: Hardware | str | None) -> Hardware:
     """A :class:`Hardware` from a preset name (``"h100"``, ``"tpu-v5p"``, ...) or itself."""
     if isinstance(hardware, Hardware):
         return hardware

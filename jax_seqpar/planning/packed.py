@@ -44,7 +44,7 @@ class Documents:
     """
 
     tokens: Tokens
-    layout: Optional[str]
+    layout: Optional[LayoutName]
     spec: MaskSpec
 
 

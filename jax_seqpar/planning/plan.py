@@ -22,13 +22,18 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Mapping, Optional
+from typing import TYPE_CHECKING, Mapping, Optional
+
+import jax
 
 from jax_seqpar.core.shape import LayerShape, dtype_of_size, is_count
 from jax_seqpar.planning import hardware as hardware_lib, predict, tuned
-from jax_seqpar.strategies.registry import comm_bytes
+from jax_seqpar.strategies.registry import StrategyName, comm_bytes
 from jax_seqpar.strategies.traffic import axis_sizes_tuple, replicated_kv_heads
 from jax_seqpar.core.layout import LayoutName
+
+if TYPE_CHECKING:  # annotations only
+    from jax_seqpar.planning.hardware import Hardware
 
 __all__ = ["Plan", "auto_choice", "choose", "plan", "plan_layer"]
 
@@ -57,7 +62,7 @@ class Plan:
       measured_seconds: ``{label: seconds}`` timed on the mesh (``jax-seqpar tune``).
     """
 
-    strategy: str
+    strategy: StrategyName
     seq_axes: str | tuple[str, str]
     axis_sizes: int | tuple[int, int]
     bytes_per_device: float
@@ -99,7 +104,8 @@ def _names_and_sizes(axis_sizes) -> tuple[tuple[str, ...], tuple[int, ...]]:
 def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
          axis_sizes: int | Mapping[str, int], *, batch: int = 1, v_head_dim: int | None = None,
          dtype_bytes: float = 2, causal: bool = False, backward: bool = True,
-         hardware=None, memory_budget: Optional[float] = None, window=None) -> Plan:
+         hardware: Hardware | str | None = None, memory_budget: Optional[float] = None,
+         window: int | tuple[int, int] | None = None) -> Plan:
     """Chooses the sequence-parallel strategy: fastest on ``hardware``, else fewest bytes.
 
     With ``hardware`` (a :class:`~jax_seqpar.planning.hardware.Hardware` or preset name),
@@ -145,9 +151,9 @@ def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
     return plan_layer(shape, axis_sizes, hardware=hardware, memory_budget=memory_budget)
 
 
-def plan_layer(shape: LayerShape, axis_sizes: int | Mapping[str, int], *, hardware=None,
-               memory_budget: Optional[float] = None, segment_ids=None,
-               layout: Optional[LayoutName] = None) -> Plan:
+def plan_layer(shape: LayerShape, axis_sizes: int | Mapping[str, int], *,
+               hardware: Hardware | str | None = None, memory_budget: Optional[float] = None,
+               segment_ids: jax.Array | None = None, layout: Optional[LayoutName] = None) -> Plan:
     """:func:`plan` for a :class:`~jax_seqpar.core.shape.LayerShape`.
 
     With ``hardware``, ``segment_ids`` (a representative batch of packed documents,
@@ -262,8 +268,9 @@ def _plan_predicted(shape: LayerShape, names, sizes, hardware, memory_budget,
     return choose(predicted, found[chosen], names, sizes, hardware)
 
 
-def choose(predicted: Plan, candidate: predict.Candidate, names, sizes, hardware,
-           measured=None) -> Plan:
+def choose(predicted: Plan, candidate: predict.Candidate, names: tuple[str, ...],
+           sizes: tuple[int, ...], hardware: Hardware | str | None,
+           measured: Mapping[str, float] | None = None) -> Plan:
     """``predicted`` (a plan's predictions) with ``candidate`` chosen: the fastest
     predicted, or the fastest ``measured`` (``{label: seconds}`` timed on a mesh)."""
     if candidate.strategy == "hybrid" and len(sizes) == 2 and candidate.ulysses == sizes[1]:
@@ -296,7 +303,8 @@ def _reason(chosen, seconds, measured, rejected, hardware) -> str:
     return text
 
 
-def auto_choice(shape: LayerShape, mesh, axes) -> tuple[str, Optional[int]]:
+def auto_choice(shape: LayerShape, mesh: jax.sharding.Mesh,
+                axes: tuple[str, ...]) -> tuple[str, Optional[int]]:
     """``(strategy, ulysses_size)`` for ``strategy="auto"`` on the ``axes`` of ``mesh``.
 
     ``shape`` is the layer as one sequence group holds it (its batch rows and heads).

@@ -57,13 +57,15 @@ import dataclasses
 import math
 from typing import Optional
 
+import jax
+
 from jax_seqpar.core.masks import MaskSpec, Tokens
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.planning import hardware as hardware_lib, packed
 from jax_seqpar.planning.compute import TILE, step_seconds
 from jax_seqpar.planning.hardware import Hardware
 from jax_seqpar.strategies import registry
-from jax_seqpar.strategies.registry import comm_bytes
+from jax_seqpar.strategies.registry import StrategyName, comm_bytes
 from jax_seqpar.core.layout import LayoutName
 
 __all__ = ["TILE", "Candidate", "candidates", "predict"]
@@ -72,7 +74,7 @@ __all__ = ["TILE", "Candidate", "candidates", "predict"]
 class Candidate:
     """A strategy over ``ring x ulysses`` devices (``label`` names it in a plan)."""
 
-    strategy: str
+    strategy: StrategyName
     ring: int
     ulysses: int
 
@@ -270,8 +272,9 @@ def _memory(candidate: Candidate, shape: LayerShape, tile: int) -> float:
     return float(memory)
 
 
-def predict(candidate: Candidate, shape: LayerShape, hardware, *, tile: int = TILE,
-            segment_ids=None, layout: Optional[LayoutName] = None, bidirectional_ids=None,
+def predict(candidate: Candidate, shape: LayerShape, hardware: Hardware | str | None, *,
+            tile: int = TILE, segment_ids: jax.Array | None = None,
+            layout: Optional[LayoutName] = None, bidirectional_ids: jax.Array | None = None,
             chunk_size: Optional[int] = None) -> dict:
     """One layer's predicted time, broken down, and memory for ``candidate`` on ``hardware``.
 

@@ -33,11 +33,14 @@ message-size-dependent bandwidth, the latency of small messages beyond one
 
 from __future__ import annotations
 
-from typing import Optional, Sequence
+from typing import TYPE_CHECKING, Optional, Sequence
 
 from jax_seqpar.core.shape import LayerShape, dtype_of_size
 from jax_seqpar.planning import hardware as hardware_lib, plan as planner, predict
 from jax_seqpar.strategies import registry
+
+if TYPE_CHECKING:  # annotations only
+    from jax_seqpar.planning.hardware import Hardware
 
 __all__ = ["project"]
 
@@ -46,7 +49,7 @@ def project(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: Option
             *, batch: int = 1, chips: Sequence[int] = (8, 64, 256, 1024),
             seq_lens: Sequence[int] = (32768, 131072, 1048576),
             chips_per_node: Optional[int] = None, dtype_bytes: float = 2, causal: bool = True,
-            backward: bool = True, hardware="h100") -> list[dict]:
+            backward: bool = True, hardware: Hardware | str | None = "h100") -> list[dict]:
     """MODELLED time per attention layer for large meshes, one row per strategy.
 
     Args:

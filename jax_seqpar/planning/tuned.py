@@ -13,7 +13,11 @@ import dataclasses
 import json
 import os
 import pathlib
-from typing import Optional
+from typing import TYPE_CHECKING, Mapping, Optional
+
+if TYPE_CHECKING:  # annotations only
+    from jax_seqpar.core.shape import LayerShape
+    from jax_seqpar.planning.hardware import Hardware
 
 __all__ = ["ENV_VAR", "cache_key", "default_cache_path", "lookup", "requested", "store"]
 
@@ -36,7 +40,8 @@ def requested() -> Optional[pathlib.Path]:
     return pathlib.Path(os.environ[ENV_VAR]) if os.environ.get(ENV_VAR) else None
 
 
-def cache_key(shape, axis_sizes, device_kind: str, hardware) -> str:
+def cache_key(shape: LayerShape, axis_sizes: int | tuple[int, ...] | Mapping[str, int],
+              device_kind: str, hardware: Hardware | str | None) -> str:
     """One string per (layer shape, sequence axes of the mesh, device kind, hardware).
 
     ``shape`` is a :class:`~jax_seqpar.core.shape.LayerShape`; every field is in the key
@@ -64,14 +69,14 @@ def _read(path: pathlib.Path) -> dict:
     return entries if isinstance(entries, dict) else {}
 
 
-def lookup(key: str, cache=None) -> Optional[dict]:
+def lookup(key: str, cache: str | os.PathLike | None = None) -> Optional[dict]:
     """The entry for ``key`` (``{"strategy", "ulysses_size", ...}``) in ``cache`` (default:
     the file :func:`requested` names; None when no file is requested) or None."""
     path = pathlib.Path(cache) if cache else requested()
     return None if path is None else _read(path).get(key)
 
 
-def store(key: str, entry: dict, cache=None) -> pathlib.Path:
+def store(key: str, entry: dict, cache: str | os.PathLike | None = None) -> pathlib.Path:
     """Adds ``entry`` under ``key`` to ``cache`` (default :func:`default_cache_path`),
     written atomically; returns the file's path."""
     path = pathlib.Path(cache) if cache else default_cache_path()

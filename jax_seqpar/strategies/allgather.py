@@ -31,6 +31,7 @@ target compiles pass them; pass them to your own compile too); XLA:GPU needs non
 from __future__ import annotations
 
 import functools
+from typing import Literal
 
 import jax
 import jax.numpy as jnp
@@ -78,7 +79,7 @@ def default_chunks(local_len: int) -> int:
     return chunks
 
 
-def resolve_chunks(chunks, local_len: int) -> int:
+def resolve_chunks(chunks: int | Literal['auto'], local_len: int) -> int:
     """``chunks`` checked against ``local_len`` (``"auto"``: :func:`default_chunks`)."""
     if chunks == "auto":
         return default_chunks(local_len)
@@ -91,7 +92,8 @@ def resolve_chunks(chunks, local_len: int) -> int:
 
 
 @per_shard
-def allgather_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes, chunks="auto"):
+def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, call: Call, metadata: Metadata, *,
+                        seq_axes: str | tuple[str, ...], chunks: int | Literal['auto'] = "auto"):
     """Exact attention of a sequence sharded over ``seq_axes`` (call inside ``shard_map``).
 
     Args:

@@ -17,7 +17,7 @@ when a row would pass the cache's capacity) before attending.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -29,6 +29,9 @@ from jax_seqpar.strategies.inputs import Options, check_ids, check_qkv
 from jax_seqpar.kernels import make_options
 from jax_seqpar.core.merge import check_sinks, merge_across
 from jax_seqpar.kernels import KernelName
+
+if TYPE_CHECKING:  # annotations only
+    from jax_seqpar.kernels.contract import BlockSizes
 
 __all__ = ["EMPTY_POSITION", "Step", "append_and_attend", "deal_round_robin",
            "decode_attention", "overflow_message"]
@@ -92,9 +95,14 @@ def _hide_unwritten(kv_positions, seq_lengths):
     return jnp.where(hidden, EMPTY_POSITION, kv_positions)
 
 
-def decode_attention(q, k_cache, v_cache, *, seq_axes, seq_lengths, scale=None, kernel: KernelName = "auto",
-                     kv_positions=None, window=None, block_sizes=None, softcap=None,
-                     sinks=None, chunk_size=None, mask_fn=None):
+def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *,
+                     seq_axes: str | tuple[str, ...], seq_lengths: jax.Array,
+                     scale: float | None = None, kernel: KernelName = "auto",
+                     kv_positions: jax.Array | None = None,
+                     window: int | tuple[int, int] | None = None,
+                     block_sizes: BlockSizes | None = None, softcap: float | None = None,
+                     sinks: jax.Array | None = None, chunk_size: int | None = None,
+                     mask_fn: Callable | None = None):
     """Attend new queries to a sequence-sharded cache (call inside ``shard_map``).
 
     Args:
@@ -153,7 +161,7 @@ def decode_attention(q, k_cache, v_cache, *, seq_axes, seq_lengths, scale=None, 
 
 # --- the per-shard steps of a sequence-sharded KV cache (jax_seqpar.api.inference) ---
 
-def overflow_message(lengths, new_tokens: int, capacity: int) -> str:
+def overflow_message(lengths: jax.Array, new_tokens: int, capacity: int) -> str:
     """What a refused step says: the capacity, the fullest row's length, the tokens asked."""
     lengths = np.asarray(lengths)
     row = int(np.argmax(lengths))
@@ -186,7 +194,8 @@ def _refuse_overflow(fits, lengths, new_tokens: int, capacity: int):
         refuse, jax.ShapeDtypeStruct(lengths.shape, lengths.dtype), lengths))
 
 
-def deal_round_robin(k, v, lengths, k_cache, v_cache, *, axis_name):
+def deal_round_robin(k: jax.Array, v: jax.Array, lengths: jax.Array, k_cache: jax.Array,
+                     v_cache: jax.Array, *, axis_name: str | tuple[str, ...]):
     """Per shard: the contiguous prompt shard into its round-robin slots (one ``all_to_all``).
 
     Shard ``r`` holds positions ``r*L .. r*L+L-1``; position ``p`` belongs on shard
@@ -249,8 +258,9 @@ class Step:
     sinks: Optional[jax.Array] = None
 
 
-def append_and_attend(step: Step, k_cache, v_cache, positions, length, fits, *, axis_name,
-                      options: Options, ring=False, check=True):
+def append_and_attend(step: Step, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
+                      length: jax.Array, fits: jax.Array, *, axis_name: str | tuple[str, ...],
+                      options: Options, ring: bool = False, check: bool = True):
     """Per shard: write the new tokens this shard owns, attend to the local slots, merge.
 
     ``step``: the new tokens (the same on every device); k_cache/v_cache:

@@ -26,7 +26,7 @@ sends the halo's float32 dK/dV back the same way).
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -35,6 +35,9 @@ from jax_seqpar.core import compat as _compat
 from jax_seqpar.strategies.inputs import axis_size
 from jax_seqpar.core.masks import MaskSpec, Tokens
 from jax_seqpar.core.merge import merge
+
+if TYPE_CHECKING:  # annotations only
+    from jax_seqpar.kernels.options import Options
 
 __all__ = ["exchange", "halo_attention", "halo_sizes", "window_attention"]
 
@@ -111,7 +114,7 @@ def _halo_positions(reach, local_len: int, axis_name, batch: int):
     return jnp.broadcast_to(positions, (batch, left + right))
 
 
-def exchange(axis_name, reach, tree):
+def exchange(axis_name: str | tuple[str, ...], reach: tuple[int, int], tree: Any):
     """The halo of ``tree`` (``[B, L, ...]`` arrays): ``[B, left + right, ...]``, left then right."""
     left, right = reach
     parts = []
@@ -149,7 +152,8 @@ def _send_back(axis_name, reach, halo_dkv, like):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def window_attention(axis_name, options, reach, q, k, v, q_tokens, kv_tokens):
+def window_attention(axis_name: str | tuple[str, ...], options: Options, reach: tuple[int, int],
+                     q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens):
     """Windowed all-gather attention: one kernel call over ``[left halo, own shard, right
     halo]`` (all a window can see), ``(out float32, lse float32)``.
 
@@ -205,7 +209,8 @@ def _delta(out, dout, dlse):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def halo_attention(axis_name, options, reach, q, k, v, q_tokens, kv_tokens):
+def halo_attention(axis_name: str | tuple[str, ...], options: Options, reach: tuple[int, int],
+                   q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens):
     """Windowed ring attention by halo exchange: ``(out float32, lse float32)``.
 
     Args:

@@ -18,6 +18,7 @@ the default until its buffers in flight are bounded. :func:`resolve_pieces` read
 from __future__ import annotations
 
 import math
+from typing import Literal
 
 import jax
 
@@ -91,8 +92,8 @@ def default_head_groups(num_heads: int, num_kv_heads: int, num_shards: int, *,
                if g <= MAX_AUTO_HEAD_GROUPS and (shared_kv or kv_local % g == 0))
 
 
-def resolve_head_groups(head_groups, num_heads: int, num_kv_heads: int, num_shards: int, *,
-                        shared_kv: bool = True) -> int:
+def resolve_head_groups(head_groups: int | Literal['auto'], num_heads: int, num_kv_heads: int,
+                        num_shards: int, *, shared_kv: bool = True) -> int:
     """``head_groups`` checked against the heads (``"auto"``: :func:`default_head_groups`)."""
     if head_groups == "auto":
         return default_head_groups(num_heads, num_kv_heads, num_shards, shared_kv=shared_kv)
@@ -107,7 +108,7 @@ def resolve_head_groups(head_groups, num_heads: int, num_kv_heads: int, num_shar
     return int(head_groups)
 
 
-def local_heads(x, axis_name):
+def local_heads(x: jax.Array, axis_name: str | tuple[str, ...]):
     """This device's slice of a per-head ``[H]`` array after :func:`seq_to_heads`: ``[H/P]``."""
     if x is None:
         return None
@@ -150,7 +151,8 @@ def default_chunks(local_len: int, num_shards: int) -> int:
         c == 1 or num_shards * chunk_sizes(local_len, c)[0] >= MIN_CHUNK_TOKENS))
 
 
-def resolve_pieces(overlap, chunks, head_groups, num_heads: int, num_kv_heads: int,
+def resolve_pieces(overlap: bool | Literal['auto'], chunks: int | Literal['auto'],
+                   head_groups: int | Literal['auto'], num_heads: int, num_kv_heads: int,
                    num_shards: int, local_len: int, *, shared_kv: bool = True,
                    chunked: bool = True) -> tuple[int, int]:
     """``(chunks, head_groups)`` of one Ulysses exchange from the call's keywords.

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Literal, Optional
 
 import jax
 import jax.numpy as jnp
@@ -20,12 +20,17 @@ from jax_seqpar.kernels.options import Options
 from jax_seqpar.kernels import make_options
 from jax_seqpar.kernels import KernelName
 
+if TYPE_CHECKING:  # annotations only
+    from jax_seqpar.core.masks import Tokens
+    from jax_seqpar.kernels.contract import BlockSizes
+    from jax_seqpar.strategies.registry import StrategyName
+
 __all__ = ["Call", "Metadata", "Operands", "Shard", "axis_size", "check_ids",
            "check_qkv", "check_self_attention", "empty_result", "gather_tokens",
            "per_shard", "prepare", "shard_tokens"]
 
 
-def check_qkv(q, k, v) -> None:
+def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
     """Raise ``ValueError`` unless q, k, v form a valid ``[B, S, H, D]`` triple."""
     for name, x in (("q", q), ("k", k), ("v", v)):
         if x.ndim != 4:
@@ -53,7 +58,7 @@ def check_qkv(q, k, v) -> None:
                          "(MHA, GQA or MQA).")
 
 
-def check_self_attention(q, k, v, segment_ids):
+def check_self_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array):
     """:func:`check_qkv` plus one sequence length for q and k; returns ``segment_ids``
     as ``int32[B, S]`` (:func:`check_ids`)."""
     check_qkv(q, k, v)
@@ -64,7 +69,7 @@ def check_self_attention(q, k, v, segment_ids):
     return check_ids("segment_ids", segment_ids, batch, seq_len, segments=True)
 
 
-def check_ids(name: str, ids, batch: int, seq: int, *, segments: bool = False):
+def check_ids(name: str, ids: jax.Array, batch: int, seq: int, *, segments: bool = False):
     """``ids`` as ``int32[batch, seq]`` (or None): integers of that shape that fit int32,
     and for ``segments`` not the reserved padding id (:mod:`jax_seqpar.core.checks`);
     ``ValueError`` otherwise."""
@@ -72,7 +77,7 @@ def check_ids(name: str, ids, batch: int, seq: int, *, segments: bool = False):
     return check(name, ids, batch, seq)
 
 
-def empty_result(q, v, return_lse: bool):
+def empty_result(q: jax.Array, v: jax.Array, return_lse: bool):
     """The result of a call with no query or no key (a zero-size dim): zeros of
     ``[B, T, H, Dv]`` in ``q.dtype`` (a query that sees no key gets zeros), and with
     ``return_lse`` the ``float32[B, T, H]`` lse of rows that saw nothing."""
@@ -82,7 +87,8 @@ def empty_result(q, v, return_lse: bool):
     return out, jnp.full(q.shape[:3], masks.EMPTY_LSE, jnp.float32)
 
 
-def shard_tokens(q, metadata: "Metadata", *, axis_name) -> masks.Tokens:
+def shard_tokens(q: jax.Array, metadata: "Metadata", *,
+                 axis_name: str | tuple[str, ...]) -> masks.Tokens:
     """Metadata of this shard's tokens; positions default to the contiguous split.
 
     Args:
@@ -102,7 +108,7 @@ def shard_tokens(q, metadata: "Metadata", *, axis_name) -> masks.Tokens:
                           for x in (positions, segment_ids, metadata.bidirectional_ids)))
 
 
-def axis_size(axis_name) -> int:
+def axis_size(axis_name: str | tuple[str, ...]) -> int:
     """Number of shards along ``axis_name`` (a name or a tuple of names)."""
     return jax.lax.axis_size(axis_name)
 
@@ -128,23 +134,26 @@ class Call:
 
     spec: masks.MaskSpec = masks.MaskSpec()
     scale: Optional[float] = None
-    kernel: str = "auto"
+    kernel: KernelName = "auto"
     block_sizes: object = None
     softcap: Optional[float] = None
     return_lse: bool = False
     mesh: object = None
     axes: tuple = ()
-    strategy: Optional[str] = None
+    strategy: Optional[StrategyName] = None
     ulysses_size: Optional[int] = None
-    layout: str = "contiguous"
+    layout: Literal["auto", layout.LayoutName] = "contiguous"
     batch_entry: object = None
     head_entry: object = None
     out_spec: object = None
     pipeline: tuple = ()
 
     @classmethod
-    def make(cls, *, causal=False, window=None, chunk_size=None, mask_fn=None, scale=None,
-             kernel: KernelName = "auto", block_sizes=None, softcap=None, return_lse=False) -> "Call":
+    def make(cls, *, causal: bool = False, window: int | tuple[int, int] | None = None,
+             chunk_size: int | None = None, mask_fn: Callable | None = None,
+             scale: float | None = None, kernel: KernelName = "auto",
+             block_sizes: BlockSizes | None = None, softcap: float | None = None,
+             return_lse: bool = False) -> "Call":
         """The call of these keywords, each checked (``ValueError`` naming it): ``causal``
         and ``return_lse`` bools, ``window`` non-negative ints, ``chunk_size`` a positive
         int, ``mask_fn`` a callable, ``scale`` a finite number, ``softcap`` a positive
@@ -154,7 +163,7 @@ class Call:
         return cls(spec, checks.scale(scale), kernel, block_sizes, check_softcap(softcap),
                    checks.flag("return_lse", return_lse))
 
-    def options(self, q) -> Options:
+    def options(self, q: jax.Array) -> Options:
         """The kernels' options for queries ``q [..., Dqk]`` (``ValueError`` for a bad
         kernel or tile sizes)."""
         return make_options(q, self.spec, scale=self.scale, kernel=self.kernel,
@@ -216,7 +225,7 @@ class Shard:
     contiguous: bool
     return_lse: bool
 
-    def finish(self, q, out, lse):
+    def finish(self, q: jax.Array, out: jax.Array, lse: jax.Array):
         """The float32 ``(out, lse)`` of this shard with the sinks folded in, out in
         ``q.dtype``; the result the per-shard functions return."""
         from jax_seqpar.core.merge import with_sinks
@@ -225,7 +234,8 @@ class Shard:
         return (out.astype(q.dtype), lse) if self.return_lse else out.astype(q.dtype)
 
 
-def prepare(q, k, v, call: Call, metadata: Metadata, axis_name) -> Shard:
+def prepare(q: jax.Array, k: jax.Array, v: jax.Array, call: Call, metadata: Metadata,
+            axis_name: str | tuple[str, ...]) -> Shard:
     """The common prologue of every per-shard strategy: validate, then build metadata.
 
     Args:
@@ -262,6 +272,12 @@ def prepare(q, k, v, call: Call, metadata: Metadata, axis_name) -> Shard:
                  metadata.positions is None, call.return_lse)
 
 
+#: The public types of the strategies' own keywords (their cores' keyword-only arguments:
+#: the pipelining of Ulysses, the hybrid and the all-gather) where a core leaves them bare.
+_OWN_TYPES = {"overlap": "bool | Literal['auto']", "chunks": "int | Literal['auto']",
+              "head_groups": "int | Literal['auto']"}
+
+
 def per_shard(core: Callable) -> Callable:
     """The public per-shard function of a strategy's ``core``: the keywords every
     per-shard function takes, written once here, read into a :class:`Call` and a
@@ -271,10 +287,15 @@ def per_shard(core: Callable) -> Callable:
     function's; the core itself is its ``core`` attribute (what the global view calls).
     """
 
-    def attention(q, k, v, *, seq_axes, causal=False, segment_ids=None, positions=None,
-                  window=None, scale=None, kernel: KernelName = "auto", block_sizes=None, softcap=None,
-                  sinks=None, kv_segment_ids=None, chunk_size=None, bidirectional_ids=None,
-                  mask_fn=None, return_lse=False, **extra):
+    def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                  seq_axes: str | tuple[str, ...], causal: bool = False,
+                  segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
+                  window: int | tuple[int, int] | None = None, scale: float | None = None,
+                  kernel: KernelName = "auto", block_sizes: BlockSizes | None = None,
+                  softcap: float | None = None, sinks: jax.Array | None = None,
+                  kv_segment_ids: jax.Array | None = None, chunk_size: int | None = None,
+                  bidirectional_ids: jax.Array | None = None, mask_fn: Callable | None = None,
+                  return_lse: bool = False, **extra: object):
         call = Call.make(causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
                          scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
                          return_lse=return_lse)
@@ -282,7 +303,9 @@ def per_shard(core: Callable) -> Callable:
         return core(q, k, v, call, metadata, seq_axes=seq_axes, **extra)
 
     common = list(inspect.signature(attention).parameters.values())[:-1]
-    own = [p for p in inspect.signature(core).parameters.values()
+    own = [p.replace(annotation=_OWN_TYPES.get(p.name, p.annotation))
+           if p.annotation is p.empty else p
+           for p in inspect.signature(core).parameters.values()
            if p.kind == p.KEYWORD_ONLY and p.name != "seq_axes"]
     attention.__signature__ = inspect.Signature(common + own)
     for name in ("__module__", "__name__", "__qualname__", "__doc__"):
@@ -291,7 +314,7 @@ def per_shard(core: Callable) -> Callable:
     return attention
 
 
-def gather_tokens(tokens, axis_name):
+def gather_tokens(tokens: Tokens, axis_name: str | tuple[str, ...]):
     """``[B, S/P]`` metadata of the local tokens (a :class:`~jax_seqpar.core.masks.Tokens` or a
     tree of them) -> ``[B, S]`` of the whole sequence; an array that appears more than
     once (query and key positions) is gathered once."""

@@ -119,8 +119,8 @@ def get(name: str) -> Strategy:
     return STRATEGIES[name]
 
 
-def default_layout(strategy: StrategyName, spec: MaskSpec = MaskSpec(), *, seq_len=None,
-                   num_shards=None) -> str:
+def default_layout(strategy: StrategyName, spec: MaskSpec = MaskSpec(), *,
+                   seq_len: int | None = None, num_shards: int | None = None) -> str:
     """The token order ``layout="auto"`` uses: balance and locality.
 
     A window bounds every query's keys, so work per query is (nearly) the same
@@ -151,11 +151,11 @@ def default_layout(strategy: StrategyName, spec: MaskSpec = MaskSpec(), *, seq_l
     return "zigzag" if spec.causal and get(strategy).zigzag_balances else "contiguous"
 
 
-def comm_bytes(strategy: Literal[StrategyName, "decode"], *, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
-               head_dim: int, v_head_dim: int | None = None,
-               axis_sizes: int | tuple[int, ...] | Mapping[str, int],
-               dtype_bytes: float = 2, backward: bool = False,
-               with_segment_ids: bool = False, window=None, causal: bool = False) -> float:
+def comm_bytes(strategy: Literal[StrategyName, "decode"], *, batch: int, seq_len: int,
+               num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None,
+               axis_sizes: int | tuple[int, ...] | Mapping[str, int], dtype_bytes: float = 2,
+               backward: bool = False, with_segment_ids: bool = False,
+               window: int | tuple[int, int] | None = None, causal: bool = False) -> float:
     """Bytes ONE device sends in one attention call.
 
     Shapes are global: q ``[batch, seq_len, num_heads, head_dim]``, k

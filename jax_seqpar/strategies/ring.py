@@ -24,6 +24,7 @@ becomes a halo exchange (:mod:`jax_seqpar.strategies.halo`): a device receives j
 from __future__ import annotations
 
 import functools
+from typing import TYPE_CHECKING
 
 import jax
 import jax.numpy as jnp
@@ -33,11 +34,16 @@ from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.inputs import Call, Metadata, axis_size, per_shard, prepare
 from jax_seqpar.core.masks import EMPTY_LSE
 
+if TYPE_CHECKING:  # annotations only
+    from jax_seqpar.core.masks import Tokens
+    from jax_seqpar.kernels.options import Options
+
 __all__ = ["ring_attention", "ring_over"]
 
 
 @per_shard
-def ring_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes):
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, call: Call, metadata: Metadata, *,
+                   seq_axes: str | tuple[str, ...]):
     """Exact attention of a sequence sharded over ``seq_axes`` (call inside ``shard_map``).
 
     Args:
@@ -79,7 +85,8 @@ def ring_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes):
     return shard.finish(q, out, lse)
 
 
-def ring_over(axis_name, options, q, k, v, q_tokens, kv_tokens, *, contiguous=False):
+def ring_over(axis_name: str | tuple[str, ...], options: Options, q: jax.Array, k: jax.Array,
+              v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens, *, contiguous: bool = False):
     """The ring core on prepared inputs (used by :func:`ring_attention` and the hybrid).
 
     Args:

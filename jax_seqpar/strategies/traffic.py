@@ -162,8 +162,8 @@ def _allgather_bytes(*, batch, seq_len, num_kv_heads, head_dim, v_head_dim, axis
     return sent
 
 
-def decode_bytes(sizes, *, batch, seq_len, num_heads, num_kv_heads, head_dim, v_head_dim,
-                 **_) -> float:
+def decode_bytes(sizes: tuple[int, ...], *, batch: int, seq_len: int, num_heads: int,
+                 num_kv_heads: int, head_dim: int, v_head_dim: int | None, **_: object) -> float:
     """Sharded-cache decode (:mod:`jax_seqpar.api.inference`): only the merge communicates.
 
     ``seq_len`` is ``T``, the new tokens; the cache never moves. One ``pmax`` of
@@ -192,8 +192,8 @@ def axis_sizes_tuple(axis_sizes: int | tuple[int, ...] | Mapping[str, int]) -> t
     return tuple(int(s) for s in sizes)
 
 
-def check_shape(*, batch, seq_len, num_heads, num_kv_heads, head_dim, v_head_dim,
-                dtype_bytes, sizes) -> None:
+def check_shape(*, batch: int, seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                v_head_dim: int | None, dtype_bytes: float, sizes: tuple[int, ...]) -> None:
     """Raise ``ValueError`` unless the layer's sizes are positive, the heads form groups
     and the ``sizes`` (devices per sequence axis) divide the sequence."""
     check_counts(batch=batch, seq_len=seq_len, num_heads=num_heads,
@@ -209,8 +209,8 @@ def check_shape(*, batch, seq_len, num_heads, num_kv_heads, head_dim, v_head_dim
                          f"axis_sizes={sizes}; pad the sequence to a multiple of {devices}.")
 
 
-def hybrid_bytes(sizes, *, num_heads, num_kv_heads, seq_len, spec: MaskSpec = _NO_MASK,
-                 **shape) -> float:
+def hybrid_bytes(sizes: tuple[int, ...], *, num_heads: int, num_kv_heads: int, seq_len: int,
+                 spec: MaskSpec = _NO_MASK, **shape: float) -> float:
     """Ulysses over the inner axis of ``sizes=(outer, inner)`` on the local shard, then
     the ring over the outer one on ``lcm(Hkv, inner)/inner`` K/V heads."""
     if len(sizes) != 2:
@@ -227,7 +227,8 @@ def hybrid_bytes(sizes, *, num_heads, num_kv_heads, seq_len, spec: MaskSpec = _N
                           reach=_window_reach(spec, seq_len, outer), **shape))
 
 
-def ulysses_bytes(sizes, *, num_heads, spec: MaskSpec = _NO_MASK, **shape) -> float:
+def ulysses_bytes(sizes: tuple[int, ...], *, num_heads: int, spec: MaskSpec = _NO_MASK,
+                  **shape: float) -> float:
     """Ulysses over all ``sizes`` devices (a window changes nothing)."""
     devices = math.prod(sizes)
     if num_heads % devices:
@@ -236,16 +237,16 @@ def ulysses_bytes(sizes, *, num_heads, spec: MaskSpec = _NO_MASK, **shape) -> fl
     return _ulysses_bytes(num_heads=num_heads, axis_size=devices, **shape)
 
 
-def ring_bytes(sizes, *, num_heads, num_kv_heads, seq_len, spec: MaskSpec = _NO_MASK,
-               **shape) -> float:
+def ring_bytes(sizes: tuple[int, ...], *, num_heads: int, num_kv_heads: int, seq_len: int,
+               spec: MaskSpec = _NO_MASK, **shape: float) -> float:
     """The ring over all ``sizes`` devices (a halo exchange with a window)."""
     devices = math.prod(sizes)
     return _ring_bytes(seq_len=seq_len, kv_heads=num_kv_heads, axis_size=devices,
                        reach=_window_reach(spec, seq_len, devices), **shape)
 
 
-def allgather_bytes(sizes, *, num_heads, seq_len, spec: MaskSpec = _NO_MASK,
-                    **shape) -> float:
+def allgather_bytes(sizes: tuple[int, ...], *, num_heads: int, seq_len: int,
+                    spec: MaskSpec = _NO_MASK, **shape: float) -> float:
     """The all-gather over all ``sizes`` devices (the halo only with a window)."""
     devices = math.prod(sizes)
     return _allgather_bytes(seq_len=seq_len, axis_size=devices,

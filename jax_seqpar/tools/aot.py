@@ -69,7 +69,7 @@ PRODUCTION_CODEGEN = {"xla_backend_optimization_level": 3,
                       "xla_llvm_disable_expensive_passes": False}
 
 
-def compile_for(fn: Callable, args, platform: str, *, fail_on_spills: bool = False,
+def compile_for(fn: Callable, args: Any, platform: str, *, fail_on_spills: bool = False,
                 kernel_resources: bool = False,
                 compiler_options: Optional[Mapping[str, Any]] = None) -> Compiled:
     """Lower ``jax.jit(fn)(*args)`` for ``platform`` and compile it; nothing runs.

@@ -22,7 +22,7 @@ import math
 import statistics
 import sys
 import time
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -108,13 +108,13 @@ class Case:
     size}``, outer first) on a layer ``shape`` with a ``kernel`` (a name of
     :data:`KERNELS`)."""
 
-    strategy: str
+    strategy: StrategyName
     axes: dict
     shape: LayerShape
-    kernel: str = "xla"
+    kernel: KernelName = "xla"
 
 
-def build(case: Case, mesh):
+def build(case: Case, mesh: jax.sharding.Mesh):
     """``(forward, forward_and_vjp)`` on global arrays already in the strategy's layout.
 
     ``forward(q, k, v) -> out [B, S, H, Dv]``; ``forward_and_vjp(q, k, v, dout) ->
@@ -156,7 +156,8 @@ def compile_strategy(case: Case):
             jax.jit(forward_and_vjp).lower(*args).compile())
 
 
-def costs(strategy: StrategyName, axes: dict, shape: LayerShape, compiled=None) -> dict:
+def costs(strategy: StrategyName, axes: dict, shape: LayerShape,
+          compiled: jax.stages.Compiled | None = None) -> dict:
     """``{temp, hlo, model}_{fwd, fwd_bwd}_bytes`` per device: ``memory_analysis`` temp,
     bytes sent read from the compiled HLO, and :func:`jax_seqpar.comm_bytes`.
 
@@ -199,7 +200,7 @@ def _max_error(actual, expected) -> float:
     return float(np.max(np.abs(np.asarray(actual, np.float32) - np.asarray(expected, np.float32))))
 
 
-def median_ms(compiled, args, warmup: int, runs: int):
+def median_ms(compiled: jax.stages.Compiled, args: Any, warmup: int, runs: int):
     """``(median milliseconds of runs calls after warmup calls, the last result)``."""
     for _ in range(warmup):
         jax.block_until_ready(compiled(*args))
@@ -211,7 +212,8 @@ def median_ms(compiled, args, warmup: int, runs: int):
     return statistics.median(times) * 1e3, result
 
 
-def configurations(shapes, meshes, strategies: Sequence[StrategyName], kernels: Sequence[KernelName]):
+def configurations(shapes: Sequence[LayerShape], meshes: Sequence[Mapping[str, int]],
+                   strategies: Sequence[StrategyName], kernels: Sequence[KernelName]):
     """``(todo, skipped, plans)``: what runs (``(Case, planned strategy)`` pairs), what
     cannot (and why), plan's choices."""
     for name, given, known in (("strategy", strategies, STRATEGIES), ("kernel", kernels, KERNELS)):
@@ -247,8 +249,8 @@ def configurations(shapes, meshes, strategies: Sequence[StrategyName], kernels: 
 
 def run(shape: LayerShape = DEFAULT_SHAPE, meshes: Sequence = DEFAULT_MESHES, *,
         seq_lens: Optional[Sequence[int]] = None, strategies: Sequence[StrategyName] = STRATEGIES,
-        kernels: Sequence[KernelName] = ("auto",), warmup: int = 1, runs: int = 3, check: bool = True,
-        progress: bool = True) -> dict:
+        kernels: Sequence[KernelName] = ("auto",), warmup: int = 1, runs: int = 3,
+        check: bool = True, progress: bool = True) -> dict:
     """Compiles, times and measures every applicable (seq_len, mesh, kernel, strategy).
 
     Args:

@@ -73,7 +73,7 @@ def compile_strategy(target: str, case: bench.Case, *, backward: Optional[bool] 
     return programs
 
 
-def footprint_bytes(compiled) -> int:
+def footprint_bytes(compiled: jax.stages.Compiled) -> int:
     """Device memory a program needs: temp + arguments + outputs - aliased."""
     memory = hlo.memory_bytes(compiled)
     return memory["temp"] + memory["argument"] + memory["output"] - memory["alias"]

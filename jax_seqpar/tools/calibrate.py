@@ -21,6 +21,8 @@ import statistics
 import time
 from typing import Optional
 
+import jax
+
 from jax_seqpar.planning import hardware as hardware_lib
 
 __all__ = ["calibrate_cpu"]
@@ -110,9 +112,11 @@ def _collective_seconds(mesh, axis, num_floats, repeats, runs, kind) -> float:
     return _median_seconds(fn, args, runs) / repeats
 
 
-def calibrate_cpu(mesh=None, *, axis: Optional[str] = None, runs: int = 5,
-                  matmul_size: int = 512, attention_shape=(1024, 8, 64),
-                  message_bytes=(2**16, 2**22), repeats: int = 8) -> hardware_lib.Hardware:
+def calibrate_cpu(mesh: jax.sharding.Mesh | None = None, *, axis: Optional[str] = None,
+                  runs: int = 5, matmul_size: int = 512,
+                  attention_shape: tuple[int, int, int] = (1024, 8, 64),
+                  message_bytes: tuple[int, ...] = (2**16, 2**22),
+                  repeats: int = 8) -> hardware_lib.Hardware:
     """The ``"cpu"`` preset with figures measured on ``mesh`` (every device busy at once).
 
     Args:

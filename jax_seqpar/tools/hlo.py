@@ -335,7 +335,7 @@ class Cost:
         return self.memory["temp"]
 
 
-def measure(fn: Callable, *args, **kwargs) -> Cost:
+def measure(fn: Callable, *args: Any, **kwargs: Any) -> Cost:
     """Jits, lowers and compiles ``fn(*args, **kwargs)`` and reads its :class:`Cost`.
 
     ``fn`` may already be jitted; ``args`` may be arrays or

@@ -9,6 +9,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+from typing import Mapping
 
 __all__ = ["Instruction", "bodies", "callees", "multipliers", "parse_module",
            "shape_bytes", "split_top_level"]
@@ -160,7 +161,7 @@ def bodies(inst: Instruction) -> list[str]:
     return [callee for role, callee in callees(inst) if role == "calls"]
 
 
-def multipliers(computations, entry, default_trip_count):
+def multipliers(computations: Mapping[str, list[Instruction]], entry: str, default_trip_count: int):
     """How many times each computation runs per program execution."""
     callers: dict[str, list[tuple[str, int]]] = {name: [] for name in computations}
     for caller, instructions in computations.items():

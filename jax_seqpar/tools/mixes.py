@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+import jax
 import numpy as np
 
 from jax_seqpar.core.masks import PAD_SEGMENT
@@ -19,7 +20,7 @@ __all__ = ["ADVERSARIAL", "MASKED", "MIXES", "chunked", "draw", "heavy_tailed", 
            "pack", "prefix_lm", "uniform_short", "vlm", "with_padding"]
 
 
-def pack(lengths, batch: int, seq_len: int) -> np.ndarray:
+def pack(lengths: jax.Array, batch: int, seq_len: int) -> np.ndarray:
     """The stream of documents of ``lengths`` cut into ``int32[batch, seq_len]`` ids."""
     lengths = np.asarray(lengths, np.int64)
     if lengths.sum() < batch * seq_len:
@@ -29,7 +30,7 @@ def pack(lengths, batch: int, seq_len: int) -> np.ndarray:
     return ids.reshape(batch, seq_len)
 
 
-def draw(sampler: Callable, batch: int, seq_len: int, rng) -> np.ndarray:
+def draw(sampler: Callable, batch: int, seq_len: int, rng: np.random.Generator) -> np.ndarray:
     """Packed documents whose lengths ``sampler(rng, n)`` draws (clipped to >= 1)."""
     lengths, total = [], 0
     while total < batch * seq_len:
@@ -39,17 +40,18 @@ def draw(sampler: Callable, batch: int, seq_len: int, rng) -> np.ndarray:
     return pack(lengths, batch, seq_len)
 
 
-def one_long(batch: int, seq_len: int, rng=None) -> np.ndarray:
+def one_long(batch: int, seq_len: int, rng: np.random.Generator | None = None) -> np.ndarray:
     """One document filling each row."""
     return np.repeat(np.arange(batch, dtype=np.int32)[:, None], seq_len, axis=1)
 
 
-def uniform_short(batch: int, seq_len: int, rng) -> np.ndarray:
+def uniform_short(batch: int, seq_len: int, rng: np.random.Generator) -> np.ndarray:
     """Documents of uniformly random length in [64, 1024)."""
     return draw(lambda r, n: r.integers(64, 1024, n), batch, seq_len, rng)
 
 
-def heavy_tailed(batch: int, seq_len: int, rng, alpha: float = 1.3, scale: int = 64):
+def heavy_tailed(batch: int, seq_len: int, rng: np.random.Generator, alpha: float = 1.3,
+                 scale: int = 64):
     """Pareto lengths ``ceil(64 (1 + Pareto(1.3)))``: median ~110 tokens, mean ~280, one
     document in 100 above 2,200 tokens: most documents short, a few holding many tokens."""
     return draw(lambda r, n: np.ceil(scale * (1 + r.pareto(alpha, n))), batch, seq_len, rng)
@@ -59,7 +61,8 @@ def heavy_tailed(batch: int, seq_len: int, rng, alpha: float = 1.3, scale: int =
 MIXES = {"one_long": one_long, "uniform_short": uniform_short, "heavy_tailed": heavy_tailed}
 
 
-def with_padding(mix: Callable, batch: int, seq_len: int, rng, max_fraction: float = 0.5):
+def with_padding(mix: Callable, batch: int, seq_len: int, rng: np.random.Generator,
+                 max_fraction: float = 0.5):
     """``mix`` with a random tail of each row (up to ``max_fraction``) made padding."""
     ids = mix(batch, seq_len, rng)
     for row in ids:
@@ -124,7 +127,8 @@ def _pack_spans(documents, batch: int, seq_len: int):
     return pack([d.size for d in documents], batch, seq_len), bids.astype(np.int32)
 
 
-def prefix_lm(batch: int, seq_len: int, rng, low: float = 0.1, high: float = 0.6):
+def prefix_lm(batch: int, seq_len: int, rng: np.random.Generator, low: float = 0.1,
+              high: float = 0.6):
     """Heavy-tailed documents (:func:`heavy_tailed`'s lengths), each with a bidirectional
     prefix of a uniform ``low .. high`` fraction of its tokens (at least one)."""
     documents, total = [], 0
@@ -136,7 +140,8 @@ def prefix_lm(batch: int, seq_len: int, rng, low: float = 0.1, high: float = 0.6
     return _pack_spans(documents, batch, seq_len)
 
 
-def vlm(batch: int, seq_len: int, rng, images=(1, 4), image_tokens=(256, 1024)):
+def vlm(batch: int, seq_len: int, rng: np.random.Generator, images: tuple[int, int] = (1, 4),
+        image_tokens: tuple[int, int] = (256, 1024)):
     """Vision-language documents: 1-4 images of 256-1024 tokens (each one bidirectional
     id), between heavy-tailed runs of text (causal)."""
     documents, total, next_id = [], 0, 1
@@ -152,7 +157,7 @@ def vlm(batch: int, seq_len: int, rng, images=(1, 4), image_tokens=(256, 1024)):
     return _pack_spans(documents, batch, seq_len)
 
 
-def chunked(batch: int, seq_len: int, rng, few: bool = False):
+def chunked(batch: int, seq_len: int, rng: np.random.Generator, few: bool = False):
     """Chunked causal rows (no bidirectional ids): one document per row, or with ``few``
     documents of ``S/4 .. S`` tokens (one to four a row)."""
     if not few:

@@ -102,7 +102,7 @@ def balance(batch: int, seq_len: int, num_shards: int, seeds: int, block: int) -
 MASKED_LAYOUTS = tuple(name for name in layout.LAYOUTS if name != "contiguous")
 
 
-def masked_positions(name: str, ids: np.ndarray, bids, spec: MaskSpec, num_shards: int,
+def masked_positions(name: str, ids: np.ndarray, bids: jax.Array, spec: MaskSpec, num_shards: int,
                      block: int) -> np.ndarray:
     """``int32[B, S]`` positions of a masked mix's rows in the order ``name`` (the
     per-document order balanced by the mask: its bidirectional ids and chunks)."""
@@ -162,7 +162,7 @@ def _ring_layer(mesh, backward: bool, block: int):
 
 
 def ring_times(shape: LayerShape, num_shards: int, *, runs: int, warmup: int,
-               blocks=(256, 128), backward: bool = True) -> list[dict]:
+               blocks: tuple[int, ...] = (256, 128), backward: bool = True) -> list[dict]:
     """Median ms of a causal ring layer (XLA kernel) per mix, zigzag vs per_document,
     for each kernel tile in ``blocks`` (the per-document order aligned to it)."""
     from jax_seqpar.tools.bench import median_ms

@@ -10,12 +10,18 @@ the fastest in the tuned-plan file (:mod:`jax_seqpar.planning.tuned`), which
 from __future__ import annotations
 
 import math
+import os
 import statistics
 import time
-from typing import Optional
+from typing import TYPE_CHECKING, Optional, Sequence
+
+import jax
 
 from jax_seqpar.core.shape import LayerShape, dtype_of_size
 from jax_seqpar.planning import hardware as hardware_lib, plan as planning, predict, tuned
+
+if TYPE_CHECKING:  # annotations only
+    from jax_seqpar.planning.hardware import Hardware
 
 __all__ = ["measure_candidates", "time_candidate", "tune", "tune_layer"]
 
@@ -53,8 +59,8 @@ def _timed_layer(candidate, shape, mesh, axes):
     return jax.jit(forward_and_vjp if shape.backward else attend), args
 
 
-def time_candidate(candidate: predict.Candidate, shape: LayerShape, mesh, axes, *,
-                   warmup: int = 1, runs: int = 3) -> float:
+def time_candidate(candidate: predict.Candidate, shape: LayerShape, mesh: jax.sharding.Mesh,
+                   axes: tuple[str, ...], *, warmup: int = 1, runs: int = 3) -> float:
     """Median seconds of one forward (+ backward) call of ``candidate`` on ``mesh``."""
     import jax
 
@@ -87,8 +93,11 @@ def _mesh_for(names, sizes, mesh):
     return Mesh(np.array(jax.devices()[:needed]).reshape(sizes), tuple(names))
 
 
-def measure_candidates(ranked, shape: LayerShape, names, sizes, hardware, *, mesh=None,
-                       cache=None, top: int = 3, warmup: int = 1, runs: int = 3) -> dict:
+def measure_candidates(ranked: Sequence[predict.Candidate], shape: LayerShape,
+                       names: tuple[str, ...], sizes: tuple[int, ...],
+                       hardware: Hardware | str | None, *, mesh: jax.sharding.Mesh | None = None,
+                       cache: str | os.PathLike | None = None, top: int = 3, warmup: int = 1,
+                       runs: int = 3) -> dict:
     """Times the first ``top`` of ``ranked`` candidates; stores the winner in ``cache``
     (:func:`jax_seqpar.planning.tuned.store`) and returns ``{label: seconds}``."""
     mesh = _mesh_for(names, sizes, mesh)
@@ -105,10 +114,11 @@ def measure_candidates(ranked, shape: LayerShape, names, sizes, hardware, *, mes
     return measured
 
 
-def tune(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int, mesh, *,
-         seq_axes=None, hardware=None, cache=None, top: int = 3, runs: int = 3,
-         batch: int = 1, v_head_dim: Optional[int] = None, dtype_bytes: float = 2,
-         causal: bool = False, window=None, backward: bool = True,
+def tune(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int, mesh: jax.sharding.Mesh, *,
+         seq_axes: str | tuple[str, ...] | None = None, hardware: Hardware | str | None = None,
+         cache: str | os.PathLike | None = None, top: int = 3, runs: int = 3, batch: int = 1,
+         v_head_dim: Optional[int] = None, dtype_bytes: float = 2, causal: bool = False,
+         window: int | tuple[int, int] | None = None, backward: bool = True,
          memory_budget: Optional[float] = None):
     """Times the best predicted candidates on ``mesh`` and stores the winner.
 
@@ -138,7 +148,9 @@ def tune(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int, mesh, *
                       runs=runs, memory_budget=memory_budget)
 
 
-def tune_layer(shape: LayerShape, mesh, *, seq_axes=None, hardware=None, cache=None,
+def tune_layer(shape: LayerShape, mesh: jax.sharding.Mesh, *,
+               seq_axes: str | tuple[str, ...] | None = None,
+               hardware: Hardware | str | None = None, cache: str | os.PathLike | None = None,
                top: int = 3, runs: int = 3, memory_budget: Optional[float] = None):
     """:func:`tune` for a :class:`~jax_seqpar.core.shape.LayerShape` (timed in its dtype)."""
     axes = tuple(mesh.axis_names) if seq_axes is None else (

@@ -25,7 +25,8 @@ def _width(d_qk: int, d_v: int) -> int:
     return max(HeadDim.of(d_qk).padded, HeadDim.of(d_v).padded)
 
 
-def default_block_sizes(d_qk: int, d_v: int, dtype, *, rich_mask: bool = False) -> BlockSizes:
+def default_block_sizes(d_qk: int, d_v: int, dtype: jax.typing.DTypeLike, *,
+                        rich_mask: bool = False) -> BlockSizes:
     """The Pallas kernel's tiles for these head dims and dtype (what a size left ``None``
     becomes): they compile without spills and within shared memory on both sm_80 and
     sm_90 (measured with ``experiments/gpu_resources.py``): the per-thread
@@ -58,7 +59,7 @@ def _default_block_sizes(d_qk: int, d_v: int, dtype) -> BlockSizes:
 MAX_F32_WIDTH = 128
 
 
-def compiles_clean(d_qk: int, d_v: int, dtype) -> bool:
+def compiles_clean(d_qk: int, d_v: int, dtype: jax.typing.DTypeLike) -> bool:
     """Whether the default tiles compile without register spills on sm_80 and sm_90:
     every bf16 / fp16 head dim; float32 up to :data:`MAX_F32_WIDTH` (wider float32
     heads spill in the backward). ``kernel="auto"`` runs the XLA kernel otherwise."""

@@ -55,6 +55,7 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
+import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
@@ -132,8 +133,9 @@ def _validate(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options,
     return options
 
 
-def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options, accumulate=None,
-            *, interpret: Optional[bool] = None):
+def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
+            options: Options, accumulate: tuple[jax.Array, jax.Array] | None = None, *,
+            interpret: Optional[bool] = None):
     """Attention of ``q`` against one run of keys (the contract of :func:`xla.forward`).
 
     Args:
@@ -210,8 +212,10 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options, interpret: Optional
     return out[:, :t.q_len], jnp.swapaxes(lse, 1, 2)[:, :t.q_len]
 
 
-def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout,
-             options: Options, accumulate=None, *, interpret: Optional[bool] = None):
+def backward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
+             lse: jax.Array, delta: jax.Array, dout: jax.Array, options: Options,
+             accumulate: tuple[jax.Array, jax.Array] | None = None, *,
+             interpret: Optional[bool] = None):
     """Gradients of attention given the softmax statistics of the full result.
 
     Args:
@@ -232,8 +236,8 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout,
     return contract.add_accumulated(grads, accumulate)
 
 
-def attention(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options, *,
-              interpret: Optional[bool] = None):
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
+              options: Options, *, interpret: Optional[bool] = None):
     """Differentiable :func:`forward`: ``(out float32, lse float32)``.
 
     The backward (:func:`backward`) accepts cotangents for both ``out`` and ``lse``,

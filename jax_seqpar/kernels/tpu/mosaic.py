@@ -57,7 +57,7 @@ DTYPES = mc.DTYPES
 __all__ = ["DTYPES", "BlockSizes", "attention", "backward", "default_block_sizes", "forward"]
 
 
-def default_block_sizes(d_qk: int, d_v: int, dtype) -> BlockSizes:
+def default_block_sizes(d_qk: int, d_v: int, dtype: jax.typing.DTypeLike) -> BlockSizes:
     """512-token tiles, 256 queries per backward tile, whatever the head dims and dtype:
     the largest that fit VMEM on v5e, v5p and v6e up to MLA's 576/512 head dims
     (held by ``tests/test_mosaic_compile.py``)."""
@@ -124,7 +124,8 @@ def _forward_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, *refs, options
         lse_ref[...] = mc.column_to_row(lse)
 
 
-def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options, accumulate=None):
+def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
+            options: Options, accumulate: tuple[jax.Array, jax.Array] | None = None):
     """Attention of ``q`` against one run of keys (the contract of :func:`xla.forward`).
 
     Args:
@@ -210,8 +211,9 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options, accumulate=None):
     return mc.tokens_first(out, q_len), jnp.swapaxes(lse[:, :, 0, :q_len], 1, 2)
 
 
-def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout,
-             options: Options, accumulate=None):
+def backward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
+             lse: jax.Array, delta: jax.Array, dout: jax.Array, options: Options,
+             accumulate: tuple[jax.Array, jax.Array] | None = None):
     """Gradients of attention given the softmax statistics of the full result.
 
     Args:
@@ -238,7 +240,8 @@ def backward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, lse, delta, dout,
     return (dq, *contract.add_accumulated((dk, dv), accumulate[1:]))
 
 
-def attention(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options):
+def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
+              options: Options):
     """Differentiable :func:`forward`: ``(out float32, lse float32)``, through
     :func:`jax_seqpar.kernels.contract.differentiable`.
 
