@@ -40,8 +40,8 @@ def requested() -> Optional[pathlib.Path]:
     return pathlib.Path(os.environ[ENV_VAR]) if os.environ.get(ENV_VAR) else None
 
 
-def cache_key(shape: LayerShape, axis_sizes: int | tuple[int, ...] | Mapping[str, int],
-              device_kind: str, hardware: Hardware | str | None) -> str:
+def cache_key(shape: LayerShape, axis_sizes: Mapping[str, int], device_kind: str,
+              hardware: Hardware | None) -> str:
     """One string per (layer shape, sequence axes of the mesh, device kind, hardware).
 
     ``shape`` is a :class:`~jax_seqpar.core.shape.LayerShape`; every field is in the key
