@@ -24,7 +24,6 @@ from jax_seqpar.core.masks import PAD_SEGMENT
 from jax_seqpar.kernels.tiling import pad_seq
 
 if TYPE_CHECKING:  # annotations only
-    from jax_seqpar.core.masks import MaskSpec
     from jax_seqpar.strategies.inputs import Metadata
 
 __all__ = ["bind", "boundary_shardings", "caller_spec", "entry_size", "finish",
@@ -36,7 +35,7 @@ def is_explicit(mesh) -> bool:
     return any(t == AxisType.Explicit for t in getattr(mesh, "axis_types", ()))
 
 
-def place(x: jax.Array, mesh: jax.sharding.Mesh, spec: MaskSpec):
+def place(x: jax.Array, mesh: jax.sharding.Mesh, spec: P):
     """Put ``x`` in ``spec`` sharding: explicit meshes need it before ``shard_map``."""
     if is_explicit(mesh):
         return jax.reshard(x, NamedSharding(mesh, spec))

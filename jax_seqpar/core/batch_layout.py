@@ -13,7 +13,7 @@ gets its own order from its segment ids, and going back needs the ``positions``.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Optional
 
 import jax
 import jax.numpy as jnp
@@ -78,7 +78,7 @@ def _per_document(batch, num_shards, axis, lead, tokens: Tokens, spec: MaskSpec,
     return _gather(batch, positions, axis), positions
 
 
-def permute_batch(batch: int, layout: LayoutName, num_shards: int, *, axis: int = 1,
+def permute_batch(batch: Any, layout: LayoutName, num_shards: int, *, axis: int = 1,
                   segment_ids: jax.Array | None = None, block_size: Optional[int] = None,
                   bidirectional_ids: jax.Array | None = None, chunk_size: Optional[int] = None):
     """Reorder every array of ``batch`` into ``layout`` along the sequence ``axis``.
@@ -142,7 +142,7 @@ def permute_batch(batch: int, layout: LayoutName, num_shards: int, *, axis: int 
     return batch, jnp.broadcast_to(arange, (*lead[:axis], seq_len))
 
 
-def unpermute_batch(batch: int, layout: LayoutName, num_shards: int, *, axis: int = 1,
+def unpermute_batch(batch: Any, layout: LayoutName, num_shards: int, *, axis: int = 1,
                     positions: jax.Array | None = None):
     """Inverse of :func:`permute_batch`: arrays in ``layout`` order back to natural order.
 

@@ -31,7 +31,8 @@ from jax_seqpar.kernels.options import Options
 if TYPE_CHECKING:  # annotations only
     from jax_seqpar.core.masks import Tokens
 
-__all__ = ["KERNELS", "BlockSizes", "KernelName", "Kernel", "Options", "PerPlatform", "get", "make_options",
+__all__ = ["KERNELS", "BlockSizes", "Kernel", "KernelName", "Options", "PerPlatform", "get",
+           "make_options",
            "may_interpret"]
 
 #: What ``kernel=`` takes: a per-platform choice (``"auto"``) or one kernel.

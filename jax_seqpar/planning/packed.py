@@ -39,7 +39,8 @@ class Documents:
     Attributes:
       tokens: natural-order ``[B', S]`` segment ids and bidirectional ids (``positions``
         unused).
-      layout: the token order (:data:`jax_seqpar.core.layout.LAYOUTS`), or None for the package's default.
+      layout: the token order (:data:`jax_seqpar.core.layout.LAYOUTS`), or None for the
+        package's default.
       spec: the mask (the layer's causality and window, and its chunks).
     """
 

@@ -69,7 +69,8 @@ def check_self_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: 
     return check_ids("segment_ids", segment_ids, batch, seq_len, segments=True)
 
 
-def check_ids(name: str, ids: jax.Array, batch: int, seq: int, *, segments: bool = False):
+def check_ids(name: str, ids: jax.typing.ArrayLike | None, batch: int, seq: int, *,
+              segments: bool = False):
     """``ids`` as ``int32[batch, seq]`` (or None): integers of that shape that fit int32,
     and for ``segments`` not the reserved padding id (:mod:`jax_seqpar.core.checks`);
     ``ValueError`` otherwise."""

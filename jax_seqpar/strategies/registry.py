@@ -22,7 +22,8 @@ from jax_seqpar.strategies.hybrid import hybrid_attention
 from jax_seqpar.strategies.ring import ring_attention
 from jax_seqpar.strategies.ulysses import ulysses_attention
 
-__all__ = ["DECODE", "STRATEGIES", "Strategy", "StrategyName", "comm_bytes", "default_layout", "get"]
+__all__ = ["DECODE", "STRATEGIES", "Strategy", "StrategyName", "comm_bytes", "default_layout",
+           "get"]
 
 
 @dataclasses.dataclass(frozen=True)

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from typing import Callable
 
-import jax
 import numpy as np
 
 from jax_seqpar.core.masks import PAD_SEGMENT
@@ -20,7 +19,7 @@ __all__ = ["ADVERSARIAL", "MASKED", "MIXES", "chunked", "draw", "heavy_tailed", 
            "pack", "prefix_lm", "uniform_short", "vlm", "with_padding"]
 
 
-def pack(lengths: jax.Array, batch: int, seq_len: int) -> np.ndarray:
+def pack(lengths: np.ndarray, batch: int, seq_len: int) -> np.ndarray:
     """The stream of documents of ``lengths`` cut into ``int32[batch, seq_len]`` ids."""
     lengths = np.asarray(lengths, np.int64)
     if lengths.sum() < batch * seq_len:

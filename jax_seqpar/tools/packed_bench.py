@@ -102,8 +102,8 @@ def balance(batch: int, seq_len: int, num_shards: int, seeds: int, block: int) -
 MASKED_LAYOUTS = tuple(name for name in layout.LAYOUTS if name != "contiguous")
 
 
-def masked_positions(name: str, ids: np.ndarray, bids: jax.Array, spec: MaskSpec, num_shards: int,
-                     block: int) -> np.ndarray:
+def masked_positions(name: str, ids: np.ndarray, bids: np.ndarray | None, spec: MaskSpec,
+                     num_shards: int, block: int) -> np.ndarray:
     """``int32[B, S]`` positions of a masked mix's rows in the order ``name`` (the
     per-document order balanced by the mask: its bidirectional ids and chunks)."""
     if name == "per_document":
