@@ -133,3 +133,20 @@ def test_the_tuples_come_from_the_literals():
     assert attention.STRATEGIES == ("auto",) + typing.get_args(registry.StrategyName)
     assert attention.LAYOUTS == ("auto",) + typing.get_args(layout.LayoutName)
     assert all(registry.get(name).name == name for name in registry.STRATEGIES)
+
+
+def test_one_name_per_concept():
+    """The rename table of docs/design.md ("Names"): axis sizes, per-row lengths, the mesh."""
+    def parameters(function):
+        return inspect.signature(function).parameters
+
+    from jax_seqpar.planning.plan import plan, plan_layer
+
+    for function in (jax_seqpar.comm_bytes, plan, plan_layer):
+        assert "axis_sizes" in parameters(function) and "seq_axes" not in parameters(function)
+    for function in (jax_seqpar.prefill, jax_seqpar.decode_attention):
+        names = parameters(function)
+        assert "seq_lengths" in names and not {"lengths", "kv_length"} & set(names)
+    for function in (jax_seqpar.sequence_parallel_attention, jax_seqpar.dot_product_attention):
+        assert parameters(function)["mesh"].default is None
+        assert "seq_axes" in parameters(function)
