@@ -8,7 +8,7 @@ and the global-view entry points, :func:`sequence_parallel_attention` and the
 The package is layered (``docs/design.md`` §2): ``core`` → ``kernels`` →
 ``strategies`` → ``planning`` → ``api`` → ``flax``, ``examples`` → ``tools``; each
 imports only the layers before it. Module paths from before the layers
-(``jax_seqpar.plan``, ``jax_seqpar.layout``, ...) still import (:mod:`jax_seqpar._moved`).
+(``jax_seqpar.plan``, ``jax_seqpar.layout``, ...) still import (``jax_seqpar._moved``).
 """
 
 from jax_seqpar import _moved

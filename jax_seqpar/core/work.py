@@ -67,7 +67,7 @@ _TILE, _PARTIAL_BATCH = 128, 256
 
 def _sorted_tiles(tokens: masks.Tokens):
     """``(order, tiles)``: ``tokens`` (1-D fields) in (document, position) order, padded
-    with :data:`PAD_SEGMENT` to whole tiles, ``[n, _TILE]`` fields; ``order`` maps each
+    with :data:`~jax_seqpar.core.masks.PAD_SEGMENT` to whole tiles, ``[n, _TILE]`` fields; ``order`` maps each
     slot to its token (``-1``: padding)."""
     size = tokens.positions.shape[0]
     order = np.lexsort((tokens.positions, tokens.segment_ids))

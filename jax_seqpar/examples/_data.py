@@ -57,7 +57,7 @@ class PackedRows:
         document, 0 at the last byte of a document (the next document's first
         byte is not predictable from it) and where the input sees its target (both
         carry one non-zero bidirectional id).
-      bidirectional_ids: ``int32[rows, seq_len]`` (see :data:`MASKS`), or None.
+      bidirectional_ids: ``int32[rows, seq_len]`` (see ``MASKS``), or None.
     """
 
     tokens: np.ndarray
@@ -124,7 +124,7 @@ def _span_ids(shape: tuple) -> np.ndarray:
 
 
 def with_mask(rows: PackedRows, mask: Optional[str]) -> PackedRows:
-    """``rows`` with the bidirectional ids of ``mask`` (one of :data:`MASKS`, or None),
+    """``rows`` with the bidirectional ids of ``mask`` (one of ``MASKS``, or None),
     and no weight where an input sees its target (the same non-zero id: predicting it
     would be copying it)."""
     if mask is None or mask == "chunked":

@@ -108,7 +108,7 @@ def make_attention_fn(
       seq_axes, strategy, causal, window, scale, layout, kernel, block_sizes,
         softcap, ulysses_size, chunk_size, mask_fn: as in
         :func:`jax_seqpar.sequence_parallel_attention` (kept in an
-        :class:`AttentionConfig`).
+        ``AttentionConfig``).
 
     Returns:
       ``attention_fn(query, key, value, bias=None, mask=None, ..., is_causal=False,

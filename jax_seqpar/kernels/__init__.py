@@ -28,6 +28,7 @@ from jax_seqpar.kernels.options import Options
 __all__ = ["KERNELS", "BlockSizes", "Kernel", "Options", "PerPlatform", "get", "make_options",
            "may_interpret"]
 
+#: The ``kernel=`` choices every entry point takes (see :func:`get`).
 KERNELS = ("auto", "xla", "pallas", "mosaic")
 
 # The kernel each choice lowers to, per lowering platform ("default": every other).
@@ -83,7 +84,7 @@ class PerPlatform:
     Attributes:
       name: the ``kernel=`` choice (``"auto"`` or ``"pallas"``).
       platforms: ``{platform or "default": kernel}``, kernels from
-        :data:`_PLATFORM_KERNELS` (``"pallas-interpret"`` runs the Pallas interpreter).
+        ``_PLATFORM_KERNELS`` (``"pallas-interpret"`` runs the Pallas interpreter).
     """
 
     name: str

@@ -4,7 +4,7 @@ Megatron-LM's ``all_gather`` context parallelism; Llama 3 (arXiv:2407.21783) use
 it for long-context training. Simple and low-latency; K/V memory is O(S) per device.
 With zigzag positions the causal work is balanced. With a window on the contiguous
 split (default positions) only what the window reaches is gathered
-(:func:`jax_seqpar.strategies.halo.window_attention`).
+(``jax_seqpar.strategies.halo.window_attention``).
 
 **Gathered in chunks** (:func:`chunked_attention`): each device cuts its ``S/P`` K/V
 tokens into ``C`` slices, and piece ``c`` is the all-gather of every device's slice

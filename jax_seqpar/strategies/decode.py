@@ -29,7 +29,7 @@ from jax_seqpar.strategies.inputs import Options, check_ids, check_qkv
 from jax_seqpar.kernels import make_options
 from jax_seqpar.core.merge import check_sinks, merge_across
 
-#: The position of an empty cache slot: later than every query, so the causal
+#: The position of an empty cache slot, later than every query, so the causal
 #: mask hides it and whole empty key blocks are skipped.
 EMPTY_POSITION = 2**31 - 1
 

@@ -22,7 +22,7 @@ from jax_seqpar.tools.report import format_projection, text_table
 
 
 def format_table(result: dict) -> str:
-    """One text table of :func:`run`'s rows; plan's reasons, skips and notes below it."""
+    """One text table of :func:`jax_seqpar.tools.bench.run`'s rows; plan's reasons, skips and notes below it."""
     if "target" in result:
         return format_target_table(result)
     def err(r):

@@ -1,10 +1,12 @@
 """The ``jax-seqpar`` command.
 
-Subcommands:
-  demo   train a small byte-level LM unsharded and with each sequence-parallel
-         strategy on emulated CPU devices, and compare the loss curves.
+Subcommands::
+
+  demo   train a small byte-level LM unsharded and with sequence-parallel
+         strategies (ulysses, ring, hybrid unless told) on emulated CPU devices,
+         and compare the loss curves.
   bench  time, memory and traffic of every strategy, next to the cost model;
-         or compiled for a GPU/TPU target without running (``--target``).
+         or compiled for a GPU/TPU target without running (--target).
   tune   predict every strategy and factorization, time the best, cache the winner.
   generate  greedy text from the demo LM, decoding against a sequence-sharded KV cache.
 

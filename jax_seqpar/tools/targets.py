@@ -5,7 +5,7 @@ than 8 are hosts of 8), ``"v5p:2x2x2"`` a TPU v5p slice (``v5e:2x4``, ``v6e:2x4`
 ``v4:2x2x2``, ...: any topology libtpu knows), ``"cpu"`` / ``"cpu:N"`` this host's
 CPU devices. A target mesh holds devices that cannot run anything, but programs on
 it compile with the real compilers: XLA:GPU with Triton and ptxas for sm_90a /
-sm_80, XLA:TPU with Mosaic. Lower for the target's platform:
+sm_80, XLA:TPU with Mosaic. Lower for the target's platform::
 
     mesh = target_mesh("h100:8")
     compiled = jax.jit(f).trace(*args).lower(
@@ -31,7 +31,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-#: GPU kinds: (target description file, GPUs per host).
+#: GPU kinds, each ``(target description file, GPUs per host)``.
 GPUS = {"h100": ("h100_sxm.txtpb", 8), "h200": ("h200.txtpb", 8), "a100": ("a100_sxm_80.txtpb", 8)}
 #: HBM per TPU device (one chip; v4 and v5p as one megacore device), bytes.
 TPU_HBM = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2**30}

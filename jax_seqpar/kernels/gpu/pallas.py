@@ -12,7 +12,7 @@ How the work is cut:
   online softmax (scores, statistics and accumulator in float32, ``exp2`` domain);
 * backward: one kernel per (query tile, batch, head) accumulates ``dq`` over key
   tiles, one per (key tile, batch, kv head, head split) accumulates ``dk, dv`` over
-  the query tiles of its share of the GQA group (:mod:`._pallas_bwd`);
+  the query tiles of its share of the GQA group (``_pallas_bwd``);
 * the tile classes of :func:`jax_seqpar.core.masks.classify` are reduced, outside the
   kernels and a few hundred rows at a time (O(B * S) memory, no ``[nq, nk]`` table),
   to loop bounds per batch row and row of tiles (``[B, n, 4]``: packed rows skip what
@@ -27,9 +27,9 @@ How the work is cut:
   (padded queries see nothing, padded keys are seen by nobody); head dims are
   never padded in memory: a dim up to 256 is one power-of-two chunk with masked
   loads and stores past the real dim, a wider one (MLA's 576 / 512) a loop of
-  few power-of-two chunks (:class:`._pallas_core.HeadDim`);
+  few power-of-two chunks (``_pallas_core.HeadDim``);
 * tiles, warps and pipeline stages default per head dim and dtype
-  (:func:`default_block_sizes`, :mod:`._pallas_config`) to sizes that compile
+  (:func:`default_block_sizes`, ``_pallas_config``) to sizes that compile
   without register spills and within shared memory on A100 (sm_80) and H100/H200
   (sm_90);
 * float32 inputs: every dot is TF32x3 (three TF32 tensor-core products, about
@@ -42,7 +42,7 @@ How the work is cut:
   rows of one program per kv head: each K/V tile is read once per group; a call
   with one query tile per (batch, head) and too few programs to fill the GPU
   splits the keys into runs, one program each, merged by their softmax statistics
-  (split-K, :func:`._pallas_core.kv_splits`).
+  (split-K, ``_pallas_core.kv_splits``).
 
 Lowering: by the platform the program is lowered for (``jax.lax.platform_dependent``):
 Triton when lowering for CUDA / ROCm, the Pallas interpreter elsewhere, so AOT
@@ -118,7 +118,7 @@ def _forward_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, out_ref, lse
 
 def _validate(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options,
               interpret: Optional[bool]) -> Options:
-    """Checked operands; the options resolved (:meth:`Options.resolved`, tiles from
+    """Checked operands; the options resolved (:meth:`~jax_seqpar.kernels.options.Options.resolved`, tiles from
     :func:`default_block_sizes`). Tiles must suit Triton unless ``interpret=True``."""
     contract.check_operands(q, k, v, q_tokens, kv_tokens, dtypes=core.DTYPES,
                             kernel_name=__name__)
@@ -134,7 +134,7 @@ def _validate(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options,
 
 def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options, accumulate=None,
             *, interpret: Optional[bool] = None):
-    """Attention of ``q`` against one run of keys (the contract of :func:`xla.forward`).
+    """Attention of ``q`` against one run of keys (the contract of :func:`jax_seqpar.kernels.xla.forward`).
 
     Args:
       q: ``[B, Sq, H, Dqk]``; k: ``[B, Sk, Hkv, Dqk]``; v: ``[B, Sk, Hkv, Dv]``;
