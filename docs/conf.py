@@ -40,6 +40,7 @@ nb_execution_mode = "force"
 nb_execution_timeout = 300
 nb_execution_raise_on_error = True  # a failing cell fails the build
 nb_execution_show_tb = True
+nb_output_stderr = "remove"  # JAX's start-up logging, not the pages' output
 
 autodoc_default_options = {"members": True, "show-inheritance": False}
 autodoc_member_order = "bysource"
