@@ -147,9 +147,11 @@ def work_per_shard(spec: masks.MaskSpec, tokens: masks.Tokens, num_shards: int, 
         and bidirectional ids in the same order (or None).
       num_shards: ``P``; per_row: one row of counts per batch row.
 
-    >>> batch, positions = permute_batch(batch, "zigzag", 8)
-    >>> work = work_per_shard(MaskSpec(causal=True), Tokens(positions, batch["segment_ids"]), 8)
-    >>> float(work.max() / work.mean())  # 1.0: balanced
+    .. code-block:: python
+
+        batch, positions = permute_batch(batch, "zigzag", 8)
+        work = work_per_shard(MaskSpec(causal=True), Tokens(positions, batch["segment_ids"]), 8)
+        float(work.max() / work.mean())  # 1.0: balanced
     """
     work = token_work(spec, tokens)
     rows, seq_len = work.shape

@@ -74,8 +74,11 @@ def pack_documents(documents: list[bytes], seq_len: int) -> PackedRows:
     a row; they enter attention only as differences, so this equals restarting
     them at every document.
 
-    >>> pack_documents([b"abc", b"de"], seq_len=2).segment_ids
-    array([[0, 0],
+    .. code-block:: python
+
+        pack_documents([b"abc", b"de"], seq_len=2).segment_ids
+        # array([[0, 0],
+
            [0, 1]], dtype=int32)
     """
     stream = np.frombuffer(b"".join(documents), np.uint8).astype(np.int32)
@@ -145,9 +148,11 @@ def training_batches(*, steps: int, batch: int, seq_len: int, seed: int,
     """``steps`` batches of fresh rows, shuffled by ``seed``: arrays ``[steps, batch, seq_len]``,
     with the bidirectional ids of ``mask`` (:func:`with_mask`).
 
-    >>> data = training_batches(steps=10, batch=2, seq_len=1024, seed=0)
-    >>> data.tokens.shape
-    (10, 2, 1024)
+    .. code-block:: python
+
+        data = training_batches(steps=10, batch=2, seq_len=1024, seed=0)
+        data.tokens.shape
+        # (10, 2, 1024)
     """
     rows_needed = steps * batch
     rows = pack_documents(stdlib_documents(rows_needed * seq_len + 1), seq_len)

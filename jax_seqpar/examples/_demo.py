@@ -139,7 +139,9 @@ def run_demo(
     Returns:
       ``{run name: TrainResult}``, the unsharded run first.
 
-    >>> results = run_demo(steps=10, seq_len=256, strategies=["ring"], out="losses.png")
+    .. code-block:: python
+
+        results = run_demo(steps=10, seq_len=256, strategies=["ring"], out="losses.png")
     """
     train_config = TrainConfig(steps=steps, batch=batch, seq_len=seq_len, seed=seed)
     if mask == "chunked" and model_config.chunk_size is None:

@@ -144,9 +144,11 @@ class TransformerLM(nnx.Module):
       blocks: the Transformer blocks.
       final_norm: RMSNorm before the output projection.
 
-    >>> model = TransformerLM(ModelConfig(), Parallelism(mesh, strategy="ring"),
-    ...                       rngs=nnx.Rngs(0))
-    >>> logits = model(tokens, segment_ids=documents)  # [B, S, 256] float32
+    .. code-block:: python
+
+        model = TransformerLM(ModelConfig(), Parallelism(mesh, strategy="ring"),
+                              rngs=nnx.Rngs(0))
+        logits = model(tokens, segment_ids=documents)  # [B, S, 256] float32
     """
 
     def __init__(self, config: ModelConfig, parallelism: Parallelism = Parallelism(), *,

@@ -133,7 +133,7 @@ def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
     >>> plan(32768, 32, 32, 128, 8).strategy
     'ulysses'
     >>> plan(32768, 128, 1, 576, {"sp": 8}, v_head_dim=512).reason
-    'ring: only 1 KV head (MQA/MLA) and ulysses would move 7.9x more bytes'
+    'ring: only 1 KV head (MQA/MLA) and ulysses would move 8.4x more bytes'
     """
     shape = LayerShape(batch=batch, seq_len=seq_len, num_heads=num_heads,
                        num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim,

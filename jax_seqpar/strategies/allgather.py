@@ -65,8 +65,10 @@ def default_chunks(local_len: int) -> int:
     :data:`MAX_AUTO_CHUNKS` dividing ``local_len`` that leaves every device's slice
     of a piece :data:`MIN_CHUNK_TOKENS` tokens or more (1 when none does).
 
-    >>> default_chunks(2048), default_chunks(1024), default_chunks(256), default_chunks(64)
-    (16, 8, 2, 1)
+    .. code-block:: python
+
+        default_chunks(2048), default_chunks(1024), default_chunks(256), default_chunks(64)
+        # (16, 8, 2, 1)
     """
     chunks = 1
     while (2 * chunks <= MAX_AUTO_CHUNKS and local_len % (2 * chunks) == 0
@@ -107,8 +109,10 @@ def allgather_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes, ch
     Returns:
       ``[B, S/P, H, Dv]`` in ``q.dtype``.
 
-    >>> out = jax.shard_map(functools.partial(allgather_attention, seq_axes="sp"),
-    ...                     mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
+    .. code-block:: python
+
+        out = jax.shard_map(functools.partial(allgather_attention, seq_axes="sp"),
+                            mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
     """
     shard = prepare(q, k, v, call, metadata, seq_axes)
     chunks = resolve_chunks(chunks, q.shape[1])

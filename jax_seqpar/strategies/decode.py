@@ -120,9 +120,11 @@ def decode_attention(q, k_cache, v_cache, *, seq_axes, kv_length, scale=None, ke
     Returns:
       ``[B, T, H, Dv]`` in ``q.dtype``, the same on every device.
 
-    >>> f = lambda q, k, v, n: decode_attention(q, k, v, seq_axes="sp", kv_length=n)
-    >>> out = jax.shard_map(f, mesh=mesh, in_specs=(P(), P(None, "sp"), P(None, "sp"), P()),
-    ...                     out_specs=P())(q, k_cache, v_cache, kv_length)
+    .. code-block:: python
+
+        f = lambda q, k, v, n: decode_attention(q, k, v, seq_axes="sp", kv_length=n)
+        out = jax.shard_map(f, mesh=mesh, in_specs=(P(), P(None, "sp"), P(None, "sp"), P()),
+                            out_specs=P())(q, k_cache, v_cache, kv_length)
     """
     check_qkv(q, k_cache, v_cache)
     check_sinks(sinks, q.shape[2])

@@ -265,8 +265,10 @@ def run(shape: LayerShape = DEFAULT_SHAPE, meshes: Sequence = DEFAULT_MESHES, *,
       ValueError: too few devices, a dtype not in ``DTYPES``, a window or segment
         ids, or nothing left to run (with every skip reason).
 
-    >>> print(format_table(run(DEFAULT_SHAPE.replace(seq_len=1024), ["sp=8"],
-    ...                        strategies=["ring"])))
+    .. code-block:: python
+
+        print(format_table(run(DEFAULT_SHAPE.replace(seq_len=1024), ["sp=8"],
+                               strategies=["ring"])))
     """
     from tqdm.auto import tqdm
 

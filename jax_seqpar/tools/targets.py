@@ -127,7 +127,7 @@ def compile_options(platform: str, strategy: Optional[str] = None) -> dict:
     for ``jax.jit(f).lower(*args).compile(compiler_options=compile_options("tpu"))``.
 
     >>> compile_options("tpu", "ulysses")
-    {'xla_tpu_enable_async_all_to_all': True}
+    {'xla_tpu_enable_async_all_to_all': True, 'xla_tpu_use_aggressive_scheduling': True}
     >>> compile_options("tpu", "ring")
     {}
     """
@@ -143,7 +143,7 @@ def libtpu_init_args(strategy: Optional[str] = None) -> str:
     them).
 
     >>> libtpu_init_args("ulysses")
-    '--xla_tpu_enable_async_all_to_all=true'
+    '--xla_tpu_enable_async_all_to_all=true --xla_tpu_use_aggressive_scheduling=true'
     """
     return " ".join(f"--{key}={str(value).lower()}"
                     for key, value in compile_options("tpu", strategy).items())
@@ -221,7 +221,9 @@ def target_mesh(name: str, axis_names: Sequence[str] = ("sp",),
       ValueError: an unknown name, or a shape that does not fit the target.
       ImportError: the plugin the target needs is not installed (the ``[aot]`` extra).
 
-    >>> mesh = target_mesh("h100:16", ("dcn", "ici"))  # 2 hosts x 8 GPUs
+    .. code-block:: python
+
+        mesh = target_mesh("h100:16", ("dcn", "ici"))  # 2 hosts x 8 GPUs
     """
     from jax.sharding import Mesh
 

@@ -155,12 +155,14 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options, accu
       softmax statistics and accumulators in float32 whatever the input dtype.
       float32 inputs take TF32x3 dots on GPU (float32-level error on tensor cores).
 
-    >>> q = k = v = jnp.ones((1, 32, 2, 16), jnp.bfloat16)
-    >>> tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
-    >>> options = Options(MaskSpec.make(causal=True), scale=0.25, kernel="pallas")
-    >>> out, lse = forward(q, k, v, tokens, tokens, options)
-    >>> out.shape, out.dtype, lse.shape
-    ((1, 32, 2, 16), dtype('float32'), (1, 32, 2))
+    .. code-block:: python
+
+        q = k = v = jnp.ones((1, 32, 2, 16), jnp.bfloat16)
+        tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
+        options = make_options(q, MaskSpec.make(causal=True), scale=0.25, kernel="pallas")
+        out, lse = forward(q, k, v, tokens, tokens, options)
+        out.shape, out.dtype, lse.shape
+        # ((1, 32, 2, 16), dtype('float32'), (1, 32, 2))
     """
     options = _validate(q, k, v, q_tokens, kv_tokens, options, interpret)
     contract.check_accumulated(q, v, accumulate)
@@ -240,12 +242,14 @@ def attention(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options, *,
     so merged partial results (ring attention) differentiate exactly. The residual
     ``out`` is kept in the input dtype (``lse`` in float32).
 
-    >>> q = k = v = jnp.ones((1, 32, 2, 16), jnp.float32)
-    >>> tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
-    >>> options = Options(MaskSpec(), scale=0.25, kernel="pallas")
-    >>> loss = lambda q: attention(q, k, v, tokens, tokens, options)[0].sum()
-    >>> jax.grad(loss)(q).shape
-    (1, 32, 2, 16)
+    .. code-block:: python
+
+        q = k = v = jnp.ones((1, 32, 2, 16), jnp.float32)
+        tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
+        options = make_options(q, MaskSpec(), scale=0.25, kernel="pallas")
+        loss = lambda q: attention(q, k, v, tokens, tokens, options)[0].sum()
+        jax.grad(loss)(q).shape
+        # (1, 32, 2, 16)
     """
     options = _validate(q, k, v, q_tokens, kv_tokens, options, interpret)
     return _attention(q, k, v, q_tokens, kv_tokens, options, interpret)

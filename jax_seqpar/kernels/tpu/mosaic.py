@@ -143,12 +143,14 @@ def forward(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options, accu
       these keys and those of ``accumulate``; softmax statistics and accumulators in
       float32 whatever the input dtype.
 
-    >>> q = k = v = jnp.ones((1, 32, 2, 64), jnp.bfloat16)
-    >>> tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
-    >>> options = Options(MaskSpec.make(causal=True), scale=0.125, kernel="mosaic")
-    >>> out, lse = forward(q, k, v, tokens, tokens, options)
-    >>> out.shape, out.dtype, lse.shape
-    ((1, 32, 2, 64), dtype('float32'), (1, 32, 2))
+    .. code-block:: python
+
+        q = k = v = jnp.ones((1, 32, 2, 64), jnp.bfloat16)
+        tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
+        options = make_options(q, MaskSpec.make(causal=True), scale=0.125, kernel="mosaic")
+        out, lse = forward(q, k, v, tokens, tokens, options)
+        out.shape, out.dtype, lse.shape
+        # ((1, 32, 2, 64), dtype('float32'), (1, 32, 2))
     """
     options = _checked(q, k, v, q_tokens, kv_tokens, options)
     contract.check_accumulated(q, v, accumulate)
@@ -246,12 +248,14 @@ def attention(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options):
     cotangents for ``out`` AND ``lse`` (merged ring results differentiate exactly);
     it saves ``out`` in the input dtype and ``lse`` in float32.
 
-    >>> q = k = v = jnp.ones((1, 32, 2, 64), jnp.float32)
-    >>> tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
-    >>> options = Options(MaskSpec(), scale=0.125, kernel="mosaic")
-    >>> loss = lambda q: attention(q, k, v, tokens, tokens, options)[0].sum()
-    >>> jax.grad(loss)(q).shape
-    (1, 32, 2, 64)
+    .. code-block:: python
+
+        q = k = v = jnp.ones((1, 32, 2, 64), jnp.float32)
+        tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
+        options = make_options(q, MaskSpec(), scale=0.125, kernel="mosaic")
+        loss = lambda q: attention(q, k, v, tokens, tokens, options)[0].sum()
+        jax.grad(loss)(q).shape
+        # (1, 32, 2, 64)
     """
     return _attention(q, k, v, q_tokens, kv_tokens, _checked(q, k, v, q_tokens, kv_tokens,
                                                                 options))
