@@ -187,8 +187,10 @@ def sequence_parallel_attention(
         are not integers fitting int32 (or use the padding id), options of the wrong
         type or range, or mesh-only arguments with ``mesh=None``.
 
-    >>> mesh = jax.make_mesh((8,), ("sp",))
-    >>> out = sequence_parallel_attention(q, k, v, mesh=mesh, strategy="ring", causal=True)
+    .. code-block:: python
+
+        mesh = jax.make_mesh((8,), ("sp",))
+        out = sequence_parallel_attention(q, k, v, mesh=mesh, strategy="ring", causal=True)
     """
     segment_ids = check_self_attention(q, k, v, segment_ids)
     batch, seq_len = q.shape[:2]

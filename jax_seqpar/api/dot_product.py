@@ -202,7 +202,9 @@ def dot_product_attention(
         ``strategy="ulysses"`` or ``"hybrid"``, or a strategy the shapes do not allow
         (e.g. Ulysses over more devices than heads).
 
-    >>> out = dot_product_attention(q, k, v, is_causal=True, mesh=jax.make_mesh((8,), ("sp",)))
+    .. code-block:: python
+
+        out = dot_product_attention(q, k, v, is_causal=True, mesh=jax.make_mesh((8,), ("sp",)))
     """
     ndim = jnp.ndim(query)
     query, key, value = (_ensure_4d(x) for x in (query, key, value))

@@ -32,10 +32,12 @@ that keeps each row's latest ``C`` tokens, exact for decodes that see at most ``
 keys back (``window=(left <= W, 0)``) with ``T <= C - W`` new tokens a step, which
 it checks.
 
->>> mesh = jax.make_mesh((8,), ("sp",))
->>> cache = KVCache.create(mesh, batch=1, capacity=4096, num_kv_heads=8, head_dim=128)
->>> out, cache = prefill(q, k, v, cache, strategy="ring")  # q [1, S, 32, 128]
->>> out, cache = decode(q_new, k_new, v_new, cache)        # q_new [1, 1, 32, 128]
+.. code-block:: python
+
+    mesh = jax.make_mesh((8,), ("sp",))
+    cache = KVCache.create(mesh, batch=1, capacity=4096, num_kv_heads=8, head_dim=128)
+    out, cache = prefill(q, k, v, cache, strategy="ring")  # q [1, S, 32, 128]
+    out, cache = decode(q_new, k_new, v_new, cache)        # q_new [1, 1, 32, 128]
 """
 
 from __future__ import annotations
@@ -104,8 +106,10 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
     Raises:
       ValueError: shapes that do not match the cache, a prompt longer than it.
 
-    >>> cache = KVCache.create(mesh, batch=2, capacity=8192, num_kv_heads=8, head_dim=128)
-    >>> out, cache = prefill(q, k, v, cache, seq_lengths=jnp.array([4000, 17]))
+    .. code-block:: python
+
+        cache = KVCache.create(mesh, batch=2, capacity=8192, num_kv_heads=8, head_dim=128)
+        out, cache = prefill(q, k, v, cache, seq_lengths=jnp.array([4000, 17]))
     """
     check_self_attention(q, k, v, None)
     check_against_cache(k, v, cache)
@@ -234,8 +238,10 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *,
         check runs with the step and raises ``jax.errors.JaxRuntimeError`` carrying
         the same message (see the module docstring, donation included).
 
-    >>> step = jax.jit(decode, donate_argnums=3)  # donated: the cache updates in place
-    >>> out, cache = step(q_new, k_new, v_new, cache)  # q_new [B, 1, H, Dqk]
+    .. code-block:: python
+
+        step = jax.jit(decode, donate_argnums=3)  # donated: the cache updates in place
+        out, cache = step(q_new, k_new, v_new, cache)  # q_new [B, 1, H, Dqk]
     """
     check_qkv(q, k, v)
     check_against_cache(k, v, cache)

@@ -128,7 +128,7 @@ def pad_inputs(length: int, q: jax.Array, k: jax.Array, v: jax.Array, metadata: 
     """Pad q, k, v and the token ids of ``metadata`` (a
     :class:`~jax_seqpar.strategies.inputs.Metadata`) along the sequence to ``length``.
 
-    The padding gets segment :data:`PAD_SEGMENT` (in ``segment_ids``, made when absent,
+    The padding gets segment :data:`~jax_seqpar.core.masks.PAD_SEGMENT` (in ``segment_ids``, made when absent,
     and ``kv_segment_ids``), so no real token sees it (padded queries see only padding;
     their rows are sliced off), positions after the last real one, so causal tile
     skipping is unaffected, and bidirectional id 0 (none).

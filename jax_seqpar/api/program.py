@@ -1,6 +1,6 @@
 """The one compiled program of a global call: pad, place, ``shard_map``, and back.
 
-:func:`run` takes a call's global arrays and its static description (:class:`Call`, built
+:func:`run` takes a call's global arrays and its static description (:class:`~jax_seqpar.strategies.inputs.Call`, built
 by :func:`jax_seqpar.api.attention.sequence_parallel_attention` from its keywords) and
 runs the call's program, compiled once per call signature, sequence length and input
 sharding. The program pads the sequence to what the layout needs, relayouts the tokens

@@ -117,13 +117,15 @@ def permute_batch(batch: Any, layout: LayoutName, num_shards: int, *, axis: int 
         ``S % P == 0``), ``"per_document"`` without ``segment_ids``, or with
         bidirectional ids or chunks and JAX (not numpy) ids.
 
-    >>> batch, positions = permute_batch({"tokens": tokens, "targets": targets},
-    ...                                  "zigzag", num_shards=8)
-    >>> batch, positions = permute_batch(batch, "per_document", num_shards=8,
-    ...                                  segment_ids=batch["segment_ids"])
-    >>> batch, positions = permute_batch(batch, "per_document", num_shards=8,
-    ...                                  segment_ids=batch["segment_ids"],
-    ...                                  bidirectional_ids=batch["image_ids"])
+    .. code-block:: python
+
+        batch, positions = permute_batch({"tokens": tokens, "targets": targets},
+                                         "zigzag", num_shards=8)
+        batch, positions = permute_batch(batch, "per_document", num_shards=8,
+                                         segment_ids=batch["segment_ids"])
+        batch, positions = permute_batch(batch, "per_document", num_shards=8,
+                                         segment_ids=batch["segment_ids"],
+                                         bidirectional_ids=batch["image_ids"])
     """
     lead = _check(batch, layout, axis)
     spec = MaskSpec.make(causal=True, chunk_size=chunk_size)

@@ -10,7 +10,7 @@ token's cost is what the mask gives it, counted by the mask predicate itself
 in visible (query, key) pairs and in computed tiles. Per row (``S`` tokens, ``P``
 shards, tile ``c``):
 
-1. *Pieces*: every document of at least :data:`MIN_TILES` tiles is cut into whole
+1. *Pieces*: every document of at least ``MIN_TILES`` tiles is cut into whole
    tiles from its start, ``c`` consecutive tokens each (the last few of the row go
    back to the fill, next to their document's tail, so that ``P`` divides their
    number). Each piece costs its queries' visible pairs.
@@ -27,7 +27,7 @@ shards, tile ``c``):
    tiles over theirs with twice the slack), then pairs of pieces swap between the
    most overloaded shard and another while that lowers it. The fill is then split
    again towards what each shard's pieces leave it, and dealt again
-   (:data:`ROUNDS`); the best round is kept.
+   (``ROUNDS``); the best round is kept.
 4. Within a shard: the dealt pieces first (so they stay whole tiles), then the fill in
    (document, position) order, padding last.
 

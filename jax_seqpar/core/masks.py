@@ -4,7 +4,7 @@ A mask is never a dense ``[S, S]`` array. It is a static :class:`MaskSpec`
 (``causal``, ``window``, ``chunk_size``, an optional ``mask_fn``) applied to per-token
 metadata (:class:`Tokens`: global positions, optional segment ids and bidirectional
 ids). The same predicate (:func:`visible`) serves every kernel and every strategy, so
-a mask means the same thing whatever the token order or the sharding:
+a mask means the same thing whatever the token order or the sharding::
 
     query i sees key j  iff  same document (segment ids)
                         and  inside the window
@@ -42,16 +42,16 @@ __all__ = ["EMPTY_LSE", "MaskSpec", "PAD_SEGMENT", "Tokens", "classify", "cols",
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 
-#: The log-sum-exp given to a query row that sees no key: finite, so merges and
+#: The log-sum-exp given to a query row that sees no key. Finite, so merges and
 #: gradients stay NaN-free, and so low that any real block outweighs it.
 EMPTY_LSE = -1e30
 
-#: The segment id of padding, reserved: never a real document. A padded token sees no
+#: The segment id of padding, reserved (never a real document). A padded token sees no
 #: key and no query sees it; the global entry point and the kernels pad with it, and
 #: layouts and work counts give it no work.
 PAD_SEGMENT = -(2**31)
 
-#: Bits of a tile's segment signature: bit ``id % 32`` is set for every document in it.
+#: Bits of a tile's segment signature (bit ``id % 32`` is set for every document in it).
 SIGNATURE_BITS = 32
 
 

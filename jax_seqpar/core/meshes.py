@@ -38,6 +38,7 @@ def split_axis(mesh: Mesh, axes: tuple[str, ...],
       ``_ulysses`` (``"sp"`` -> ``("sp_ring", "sp_ulysses")``); the axis types
       are the sequence axes'.
 
+    >>> import jax
     >>> mesh2d, (ring, ulysses) = split_axis(jax.make_mesh((8,), ("sp",)), "sp", 4)
     >>> dict(mesh2d.shape)
     {'sp_ring': 2, 'sp_ulysses': 4}

@@ -48,7 +48,7 @@ from jax_seqpar.core.masks import PAD_SEGMENT, MaskSpec, Tokens
 
 __all__ = ["DEFAULT_BLOCK", "balance_bound", "per_document_positions"]
 
-#: The tile the layout aligns dealt chunks to unless told: it divides every kernel's
+#: The tile the layout aligns dealt chunks to unless told. It divides every kernel's
 #: default tiles (XLA 256, Triton 128 or 64, Mosaic 512 are multiples of it).
 DEFAULT_BLOCK = 128
 

@@ -67,7 +67,7 @@ _TILE, _PARTIAL_BATCH = 128, 256
 
 def _sorted_tiles(tokens: masks.Tokens):
     """``(order, tiles)``: ``tokens`` (1-D fields) in (document, position) order, padded
-    with :data:`PAD_SEGMENT` to whole tiles, ``[n, _TILE]`` fields; ``order`` maps each
+    with :data:`~jax_seqpar.core.masks.PAD_SEGMENT` to whole tiles, ``[n, _TILE]`` fields; ``order`` maps each
     slot to its token (``-1``: padding)."""
     size = tokens.positions.shape[0]
     order = np.lexsort((tokens.positions, tokens.segment_ids))
@@ -147,9 +147,11 @@ def work_per_shard(spec: masks.MaskSpec, tokens: masks.Tokens, num_shards: int, 
         and bidirectional ids in the same order (or None).
       num_shards: ``P``; per_row: one row of counts per batch row.
 
-    >>> batch, positions = permute_batch(batch, "zigzag", 8)
-    >>> work = work_per_shard(MaskSpec(causal=True), Tokens(positions, batch["segment_ids"]), 8)
-    >>> float(work.max() / work.mean())  # 1.0: balanced
+    .. code-block:: python
+
+        batch, positions = permute_batch(batch, "zigzag", 8)
+        work = work_per_shard(MaskSpec(causal=True), Tokens(positions, batch["segment_ids"]), 8)
+        float(work.max() / work.mean())  # 1.0: balanced
     """
     work = token_work(spec, tokens)
     rows, seq_len = work.shape

@@ -57,7 +57,7 @@ class PackedRows:
         document, 0 at the last byte of a document (the next document's first
         byte is not predictable from it) and where the input sees its target (both
         carry one non-zero bidirectional id).
-      bidirectional_ids: ``int32[rows, seq_len]`` (see :data:`MASKS`), or None.
+      bidirectional_ids: ``int32[rows, seq_len]`` (see ``MASKS``), or None.
     """
 
     tokens: np.ndarray
@@ -74,8 +74,11 @@ def pack_documents(documents: list[bytes], seq_len: int) -> PackedRows:
     a row; they enter attention only as differences, so this equals restarting
     them at every document.
 
-    >>> pack_documents([b"abc", b"de"], seq_len=2).segment_ids
-    array([[0, 0],
+    .. code-block:: python
+
+        pack_documents([b"abc", b"de"], seq_len=2).segment_ids
+        # array([[0, 0],
+
            [0, 1]], dtype=int32)
     """
     stream = np.frombuffer(b"".join(documents), np.uint8).astype(np.int32)
@@ -124,7 +127,7 @@ def _span_ids(shape: tuple) -> np.ndarray:
 
 
 def with_mask(rows: PackedRows, mask: Optional[str]) -> PackedRows:
-    """``rows`` with the bidirectional ids of ``mask`` (one of :data:`MASKS`, or None),
+    """``rows`` with the bidirectional ids of ``mask`` (one of ``MASKS``, or None),
     and no weight where an input sees its target (the same non-zero id: predicting it
     would be copying it)."""
     if mask is None or mask == "chunked":
@@ -145,9 +148,11 @@ def training_batches(*, steps: int, batch: int, seq_len: int, seed: int,
     """``steps`` batches of fresh rows, shuffled by ``seed``: arrays ``[steps, batch, seq_len]``,
     with the bidirectional ids of ``mask`` (:func:`with_mask`).
 
-    >>> data = training_batches(steps=10, batch=2, seq_len=1024, seed=0)
-    >>> data.tokens.shape
-    (10, 2, 1024)
+    .. code-block:: python
+
+        data = training_batches(steps=10, batch=2, seq_len=1024, seed=0)
+        data.tokens.shape
+        # (10, 2, 1024)
     """
     rows_needed = steps * batch
     rows = pack_documents(stdlib_documents(rows_needed * seq_len + 1), seq_len)

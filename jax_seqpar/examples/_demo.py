@@ -130,7 +130,7 @@ def run_demo(
       packed: put every batch of the sequence-parallel runs in the per-document order
         of its segment ids (run name ``"<strategy>+packed"``) instead of zigzag, and
         report both orders' busiest/mean work per device.
-      mask: train with one of :data:`jax_seqpar.examples.MASKS`: ``"prefix"``
+      mask: train with one of ``jax_seqpar.examples.MASKS``: ``"prefix"``
         (prefix-LM documents, each one's prefix bidirectional), ``"vlm"`` (image-like
         bidirectional spans amid causal text) or ``"chunked"`` (the local layers causal
         within chunks of ``seq_len // 4`` tokens, unless ``model_config.chunk_size``
@@ -139,7 +139,9 @@ def run_demo(
     Returns:
       ``{run name: TrainResult}``, the unsharded run first.
 
-    >>> results = run_demo(steps=10, seq_len=256, strategies=["ring"], out="losses.png")
+    .. code-block:: python
+
+        results = run_demo(steps=10, seq_len=256, strategies=["ring"], out="losses.png")
     """
     train_config = TrainConfig(steps=steps, batch=batch, seq_len=seq_len, seed=seed)
     if mask == "chunked" and model_config.chunk_size is None:

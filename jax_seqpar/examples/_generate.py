@@ -140,7 +140,9 @@ def generate(model: TransformerLM, prompts: jax.Array, lengths: jax.Array, *, nu
     Returns:
       A :class:`Generation`; ``model``'s layers are left in decode mode.
 
-    >>> result = generate(model, prompts, lengths, num_tokens=64)
+    .. code-block:: python
+
+        result = generate(model, prompts, lengths, num_tokens=64)
     """
     prompts = jnp.asarray(prompts, jnp.int32)
     lengths = jnp.asarray(lengths, jnp.int32)

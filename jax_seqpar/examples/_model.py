@@ -90,9 +90,10 @@ class Parallelism:
 
     @property
     def layout(self) -> str:
-        """The token order each batch is put in once: zigzag balances the causal work of
-        ring, hybrid and all-gather (and costs Ulysses nothing), per_document that of
-        packed documents (when asked); none without a mesh."""
+        """The token order each batch is put in once. ``"zigzag"`` balances the causal
+        work of ring, hybrid and all-gather; Ulysses keeps ``"contiguous"`` (it attends
+        to the whole sequence); ``"per_document"`` balances packed documents (when
+        asked); ``"contiguous"`` without a mesh."""
         if self.mesh is None:
             return "contiguous"
         if self.per_document:
@@ -101,7 +102,7 @@ class Parallelism:
 
     @property
     def num_shards(self) -> int:
-        """Sequence shards: the product of the ``seq_axes`` sizes (1 without a mesh)."""
+        """The number of sequence shards, the product of the ``seq_axes`` sizes (1 without a mesh)."""
         if self.mesh is None:
             return 1
         axes = (self.seq_axes,) if isinstance(self.seq_axes, str) else self.seq_axes
@@ -145,9 +146,11 @@ class TransformerLM(nnx.Module):
       blocks: the Transformer blocks.
       final_norm: RMSNorm before the output projection.
 
-    >>> model = TransformerLM(ModelConfig(), Parallelism(mesh, strategy="ring"),
-    ...                       rngs=nnx.Rngs(0))
-    >>> logits = model(tokens, segment_ids=documents)  # [B, S, 256] float32
+    .. code-block:: python
+
+        model = TransformerLM(ModelConfig(), Parallelism(mesh, strategy="ring"),
+                              rngs=nnx.Rngs(0))
+        logits = model(tokens, segment_ids=documents)  # [B, S, 256] float32
     """
 
     def __init__(self, config: ModelConfig, parallelism: Parallelism = Parallelism(), *,

@@ -156,8 +156,10 @@ def train(
     Returns:
       A :class:`TrainResult`. Deterministic given the configs (and params, data).
 
-    >>> mesh, axes = mesh_for("ring")
-    >>> result = train(ModelConfig(), TrainConfig(steps=20), Parallelism(mesh, axes, "ring"))
+    .. code-block:: python
+
+        mesh, axes = mesh_for("ring")
+        result = train(ModelConfig(), TrainConfig(steps=20), Parallelism(mesh, axes, "ring"))
     """
     model = TransformerLM(model_config, parallelism, rngs=nnx.Rngs(train_config.seed))
     graphdef, own_params = nnx.split(model, nnx.Param)

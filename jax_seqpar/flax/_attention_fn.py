@@ -110,7 +110,7 @@ def make_attention_fn(
       seq_axes, strategy, causal, window, scale, layout, kernel, block_sizes,
         softcap, ulysses_size, chunk_size, mask_fn: as in
         :func:`jax_seqpar.sequence_parallel_attention` (kept in an
-        :class:`AttentionConfig`).
+        ``AttentionConfig``).
 
     Returns:
       ``attention_fn(query, key, value, bias=None, mask=None, ..., is_causal=False,
@@ -120,10 +120,12 @@ def make_attention_fn(
       ``bidirectional_ids`` ``int32[batch..., S]`` (the latter with causal masking);
       returns ``[batch..., S, H, Dv]`` in the promoted dtype of the inputs (or ``dtype``).
 
-    >>> mesh = jax.make_mesh((8,), ("sp",))
-    >>> layer = nnx.MultiHeadAttention(
-    ...     num_heads=8, in_features=256, decode=False, rngs=nnx.Rngs(0),
-    ...     attention_fn=make_attention_fn(mesh, strategy="ring", causal=True))
+    .. code-block:: python
+
+        mesh = jax.make_mesh((8,), ("sp",))
+        layer = nnx.MultiHeadAttention(
+            num_heads=8, in_features=256, decode=False, rngs=nnx.Rngs(0),
+            attention_fn=make_attention_fn(mesh, strategy="ring", causal=True))
     """
     config = AttentionConfig(mesh, seq_axes, strategy, causal, window, scale, layout, kernel,
                              block_sizes, softcap, ulysses_size, chunk_size, mask_fn)

@@ -24,7 +24,9 @@ def apply_rope(x: jax.Array, positions: jax.Array, *, base: float = 10000.0) -> 
     Raises:
       ValueError: if ``head_dim`` is odd.
 
-    >>> q = apply_rope(q, jnp.arange(q.shape[1]))
+    .. code-block:: python
+
+        q = apply_rope(q, jnp.arange(q.shape[1]))
     """
     head_dim = x.shape[-1]
     if head_dim % 2:

@@ -76,10 +76,12 @@ class SelfAttention(nnx.Module):
         :class:`~jax_seqpar.api.inference.KVCache` (``None`` until :meth:`init_cache`);
         :meth:`prefill` fills it, :meth:`decode` appends to it.
 
-    >>> mesh = jax.make_mesh((8,), ("sp",))
-    >>> layer = SelfAttention(256, 8, num_kv_heads=2, mesh=mesh, strategy="ring",
-    ...                       causal=True, rngs=nnx.Rngs(0))
-    >>> y = layer(x, segment_ids=documents)  # x: [B, S, 256], documents: int32[B, S]
+    .. code-block:: python
+
+        mesh = jax.make_mesh((8,), ("sp",))
+        layer = SelfAttention(256, 8, num_kv_heads=2, mesh=mesh, strategy="ring",
+                              causal=True, rngs=nnx.Rngs(0))
+        y = layer(x, segment_ids=documents)  # x: [B, S, 256], documents: int32[B, S]
     """
 
     def __init__(

@@ -92,7 +92,7 @@ class PerPlatform:
     Attributes:
       name: the ``kernel=`` choice (``"auto"`` or ``"pallas"``).
       platforms: ``{platform or "default": kernel}``, kernels from
-        :data:`_PLATFORM_KERNELS` (``"pallas-interpret"`` runs the Pallas interpreter).
+        ``_PLATFORM_KERNELS`` (``"pallas-interpret"`` runs the Pallas interpreter).
     """
 
     name: str

@@ -5,7 +5,7 @@ of :func:`jax_seqpar.kernels.get`) is a :class:`Kernel`:
 
 * ``forward(q, k, v, q_tokens, kv_tokens, options, accumulate=None)`` -> ``(out
   float32[B, Sq, H, Dv], lse float32[B, Sq, H])``, where ``options`` is the call's
-  :class:`Options` (the mask ``spec``, ``scale``, ``softcap``, ``block_sizes``; a kernel
+  :class:`~jax_seqpar.kernels.options.Options` (the mask ``spec``, ``scale``, ``softcap``, ``block_sizes``; a kernel
   ignores ``options.kernel``); a query row that sees no key gets zeros and
   ``lse = EMPTY_LSE``. ``accumulate``: the ``(out, lse)`` of earlier keys (a ring's
   running result); the result is then attention over both, exactly
@@ -24,7 +24,7 @@ of :func:`jax_seqpar.kernels.get`) is a :class:`Kernel`:
   before masking (Gemma 2, arXiv:2408.00118);
 * ``options.block_sizes``: one :class:`BlockSizes` for every kernel; a size left
   ``None`` is the kernel's default for the head dims and dtype (its
-  ``default_block_sizes``); :meth:`Options.resolved` completes them.
+  ``default_block_sizes``); :meth:`~jax_seqpar.kernels.options.Options.resolved` completes them.
 
 Shapes: ``q [B, Sq, H, Dqk]``, ``k [B, Sk, Hkv, Dqk]``, ``v [B, Sk, Hkv, Dv]``,
 ``H % Hkv == 0`` (GQA/MQA), token metadata (:class:`jax_seqpar.core.masks.Tokens`)
@@ -56,7 +56,7 @@ __all__ = ["BlockSizes", "F32", "Kernel", "add_accumulated", "check_accumulated"
 F32 = jnp.float32
 #: Smallest tile the Triton (GPU) lowering takes; tiles there are powers of two.
 GPU_MIN_TILE = 16
-#: TPU lane width: Mosaic tiles are multiples of it.
+#: TPU lane width; Mosaic tiles are multiples of it.
 TPU_LANES = 128
 
 
@@ -240,7 +240,7 @@ def folds_vmap(impl: Callable) -> Callable:
     Without it ``vmap`` would batch the kernel's internals: a Pallas call by a loop (whose
     carry, inside ``shard_map``, fails the varying-axes check), the XLA kernel's tile
     ``switch`` by computing every branch (no tile skipped). Arguments holding arrays
-    (``accumulate`` too) are operands; the others (the :class:`Options`, flags, None)
+    (``accumulate`` too) are operands; the others (the :class:`~jax_seqpar.kernels.options.Options`, flags, None)
     are static.
     """
 
@@ -283,7 +283,7 @@ def differentiable(forward_impl: Callable, backward_impl: Callable) -> Callable:
     Returns:
       ``attention_impl(q, k, v, q_tokens, kv_tokens, *static) -> (out, lse)``,
       differentiable in q, k, v with cotangents for ``out`` AND ``lse``. ``static``
-      (the resolved :class:`Options`, and what else a kernel needs, such as Pallas'
+      (the resolved :class:`~jax_seqpar.kernels.options.Options`, and what else a kernel needs, such as Pallas'
       ``interpret``) must be hashable: both impls get it as given. The residuals are
       ``q, k, v``, the token metadata, ``out`` in the input dtype (half the activation
       memory of float32 in bf16 training) and ``lse`` in float32; the backward computes
@@ -321,7 +321,7 @@ class Kernel(Protocol):
     (:mod:`jax_seqpar.kernels.xla`, :mod:`jax_seqpar.kernels.gpu.pallas`,
     :mod:`jax_seqpar.kernels.tpu.mosaic`) or a per-platform choice of them.
 
-    Every kernel reads its options from one :class:`Options` (``softcap=None``: no
+    Every kernel reads its options from one :class:`~jax_seqpar.kernels.options.Options` (``softcap=None``: no
     soft-capping) and ignores ``options.kernel``; kernels may take more keywords (the
     Pallas kernel's ``interpret``).
     """
@@ -329,7 +329,7 @@ class Kernel(Protocol):
     #: The tile-size class, :class:`BlockSizes` for every kernel.
     BlockSizes: type
 
-    #: The input dtypes the kernel takes (q, k and v share one), or None: any float.
+    #: The input dtypes the kernel takes (q, k and v share one), or None for any float.
     DTYPES: Optional[tuple]
 
     def forward(self, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,

@@ -42,7 +42,7 @@ class Options:
 
     def resolved(self, defaults: BlockSizes, kernel_name: str) -> "Options":
         """These options as a kernel runs them: tile sizes completed from ``defaults``
-        (:func:`resolve_block_sizes`), the soft-cap checked (:func:`check_softcap`) and
+        (:func:`~jax_seqpar.kernels.contract.resolve_block_sizes`), the soft-cap checked (:func:`~jax_seqpar.kernels.contract.check_softcap`) and
         the scale a float. Raises ``ValueError`` naming ``kernel_name``."""
         if not isinstance(self.spec, MaskSpec):
             raise ValueError(f"options.spec must be a jax_seqpar.core.masks.MaskSpec (the mask "
@@ -55,7 +55,7 @@ class Options:
                 accumulate: tuple[jax.Array, jax.Array] | None = None):
         """The kernel's forward; with ``accumulate`` (the ``(out, lse)`` of earlier keys)
         the result covers both (see :mod:`jax_seqpar.kernels.contract`), and a call in
-        which no query may see any key is skipped whole (:meth:`_unless_empty`)."""
+        which no query may see any key is skipped whole (``_unless_empty``)."""
         if accumulate is None:
             return self.kernel.forward(q, k, v, q_tokens, kv_tokens, self)
         return self._unless_empty(
@@ -78,7 +78,7 @@ class Options:
         """Whether a whole call on these tokens can have no visible pair beyond what
         causality alone rules out cheaply: with documents (segment ids), chunks
         (``spec.chunk_size``) or bidirectional ids, a ring step or a pipeline's pair of
-        chunks may share nothing (then :meth:`_unless_empty` skips its kernel)."""
+        chunks may share nothing (then ``_unless_empty`` skips its kernel)."""
         return (q_tokens.segment_ids is not None or q_tokens.bidirectional_ids is not None
                 or self.spec.chunk_size is not None)
 

@@ -62,7 +62,7 @@ def loaded(tokens: Tokens, index: int = ...) -> Tokens:
 
 
 def padded_tokens(t: Tiling, q_tokens: Tokens, kv_tokens: Tokens):
-    """Pad metadata to whole tiles; padded tokens are padding (:data:`PAD_SEGMENT`), which
+    """Pad metadata to whole tiles; padded tokens are padding (:data:`~jax_seqpar.core.masks.PAD_SEGMENT`), which
     sees nothing and is left out of the tile summaries."""
     q_pad, kv_pad = t.num_q * t.block_q, t.num_k * t.block_k
     if (q_pad, kv_pad) == (t.q_len, t.kv_len):

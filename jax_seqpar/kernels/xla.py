@@ -35,7 +35,7 @@ from jax_seqpar.kernels.options import Options
 from jax_seqpar.kernels.tiling import Tiling, pad_seq, schedule
 from jax_seqpar.core.masks import Tokens
 
-#: The input dtypes the kernel takes: any float (q, k and v share one).
+#: The input dtypes the kernel takes, None for any float (q, k and v share one).
 DTYPES = None
 
 __all__ = ["DTYPES", "BlockSizes", "attention", "backward", "check_softcap", "default_block_sizes",
@@ -56,7 +56,7 @@ def default_block_sizes(d_qk: int, d_v: int, dtype: jax.typing.DTypeLike) -> Blo
 
 
 def _checked(q, k, v, q_tokens, kv_tokens, options: Options) -> Options:
-    """Validated operands; the options resolved (:meth:`Options.resolved`)."""
+    """Validated operands; the options resolved (:meth:`~jax_seqpar.kernels.options.Options.resolved`)."""
     contract.check_operands(q, k, v, q_tokens, kv_tokens, kernel_name=__name__)
     return options.resolved(default_block_sizes(q.shape[-1], v.shape[-1], q.dtype), __name__)
 

@@ -27,12 +27,13 @@ __all__ = ["COLLECTIVES", "GPU_OVERLAPS", "Hardware", "Link", "PRESETS", "TPU_OV
 #: reads them from a compiled program).
 COLLECTIVES = ("collective-permute", "all-to-all", "all-gather", "reduce-scatter")
 
-#: XLA:GPU runs every collective asynchronously (its latency-hiding scheduler places the
-#: start before an independent kernel and the done after it).
+#: The collectives that overlap a kernel on GPU, all of them (XLA's GPU compiler runs
+#: every collective asynchronously; its latency-hiding scheduler places the start before
+#: an independent kernel and the done after it).
 GPU_OVERLAPS = COLLECTIVES
 
-#: XLA:TPU overlaps collective-permutes with a kernel; all-to-all and all-gather only when
-#: compiled with :data:`jax_seqpar.tools.targets.COMPILE_OPTIONS` (the library's target
+#: The collectives that overlap a kernel on TPU. XLA's TPU compiler overlaps
+#: collective-permutes with a kernel; all-to-all and all-gather only when compiled with :data:`jax_seqpar.tools.targets.COMPILE_OPTIONS` (the library's target
 #: compile sets each strategy's; pass them to your own ``jit`` too); a reduce-scatter over
 #: a slice compiles to a synchronous all-reduce and a slice, with or without them.
 TPU_OVERLAPS = ("collective-permute", "all-to-all", "all-gather")

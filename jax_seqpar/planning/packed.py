@@ -91,7 +91,7 @@ def documents(shape: LayerShape, natural: Tokens, layout: Optional[LayoutName],
 def laid_out(strategy: StrategyName, devices: int, shape: LayerShape, tile: int,
              batch: Documents) -> Tokens:
     """``batch``'s tokens ``[B', S']`` in its layout over ``devices``: positions, segment
-    ids and bidirectional ids (padded with :data:`PAD_SEGMENT` as the entry point pads)."""
+    ids and bidirectional ids (padded with :data:`~jax_seqpar.core.masks.PAD_SEGMENT` as the entry point pads)."""
     ids, bids, layout = batch.tokens.segment_ids, batch.tokens.bidirectional_ids, batch.layout
     if layout is None:
         layout = "zigzag" if shape.causal and strategy != "ulysses" else "contiguous"
@@ -121,7 +121,7 @@ def step_pairs(strategy: StrategyName, ring: int, ulysses: int, shape: LayerShap
 
     A ring group's tokens are its ``ulysses`` devices' slots together (what Ulysses'
     all-to-all gathers); tiles are ``tile`` clipped to a group. Past
-    :data:`MAX_TILE_PAIRS`, the exact visible pairs (no tile rounding).
+    ``MAX_TILE_PAIRS``, the exact visible pairs (no tile rounding).
     """
     tokens = laid_out(strategy, ring * ulysses, shape, tile, batch)
     rows, length = tokens.positions.shape

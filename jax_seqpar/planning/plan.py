@@ -47,7 +47,7 @@ class Plan:
       seq_axes: mesh axis name, or ``(outer, inner)`` names for a two-axis mesh
         (the ring then runs over both axes flattened).
       axis_sizes: devices per axis: an int, or ``(outer, inner)``.
-      bytes_per_device: :func:`comm_bytes` of the choice.
+      bytes_per_device: :func:`~jax_seqpar.strategies.registry.comm_bytes` of the choice.
       reason: one sentence with the numbers behind the choice.
       candidates: ``{label: bytes}`` of every feasible candidate considered
         (labels as in ``predicted_seconds``; strategy names without hardware).
@@ -120,7 +120,7 @@ def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
 
     One axis of ``P`` devices: Ulysses when ``P`` divides ``num_heads`` (K/V
     heads are replicated up to ``lcm(num_kv_heads, P)``), else the ring; when
-    both work the cheaper by :func:`comm_bytes` wins, Ulysses on ties. Two axes
+    both work the cheaper by :func:`~jax_seqpar.strategies.registry.comm_bytes` wins, Ulysses on ties. Two axes
     ``{outer: O, inner: I}``: the hybrid (Ulysses over the inner axis, which
     must divide ``num_heads``; ring over the outer) against the ring over both
     axes flattened. ``allgather`` is never chosen: its K/V memory is O(S).
@@ -130,7 +130,7 @@ def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
       axis_sizes: devices along the sequence: an int (axis named ``"sp"``) or
         ``{axis_name: size}`` of one or two axes ordered outer->inner
         (``mesh.shape`` of a ``jax.sharding.Mesh`` works).
-      batch, v_head_dim, dtype_bytes, backward, window: as in :func:`comm_bytes`
+      batch, v_head_dim, dtype_bytes, backward, window: as in :func:`~jax_seqpar.strategies.registry.comm_bytes`
         (``dtype_bytes`` 1, 2, 4 or 8: the layer is modelled in a dtype of that size,
         :func:`jax_seqpar.core.shape.dtype_of_size`).
       causal: worded into ``reason`` (zigzag balances the ring); with a window, the
@@ -142,7 +142,7 @@ def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
     >>> plan(32768, 32, 32, 128, 8).strategy
     'ulysses'
     >>> plan(32768, 128, 1, 576, {"sp": 8}, v_head_dim=512).reason
-    'ring: only 1 KV head (MQA/MLA) and ulysses would move 7.9x more bytes'
+    'ring: only 1 KV head (MQA/MLA) and ulysses would move 8.4x more bytes'
     """
     shape = LayerShape(batch=batch, seq_len=seq_len, num_heads=num_heads,
                        num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim,

@@ -11,7 +11,7 @@ ring over the ``O`` groups. One mesh axis can be split that way (see
 mesh's own two axes.
 
 Per layer (a :class:`~jax_seqpar.core.shape.LayerShape`), forward + backward, on one
-device (:class:`Hardware` figures):
+device (:class:`~jax_seqpar.planning.hardware.Hardware` figures):
 
 * compute: attention FLOPs ``2 B H (Dqk + Dv)`` per visible (query, key) pair,
   the backward ``(3 Dqk + 2 Dv) / (Dqk + Dv)`` times the forward, causal and
@@ -24,13 +24,13 @@ device (:class:`Hardware` figures):
   (:func:`jax_seqpar.core.work.computed_tiles_per_shard`), the busiest device's count,
   not the mean;
 * which transfers hide behind a kernel is what the target's compiled programs show
-  (:attr:`Hardware.overlaps`: the collective kinds a kernel can hide) for the way the
+  (:attr:`~jax_seqpar.planning.hardware.Hardware.overlaps`: the collective kinds a kernel can hide) for the way the
   strategy sends them (its pieces, :attr:`~jax_seqpar.strategies.registry.Strategy.pieces`);
 * the ring: ``O`` steps of ``max(compute, hop) + latency`` (``compute + hop +
   latency`` where the target does not overlap collective-permutes), hops of the bytes
   :func:`jax_seqpar.comm_bytes` counts: ``O - 1`` K/V rotations forward,
   ``O - 1`` steps carrying K/V and float32 dK/dV backward and dK/dV's hop home,
-  on the link the ring's slowest hop takes (:meth:`Hardware.link`);
+  on the link the ring's slowest hop takes (:meth:`~jax_seqpar.planning.hardware.Hardware.link`);
 * all-to-all and all-gather: ``bytes / bandwidth`` plus one latency per step: an
   ``all_to_all`` is one step, an ``all_gather`` or ``psum_scatter`` ``P - 1`` (ring
   algorithm, as NCCL runs them); per pass (forward, backward) added to the pass's

@@ -21,7 +21,7 @@ if TYPE_CHECKING:  # annotations only
 
 __all__ = ["ENV_VAR", "cache_key", "default_cache_path", "lookup", "requested", "store"]
 
-#: Names the tuned-plan file: ``jax-seqpar tune`` writes it there, and ``strategy="auto"``
+#: Names the tuned-plan file. ``jax-seqpar tune`` writes it there, and ``strategy="auto"``
 #: reads it only when this is set.
 ENV_VAR = "JAX_SEQPAR_TUNED_PLANS"
 

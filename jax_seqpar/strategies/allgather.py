@@ -4,7 +4,7 @@ Megatron-LM's ``all_gather`` context parallelism; Llama 3 (arXiv:2407.21783) use
 it for long-context training. Simple and low-latency; K/V memory is O(S) per device.
 With zigzag positions the causal work is balanced. With a window on the contiguous
 split (default positions) only what the window reaches is gathered
-(:func:`jax_seqpar.strategies.halo.window_attention`).
+(``jax_seqpar.strategies.halo.window_attention``).
 
 **Gathered in chunks** (:func:`chunked_attention`): each device cuts its ``S/P`` K/V
 tokens into ``C`` slices, and piece ``c`` is the all-gather of every device's slice
@@ -69,8 +69,10 @@ def default_chunks(local_len: int) -> int:
     :data:`MAX_AUTO_CHUNKS` dividing ``local_len`` that leaves every device's slice
     of a piece :data:`MIN_CHUNK_TOKENS` tokens or more (1 when none does).
 
-    >>> default_chunks(2048), default_chunks(1024), default_chunks(256), default_chunks(64)
-    (16, 8, 2, 1)
+    .. code-block:: python
+
+        default_chunks(2048), default_chunks(1024), default_chunks(256), default_chunks(64)
+        # (16, 8, 2, 1)
     """
     chunks = 1
     while (2 * chunks <= MAX_AUTO_CHUNKS and local_len % (2 * chunks) == 0
@@ -112,8 +114,10 @@ def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, call: Call, me
     Returns:
       ``[B, S/P, H, Dv]`` in ``q.dtype``.
 
-    >>> out = jax.shard_map(functools.partial(allgather_attention, seq_axes="sp"),
-    ...                     mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
+    .. code-block:: python
+
+        out = jax.shard_map(functools.partial(allgather_attention, seq_axes="sp"),
+                            mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
     """
     shard = prepare(q, k, v, call, metadata, seq_axes)
     chunks = resolve_chunks(chunks, q.shape[1])

@@ -46,7 +46,7 @@ def chunk_pipeline(axis_name, options, q, k, v, operands: Operands, *, sizes: tu
 
     Args:
       axis_name: the all-to-all's mesh axis (or axes), of size P.
-      options: the call's :class:`jax_seqpar.strategies.inputs.Options`.
+      options: the call's :class:`jax_seqpar.kernels.options.Options`.
       q: ``[B, L, H, Dqk]``; k, v: ``[B, L, Hkv', D]`` local sequence shards (``Hkv'``
         a multiple of P: :func:`jax_seqpar.strategies.heads.kv_replication`).
       operands: the whole sequence's metadata ``[B, P*L]`` in device order

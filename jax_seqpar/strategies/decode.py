@@ -36,7 +36,7 @@ if TYPE_CHECKING:  # annotations only
 __all__ = ["EMPTY_POSITION", "Step", "append_and_attend", "deal_round_robin",
            "decode_attention", "overflow_message"]
 
-#: The position of an empty cache slot: later than every query, so the causal
+#: The position of an empty cache slot, later than every query, so the causal
 #: mask hides it and whole empty key blocks are skipped.
 EMPTY_POSITION = 2**31 - 1
 
@@ -132,9 +132,11 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *,
     Returns:
       ``[B, T, H, Dv]`` in ``q.dtype``, the same on every device.
 
-    >>> f = lambda q, k, v, n: decode_attention(q, k, v, seq_axes="sp", seq_lengths=n)
-    >>> out = jax.shard_map(f, mesh=mesh, in_specs=(P(), P(None, "sp"), P(None, "sp"), P()),
-    ...                     out_specs=P())(q, k_cache, v_cache, seq_lengths)
+    .. code-block:: python
+
+        f = lambda q, k, v, n: decode_attention(q, k, v, seq_axes="sp", seq_lengths=n)
+        out = jax.shard_map(f, mesh=mesh, in_specs=(P(), P(None, "sp"), P(None, "sp"), P()),
+                            out_specs=P())(q, k_cache, v_cache, seq_lengths)
     """
     check_qkv(q, k_cache, v_cache)
     check_sinks(sinks, q.shape[2])

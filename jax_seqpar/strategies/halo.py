@@ -17,8 +17,8 @@ Used only when ``left + right < S - L`` (else the window reaches nearly every
 shard and the full ring is as cheap) and only for the contiguous split: with any
 other positions the halo would not hold the keys the window needs.
 
-:func:`halo_attention` is the ring's form (a ``custom_vjp``: the backward sends
-float32 dK/dV back along the same hops); :func:`window_attention` is the
+``halo_attention`` is the ring's form (a ``custom_vjp``: the backward sends
+float32 dK/dV back along the same hops); ``window_attention`` is the
 all-gather form (one kernel call over ``[left halo, own, right halo]``; its backward
 sends the halo's float32 dK/dV back the same way).
 """
@@ -157,7 +157,7 @@ def window_attention(axis_name: str | tuple[str, ...], options: Options, reach: 
     """Windowed all-gather attention: one kernel call over ``[left halo, own shard, right
     halo]`` (all a window can see), ``(out float32, lse float32)``.
 
-    Args: as :func:`halo_attention`.
+    Args: as ``halo_attention``.
     Returns:
       ``out float32[B, L, H, Dv]``, ``lse float32[B, L, H]``; the backward takes
       cotangents of both, computes dK/dV of the whole ``[B, left+L+right, ..]`` window

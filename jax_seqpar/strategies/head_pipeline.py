@@ -56,7 +56,7 @@ class KernelStage:
     A stage has ``forward(q, k, v, q_tokens, kv_tokens) -> ((out f32, lse f32),
     residuals)`` and ``backward(residuals, q_tokens, kv_tokens, dout, dlse, delta) ->
     (dq, dk, dv)`` on ``[B, S, h, D]`` heads-sharded operands, where ``delta = sum(dout *
-    out, -1) - dlse`` comes from the pipeline when the stage's :attr:`takes_delta` (the
+    out, -1) - dlse`` comes from the pipeline when the stage's ``takes_delta`` (the
     output is then not among its residuals: the pipeline computes it from the
     sequence-sharded output it returns, which the caller holds anyway), else None. The
     hybrid's stage is the ring.

@@ -40,7 +40,7 @@ MAX_AUTO_CHUNKS = 5
 #: ``chunks="auto"`` keeps the smallest chunk at this many tokens after the all-to-all
 #: (``P`` devices' share of it): whole kernel tiles.
 MIN_CHUNK_TOKENS = 128
-#: The most chunks a call takes (forced): ``c^2`` pair kernel calls a pass.
+#: The most chunks a call takes when forced, ``c^2`` pair kernel calls a pass.
 MAX_CHUNKS = 8
 
 
@@ -57,14 +57,14 @@ def kv_replication(num_heads: int, num_kv_heads: int, num_shards: int) -> int:
 
 
 def local_head_counts(num_heads: int, num_kv_heads: int, num_shards: int) -> tuple[int, int]:
-    """``(query heads, K/V heads)`` a device holds after :func:`seq_to_heads` (K/V heads
+    """``(query heads, K/V heads)`` a device holds after :func:`~jax_seqpar.strategies.head_pipeline.seq_to_heads` (K/V heads
     replicated by :func:`kv_replication`)."""
     repeats = kv_replication(num_heads, num_kv_heads, num_shards)
     return num_heads // num_shards, num_kv_heads * repeats // num_shards
 
 
 def head_group_counts(num_heads: int, num_kv_heads: int, num_shards: int) -> tuple[int, ...]:
-    """Every head-group count :func:`ulysses_attention` takes for these heads.
+    """Every head-group count :func:`~jax_seqpar.strategies.ulysses.ulysses_attention` takes for these heads.
 
     A count ``G`` divides the ``H/P`` local query heads, and keeps GQA groups whole:
     either every group gets whole K/V heads (``G`` divides the local K/V heads) or every
@@ -109,7 +109,7 @@ def resolve_head_groups(head_groups: int | Literal['auto'], num_heads: int, num_
 
 
 def local_heads(x: jax.Array, axis_name: str | tuple[str, ...]):
-    """This device's slice of a per-head ``[H]`` array after :func:`seq_to_heads`: ``[H/P]``."""
+    """This device's slice of a per-head ``[H]`` array after :func:`~jax_seqpar.strategies.head_pipeline.seq_to_heads`: ``[H/P]``."""
     if x is None:
         return None
     size = x.shape[0] // axis_size(axis_name)

@@ -37,7 +37,7 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, call: Call,
 
     Args:
       q: ``[B, T, H, Dqk]``; k: ``[B, S, Hkv, Dqk]``; v: ``[B, S, Hkv, Dv]`` (one dtype).
-      call: the static call (:meth:`Call.make`: mask, scale, kernel, tiles, softcap,
+      call: the static call (:meth:`~jax_seqpar.strategies.inputs.Call.make`: mask, scale, kernel, tiles, softcap,
         return_lse); its global-view fields are unused.
       operands: ``q_tokens``: the queries' ``int32[B, T]`` fields, ``kv_tokens``: the
         keys' ``int32[B, S]`` fields (either may be None: no field given); ``sinks``:

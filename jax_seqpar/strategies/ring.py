@@ -76,8 +76,10 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, call: Call, metadat
       ``[B, S/P, H, Dv]`` in ``q.dtype`` (softmax statistics and carries in float32),
       and with ``return_lse`` the log-sum-exp.
 
-    >>> out = jax.shard_map(functools.partial(ring_attention, seq_axes="sp", causal=True),
-    ...                     mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
+    .. code-block:: python
+
+        out = jax.shard_map(functools.partial(ring_attention, seq_axes="sp", causal=True),
+                            mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
     """
     shard = prepare(q, k, v, call, metadata, seq_axes)
     out, lse = ring_over(seq_axes, shard.options, q, k, v, shard.q_tokens, shard.kv_tokens,

@@ -1,6 +1,6 @@
 """The analytic communication model: bytes one device sends per attention call.
 
-:func:`comm_bytes` counts the bytes ONE device sends in one attention call for
+:func:`~jax_seqpar.strategies.registry.comm_bytes` counts the bytes ONE device sends in one attention call for
 each strategy as implemented in this package: bandwidth-optimal
 collectives over a group of ``P`` devices, ``all_to_all`` and ``all_gather``
 sending ``(P-1)/P`` of their output, ``psum_scatter`` ``(P-1)/P`` of its

@@ -11,7 +11,7 @@ gradients, at small sizes) are checked against :mod:`jax_seqpar.core.reference`,
 all-gather use one axis (or two flattened); the hybrid two, ``outer,inner``.
 
 The layer is a :class:`~jax_seqpar.core.shape.LayerShape` (its ``dtype`` one of
-:data:`DTYPES`; full or causal masks). The command line (``jax-seqpar bench``), the
+``DTYPES``; full or causal masks). The command line (``jax-seqpar bench``), the
 table and the plot live in :mod:`jax_seqpar.tools.bench_report`.
 """
 
@@ -106,7 +106,7 @@ def layout_for(strategy: StrategyName, shape: LayerShape) -> str:
 class Case:
     """One configuration the bench compiles: a strategy over mesh ``axes`` (``{name:
     size}``, outer first) on a layer ``shape`` with a ``kernel`` (a name of
-    :data:`KERNELS`)."""
+    :data:`~jax_seqpar.kernels.KERNELS`)."""
 
     strategy: StrategyName
     axes: dict
@@ -266,11 +266,13 @@ def run(shape: LayerShape = DEFAULT_SHAPE, meshes: Sequence = DEFAULT_MESHES, *,
       planned`` and the keys of :func:`costs`.
 
     Raises:
-      ValueError: too few devices, a dtype not in :data:`DTYPES`, a window or segment
+      ValueError: too few devices, a dtype not in ``DTYPES``, a window or segment
         ids, or nothing left to run (with every skip reason).
 
-    >>> print(format_table(run(DEFAULT_SHAPE.replace(seq_len=1024), ["sp=8"],
-    ...                        strategies=["ring"])))
+    .. code-block:: python
+
+        print(format_table(run(DEFAULT_SHAPE.replace(seq_len=1024), ["sp=8"],
+                               strategies=["ring"])))
     """
     from tqdm.auto import tqdm
 

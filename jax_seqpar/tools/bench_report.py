@@ -24,7 +24,7 @@ __all__ = ["add_bench_arguments", "format_table", "plot", "run_bench"]
 
 
 def format_table(result: dict) -> str:
-    """One text table of :func:`run`'s rows; plan's reasons, skips and notes below it."""
+    """One text table of :func:`jax_seqpar.tools.bench.run`'s rows; plan's reasons, skips and notes below it."""
     if "target" in result:
         return format_target_table(result)
     def err(r):

@@ -133,8 +133,10 @@ def calibrate_cpu(mesh: jax.sharding.Mesh | None = None, *, axis: Optional[str] 
       ``hardware.CPU`` with ``peak_flops``, ``attention_efficiency`` and both
       links (one domain: the host) replaced by the measurements.
 
-    >>> cpu = calibrate_cpu()
-    >>> plan(8192, 12, 12, 64, 8, hardware=cpu, causal=True).predicted_seconds
+    .. code-block:: python
+
+        cpu = calibrate_cpu()
+        plan(8192, 12, 12, 64, 8, hardware=cpu, causal=True).predicted_seconds
     """
     import jax
     import numpy as np

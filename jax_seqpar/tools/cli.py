@@ -1,10 +1,12 @@
 """The ``jax-seqpar`` command.
 
-Subcommands:
-  demo   train a small byte-level LM unsharded and with each sequence-parallel
-         strategy on emulated CPU devices, and compare the loss curves.
+Subcommands::
+
+  demo   train a small byte-level LM unsharded and with sequence-parallel
+         strategies (ulysses, ring, hybrid unless told) on emulated CPU devices,
+         and compare the loss curves.
   bench  time, memory and traffic of every strategy, next to the cost model;
-         or compiled for a GPU/TPU target without running (``--target``).
+         or compiled for a GPU/TPU target without running (--target).
   tune   predict every strategy and factorization, time the best, cache the winner.
   generate  greedy text from the demo LM, decoding against a sequence-sharded KV cache.
 
@@ -109,11 +111,12 @@ def build_parser() -> argparse.ArgumentParser:
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = commands.add_parser(
         "demo",
-        help="train a small LM unsharded and with each strategy; compare the losses",
+        help="train a small LM unsharded and sequence-parallel; compare the losses",
         description=(
             "Train a small byte-level decoder LM on Python's standard-library sources, "
             "packed into long rows with segment ids, from the same initial parameters: "
-            "once without sequence parallelism and once per strategy, with the sequence "
+            "once without sequence parallelism and once per strategy of --strategies "
+            "(ulysses, ring and hybrid unless told), with the sequence "
             f"split over {DEMO_DEVICES} emulated CPU devices (XLA_FLAGS="
             f"--xla_force_host_platform_device_count={DEMO_DEVICES} unless already set; "
             "JAX_PLATFORMS=cpu unless set). Prints the "

@@ -116,8 +116,10 @@ def collective_bytes(compiled_or_text: Any, *, default_trip_count: int | None = 
 
     Example, 8 devices, local shard ``f32[8, 16]`` (512 bytes):
 
+    >>> import jax, jax.numpy as jnp
+    >>> mesh = jax.make_mesh((8,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
     >>> f = jax.shard_map(lambda x: jax.lax.all_gather(x, "sp", tiled=True),
-    ...                   mesh=mesh, in_specs=P("sp"), out_specs=P("sp"))
+    ...                   mesh=mesh, in_specs=jax.P("sp"), out_specs=jax.P("sp"))
     >>> collective_bytes(jax.jit(f).lower(jnp.ones((64, 16))).compile())["all-gather"]
     3584.0
     """
@@ -293,6 +295,7 @@ def memory_bytes(compiled: Any) -> dict[str, int]:
       allocates beyond inputs and outputs: the quantity that must grow like
       ``S/P`` for the ring.
 
+    >>> import jax, jax.numpy as jnp
     >>> memory_bytes(jax.jit(lambda x: x @ x).lower(jnp.ones((64, 64))).compile())["argument"]
     16384
     """
@@ -341,8 +344,10 @@ def measure(fn: Callable, *args: Any, **kwargs: Any) -> Cost:
     ``fn`` may already be jitted; ``args`` may be arrays or
     ``jax.ShapeDtypeStruct`` (with shardings), nothing is executed.
 
+    >>> import jax, jax.numpy as jnp
+    >>> mesh = jax.make_mesh((8,), ("sp",), axis_types=(jax.sharding.AxisType.Auto,))
     >>> cost = measure(jax.shard_map(lambda x: jax.lax.psum(x, "sp"), mesh=mesh,
-    ...                              in_specs=P("sp"), out_specs=P("sp")),
+    ...                              in_specs=jax.P("sp"), out_specs=jax.P("sp")),
     ...                jnp.ones((64, 16)))
     >>> cost.collective_bytes["all-reduce"]  # 2 * 7/8 * 512
     896.0

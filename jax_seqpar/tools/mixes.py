@@ -91,7 +91,7 @@ def _geometric(batch, seq_len, rng=None):
 
 _PRIMES = np.array([17, 19, 23, 101, 251, 509, 1021, 2039, 4093, 8191])
 
-#: Mixes that stress the per-document layout's bound: every document one token, all
+#: Mixes that stress the per-document layout's bound. Every document one token, all
 #: shorter than 2P (for P <= 8), lengths no shard count divides, heavy tails, two
 #: large documents, every scale at once, just below a dealt document's length, padding.
 ADVERSARIAL = {
@@ -165,7 +165,7 @@ def chunked(batch: int, seq_len: int, rng: np.random.Generator, few: bool = Fals
                 rng), None
 
 
-#: The masked mixes: ``name: (mix, chunk_size)``; each mix returns
+#: The masked mixes, ``{name (mix, chunk_size)}``; each mix returns
 #: ``(segment_ids, bidirectional_ids or None)``.
 MASKED = {
     "prefix_lm": (prefix_lm, None),

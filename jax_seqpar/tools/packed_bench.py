@@ -127,7 +127,7 @@ def masked_measure(spec: MaskSpec, natural: Tokens, positions: np.ndarray, num_s
 def masked_balance(batch: int, seq_len: int, num_shards: int, seeds: int,
                    block: int) -> list[dict]:
     """One row per (masked mix, layout): median and worst over ``seeds`` of the busiest
-    shard's pairs and ``block``-tiles over the mean (:data:`mixes.MASKED`: prefix-LM,
+    shard's pairs and ``block``-tiles over the mean (:data:`~jax_seqpar.tools.mixes.MASKED`: prefix-LM,
     vision-language, chunked causal)."""
     rows = []
     for mix_name, (mix, chunk_size) in mixes.MASKED.items():

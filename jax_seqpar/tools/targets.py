@@ -5,7 +5,7 @@ than 8 are hosts of 8), ``"v5p:2x2x2"`` a TPU v5p slice (``v5e:2x4``, ``v6e:2x4`
 ``v4:2x2x2``, ...: any topology libtpu knows), ``"cpu"`` / ``"cpu:N"`` this host's
 CPU devices. A target mesh holds devices that cannot run anything, but programs on
 it compile with the real compilers: XLA:GPU with Triton and ptxas for sm_90a /
-sm_80, XLA:TPU with Mosaic. Lower for the target's platform:
+sm_80, XLA:TPU with Mosaic. Lower for the target's platform::
 
     mesh = target_mesh("h100:8")
     compiled = jax.jit(f).trace(*args).lower(
@@ -38,7 +38,7 @@ __all__ = ["COMPILE_OPTIONS", "Target", "compile_only_environment", "compile_opt
            "emulate_cpu_devices", "libtpu_init_args", "parse", "require_plugin",
            "target_mesh", "target_platform"]
 
-#: GPU kinds: (target description file, GPUs per host).
+#: GPU kinds, each ``(target description file, GPUs per host)``.
 GPUS = {"h100": ("h100_sxm.txtpb", 8), "h200": ("h200.txtpb", 8), "a100": ("a100_sxm_80.txtpb", 8)}
 #: HBM per TPU device (one chip; v4 and v5p as one megacore device), bytes.
 TPU_HBM = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2**30}
@@ -134,7 +134,7 @@ def compile_options(platform: str, strategy: Optional[StrategyName] = None) -> d
     for ``jax.jit(f).lower(*args).compile(compiler_options=compile_options("tpu"))``.
 
     >>> compile_options("tpu", "ulysses")
-    {'xla_tpu_enable_async_all_to_all': True}
+    {'xla_tpu_enable_async_all_to_all': True, 'xla_tpu_use_aggressive_scheduling': True}
     >>> compile_options("tpu", "ring")
     {}
     """
@@ -150,7 +150,7 @@ def libtpu_init_args(strategy: Optional[StrategyName] = None) -> str:
     them).
 
     >>> libtpu_init_args("ulysses")
-    '--xla_tpu_enable_async_all_to_all=true'
+    '--xla_tpu_enable_async_all_to_all=true --xla_tpu_use_aggressive_scheduling=true'
     """
     return " ".join(f"--{key}={str(value).lower()}"
                     for key, value in compile_options("tpu", strategy).items())
@@ -228,7 +228,9 @@ def target_mesh(name: str, axis_names: Sequence[str] = ("sp",),
       ValueError: an unknown name, or a shape that does not fit the target.
       ImportError: the plugin the target needs is not installed (the ``[aot]`` extra).
 
-    >>> mesh = target_mesh("h100:16", ("dcn", "ici"))  # 2 hosts x 8 GPUs
+    .. code-block:: python
+
+        mesh = target_mesh("h100:16", ("dcn", "ici"))  # 2 hosts x 8 GPUs
     """
     from jax.sharding import Mesh
 

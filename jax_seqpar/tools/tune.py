@@ -138,7 +138,9 @@ def tune(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int, mesh: j
       The :class:`~jax_seqpar.planning.plan.Plan` of the fastest measured candidate,
       with ``measured_seconds``.
 
-    >>> chosen = tune(8192, 12, 12, 64, jax.make_mesh((8,), ("sp",)), causal=True)
+    .. code-block:: python
+
+        chosen = tune(8192, 12, 12, 64, jax.make_mesh((8,), ("sp",)), causal=True)
     """
     shape = LayerShape(batch=batch, seq_len=seq_len, num_heads=num_heads,
                        num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim,

@@ -61,7 +61,7 @@ MAX_F32_WIDTH = 128
 
 def compiles_clean(d_qk: int, d_v: int, dtype: jax.typing.DTypeLike) -> bool:
     """Whether the default tiles compile without register spills on sm_80 and sm_90:
-    every bf16 / fp16 head dim; float32 up to :data:`MAX_F32_WIDTH` (wider float32
+    every bf16 / fp16 head dim; float32 up to ``MAX_F32_WIDTH`` (wider float32
     heads spill in the backward). ``kernel="auto"`` runs the XLA kernel otherwise."""
     return jnp.dtype(dtype) != jnp.float32 or _width(d_qk, d_v) <= MAX_F32_WIDTH
 

@@ -12,7 +12,7 @@ How the work is cut:
   online softmax (scores, statistics and accumulator in float32, ``exp2`` domain);
 * backward: one kernel per (query tile, batch, head) accumulates ``dq`` over key
   tiles, one per (key tile, batch, kv head, head split) accumulates ``dk, dv`` over
-  the query tiles of its share of the GQA group (:mod:`._pallas_bwd`);
+  the query tiles of its share of the GQA group (``_pallas_bwd``);
 * the tile classes of :func:`jax_seqpar.core.masks.classify` are reduced, outside the
   kernels and a few hundred rows at a time (O(B * S) memory, no ``[nq, nk]`` table),
   to loop bounds per batch row and row of tiles (``[B, n, 4]``: packed rows skip what
@@ -27,9 +27,9 @@ How the work is cut:
   (padded queries see nothing, padded keys are seen by nobody); head dims are
   never padded in memory: a dim up to 256 is one power-of-two chunk with masked
   loads and stores past the real dim, a wider one (MLA's 576 / 512) a loop of
-  few power-of-two chunks (:class:`._pallas_core.HeadDim`);
+  few power-of-two chunks (``_pallas_core.HeadDim``);
 * tiles, warps and pipeline stages default per head dim and dtype
-  (:func:`default_block_sizes`, :mod:`._pallas_config`) to sizes that compile
+  (:func:`default_block_sizes`, ``_pallas_config``) to sizes that compile
   without register spills and within shared memory on A100 (sm_80) and H100/H200
   (sm_90);
 * float32 inputs: every dot is TF32x3 (three TF32 tensor-core products, about
@@ -42,7 +42,7 @@ How the work is cut:
   rows of one program per kv head: each K/V tile is read once per group; a call
   with one query tile per (batch, head) and too few programs to fill the GPU
   splits the keys into runs, one program each, merged by their softmax statistics
-  (split-K, :func:`._pallas_core.kv_splits`).
+  (split-K, ``_pallas_core.kv_splits``).
 
 Lowering: by the platform the program is lowered for (``jax.lax.platform_dependent``):
 Triton when lowering for CUDA / ROCm, the Pallas interpreter elsewhere, so AOT
@@ -119,7 +119,7 @@ def _forward_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, out_ref, lse
 
 def _validate(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options,
               interpret: Optional[bool]) -> Options:
-    """Checked operands; the options resolved (:meth:`Options.resolved`, tiles from
+    """Checked operands; the options resolved (:meth:`~jax_seqpar.kernels.options.Options.resolved`, tiles from
     :func:`default_block_sizes`). Tiles must suit Triton unless ``interpret=True``."""
     contract.check_operands(q, k, v, q_tokens, kv_tokens, dtypes=core.DTYPES,
                             kernel_name=__name__)
@@ -136,7 +136,7 @@ def _validate(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options,
 def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
             options: Options, accumulate: tuple[jax.Array, jax.Array] | None = None, *,
             interpret: Optional[bool] = None):
-    """Attention of ``q`` against one run of keys (the contract of :func:`xla.forward`).
+    """Attention of ``q`` against one run of keys (the contract of :func:`jax_seqpar.kernels.xla.forward`).
 
     Args:
       q: ``[B, Sq, H, Dqk]``; k: ``[B, Sk, Hkv, Dqk]``; v: ``[B, Sk, Hkv, Dv]``;
@@ -157,12 +157,14 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_token
       softmax statistics and accumulators in float32 whatever the input dtype.
       float32 inputs take TF32x3 dots on GPU (float32-level error on tensor cores).
 
-    >>> q = k = v = jnp.ones((1, 32, 2, 16), jnp.bfloat16)
-    >>> tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
-    >>> options = Options(MaskSpec.make(causal=True), scale=0.25, kernel="pallas")
-    >>> out, lse = forward(q, k, v, tokens, tokens, options)
-    >>> out.shape, out.dtype, lse.shape
-    ((1, 32, 2, 16), dtype('float32'), (1, 32, 2))
+    .. code-block:: python
+
+        q = k = v = jnp.ones((1, 32, 2, 16), jnp.bfloat16)
+        tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
+        options = make_options(q, MaskSpec.make(causal=True), scale=0.25, kernel="pallas")
+        out, lse = forward(q, k, v, tokens, tokens, options)
+        out.shape, out.dtype, lse.shape
+        # ((1, 32, 2, 16), dtype('float32'), (1, 32, 2))
     """
     options = _validate(q, k, v, q_tokens, kv_tokens, options, interpret)
     contract.check_accumulated(q, v, accumulate)
@@ -244,12 +246,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tok
     so merged partial results (ring attention) differentiate exactly. The residual
     ``out`` is kept in the input dtype (``lse`` in float32).
 
-    >>> q = k = v = jnp.ones((1, 32, 2, 16), jnp.float32)
-    >>> tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
-    >>> options = Options(MaskSpec(), scale=0.25, kernel="pallas")
-    >>> loss = lambda q: attention(q, k, v, tokens, tokens, options)[0].sum()
-    >>> jax.grad(loss)(q).shape
-    (1, 32, 2, 16)
+    .. code-block:: python
+
+        q = k = v = jnp.ones((1, 32, 2, 16), jnp.float32)
+        tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
+        options = make_options(q, MaskSpec(), scale=0.25, kernel="pallas")
+        loss = lambda q: attention(q, k, v, tokens, tokens, options)[0].sum()
+        jax.grad(loss)(q).shape
+        # (1, 32, 2, 16)
     """
     options = _validate(q, k, v, q_tokens, kv_tokens, options, interpret)
     return _attention(q, k, v, q_tokens, kv_tokens, options, interpret)

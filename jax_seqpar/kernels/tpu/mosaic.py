@@ -16,7 +16,7 @@ How the work is cut (FlashAttention-2):
 * backward: a ``dq`` kernel on the same grid, and a ``dk, dv`` kernel on
   ``(batch, kv head, key tile, head of the group, query tile)`` that computes the
   transposed scores ``k @ q.T`` (no in-kernel transposes) and sums its GQA group
-  in VMEM, without atomics (:mod:`._mosaic_bwd`);
+  in VMEM, without atomics (``_mosaic_bwd``);
 * every (query tile, key tile) pair of every batch row is classified outside the
   kernel (:func:`jax_seqpar.core.masks.classify`) into a scalar-prefetched plan
   ``[B, nq, nk]`` (packed rows skip what their own documents do not share): ``EMPTY``
@@ -51,7 +51,7 @@ from jax_seqpar.kernels.options import Options
 from jax_seqpar.kernels.tiling import pad_seq, schedule
 from jax_seqpar.core.masks import Tokens
 
-#: The input dtypes the kernel takes (q, k and v share one): the MXU's; no float16.
+#: The input dtypes the kernel takes (q, k and v share one), the MXU's; no float16.
 DTYPES = mc.DTYPES
 
 __all__ = ["DTYPES", "BlockSizes", "attention", "backward", "default_block_sizes", "forward"]
@@ -66,7 +66,7 @@ def default_block_sizes(d_qk: int, d_v: int, dtype: jax.typing.DTypeLike) -> Blo
 
 
 def _checked(q, k, v, q_tokens, kv_tokens, options: Options) -> Options:
-    """Validated operands; the options resolved (:meth:`Options.resolved`)."""
+    """Validated operands; the options resolved (:meth:`~jax_seqpar.kernels.options.Options.resolved`)."""
     contract.check_operands(q, k, v, q_tokens, kv_tokens, dtypes=mc.DTYPES, kernel_name=__name__)
     options = options.resolved(default_block_sizes(q.shape[-1], v.shape[-1], q.dtype),
                                __name__)
@@ -126,7 +126,7 @@ def _forward_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, *refs, options
 
 def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
             options: Options, accumulate: tuple[jax.Array, jax.Array] | None = None):
-    """Attention of ``q`` against one run of keys (the contract of :func:`xla.forward`).
+    """Attention of ``q`` against one run of keys (the contract of :func:`jax_seqpar.kernels.xla.forward`).
 
     Args:
       q: ``[B, Sq, H, Dqk]``; k: ``[B, Sk, Hkv, Dqk]``; v: ``[B, Sk, Hkv, Dv]``;
@@ -144,12 +144,14 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_token
       these keys and those of ``accumulate``; softmax statistics and accumulators in
       float32 whatever the input dtype.
 
-    >>> q = k = v = jnp.ones((1, 32, 2, 64), jnp.bfloat16)
-    >>> tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
-    >>> options = Options(MaskSpec.make(causal=True), scale=0.125, kernel="mosaic")
-    >>> out, lse = forward(q, k, v, tokens, tokens, options)
-    >>> out.shape, out.dtype, lse.shape
-    ((1, 32, 2, 64), dtype('float32'), (1, 32, 2))
+    .. code-block:: python
+
+        q = k = v = jnp.ones((1, 32, 2, 64), jnp.bfloat16)
+        tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
+        options = make_options(q, MaskSpec.make(causal=True), scale=0.125, kernel="mosaic")
+        out, lse = forward(q, k, v, tokens, tokens, options)
+        out.shape, out.dtype, lse.shape
+        # ((1, 32, 2, 64), dtype('float32'), (1, 32, 2))
     """
     options = _checked(q, k, v, q_tokens, kv_tokens, options)
     contract.check_accumulated(q, v, accumulate)
@@ -249,12 +251,14 @@ def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tok
     cotangents for ``out`` AND ``lse`` (merged ring results differentiate exactly);
     it saves ``out`` in the input dtype and ``lse`` in float32.
 
-    >>> q = k = v = jnp.ones((1, 32, 2, 64), jnp.float32)
-    >>> tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
-    >>> options = Options(MaskSpec(), scale=0.125, kernel="mosaic")
-    >>> loss = lambda q: attention(q, k, v, tokens, tokens, options)[0].sum()
-    >>> jax.grad(loss)(q).shape
-    (1, 32, 2, 64)
+    .. code-block:: python
+
+        q = k = v = jnp.ones((1, 32, 2, 64), jnp.float32)
+        tokens = Tokens(jnp.arange(32, dtype=jnp.int32)[None])
+        options = make_options(q, MaskSpec(), scale=0.125, kernel="mosaic")
+        loss = lambda q: attention(q, k, v, tokens, tokens, options)[0].sum()
+        jax.grad(loss)(q).shape
+        # (1, 32, 2, 64)
     """
     return _attention(q, k, v, q_tokens, kv_tokens, _checked(q, k, v, q_tokens, kv_tokens,
                                                                 options))
