@@ -11,7 +11,7 @@ import pytest
 
 from jax_seqpar.tools.cli import build_parser, main
 
-COMMANDS = ("demo", "generate", "bench", "tune")
+COMMANDS = ("demo", "generate", "bench", "tune", "check")
 #: Options two subcommands spell alike but that mean different things (the reason why).
 DIFFERENT_MEANINGS = {
     "--batch": "demo: rows of a training batch; bench/tune: sequences per attention call",

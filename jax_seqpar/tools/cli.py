@@ -7,6 +7,7 @@ Subcommands:
          or compiled for a GPU/TPU target without running (``--target``).
   tune   predict every strategy and factorization, time the best, cache the winner.
   generate  greedy text from the demo LM, decoding against a sequence-sharded KV cache.
+  check  this machine's accelerator kernel and every strategy against the reference.
 
 The work lives in :mod:`jax_seqpar.examples` and :mod:`jax_seqpar.tools.bench_report`;
 this module only parses arguments and prepares the JAX environment before a
@@ -177,6 +178,15 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter)
     tune_report.add_tune_arguments(tune)
     tune.set_defaults(run=tune_report.run_tune)
+
+    from jax_seqpar.tools import check
+
+    checker = commands.add_parser(
+        "check", help="this machine's accelerator kernel and every strategy against the "
+                      "reference (the check for a GPU or TPU machine)",
+        description=check.DESCRIPTION, formatter_class=HelpFormatter)
+    check.add_check_arguments(checker)
+    checker.set_defaults(run=check.run_check)
     return parser
 
 
