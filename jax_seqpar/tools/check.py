@@ -52,10 +52,10 @@ class Case(NamedTuple):
     q_len: Optional[int] = None
     softcap: Optional[float] = None
 
-    def label(self, kernel: str) -> str:
+    def label(self) -> str:
         extras = [f"{name}={value}" for name, value in (("window", self.window),
                   ("softcap", self.softcap)) if value is not None]
-        return (f"kernel={kernel} {self.d_qk}/{self.d_v} {self.dtype} "
+        return (f"{self.d_qk}/{self.d_v} {self.dtype} "
                 f"Sq={self.q_len or self.seq} Sk={self.seq} H={self.heads} "
                 f"Hkv={self.kv_heads} {'causal' if self.causal else 'full'} "
                 + " ".join(extras + (["segments"] if self.segments else []))).strip()
@@ -147,13 +147,14 @@ def check_kernel(case: Case, kernel: str, print_fn=print) -> bool:
             kv_segment_ids=kv_tokens.segment_ids, scale=scale, softcap=case.softcap,
             return_lse=True)
 
+    label = f"kernel={kernel} {case.label()}"
     try:
         got, wanted = _grads_of(ours, (q, k, v), weights), _grads_of(theirs, (q, k, v), weights)
     except Exception as error:  # a case the kernel cannot compile is a failed check
-        print_fn(f"FAIL {case.label(kernel)}: {type(error).__name__}: "
+        print_fn(f"FAIL {label}: {type(error).__name__}: "
                  f"{str(error).splitlines()[0][:200] if str(error) else ''}")
         return False
-    return _report(case.label(kernel), case.dtype,
+    return _report(label, case.dtype,
                    {name: relative_error(got[name], wanted[name]) for name in got}, print_fn)
 
 
