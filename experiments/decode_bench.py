@@ -1,5 +1,9 @@
 """Decode against a sequence-sharded KV cache: per-token latency and per-device memory.
 
+Makes the decode table (per-token latency and per-device memory vs cache length) and the
+compiled 1M-token number for 8 H100s that the README's inference section quotes
+(``docs/inference.md``).
+
 For a Llama-3-8B-shaped attention layer (32 query heads, 8 KV heads, head_dim 128,
 bfloat16 cache, batch 1, one new token per step) and growing cache lengths:
 

@@ -1,5 +1,9 @@
 """Compile the Pallas kernels for H100 / A100 on a CPU host and tabulate their resources.
 
+Makes the README's table of the Pallas kernels' compiled resources (registers, shared
+memory, occupancy per head dim; ``docs/kernels.md``), with the command below plus
+``--spills-as-errors``.
+
 Deviceless ahead-of-time compilation: a compile-only GPU from a target description
 (``jax.experimental.topologies``), XLA:GPU with Triton -> PTX -> ptxas, no GPU needed.
 Per kernel (forward, dq, dk/dv) it reports registers per thread and spill bytes

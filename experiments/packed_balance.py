@@ -1,5 +1,9 @@
 """Packed documents: how evenly each token order spreads the work over the devices.
 
+Makes the tables of ``experiments/packed_results.md`` and its plots
+(``results/packed_balance.png``, ``results/packed_masked.png``; numbers in
+``results/packed_balance*.json``), for ``docs/benchmarks.md``.
+
 For three document mixes (one long document per row; uniform short documents; heavy-tailed
 lengths) and the orders contiguous, zigzag, striped and per_document, prints the busiest
 device's token work and computed tiles over the mean (median/worst over ``--seeds``

@@ -1,4 +1,6 @@
-"""Issue 22 (pipelines): what a compiled program hides behind its kernels.
+"""What a compiled strategy program hides behind its kernels, with per-shard pipeline keywords.
+
+Makes the rows of "Steps measured on the way" in ``experiments/pipelines_results.md``.
 
 Compiles (deviceless AOT, nothing runs) one strategy's global program, forward or
 forward + vjp, for a GPU or TPU target, with per-shard keywords (``--kw

@@ -1,5 +1,8 @@
 """The planner's predicted time against measured time on 8 emulated CPU devices.
 
+Makes ``results/planner_validation.json``, which ``planner_validation.ipynb`` plots and
+tabulates (``docs/planner.md``).
+
 Calibrates the ``"cpu"`` hardware preset (``jax_seqpar.tools.calibrate.calibrate_cpu``),
 then, for every shape of ``SHAPES`` and every candidate the planner considers
 on one axis of 8 devices (Ulysses 1x8, ring 8x1, all-gather, hybrids 4x2 and

@@ -1,5 +1,8 @@
 """Our zigzag ring against the ``ringattention`` package (Liu et al., arXiv:2310.01889).
 
+Makes the README's Benchmarks table (time and temp memory, ours / ringattention;
+``docs/benchmarks.md``) with ``--seqs 8192`` and ``--seqs 16384``, one at a time.
+
 Both run causal fwd+bwd attention, B=1 H=8 D=64 float32, on an 8-device CPU mesh
 (emulated: the 8 devices share this machine's cores, so times compare the two
 programs, not real interconnects). For each sequence length S it reports:

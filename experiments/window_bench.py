@@ -1,5 +1,9 @@
 """Sliding-window attention under sequence parallelism: what each strategy sends.
 
+Makes ``results/window_bench_{cpu,h100}.{txt,json}`` and ``results/window_bytes_vs_p*.png``
+(the commands are on their ``$`` lines), quoted by the README's sliding-window section
+(``docs/benchmarks.md``).
+
 For a causal window ``W`` at sequence length ``S`` on ``P`` devices, compiles the
 forward + backward (``jax.vjp`` with a given cotangent) of the window ring (halo
 exchange), the full ring (the same window with explicit positions, which forbid

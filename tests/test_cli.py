@@ -45,9 +45,9 @@ def test_unknown_strategy_is_refused(capsys):
 
 
 def test_tiny_demo_writes_the_plot(tmp_path, capsys):
-    out = tmp_path / "losses.png"
+    out = tmp_path / "demo-losses.png"
     status = main(["demo", "--steps", "3", "--seq-len", "128", "--batch", "1",
-                   "--strategies", "ring", "--fsdp", "--out", str(out), "--no-progress"])
+                   "--strategies", "ring", "--fsdp", "--out", str(tmp_path), "--no-progress"])
     assert status == 0
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     text = capsys.readouterr().out
@@ -91,7 +91,7 @@ def test_packed_demo_matches_the_unsharded_loss(tmp_path, monkeypatch, capsys):
     run_demo = examples.run_demo
     monkeypatch.setattr(examples, "run_demo", lambda **kw: results.update(run_demo(**kw)))
     status = main(["demo", "--steps", "2", "--seq-len", "128", "--batch", "2",
-                   "--strategies", "ring", "--packed", "--out", str(tmp_path / "l.png"),
+                   "--strategies", "ring", "--packed", "--out", str(tmp_path),
                    "--no-progress"])
     assert status == 0
     np.testing.assert_allclose(results["ring+packed"].losses, results["unsharded"].losses,

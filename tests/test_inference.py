@@ -358,8 +358,8 @@ def test_generate_refuses_more_tokens_than_the_cache_holds():
 def test_cli_generate_trains_saves_then_loads(tmp_path, capsys):
     from jax_seqpar.tools.cli import main
 
-    path = str(tmp_path / "params.npz")
-    args = ["generate", "--prompt", "def ", "--tokens", "5", "--params", path]
+    path = str(tmp_path / "demo-lm-params.npz")
+    args = ["generate", "--prompt", "def ", "--tokens", "5", "--out", str(tmp_path)]
     assert main(args + ["--train-steps", "1"]) == 0
     first = capsys.readouterr().out
     assert "trained 1 steps" in first and f"parameters saved to {path}" in first

@@ -5,9 +5,6 @@ accumulators, the gradient of a window's halo sent back) is carried and summed i
 float32 and cast once at the end, so the gradient error of a bf16 call does not grow
 with the number of devices: at P=8 it stays within 1.25x of the same global call on a
 one-device mesh (P=1). The oracle is numpy float64 on the same bf16 inputs.
-
-``experiments/grad_precision.py`` prints the whole table (P = 1, 2, 4, 8) from the same
-functions.
 """
 
 from __future__ import annotations

@@ -15,9 +15,11 @@ import sys
 
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.tools import bench_target, targets
-from jax_seqpar.tools.bench import (MIB, DEFAULT_MESHES, DTYPES, KERNELS, STRATEGIES,
+from jax_seqpar.tools.bench import (MIB, DEFAULT_MESHES, KERNELS, STRATEGIES,
                                     parse_mesh, run)
 from jax_seqpar.tools.bench_target import DEFAULT_RESERVE, MAX_SEQ_TOLERANCE
+from jax_seqpar.tools.cli_options import (HelpFormatter, add_shape_arguments, comma_list,
+                                          shape_from_args)
 from jax_seqpar.tools.report import format_projection, text_table
 
 __all__ = ["add_bench_arguments", "format_table", "plot", "run_bench"]
@@ -191,22 +193,22 @@ def _plot_max_seq(figure, result: dict) -> None:
     axes.legend()
 
 
-def _comma_list(convert):
-    return lambda text: [convert(v.strip()) for v in text.split(",") if v.strip()]
+#: ``jax-seqpar bench --help``'s description (plain text).
+DESCRIPTION = (
+    "Benchmark the sequence-parallel strategies: compile and run every applicable strategy "
+    "forward and forward+backward on this machine (its accelerator, else emulated CPU "
+    "devices) and print time, per-device memory, bytes sent (from the compiled HLO) next to "
+    "jax_seqpar.comm_bytes, the error against the reference and plan's choice. With --target "
+    "NAME (h100:8, v5p:2x2x2, ...) compile for that target without running (needs the [aot] "
+    "extra): memory per device, bytes per collective, overlap scheduled, Triton kernel "
+    "registers/spills/shared memory and compile time; with --max-seq the longest sequence "
+    "each strategy fits.")
 
 
 def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds the ``bench`` options to ``parser`` (e.g. the ``jax-seqpar bench`` subparser)."""
     add = parser.add_argument
-    add("--batch", type=int, default=1, help="sequences per call (B)")
-    add("--seq", type=_comma_list(int), default=[4096],
-        help="global sequence length(s), comma-separated for a sweep, e.g. 1024,2048,4096")
-    add("--heads", type=int, default=8, help="query heads H")
-    add("--kv-heads", type=int, default=2, help="key/value heads Hkv (H %% Hkv == 0)")
-    add("--head-dim", type=int, default=64, help="q/k head dim Dqk")
-    add("--v-head-dim", type=int, default=None, help="v head dim Dv (default: Dqk)")
-    add("--dtype", choices=DTYPES, default="float32", help="q/k/v dtype")
-    add("--causal", action=argparse.BooleanOptionalAction, default=True, help="causal mask")
+    add_shape_arguments(parser)
     add("--mesh", action="append", default=None, metavar="NAME=SIZE[,NAME=SIZE]",
         help="a mesh, outer axis first; repeat it to sweep factorizations (default: "
              f"{' and '.join(DEFAULT_MESHES)}; with --target: sp=N and dcn=2,ici=N/2 over "
@@ -222,11 +224,11 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPar
     add("--reserve", type=float, default=DEFAULT_RESERVE,
         help="with --max-seq: fraction of HBM kept free for the runtime and the rest of the "
              "model")
-    add("--strategies", type=_comma_list(str), default=list(STRATEGIES),
+    add("--strategies", type=comma_list(str), default=list(STRATEGIES),
         help=f"comma-separated, from {','.join(STRATEGIES)}; ulysses/ring/allgather use one "
              "axis (or the axes flattened), hybrid two; combinations a mesh or shape cannot "
              "run are listed as skipped with the reason (an error if nothing is left)")
-    add("--kernels", type=_comma_list(str), default=["auto"],
+    add("--kernels", type=comma_list(str), default=["auto"],
         help=f"comma-separated local kernels from {','.join(KERNELS)} (auto: Triton when "
              "compiled for CUDA, Mosaic for TPU, XLA elsewhere); pallas runs in the Pallas interpreter on CPU, "
              "which is very slow (use a small --seq); with --target, one kernel")
@@ -287,8 +289,7 @@ def _run_packed(args: argparse.Namespace, shape: LayerShape) -> int:
 def run_bench(args: argparse.Namespace) -> int:
     """Runs ``jax-seqpar bench`` from :func:`add_bench_arguments` options; the exit status."""
     try:
-        shape = LayerShape(args.batch, args.seq[0], args.heads, args.kv_heads, args.head_dim,
-                           args.v_head_dim, dtype=args.dtype, causal=args.causal)
+        shape = shape_from_args(args, args.seq[0])
         if args.project:
             from jax_seqpar.planning import projection
 
@@ -326,5 +327,5 @@ def run_bench(args: argparse.Namespace) -> int:
 
 if __name__ == "__main__":
     sys.exit(run_bench(add_bench_arguments(argparse.ArgumentParser(
-        prog="python -m jax_seqpar.tools.bench_report", description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)).parse_args()))
+        prog="python -m jax_seqpar.tools.bench_report", description=DESCRIPTION,
+        formatter_class=HelpFormatter)).parse_args()))

@@ -9,6 +9,7 @@ Subcommands::
          or compiled for a GPU/TPU target without running (--target).
   tune   predict every strategy and factorization, time the best, cache the winner.
   generate  greedy text from the demo LM, decoding against a sequence-sharded KV cache.
+  check  this machine's accelerator kernel and every strategy against the reference.
 
 The work lives in :mod:`jax_seqpar.examples` and :mod:`jax_seqpar.tools.bench_report`;
 this module only parses arguments and prepares the JAX environment before a
@@ -18,20 +19,22 @@ backend starts.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from typing import Optional, Sequence
 
+from jax_seqpar.tools.cli_options import HelpFormatter, default_out_dir, positive_int
+
 __all__ = ["build_parser", "main"]
 
 DEMO_DEVICES = 8
-
-
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
-    return value
+#: The strategies ``jax-seqpar demo`` trains without ``--strategies`` (those of
+#: ``jax_seqpar.examples.run_demo``; a test holds them equal).
+DEMO_STRATEGIES = ("ulysses", "ring", "hybrid")
+#: What ``demo`` and ``generate`` write in their ``--out`` folder.
+DEMO_PLOT = "demo-losses.png"
+GENERATE_PARAMS = "demo-lm-params.npz"
 
 
 def _demo(args: argparse.Namespace) -> int:
@@ -41,9 +44,7 @@ def _demo(args: argparse.Namespace) -> int:
     from jax_seqpar import examples as demo
 
     try:
-        requested = getattr(args, "strategies", None)
-        strategies = (list(demo.DEFAULT_STRATEGIES) if requested is None
-                      else demo.as_strategy_list(requested))
+        strategies = demo.as_strategy_list(args.strategies)
     except ValueError as error:
         print(f"jax-seqpar demo: {error}", file=sys.stderr)
         return 2
@@ -51,9 +52,10 @@ def _demo(args: argparse.Namespace) -> int:
 
     model_config = ModelConfig(num_layers=args.layers, local_window=args.local_window,
                                global_every=args.global_every)
+    os.makedirs(args.out, exist_ok=True)
     start = time.perf_counter()
     demo.run_demo(steps=args.steps, seq_len=args.seq_len, batch=args.batch,
-                  strategies=strategies, out=args.out, seed=args.seed,
+                  strategies=strategies, out=os.path.join(args.out, DEMO_PLOT), seed=args.seed,
                   progress=not args.no_progress, fsdp=args.fsdp, model_config=model_config,
                   packed=args.packed, mask=args.mask)
     print(f"demo wall time: {time.perf_counter() - start:.1f} s")
@@ -66,10 +68,13 @@ def _generate(args: argparse.Namespace) -> int:
     emulate_cpu_devices(DEMO_DEVICES, cpu_only=True)
     from jax_seqpar.examples import run_generate
 
+    if not args.no_save:
+        os.makedirs(args.out, exist_ok=True)
+    params_path = None if args.no_save else os.path.join(args.out, GENERATE_PARAMS)
     try:
-        run_generate(prompt=args.prompt, num_tokens=args.tokens,
-                                    strategy=args.strategy, params_path=args.params or None,
-                                    train_steps=args.train_steps, seed=args.seed)
+        run_generate(prompt=args.prompt, num_tokens=args.tokens, strategy=args.strategy,
+                     params_path=params_path,
+                     train_steps=args.train_steps, seed=args.seed)
     except ValueError as error:
         print(f"jax-seqpar generate: {error}", file=sys.stderr)
         return 2
@@ -83,21 +88,23 @@ def _add_generate(commands) -> None:
         "generate",
         help="greedy text from the demo LM, decoding against a sequence-sharded KV cache",
         description=(
-            "Load the byte-level LM's parameters from --params (or train it briefly on one "
-            "device and save them there), prefill the prompt sequence-parallel over "
-            f"{DEMO_DEVICES} emulated CPU devices, then decode greedily against the KV cache "
+            f"Load the byte-level LM's parameters from --out/{GENERATE_PARAMS} (or train it "
+            "briefly on one device and save them there), prefill the prompt sequence-parallel "
+            f"over {DEMO_DEVICES} emulated CPU devices, then decode greedily against the KV cache "
             "sharded along the sequence. Prints the text and tokens/s."),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        formatter_class=HelpFormatter)
     generate.add_argument("--prompt", required=True, help="the text to continue")
-    generate.add_argument("--tokens", type=_positive_int, default=64,
+    generate.add_argument("--tokens", type=positive_int, default=64,
                           help="bytes to generate")
     generate.add_argument("--strategy", default="auto",
                           choices=STRATEGIES,
                           help="prefill strategy (hybrid: 2 x 4 ('dcn', 'ici') mesh)")
-    generate.add_argument("--params", default="jax-seqpar-params.npz",
-                          help="parameters file: loaded if present, else written after "
-                               "training ('' to neither load nor save)")
-    generate.add_argument("--train-steps", type=_positive_int, default=150,
+    generate.add_argument("--out", metavar="DIR", default=default_out_dir(),
+                          help=f"folder of the parameters file {GENERATE_PARAMS}: loaded if "
+                               "present, else written after training")
+    generate.add_argument("--no-save", action="store_true",
+                          help="train every time; neither load nor write parameters")
+    generate.add_argument("--train-steps", type=positive_int, default=150,
                           help="training steps when no parameters file exists")
     generate.add_argument("--seed", type=int, default=0, help="parameters and data order")
     generate.set_defaults(run=_generate)
@@ -106,7 +113,7 @@ def _add_generate(commands) -> None:
 def build_parser() -> argparse.ArgumentParser:
     """The ``jax-seqpar`` argument parser (one subparser per subcommand)."""
     parser = argparse.ArgumentParser(
-        prog="jax-seqpar",
+        prog="jax-seqpar", formatter_class=HelpFormatter,
         description="Sequence-parallel exact attention for JAX: demos and tools.")
     commands = parser.add_subparsers(dest="command", metavar="COMMAND")
     demo = commands.add_parser(
@@ -115,23 +122,22 @@ def build_parser() -> argparse.ArgumentParser:
         description=(
             "Train a small byte-level decoder LM on Python's standard-library sources, "
             "packed into long rows with segment ids, from the same initial parameters: "
-            "once without sequence parallelism and once per strategy of --strategies "
-            "(ulysses, ring and hybrid unless told), with the sequence "
-            f"split over {DEMO_DEVICES} emulated CPU devices (XLA_FLAGS="
+            "once without sequence parallelism and once per strategy of --strategies, with the "
+            f"sequence split over {DEMO_DEVICES} emulated CPU devices (XLA_FLAGS="
             f"--xla_force_host_platform_device_count={DEMO_DEVICES} unless already set; "
             "JAX_PLATFORMS=cpu unless set). Prints the "
             "losses at matching steps, the largest loss difference from the unsharded run, "
             "tokens/s, and writes a loss-curve PNG."),
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    demo.add_argument("--steps", type=_positive_int, default=40, help="optimizer steps per run")
-    demo.add_argument("--seq-len", type=_positive_int, default=1024,
+        formatter_class=HelpFormatter)
+    demo.add_argument("--steps", type=positive_int, default=40, help="optimizer steps per run")
+    demo.add_argument("--seq-len", type=positive_int, default=1024,
                       help="tokens per row (a multiple of 2 x devices)")
-    demo.add_argument("--batch", type=_positive_int, default=4, help="rows per batch")
-    demo.add_argument("--strategies", default=argparse.SUPPRESS,
+    demo.add_argument("--batch", type=positive_int, default=4, help="rows per batch")
+    demo.add_argument("--strategies", default=",".join(DEMO_STRATEGIES),
                       help="comma-separated strategies from auto, ulysses, ring, hybrid, "
-                           "allgather (hybrid: 2 x 4 ('dcn', 'ici') mesh); default: "
-                           "ulysses,ring,hybrid")
-    demo.add_argument("--out", default="jax-seqpar-demo.png", help="loss-curve PNG path")
+                           "allgather (hybrid: 2 x 4 ('dcn', 'ici') mesh)")
+    demo.add_argument("--out", metavar="DIR", default=default_out_dir(),
+                      help=f"folder the loss-curve PNG ({DEMO_PLOT}) is written to")
     demo.add_argument("--seed", type=int, default=0, help="parameters and data order")
     demo.add_argument("--no-progress", action="store_true", help="hide the progress bars")
     demo.add_argument("--fsdp", action="store_true",
@@ -143,15 +149,16 @@ def build_parser() -> argparse.ArgumentParser:
                            "documents (balanced causal work per device) instead of zigzag, "
                            "and print both orders' busiest/mean work per device")
     demo.add_argument("--mask", choices=("chunked", "prefix", "vlm"), default=None,
-                      help="train with a mask beyond causal: chunked (the local layers causal "
-                           "within chunks of seq-len/4 tokens, Llama 4), prefix (each "
-                           "document's first quarter bidirectional, prefix-LM) or vlm "
-                           "(image-like bidirectional spans amid causal text)")
-    demo.add_argument("--layers", type=_positive_int, default=2, help="Transformer blocks")
-    demo.add_argument("--local-window", type=_positive_int, default=None,
+                      help="train with a mask beyond causal (default: causal only): chunked (the "
+                           "local layers causal within chunks of seq-len/4 tokens, Llama 4), "
+                           "prefix (each document's first quarter bidirectional, prefix-LM) or "
+                           "vlm (image-like bidirectional spans amid causal text)")
+    demo.add_argument("--layers", type=positive_int, default=2, help="Transformer blocks")
+    demo.add_argument("--local-window", type=positive_int, default=None,
                       help="make layers local (causal sliding window of this many past tokens) "
-                           "except every --global-every-th, which stays global")
-    demo.add_argument("--global-every", type=_positive_int, default=2,
+                           "except every --global-every-th, which stays global (default: every "
+                           "layer global)")
+    demo.add_argument("--global-every", type=positive_int, default=2,
                       help="with --local-window: one global layer in this many (Gemma 3: 6)")
     demo.set_defaults(run=_demo)
     _add_generate(commands)
@@ -162,15 +169,8 @@ def build_parser() -> argparse.ArgumentParser:
         "bench",
         help="time, memory and traffic of every strategy, next to the cost model; or "
              "compiled (not run) for a GPU/TPU target",
-        description="Benchmark the sequence-parallel strategies: compile and run every "
-        "applicable strategy forward and forward+backward on this machine (its accelerator, "
-        "else emulated CPU devices) and print time, per-device memory, bytes sent (from the "
-        "compiled HLO) next to jax_seqpar.comm_bytes, the error against the reference "
-        "and plan's choice. With --target NAME (h100:8, v5p:2x2x2, ...) compile for that "
-        "target without running (needs the [aot] extra): memory per device, bytes per "
-        "collective, overlap scheduled, Triton kernel registers/spills/shared memory and "
-        "compile time; with --max-seq the longest sequence each strategy fits.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        description=bench_report.DESCRIPTION,
+        formatter_class=HelpFormatter)
     bench_report.add_bench_arguments(bench)
     bench.set_defaults(run=bench_report.run_bench)
 
@@ -178,10 +178,19 @@ def build_parser() -> argparse.ArgumentParser:
 
     tune = commands.add_parser(
         "tune", help="predict every strategy and factorization, time the best, cache the winner",
-        description=tune_report.__doc__.split("\n\n")[0],
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+        description=tune_report.DESCRIPTION,
+        formatter_class=HelpFormatter)
     tune_report.add_tune_arguments(tune)
     tune.set_defaults(run=tune_report.run_tune)
+
+    from jax_seqpar.tools import check
+
+    checker = commands.add_parser(
+        "check", help="this machine's accelerator kernel and every strategy against the "
+                      "reference (the check for a GPU or TPU machine)",
+        description=check.DESCRIPTION, formatter_class=HelpFormatter)
+    check.add_check_arguments(checker)
+    checker.set_defaults(run=check.run_check)
     return parser
 
 

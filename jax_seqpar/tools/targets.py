@@ -49,7 +49,7 @@ _TPU_ASYNC_ALL_TO_ALL = {"xla_tpu_enable_async_all_to_all": True,
                          "xla_tpu_use_aggressive_scheduling": True}
 #: XLA:TPU runs all-gather synchronously unless asked: these make it an async collective
 #: fusion that runs inside the Mosaic call it can hide behind (each of the five is needed;
-#: ``experiments/tpu_async_options.py`` checks it).
+#: tests/test_compile_gate.py holds that with them the gather encloses a kernel).
 _TPU_ASYNC_ALL_GATHER = {
     "xla_enable_async_all_gather": True,
     "xla_tpu_enable_async_collective_fusion": True,

@@ -13,23 +13,29 @@ import argparse
 import math
 import sys
 
+from jax_seqpar.tools.cli_options import add_shape_arguments, positive_int, shape_from_args
+
 __all__ = ["add_tune_arguments", "run_tune"]
 
 _MIB = 2.0**20
 
 
+#: ``jax-seqpar tune --help``'s description (plain text).
+DESCRIPTION = (
+    "Predict every strategy and factorization of the mesh for the layer, time the best "
+    "--top on the mesh, print them (predicted and measured ms, predicted memory, bytes per "
+    "device, rejections) and store the fastest in the tuned-plan file, which "
+    "strategy=\"auto\" reads when $JAX_SEQPAR_TUNED_PLANS names it. Without devices of "
+    "the mesh's size, emulated CPU devices are used (--mesh sp=8 asks for 8). With several "
+    "--seq lengths, each is tuned in turn.")
+
+
 def add_tune_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Adds the ``tune`` options to ``parser`` (the ``jax-seqpar tune`` subparser)."""
     add = parser.add_argument
-    add("--batch", type=int, default=1, help="sequences per call (B)")
-    add("--seq", type=int, default=4096, help="global sequence length S")
-    add("--heads", type=int, default=8, help="query heads H")
-    add("--kv-heads", type=int, default=8, help="key/value heads Hkv (H %% Hkv == 0)")
-    add("--head-dim", type=int, default=64, help="q/k head dim Dqk")
-    add("--v-head-dim", type=int, default=None, help="v head dim Dv (default: Dqk)")
-    add("--dtype", choices=("float32", "bfloat16"), default="float32", help="q/k/v dtype")
-    add("--causal", action=argparse.BooleanOptionalAction, default=True, help="causal mask")
-    add("--window", type=int, default=None, help="sliding window (both sides), or none")
+    add_shape_arguments(parser)
+    add("--window", type=positive_int, default=None,
+        help="sliding window of this many tokens on both sides (default: none)")
     add("--mesh", default="sp=8", metavar="NAME=SIZE[,NAME=SIZE]",
         help="the sequence axes of the mesh, outer first (devices of this process)")
     add("--hardware", default=None,
@@ -37,8 +43,9 @@ def add_tune_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentPars
              "(measure the cpu preset first); default: the devices' preset")
     add("--memory-budget-gib", type=float, default=None,
         help="per-device memory budget in GiB (default: the hardware's HBM)")
-    add("--top", type=int, default=3, help="how many of the best predicted candidates to time")
-    add("--runs", type=int, default=3, help="timed calls per candidate (median)")
+    add("--top", type=positive_int, default=3,
+        help="how many of the best predicted candidates to time")
+    add("--runs", type=positive_int, default=3, help="timed calls per candidate (median)")
     add("--cache", default=None, help="the tuned-plan file to write (default: "
                                       "$JAX_SEQPAR_TUNED_PLANS or the user cache dir)")
     return parser
@@ -67,15 +74,15 @@ def run_tune(args: argparse.Namespace) -> int:
                     tuple(axes))
         hardware = calibrate.calibrate_cpu() if args.hardware == "calibrate" else args.hardware
         budget = None if args.memory_budget_gib is None else args.memory_budget_gib * 2.0**30
-        chosen = tune.tune(
-            args.seq, args.heads, args.kv_heads, args.head_dim, mesh, batch=args.batch,
-            v_head_dim=args.v_head_dim, dtype_bytes=4 if args.dtype == "float32" else 2,
-            causal=args.causal, window=args.window, hardware=hardware, memory_budget=budget,
-            cache=args.cache, top=args.top, runs=args.runs)
+        chosen = [tune.tune_layer(shape_from_args(args, seq_len, window=args.window), mesh,
+                                  hardware=hardware, memory_budget=budget, cache=args.cache,
+                                  top=args.top, runs=args.runs)
+                  for seq_len in args.seq]
     except ValueError as error:
         print(f"jax-seqpar tune: {error}", file=sys.stderr)
         return 2
-    print(format_plan(chosen, mesh_label(axes)))
+    for seq_len, plan in zip(args.seq, chosen):
+        print(f"seq {seq_len}, " + format_plan(plan, mesh_label(axes)))
     path = args.cache or tuned.default_cache_path()
     print(f"stored in {path}; strategy=\"auto\" uses it with {tuned.ENV_VAR}={path}")
     return 0
