@@ -161,15 +161,17 @@ def test_ulysses_chunks(heads, kv_heads, chunks, variant, tolerances):
 
 def test_ulysses_chunk_counts_and_default():
     assert head_split.chunk_counts(8) == (1, 2, 3, 4)
-    assert head_split.chunk_sizes(2048, 5) == (128, 128, 256, 512, 1024)
+    assert head_split.chunk_sizes(2048, 5) == (128, 512, 512, 512, 256, 128)
     assert head_split.chunk_sizes(8, 1) == (8,)
     # 2048 tokens a device: the most auto chunks; 8: none (a smallest chunk of 16 tokens)
     assert head_split.default_chunks(2048, 8) == head_split.MAX_AUTO_CHUNKS
     assert head_split.default_chunks(8, 8) == 1
     assert head_split.resolve_pieces(True, "auto", "auto", 16, 4, 8, 2048) == (5, 1)
-    # the default pipelines head groups (chunks hold more temp memory: opt-in)
-    assert head_split.resolve_pieces("auto", "auto", "auto", 16, 4, 8, 2048) == (1, 2)
+    # the default chunks the sequence where the local length allows (no more memory
+    # than the unpipelined exchange), else pipelines head groups
+    assert head_split.resolve_pieces("auto", "auto", "auto", 16, 4, 8, 2048) == (5, 1)
     assert head_split.resolve_pieces("auto", "auto", "auto", 16, 4, 8, 8) == (1, 2)
+    assert head_split.resolve_pieces("auto", "auto", 2, 16, 4, 8, 2048) == (1, 2)
     assert head_split.resolve_pieces(False, "auto", "auto", 16, 4, 8, 2048) == (1, 1)
     assert head_split.resolve_pieces(True, 3, "auto", 16, 4, 8, 8) == (3, 1)
 

@@ -157,13 +157,14 @@ def sequence_parallel_attention(
         ring across the groups, on the same devices
         (:func:`jax_seqpar.core.meshes.split_axis`: one axis works too).
       overlap, chunks, head_groups: how Ulysses' exchange (``"ulysses"``, the hybrid's
-        inner one) is pipelined behind the kernel: ``"auto"`` (head groups, the
-        planner's rule: :func:`jax_seqpar.strategies.heads.resolve_pieces`),
-        ``overlap=True`` (Ulysses also along the sequence, in doubling chunks: about
-        90 % of the bytes hidden in a compiled training step, at 1.8-2.9x the temp
-        memory of ``overlap=False``), ``overlap=False`` (each exchange whole, one kernel
-        call), or forced counts for experiments (``chunks`` also sets the all-gather's
-        pieces); a strategy without the keyword refuses a value other than ``"auto"``.
+        inner one) is pipelined behind the kernel: ``"auto"`` or True (along the
+        sequence where each device holds enough tokens, the keys first, then the
+        queries: all but ``1/2^(chunks-1)`` of the bytes travel while a kernel runs, in
+        no more memory than ``overlap=False``; else in head groups: the planner's rule,
+        :func:`jax_seqpar.strategies.heads.resolve_pieces`), ``overlap=False`` (each
+        exchange whole, one kernel call), or forced counts for experiments (``chunks``
+        also sets the all-gather's pieces); a strategy without the keyword refuses a
+        value other than ``"auto"``.
       chunk_size: tokens see each other only inside one chunk ``position // chunk_size``
         (Llama 4's chunked attention: ``causal=True, chunk_size=8192``); a positive int
         or None.

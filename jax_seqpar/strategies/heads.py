@@ -40,8 +40,8 @@ MAX_AUTO_CHUNKS = 5
 #: ``chunks="auto"`` keeps the smallest chunk at this many tokens after the all-to-all
 #: (``P`` devices' share of it): whole kernel tiles.
 MIN_CHUNK_TOKENS = 128
-#: The most chunks a call takes when forced, ``c^2`` pair kernel calls a pass.
-MAX_CHUNKS = 8
+#: The most chunks a call takes when forced, ``2^(c-1)`` K/V pieces, a kernel call each.
+MAX_CHUNKS = 6
 
 
 def kv_replication(num_heads: int, num_kv_heads: int, num_shards: int) -> int:
@@ -117,18 +117,23 @@ def local_heads(x: jax.Array, axis_name: str | tuple[str, ...]):
 
 
 def chunk_sizes(local_len: int, chunks: int) -> tuple[int, ...]:
-    """Local tokens of each of ``chunks`` sequence chunks, doubling: ``L/2^(c-1)`` twice,
-    then ``2L/2^(c-1)``, ``4L/2^(c-1)``, ... (the work a chunk completes grows with
-    everything that arrived before it, so each transfer has a kernel as long to hide
-    behind as itself, and only the first and last pieces, ``1/2^(c-1)``, are exposed).
+    """Local tokens of each query piece of the sequence-chunk pipeline
+    (:mod:`jax_seqpar.strategies.chunk_pipeline`) with ``chunks = c``: ``u = L/2^(c-1)``
+    first (it meets the K/V pieces, ``2^(c-1)`` of ``u`` tokens each, while they arrive),
+    then halving, ``L/2, L/4, ..., 2u, u``, with any piece over ``L/4`` cut into pieces of
+    ``L/4`` (each piece attends to every key in one kernel call while the next comes in
+    and the previous output leaves: the largest piece's float32 result is at most a
+    quarter of the sequence's). The first query and K/V pieces and the last output piece
+    are exposed: ``1/2^(c-1)`` of the bytes.
 
     >>> chunk_sizes(2048, 5)
-    (128, 128, 256, 512, 1024)
+    (128, 512, 512, 512, 256, 128)
     """
     if chunks == 1:
         return (local_len,)
-    unit = local_len // 2 ** (chunks - 1)
-    return (unit, *(unit * 2 ** i for i in range(chunks - 1)))
+    unit, cap = local_len // 2 ** (chunks - 1), max(local_len // 4, 1)
+    halving = [unit * 2 ** i for i in reversed(range(chunks - 1))]
+    return (unit, *(piece for s in halving for piece in [min(s, cap)] * max(s // cap, 1)))
 
 
 def chunk_counts(local_len: int) -> tuple[int, ...]:
@@ -158,10 +163,10 @@ def resolve_pieces(overlap: bool | Literal['auto'], chunks: int | Literal['auto'
     """``(chunks, head_groups)`` of one Ulysses exchange from the call's keywords.
 
     ``overlap=False``: ``(1, 1)``, each exchange whole (then ``chunks`` and
-    ``head_groups`` must be 1 or ``"auto"``). ``overlap="auto"``: ``chunks="auto"`` is 1
-    (head groups: the memory-lean default); ``overlap=True``: ``chunks="auto"`` is
-    :func:`default_chunks` (1 where ``chunked`` is False: the hybrid's ring stage is
-    not chunked). ``head_groups="auto"`` is 1 when the sequence is chunked, else
+    ``head_groups`` must be 1 or ``"auto"``). ``overlap="auto"`` or True:
+    ``chunks="auto"`` is :func:`default_chunks` (1 where ``chunked`` is False: the
+    hybrid's ring stage is not chunked; 1 with forced head groups), and
+    ``head_groups="auto"`` is 1 when the sequence is chunked, else
     :func:`default_head_groups`. Chunks and head groups do not combine (one of them is 1).
     Raises ``ValueError`` listing the counts that work.
     """
@@ -175,13 +180,13 @@ def resolve_pieces(overlap: bool | Literal['auto'], chunks: int | Literal['auto'
         return 1, 1
     allowed = chunk_counts(local_len) if chunked else (1,)
     if chunks == "auto":
-        chunks = default_chunks(local_len, num_shards) if chunked and overlap is True else 1
+        chunks = default_chunks(local_len, num_shards) if chunked else 1
         if head_groups not in ("auto", 1):
             chunks = 1
     elif isinstance(chunks, bool) or chunks not in allowed:
         raise ValueError(
             f"chunks={chunks!r} does not cut the {local_len} tokens a device holds into "
-            f"doubling chunks (2^(chunks-1) must divide them); it takes one of {allowed} "
+            f"pieces (2^(chunks-1) must divide them); it takes one of {allowed} "
             f"or 'auto'" + ("" if chunked else " (the hybrid does not chunk: 1)") + ".")
     if chunks > 1:
         if head_groups not in ("auto", 1) or isinstance(head_groups, bool):

@@ -9,11 +9,10 @@ any mask). When ``Hkv`` is not a multiple of P, K/V heads are replicated just
 enough (``P / gcd(Hkv, P)`` times) for every device to hold the K/V heads of its
 query heads.
 
-Pipelined over head groups (:mod:`jax_seqpar.strategies.head_pipeline`; the default) or,
-with ``overlap=True`` or ``chunks=``, along the sequence
-(:mod:`jax_seqpar.strategies.chunk_pipeline`: chunk ``i + 1`` of every device's tokens
-travels while the kernel attends the chunks already there; more hidden, more temp
-memory); ``overlap=False`` sends each exchange whole.
+Pipelined along the sequence (:mod:`jax_seqpar.strategies.chunk_pipeline`: the keys
+first, then the queries, each piece's transfer behind a kernel; the default where each
+device holds enough tokens) or over head groups
+(:mod:`jax_seqpar.strategies.head_pipeline`); ``overlap=False`` sends each exchange whole.
 """
 
 from __future__ import annotations
@@ -42,15 +41,15 @@ def ulysses_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes, over
       causal, window, chunk_size, mask_fn, segment_ids, positions, bidirectional_ids,
         scale, kernel, block_sizes, softcap, sinks, kv_segment_ids, return_lse: as in
         :func:`jax_seqpar.strategies.ring.ring_attention` (``sinks`` replicated).
-      overlap: ``"auto"`` (default): the exchange pipelined behind the kernel in
-        ``head_groups`` head groups; True: in ``chunks`` sequence chunks (about 90 % of
-        the bytes hidden in a compiled training step, 1.8-2.9x the temp memory of
-        False); False: each exchange whole, one kernel call
+      overlap: ``"auto"`` (default) or True: the exchange pipelined behind the kernel,
+        in ``chunks`` sequence pieces where the local length allows, else in
+        ``head_groups`` head groups; False: each exchange whole, one kernel call
         (:func:`jax_seqpar.strategies.heads.resolve_pieces`).
-      chunks: how many sequence chunks (:func:`jax_seqpar.strategies.heads.chunk_counts`
-        lists what the local length allows); ``"auto"``: 1 with ``overlap="auto"``,
-        :func:`~jax_seqpar.strategies.heads.default_chunks` (5 at 2048 tokens a device)
-        with ``overlap=True``.
+      chunks: how many query pieces (:func:`jax_seqpar.strategies.heads.chunk_sizes`;
+        :func:`jax_seqpar.strategies.heads.chunk_counts` lists what the local length
+        allows); ``"auto"``: :func:`~jax_seqpar.strategies.heads.default_chunks` (5 at
+        2048 tokens a device, 1 where the smallest piece would bring fewer than
+        :data:`~jax_seqpar.strategies.heads.MIN_CHUNK_TOKENS` tokens).
         Chunks hide all but ``1/2^(chunks-1)`` of the bytes where collectives are
         asynchronous (GPU; TPU with the all-to-all option).
       head_groups: how many groups the ``H/P`` heads a device receives are pipelined in
