@@ -11,7 +11,7 @@ TINY = check.Case(16, 16, "float32", seq=32, heads=2, kv_heads=1)
 
 def test_a_right_kernel_passes_and_a_wrong_one_fails(monkeypatch):
     printed = []
-    assert check.check_kernel(TINY, "xla", print_fn=printed.append)
+    assert check.check_kernel(TINY, print_fn=printed.append)
     assert printed[-1].startswith("ok   kernel=xla 16/16 float32")
 
     right = kernels.get("xla")
@@ -25,14 +25,14 @@ def test_a_right_kernel_passes_and_a_wrong_one_fails(monkeypatch):
             return out * 1.01, lse
 
     monkeypatch.setattr(kernels, "get", lambda name="auto": Off())
-    assert not check.check_kernel(TINY, "xla", print_fn=printed.append)
+    assert not check.check_kernel(TINY, print_fn=printed.append)
     assert printed[-1].startswith("FAIL kernel=xla")
 
 
 def test_a_strategy_passes_on_the_cpu_mesh():
     printed = []
-    assert check.check_strategy("ring", "xla", seq=64, heads=2, kv_heads=1, head_dim=8,
-                                dtype="float32", print_fn=printed.append)
+    case = check.Case(8, 8, "float32", seq=64, heads=2, kv_heads=1, kernel="xla")
+    assert check.check_strategy("ring", case, print_fn=printed.append)
     assert printed == [printed[0]] and printed[0].startswith("ok   ring kernel=xla on 8 cpu")
 
 

@@ -20,7 +20,13 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from typing import NamedTuple, Optional
+from typing import TYPE_CHECKING, Callable, NamedTuple, Optional
+
+if TYPE_CHECKING:  # annotations only
+    import jax
+
+    from jax_seqpar.kernels import KernelName
+    from jax_seqpar.strategies.registry import StrategyName
 
 __all__ = ["Case", "DESCRIPTION", "HEAD_DIMS", "KERNEL_OF_PLATFORM", "QUICK_HEAD_DIMS", "TOLERANCE", "add_check_arguments", "check_kernel", "check_strategy", "kernel_cases", "relative_error", "run_check"]
 
@@ -39,8 +45,8 @@ TOLERANCE = {"float32": {"out": 1e-3, "grad": 1e-3},
 
 
 class Case(NamedTuple):
-    """One kernel call: global sizes, dtype and mask (``q_len`` < ``seq``: the queries are
-    the last ``q_len`` tokens, e.g. 1 for a decode row)."""
+    """One kernel call: global sizes, dtype, mask and the kernel under test (``q_len`` <
+    ``seq``: the queries are the last ``q_len`` tokens, e.g. 1 for a decode row)."""
 
     d_qk: int
     d_v: int
@@ -53,6 +59,7 @@ class Case(NamedTuple):
     segments: bool = True
     q_len: Optional[int] = None
     softcap: Optional[float] = None
+    kernel: KernelName = "xla"
 
     def label(self) -> str:
         extras = [f"{name}={value}" for name, value in (("window", self.window),
@@ -80,7 +87,7 @@ def kernel_cases(platform: str, *, quick: bool = False, seq: int = 1024) -> list
     ]
 
 
-def relative_error(got, wanted) -> float:
+def relative_error(got: jax.typing.ArrayLike, wanted: jax.typing.ArrayLike) -> float:
     """``max |got - wanted| / max |wanted|`` in float32."""
     import numpy as np
 
@@ -88,7 +95,7 @@ def relative_error(got, wanted) -> float:
     return float(np.max(np.abs(got - wanted)) / max(float(np.max(np.abs(wanted))), 1e-6))
 
 
-def _report(label: str, dtype: str, errors: dict, print_fn=print) -> bool:
+def _report(label: str, dtype: str, errors: dict, print_fn: Callable[[str], None] = print) -> bool:
     limits = TOLERANCE[dtype]
     ok = all(err <= limits["grad" if name.startswith("d") else "out"]
              for name, err in errors.items())
@@ -112,8 +119,8 @@ def _grads_of(fn, inputs, weights):
     return dict(zip(("out", "lse"), results), dq=grads[0], dk=grads[1], dv=grads[2])
 
 
-def check_kernel(case: Case, kernel: str, print_fn=print) -> bool:
-    """``kernel`` on ``case`` against the reference: out, lse, dq, dk, dv."""
+def check_kernel(case: Case, print_fn: Callable[[str], None] = print) -> bool:
+    """``case.kernel`` on ``case`` against the reference: out, lse, dq, dk, dv."""
     import jax
     import jax.numpy as jnp
 
@@ -135,11 +142,11 @@ def check_kernel(case: Case, kernel: str, print_fn=print) -> bool:
                       None if segments is None else segments[:, case.seq - q_len:])
     spec = MaskSpec.make(case.causal, None if case.window is None else (case.window, 0))
     scale = case.d_qk ** -0.5
-    module = kernels.get(kernel)
+    module = kernels.get(case.kernel)
 
     def ours(q, k, v):
         return module.attention(q, k, v, q_tokens, kv_tokens, kernels.make_options(
-            q, spec, scale=scale, kernel=kernel, softcap=case.softcap))
+            q, spec, scale=scale, kernel=case.kernel, softcap=case.softcap))
 
     def theirs(q, k, v):
         return reference.attention(
@@ -149,7 +156,7 @@ def check_kernel(case: Case, kernel: str, print_fn=print) -> bool:
             kv_segment_ids=kv_tokens.segment_ids, scale=scale, softcap=case.softcap,
             return_lse=True)
 
-    label = f"kernel={kernel} {case.label()}"
+    label = f"kernel={case.kernel} {case.label()}"
     try:
         got, wanted = _grads_of(ours, (q, k, v), weights), _grads_of(theirs, (q, k, v), weights)
     except Exception as error:  # a case the kernel cannot compile is a failed check
@@ -160,11 +167,11 @@ def check_kernel(case: Case, kernel: str, print_fn=print) -> bool:
                    {name: relative_error(got[name], wanted[name]) for name in got}, print_fn)
 
 
-def check_strategy(strategy: str, kernel: str, *, seq: int = 4096, heads: int = 8,
-                   kv_heads: int = 2, head_dim: int = 128, dtype: str = "bfloat16",
-                   print_fn=print) -> bool:
-    """``strategy`` over every local device (hybrid: a ``(2, P/2)`` mesh), causal with
-    packed documents, against the reference: out, dq, dk, dv."""
+def check_strategy(strategy: StrategyName, case: Case,
+                   print_fn: Callable[[str], None] = print) -> bool:
+    """``strategy`` over every local device (hybrid: a ``(2, P/2)`` mesh) with ``case``'s
+    sizes, dtype and kernel (``d_qk`` the head dim), causal with packed documents, against
+    the reference: out, dq, dk, dv."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -172,6 +179,8 @@ def check_strategy(strategy: str, kernel: str, *, seq: int = 4096, heads: int = 
     from jax_seqpar.api.attention import sequence_parallel_attention
     from jax_seqpar.core import reference
 
+    seq, heads, kv_heads, head_dim, dtype = (case.seq, case.heads, case.kv_heads, case.d_qk,
+                                             case.dtype)
     devices = np.array(jax.devices())
     if strategy == "hybrid":
         if len(devices) < 4 or len(devices) % 2:
@@ -189,13 +198,13 @@ def check_strategy(strategy: str, kernel: str, *, seq: int = 4096, heads: int = 
 
     def ours(q, k, v):
         return sequence_parallel_attention(q, k, v, mesh=mesh, seq_axes=axes, strategy=strategy,
-                                           causal=True, segment_ids=segments, kernel=kernel)
+                                           causal=True, segment_ids=segments, kernel=case.kernel)
 
     def theirs(q, k, v):
         return reference.attention(*(x.astype(jnp.float32) for x in (q, k, v)), causal=True,
                                    segment_ids=segments)
 
-    label = (f"{strategy} kernel={kernel} on {len(devices)} {devices.flat[0].platform} "
+    label = (f"{strategy} kernel={case.kernel} on {len(devices)} {devices.flat[0].platform} "
              f"devices S={seq} H={heads} Hkv={kv_heads} D={head_dim} {dtype}")
     try:
         got, wanted = _grads_of(ours, (q, k, v), weights), _grads_of(theirs, (q, k, v), weights)
@@ -247,10 +256,11 @@ def run_check(args: argparse.Namespace) -> int:
     print(f"{jax.device_count()} x {jax.devices()[0].device_kind}, jax {jax.__version__}")
     start, ok = time.perf_counter(), True
     for case in kernel_cases(platform, quick=args.quick, seq=args.kernel_seq):
-        ok &= check_kernel(case, kernel)
+        ok &= check_kernel(case._replace(kernel=kernel))
     if not args.no_strategies:
         for strategy in STRATEGIES:
             for each in dict.fromkeys((kernel, "xla")):
-                ok &= check_strategy(strategy, each, seq=4 * args.kernel_seq)
+                ok &= check_strategy(strategy, Case(128, 128, seq=4 * args.kernel_seq,
+                                                    kernel=each))
     print(f"{'all ok' if ok else 'FAILURES'} ({time.perf_counter() - start:.0f} s)")
     return 0 if ok else 1

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import Any, Callable
 
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.tools.bench import DEFAULT_SHAPE, DTYPES
@@ -44,7 +45,7 @@ def positive_int(text: str) -> int:
     return value
 
 
-def comma_list(convert):
+def comma_list(convert: Callable[[str], Any]) -> Callable[[str], list]:
     """An ``argparse`` type: ``"a,b"`` -> ``[convert("a"), convert("b")]``."""
     return lambda text: [convert(v.strip()) for v in text.split(",") if v.strip()]
 
@@ -67,7 +68,7 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
         help="causal mask")
 
 
-def shape_from_args(args: argparse.Namespace, seq_len: int, **fields) -> LayerShape:
+def shape_from_args(args: argparse.Namespace, seq_len: int, **fields: Any) -> LayerShape:
     """The :class:`LayerShape` of :func:`add_shape_arguments`' options at ``seq_len``."""
     return LayerShape(args.batch, seq_len, args.heads, args.kv_heads, args.head_dim,
                       args.v_head_dim, dtype=args.dtype, causal=args.causal, **fields)
