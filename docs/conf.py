@@ -65,6 +65,12 @@ suppress_warnings = ["ref.python"]
 nitpick_ignore = [
     # JAX: arrays (annotations resolve jax.Array to its jaxlib class), meshes, specs.
     ("py:class", "jax.jaxlib._jax.Array"),
+    ("py:class", "jax.Array"),
+    ("py:class", "jax.typing.ArrayLike"),
+    ("py:class", "jax._src.typing.SupportsDType"),
+    ("py:class", "jax._src.stages.Compiled"),
+    ("py:class", "jax.numpy.float32"),
+    ("py:class", "jaxlib._jax.Device"),
     ("py:class", "jax._src.mesh.Mesh"),
     ("py:class", "jax.sharding.Mesh"),
     ("py:class", "jax.P"),
@@ -74,6 +80,10 @@ nitpick_ignore = [
     ("py:func", "jax.experimental.topologies.get_topology_desc"),
     # NumPy.
     ("py:class", "numpy.ndarray"),
+    ("py:class", "numpy.dtype"),
+    ("py:class", "numpy.number"),
+    ("py:class", "numpy.bool"),
+    ("py:class", "numpy.random._generator.Generator"),
     # Flax (the [flax] extra) and optax (the [examples] extra).
     ("py:class", "flax.nnx.statelib.State"),
     ("py:class", "flax.nnx.module.Module"),
@@ -82,6 +92,9 @@ nitpick_ignore = [
     ("py:class", "argparse.ArgumentParser"),
     ("py:class", "argparse.Namespace"),
     ("py:class", "pathlib.Path"),
+    ("py:class", "os.PathLike"),
+    ("py:class", "collections.abc.Mapping"),
+    ("py:class", "argparse.HelpFormatter"),
 ]
 
 html_theme = "sphinx_book_theme"

@@ -94,17 +94,17 @@ def int32_array(name: str, x, shape: tuple, *, dims: str = "[batch, seq]"):
 
 
 def segment_ids(name: str, x: jax.typing.ArrayLike | None, batch: int, seq: int):
-    """``int32[batch, seq]`` document ids (:func:`int32_array`; ``PAD_SEGMENT``: padding)."""
+    """``int32[batch, seq]`` document ids (``int32_array``; ``PAD_SEGMENT``: padding)."""
     return int32_array(name, x, (batch, seq))
 
 
 def positions(name: str, x: jax.typing.ArrayLike | None, batch: int, seq: int):
-    """``int32[batch, seq]`` token positions (:func:`int32_array`)."""
+    """``int32[batch, seq]`` token positions (``int32_array``)."""
     return int32_array(name, x, (batch, seq))
 
 
 def lengths(name: str, x: jax.typing.ArrayLike | None, batch: int):
-    """``int32[batch]`` sequence lengths (:func:`int32_array`)."""
+    """``int32[batch]`` sequence lengths (``int32_array``)."""
     return int32_array(name, x, (batch,), dims="[batch]")
 
 
@@ -173,7 +173,7 @@ def mesh_only(**given: tuple[object, object]) -> None:
 
 def bidirectional_ids(x: jax.typing.ArrayLike | None, batch: int, seq: int, causal: bool,
                       name: str = "bidirectional_ids"):
-    """``int32[batch, seq]`` bidirectional ids (:func:`int32_array`), or None. They only
+    """``int32[batch, seq]`` bidirectional ids (``int32_array``), or None. They only
     lift a causal mask, so without ``causal`` they would mean nothing: ``ValueError``."""
     if x is None:
         return None

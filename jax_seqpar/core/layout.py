@@ -44,6 +44,7 @@ __all__ = ["LAYOUTS", "LayoutName", "contiguous_positions", "from_striped", "fro
 #: contiguous, zigzag and striped are formulas of the length and the shard count;
 #: per_document follows a batch's documents. The entry points add ``"auto"``.
 LayoutName = Literal["contiguous", "zigzag", "striped", "per_document"]
+#: Every layout name, in the order tables list them.
 LAYOUTS: tuple[str, ...] = typing.get_args(LayoutName)
 #: The orders a formula gives (positions inside ``shard_map``: :func:`shard_positions`).
 _FORMULA_LAYOUTS = tuple(name for name in LAYOUTS if name != "per_document")

@@ -36,9 +36,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["EMPTY_LSE", "MaskSpec", "PAD_SEGMENT", "Tokens", "classify", "cols",
-           "normalize_window", "rows", "shifted", "summarize", "visible",
-           "visible_tokens"]
+__all__ = ["BlockSummary", "classify", "cols", "EMPTY_LSE", "MaskSpec", "MAX_WINDOW",
+           "normalize_window", "PAD_SEGMENT", "rows", "shifted", "summarize", "Tokens",
+           "visible", "visible_tokens"]
 
 EMPTY, PARTIAL, FULL = 0, 1, 2
 

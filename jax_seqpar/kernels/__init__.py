@@ -37,6 +37,7 @@ __all__ = ["KERNELS", "BlockSizes", "Kernel", "KernelName", "Options", "PerPlatf
 
 #: What ``kernel=`` takes: a per-platform choice (``"auto"``) or one kernel.
 KernelName = Literal["auto", "xla", "pallas", "mosaic"]
+#: Every value ``kernel=`` takes.
 KERNELS: tuple[str, ...] = typing.get_args(KernelName)
 
 # The kernel each choice lowers to, per lowering platform ("default": every other).

@@ -6,7 +6,7 @@ With zigzag positions the causal work is balanced. With a window on the contiguo
 split (default positions) only what the window reaches is gathered
 (``jax_seqpar.strategies.halo.window_attention``).
 
-**Gathered in chunks** (:func:`chunked_attention`): each device cuts its ``S/P`` K/V
+**Gathered in chunks** (``chunked_attention``): each device cuts its ``S/P`` K/V
 tokens into ``C`` slices, and piece ``c`` is the all-gather of every device's slice
 ``c`` (K and V as one collective). A loop attends to piece ``c`` while piece ``c + 1``
 is gathered, merging the partial results in float32 as the ring's steps do; only the
@@ -42,8 +42,8 @@ from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.inputs import (Call, Metadata, axis_size, gather_tokens, per_shard,
                                           prepare)
 
-__all__ = ["MAX_AUTO_CHUNKS", "allgather_attention", "chunk_counts", "default_chunks",
-           "resolve_chunks"]
+__all__ = ["allgather_attention", "chunk_counts", "default_chunks", "MAX_AUTO_CHUNKS",
+           "MIN_CHUNK_TOKENS", "resolve_chunks"]
 
 #: ``chunks="auto"`` takes at most this many pieces: 16 hide fifteen sixteenths of the
 #: gathered bytes (B=1, S=16384, H=16, Hkv=4, D=128, bf16, causal, 8 devices, compiled

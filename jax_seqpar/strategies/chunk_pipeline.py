@@ -1,8 +1,9 @@
 """Ulysses' exchange pipelined along the sequence: the keys first, then the queries.
 
-Each device cuts its ``L = S/P`` local tokens twice (:func:`jax_seqpar.strategies.heads.
-chunk_sizes`, ``u = L/2^(c-1)``): its K/V into ``2^(c-1)`` pieces of ``u`` tokens, its
-queries into ``c`` pieces ``u, L/2, L/4, ..., 2u, u``. A piece's all-to-all brings the ``P``
+Each device cuts its ``L = S/P`` local tokens twice (``u = L/2^(c-1)``,
+:func:`jax_seqpar.strategies.heads.chunk_sizes`): its K/V into ``2^(c-1)`` pieces of ``u``
+tokens, its queries into pieces ``u, L/4, L/4, L/4, L/8, ..., 2u, u`` (halving from ``L/2``,
+pieces over ``L/4`` cut into quarters). A piece's all-to-all brings the ``P``
 devices' piece for this device's ``H/P`` heads (their positions and segment ids travel with
 them: any token order is exact).
 

@@ -24,9 +24,9 @@ import jax
 
 from jax_seqpar.strategies.inputs import axis_size
 
-__all__ = ["MAX_AUTO_CHUNKS", "MAX_AUTO_HEAD_GROUPS", "MIN_CHUNK_TOKENS",
-           "chunk_counts", "chunk_sizes", "default_chunks", "default_head_groups",
+__all__ = ["chunk_counts", "chunk_sizes", "default_chunks", "default_head_groups",
            "head_group_counts", "kv_replication", "local_head_counts", "local_heads",
+           "MAX_AUTO_CHUNKS", "MAX_AUTO_HEAD_GROUPS", "MAX_CHUNKS", "MIN_CHUNK_TOKENS",
            "resolve_head_groups", "resolve_pieces"]
 
 #: ``head_groups="auto"`` takes at most this many groups: 4 hide three quarters of the

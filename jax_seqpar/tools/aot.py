@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from jax_seqpar.tools import hlo
 
-__all__ = ["Compiled", "PRODUCTION_CODEGEN", "compile_for"]
+__all__ = ["compile_for", "Compiled", "KernelResources", "PRODUCTION_CODEGEN"]
 
 _ENTRY_RE = re.compile(r"^\.visible \.entry (\w+)\(", re.MULTILINE)
 _PTXAS_FUNCTION_RE = re.compile(r"Function properties for (\w+)\s*\n\s*(\d+) bytes stack frame, "

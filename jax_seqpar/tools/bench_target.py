@@ -123,13 +123,13 @@ def run_target(shape: LayerShape, target: str, meshes: Optional[Sequence] = None
       shape: the layer; ``seq_lens`` (if given) sweeps its ``seq_len``.
       target: a name of :mod:`jax_seqpar.tools.targets` (``"h100:8"``, ``"v5p:2x2x2"``, ...).
       meshes: ``"sp=8"`` strings or ``{name: size}`` dicts over all the target's
-        devices (default :func:`default_meshes`).
+        devices (default ``default_meshes``).
       strategies, kernel: what to compile (``kernel="auto"``: Triton on GPU).
 
     Returns:
       ``{"target", "platform", "shape", "rows", "skipped", "plans", "notes"}``; each
       row has ``seq_len, mesh, strategy, kernel, layout, planned`` and ``fwd`` /
-      ``fwd_bwd``: the dicts of :func:`measure_program`.
+      ``fwd_bwd``: the dicts of ``measure_program``.
     """
     from tqdm.auto import tqdm
 

@@ -32,8 +32,8 @@ __all__ = ["Case", "DESCRIPTION", "HEAD_DIMS", "KERNEL_OF_PLATFORM", "QUICK_HEAD
 
 #: The kernel each accelerator platform compiles.
 KERNEL_OF_PLATFORM = {"gpu": "pallas", "tpu": "mosaic"}
-#: (Dqk, Dv) pairs the accelerator kernels serve: standard heads, DeepSeek's 192/128 and
-#: MLA absorbed 576/512.
+#: The head dims ``(Dqk, Dv)`` the accelerator kernels serve (standard heads, DeepSeek's
+#: 192/128 and MLA absorbed 576/512).
 HEAD_DIMS = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128),
              (576, 512))
 QUICK_HEAD_DIMS = ((64, 64), (128, 128), (576, 512))

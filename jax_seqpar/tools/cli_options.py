@@ -69,7 +69,7 @@ def add_shape_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def shape_from_args(args: argparse.Namespace, seq_len: int, **fields: Any) -> LayerShape:
-    """The :class:`LayerShape` of :func:`add_shape_arguments`' options at ``seq_len``."""
+    """The :class:`~jax_seqpar.core.shape.LayerShape` of :func:`add_shape_arguments`' options at ``seq_len``."""
     return LayerShape(args.batch, seq_len, args.heads, args.kv_heads, args.head_dim,
                       args.v_head_dim, dtype=args.dtype, causal=args.causal, **fields)
 
