@@ -230,10 +230,10 @@ def _time_model_hides_no_more_than_the_program(target, strategy, mode, compiled)
         assert modelled >= hidden - 0.05, (mode, modelled, hidden)
 
 
-def _training_step(target: str, strategy: str, **keywords):
+def _training_step(target: str, strategy: str, *, backward: bool = True, **keywords):
     """``jax.grad`` of a scalar loss of the global call with ``positions=`` (tokens kept
     in their order: no relayout), at :data:`SHAPE`, compiled with the strategy's target
-    options: what a training step compiles."""
+    options: what a training step compiles (``backward=False``: the call alone)."""
     mesh = targets.target_mesh(target)
     sharding = NamedSharding(mesh, P(None, "sp"))
     args = [jax.ShapeDtypeStruct(size, SHAPE.dtype, sharding=sharding)
@@ -241,28 +241,56 @@ def _training_step(target: str, strategy: str, **keywords):
     args.append(jax.ShapeDtypeStruct((SHAPE.batch, SHAPE.seq_len), jnp.int32,
                                      sharding=sharding))
 
+    def attend(q, k, v, positions):
+        return api.sequence_parallel_attention(q, k, v, mesh=mesh, strategy=strategy,
+                                               causal=True, positions=positions, **keywords)
+
     def loss(q, k, v, positions):
-        out = api.sequence_parallel_attention(q, k, v, mesh=mesh, strategy=strategy,
-                                              causal=True, positions=positions, **keywords)
-        return jnp.mean(jnp.square(out.astype(jnp.float32)))
+        return jnp.mean(jnp.square(attend(q, k, v, positions).astype(jnp.float32)))
 
     platform = targets.target_platform(target)
-    return aot.compile_for(jax.grad(loss, argnums=(0, 1, 2)), args, platform,
+    fn = jax.grad(loss, argnums=(0, 1, 2)) if backward else attend
+    return aot.compile_for(fn, args, platform,
                            compiler_options=targets.compile_options(platform, strategy))
 
 
-@_compiles_for(GPU)
-def test_ulysses_chunks_hide_the_training_steps_exchange():
-    """Ulysses' exchange pipelined along the sequence (5 doubling chunks at 512 tokens a
-    device) in a training step on 8 H100s: at least 85 % of its bytes are sent while a
-    kernel runs (measured 89.2 %: the first chunk's q/k/v and the last gradients are
-    exposed, and the second chunk's q/k/v start after step 0's kernel); with
-    ``overlap=False`` none (one exchange each way, nothing to hide behind)."""
-    pipelined = schedule.bytes_hidden(_training_step(GPU, "ulysses", overlap=True).compiled)
-    assert pipelined["fraction"] >= 0.85, pipelined
-    whole = schedule.bytes_hidden(_training_step(GPU, "ulysses", overlap=False).compiled)
+def _ulysses_pipelined_and_whole(target: str, backward: bool):
+    """``(hidden share, temp bytes)`` of Ulysses' training step (or forward) with its
+    default pipeline and with ``overlap=False``."""
+    results = []
+    for overlap in ("auto", False):
+        compiled = _training_step(target, "ulysses", backward=backward,
+                                  **({} if overlap == "auto" else dict(overlap=overlap))).compiled
+        results.append((schedule.bytes_hidden(compiled), hlo.memory_bytes(compiled)["temp"]))
+    return results
+
+
+@pytest.mark.parametrize("target, backward", [
+    _on(target, backward) for target in (GPU, TPU) for backward in (False, True)])
+def test_ulysses_pipeline_hides_ninety_percent(target, backward):
+    """Ulysses' exchange pipelined along the sequence (the keys first, then the queries;
+    5 chunks at 512 tokens a device: 1/16 of the bytes exposed) in the forward and the
+    training step: at least 90 % of the bytes are sent while a kernel runs; with
+    ``overlap=False`` none (one exchange each way, nothing to hide behind), the same
+    bytes in all. On GPU the pipeline's temp memory is at most 1.10x ``overlap=False``'s
+    (measured 1.10x forward, 0.86x training step at this shape)."""
+    (pipelined, temp), (whole, whole_temp) = _ulysses_pipelined_and_whole(target, backward)
+    assert pipelined["fraction"] >= 0.90, pipelined
     assert whole["fraction"] == 0.0, whole
     assert whole["total"] == pytest.approx(pipelined["total"], rel=0.01), (whole, pipelined)
+    if target == GPU:
+        assert temp <= 1.10 * whole_temp, (temp / 2**20, whole_temp / 2**20)
+
+
+@pytest.mark.xfail(strict=True, reason="XLA:TPU holds more temp for the pipeline than for "
+                   "the whole exchange (measured 1.6x forward at S=16384): not yet bounded")
+@_compiles_for(TPU)
+def test_ulysses_pipeline_memory_on_tpu():
+    """On TPU too, the pipeline's forward temp memory would be at most 1.10x
+    ``overlap=False``'s; it is not yet (strict: this fails once it is, to drop the
+    mark)."""
+    (_, temp), (_, whole_temp) = _ulysses_pipelined_and_whole(TPU, backward=False)
+    assert temp <= 1.10 * whole_temp, (temp / 2**20, whole_temp / 2**20)
 
 
 # (head dim of q/k, of v): every head dim the Pallas kernel is built for, DeepSeek's

@@ -282,7 +282,9 @@ def _pipeline_bwd(config, residuals, cotangents):
         part = slice(m * unit, (m + 1) * unit)
         _, dk, dv = options.backward(queries, keys[:, part], values[:, part], q_all,
                                      kv_tokens[m], lse_all, delta_all, dout_all)
-        dk, dv, raw = jax.lax.optimization_barrier((dk, dv, raw))
+        # The keys pass the barrier too: the next piece's kernel runs after it (else
+        # XLA:TPU runs every piece's kernel ahead of the transfers).
+        dk, dv, raw, keys, values = jax.lax.optimization_barrier((dk, dv, raw, keys, values))
         got_out = unpack(raw)[1]
         if leaving[0] == "q":
             sent_q[leaving[1]] = got_out[0]

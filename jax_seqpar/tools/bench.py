@@ -22,7 +22,7 @@ import math
 import statistics
 import sys
 import time
-from typing import Any, Mapping, Optional, Sequence
+from typing import Any, Literal, Mapping, Optional, Sequence, Union
 
 import jax
 import jax.numpy as jnp
@@ -106,12 +106,14 @@ def layout_for(strategy: StrategyName, shape: LayerShape) -> str:
 class Case:
     """One configuration the bench compiles: a strategy over mesh ``axes`` (``{name:
     size}``, outer first) on a layer ``shape`` with a ``kernel`` (a name of
-    :data:`~jax_seqpar.kernels.KERNELS`)."""
+    :data:`~jax_seqpar.kernels.KERNELS`); ``overlap``: the strategy's own pipelining
+    (``"auto"``), or False for Ulysses' and the hybrid's exchanges sent whole."""
 
     strategy: StrategyName
     axes: dict
     shape: LayerShape
     kernel: KernelName = "xla"
+    overlap: Union[bool, Literal["auto"]] = "auto"
 
 
 def build(case: Case, mesh: jax.sharding.Mesh):
@@ -128,8 +130,9 @@ def build(case: Case, mesh: jax.sharding.Mesh):
     def body(q, k, v):  # [B, S/P, H, D] each
         positions = layout.shard_positions(order, q.shape[1], axis_name=axis_name)  # [S/P]
         positions = jnp.broadcast_to(positions, q.shape[:2])  # [B, S/P]
+        pipeline = {} if case.overlap == "auto" else dict(overlap=case.overlap)
         return attend(q, k, v, causal=case.shape.causal, positions=positions,
-                      kernel=case.kernel)
+                      kernel=case.kernel, **pipeline)
 
     forward = jax.shard_map(body, mesh=mesh, in_specs=(P(None, axis_name),) * 3,
                             out_specs=P(None, axis_name),

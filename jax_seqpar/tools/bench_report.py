@@ -79,7 +79,9 @@ def format_target_table(result: dict) -> str:
     for r in result["rows"]:
         fwd, both = r["fwd"], r["fwd_bwd"]
         lines.append([
-            r["seq_len"], r["mesh"], r["strategy"] + " *" * r["planned"],
+            r["seq_len"], r["mesh"],
+            r["strategy"] + " *" * r["planned"] + (" overlap=False" if r.get("overlap") is False
+                                                   else ""),
             f"{fwd['compile_s']:.1f}/{both['compile_s']:.1f}",
             *(f"{x / MIB:.1f}" for x in (fwd["temp_bytes"], both["temp_bytes"])),
             _hidden(fwd), _hidden(both),

@@ -30,9 +30,12 @@ from jax_seqpar.strategies.registry import comm_bytes
 from jax_seqpar.kernels import KernelName
 from jax_seqpar.strategies.registry import StrategyName
 
-__all__ = ["DEFAULT_RESERVE", "MAX_SEQ_TOLERANCE", "compile_strategy",
+__all__ = ["DEFAULT_RESERVE", "MAX_SEQ_TOLERANCE", "PIPELINED", "compile_strategy",
            "footprint_bytes", "max_seq", "run_max_seq", "run_target"]
 
+#: The strategies whose exchange pipelines behind their kernels (``overlap=``): the bench
+#: compiles them with ``overlap=False`` as well.
+PIPELINED = ("ulysses", "hybrid")
 #: Share of a device's HBM kept for the runtime, collectives' buffers and the rest of
 #: the model: a program fits when its footprint is at most ``(1 - reserve) * HBM``.
 DEFAULT_RESERVE = 0.1
@@ -140,6 +143,11 @@ def run_target(shape: LayerShape, target: str, meshes: Optional[Sequence] = None
     _check_meshes(target, meshes)
     todo, skipped, plans = bench.configurations(shapes, meshes, strategies, [kernel])
     rows = []
+    # The strategies that pipeline their exchange are also compiled with overlap=False
+    # (each exchange whole): the hidden share and temp memory of both, side by side.
+    todo = [(each, chosen) for case, chosen in todo for each in (
+        [case, dataclasses.replace(case, overlap=False)]
+        if case.strategy in PIPELINED else [case])]
     for case, chosen in tqdm(todo, desc=f"compile for {target}", disable=not progress,
                              file=sys.stderr):
         programs = compile_strategy(target, case, kernel_resources=parsed.platform == "cuda")
@@ -147,7 +155,7 @@ def run_target(shape: LayerShape, target: str, meshes: Optional[Sequence] = None
         rows.append(dict(
             seq_len=shape_.seq_len, mesh=bench.mesh_label(axes), strategy=strategy,
             kernel=case.kernel, layout=bench.layout_for(strategy, shape_),
-            planned=strategy == chosen,
+            planned=strategy == chosen and case.overlap == "auto", overlap=case.overlap,
             **{mode: measure_program(program, _model(strategy, axes, shape_, mode != "fwd"))
                for mode, program in programs.items()}))
     return dict(target=target, platform=parsed.platform, shape=dataclasses.asdict(shape),
