@@ -236,7 +236,9 @@ def dot_product_attention(
                              "a dense mask or a jax.nn implementation. Fold the mask into the "
                              "dense mask, or express it with is_causal=, local_window_size=, "
                              "the sequence lengths and a key-padding mask [B, 1, 1, S].")
-        result = jax.nn.dot_product_attention(
+        # jax.nn's overloads take return_residual only as a literal True or False and
+        # implementation only as 'xla'/'cudnn'; a drop-in forwards the caller's values.
+        result = jax.nn.dot_product_attention(  # type: ignore[call-overload, misc]
             query, key, value, bias, mask, scale=scale, is_causal=is_causal,
             query_seq_lengths=query_seq_lengths, key_value_seq_lengths=key_value_seq_lengths,
             local_window_size=local_window_size, implementation=implementation,
@@ -280,7 +282,8 @@ def dot_product_attention(
     if kv_segments is not None and kv_segments.ndim == 3:  # a per-head mask
         if mesh is not None and (strategy in ("ulysses", "hybrid") or ulysses_size):
             raise ValueError(
-                f"a per-head mask of shape {tuple(mask.shape)} runs each of the {heads} heads "
+                f"a per-head mask of shape {None if mask is None else tuple(mask.shape)} runs "
+                f"each of the {heads} heads "
                 f"as a batch row of its own (one head each), which strategy={strategy!r} "
                 "cannot split over devices by heads; use strategy='ring', 'allgather' or "
                 "'auto', or a mask shared by the heads ([B, 1, 1, S]).")

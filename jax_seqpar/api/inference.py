@@ -135,8 +135,8 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
     if not causal:  # causal prompts never see their own later padding; others must not
         segment_ids = _padding_segments(seq_lengths, seq_len=seq_len)
     if bidirectional_ids is not None:  # padding carries no id: causality hides it then
-        prompt = masks.Tokens(None, None, *_placement.onto(cache.mesh, bidirectional_ids))
-        bidirectional_ids = _without_padding(prompt, seq_lengths).bidirectional_ids
+        (placed_ids,) = _placement.onto(cache.mesh, bidirectional_ids)
+        bidirectional_ids = _without_padding(placed_ids, seq_lengths)
     seq_axes = cache.seq_axes if len(cache.seq_axes) > 1 else cache.seq_axes[0]
     # The attention is its own staged program (sequence_parallel_attention), the cache
     # write another: each compiles once, and what the attention builds inside stays there.
@@ -157,12 +157,11 @@ def _prompt_lengths(lengths, *, batch: int, seq_len: int):
 
 
 @jax.jit
-def _without_padding(prompt: masks.Tokens, lengths) -> masks.Tokens:
-    """The prompts' metadata with the bidirectional ids ``int32[B, S]`` of every token past
-    ``lengths`` at 0 (then later than every real token, so never seen)."""
-    ids = prompt.bidirectional_ids
+def _without_padding(ids, lengths) -> jax.Array:
+    """The prompts' bidirectional ids ``int32[B, S]`` with every token past ``lengths``
+    at 0 (then later than every real token, so never seen)."""
     real = jnp.arange(ids.shape[1])[None] < lengths[:, None]
-    return dataclasses.replace(prompt, bidirectional_ids=jnp.where(real, ids, 0))
+    return jnp.where(real, ids, 0)
 
 
 @functools.partial(jax.jit, static_argnames="seq_len")
@@ -309,6 +308,7 @@ def _decode(step: decode_steps.Step, cache: KVCache, *, call: _Decode):
         out_specs=(P(),) + cache._specs(), check_vma=call.check_vma)
     step = jax.tree.map(lambda x: _place(x, cache.mesh, P()), step)  # replicated
     length, fits = (_place(x, cache.mesh, P()) for x in (cache.length, fits))
-    out, new_k, new_v, positions = attend(step, *cache._placed(), length, fits)
+    k_cache, v_cache, cache_positions = cache._placed()
+    out, new_k, new_v, positions = attend(step, k_cache, v_cache, cache_positions, length, fits)
     return out, dataclasses.replace(cache, k=new_k, v=new_v, positions=positions,
                                     length=jnp.where(fits, new_length, cache.length))

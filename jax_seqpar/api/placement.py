@@ -104,14 +104,16 @@ def kept_entries(q: jax.Array, k: jax.Array, v: jax.Array, mesh: jax.sharding.Me
     elif specs[0] is not None and any(e is not None for e in specs[0]) or is_explicit(mesh):
         batch = _entry(specs[0], 0, seq_axes)
     else:
-        names, size = [], 1
+        dividing: list[str] = []
+        size = 1
         for name in mesh.axis_names:
             if name in seq_axes or (head is not None and name in _names(head)):
                 continue
             if batch_size % (size * mesh.shape[name]) == 0:
-                names.append(name)
+                dividing.append(name)
                 size *= mesh.shape[name]
-        batch = None if not names else names[0] if len(names) == 1 else tuple(names)
+        batch = (None if not dividing else dividing[0] if len(dividing) == 1
+                 else tuple(dividing))
     return batch, head
 
 

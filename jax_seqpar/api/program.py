@@ -68,7 +68,8 @@ def per_shard_fn(strategy: StrategyName, axes: tuple, *, core: bool = False):
     if entry.num_seq_axes == 2 and len(axes) != 2:  # the others run over the axes flattened
         raise ValueError(f"strategy={strategy!r} runs over two sequence axes (outer, inner); "
                          f"got seq_axes={axes}. Pass ulysses_size= to split one axis in two.")
-    function = entry.attention.core if core else entry.attention
+    # per_shard sets the function attribute `core`, which Callable does not declare.
+    function = entry.attention.core if core else entry.attention  # type: ignore[attr-defined]
     return functools.partial(function, seq_axes=axis_name_of(axes))
 
 
@@ -86,14 +87,23 @@ class _Geometry:
     length: int
 
 
+def _global(call: Call) -> tuple[jax.sharding.Mesh, str]:
+    """The mesh and the strategy of a global call (the entry point sets both)."""
+    if call.mesh is None or call.strategy is None:
+        raise ValueError(f"a global call runs on a mesh with a strategy. Got "
+                         f"mesh={call.mesh!r}, strategy={call.strategy!r}.")
+    return call.mesh, call.strategy
+
+
 def _geometry(call: Call, seq_len: int) -> _Geometry:
-    mesh, axes = call.mesh, call.axes
+    mesh, strategy = _global(call)
+    axes = call.axes
     if call.ulysses_size is not None:  # hybrid on a (ring, ulysses) split of the same devices
         mesh, axes = split_axis(mesh, axes, call.ulysses_size)
     num_shards = math.prod(mesh.shape[name] for name in axes)
     layout = call.layout
     if layout == "auto":
-        layout = registry.default_layout(call.strategy, call.spec, seq_len=seq_len,
+        layout = registry.default_layout(strategy, call.spec, seq_len=seq_len,
                                          num_shards=num_shards)
     per_shard = {"contiguous": 1, "zigzag": 2, "striped": num_shards, "per_document": 1}[layout]
     return _Geometry(mesh, axes, layout, num_shards,
@@ -104,7 +114,8 @@ def run(q: jax.Array, k: jax.Array, v: jax.Array, metadata: Metadata, *, call: C
     """``call`` run on its global arrays (``metadata``: the ids and sinks beside q, k, v)
     by its one compiled program."""
     arrays = (q, k, v, *metadata.arrays())
-    divides = q.shape[1] % math.prod(call.mesh.shape[a] for a in call.axes) == 0
+    mesh, _ = _global(call)
+    divides = q.shape[1] % math.prod(mesh.shape[a] for a in call.axes) == 0
     in_shardings = _placement.boundary_shardings(
         arrays, call.mesh, call.batch_entry, axis_name_of(call.axes) if divides else None,
         call.head_entry)
@@ -129,7 +140,7 @@ def _program(call: Call, seq_len: int, in_shardings: tuple):
     geometry = _geometry(call, seq_len)
     seq_spec = P(call.batch_entry, axis_name_of(call.axes), call.head_entry, None)
     spec = _placement.result_spec(seq_spec, call.out_spec, padded=geometry.length != seq_len)
-    out_shardings = tuple(NamedSharding(call.mesh, P(*spec[:ndim]))
+    out_shardings = tuple(NamedSharding(_global(call)[0], P(*spec[:ndim]))
                           for ndim in ((4, 3) if call.return_lse else (4,)))
     return jax.jit(functools.partial(_attend, call=call, geometry=geometry,
                                      in_shardings=in_shardings),
@@ -148,7 +159,7 @@ def _attend(*arrays, call: Call, geometry: _Geometry, in_shardings: tuple):
     if layout == "per_document":  # a data-dependent order: gathered here, before shard_map
         q, k, v, metadata, inverse = _per_document(call, num_shards, q, k, v, metadata)
         layout = "contiguous"
-    attend = per_shard_fn(call.strategy, axes, core=True)
+    attend = per_shard_fn(_global(call)[1], axes, core=True)
     axis_name = axis_name_of(axes)
     relayout_in, relayout_out = _RELAYOUTS[layout]
 
@@ -172,9 +183,10 @@ def _attend(*arrays, call: Call, geometry: _Geometry, in_shardings: tuple):
     batch_entry, head_entry = call.batch_entry, call.head_entry
     qkv_spec = P(batch_entry, axis_name, head_entry, None)
     ids_spec = P(batch_entry, axis_name)
-    specs = Metadata(*(P() if x is None else ids_spec for x in metadata.arrays()[:-1]),
-                     sinks=P(head_entry))
-    out_specs = qkv_spec
+    id_fields = ("segment_ids", "kv_segment_ids", "positions", "bidirectional_ids")
+    specs = Metadata(**{name: P() if getattr(metadata, name) is None else ids_spec
+                        for name in id_fields}, sinks=P(head_entry))
+    out_specs: P | tuple[P, P] = qkv_spec
     if call.return_lse:
         out_specs = (qkv_spec, P(batch_entry, axis_name, head_entry))
     mapped = jax.shard_map(

@@ -208,9 +208,9 @@ def mask_fn(spec: MaskSpec, batch: int, q_len: int, kv_len: int) -> None:
                          f"[{batch}, {q_len}, 1] and [{batch}, 1, {kv_len}]: {error}. It must "
                          "be a jittable elementwise predicate on masks.Tokens fields.") from error
     shape = getattr(out, "shape", None)
-    ok = shape is not None and np.dtype(out.dtype) == np.bool_
     try:
-        ok = ok and np.broadcast_shapes(tuple(shape), want) == want
+        ok = (shape is not None and np.dtype(out.dtype) == np.bool_
+              and np.broadcast_shapes(tuple(shape), want) == want)
     except ValueError:
         ok = False
     if not ok:

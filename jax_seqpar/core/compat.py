@@ -50,5 +50,6 @@ def shape_struct(shape: tuple[int, ...], dtype: jax.typing.DTypeLike,
         return jax.ShapeDtypeStruct(shape, dtype, manual_axis_type=manual)
     vma = getattr(aval, "vma", None)
     if vma is not None:
-        return jax.ShapeDtypeStruct(shape, dtype, vma=vma)
+        # JAX before manual_axis_type took vma=; this JAX's signature has no vma.
+        return jax.ShapeDtypeStruct(shape, dtype, vma=vma)  # type: ignore[call-arg]
     return jax.ShapeDtypeStruct(shape, dtype)

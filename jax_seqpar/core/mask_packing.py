@@ -71,7 +71,8 @@ def _tile_costs(spec: masks.MaskSpec, tiles: masks.Tokens) -> np.ndarray:
     count, block = tiles.positions.shape
     flat = jax.tree.map(lambda x: x.reshape(1, count * block).astype(np.int32), tiles)
     summary = jax.tree.map(lambda x: x[0], masks.summarize(flat, block, per_row=True))
-    return (masks.classify(spec, summary, summary) != masks.EMPTY).sum(1).astype(np.float64)
+    kind = np.asarray(masks.classify(spec, summary, summary))  # numpy for host summaries
+    return (kind != masks.EMPTY).sum(1).astype(np.float64)
 
 
 def _overload(load, mean):
@@ -173,6 +174,8 @@ def masked_row_positions(spec: masks.MaskSpec, tokens: masks.Tokens, *, num_shar
     """
     size, P = tokens.positions.shape[0], num_shards
     cost = work.token_work(spec, tokens)[0].astype(np.float64)
+    if tokens.segment_ids is None:
+        raise ValueError("masked_row_positions needs the row's segment ids.")
     order = np.lexsort((tokens.positions, tokens.segment_ids)).astype(np.int32)
     ids = tokens.segment_ids[order]
     pad = ids == PAD_SEGMENT
@@ -207,7 +210,7 @@ def masked_row_positions(spec: masks.MaskSpec, tokens: masks.Tokens, *, num_shar
     # a token's pairs do not depend on the order, and every shard holds the same number
     # of pieces, so its fill tiles start at the same slot wherever the pieces go.
     local = size // P - heads.size // P * block  # fill slots of a shard
-    targets, best = np.zeros(P), None
+    targets, deals = np.zeros(P), []
     for _ in range(ROUNDS):
         fill_shard = _split_fill(excess, halves, targets, size, P)
         fill_pairs = np.bincount(fill_shard[fill], weights=cost[fill], minlength=P)
@@ -223,8 +226,8 @@ def masked_row_positions(spec: masks.MaskSpec, tokens: masks.Tokens, *, num_shar
                              fill_tiles + np.bincount(piece_shard, tile_cost[:heads.size],
                                                       minlength=P)])
             worst = _overload(load, np.maximum(load.mean(1, keepdims=True), 1e-30)).max()
-            if best is None or worst < best[0]:
-                best = (worst, fill_shard, piece_shard, load)
+            deals.append((worst, fill_shard, piece_shard, load))
+        best = min(deals, key=lambda deal: deal[0])  # the first of the least overloaded
         # The next fill's targets: the mean less what the best deal so far leaves each
         # shard beyond this round's fill (its pieces' pairs when it is this round's; else
         # also the change of fill, which damps the steps: measured, it balances more rows

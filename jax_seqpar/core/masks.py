@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Callable, Optional, Union
+from typing import Callable, Generic, Optional, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
@@ -84,13 +84,13 @@ def normalize_window(window: Union[None, int, tuple[int, int]]) -> Optional[tupl
         window = (window, window)
     elif len(window) != 2:
         raise ValueError(f"window must be an int or a (left, right) pair. Got {window!r}.")
-    sides = tuple(_whole(side) for side in window)
-    if None in sides:
+    left, right = (_whole(side) for side in window)
+    if left is None or right is None:
         raise ValueError(f"window sides must be whole numbers of tokens (ints): window=k or "
                          f"(left, right). Got window={window!r}.")
-    if min(sides) < 0:
+    if min(left, right) < 0:
         raise ValueError(f"window sides must be >= 0. Got window={window!r}.")
-    return tuple(min(side, MAX_WINDOW) for side in sides)
+    return min(left, MAX_WINDOW), min(right, MAX_WINDOW)
 
 
 def shifted(x: jax.Array, by: int):
@@ -165,9 +165,14 @@ class MaskSpec:
                 or self.mask_fn is not None)
 
 
+#: What a :class:`Tokens` holds: ``jax.Array`` in the kernels, numpy arrays on host,
+#: and, as a pytree, anything its leaves map to (shardings, ``ShapeDtypeStruct``, ints).
+Leaf = TypeVar("Leaf")
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class Tokens:
+class Tokens(Generic[Leaf]):
     """Per-token metadata of a run of tokens.
 
     Attributes:
@@ -179,9 +184,9 @@ class Tokens:
         prompt, an image's tokens); ``0`` is plain causal. ``None``: all zero.
     """
 
-    positions: jax.Array
-    segment_ids: Optional[jax.Array] = None
-    bidirectional_ids: Optional[jax.Array] = None
+    positions: Leaf
+    segment_ids: Optional[Leaf] = None
+    bidirectional_ids: Optional[Leaf] = None
 
 
 def visible(spec: MaskSpec, q: Tokens, kv: Tokens):
@@ -279,7 +284,8 @@ def summarize(tokens: Tokens, block: int, *, per_row: bool = False) -> BlockSumm
     axes = (2,) if per_row else (0, 2)
     positions = tokens.positions.reshape(shape)
     top, bottom = np.iinfo(np.int32).max, np.iinfo(np.int32).min
-    pad = None if tokens.segment_ids is None else tokens.segment_ids.reshape(shape) == PAD_SEGMENT
+    segments = None if tokens.segment_ids is None else tokens.segment_ids.reshape(shape)
+    pad = None if segments is None else segments == PAD_SEGMENT
 
     def ranges(x, leave_out):
         if leave_out is None:
@@ -288,8 +294,7 @@ def summarize(tokens: Tokens, block: int, *, per_row: bool = False) -> BlockSumm
                 xp.where(leave_out, bottom, x).max(axis=axes))
 
     summary = BlockSummary(*ranges(positions, pad))
-    if pad is not None:
-        segments = tokens.segment_ids.reshape(shape)
+    if segments is not None and pad is not None:  # both or neither
         bit = xp.left_shift(np.uint32(1), xp.bitwise_and(segments, SIGNATURE_BITS - 1)
                             .astype(np.uint32))
         bits = xp.bitwise_or.reduce(xp.where(pad, np.uint32(0), bit), axis=axes)

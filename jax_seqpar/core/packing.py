@@ -195,8 +195,8 @@ def per_document_positions(segment_ids: jax.Array, num_shards: int, block_size: 
         positions = _masked_rows(spec, Tokens(None, rows, bidirectional_ids),
                                  num_shards=int(num_shards), block=int(block_size))
     elif _is_numpy(xp):
-        row = functools.partial(_row_positions, np, **options)
-        positions = np.stack([row(r) for r in rows]) if rows.shape[0] else rows
+        positions = (np.stack([_row_positions(np, r, **options) for r in rows])
+                     if rows.shape[0] else rows)
     else:
         positions = _traced_rows(rows, **options)
     return positions if seg.ndim == 2 else positions[0]
@@ -211,10 +211,11 @@ def _masked_rows(spec: MaskSpec, natural: Tokens, *, num_shards: int, block: int
                          "laid out on host: pass numpy segment_ids and bidirectional_ids (a "
                          "data pipeline step, jax_seqpar.permute_batch), not JAX arrays.")
     if bids is not None:
+        given_shape = bids.shape
         bids = bids[None] if bids.ndim == 1 else bids
         if bids.shape != rows.shape:
             raise ValueError(f"bidirectional_ids must have the shape of segment_ids "
-                             f"{rows.shape}. Got {np.shape(natural.bidirectional_ids)}.")
+                             f"{rows.shape}. Got {given_shape}.")
     arange = np.arange(rows.shape[1], dtype=np.int32)
     return np.stack([mask_packing.masked_row_positions(
         spec, Tokens(arange, row, None if bids is None else bids[b].astype(np.int32)),
@@ -225,7 +226,7 @@ def _masked_rows(spec: MaskSpec, natural: Tokens, *, num_shards: int, block: int
 @functools.partial(jax.jit, static_argnames=("num_shards", "block", "spread_tokens"))
 def _traced_rows(rows, **options):
     """The rows' orders in ``jax.numpy``, one program (eager, op by op, is far slower)."""
-    return jax.vmap(functools.partial(_row_positions, jnp, **options))(rows)
+    return jax.vmap(lambda row: _row_positions(jnp, row, **options))(rows)
 
 
 def balance_bound(segment_ids: jax.Array, num_shards: int, block_size: int = DEFAULT_BLOCK, *,

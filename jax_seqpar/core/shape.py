@@ -29,7 +29,7 @@ _DTYPE_OF_SIZE = {1: "float8_e4m3fn", 2: "bfloat16", 4: "float32", 8: "float64"}
 
 def is_count(value: object) -> bool:
     """Whether ``value`` is a positive int (``bool`` is not)."""
-    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and value >= 1
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool) and int(value) >= 1
 
 
 def check_counts(**values: object) -> None:
@@ -55,7 +55,7 @@ def dtype_of_size(dtype_bytes: float) -> str:
     """
     if isinstance(dtype_bytes, numbers.Real) and not isinstance(dtype_bytes, bool) and (
             dtype_bytes in _DTYPE_OF_SIZE):
-        return _DTYPE_OF_SIZE[int(dtype_bytes)]
+        return _DTYPE_OF_SIZE[int(float(dtype_bytes))]
     raise ValueError(f"dtype_bytes must be the size of a float dtype, one of "
                      f"{sorted(_DTYPE_OF_SIZE)} (2 for bf16, 4 for f32). Got "
                      f"dtype_bytes={dtype_bytes!r}.")

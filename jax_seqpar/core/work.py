@@ -70,7 +70,8 @@ def _sorted_tiles(tokens: masks.Tokens):
     with :data:`~jax_seqpar.core.masks.PAD_SEGMENT` to whole tiles, ``[n, _TILE]`` fields; ``order`` maps each
     slot to its token (``-1``: padding)."""
     size = tokens.positions.shape[0]
-    order = np.lexsort((tokens.positions, tokens.segment_ids))
+    ids = np.zeros_like(tokens.positions) if tokens.segment_ids is None else tokens.segment_ids
+    order = np.lexsort((tokens.positions, ids))
     padded = -(-max(size, 1) // _TILE) * _TILE
     order = np.pad(order, (0, padded - size), constant_values=-1)
     fills = masks.Tokens(0, PAD_SEGMENT, None if tokens.bidirectional_ids is None else 0)
@@ -250,8 +251,8 @@ def computed_tiles_per_shard(spec: masks.MaskSpec, tokens: masks.Tokens, num_sha
         per_pair = np.maximum(end - first, 0).sum(-1)
     else:
         raise ValueError(f"count={count!r} is not 'skip' or 'range'.")
-    per_pair = per_pair.sum(0).astype(np.int64)  # [P queries, P keys]
+    pairs = np.asarray(per_pair.sum(0), np.int64)  # [P queries, P keys]; numpy on host
     if not per_step:
-        return per_pair.sum(1)
+        return pairs.sum(1)
     shards = np.arange(num_shards)
-    return per_pair[shards[:, None], (shards[:, None] - shards[None, :]) % num_shards]
+    return pairs[shards[:, None], (shards[:, None] - shards[None, :]) % num_shards]

@@ -160,6 +160,6 @@ def training_batches(*, steps: int, batch: int, seq_len: int, seed: int,
     rows = with_mask(dataclasses.replace(rows, **{
         f.name: getattr(rows, f.name)[order] for f in dataclasses.fields(PackedRows)
         if getattr(rows, f.name) is not None}), mask)
-    return PackedRows(*(None if getattr(rows, f.name) is None else
-                        getattr(rows, f.name).reshape(steps, batch, seq_len)
-                        for f in dataclasses.fields(PackedRows)))
+    return dataclasses.replace(rows, **{
+        f.name: getattr(rows, f.name).reshape(steps, batch, seq_len)
+        for f in dataclasses.fields(PackedRows) if getattr(rows, f.name) is not None})

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Callable
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -219,7 +219,10 @@ def _leaf_names(params: nnx.State) -> list[str]:
 def save_params(params: nnx.State, path: str) -> None:
     """Write :class:`TransformerLM` parameters to an ``.npz`` file (one array per leaf)."""
     leaves = jax.tree.leaves(params)
-    np.savez(path, **{name: np.asarray(leaf) for name, leaf in zip(_leaf_names(params), leaves)})
+    # Any: numpy's stub would read the ** keywords as savez's allow_pickle flag.
+    arrays: dict[str, Any] = {name: np.asarray(leaf)
+                              for name, leaf in zip(_leaf_names(params), leaves)}
+    np.savez(path, **arrays)
 
 
 def load_params(like: nnx.State, path: str) -> nnx.State:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import time
-from typing import Optional, Sequence
+from typing import Iterable, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -110,7 +110,7 @@ def fsdp_sharding(mesh: jax.sharding.Mesh, x) -> NamedSharding:
     dims = sorted(range(np.ndim(x)), key=lambda d: -np.shape(x)[d])
     for dim in dims:
         if np.shape(x)[dim] % devices == 0:
-            spec = [None] * np.ndim(x)
+            spec: list[Optional[tuple]] = [None] * np.ndim(x)
             spec[dim] = tuple(mesh.axis_names)
             return NamedSharding(mesh, P(*spec))
     return NamedSharding(mesh, P())
@@ -172,16 +172,19 @@ def train(
                          f"{train_config.steps} steps.")
     optimizer = make_optimizer(train_config)
     mesh = parallelism.mesh
-    if mesh is None:
-        place_params = place_batch = jax.device_put
-    else:
-        seq_sharded = NamedSharding(mesh, P(None, parallelism.seq_axes))
+
+    def place_params(tree):
+        if mesh is None:
+            return jax.device_put(tree)
         if parallelism.fsdp:
-            place_params = lambda tree: jax.tree.map(
-                lambda x: jax.device_put(x, fsdp_sharding(mesh, x)), tree)
-        else:
-            place_params = lambda tree: jax.device_put(tree, NamedSharding(mesh, P()))
-        place_batch = lambda tree: jax.device_put(tree, seq_sharded)
+            return jax.tree.map(lambda x: jax.device_put(x, fsdp_sharding(mesh, x)), tree)
+        return jax.device_put(tree, NamedSharding(mesh, P()))
+
+    def place_batch(tree):
+        if mesh is None:
+            return jax.device_put(tree)
+        return jax.device_put(tree, NamedSharding(mesh, P(None, parallelism.seq_axes)))
+
     params = place_params(params)
     opt_state = place_params(optimizer.init(params))
 
@@ -210,12 +213,17 @@ def train(
     first = batch_at(0)
     compiled = step.lower(params, opt_state, first).compile()
     batch_bytes = sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(first))
-    state_bytes = compiled.memory_analysis().argument_size_in_bytes - batch_bytes
+    analysis = compiled.memory_analysis()
+    if analysis is None:
+        raise RuntimeError("the backend gives no memory analysis of the compiled step, "
+                           "which state_bytes reads.")
+    state_bytes = analysis.argument_size_in_bytes - batch_bytes
 
-    steps = range(train_config.steps)
+    steps: Iterable[int] = range(train_config.steps)
+    bar = None
     if progress:
         tqdm = require("tqdm", "examples", "the progress bar").tqdm
-        steps = tqdm(steps, desc=description, unit="step", leave=True)
+        steps = bar = tqdm(steps, desc=description, unit="step", leave=True)
     losses, compile_seconds = [], 0.0
     for index in steps:
         params, opt_state, loss = compiled(params, opt_state, first if index == 0 else
@@ -224,8 +232,8 @@ def train(
         if index == 0:
             compile_seconds = time.perf_counter() - start
             start = time.perf_counter()
-        if progress:
-            steps.set_postfix(loss=f"{losses[-1]:.3f}")
+        if bar is not None:
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
     seconds = time.perf_counter() - start
     timed_tokens = (train_config.steps - 1) * train_config.batch * train_config.seq_len
     return TrainResult(losses=np.asarray(losses, np.float32), compile_seconds=compile_seconds,

@@ -140,7 +140,8 @@ class SelfAttention(nnx.Module):
         self.k_proj = projection(d_model, (num_kv_heads, head_dim))
         self.v_proj = projection(d_model, (num_kv_heads, head_dim))
         self.o_proj = projection((num_heads, head_dim), d_model, axis=(-2, -1))
-        self.cache = nnx.data(None)  # decode mode: an nnx.Cache of a KVCache, see init_cache
+        # decode mode: an nnx.Cache of a KVCache, see init_cache
+        self.cache: Optional[nnx.Cache[inference.KVCache]] = nnx.data(None)
 
     def __call__(self, x: jax.Array, *, segment_ids: Optional[jax.Array] = None,
                  positions: Optional[jax.Array] = None,
@@ -197,11 +198,14 @@ class SelfAttention(nnx.Module):
             mesh, batch=batch, capacity=capacity, num_kv_heads=self.num_kv_heads,
             head_dim=self.head_dim, dtype=dtype, seq_axes=seq_axes))
 
-    def _kv_cache(self) -> inference.KVCache:
+    def _cache_variable(self) -> nnx.Cache[inference.KVCache]:
         if self.cache is None:
             raise ValueError("this SelfAttention has no KV cache; call "
                              "layer.init_cache(batch, capacity) first.")
-        return self.cache.get_value()
+        return self.cache
+
+    def _kv_cache(self) -> inference.KVCache:
+        return self._cache_variable().get_value()
 
     def _mask_options(self) -> dict:
         return dict(window=self.window, chunk_size=self.chunk_size, mask_fn=self.mask_fn,
@@ -238,7 +242,7 @@ class SelfAttention(nnx.Module):
         out, cache = inference.prefill(
             q, k, v, cache, causal=True, strategy=self.strategy, seq_lengths=seq_lengths,
             bidirectional_ids=bidirectional_ids, **self._mask_options())  # [B, S, H, Dh]
-        self.cache.set_value(cache)
+        self._cache_variable().set_value(cache)
         return self.o_proj(out)  # [B, S, d_model]
 
     def decode(self, x: jax.Array, *, check_capacity: bool = True) -> jax.Array:
@@ -267,5 +271,5 @@ class SelfAttention(nnx.Module):
                    if name != "layout"}
         out, cache = inference.decode(q, k, v, cache, check_capacity=check_capacity,
                                       **options)  # [B, T, H, Dh]
-        self.cache.set_value(cache)
+        self._cache_variable().set_value(cache)
         return self.o_proj(out)  # [B, T, d_model]

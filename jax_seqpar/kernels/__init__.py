@@ -19,7 +19,7 @@ import dataclasses
 import functools
 import importlib
 import typing
-from typing import TYPE_CHECKING, Literal, Mapping
+from typing import TYPE_CHECKING, Literal, Mapping, Optional
 
 import jax
 
@@ -107,6 +107,17 @@ class PerPlatform:
     #: size left None: that kernel's default); sizes some platform's kernel cannot
     #: take are a ``ValueError`` in the call.
     BlockSizes = BlockSizes
+
+    @property
+    def DTYPES(self) -> Optional[tuple]:  # noqa: N802 - the kernel modules' constant
+        """The input dtypes the platforms' kernels take, or None: any float (``"auto"``
+        falls back to the XLA kernel for a dtype its platform's kernel lacks)."""
+        if self.name == "auto":
+            return None
+        dtypes = [_module(name).DTYPES for _, name in self.platforms]
+        if any(d is None for d in dtypes):
+            return None
+        return tuple(dict.fromkeys(dtype for some in dtypes for dtype in some))
 
     @property
     def may_interpret(self) -> bool:

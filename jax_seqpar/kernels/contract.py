@@ -326,11 +326,15 @@ class Kernel(Protocol):
     Pallas kernel's ``interpret``).
     """
 
-    #: The tile-size class, :class:`BlockSizes` for every kernel.
-    BlockSizes: type
+    # Read-only members: a kernel module's constants, or a per-platform choice's
+    # properties.
+    @property
+    def BlockSizes(self) -> type[BlockSizes]:  # noqa: N802 - the modules' class name
+        """The tile-size class, :class:`BlockSizes` for every kernel."""
 
-    #: The input dtypes the kernel takes (q, k and v share one), or None for any float.
-    DTYPES: Optional[tuple]
+    @property
+    def DTYPES(self) -> Optional[tuple]:  # noqa: N802 - the modules' constant
+        """The input dtypes the kernel takes (q, k and v share one), or None: any float."""
 
     def forward(self, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
                 options: Options, accumulate: tuple[jax.Array, jax.Array] | None = None):

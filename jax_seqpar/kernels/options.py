@@ -51,6 +51,17 @@ class Options:
             self, scale=float(self.scale), softcap=check_softcap(self.softcap),
             block_sizes=resolve_block_sizes(self.block_sizes, defaults, kernel_name))
 
+    def tiles(self, backward: bool = False) -> tuple[int, int]:
+        """``(block_q, block_k)`` of the forward (or the backward) as :meth:`resolved`
+        set them; ``ValueError`` on options a kernel has not resolved."""
+        sizes = self.block_sizes or BlockSizes()
+        block_q, block_k = ((sizes.block_q_bwd, sizes.block_k_bwd) if backward
+                            else (sizes.block_q, sizes.block_k))
+        if block_q is None or block_k is None:
+            raise ValueError(f"the tile sizes are read after Options.resolved fills them in. "
+                             f"Got block_sizes={self.block_sizes!r}.")
+        return block_q, block_k
+
     def forward(self, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
                 accumulate: tuple[jax.Array, jax.Array] | None = None):
         """The kernel's forward; with ``accumulate`` (the ``(out, lse)`` of earlier keys)

@@ -97,6 +97,12 @@ def _token_tile(tokens: Tokens, b, i, block) -> Tokens:
     return jax.tree.map(lambda x: _tile(x, b, i, block), tokens)
 
 
+def _varying_like(branch, like):
+    """``branch`` with its result varying over the mesh axes ``like`` varies over, as
+    every branch of one ``lax.switch`` must."""
+    return lambda carry: _compat.match_varying(branch(carry), like)
+
+
 def _tile_mask(spec, q_tile: Tokens, kv_tile: Tokens):
     """``bool[B, 1, 1, bq, bk]`` for one tile pair (broadcasts over heads)."""
     mask = masks.visible(spec, masks.rows(q_tile), masks.cols(kv_tile))
@@ -150,8 +156,8 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_token
 
 @contract.folds_vmap
 def _forward(q, k, v, q_tokens, kv_tokens, options: Options):
-    spec, tiles = options.spec, options.block_sizes
-    t = _tiling(q, k, tiles.block_q, tiles.block_k)
+    spec = options.spec
+    t = _tiling(q, k, *options.tiles())
     q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # [B, nq, nk]
     d_v = v.shape[-1]
     hg = (t.kv_heads, t.group)
@@ -225,8 +231,8 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_toke
 @contract.folds_vmap
 def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options: Options,
               accumulate=None):
-    spec, tiles, scale = options.spec, options.block_sizes, options.scale
-    t = _tiling(q, k, tiles.block_q_bwd, tiles.block_k_bwd)
+    spec, scale = options.spec, options.scale
+    t = _tiling(q, k, *options.tiles(backward=True))
     q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # [B, nq, nk]
     hg = (t.kv_heads, t.group)
     q_len_pad, kv_len_pad = t.num_q * t.block_q, t.num_k * t.block_k
@@ -269,7 +275,7 @@ def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options: Options,
                                 _tile_mask(spec, qt, kt)),
                 lambda c: grads(c, q_tile, do_tile, lse_tile, delta_tile, None),
             ]
-            branches = [lambda c, f=f: _compat.match_varying(f(c), (q, k)) for f in branches]
+            branches = [_varying_like(f, (q, k)) for f in branches]
             dkv, dq_tile = jax.lax.switch(classes[b, i, j], branches, dkv)
             return _put(dq, b, i, _tile(dq, b, i, t.block_q) + _tokens_first(dq_tile)), dkv
 

@@ -47,8 +47,8 @@ def _shard_positions(seq_len: int, shards: int, zigzag: bool) -> np.ndarray:
     positions = np.arange(-(-seq_len // chunks) * chunks)
     if not zigzag:
         return positions.reshape(shards, -1)
-    chunks = positions.reshape(2 * shards, -1)
-    return np.concatenate([chunks[:shards], chunks[::-1][:shards]], axis=1)
+    halves = positions.reshape(2 * shards, -1)
+    return np.concatenate([halves[:shards], halves[::-1][:shards]], axis=1)
 
 
 def tile_pairs(q_positions: jax.Array, kv_positions: jax.Array, shape: LayerShape,
@@ -115,7 +115,7 @@ def step_seconds(strategy: StrategyName, ring: int, ulysses: int, shape: LayerSh
     """Forward and backward compute seconds per ring step of ``strategy`` over ``ring x
     ulysses`` devices (tile-level, busiest device; one step: no ring); ``documents``:
     :func:`jax_seqpar.planning.packed.documents` of a packed batch, or None."""
-    d_qk, d_v = shape.head_dim, shape.v_head_dim
+    d_qk, d_v = shape.head_dim, shape.v_head_dim or shape.head_dim  # None: head_dim
     heads = shape.num_heads // ulysses
     if documents is not None:
         pairs = packed.step_pairs(strategy, ring, ulysses, shape, tile, documents)

@@ -71,7 +71,7 @@ def documents(shape: LayerShape, natural: Tokens, layout: Optional[LayoutName],
         rows = np.shape(bids)[0] if bids is not None and np.ndim(bids) == 2 else 1
         segment_ids = np.zeros((rows, shape.seq_len), np.int32)
 
-    def rows(name, ids):
+    def as_rows(name, ids):
         ids = np.asarray(ids)
         ids = ids[None] if ids.ndim == 1 else ids
         if ids.ndim != 2 or ids.shape[1] != shape.seq_len:
@@ -79,9 +79,9 @@ def documents(shape: LayerShape, natural: Tokens, layout: Optional[LayoutName],
                              f"{ids.shape}.")
         return ids.astype(np.int32)
 
-    segment_ids = rows("segment_ids", segment_ids)
+    segment_ids = as_rows("segment_ids", segment_ids)
     if bids is not None:
-        bids = rows("bidirectional_ids", bids)
+        bids = as_rows("bidirectional_ids", bids)
         if bids.shape != segment_ids.shape:
             raise ValueError(f"bidirectional_ids {bids.shape} must have the shape of "
                              f"segment_ids {segment_ids.shape}.")
@@ -93,6 +93,8 @@ def laid_out(strategy: StrategyName, devices: int, shape: LayerShape, tile: int,
     """``batch``'s tokens ``[B', S']`` in its layout over ``devices``: positions, segment
     ids and bidirectional ids (padded with :data:`~jax_seqpar.core.masks.PAD_SEGMENT` as the entry point pads)."""
     ids, bids, layout = batch.tokens.segment_ids, batch.tokens.bidirectional_ids, batch.layout
+    if ids is None:
+        raise ValueError("laid_out takes documents (segment ids): see documents().")
     if layout is None:
         layout = "zigzag" if shape.causal and strategy != "ulysses" else "contiguous"
     chunks = {"zigzag": 2 * devices, "striped": devices * devices}.get(layout, devices)
@@ -100,11 +102,9 @@ def laid_out(strategy: StrategyName, devices: int, shape: LayerShape, tile: int,
     pad = ((0, 0), (0, length - ids.shape[1]))
     ids = np.pad(ids, pad, constant_values=PAD_SEGMENT)
     bids = None if bids is None else np.pad(bids, pad)
-    if layout == "per_document":
-        masked = bids is not None or batch.spec.chunk_size is not None
+    if layout == "per_document":  # balanced for the mask when either is given
         positions = packing.per_document_positions(
-            ids, devices, tile, **(dict(bidirectional_ids=bids, chunk_size=batch.spec.chunk_size)
-                                   if masked else {}))
+            ids, devices, tile, bidirectional_ids=bids, chunk_size=batch.spec.chunk_size)
     else:
         order = {"contiguous": np.arange(length, dtype=np.int32),
                  "zigzag": np.asarray(layouts.zigzag_positions(length, devices)),

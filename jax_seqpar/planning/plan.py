@@ -77,7 +77,9 @@ class Plan:
     @property
     def ulysses_size(self) -> Optional[int]:
         """Devices per Ulysses group of a hybrid choice (None for other strategies)."""
-        return self.factorization[1] if self.strategy == "hybrid" else None
+        if self.strategy != "hybrid" or self.factorization is None:
+            return None
+        return self.factorization[1]
 
 
 # Ties go to the first: Ulysses cannot overlap its all_to_alls with compute but
@@ -184,7 +186,8 @@ def plan_layer(shape: LayerShape, axis_sizes: int | Mapping[str, int], *,
         if num_heads % size == 0:
             candidates["ulysses"] = comm_bytes("ulysses", axis_sizes=size, **traffic)
         strategy = min(candidates, key=lambda s: (candidates[s], _PREFERENCE.index(s)))
-        seq_axes, axis_sizes = axis, size
+        plan_axes: str | tuple[str, str] = axis
+        plan_sizes: int | tuple[int, int] = size
         if strategy == "ulysses":
             kv_heads = replicated_kv_heads(num_kv_heads, size)
             replicated = (f" ({num_kv_heads} KV heads replicated to {kv_heads})"
@@ -201,7 +204,7 @@ def plan_layer(shape: LayerShape, axis_sizes: int | Mapping[str, int], *,
             reason = f"ring: {why} and ulysses would move {factor:.1f}x more bytes{balance}"
     else:
         (outer, inner), (outer_size, inner_size) = names, sizes
-        seq_axes, axis_sizes = (outer, inner), (outer_size, inner_size)
+        plan_axes, plan_sizes = (outer, inner), (outer_size, inner_size)
         candidates = {"ring": ring}
         if num_heads % inner_size == 0:
             candidates["hybrid"] = comm_bytes("hybrid", axis_sizes=sizes, **traffic)
@@ -220,8 +223,11 @@ def plan_layer(shape: LayerShape, axis_sizes: int | Mapping[str, int], *,
                       f"{_ratio(candidates['hybrid'], ring):.1f}x more bytes{balance}")
     if devices == 1:
         reason += " (one device: nothing is sent)"
-    factorization = {"ulysses": (1, devices), "hybrid": tuple(sizes)}.get(strategy, (devices, 1))
-    return Plan(strategy=strategy, seq_axes=seq_axes, axis_sizes=axis_sizes,
+    if strategy == "hybrid":
+        factorization = (sizes[0], sizes[1])
+    else:
+        factorization = (1, devices) if strategy == "ulysses" else (devices, 1)
+    return Plan(strategy=strategy, seq_axes=plan_axes, axis_sizes=plan_sizes,
                 bytes_per_device=candidates[strategy], reason=reason, candidates=candidates,
                 factorization=factorization)
 
@@ -258,7 +264,7 @@ def _plan_predicted(shape: LayerShape, names, sizes, hardware, memory_budget,
             f"every candidate is over the memory budget of {_gib(budget)} per device: "
             + "; ".join(f"{label} {why}" for label, why in rejected.items())
             + ". Use more devices, a smaller batch, or a larger memory_budget.")
-    chosen = min(seconds, key=seconds.get)
+    chosen = min(seconds, key=seconds.__getitem__)
     predicted = Plan(
         strategy="", seq_axes="", axis_sizes=0, bytes_per_device=0.0, reason="",
         candidates={label: p["bytes"] for label, p in predictions.items()},

@@ -246,7 +246,7 @@ def _seconds(candidate: Candidate, shape: LayerShape, hardware: Hardware, tile: 
 def _memory(candidate: Candidate, shape: LayerShape, tile: int) -> float:
     """Per-device bytes the layer holds at its peak (forward + backward)."""
     b, s, h, h_kv = shape.batch, shape.seq_len, shape.num_heads, shape.num_kv_heads
-    d_qk, d_v, size = shape.head_dim, shape.v_head_dim, shape.dtype_bytes
+    d_qk, d_v, size = shape.head_dim, shape.v_head_dim or shape.head_dim, shape.dtype_bytes
     devices = candidate.ring * candidate.ulysses
     local = b * s / devices  # batch x local tokens
     grads = 2 if shape.backward else 1

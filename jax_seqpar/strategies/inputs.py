@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import TYPE_CHECKING, Callable, Literal, Optional
+from typing import TYPE_CHECKING, Callable, Generic, Literal, Optional
 
 import jax
 import jax.numpy as jnp
@@ -139,14 +139,14 @@ class Call:
     block_sizes: object = None
     softcap: Optional[float] = None
     return_lse: bool = False
-    mesh: object = None
+    mesh: Optional[jax.sharding.Mesh] = None
     axes: tuple = ()
     strategy: Optional[StrategyName] = None
     ulysses_size: Optional[int] = None
     layout: Literal["auto", layout.LayoutName] = "contiguous"
     batch_entry: object = None
     head_entry: object = None
-    out_spec: object = None
+    out_spec: Optional[jax.sharding.PartitionSpec] = None
     pipeline: tuple = ()
 
     @classmethod
@@ -173,7 +173,7 @@ class Call:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class Metadata:
+class Metadata(Generic[masks.Leaf]):
     """The dynamic arrays of a call beside q, k, v (a pytree; absent fields None).
 
     Attributes:
@@ -182,11 +182,11 @@ class Metadata:
       sinks: ``[H]`` float sink logits.
     """
 
-    segment_ids: Optional[jax.Array] = None
-    kv_segment_ids: Optional[jax.Array] = None
-    positions: Optional[jax.Array] = None
-    bidirectional_ids: Optional[jax.Array] = None
-    sinks: Optional[jax.Array] = None
+    segment_ids: Optional[masks.Leaf] = None
+    kv_segment_ids: Optional[masks.Leaf] = None
+    positions: Optional[masks.Leaf] = None
+    bidirectional_ids: Optional[masks.Leaf] = None
+    sinks: Optional[masks.Leaf] = None
 
     def arrays(self) -> tuple:
         """The fields in order (None kept)."""
@@ -195,7 +195,7 @@ class Metadata:
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
-class Operands:
+class Operands(Generic[masks.Leaf]):
     """The dynamic operands of a pipeline beside q, k, v (a pytree, for custom_vjp).
 
     Attributes:
@@ -203,9 +203,9 @@ class Operands:
       sinks: ``[h]`` sink logits of the heads attended, or None.
     """
 
-    q_tokens: masks.Tokens
-    kv_tokens: masks.Tokens
-    sinks: Optional[jax.Array] = None
+    q_tokens: masks.Tokens[masks.Leaf]
+    kv_tokens: masks.Tokens[masks.Leaf]
+    sinks: Optional[masks.Leaf] = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -308,10 +308,10 @@ def per_shard(core: Callable) -> Callable:
            if p.annotation is p.empty else p
            for p in inspect.signature(core).parameters.values()
            if p.kind == p.KEYWORD_ONLY and p.name != "seq_axes"]
-    attention.__signature__ = inspect.Signature(common + own)
     for name in ("__module__", "__name__", "__qualname__", "__doc__"):
         setattr(attention, name, getattr(core, name))
-    attention.core = core
+    setattr(attention, "__signature__", inspect.Signature(common + own))
+    setattr(attention, "core", core)
     return attention
 
 

@@ -134,10 +134,12 @@ def _per_shard(attend, call: Call, q, k, v, operands: Operands):
         head_entry = None  # q's head split alone would pair local heads with wrong K/V heads
     qkv, ids = P(batch_entry, None, head_entry, None), P(batch_entry, None)
     tokens = (operands.q_tokens, operands.kv_tokens)
-    operand_specs = Operands(*(jax.tree.map(lambda _: ids, t) for t in tokens), P(head_entry))
+    specs = [jax.tree.map(lambda _: ids, t) for t in tokens]
+    operand_specs = Operands(specs[0], specs[1], P(head_entry))
     placed = [jax.reshard(x, qkv) for x in (q, k, v)]
     sinks = operands.sinks
-    placed.append(Operands(*(jax.tree.map(lambda x: jax.reshard(x, ids), t) for t in tokens),
+    q_tokens, kv_tokens = (jax.tree.map(lambda x: jax.reshard(x, ids), t) for t in tokens)
+    placed.append(Operands(q_tokens, kv_tokens,
                            None if sinks is None else jax.reshard(sinks, P(head_entry))))
     out, lse = jax.shard_map(
         attend, mesh=mesh, in_specs=(qkv,) * 3 + (operand_specs,),

@@ -197,13 +197,13 @@ def _backward_ring(axis_name, grads, q, k, v, kv_tokens, *, overlap: bool):
         dq, (dk, dv) = grads(dq, kv, zeros)
         return dq, dk, dv
     if not overlap:
-        def step(carry, _):
+        def serial_step(carry, _):
             dq, kv, dkv = carry
             next_kv = _shift(kv, axis_name)
             dq, dkv = grads(dq, kv, dkv)
             return (dq, next_kv, _shift(dkv, axis_name)), None
 
-        (dq, kv, dkv), _ = jax.lax.scan(step, (dq, kv, zeros), length=size - 1)
+        (dq, kv, dkv), _ = jax.lax.scan(serial_step, (dq, kv, zeros), length=size - 1)
         dq, dkv = grads(dq, kv, dkv)
         return (dq, *_home(dkv, (k, v), axis_name))
 

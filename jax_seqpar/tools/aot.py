@@ -97,7 +97,7 @@ def compile_for(fn: Callable, args: Any, platform: str, *, fail_on_spills: bool 
 
     # The backend's production code generation, whatever XLA_FLAGS the process has
     # (the test suite lowers LLVM's effort for its many small CPU programs).
-    options = {} if platform == "cpu" else dict(PRODUCTION_CODEGEN)
+    options: dict[str, Any] = {} if platform == "cpu" else dict(PRODUCTION_CODEGEN)
     if platform == "cuda" and fail_on_spills:
         options["xla_gpu_fail_ptx_compilation_on_register_spilling"] = True
     options.update(compiler_options or {})
@@ -151,7 +151,7 @@ def ptxas_resources(ptx: str, ptxas: Optional[str] = None) -> dict[str, tuple]:
 
 def _kernel_resources(dump: str, names: set) -> dict[str, KernelResources]:
     """Resources of the kernels ``names`` from an ``xla_dump_to`` folder."""
-    shared = {}
+    shared: dict[str, int] = {}
     for file in os.listdir(dump):
         if file.endswith("thunk_sequence.txt"):
             with open(os.path.join(dump, file)) as f:

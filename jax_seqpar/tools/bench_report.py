@@ -108,7 +108,7 @@ def format_target_table(result: dict) -> str:
         text.append(f"  {r['strategy']} {r['mesh']}, seq {r['seq_len']}: {sent or 'none'} "
                     f"[{both['model_bytes'] / MIB:.1f}]")
         text += [f"    {p['kind']} x{p['runs']:g}: {_enclosed(p)}" for p in both["overlap"]]
-    kernels = {}
+    kernels: dict[tuple, list[str]] = {}
     for r in result["rows"]:
         for mode in ("fwd", "fwd_bwd"):
             for name, k in (r[mode]["kernels"] or {}).items():

@@ -66,13 +66,16 @@ def compile_strategy(target: str, case: bench.Case, *, backward: Optional[bool] 
     args = [jax.ShapeDtypeStruct(size, case.shape.dtype, sharding=sharding)
             for size in case.shape.operand_shapes()]
     platform = targets.target_platform(target)
-    options = dict(fail_on_spills=fail_on_spills, kernel_resources=kernel_resources,
-                   compiler_options=targets.compile_options(platform, case.strategy))
+    def compiled(fn, operands):
+        return aot.compile_for(fn, operands, platform, fail_on_spills=fail_on_spills,
+                               kernel_resources=kernel_resources,
+                               compiler_options=targets.compile_options(platform, case.strategy))
+
     programs = {}
     if backward is not True:
-        programs["fwd"] = aot.compile_for(forward, args[:3], platform, **options)
+        programs["fwd"] = compiled(forward, args[:3])
     if backward is not False:
-        programs["fwd_bwd"] = aot.compile_for(forward_and_vjp, args, platform, **options)
+        programs["fwd_bwd"] = compiled(forward_and_vjp, args)
     return programs
 
 
@@ -218,7 +221,7 @@ def max_seq(target: str, case: bench.Case, *, backward: bool,
     budget = (1 - reserve) * parsed.hbm_bytes
     granule = 2 * math.prod(case.axes.values()) * 128
     mode = "fwd_bwd" if backward else "fwd"
-    footprints = {}
+    footprints: dict[int, Optional[int]] = {}  # None: over the device's memory
 
     def fits(seq_len):
         sized = dataclasses.replace(case, shape=case.shape.replace(seq_len=seq_len))
@@ -229,8 +232,9 @@ def max_seq(target: str, case: bench.Case, *, backward: bool,
                 raise
             footprints[seq_len] = None
             return False
-        footprints[seq_len] = footprint_bytes(program[mode].compiled)
-        return footprints[seq_len] <= budget
+        footprint = footprint_bytes(program[mode].compiled)
+        footprints[seq_len] = footprint
+        return footprint <= budget
 
     best = _longest_fitting(fits, granule, case.shape.seq_len, limit)
     return dict(max_seq=best, footprint_bytes=footprints.get(best), budget_bytes=budget,

@@ -146,7 +146,8 @@ def calibrate_cpu(mesh: jax.sharding.Mesh | None = None, *, axis: Optional[str] 
         mesh = Mesh(np.array(jax.devices()), ("sp",))
     axis = axis or mesh.axis_names[0]
     peak = _matmul_flops(mesh, axis, matmul_size, repeats, runs)
-    efficiency = min(1.0, _attention_rate(mesh, axis, *attention_shape, runs) / peak)
+    seq_len, heads, head_dim = attention_shape
+    efficiency = min(1.0, _attention_rate(mesh, axis, seq_len, heads, head_dim, runs) / peak)
     small, large = (max(4 * mesh.shape[axis], b) // 4 for b in message_bytes)
     measure = functools.partial(_collective_seconds, mesh, axis, repeats=repeats, runs=runs)
     t_small, t_large = measure(small, kind="ppermute"), measure(large, kind="ppermute")

@@ -87,8 +87,10 @@ def _group_size(inst: Instruction, num_devices: int) -> int:
         return int(iota.group(2))
     explicit = _EXPLICIT_GROUPS_RE.search(inst.attributes)
     if explicit and explicit.group(1):
-        first_group = re.match(r"\{([^}]*)\}", explicit.group(1)).group(1)
-        return len([d for d in first_group.split(",") if d.strip()])
+        first_group = re.match(r"\{([^}]*)\}", explicit.group(1))
+        if first_group is None:
+            raise ValueError(f"replica_groups={explicit.group(1)!r} is not a list of groups.")
+        return len([d for d in first_group.group(1).split(",") if d.strip()])
     return num_devices
 
 

@@ -78,7 +78,9 @@ def _split_balanced(text: str, start: int) -> tuple[str, int]:
 
 
 def split_top_level(text: str) -> list[str]:
-    parts, depth, current = [], 0, []
+    parts: list[str] = []
+    current: list[str] = []
+    depth = 0
     for ch in text:
         if ch in "([{":
             depth += 1
@@ -163,25 +165,26 @@ def bodies(inst: Instruction) -> list[str]:
 
 def multipliers(computations: Mapping[str, list[Instruction]], entry: str, default_trip_count: int):
     """How many times each computation runs per program execution."""
-    callers: dict[str, list[tuple[str, int]]] = {name: [] for name in computations}
+    # Trip counts are ints, or NaN where unknown.
+    callers: dict[str, list[tuple[str, float]]] = {name: [] for name in computations}
     for caller, instructions in computations.items():
         for inst in instructions:
-            trip = None
+            trip: float = 1  # only loops have a body and a condition
             if inst.opcode == "while":
                 found = _TRIP_RE.search(inst.attributes)
-                if found:
-                    trip = int(found.group(1))
-                else:
-                    trip = _counted_loop_trips(inst, instructions, computations)
-                if trip is None and default_trip_count is not None:
+                counted = (int(found.group(1)) if found
+                           else _counted_loop_trips(inst, instructions, computations))
+                if counted is not None:
+                    trip = counted
+                elif default_trip_count is not None:
                     trip = default_trip_count
-                elif trip is None:  # unknown: an error only if a collective runs inside
+                else:  # unknown: an error only if a collective runs inside
                     trip = math.nan
             for role, callee in callees(inst):
                 factor = trip if role == "body" else (trip + 1 if role == "condition" else 1)
                 if callee in callers:
                     callers[callee].append((caller, factor))
-    memo: dict[str, int] = {entry: 1}
+    memo: dict[str, float] = {entry: 1}
 
     def multiplier(name):
         if name not in memo:

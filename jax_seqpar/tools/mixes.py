@@ -9,7 +9,7 @@ its id in both rows). Padding is :data:`jax_seqpar.core.masks.PAD_SEGMENT`.
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -130,7 +130,8 @@ def prefix_lm(batch: int, seq_len: int, rng: np.random.Generator, low: float = 0
               high: float = 0.6):
     """Heavy-tailed documents (:func:`heavy_tailed`'s lengths), each with a bidirectional
     prefix of a uniform ``low .. high`` fraction of its tokens (at least one)."""
-    documents, total = [], 0
+    documents: list[np.ndarray] = []
+    total = 0
     while total < batch * seq_len:
         n = int(np.ceil(64 * (1 + rng.pareto(1.3))))
         prefix = max(1, int(round(rng.uniform(low, high) * n)))
@@ -167,7 +168,7 @@ def chunked(batch: int, seq_len: int, rng: np.random.Generator, few: bool = Fals
 
 #: The masked mixes, ``{name (mix, chunk_size)}``; each mix returns
 #: ``(segment_ids, bidirectional_ids or None)``.
-MASKED = {
+MASKED: dict[str, tuple[Callable[..., tuple], Optional[int]]] = {
     "prefix_lm": (prefix_lm, None),
     "vlm": (vlm, None),
     "chunked_2560": (chunked, 2560),

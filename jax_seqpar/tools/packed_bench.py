@@ -158,7 +158,7 @@ def _ring_layer(mesh, backward: bool, block: int):
     if not backward:
         return jax.jit(layer)
     return jax.jit(lambda q, k, v, ids, pos: jax.vjp(
-        lambda *a: layer(*a, ids, pos), q, k, v)[1](jnp.ones_like(q)))
+        lambda q, k, v: layer(q, k, v, ids, pos), q, k, v)[1](jnp.ones_like(q)))
 
 
 def ring_times(shape: LayerShape, num_shards: int, *, runs: int, warmup: int,

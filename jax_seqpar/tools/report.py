@@ -62,9 +62,9 @@ def format_projection(rows: Sequence[dict]) -> str:
         cells = [chips, f"{group[0]['nodes']}x{min(chips, group[0]['inner'])}",
                  _tokens(seq_len)]
         for strategy in strategies:
-            row = by_strategy.get(strategy)
-            cell = "-" if row is None else _ms(row["comm_ms"])
-            if row is not None and row["planned"]:
+            found = by_strategy.get(strategy)
+            cell = "-" if found is None else _ms(found["comm_ms"])
+            if found is not None and found["planned"]:
                 cell += "*"
             cells.append(cell)
         feasible = [r for r in group if r["comm_ms"] is not None]

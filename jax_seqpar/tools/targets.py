@@ -101,7 +101,10 @@ class Target:
     def hbm_bytes(self) -> Optional[int]:
         """Memory of one device in bytes (None for CPU)."""
         if self.platform == "cuda":
-            return int(_DEVICE_MEMORY_RE.search(gpu_target_config(self.kind)).group(1))
+            found = _DEVICE_MEMORY_RE.search(gpu_target_config(self.kind))
+            if found is None:
+                raise ValueError(f"the target description of {self.kind!r} gives no memory.")
+            return int(found.group(1))
         return TPU_HBM.get(self.kind) if self.platform == "tpu" else None
 
 

@@ -103,7 +103,7 @@ def measure_candidates(ranked: Sequence[predict.Candidate], shape: LayerShape,
     mesh = _mesh_for(names, sizes, mesh)
     measured = {c.label: time_candidate(c, shape, mesh, tuple(names), warmup=warmup, runs=runs)
                 for c in ranked[:max(1, top)]}
-    best = min(measured, key=measured.get)
+    best = min(measured, key=measured.__getitem__)
     winner = next(c for c in ranked if c.label == best)
     key = tuned.cache_key(shape, dict(zip(names, sizes)), mesh.devices.flat[0].device_kind,
                           hardware)
@@ -169,8 +169,8 @@ def tune_layer(shape: LayerShape, mesh: jax.sharding.Mesh, *,
                                     memory_budget=memory_budget)
     found = {c.label: c for c in predict.candidates(math.prod(sizes), shape.num_heads)}
     ranked = [found[label] for label in sorted(predicted.predicted_seconds,
-                                               key=predicted.predicted_seconds.get)]
+                                               key=predicted.predicted_seconds.__getitem__)]
     measured = measure_candidates(ranked, shape, axes, sizes, hardware, mesh=mesh, cache=cache,
                                   top=top, runs=runs)
-    return planning.choose(predicted, found[min(measured, key=measured.get)], axes, sizes,
+    return planning.choose(predicted, found[min(measured, key=measured.__getitem__)], axes, sizes,
                            hardware, measured)

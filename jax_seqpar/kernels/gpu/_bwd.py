@@ -127,8 +127,8 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options, interpret)
         dq, dk, dv = backward(q, k, v, core.fold_tokens(q_tokens, group), kv_tokens, lse,
                               delta, dout, options, interpret)
         return core.unfold(dq, group), dk, dv
-    spec, tiles = options.spec, options.block_sizes
-    t = core.tiling(q, k, tiles.block_q_bwd, tiles.block_k_bwd)
+    spec = options.spec
+    t = core.tiling(q, k, *options.tiles(backward=True))
     q_tokens, kv_tokens = padded_tokens(t, q_tokens, kv_tokens)
     heads = q.shape[2]
     d_qk, d_v = HeadDim.of(q.shape[-1]), HeadDim.of(v.shape[-1])

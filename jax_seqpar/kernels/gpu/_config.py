@@ -8,8 +8,6 @@ held by the compile gate, ``tests/test_compile_gate.py``).
 
 from __future__ import annotations
 
-import dataclasses
-
 from typing import Optional
 
 import jax
@@ -36,23 +34,24 @@ def default_block_sizes(d_qk: int, d_v: int, dtype: jax.typing.DTypeLike, *,
     ids, a ``mask_fn``): the dk/dv kernel, at 255 registers with segment ids alone,
     then takes half the query rows per step (sm_90, head dim 128: 168 registers, no
     spill, where the full tile spills)."""
-    sizes = _default_block_sizes(d_qk, d_v, dtype)
+    block_q, block_k, block_q_bwd, block_k_bwd = _default_tiles(d_qk, d_v, dtype)
     if rich_mask:
-        sizes = dataclasses.replace(sizes, block_q_bwd=max(16, sizes.block_q_bwd // 2))
-    return sizes
+        block_q_bwd = max(16, block_q_bwd // 2)
+    return BlockSizes(block_q, block_k, block_q_bwd, block_k_bwd)
 
 
-def _default_block_sizes(d_qk: int, d_v: int, dtype) -> BlockSizes:
+def _default_tiles(d_qk: int, d_v: int, dtype) -> tuple[int, int, int, int]:
+    """``(block_q, block_k, block_q_bwd, block_k_bwd)`` before ``rich_mask``."""
     width = _width(d_qk, d_v)
     if jnp.dtype(dtype) == jnp.float32:
         if width <= 64:
-            return BlockSizes(64, 32, 32, 32)
-        return BlockSizes(32, 16, 16, 16) if width <= 128 else BlockSizes(16, 16, 16, 16)
+            return 64, 32, 32, 32
+        return (32, 16, 16, 16) if width <= 128 else (16, 16, 16, 16)
     if width <= 128:
-        return BlockSizes(128, 64, 64, 64)
+        return 128, 64, 64, 64
     if width <= 256:
-        return BlockSizes(64, 32, 32, 32)
-    return BlockSizes(32, 16, 16, 16)  # MLA absorbed (576/512)
+        return 64, 32, 32, 32
+    return 32, 16, 16, 16  # MLA absorbed (576/512)
 
 
 #: Widest head dim the float32 (TF32x3) kernels compile for without spilling.

@@ -201,8 +201,8 @@ class HeadDim:
         """Chunk ``chunk`` of ``ref[*index, :]`` (``[rows, width]``), zeros past ``size``."""
         cols, mask = self._columns(chunk)
         if mask is None:
-            return ref[(*index, cols)]
-        return plgpu.load(ref.at[(*index, cols)], mask=mask, other=0)
+            return ref[index + (cols,)]
+        return plgpu.load(ref.at[index + (cols,)], mask=mask, other=0)
 
     def load_all(self, ref, *index):
         """Every chunk of ``ref[*index, :]`` (a list)."""

@@ -128,7 +128,7 @@ def _validate(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options,
             or q_tokens.bidirectional_ids is not None)
     options = options.resolved(
         default_block_sizes(q.shape[-1], v.shape[-1], q.dtype, rich_mask=rich), __name__)
-    if interpret is not True:  # the program may be lowered for a GPU
+    if interpret is not True and options.block_sizes is not None:  # may lower for a GPU
         options.block_sizes.check_gpu()
     return options
 
@@ -185,8 +185,8 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options, interpret: Optional
                             core.fold_tokens(q_tokens, heads // kv_heads), kv_tokens, options,
                             interpret)
         return core.unfold(out, heads // kv_heads), core.unfold(lse, heads // kv_heads)
-    spec, tiles = options.spec, options.block_sizes
-    t = core.tiling(q, k, tiles.block_q, tiles.block_k)
+    spec = options.spec
+    t = core.tiling(q, k, *options.tiles())
     splits = core.kv_splits(t.batch * heads, t.num_q, t.kv_len, t.block_k) if may_split else 1
     if splits > 1:  # a decode step: split-K over the cache, then merge
         out, lse = _forward(*core.split_kv(splits, q, k, v, q_tokens, kv_tokens, t),

@@ -104,7 +104,7 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options, dq_in=None
     operands = (q, k, v, q_tokens, kv_tokens, lse, delta, dout, dq_in)
     q, k, v, q_tokens, kv_tokens, lse, delta, dout, dq_in = _compat.match_varying(
         operands, operands)
-    t = mc.tiling(q, k, options.block_sizes.block_q_bwd, options.block_sizes.block_k_bwd)
+    t = mc.tiling(q, k, *options.tiles(backward=True))
     q_tokens, kv_tokens, classes = schedule(options.spec, t, q_tokens, kv_tokens)  # [B, nq, nk]
     (batch, q_len, heads, d_qk), (kv_len, kv_heads), d_v = q.shape, k.shape[1:3], v.shape[-1]
     q_pad, kv_pad, group = t.num_q * t.block_q, t.num_k * t.block_k, t.group

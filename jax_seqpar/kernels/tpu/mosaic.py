@@ -70,7 +70,8 @@ def _checked(q, k, v, q_tokens, kv_tokens, options: Options) -> Options:
     contract.check_operands(q, k, v, q_tokens, kv_tokens, dtypes=mc.DTYPES, kernel_name=__name__)
     options = options.resolved(default_block_sizes(q.shape[-1], v.shape[-1], q.dtype),
                                __name__)
-    options.block_sizes.check_tpu()
+    if options.block_sizes is not None:  # set by resolved
+        options.block_sizes.check_tpu()
     return options
 
 
@@ -162,9 +163,9 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_token
 def _forward(q, k, v, q_tokens, kv_tokens, options: Options, accumulate=None):
     # Inside shard_map every operand must vary over the same axes (e.g. replicated
     # decode queries against a sharded cache).
-    operands = (q, k, v, q_tokens, kv_tokens, accumulate)
-    q, k, v, q_tokens, kv_tokens, accumulate = _compat.match_varying(operands, operands)
-    t = mc.tiling(q, k, options.block_sizes.block_q, options.block_sizes.block_k)
+    inputs = (q, k, v, q_tokens, kv_tokens, accumulate)
+    q, k, v, q_tokens, kv_tokens, accumulate = _compat.match_varying(inputs, inputs)
+    t = mc.tiling(q, k, *options.tiles())
     q_tokens, kv_tokens, classes = schedule(options.spec, t, q_tokens, kv_tokens)  # [B, nq, nk]
     (batch, q_len, heads, d_qk), d_v = q.shape, v.shape[-1]
     q_pad, kv_pad, group = t.num_q * t.block_q, t.num_k * t.block_k, t.group
