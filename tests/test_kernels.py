@@ -191,7 +191,9 @@ def test_block_sizes_must_be_positive_ints(sizes):
 ])
 def test_sizes_left_none_are_the_kernels_defaults(kernel, defaults, monkeypatch):
     """A partial BlockSizes is completed from the kernel's ``default_block_sizes``."""
-    module = importlib.import_module(f"jax_seqpar.kernels.{kernel}")
+    module = importlib.import_module({"xla": "jax_seqpar.kernels.xla",
+                                      "pallas": "jax_seqpar.kernels.gpu.pallas",
+                                      "mosaic": "jax_seqpar.kernels.tpu.mosaic"}[kernel])
     q = jnp.zeros((1, 32, 2, 16))
     tokens = Tokens(jnp.zeros((1, 32), jnp.int32))
     assert module.default_block_sizes(16, 16, jnp.float32) == kernels.BlockSizes(*defaults)
@@ -262,7 +264,9 @@ def test_options_reject_other_tile_objects():
 @pytest.mark.parametrize("kernel", ["xla", "pallas", "mosaic"])
 def test_residual_out_is_kept_in_the_input_dtype(kernel):
     """The custom_vjp saves ``out`` in bf16 for bf16 inputs (``lse`` in float32)."""
-    module = importlib.import_module(f"jax_seqpar.kernels.{kernel}")
+    module = importlib.import_module({"xla": "jax_seqpar.kernels.xla",
+                                      "pallas": "jax_seqpar.kernels.gpu.pallas",
+                                      "mosaic": "jax_seqpar.kernels.tpu.mosaic"}[kernel])
     extra = dict(interpret=True) if kernel == "pallas" else {}
     batch, seq, heads, kv_heads, d_qk, d_v = 1, 32, 4, 2, 32, 16  # out's shape is its own
     q, k, v = checks.normals([(batch, seq, heads, d_qk), (batch, seq, kv_heads, d_qk),

@@ -95,11 +95,16 @@ def _send(to_heads, to_seq, axis_name, size):
     flat += [x.reshape(b, size, -1) for x in to_seq]  # [B, P (destination), s * n * D]
     widths = [x.shape[-1] for x in flat]
     shapes = [x.shape for x in to_heads], [x.shape for x in to_seq]
-    packed = jax.lax.all_to_all(jnp.concatenate(flat, axis=-1), axis_name, split_axis=1,
-                                concat_axis=1, tiled=True)  # [B, P (source), sum of widths]
+    # Sent as [P, rows, 128]: the buffers tile without padding on TPU (a [B, P, width]
+    # buffer with B = 1 pads its unit dimension there).
+    packed = jnp.moveaxis(jnp.concatenate(flat, axis=-1), 1, 0)  # [P, B, sum of widths]
+    lanes = 128 if packed[0].size % 128 == 0 else packed.shape[-1]
+    packed = jax.lax.all_to_all(packed.reshape(size, -1, lanes), axis_name, split_axis=0,
+                                concat_axis=0, tiled=True)  # [P (source), rows, lanes]
 
     def unpack(raw):
-        parts = jnp.split(raw[0], [sum(widths[:i]) for i in range(1, len(widths))], axis=-1)
+        got = jnp.moveaxis(raw[0].reshape(size, b, -1), 0, 1)  # [B, P (source), widths]
+        parts = jnp.split(got, [sum(widths[:i]) for i in range(1, len(widths))], axis=-1)
         heads = [part.reshape(b, size * x[1], x[2] // size, x[3])
                  for part, x in zip(parts, shapes[0])]  # source-major: the device order
         seq = [jnp.moveaxis(part.reshape(b, size, x[1] // size, *x[2:]), 1, 2)
