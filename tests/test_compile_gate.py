@@ -264,6 +264,14 @@ def _ulysses_pipelined_and_whole(target: str, backward: bool):
     return results
 
 
+#: The pipeline's temp memory over ``overlap=False``'s that the gate holds, per target.
+#: GPU: the goal, 1.10x (measured 0.97x forward, 0.86x training step at :data:`SHAPE`).
+#: TPU: not yet met; XLA:TPU holds more for the pipeline (measured 1.28x forward, 1.81x
+#: training step before the transfers were sent as [P, rows, 128]): the bound keeps it
+#: from growing until it is.
+ULYSSES_TEMP_RATIO = {GPU: 1.10, TPU: 1.9}
+
+
 @pytest.mark.parametrize("target, backward", [
     _on(target, backward) for target in (GPU, TPU) for backward in (False, True)])
 def test_ulysses_pipeline_hides_ninety_percent(target, backward):
@@ -271,25 +279,12 @@ def test_ulysses_pipeline_hides_ninety_percent(target, backward):
     5 chunks at 512 tokens a device: 1/16 of the bytes exposed) in the forward and the
     training step: at least 90 % of the bytes are sent while a kernel runs; with
     ``overlap=False`` none (one exchange each way, nothing to hide behind), the same
-    bytes in all. On GPU the pipeline's temp memory is at most 1.10x ``overlap=False``'s
-    (measured 0.97x forward, 0.86x training step at this shape)."""
+    bytes in all; temp memory within :data:`ULYSSES_TEMP_RATIO` of ``overlap=False``'s."""
     (pipelined, temp), (whole, whole_temp) = _ulysses_pipelined_and_whole(target, backward)
     assert pipelined["fraction"] >= 0.90, pipelined
     assert whole["fraction"] == 0.0, whole
     assert whole["total"] == pytest.approx(pipelined["total"], rel=0.01), (whole, pipelined)
-    if target == GPU:
-        assert temp <= 1.10 * whole_temp, (temp / 2**20, whole_temp / 2**20)
-
-
-@pytest.mark.xfail(strict=True, reason="XLA:TPU holds more temp for the pipeline than for "
-                   "the whole exchange (measured 1.28x forward at this shape): not yet bounded")
-@_compiles_for(TPU)
-def test_ulysses_pipeline_memory_on_tpu():
-    """On TPU too, the pipeline's forward temp memory would be at most 1.10x
-    ``overlap=False``'s; it is not yet (strict: this fails once it is, to drop the
-    mark)."""
-    (_, temp), (_, whole_temp) = _ulysses_pipelined_and_whole(TPU, backward=False)
-    assert temp <= 1.10 * whole_temp, (temp / 2**20, whole_temp / 2**20)
+    assert temp <= ULYSSES_TEMP_RATIO[target] * whole_temp, (temp / 2**20, whole_temp / 2**20)
 
 
 # (head dim of q/k, of v): every head dim the Pallas kernel is built for, DeepSeek's
