@@ -207,21 +207,27 @@ def _backward_ring(axis_name, grads, q, k, v, kv_tokens, *, overlap: bool):
         dq, dkv = grads(dq, kv, dkv)
         return (dq, *_home(dkv, (k, v), axis_name))
 
-    def fresh_plus(dq, kv, arrived):
+    def fresh_plus(dq, kv, arrived, next_kv=None):
+        # The kernel's raw result and the transfers in flight pass one barrier: their
+        # start..done encloses the kernel (under jax.grad, XLA:TPU otherwise ends them
+        # around the fusions only).
         dq, fresh = grads(dq, kv, zeros)
-        return dq, tuple(x + y for x, y in zip(fresh, arrived))
+        (dq, fresh), arrived, next_kv = jax.lax.optimization_barrier(
+            ((dq, fresh), arrived, next_kv))
+        return dq, tuple(x + y for x, y in zip(fresh, arrived)), next_kv
 
     def step(carry, _):
         dq, kv, dkv = carry
         next_kv = _shift(kv, axis_name)
         arrived = _shift(dkv, axis_name)  # in flight during this step's kernel
-        dq, dkv = fresh_plus(dq, kv, arrived)
+        dq, dkv, next_kv = fresh_plus(dq, kv, arrived, next_kv)
         return (dq, next_kv, dkv), None
 
     next_kv = _shift(kv, axis_name)
     dq, dkv = grads(dq, kv, zeros)
+    dq, dkv, next_kv = jax.lax.optimization_barrier((dq, dkv, next_kv))
     (dq, kv, dkv), _ = jax.lax.scan(step, (dq, next_kv, dkv), length=size - 2)
-    dq, dkv = fresh_plus(dq, kv, _shift(dkv, axis_name))
+    dq, dkv, _ = fresh_plus(dq, kv, _shift(dkv, axis_name))
     return (dq, *_home(dkv, (k, v), axis_name))
 
 
