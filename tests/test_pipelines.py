@@ -131,8 +131,9 @@ def test_hybrid_head_groups(heads, kv_heads, groups, variant, tolerances):
     _check("hybrid", tolerances, heads=heads, kv_heads=kv_heads, head_groups=groups, **variant)
 
 
-# (heads, kv heads, chunks, variant): every chunk count of the 8 local tokens (doubling
-# chunks: 1, 2, 4 or 8 rows a device, 1 2 1 4 ...), each with a mask and an extra.
+# (heads, kv heads, chunks, variant): every chunk count of the 8 local tokens (query
+# pieces of 4 2 2, 2 2 2 2 or 1 2 2 2 1 rows a device, K/V pieces of the first's rows),
+# each with a mask and an extra.
 ULYSSES_CHUNK_CASES = [
     (16, 4, 2, dict(order="zigzag", causal=True, sinks=True, return_lse=True)),
     (16, 4, 3, dict(window=(9, 4), segments=True)),

@@ -33,9 +33,9 @@ __all__ = ["chunk_counts", "chunk_sizes", "default_chunks", "default_head_groups
 #: groups' traffic; every further group is one more kernel call and two more collectives
 #: (latency) for less and less.
 MAX_AUTO_HEAD_GROUPS = 4
-#: ``chunks="auto"`` takes at most this many sequence chunks: doubling chunks leave
-#: ``1/2^(c-1)`` of the bytes exposed (5: 6.25 %); every further chunk adds ``c`` pair
-#: kernel calls for half as much again.
+#: ``chunks="auto"`` takes at most this many sequence chunks: they leave ``1/2^(c-1)`` of
+#: the bytes exposed (5: 6.25 %); every further chunk doubles the K/V pieces (a kernel
+#: call each, forward and backward) for half as much again.
 MAX_AUTO_CHUNKS = 5
 #: ``chunks="auto"`` keeps the smallest chunk at this many tokens after the all-to-all
 #: (``P`` devices' share of it): whole kernel tiles.

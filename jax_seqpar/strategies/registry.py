@@ -48,9 +48,9 @@ class Strategy:
         its ``head_groups`` / ``chunks="auto"`` cut the forward's and the backward's
         exchanges of a :class:`~jax_seqpar.core.shape.LayerShape` over ``devices``, so
         that each piece after the first travels while a kernel works on an earlier one
-        (None: each exchange whole, before or after the kernels); Ulysses' doubling
-        sequence chunks count as the equal pieces that leave the same share exposed. The ring's hops are
-        its own pieces (one per step).
+        (None: each exchange whole, before or after the kernels); Ulysses' sequence
+        pieces count as the equal pieces that leave the same share exposed. The ring's
+        hops are its own pieces (one per step).
     """
 
     name: str
@@ -73,8 +73,9 @@ class Strategy:
 def _ulysses_pieces(shape, devices: int) -> int:
     """Ulysses' pieces as ``overlap="auto"`` cuts them (:func:`heads.resolve_pieces`).
 
-    Sequence chunks (doubling, :func:`heads.chunk_sizes`) leave the first and the last
-    piece exposed, ``1/2^(c-1)`` of the bytes: as many as ``2^(c-1)`` equal pieces.
+    Sequence chunks (:func:`heads.chunk_sizes`) leave the first query and K/V pieces and
+    the last output piece exposed, ``1/2^(c-1)`` of the bytes: as many as ``2^(c-1)``
+    equal pieces.
     Head groups where each group has its own K/V heads; 1 where K/V heads are shared by
     several groups: they travel whole ahead of group 0 and only parts of q and out hide
     (a third of the bytes at 2 query heads and 1 K/V head a device, compiled), which the
