@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, TypeVar
 
 import jax
 
 __all__ = ["match_varying", "shape_struct", "varying_axes"]
+
+_Tree = TypeVar("_Tree")
 
 
 def varying_axes(x: jax.Array) -> frozenset:
@@ -18,8 +20,11 @@ def varying_axes(x: jax.Array) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))
 
 
-def match_varying(tree: Any, like: jax.Array):
+def match_varying(tree: _Tree, like: Any) -> _Tree:
     """Mark every array of ``tree`` as varying along every axis an array of ``like`` does.
+
+    ``tree`` and ``like`` are pytrees of arrays (one array, a tuple, tokens);
+    ``tree`` comes back with the same structure.
 
     Scan carries inside ``shard_map`` must keep one varying-axes type; fresh
     constants (zeros, -inf) are replicated until marked.
