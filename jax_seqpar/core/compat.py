@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any, TypeVar
+from typing import Any
 
 import jax
 
 __all__ = ["match_varying", "shape_struct", "varying_axes"]
-
-_Tree = TypeVar("_Tree")
 
 
 def varying_axes(x: jax.Array) -> frozenset:
@@ -20,7 +18,9 @@ def varying_axes(x: jax.Array) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))
 
 
-def match_varying(tree: _Tree, like: Any) -> _Tree:
+# Any: ``tree`` and ``like`` are pytrees (an array, a tuple, Tokens), which JAX types as
+# Any; a TypeVar would say "same structure back" but the docs cannot link a private one.
+def match_varying(tree: Any, like: Any) -> Any:
     """Mark every array of ``tree`` as varying along every axis an array of ``like`` does.
 
     ``tree`` and ``like`` are pytrees of arrays (one array, a tuple, tokens);

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import TYPE_CHECKING, Callable, Generic, Literal, Optional, TypeVar
+from typing import TYPE_CHECKING, Any, Callable, Generic, Literal, Optional
 
 import jax
 import jax.numpy as jnp
@@ -315,10 +315,8 @@ def per_shard(core: Callable) -> Callable:
     return attention
 
 
-_TokenTree = TypeVar("_TokenTree")
-
-
-def gather_tokens(tokens: _TokenTree, axis_name: str | tuple[str, ...]) -> _TokenTree:
+# Any: a Tokens or a tuple of them (a pytree, which JAX types as Any), returned as given.
+def gather_tokens(tokens: Any, axis_name: str | tuple[str, ...]) -> Any:
     """``[B, S/P]`` metadata of the local tokens (a :class:`~jax_seqpar.core.masks.Tokens` or a
     tree of them) -> ``[B, S]`` of the whole sequence; an array that appears more than
     once (query and key positions) is gathered once."""
