@@ -39,11 +39,11 @@ from jax_seqpar.kernels import KernelName
 #: What ``strategy=`` takes: a registered strategy that runs on the global view, or
 #: ``"auto"`` (planned: :func:`jax_seqpar.planning.plan.auto_choice`).
 StrategyChoice = Literal["auto", registry.StrategyName]
-STRATEGIES: tuple[str, ...] = typing.get_args(StrategyChoice)
+STRATEGIES: tuple[StrategyChoice, ...] = typing.get_args(StrategyChoice)
 #: What ``layout=`` takes: a token order, or ``"auto"``
 #: (:func:`jax_seqpar.strategies.registry.default_layout`).
 LayoutChoice = Literal["auto", LayoutName]
-LAYOUTS: tuple[str, ...] = typing.get_args(LayoutChoice)
+LAYOUTS: tuple[LayoutChoice, ...] = typing.get_args(LayoutChoice)
 
 if TYPE_CHECKING:  # annotations only
     from jax_seqpar.kernels.contract import BlockSizes
@@ -53,7 +53,7 @@ __all__ = ["LAYOUTS", "STRATEGIES", "LayoutChoice", "StrategyChoice",
 
 
 def _choose_strategy(q, k, v, mesh, axes: tuple, spec: masks.MaskSpec, batch_shards: int,
-                     head_shards: int):
+                     head_shards: int) -> tuple[registry.StrategyName, int | None]:
     """``(strategy, ulysses_size)`` for the batch rows and heads one sequence group really
     holds: a tuned plan, else the hardware model's choice."""
     batch, seq_len, heads, head_dim = q.shape

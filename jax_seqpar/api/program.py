@@ -82,12 +82,12 @@ class _Geometry:
 
     mesh: jax.sharding.Mesh
     axes: tuple
-    layout: str
+    layout: layouts.LayoutName
     num_shards: int
     length: int
 
 
-def _global(call: Call) -> tuple[jax.sharding.Mesh, str]:
+def _global(call: Call) -> tuple[jax.sharding.Mesh, StrategyName]:
     """The mesh and the strategy of a global call (the entry point sets both)."""
     if call.mesh is None or call.strategy is None:
         raise ValueError(f"a global call runs on a mesh with a strategy. Got "
@@ -117,7 +117,7 @@ def run(q: jax.Array, k: jax.Array, v: jax.Array, metadata: Metadata, *, call: C
     mesh, _ = _global(call)
     divides = q.shape[1] % math.prod(mesh.shape[a] for a in call.axes) == 0
     in_shardings = _placement.boundary_shardings(
-        arrays, call.mesh, call.batch_entry, axis_name_of(call.axes) if divides else None,
+        arrays, mesh, call.batch_entry, axis_name_of(call.axes) if divides else None,
         call.head_entry)
     return _program(call, q.shape[1], in_shardings)(*arrays)
 
@@ -149,7 +149,8 @@ def _program(call: Call, seq_len: int, in_shardings: tuple):
 
 
 def _attend(*arrays, call: Call, geometry: _Geometry, in_shardings: tuple):
-    q, k, v, *rest = _placement.bind(arrays, in_shardings, call.mesh)
+    caller_mesh, strategy = _global(call)
+    q, k, v, *rest = _placement.bind(arrays, in_shardings, caller_mesh)
     metadata = Metadata(*rest)
     seq_len, length, num_shards = q.shape[1], geometry.length, geometry.num_shards
     mesh, axes, layout = geometry.mesh, geometry.axes, geometry.layout
@@ -159,7 +160,7 @@ def _attend(*arrays, call: Call, geometry: _Geometry, in_shardings: tuple):
     if layout == "per_document":  # a data-dependent order: gathered here, before shard_map
         q, k, v, metadata, inverse = _per_document(call, num_shards, q, k, v, metadata)
         layout = "contiguous"
-    attend = per_shard_fn(_global(call)[1], axes, core=True)
+    attend = per_shard_fn(strategy, axes, core=True)
     axis_name = axis_name_of(axes)
     relayout_in, relayout_out = _RELAYOUTS[layout]
 
@@ -192,7 +193,7 @@ def _attend(*arrays, call: Call, geometry: _Geometry, in_shardings: tuple):
     mapped = jax.shard_map(
         body, mesh=mesh, in_specs=(qkv_spec,) * 3 + (specs,), out_specs=out_specs,
         check_vma=can_check_vma(call.kernel))
-    with _placement.on_mesh(mesh, call.mesh):  # a split mesh is the context of its shard_map
+    with _placement.on_mesh(mesh, caller_mesh):  # a split mesh is the context of its shard_map
         q, k, v = (_placement.place(x, mesh, qkv_spec) for x in (q, k, v))
         metadata = Metadata(*(None if x is None else _placement.place(x, mesh, spec)
                               for x, spec in zip(metadata.arrays(), specs.arrays())))
@@ -204,7 +205,7 @@ def _attend(*arrays, call: Call, geometry: _Geometry, in_shardings: tuple):
     seq_spec = P(batch_entry, axis_name_of(call.axes), head_entry, None)
     out_spec = call.out_spec
     return jax.tree.map(
-        lambda x: _placement.finish(x, call.mesh, seq_len, P(*seq_spec[:x.ndim]),
+        lambda x: _placement.finish(x, caller_mesh, seq_len, P(*seq_spec[:x.ndim]),
                                     None if out_spec is None else P(*out_spec[:x.ndim])),
         result)
 
@@ -213,7 +214,7 @@ def _gather_seq(x, order, call: Call):
     """``x [B, S, ...]`` reordered along the sequence by ``order int32[B, S]``, on the
     caller's mesh with the sequence whole (an Explicit type cannot gather a sharded dim)."""
     spec = P(call.batch_entry, None, call.head_entry, None)[:x.ndim]
-    x = _placement.place(x, call.mesh, P(*spec))
+    x = _placement.place(x, _global(call)[0], P(*spec))
     index = order.reshape(order.shape + (1,) * (x.ndim - 2))
     return jnp.take_along_axis(x, index, axis=1)
 
@@ -222,7 +223,10 @@ def _per_document(call: Call, num_shards: int, q, k, v, metadata: Metadata):
     """``(q, k, v, metadata, inverse)``: the call's arrays in the per-document order of
     its segment ids, with the ``positions`` of that order, and the order's inverse
     (:mod:`jax_seqpar.core.packing`, traced)."""
-    ids = _placement.place(metadata.segment_ids, call.mesh, P(call.batch_entry, None))
+    if metadata.segment_ids is None:  # sequence_parallel_attention refuses this first
+        raise ValueError('layout="per_document" orders the tokens by their documents: pass '
+                         "segment_ids= (int32[B, S]).")
+    ids = _placement.place(metadata.segment_ids, _global(call)[0], P(call.batch_entry, None))
     block = getattr(call.block_sizes, "block_q", None) or packing.DEFAULT_BLOCK
     positions = packing.per_document_positions(ids, num_shards, block)  # [B, S]
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Optional, SupportsFloat, cast
 
 import jax
 import numpy as np
@@ -139,7 +139,8 @@ def real(name: str, value: object, *, positive: bool = False) -> float:
         if tuple(shape) != () or np.dtype(dtype).kind not in "iuf":
             raise ValueError(f"{name} must be a scalar number. Got an array of shape "
                              f"{tuple(shape)} and dtype {dtype}: {fix}.")
-    number = float(value)
+    # Checked above: a real number, or a concrete 0-d numeric array (which float() takes).
+    number = float(cast(SupportsFloat, value))
     if math.isnan(number) or (positive and not number > 0):
         need = "a positive float" if positive else "a number, not NaN"
         raise ValueError(f"{name} must be {need}. Got {name}={value!r}: {fix}.")

@@ -18,8 +18,13 @@ def varying_axes(x: jax.Array) -> frozenset:
     return frozenset(getattr(aval, "vma", ()))
 
 
-def match_varying(tree: Any, like: jax.Array):
+# Any: ``tree`` and ``like`` are pytrees (an array, a tuple, Tokens), which JAX types as
+# Any; a TypeVar would say "same structure back" but the docs cannot link a private one.
+def match_varying(tree: Any, like: Any) -> Any:
     """Mark every array of ``tree`` as varying along every axis an array of ``like`` does.
+
+    ``tree`` and ``like`` are pytrees of arrays (one array, a tuple, tokens);
+    ``tree`` comes back with the same structure.
 
     Scan carries inside ``shard_map`` must keep one varying-axes type; fresh
     constants (zeros, -inf) are replicated until marked.

@@ -31,7 +31,7 @@ def merge(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array
     return out, lse + jnp.log(total)
 
 
-def with_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array):
+def with_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array | None):
     """Add a zero-valued virtual key of logit ``sinks[h]`` to every row of a result.
 
     ``p_j = exp(s_j) / (exp(sinks[h]) + sum_k exp(s_k))``: the output shrinks by
@@ -54,7 +54,8 @@ def with_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array):
     return out * jnp.exp(lse - new_lse)[..., None], new_lse
 
 
-def check_sinks(sinks: jax.Array, num_heads: int):
+def check_sinks(sinks: jax.typing.ArrayLike | None,
+                num_heads: int) -> jax.Array | None:
     """``sinks`` as a float ``[num_heads]`` array, or None; ``ValueError`` otherwise.
 
     One logit per head: a scalar is refused (it would not say whether every head shares
@@ -63,8 +64,7 @@ def check_sinks(sinks: jax.Array, num_heads: int):
     """
     if sinks is None:
         return None
-    if not (hasattr(sinks, "shape") and hasattr(sinks, "dtype")):
-        sinks = jnp.asarray(sinks)
+    sinks = jnp.asarray(sinks)  # lists, numpy (a jax array or tracer is kept as is)
     shape = tuple(sinks.shape)
     if shape != (num_heads,) or not jnp.issubdtype(sinks.dtype, jnp.floating):
         hint = (f"; for one logit shared by every head pass jnp.full(({num_heads},), "

@@ -136,9 +136,10 @@ def _namespace(segment_ids):
     return np if isinstance(segment_ids, np.ndarray) else jnp
 
 
-def per_document_positions(segment_ids: jax.Array, num_shards: int, block_size: int = DEFAULT_BLOCK,
-                           *, spread_tokens: Optional[int] = None,
-                           bidirectional_ids: jax.Array | None = None,
+def per_document_positions(segment_ids: jax.typing.ArrayLike, num_shards: int,
+                           block_size: int = DEFAULT_BLOCK, *,
+                           spread_tokens: Optional[int] = None,
+                           bidirectional_ids: jax.typing.ArrayLike | None = None,
                            chunk_size: Optional[int] = None):
     """The per-document order of packed rows: ``int32[B, S]`` natural positions.
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import typing
 from typing import Callable, Optional, Sequence
 
 import jax
@@ -18,7 +19,7 @@ from jax_seqpar.examples._model import ModelConfig, Parallelism
 from jax_seqpar.examples._train import TrainConfig, TrainResult, init_params, mesh_for, train
 
 UNSHARDED = "unsharded"
-DEFAULT_STRATEGIES = ("ulysses", "ring", "hybrid")
+DEFAULT_STRATEGIES: tuple[api.StrategyChoice, ...] = ("ulysses", "ring", "hybrid")
 
 
 def report_steps(steps: int, rows: int = 10) -> list[int]:
@@ -173,12 +174,13 @@ def run_demo(
     return results
 
 
-def as_strategy_list(text: str) -> list[str]:
-    """``"ulysses,ring"`` -> ``["ulysses", "ring"]`` (validated)."""
+def as_strategy_list(text: str) -> list[api.StrategyChoice]:
+    """``"ulysses,ring"`` -> ``["ulysses", "ring"]`` (validated: ``ValueError`` naming
+    the unknown ones)."""
     known = api.STRATEGIES
     names = [s.strip() for s in text.split(",") if s.strip()]
     unknown = [s for s in names if s not in known]
     if unknown:
         raise ValueError(f"unknown strategies {unknown}; choose from {known}.")
-    return names
+    return [typing.cast(api.StrategyChoice, s) for s in names]  # each checked just above
 

@@ -12,7 +12,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -119,9 +119,10 @@ def _compiled_loop(graphdef, num_tokens: int, *args):
     return compiled, time.perf_counter() - start
 
 
-def generate(model: TransformerLM, prompts: jax.Array, lengths: jax.Array, *, num_tokens: int,
+def generate(model: TransformerLM, prompts: jax.typing.ArrayLike,
+             lengths: jax.typing.ArrayLike | Sequence[int], *, num_tokens: int,
              capacity: int | None = None, cache_dtype: jax.typing.DTypeLike = jnp.float32,
-             prefix_lengths: jax.Array | None = None) -> Generation:
+             prefix_lengths: jax.typing.ArrayLike | None = None) -> Generation:
     """Greedy decoding of ``num_tokens`` tokens per row after each prompt.
 
     Args:

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from jax_seqpar.api.attention import StrategyChoice
+from jax_seqpar.core.layout import LayoutName
 from jax_seqpar.core.masks import Tokens
 from jax_seqpar.kernels import KernelName
 from jax_seqpar.examples._data import VOCAB_SIZE
@@ -89,7 +90,7 @@ class Parallelism:
     per_document: bool = False
 
     @property
-    def layout(self) -> str:
+    def layout(self) -> LayoutName:
         """The token order each batch is put in once. ``"zigzag"`` balances the causal
         work of ring, hybrid and all-gather; Ulysses keeps ``"contiguous"`` (it attends
         to the whole sequence); ``"per_document"`` balances packed documents (when

@@ -71,13 +71,13 @@ def mesh_for(strategy: StrategyChoice, devices: Sequence[jax.Device] | None = No
     ``"hybrid"`` gets a 2 x N/2 ``("dcn", "ici")`` mesh (ring across the outer
     axis, Ulysses inside the inner one); every other strategy one ``"sp"`` axis.
     """
-    devices = np.array(jax.devices() if devices is None else devices)
+    grid = np.array(jax.devices() if devices is None else devices)
     if strategy == "hybrid":
-        if devices.size % 2:
+        if grid.size % 2:
             raise ValueError(f'strategy="hybrid" needs an even number of devices for its 2 x '
-                             f"N/2 mesh. Got {devices.size}.")
-        return jax.sharding.Mesh(devices.reshape(2, -1), ("dcn", "ici")), ("dcn", "ici")
-    return jax.sharding.Mesh(devices, ("sp",)), "sp"
+                             f"N/2 mesh. Got {grid.size}.")
+        return jax.sharding.Mesh(grid.reshape(2, -1), ("dcn", "ici")), ("dcn", "ici")
+    return jax.sharding.Mesh(grid, ("sp",)), "sp"
 
 
 def init_params(config: ModelConfig, seed: int) -> nnx.State:

@@ -43,7 +43,7 @@ class AttentionConfig:
     seq_axes: Union[str, tuple] = "sp"
     strategy: str = "auto"
     causal: bool = False
-    window: object = None
+    window: Union[int, tuple[int, int], None] = None
     scale: Optional[float] = None
     layout: str = "auto"
     kernel: str = "auto"

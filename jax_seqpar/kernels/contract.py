@@ -221,9 +221,10 @@ def merge_accumulated(result: tuple[jax.Array, jax.Array],
     return merge(*accumulate, *result)
 
 
-def add_accumulated(grads: tuple[jax.Array, jax.Array, jax.Array],
-                    accumulate: tuple[jax.Array, jax.Array] | None):
-    """``grads`` (float32 ``(dq, dk, dv)``) plus ``accumulate`` when it is given."""
+def add_accumulated(grads: tuple[jax.Array, ...],
+                    accumulate: tuple[jax.Array, ...] | None) -> tuple[jax.Array, ...]:
+    """``grads`` (float32, e.g. ``(dq, dk, dv)`` or ``(dk, dv)``) plus ``accumulate``
+    (as many arrays, same shapes) when it is given."""
     if accumulate is None:
         return grads
     return tuple(total + g for total, g in zip(accumulate, grads))

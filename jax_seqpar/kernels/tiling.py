@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -54,9 +55,12 @@ def per_field(tokens: Tokens, value: object) -> Tokens:
                     for f in dataclasses.fields(Tokens)))
 
 
-def loaded(tokens: Tokens, index: int = ...) -> Tokens:
-    """The values at ``index`` of a Tokens-of-refs (inside a Pallas kernel): positions,
-    segment ids and bidirectional ids alike."""
+# Any: a ref index is an int, a slice, ``pl.ds(...)`` or a tuple of them, for which
+# JAX exports no one type (``...``, the default, takes the whole ref).
+def loaded(tokens: Tokens, index: Any = ...) -> Tokens:
+    """The values at ``index`` (an int, slice or ``pl.ds``; the whole ref by default)
+    of a Tokens-of-refs (inside a Pallas kernel): positions, segment ids and
+    bidirectional ids alike."""
     return Tokens(*(None if ref is None else ref[index]
                     for ref in (getattr(tokens, f.name) for f in dataclasses.fields(Tokens))))
 

@@ -51,8 +51,8 @@ def _shard_positions(seq_len: int, shards: int, zigzag: bool) -> np.ndarray:
     return np.concatenate([halves[:shards], halves[::-1][:shards]], axis=1)
 
 
-def tile_pairs(q_positions: jax.Array, kv_positions: jax.Array, shape: LayerShape,
-               tile: int = TILE) -> float:
+def tile_pairs(q_positions: np.ndarray | jax.Array, kv_positions: np.ndarray | jax.Array,
+               shape: LayerShape, tile: int = TILE) -> float:
     """(query, key) pairs a kernel computes: whole tiles that are not EMPTY.
 
     Tiles are ``tile`` tokens clipped to the lengths, classified from

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Mapping, Optional
 
 import jax
 
+from jax_seqpar.core.masks import normalize_window
 from jax_seqpar.core.shape import LayerShape, dtype_of_size, is_count
 from jax_seqpar.planning import hardware as hardware_lib, predict, tuned
 from jax_seqpar.strategies.registry import StrategyName, comm_bytes
@@ -84,7 +85,7 @@ class Plan:
 
 # Ties go to the first: Ulysses cannot overlap its all_to_alls with compute but
 # has the fewest, largest messages (lowest latency).
-_PREFERENCE = ("ulysses", "hybrid", "ring")
+_PREFERENCE: tuple[StrategyName, ...] = ("ulysses", "hybrid", "ring")
 
 
 def _ratio(numerator: float, denominator: float) -> float:
@@ -148,8 +149,8 @@ def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
     """
     shape = LayerShape(batch=batch, seq_len=seq_len, num_heads=num_heads,
                        num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim,
-                       dtype=dtype_of_size(dtype_bytes), causal=causal, window=window,
-                       backward=backward)
+                       dtype=dtype_of_size(dtype_bytes), causal=causal,
+                       window=normalize_window(window), backward=backward)
     return plan_layer(shape, axis_sizes, hardware=hardware, memory_budget=memory_budget)
 
 
@@ -185,7 +186,8 @@ def plan_layer(shape: LayerShape, axis_sizes: int | Mapping[str, int], *,
         candidates = {"ring": ring}
         if num_heads % size == 0:
             candidates["ulysses"] = comm_bytes("ulysses", axis_sizes=size, **traffic)
-        strategy = min(candidates, key=lambda s: (candidates[s], _PREFERENCE.index(s)))
+        strategy = min((s for s in _PREFERENCE if s in candidates),
+                       key=lambda s: (candidates[s], _PREFERENCE.index(s)))
         plan_axes: str | tuple[str, str] = axis
         plan_sizes: int | tuple[int, int] = size
         if strategy == "ulysses":
@@ -208,7 +210,8 @@ def plan_layer(shape: LayerShape, axis_sizes: int | Mapping[str, int], *,
         candidates = {"ring": ring}
         if num_heads % inner_size == 0:
             candidates["hybrid"] = comm_bytes("hybrid", axis_sizes=sizes, **traffic)
-        strategy = min(candidates, key=lambda s: (candidates[s], _PREFERENCE.index(s)))
+        strategy = min((s for s in _PREFERENCE if s in candidates),
+                       key=lambda s: (candidates[s], _PREFERENCE.index(s)))
         if strategy == "hybrid":
             reason = (f"hybrid: ulysses over {inner!r} ({inner_size} divides {num_heads} heads) "
                       f"and ring over {outer!r} send "
@@ -266,7 +269,8 @@ def _plan_predicted(shape: LayerShape, names, sizes, hardware, memory_budget,
             + ". Use more devices, a smaller batch, or a larger memory_budget.")
     chosen = min(seconds, key=seconds.__getitem__)
     predicted = Plan(
-        strategy="", seq_axes="", axis_sizes=0, bytes_per_device=0.0, reason="",
+        strategy=found[chosen].strategy, seq_axes="", axis_sizes=0, bytes_per_device=0.0,
+        reason="",
         candidates={label: p["bytes"] for label, p in predictions.items()},
         predicted_seconds=seconds,
         memory_bytes={label: p["memory"] for label, p in predictions.items()},
@@ -279,11 +283,13 @@ def choose(predicted: Plan, candidate: predict.Candidate, names: tuple[str, ...]
            measured: Mapping[str, float] | None = None) -> Plan:
     """``predicted`` (a plan's predictions) with ``candidate`` chosen: the fastest
     predicted, or the fastest ``measured`` (``{label: seconds}`` timed on a mesh)."""
-    if candidate.strategy == "hybrid" and len(sizes) == 2 and candidate.ulysses == sizes[1]:
-        seq_axes, axis_sizes = tuple(names), tuple(sizes)
-    else:
-        seq_axes = names[0] if len(names) == 1 else tuple(names)
-        axis_sizes = sizes[0] if len(sizes) == 1 else tuple(sizes)
+    seq_axes: str | tuple[str, str]
+    axis_sizes: int | tuple[int, int]
+    if len(names) == 1:
+        seq_axes, axis_sizes = names[0], sizes[0]
+    else:  # (outer, inner): _names_and_sizes gives one or two axes
+        (outer, inner), (outer_size, inner_size) = names, sizes
+        seq_axes, axis_sizes = (outer, inner), (outer_size, inner_size)
     return dataclasses.replace(
         predicted, strategy=candidate.strategy, seq_axes=seq_axes, axis_sizes=axis_sizes,
         bytes_per_device=predicted.candidates[candidate.label],
@@ -310,7 +316,7 @@ def _reason(chosen, seconds, measured, rejected, hardware) -> str:
 
 
 def auto_choice(shape: LayerShape, mesh: jax.sharding.Mesh,
-                axes: tuple[str, ...]) -> tuple[str, Optional[int]]:
+                axes: tuple[str, ...]) -> tuple[StrategyName, Optional[int]]:
     """``(strategy, ulysses_size)`` for ``strategy="auto"`` on the ``axes`` of ``mesh``.
 
     ``shape`` is the layer as one sequence group holds it (its batch rows and heads).

@@ -89,13 +89,13 @@ def candidates(devices: int, num_heads: int) -> list[Candidate]:
     """Every registered strategy and factorization of ``devices`` the heads allow: a
     two-axis strategy over every ``O x I`` with ``1 < I < P`` dividing the heads."""
     found = []
-    for strategy in registry.STRATEGIES.values():
+    for name, strategy in registry.STRATEGIES.items():
         if strategy.num_seq_axes == 2:
-            found += [Candidate(strategy.name, devices // inner, inner)
+            found += [Candidate(name, devices // inner, inner)
                       for inner in range(2, devices)
                       if devices % inner == 0 and num_heads % inner == 0]
         elif not strategy.splits_heads or num_heads % devices == 0:
-            found.append(Candidate(strategy.name, *strategy.factorization(devices, 1)))
+            found.append(Candidate(name, *strategy.factorization(devices, 1)))
     return found
 
 

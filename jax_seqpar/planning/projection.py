@@ -98,22 +98,23 @@ def project(num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: Option
                 chosen = planner.plan_layer(shape, mesh).strategy
             except ValueError:
                 chosen = None
-            for entry in registry.STRATEGIES.values():
+            for name, entry in registry.STRATEGIES.items():
                 if entry.num_seq_axes == 2 and size <= inner:  # one node: no ring of nodes
                     continue
-                rows.append(_row(entry, shape, size, inner, chips_per_node, model, chosen))
+                rows.append(_row(name, shape, size, inner, chips_per_node, model, chosen))
     return rows
 
 
-def _row(entry: registry.Strategy, shape: LayerShape, size: int, inner: int,
+def _row(name: registry.StrategyName, shape: LayerShape, size: int, inner: int,
          chips_per_node: int, model, chosen) -> dict:
     """One strategy on ``size`` chips (Ulysses groups of ``inner`` for the hybrid)."""
+    entry = registry.STRATEGIES[name]
     row = dict(chips=size, nodes=max(1, size // chips_per_node), inner=inner,
                outer=size // inner, seq_len=shape.seq_len, strategy=entry.name,
                planned=entry.name == chosen, bytes_per_device=None, ici_bytes=None,
                dcn_bytes=None, comm_ms=None, compute_ms=None, exposed_comm_ms=None,
                predicted_ms=None, reason="")
-    candidate = predict.Candidate(entry.name, *entry.factorization(size, inner))
+    candidate = predict.Candidate(name, *entry.factorization(size, inner))
     try:
         result = predict.predict(candidate, shape, model)
     except ValueError as error:

@@ -163,8 +163,9 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *,
 
 # --- the per-shard steps of a sequence-sharded KV cache (jax_seqpar.api.inference) ---
 
-def overflow_message(lengths: jax.Array, new_tokens: int, capacity: int) -> str:
-    """What a refused step says: the capacity, the fullest row's length, the tokens asked."""
+def overflow_message(lengths: jax.typing.ArrayLike, new_tokens: int, capacity: int) -> str:
+    """What a refused step says: the capacity, the fullest row's length, the tokens asked
+    (``lengths``: concrete ``int[B]``, a jax or numpy array)."""
     lengths = np.asarray(lengths)
     row = int(np.argmax(lengths))
     return (f"the KV cache is full: capacity={capacity} tokens per row, row {row} holds "

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import cast
 
 import jax
 import jax.numpy as jnp
@@ -322,7 +323,7 @@ def sink_gradient(dsinks, operands: Operands):
     of the devices that share its heads along the axes the sinks do not vary over (the
     hybrid's ring, a batch axis), as the transpose of an implicit pvary would; in the
     sinks' dtype."""
-    extra = _compat.varying_axes(dsinks) - _compat.varying_axes(operands.sinks)
+    extra = _compat.varying_axes(dsinks) - _compat.varying_axes(cast(jax.Array, operands.sinks))
     if extra:
         dsinks = jax.lax.psum(dsinks, tuple(sorted(extra)))
     return dsinks.astype(operands.sinks.dtype)

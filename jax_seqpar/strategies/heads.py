@@ -108,7 +108,7 @@ def resolve_head_groups(head_groups: int | Literal['auto'], num_heads: int, num_
     return int(head_groups)
 
 
-def local_heads(x: jax.Array, axis_name: str | tuple[str, ...]):
+def local_heads(x: jax.Array | None, axis_name: str | tuple[str, ...]) -> jax.Array | None:
     """This device's slice of a per-head ``[H]`` array after :func:`~jax_seqpar.strategies.head_pipeline.seq_to_heads`: ``[H/P]``."""
     if x is None:
         return None

@@ -104,7 +104,7 @@ class RingStage:
     outer axis (:func:`jax_seqpar.strategies.ring.ring_over`), a stage of
     :func:`jax_seqpar.strategies.head_pipeline.head_pipeline` (its backward is the ring's)."""
 
-    axis_name: object
+    axis_name: str | tuple[str, ...]
     options: Options
     contiguous: bool
     takes_delta = False  # the ring's backward computes it from its own residuals

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-from typing import TYPE_CHECKING, Callable, Generic, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, Generic, Literal, Optional
 
 import jax
 import jax.numpy as jnp
@@ -21,7 +21,6 @@ from jax_seqpar.kernels import make_options
 from jax_seqpar.kernels import KernelName
 
 if TYPE_CHECKING:  # annotations only
-    from jax_seqpar.core.masks import Tokens
     from jax_seqpar.kernels.contract import BlockSizes
     from jax_seqpar.strategies.registry import StrategyName
 
@@ -58,7 +57,8 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
                          "(MHA, GQA or MQA).")
 
 
-def check_self_attention(q: jax.Array, k: jax.Array, v: jax.Array, segment_ids: jax.Array):
+def check_self_attention(q: jax.Array, k: jax.Array, v: jax.Array,
+                         segment_ids: jax.typing.ArrayLike | None):
     """:func:`check_qkv` plus one sequence length for q and k; returns ``segment_ids``
     as ``int32[B, S]`` (:func:`check_ids`)."""
     check_qkv(q, k, v)
@@ -136,7 +136,7 @@ class Call:
     spec: masks.MaskSpec = masks.MaskSpec()
     scale: Optional[float] = None
     kernel: KernelName = "auto"
-    block_sizes: object = None
+    block_sizes: Optional[BlockSizes] = None
     softcap: Optional[float] = None
     return_lse: bool = False
     mesh: Optional[jax.sharding.Mesh] = None
@@ -144,8 +144,8 @@ class Call:
     strategy: Optional[StrategyName] = None
     ulysses_size: Optional[int] = None
     layout: Literal["auto", layout.LayoutName] = "contiguous"
-    batch_entry: object = None
-    head_entry: object = None
+    batch_entry: str | tuple[str, ...] | None = None
+    head_entry: str | tuple[str, ...] | None = None
     out_spec: Optional[jax.sharding.PartitionSpec] = None
     pipeline: tuple = ()
 
@@ -315,7 +315,8 @@ def per_shard(core: Callable) -> Callable:
     return attention
 
 
-def gather_tokens(tokens: Tokens, axis_name: str | tuple[str, ...]):
+# Any: a Tokens or a tuple of them (a pytree, which JAX types as Any), returned as given.
+def gather_tokens(tokens: Any, axis_name: str | tuple[str, ...]) -> Any:
     """``[B, S/P]`` metadata of the local tokens (a :class:`~jax_seqpar.core.masks.Tokens` or a
     tree of them) -> ``[B, S]`` of the whole sequence; an array that appears more than
     once (query and key positions) is gathered once."""

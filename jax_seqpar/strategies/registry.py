@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import typing
-from typing import Callable, Literal, Mapping, Optional
+from typing import Callable, Literal, Mapping, Optional, TypedDict
 
 from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.strategies import allgather, heads, traffic
@@ -53,7 +53,7 @@ class Strategy:
         hops are its own pieces (one per step).
     """
 
-    name: str
+    name: Literal[StrategyName, "decode"]
     attention: Callable
     bytes: Callable
     num_seq_axes: int = 1
@@ -105,7 +105,7 @@ _ENTRIES = {s.name: s for s in (
              zigzag_balances=True),
 )}
 #: Every strategy the global entry point runs, by :data:`StrategyName`.
-STRATEGIES: Mapping[str, Strategy] = {name: _ENTRIES[name]
+STRATEGIES: Mapping[StrategyName, Strategy] = {name: _ENTRIES[name]
                                       for name in typing.get_args(StrategyName)}
 
 #: Attention of new tokens to a sequence-sharded KV cache (forward only).
@@ -118,11 +118,12 @@ def get(name: str) -> Strategy:
         return DECODE
     if name not in STRATEGIES:
         raise ValueError(f"strategy={name!r} is not one of {tuple(STRATEGIES)}.")
-    return STRATEGIES[name]
+    return STRATEGIES[typing.cast(StrategyName, name)]  # checked just above
 
 
 def default_layout(strategy: StrategyName, spec: MaskSpec = MaskSpec(), *,
-                   seq_len: int | None = None, num_shards: int | None = None) -> str:
+                   seq_len: int | None = None,
+                   num_shards: int | None = None) -> Literal["contiguous", "zigzag"]:
     """The token order ``layout="auto"`` uses: balance and locality.
 
     A window bounds every query's keys, so work per query is (nearly) the same
@@ -151,6 +152,18 @@ def default_layout(strategy: StrategyName, spec: MaskSpec = MaskSpec(), *,
         if halo_sizes(spec, seq_len // num_shards, num_shards) is not None:
             return "contiguous"
     return "zigzag" if spec.causal and get(strategy).zigzag_balances else "contiguous"
+
+
+class _LayerSizes(TypedDict):
+    """The layer's sizes every traffic model and :func:`traffic.check_shape` take."""
+
+    batch: int
+    seq_len: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    v_head_dim: int
+    dtype_bytes: float
 
 
 def comm_bytes(strategy: Literal[StrategyName, "decode"], *, batch: int, seq_len: int,
@@ -227,8 +240,9 @@ def comm_bytes(strategy: Literal[StrategyName, "decode"], *, batch: int, seq_len
     """
     sizes = traffic.axis_sizes_tuple(axis_sizes)
     v_head_dim = head_dim if v_head_dim is None else v_head_dim
-    shape = dict(batch=batch, seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
-                 head_dim=head_dim, v_head_dim=v_head_dim, dtype_bytes=dtype_bytes)
+    shape = _LayerSizes(batch=batch, seq_len=seq_len, num_heads=num_heads,
+                        num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim,
+                        dtype_bytes=dtype_bytes)
     entry = get(strategy)
     if entry.global_view:  # decode's seq_len is the new tokens, any number
         traffic.check_shape(sizes=sizes, **shape)

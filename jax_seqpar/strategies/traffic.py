@@ -163,7 +163,7 @@ def _allgather_bytes(*, batch, seq_len, num_kv_heads, head_dim, v_head_dim, axis
 
 
 def decode_bytes(sizes: tuple[int, ...], *, batch: int, seq_len: int, num_heads: int,
-                 num_kv_heads: int, head_dim: int, v_head_dim: int | None, **_: object) -> float:
+                 num_kv_heads: int, head_dim: int, v_head_dim: int, **_: object) -> float:
     """Sharded-cache decode (:mod:`jax_seqpar.api.inference`): only the merge communicates.
 
     ``seq_len`` is ``T``, the new tokens; the cache never moves. One ``pmax`` of
@@ -234,7 +234,8 @@ def ulysses_bytes(sizes: tuple[int, ...], *, num_heads: int, spec: MaskSpec = _N
     if num_heads % devices:
         raise ValueError(f"num_heads={num_heads} is not divisible by the ulysses axis "
                          f"size {devices}; use strategy='ring' or 'hybrid'.")
-    return _ulysses_bytes(num_heads=num_heads, axis_size=devices, **shape)
+    return _ulysses_bytes(num_heads=num_heads, axis_size=devices, row_statistic=True,
+                          **shape)
 
 
 def ring_bytes(sizes: tuple[int, ...], *, num_heads: int, num_kv_heads: int, seq_len: int,

@@ -72,11 +72,11 @@ def parse_mesh(text: str) -> dict:
     return axes
 
 
-def mesh_label(axes: dict) -> str:
+def mesh_label(axes: Mapping[str, int]) -> str:
     return ",".join(f"{name}={size}" for name, size in axes.items())
 
 
-def skip_reason(strategy: str, axes: dict, shape: LayerShape,
+def skip_reason(strategy: StrategyName, axes: Mapping[str, int], shape: LayerShape,
                 one_axis_sizes: Sequence[int] = ()) -> Optional[str]:
     """Why ``strategy`` cannot (or need not) run on ``axes``, or None if it runs."""
     sizes = tuple(axes.values())
@@ -97,7 +97,7 @@ def skip_reason(strategy: str, axes: dict, shape: LayerShape,
     return None
 
 
-def layout_for(strategy: StrategyName, shape: LayerShape) -> str:
+def layout_for(strategy: StrategyName, shape: LayerShape) -> layout.LayoutName:
     """The token order the strategy runs ``shape`` in (zigzag for causal rings)."""
     return registry.default_layout(strategy, MaskSpec(causal=shape.causal))
 
@@ -110,7 +110,7 @@ class Case:
     (``"auto"``), or False for Ulysses' and the hybrid's exchanges sent whole."""
 
     strategy: StrategyName
-    axes: dict
+    axes: Mapping[str, int]
     shape: LayerShape
     kernel: KernelName = "xla"
     overlap: Union[bool, Literal["auto"]] = "auto"
@@ -160,7 +160,7 @@ def compile_strategy(case: Case):
 
 
 def costs(strategy: StrategyName, axes: dict, shape: LayerShape,
-          compiled: jax.stages.Compiled | None = None) -> dict:
+          compiled: Sequence[jax.stages.Compiled] | None = None) -> dict:
     """``{temp, hlo, model}_{fwd, fwd_bwd}_bytes`` per device: ``memory_analysis`` temp,
     bytes sent read from the compiled HLO, and :func:`jax_seqpar.comm_bytes`.
 

@@ -85,7 +85,7 @@ def footprint_bytes(compiled: jax.stages.Compiled) -> int:
     return memory["temp"] + memory["argument"] + memory["output"] - memory["alias"]
 
 
-def _model(strategy: str, axes: dict, shape: LayerShape, backward: bool) -> float:
+def _model(strategy: StrategyName, axes: dict, shape: LayerShape, backward: bool) -> float:
     sizes = tuple(axes.values())
     return comm_bytes(strategy, axis_sizes=sizes if strategy == "hybrid" else math.prod(sizes),
                       **shape.replace(backward=backward).comm_kwargs())

@@ -31,7 +31,7 @@ if TYPE_CHECKING:  # annotations only
 __all__ = ["Case", "DESCRIPTION", "HEAD_DIMS", "KERNEL_OF_PLATFORM", "QUICK_HEAD_DIMS", "TOLERANCE", "add_check_arguments", "check_kernel", "check_strategy", "kernel_cases", "relative_error", "run_check"]
 
 #: The kernel each accelerator platform compiles.
-KERNEL_OF_PLATFORM = {"gpu": "pallas", "tpu": "mosaic"}
+KERNEL_OF_PLATFORM: dict[str, KernelName] = {"gpu": "pallas", "tpu": "mosaic"}
 #: The head dims ``(Dqk, Dv)`` the accelerator kernels serve (standard heads, DeepSeek's
 #: 192/128 and MLA absorbed 576/512).
 HEAD_DIMS = ((64, 64), (80, 80), (96, 96), (128, 128), (192, 192), (256, 256), (192, 128),
@@ -182,6 +182,7 @@ def check_strategy(strategy: StrategyName, case: Case,
     seq, heads, kv_heads, head_dim, dtype = (case.seq, case.heads, case.kv_heads, case.d_qk,
                                              case.dtype)
     devices = np.array(jax.devices())
+    axes: str | tuple[str, str]
     if strategy == "hybrid":
         if len(devices) < 4 or len(devices) % 2:
             print_fn(f"skip {strategy}: needs an even number >= 4 of devices")

@@ -163,8 +163,11 @@ def bodies(inst: Instruction) -> list[str]:
     return [callee for role, callee in callees(inst) if role == "calls"]
 
 
-def multipliers(computations: Mapping[str, list[Instruction]], entry: str, default_trip_count: int):
-    """How many times each computation runs per program execution."""
+def multipliers(computations: Mapping[str, list[Instruction]], entry: str,
+                default_trip_count: int | None):
+    """How many times each computation runs per program execution (a ``while`` loop with
+    no trip count XLA prints and no counted form: ``default_trip_count`` trips, or NaN
+    for None)."""
     # Trip counts are ints, or NaN where unknown.
     callers: dict[str, list[tuple[str, float]]] = {name: [] for name in computations}
     for caller, instructions in computations.items():
@@ -220,15 +223,17 @@ def _tuple_index(inst: Instruction | None) -> int | None:
     return int(found.group(1)) if found else None
 
 
-def _counted_loop_trips(loop: Instruction, caller: list, computations: dict) -> int | None:
+def _counted_loop_trips(loop: Instruction, caller: list,
+                        computations: Mapping[str, list[Instruction]]) -> int | None:
     """Trips of ``for (i = c0; i < n; i += step)`` loops, or None for any other loop.
 
     XLA:TPU prints no ``known_trip_count``; its scan and fori loops still have this
     shape: the condition compares tuple element ``k`` with a constant, the loop's
     initial tuple holds a constant there, and the body adds a constant to it.
     """
-    roles = dict((role, callee) for role, callee in _CALL_RE.findall(loop.attributes))
-    condition, body = computations.get(roles.get("condition")), computations.get(roles.get("body"))
+    roles: dict[str, str] = dict(_CALL_RE.findall(loop.attributes))
+    # No computation is named "": a loop that names no condition or body is not counted.
+    condition, body = (computations.get(roles.get(role, "")) for role in ("condition", "body"))
     if not condition or not body or len(loop.operands) != 1:
         return None
     in_condition = {i.name: i for i in condition}

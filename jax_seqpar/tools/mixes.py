@@ -9,7 +9,7 @@ its id in both rows). Padding is :data:`jax_seqpar.core.masks.PAD_SEGMENT`.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
@@ -19,8 +19,9 @@ __all__ = ["ADVERSARIAL", "MASKED", "MIXES", "chunked", "draw", "heavy_tailed", 
            "pack", "prefix_lm", "uniform_short", "vlm", "with_padding"]
 
 
-def pack(lengths: np.ndarray, batch: int, seq_len: int) -> np.ndarray:
-    """The stream of documents of ``lengths`` cut into ``int32[batch, seq_len]`` ids."""
+def pack(lengths: Sequence[int] | np.ndarray, batch: int, seq_len: int) -> np.ndarray:
+    """The stream of documents of ``lengths`` (ints: a list or an array) cut into
+    ``int32[batch, seq_len]`` ids."""
     lengths = np.asarray(lengths, np.int64)
     if lengths.sum() < batch * seq_len:
         raise ValueError(f"documents of {lengths.sum()} tokens do not fill {batch} rows of "

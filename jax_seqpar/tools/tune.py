@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Optional, Sequence
 
 import jax
 
+from jax_seqpar.core.masks import normalize_window
 from jax_seqpar.core.shape import LayerShape, dtype_of_size
 from jax_seqpar.planning import hardware as hardware_lib, plan as planning, predict, tuned
 
@@ -106,7 +107,7 @@ def measure_candidates(ranked: Sequence[predict.Candidate], shape: LayerShape,
     best = min(measured, key=measured.__getitem__)
     winner = next(c for c in ranked if c.label == best)
     key = tuned.cache_key(shape, dict(zip(names, sizes)), mesh.devices.flat[0].device_kind,
-                          hardware)
+                          None if hardware is None else hardware_lib.get(hardware))
     tuned.store(key, dict(strategy=winner.strategy, label=best,
                           ulysses_size=winner.ulysses if winner.strategy == "hybrid" else None,
                           measured_seconds=measured,
@@ -144,8 +145,8 @@ def tune(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int, mesh: j
     """
     shape = LayerShape(batch=batch, seq_len=seq_len, num_heads=num_heads,
                        num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim,
-                       dtype=dtype_of_size(dtype_bytes), causal=causal, window=window,
-                       backward=backward)
+                       dtype=dtype_of_size(dtype_bytes), causal=causal,
+                       window=normalize_window(window), backward=backward)
     return tune_layer(shape, mesh, seq_axes=seq_axes, hardware=hardware, cache=cache, top=top,
                       runs=runs, memory_budget=memory_budget)
 
