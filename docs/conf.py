@@ -73,6 +73,7 @@ nitpick_ignore = [
     ("py:class", "jaxlib._jax.Device"),
     ("py:class", "jax._src.mesh.Mesh"),
     ("py:class", "jax.sharding.Mesh"),
+    ("py:class", "jax.sharding.PartitionSpec"),
     ("py:class", "jax.P"),
     ("py:class", "jax.ShapeDtypeStruct"),
     ("py:func", "jax.lax.platform_dependent"),

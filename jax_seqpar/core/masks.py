@@ -36,7 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["BlockSummary", "classify", "cols", "EMPTY_LSE", "MaskSpec", "MAX_WINDOW",
+__all__ = ["BlockSummary", "classify", "cols", "EMPTY_LSE", "Leaf", "MaskSpec", "MAX_WINDOW",
            "normalize_window", "PAD_SEGMENT", "rows", "shifted", "summarize", "Tokens",
            "visible", "visible_tokens"]
 

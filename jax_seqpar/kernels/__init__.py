@@ -110,7 +110,7 @@ class PerPlatform:
 
     @property
     def DTYPES(self) -> Optional[tuple]:  # noqa: N802 - the kernel modules' constant
-        """The input dtypes the platforms' kernels take, or None: any float (``"auto"``
+        """The input dtypes the platforms' kernels take; None for any float (``"auto"``
         falls back to the XLA kernel for a dtype its platform's kernel lacks)."""
         if self.name == "auto":
             return None

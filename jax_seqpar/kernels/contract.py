@@ -335,7 +335,7 @@ class Kernel(Protocol):
 
     @property
     def DTYPES(self) -> Optional[tuple]:  # noqa: N802 - the modules' constant
-        """The input dtypes the kernel takes (q, k and v share one), or None: any float."""
+        """The input dtypes the kernel takes (q, k and v share one); None for any float."""
 
     def forward(self, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
                 options: Options, accumulate: tuple[jax.Array, jax.Array] | None = None):
