@@ -1,29 +1,19 @@
 """Token orders for sequence parallelism: contiguous, zigzag and striped.
 
-With a *contiguous* split, shard ``r`` of ``P`` holds tokens ``r*S/P .. (r+1)*S/P - 1``.
-Under a causal mask that is unbalanced: in a ring, the last shard does ``P`` blocks of
-work and the first only one.
+With a *contiguous* split, shard ``r`` of ``P`` holds tokens ``r*S/P .. (r+1)*S/P - 1``:
+under a causal mask the last shard of a ring does ``P`` blocks of work, the first one.
+The *zigzag* order cuts the sequence into ``2P`` chunks and gives shard ``r`` chunks ``r``
+and ``2P-1-r``, so every shard does the same causal work at every ring step
+(ring-flash-attention; Llama 3's context parallelism, arXiv:2407.21783). The *striped*
+order (Striped Attention, arXiv:2311.09431) deals tokens round-robin (``r, r+P, ...``).
 
-The *zigzag* order cuts the sequence into ``2P`` chunks and gives shard ``r`` chunks
-``r`` and ``2P-1-r``, in that order, so every shard holds one early and one late
-chunk and does the same causal work at every ring step. It comes from
-ring-flash-attention (https://github.com/zhuzilin/ring-flash-attention) and is the
-load-balanced context parallelism of Llama 3 (arXiv:2407.21783); Striped Attention
-(arXiv:2311.09431) balances the same way with a round-robin order.
-
-The *striped* order (Striped Attention) deals tokens round-robin: shard ``r`` holds
-tokens ``r, r+P, r+2P, ...``; causal work is balanced token by token.
-
-A layout is a property of the token order, so it is applied once to a model's inputs
-(tokens, positions, segment ids) and attention is told the true positions:
-
-- global view (plain ``jnp``, any array, any axis): :func:`zigzag_permute`,
-  :func:`zigzag_unpermute`, :func:`zigzag_positions`, :func:`striped_permute`,
-  :func:`striped_unpermute`, :func:`striped_positions`, :func:`contiguous_positions`;
-- per shard, inside ``jax.shard_map``: :func:`shard_positions`, and
-  :func:`to_zigzag` / :func:`from_zigzag` (two half-shard ``ppermute`` calls) and
-  :func:`to_striped` / :func:`from_striped` (one ``all_to_all``), which relayout an
-  already sharded array instead of gathering the sequence.
+A layout is a property of the token order, applied once to a model's inputs (tokens,
+positions, segment ids); attention is told the true positions. Global view (any array,
+any axis): :func:`zigzag_permute`, :func:`zigzag_unpermute`, :func:`zigzag_positions`,
+:func:`striped_permute`, :func:`striped_unpermute`, :func:`striped_positions`,
+:func:`contiguous_positions`. Per shard, inside ``jax.shard_map``:
+:func:`shard_positions`, :func:`to_zigzag` / :func:`from_zigzag` (two half-shard
+``ppermute`` calls) and :func:`to_striped` / :func:`from_striped` (one ``all_to_all``).
 """
 
 from __future__ import annotations
@@ -36,13 +26,11 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["LAYOUTS", "LayoutName", "contiguous_positions", "from_striped", "from_zigzag",
-           "shard_positions", "striped_permute", "striped_positions",
-           "striped_unpermute", "to_striped", "to_zigzag", "zigzag_permute",
-           "zigzag_positions", "zigzag_unpermute"]
+           "shard_positions", "striped_permute", "striped_positions", "striped_unpermute",
+           "to_striped", "to_zigzag", "zigzag_permute", "zigzag_positions", "zigzag_unpermute"]
 
-#: A token order, what ``layout=`` names (:func:`jax_seqpar.permute_batch`, the planner):
-#: contiguous, zigzag and striped are formulas of the length and the shard count;
-#: per_document follows a batch's documents. The entry points add ``"auto"``.
+#: A token order, what ``layout=`` names; contiguous, zigzag and striped are formulas of
+#: the length and the shard count, per_document follows a batch's documents.
 LayoutName = Literal["contiguous", "zigzag", "striped", "per_document"]
 #: Every layout name, in the order tables list them.
 LAYOUTS: tuple[str, ...] = typing.get_args(LayoutName)
