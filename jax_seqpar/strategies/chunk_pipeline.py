@@ -31,6 +31,7 @@ sequence (only the first, smallest query piece accumulates, in the forward).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -209,7 +210,8 @@ def _pipeline_fwd(config, q, k, v, operands):
     # Then the queries: piece j + 1 comes in and piece j - 1's output leaves while piece
     # j is attended to every key in one kernel call.
     pending, lse = finished(acc)
-    lses, sent = [lse] + [None] * (c - 1), [None] * c
+    lses: list[Any] = [lse] + [None] * (c - 1)
+    sent: list[Any] = [None] * c  # per query piece: its output (and lse) as it arrived
     for j in range(1, c):
         ins = [_local(local[0], sizes, j + 1)] if j + 1 < c else []
         raw, unpack = _send(ins, pending, axis_name, size)
@@ -245,7 +247,7 @@ def _pipeline_bwd(config, residuals, cotangents):
     stats = jnp.stack([rowdot] + ([dlse] if return_lse else []), axis=-1)  # [B, L, H, n]
     rows = _cut(seq_to_heads(stats, axis_name), size, sizes)  # [B, P*s_j, h, n]
     q_parts = [slice(size * o, size * (o + s)) for o, s in zip(_offsets(sizes), sizes)]
-    dsinks = []
+    row_dsinks: list[jax.Array] = []  # the sinks' gradient of each query piece
 
     def cotangents_of(j, dout_j):
         """Query piece j's (dout in q's dtype, delta) for the kernel (sinks taken out)."""
@@ -254,7 +256,7 @@ def _pipeline_bwd(config, residuals, cotangents):
         if sinks is None:
             return dout_j.astype(queries.dtype), rowdot_j - dlse_j
         dout_j, _, delta_j, ds = sink_cotangents(dout_j, dlse_j, rowdot_j, lses[j], operands)
-        dsinks.append(ds)
+        row_dsinks.append(ds)
         return dout_j.astype(queries.dtype), delta_j
 
     # dq: the query pieces smallest first, each against every key in one kernel call (its
@@ -262,7 +264,10 @@ def _pipeline_bwd(config, residuals, cotangents):
     # the previous dq leaving meanwhile.
     order = [0, *reversed(range(1, c))]
     upcoming = _exchange([_local(dout, sizes, order[0])], [], axis_name, size)[0][0]
-    douts, deltas, sent_q, pending = [None] * c, [None] * c, [None] * c, []
+    douts: list[Any] = [None] * c
+    deltas: list[Any] = [None] * c
+    sent_q: list[Any] = [None] * c
+    pending: list[jax.Array] = []
     for n, j in enumerate(order):
         douts[j], deltas[j] = cotangents_of(j, upcoming)
         dq = options.backward(queries[:, q_parts[j]], keys, values, q_tokens[j], kv_all,
@@ -281,7 +286,8 @@ def _pipeline_bwd(config, residuals, cotangents):
     dout_all, delta_all, lse_all = _concat(douts), _concat(deltas), _concat(lses)
     del douts
     unit = size * kv_sizes[0]
-    leaving, sent_kv = ("q", order[-1]), [None] * len(kv_sizes)
+    leaving = ("q", order[-1])
+    sent_kv: list[Any] = [None] * len(kv_sizes)
     for m in range(len(kv_sizes)):
         raw, unpack = _send([], pending, axis_name, size)
         part = slice(m * unit, (m + 1) * unit)
@@ -299,7 +305,8 @@ def _pipeline_bwd(config, residuals, cotangents):
     sent_kv[-1] = _exchange([], pending, axis_name, size)[1]
     dq = _concat(sent_q)
     dk, dv = (_concat([s[i] for s in sent_kv]) for i in (0, 1))
-    dsinks = None if sinks is None else sink_gradient(sum(dsinks[1:], dsinks[0]), operands)
+    dsinks = None if sinks is None else sink_gradient(sum(row_dsinks[1:], row_dsinks[0]),
+                                                      operands)
     return dq, dk, dv, no_gradient(operands, dsinks)
 
 

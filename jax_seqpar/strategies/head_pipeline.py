@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import cast
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -176,7 +176,10 @@ def _pipeline_fwd(config, q, k, v, operands):
     if not layout.kv_group:  # every group reads them: exchanged once, ahead of group 0
         shared_kv = (seq_to_heads(k, axis_name), seq_to_heads(v, axis_name))
     arrived = _exchange_in(axis_name, layout, 0, q, k, v, shared_kv)
-    outs, lses, saved, sent = [], [], [], None
+    outs: list[Any] = []
+    lses: list[Any] = []
+    saved: list[Any] = []
+    sent: Any = None  # the previous group's output (and lse) on its way back
     for g in range(layout.groups):
         (out, lse), residuals = stage.forward(*arrived, q_tokens, kv_tokens)
         if sinks is not None:
@@ -243,8 +246,10 @@ def _pipeline_bwd(config, residuals, cotangents):
         return seq_to_heads(layout.take(dout, g), axis_name)
 
     arrived = exchange_in(0)
-    back, dsinks, sent = [], [], None
-    shared = [None] * layout.kv_local
+    back: list[Any] = []
+    row_dsinks: list[jax.Array] = []  # the sinks' gradient of each group
+    sent: Any = None  # the previous group's gradients on their way back
+    shared: list[Any] = [None] * layout.kv_local
     for g in range(layout.groups):
         # The previous group's dK/dV sums are done before this group's kernel starts:
         # two float32 pairs are never live at once.
@@ -258,7 +263,7 @@ def _pipeline_bwd(config, residuals, cotangents):
             heads = slice(g * layout.q_group, (g + 1) * layout.q_group)
             dout_g, dlse_g, delta_g, dsink = sink_cotangents(dout_g, dlse_g, rowdot_g, lse_g,
                                                              operands, heads)
-            dsinks.append(dsink)
+            row_dsinks.append(dsink)
         grads = stage.backward(stage_residuals, q_tokens, kv_tokens, dout_g, dlse_g,
                                delta_g if stage.takes_delta else None)  # float32
         upcoming = exchange_in(g + 1) if g + 1 < layout.groups else None
@@ -288,7 +293,7 @@ def _pipeline_bwd(config, residuals, cotangents):
     else:  # the shared K/V's gradients go back once, after the last group
         dk, dv = (heads_to_seq(jnp.concatenate([s[i] for s in shared], axis=2).astype(kv_dtype),
                                axis_name) for i in (0, 1))
-    dsinks = None if sinks is None else sink_gradient(jnp.concatenate(dsinks), operands)
+    dsinks = None if sinks is None else sink_gradient(jnp.concatenate(row_dsinks), operands)
     return dq, dk, dv, no_gradient(operands, dsinks)
 
 
@@ -311,7 +316,7 @@ def sink_cotangents(dout, dlse, rowdot, lse, operands: Operands, heads=slice(Non
     Returns:
       ``(dout float32, dlse, delta, dsinks float32[h])`` for the kernel without sinks.
     """
-    sink = operands.sinks[heads].astype(jnp.float32)
+    sink = cast(jax.Array, operands.sinks)[heads].astype(jnp.float32)
     w = jnp.exp(lse - jnp.logaddexp(lse, sink.reshape(1, 1, -1)))
     dsinks = jnp.sum((1 - w) * (dlse - rowdot), axis=(0, 1))
     return (dout.astype(jnp.float32) * w[..., None], w * dlse + (1 - w) * rowdot,
@@ -323,13 +328,14 @@ def sink_gradient(dsinks, operands: Operands):
     of the devices that share its heads along the axes the sinks do not vary over (the
     hybrid's ring, a batch axis), as the transpose of an implicit pvary would; in the
     sinks' dtype."""
-    extra = _compat.varying_axes(dsinks) - _compat.varying_axes(cast(jax.Array, operands.sinks))
+    sinks = cast(jax.Array, operands.sinks)  # only called where the call has sinks
+    extra = _compat.varying_axes(dsinks) - _compat.varying_axes(sinks)
     if extra:
         dsinks = jax.lax.psum(dsinks, tuple(sorted(extra)))
-    return dsinks.astype(operands.sinks.dtype)
+    return dsinks.astype(sinks.dtype)
 
 
 def no_gradient(operands: Operands, dsinks) -> Operands:
     """The cotangent of ``operands``: none for the token metadata, ``dsinks`` for the sinks."""
-    return Operands(*(jax.tree.map(lambda _: None, t)
-                      for t in (operands.q_tokens, operands.kv_tokens)), dsinks)
+    return Operands(jax.tree.map(lambda _: None, operands.q_tokens),
+                    jax.tree.map(lambda _: None, operands.kv_tokens), dsinks)

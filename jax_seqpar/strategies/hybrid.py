@@ -93,7 +93,8 @@ def hybrid_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes, overl
     tokens = gather_tokens((shard.q_tokens, shard.kv_tokens), ulysses_axis)  # [B, S/O]
     # Default positions: each ring shard holds S/O contiguous tokens.
     stage = RingStage(ring_axis, shard.options, shard.contiguous)
-    operands = Operands(*tokens, local_heads(shard.sinks, ulysses_axis))
+    q_tokens, kv_tokens = tokens
+    operands = Operands(q_tokens, kv_tokens, local_heads(shard.sinks, ulysses_axis))
     return head_pipeline(ulysses_axis, stage, q, k, v, operands, groups=groups,
                          return_lse=call.return_lse)
 
