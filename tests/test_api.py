@@ -125,6 +125,22 @@ def test_any_sequence_length(strategy, seq, mask, make_qkv, tolerances):
                           tolerances)
 
 
+@pytest.mark.parametrize("strategy", ["auto", pytest.param("hybrid", marks=pytest.mark.matrix)])
+def test_split_hybrid_at_a_length_the_devices_do_not_divide(strategy, make_qkv, tolerances):
+    """At S=60 on 8 devices ``"auto"`` picks the hybrid over the one axis split 2 x 4; under
+    ``jit`` and ``grad`` on an Explicit mesh its gradients come back on the caller's mesh
+    (they were left with the padded sequence's split-mesh sharding, which the caller's
+    mesh cannot name: an IndivisibleError at compile time)."""
+    q, k, v = make_qkv(batch=1, seq=60, heads=8, kv_heads=8, head_dim=16, seed=60)
+    mesh = jax.make_mesh((8,), ("sp",))
+    split = {} if strategy == "auto" else dict(ulysses_size=4)
+    ours = functools.partial(sp.sequence_parallel_attention, mesh=mesh, strategy=strategy,
+                             causal=True, **split)
+    with jax.set_mesh(mesh):
+        checks.assert_matches(ours, functools.partial(reference.attention, causal=True),
+                              (q, k, v), tolerances)
+
+
 # --- data and tensor parallelism kept ------------------------------------------------------
 
 def _auto_dp_sp():

@@ -204,9 +204,12 @@ def _boundary_sharding(x, mesh, wanted: P):
     concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
     if is_explicit(mesh):
         spec = P(*(getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ()))
-        # A traced input typed whole along the sequence is left undeclared: declared, its
-        # gradient would be gathered whole where the caller's program can sum it sharded.
-        if concrete or (len(spec) > 1 and spec[1] is not None):
+        # A traced input typed whole along the sequence is left undeclared where the
+        # devices divide the length: declared, its gradient would be gathered whole where
+        # the caller's program can sum it sharded. Where they do not, it is declared: XLA
+        # would otherwise leave on the gradient the sharding of the padded sequence (a
+        # split mesh's outer axis), which the caller's mesh cannot name.
+        if concrete or (len(spec) > 1 and spec[1] is not None) or wanted[1] is None:
             return NamedSharding(mesh, spec)
         return None
     if concrete and x.committed:
