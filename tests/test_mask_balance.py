@@ -147,6 +147,20 @@ def test_permute_batch_round_trip_with_bidirectional_ids():
     np.testing.assert_array_equal(back["bids"], bids)
 
 
+def test_short_documents_fill_no_piece():
+    """Documents shorter than a piece (S=256 over 8 shards: no document spans two 128-token
+    tiles) leave no piece to deal: every token goes by the fill (it raised IndexError)."""
+    seq = 256
+    ids = np.repeat(np.arange(4), seq // 4)[None].astype(np.int32)
+    bids = np.where(np.arange(seq) % 64 < 10, 1 + np.arange(seq) // 64, 0)[None]
+    batch = {"tokens": np.arange(seq)[None]}
+    laid, positions = sp.permute_batch(batch, "per_document", 8, segment_ids=ids,
+                                       bidirectional_ids=bids.astype(np.int32))
+    np.testing.assert_array_equal(np.sort(np.asarray(positions)[0]), np.arange(seq))
+    back = sp.unpermute_batch(laid, "per_document", 8, positions=positions)
+    np.testing.assert_array_equal(back["tokens"], batch["tokens"])
+
+
 def test_permute_batch_refusals():
     ids, bids = mixes.prefix_lm(1, 256, np.random.default_rng(2))
     batch = {"ids": ids}

@@ -235,7 +235,8 @@ def masked_row_positions(spec: masks.MaskSpec, tokens: masks.Tokens, *, num_shar
         beyond = best[3][0] - fill_pairs
         targets = (best[3][0].mean() - beyond) - (fill_tokens // P) * mean_density
     _, fill_shard, piece_shard, _ = best
-    shard = np.where(in_piece, piece_shard[np.maximum(piece_id, 0)], fill_shard)
+    shard = (np.where(in_piece, piece_shard[np.maximum(piece_id, 0)], fill_shard)
+             if piece_shard.size else fill_shard)  # no document fills a whole piece
 
     # 4. Slots by (shard, dealt pieces first, padding last), document order within.
     group = np.where(in_piece, 0, np.where(pad, 2, 1))
