@@ -146,6 +146,25 @@ def test_flax_layer_compiles_once_training_and_decoding(mesh, jitted):
     _assert_compiles_once(lambda: decode(layer, x[:, :1]))
 
 
+def test_flax_training_step_compiles_once(mesh):
+    """An ``nnx.jit`` training step (the layer and its optimizer built under the mesh, as
+    the Flax guide says), run again and again: its updated weights keep their types."""
+    import optax
+    from flax import nnx
+
+    layer = _layer(mesh)
+    optimizer = nnx.Optimizer(layer, optax.adam(1e-3), wrt=nnx.Param)
+    x = checks.normal((B, S, D_MODEL))
+
+    @nnx.jit
+    def step(layer, optimizer, x):
+        loss, grads = nnx.value_and_grad(lambda m: jnp.mean(m(x) ** 2))(layer)
+        optimizer.update(layer, grads)
+        return loss
+
+    _assert_compiles_once(lambda: step(layer, optimizer, x))
+
+
 def test_generate_compiles_its_loop_once(mesh):
     from flax import nnx
 
