@@ -57,7 +57,7 @@ from jax_seqpar.strategies.registry import STRATEGIES as REGISTRY
 #: Examples each property draws (besides its explicit examples): the default tier's
 #: (seeded, about a minute on 2 cores for the three) and the matrix tier's.
 BUDGETS = {"default": {"spa": 5, "dpa": 5, "flax": 2},
-           "large": {"spa": 40, "dpa": 40, "flax": 12}}
+           "large": {"spa": 30, "dpa": 30, "flax": 9}}
 SEQS, HEAD_DIMS, HEADS = (1, 7, 16, 30, 64), (8, 16), (1, 2, 4, 8)
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 #: mesh name -> (shape, axis names, seq_axes, batch axis or None).
