@@ -209,7 +209,8 @@ def _boundary_sharding(x, mesh, wanted: P):
         # the caller's program can sum it sharded. Where they do not, it is declared: XLA
         # would otherwise leave on the gradient the sharding of the padded sequence (a
         # split mesh's outer axis), which the caller's mesh cannot name.
-        if concrete or (len(spec) > 1 and spec[1] is not None) or wanted[1] is None:
+        if concrete or (len(spec) > 1 and spec[1] is not None) or (
+                len(wanted) > 1 and wanted[1] is None):
             return NamedSharding(mesh, spec)
         return None
     if concrete and x.committed:
