@@ -20,9 +20,6 @@ from jax_seqpar.core import layout
 from jax_seqpar.strategies import registry
 
 ROOT = pathlib.Path(jax_seqpar.__file__).parent
-#: Modules whose internals another change is rewriting now; their per-shard entry points
-#: are annotated by ``strategies.inputs.per_shard``, the rest follows with that change.
-BEING_REWRITTEN = {"jax_seqpar.strategies.chunk_pipeline", "jax_seqpar.strategies.head_pipeline"}
 #: What the README and docs/design.md promise at the top level.
 TOP_LEVEL = {
     "sequence_parallel_attention", "dot_product_attention", "prefill", "decode", "KVCache",
@@ -100,7 +97,7 @@ def test_nothing_runs_at_import_and_old_paths_are_gone():
         assert importlib.util.find_spec(f"jax_seqpar.{old}") is None, old
 
 
-@pytest.mark.parametrize("name", [m for m in MODULES if m not in BEING_REWRITTEN])
+@pytest.mark.parametrize("name", MODULES)
 def test_public_functions_annotate_every_parameter(name):
     module = _import(name)
     bare = []
@@ -113,7 +110,7 @@ def test_public_functions_annotate_every_parameter(name):
     assert not bare, f"unannotated parameters in {name}: {bare}"
 
 
-@pytest.mark.parametrize("name", [m for m in MODULES if m not in BEING_REWRITTEN])
+@pytest.mark.parametrize("name", MODULES)
 def test_strategy_layout_and_kernel_parameters_carry_the_literal(name):
     module = _import(name)
     loose = []

@@ -39,12 +39,13 @@ import jax.numpy as jnp
 from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.strategies.head_pipeline import (heads_to_seq, no_gradient, seq_to_heads,
                                                  sink_cotangents, sink_gradient)
-from jax_seqpar.strategies.inputs import Operands, axis_size
+from jax_seqpar.strategies.inputs import Operands, Options, axis_size
 
 __all__ = ["chunk_pipeline"]
 
 
-def chunk_pipeline(axis_name, options, q, k, v, operands: Operands, *, sizes: tuple,
+def chunk_pipeline(axis_name: str | tuple[str, ...], options: Options, q: jax.Array, k: jax.Array,
+                   v: jax.Array, operands: Operands, *, sizes: tuple,
                    return_lse: bool = False):
     """Ulysses' exchange around the local kernel, pipelined over sequence chunks.
 

@@ -26,12 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, cast
+from typing import Any, Optional, cast
 
 import jax
 import jax.numpy as jnp
 
 from jax_seqpar.core import compat as _compat
+from jax_seqpar.core.masks import Tokens
 from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.strategies.heads import head_group_counts
 from jax_seqpar.strategies.inputs import Operands, Options, axis_size
@@ -40,12 +41,12 @@ __all__ = ["KernelStage", "head_pipeline", "heads_to_seq", "no_gradient",
            "seq_to_heads", "sink_cotangents", "sink_gradient"]
 
 
-def seq_to_heads(x, axis_name):
+def seq_to_heads(x: jax.Array, axis_name: str | tuple[str, ...]) -> jax.Array:
     """``[B, S/P, h, D] -> [B, S, h/P, D]`` (all-to-all over ``axis_name``)."""
     return jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=1, tiled=True)
 
 
-def heads_to_seq(x, axis_name):
+def heads_to_seq(x: jax.Array, axis_name: str | tuple[str, ...]) -> jax.Array:
     """``[B, S, h/P, D] -> [B, S/P, h, D]`` (all-to-all over ``axis_name``)."""
     return jax.lax.all_to_all(x, axis_name, split_axis=1, concat_axis=2, tiled=True)
 
@@ -66,18 +67,20 @@ class KernelStage:
     options: Options
     takes_delta = True
 
-    def forward(self, q, k, v, q_tokens, kv_tokens):
+    def forward(self, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens,
+                kv_tokens: Tokens):
         out, lse = self.options.forward(q, k, v, q_tokens, kv_tokens)
         return (out, lse), (q, k, v, lse)
 
-    def backward(self, residuals, q_tokens, kv_tokens, dout, dlse, delta):
+    def backward(self, residuals: tuple, q_tokens: Tokens, kv_tokens: Tokens, dout: jax.Array,
+                 dlse: Optional[jax.Array], delta: jax.Array):
         q, k, v, lse = residuals
         return self.options.backward(q, k, v, q_tokens, kv_tokens, lse, delta,
                                      dout.astype(q.dtype))
 
 
-def head_pipeline(axis_name, stage, q, k, v, operands: Operands, *, groups: int,
-                  return_lse: bool = False):
+def head_pipeline(axis_name: str | tuple[str, ...], stage: Any, q: jax.Array, k: jax.Array,
+                  v: jax.Array, operands: Operands, *, groups: int, return_lse: bool = False):
     """Ulysses' exchange around ``stage``, pipelined over ``groups`` head groups.
 
     Args:
@@ -233,9 +236,9 @@ def _pipeline_bwd(config, residuals, cotangents):
     stats = {name: x for name, x in (("rowdot", rowdot),
                                      ("dlse", dlse if return_lse else None)) if x is not None}
     if stats:
-        rows = seq_to_heads(jnp.stack(list(stats.values()), axis=-1),
-                            axis_name)  # [B, S, H/P, len(stats)]
-        rows = dict(zip(stats, jnp.moveaxis(rows, -1, 0)))  # name -> [B, S, H/P]
+        stacked = seq_to_heads(jnp.stack(list(stats.values()), axis=-1),
+                               axis_name)  # [B, S, H/P, len(stats)]
+        rows = dict(zip(stats, jnp.moveaxis(stacked, -1, 0)))  # name -> [B, S, H/P]
 
     def rows_of(name, g):  # this group's [B, S, h] of a row statistic, or None
         if name not in stats:
@@ -300,7 +303,8 @@ def _pipeline_bwd(config, residuals, cotangents):
 _pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)
 
 
-def sink_cotangents(dout, dlse, rowdot, lse, operands: Operands, heads=slice(None)):
+def sink_cotangents(dout: jax.Array, dlse: jax.Array, rowdot: jax.Array, lse: jax.Array,
+                    operands: Operands, heads: slice = slice(None)):
     """The kernel's cotangents of rows whose result went through
     :func:`jax_seqpar.core.merge.with_sinks`, and the sinks' gradient of these rows.
 
@@ -323,7 +327,7 @@ def sink_cotangents(dout, dlse, rowdot, lse, operands: Operands, heads=slice(Non
             w * (rowdot - dlse), dsinks)
 
 
-def sink_gradient(dsinks, operands: Operands):
+def sink_gradient(dsinks: jax.Array, operands: Operands) -> jax.Array:
     """The gradient of ``operands.sinks`` summed over every row: this device's, and those
     of the devices that share its heads along the axes the sinks do not vary over (the
     hybrid's ring, a batch axis), as the transpose of an implicit pvary would; in the
@@ -335,7 +339,7 @@ def sink_gradient(dsinks, operands: Operands):
     return dsinks.astype(sinks.dtype)
 
 
-def no_gradient(operands: Operands, dsinks) -> Operands:
+def no_gradient(operands: Operands, dsinks: Optional[jax.Array]) -> Operands:
     """The cotangent of ``operands``: none for the token metadata, ``dsinks`` for the sinks."""
     return Operands(jax.tree.map(lambda _: None, operands.q_tokens),
                     jax.tree.map(lambda _: None, operands.kv_tokens), dsinks)
