@@ -87,16 +87,16 @@ class Hiding(NamedTuple):
 
 
 #: A strategy whose transfers are pipelined behind its kernels has a row. The ring
-#: hides every hop but the backward's last (dK/dV home, after the last kernel); the
-#: hybrid's outer ring is the ring (its inner exchange is Ulysses' head groups). Ulysses
+#: hides every hop but the backward's last (dK/dV home, after the last kernel). Ulysses
 #: pipelines its exchange along the sequence (5 chunks at 512 tokens a device, the keys
 #: first): all but the first query and K/V pieces and the last output / gradient pieces
-#: hide, 1/16 of the bytes. The
+#: hide, 1/16 of the bytes; the hybrid its inner one likewise, around its ring, whose
+#: hops all hide (dK/dV's home behind the last step's query pieces). The
 #: all-gather's pieces (4 at S/P = 512) hide all but the first piece's gather and the
 #: backward's last dK/dV hop.
 HIDING = {
     "ring": Hiding(("collective-permute",), fwd=1.0, fwd_bwd=0.9),
-    "hybrid": Hiding(("collective-permute",)),
+    "hybrid": Hiding(("collective-permute", "all-to-all"), fwd=0.9, fwd_bwd=0.9),
     "ulysses": Hiding(("all-to-all",), fwd=0.9, fwd_bwd=0.9),
     "allgather": Hiding(("all-gather",), fwd=0.7, fwd_bwd=0.7),
 }
@@ -183,10 +183,14 @@ def _kernels_are_called(target, mode, compiled):
 def _sends_comm_bytes(strategy, mode, compiled):
     """The bytes the program sends are ``comm_bytes``' (bf16: the ring's and the
     all-gather's dK/dV accumulators in float32 but for the hop home, in bf16). Checked
-    on TPU, where it was compiled; XLA:CPU sends bf16 as float32."""
+    on TPU, where it was compiled; XLA:CPU sends bf16 as float32. The chunked hybrid's
+    ring of two devices has no loop: XLA sends its keys' int32 positions once for both
+    passes (the backward's hop of them is the forward's, merged)."""
     sizes = tuple(MESHES[strategy].values())
     expected = comm_bytes(strategy, axis_sizes=sizes if len(sizes) > 1 else sizes[0],
                           **SHAPE.replace(backward=mode == "fwd_bwd").comm_kwargs())
+    if strategy == "hybrid" and mode == "fwd_bwd":
+        expected -= SHAPE.batch * SHAPE.seq_len // sizes[0] * 4  # one hop of positions
     assert sum(hlo.collective_bytes(compiled).values()) == expected, (mode, expected)
 
 
@@ -231,18 +235,22 @@ def _time_model_hides_no_more_than_the_program(target, strategy, mode, compiled)
 
 def _training_step(target: str, strategy: str, *, backward: bool = True, **keywords):
     """``jax.grad`` of a scalar loss of the global call with ``positions=`` (tokens kept
-    in their order: no relayout), at :data:`SHAPE`, compiled with the strategy's target
-    options: what a training step compiles (``backward=False``: the call alone)."""
-    mesh = targets.target_mesh(target)
-    sharding = NamedSharding(mesh, P(None, "sp"))
+    in their order: no relayout), at :data:`SHAPE` on the strategy's mesh
+    (:data:`MESHES`), compiled with the strategy's target options: what a training step
+    compiles (``backward=False``: the call alone)."""
+    axes = MESHES[strategy]
+    mesh = targets.target_mesh(target, tuple(axes), tuple(axes.values()))
+    seq_axes = tuple(axes) if len(axes) > 1 else tuple(axes)[0]
+    sharding = NamedSharding(mesh, P(None, seq_axes))
     args = [jax.ShapeDtypeStruct(size, SHAPE.dtype, sharding=sharding)
             for size in SHAPE.operand_shapes()[:3]]
     args.append(jax.ShapeDtypeStruct((SHAPE.batch, SHAPE.seq_len), jnp.int32,
                                      sharding=sharding))
 
     def attend(q, k, v, positions):
-        return api.sequence_parallel_attention(q, k, v, mesh=mesh, strategy=strategy,
-                                               causal=True, positions=positions, **keywords)
+        return api.sequence_parallel_attention(q, k, v, mesh=mesh, seq_axes=seq_axes,
+                                               strategy=strategy, causal=True,
+                                               positions=positions, **keywords)
 
     def loss(q, k, v, positions):
         return jnp.mean(jnp.square(attend(q, k, v, positions).astype(jnp.float32)))
@@ -253,38 +261,45 @@ def _training_step(target: str, strategy: str, *, backward: bool = True, **keywo
                            compiler_options=targets.compile_options(platform, strategy))
 
 
-def _ulysses_pipelined_and_whole(target: str, backward: bool):
-    """``(hidden share, temp bytes)`` of Ulysses' training step (or forward) with its
-    default pipeline and with ``overlap=False``."""
+def _pipelined_and_whole(target: str, strategy: str, backward: bool):
+    """``(hidden share, temp bytes)`` of the strategy's training step (or forward) with
+    its default pipeline and with ``overlap=False``."""
     results = []
     for overlap in ("auto", False):
-        compiled = _training_step(target, "ulysses", backward=backward,
+        compiled = _training_step(target, strategy, backward=backward,
                                   **({} if overlap == "auto" else dict(overlap=overlap))).compiled
         results.append((schedule.bytes_hidden(compiled), hlo.memory_bytes(compiled)["temp"]))
     return results
 
 
-#: The pipeline's temp memory over ``overlap=False``'s that the gate holds, per target.
-#: GPU: the goal, 1.10x (measured 0.97x forward, 0.86x training step at :data:`SHAPE`).
-#: TPU: not yet met; XLA:TPU holds more for the pipeline (measured 1.28x forward, 1.81x
-#: training step before the transfers were sent as [P, rows, 128]): the bound keeps it
-#: from growing until it is.
-ULYSSES_TEMP_RATIO = {GPU: 1.10, TPU: 1.9}
+#: The pipelines' temp memory over ``overlap=False``'s that the gate holds, per target
+#: and strategy. GPU: the goal, 1.10x; Ulysses meets it at :data:`SHAPE` (measured
+#: 0.97x forward, 0.86x training step); the hybrid's training step does at 16384 tokens
+#: (1.06x) but not at :data:`SHAPE`'s 4096 (1.16x: its pieces' float32 buffers weigh
+#: more against a short sequence's). TPU: not yet met; XLA:TPU holds more for the
+#: pipelines' pieces (their float32 results in the Mosaic kernels' layout): the bound
+#: keeps it from growing until it is.
+TEMP_RATIO = {(GPU, "ulysses"): 1.10, (TPU, "ulysses"): 1.9,
+              (GPU, "hybrid"): 1.2, (TPU, "hybrid"): 2.0}
 
 
-@pytest.mark.parametrize("target, backward", [
-    _on(target, backward) for target in (GPU, TPU) for backward in (False, True)])
-def test_ulysses_pipeline_hides_ninety_percent(target, backward):
-    """Ulysses' exchange pipelined along the sequence (the keys first, then the queries;
-    5 chunks at 512 tokens a device: 1/16 of the bytes exposed) in the forward and the
-    training step: at least 90 % of the bytes are sent while a kernel runs; with
-    ``overlap=False`` none (one exchange each way, nothing to hide behind), the same
-    bytes in all; temp memory within :data:`ULYSSES_TEMP_RATIO` of ``overlap=False``'s."""
-    (pipelined, temp), (whole, whole_temp) = _ulysses_pipelined_and_whole(target, backward)
+@pytest.mark.parametrize("target, strategy, backward", [
+    _on(target, strategy, backward) for target in (GPU, TPU)
+    for strategy in ("ulysses", "hybrid") for backward in (False, True)])
+def test_pipeline_hides_ninety_percent(target, strategy, backward):
+    """Ulysses' exchange, and the hybrid's inner one, pipelined along the sequence (the
+    keys first, then the queries; 5 chunks at 512 tokens a device: 1/16 of the bytes
+    exposed; the hybrid's ring hops behind its steps) in the forward and the training
+    step: at least 90 % of the bytes are sent while a kernel runs (with
+    ``overlap=False``, Ulysses none: one exchange each way, nothing to hide behind);
+    the same bytes in all; temp memory within :data:`TEMP_RATIO` of ``overlap=False``'s."""
+    (pipelined, temp), (whole, whole_temp) = _pipelined_and_whole(target, strategy, backward)
     assert pipelined["fraction"] >= 0.90, pipelined
-    assert whole["fraction"] == 0.0, whole
+    if strategy == "ulysses":
+        assert whole["fraction"] == 0.0, whole
+    assert whole["fraction"] < 0.5, whole
     assert whole["total"] == pytest.approx(pipelined["total"], rel=0.01), (whole, pipelined)
-    assert temp <= ULYSSES_TEMP_RATIO[target] * whole_temp, (temp / 2**20, whole_temp / 2**20)
+    assert temp <= TEMP_RATIO[target, strategy] * whole_temp, (temp / 2**20, whole_temp / 2**20)
 
 
 # (head dim of q/k, of v): every head dim the Pallas kernel is built for, DeepSeek's

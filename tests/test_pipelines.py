@@ -20,18 +20,19 @@ from jax_seqpar.strategies import heads as head_split
 B, S, D, DV = 1, 64, 8, 16
 
 
-def _mesh(strategy):
+def _mesh(strategy, outer=2):
     devices = np.array(jax.devices())
     if strategy == "hybrid":
-        return Mesh(devices.reshape(2, 4), ("dcn", "ici")), ("dcn", "ici")
+        return Mesh(devices.reshape(outer, 8 // outer), ("dcn", "ici")), ("dcn", "ici")
     return Mesh(devices, ("sp",)), "sp"
 
 
 def _check(strategy, tolerances, *, heads, kv_heads, order="contiguous", sinks=False,
-           segments=False, return_lse=False, dtype=jnp.float32, **options):
+           segments=False, return_lse=False, dtype=jnp.float32, outer=2, **options):
     """``strategy``'s per-shard function (``options``: its keywords and the mask) against
-    the reference: out (and lse), d(q, k, v, sinks), in one program each."""
-    mesh, axes = _mesh(strategy)
+    the reference: out (and lse), d(q, k, v, sinks), in one program each (``outer``: the
+    hybrid's ring devices, of 8)."""
+    mesh, axes = _mesh(strategy, outer)
     fn = functools.partial(getattr(sp, f"{strategy}_attention"), seq_axes=axes, kernel="xla")
     kq, kk, kv, ks, kw = jax.random.split(jax.random.key(heads * 7 + kv_heads), 5)
     q = jax.random.normal(kq, (B, S, heads, D), dtype)

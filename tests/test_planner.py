@@ -51,14 +51,14 @@ def test_every_prediction_is_finite_and_positive(preset, seq_len, heads, kv_head
 
 
 def test_twelve_heads_on_eight_offers_the_ulysses_4_hybrid():
-    """The old planner could only say ring (12 % 8 != 0); USP's 2 x 4 is offered now, and
-    chosen where the all-gather's O(S) K/V does not fit (the all-gather, in pieces that
-    hide behind its kernels, is faster still)."""
+    """The old planner could only say ring (12 % 8 != 0); USP's 2 x 4 is offered now,
+    faster than the ring (its inner exchange in pieces that hide behind the ring's
+    steps), and chosen where the all-gather's O(S) K/V does not fit."""
     offered = plan(32768, 12, 12, 64, {"sp": 8}, causal=True, hardware="tpu-v5p")
     assert {"ring", "allgather", "hybrid 2x4", "hybrid 4x2"} == set(offered.predicted_seconds)
     assert "ulysses" not in offered.predicted_seconds
     times = offered.predicted_seconds
-    assert times["allgather"] < min(times["hybrid 2x4"], times["hybrid 4x2"]) < times["ring"]
+    assert max(times["allgather"], min(times["hybrid 2x4"], times["hybrid 4x2"])) < times["ring"]
     budget = (offered.memory_bytes["allgather"] + offered.memory_bytes["ring"]) / 2
     chosen = plan(32768, 12, 12, 64, {"sp": 8}, causal=True, hardware="tpu-v5p",
                   memory_budget=budget)
@@ -141,7 +141,7 @@ def test_exchanges_in_pieces_hide_where_the_target_overlaps_their_kind(monkeypat
     shape = LayerShape(1, 1 << 16, 32, 8, 128, dtype="bfloat16", causal=True)
     gather = predict.Candidate("allgather", 8, 1)
     forward_bytes = predict.predict(gather, shape.replace(backward=False), "h100")["bytes"]
-    assert registry.get("allgather").pieces(shape, 8) == (16, 8)
+    assert registry.get("allgather").pieces(shape, 8, 1) == (16, 8)
     pieced = {name: predict.predict(gather, shape, name) for name in ("h100", "tpu-v5p")}
     for p in pieced.values():
         assert p["hidden_bytes"] == pytest.approx(

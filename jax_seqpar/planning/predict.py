@@ -36,8 +36,9 @@ device (:class:`~jax_seqpar.planning.hardware.Hardware` figures):
   algorithm, as NCCL runs them); per pass (forward, backward) added to the pass's
   compute, or, where the strategy sends them in ``n > 1`` pieces and the target
   overlaps their kind, ``t / n + max(compute, t (n - 1) / n)`` (the first piece
-  waits, the rest travel under the kernels). The hybrid's inner all-to-alls are not
-  overlapped (the ring's hops hide behind its compute). Ulysses sends
+  waits, the rest travel under the kernels). The hybrid's inner all-to-alls, in
+  pieces, hide behind its ring's first and last steps (what exceeds those steps'
+  kernels waits). Ulysses sends
   4 all-to-alls a pass (q, k, v, out; dout, dq, dk, dv) and all-gathers the int32
   positions (and segment ids); the all-gather strategy gathers K, V and positions
   (and segment ids) and passes dK/dV around the ring (a collective-permute a hop). A
@@ -141,12 +142,14 @@ def _collective(hardware: Hardware, num_bytes: float, size: int,
 
 
 def _ring(hardware: Hardware, link, compute: list, hop_bytes: float,
-          home_bytes: Optional[float] = None) -> tuple[float, float, float]:
+          home_bytes: Optional[float] = None, *,
+          home_hides: bool = False) -> tuple[float, float, float]:
     """``(seconds, comm_seconds, hidden_bytes)`` of ring steps of ``compute[i]`` seconds
     each: every step but the last sends a hop of ``hop_bytes``; the backward's last hop,
     ``home_bytes`` (dK/dV alone), brings the accumulators back after it (a ring of one
-    has no hop). ``comm_seconds``: the hops alone; ``hidden_bytes``: those sent while a
-    step's kernel computes."""
+    has no hop; ``home_hides``: the trip home travels during the last step's own
+    kernels, as the hybrid's query pieces run them). ``comm_seconds``: the hops alone;
+    ``hidden_bytes``: those sent while a step's kernel computes."""
     overlaps = "collective-permute" in hardware.overlaps
     seconds = comm = hidden = 0.0
     for index, step in enumerate(compute):
@@ -156,11 +159,11 @@ def _ring(hardware: Hardware, link, compute: list, hop_bytes: float,
             continue
         hop = (home_bytes if last else hop_bytes) / link.bandwidth
         comm += hop + link.latency
-        if last or not overlaps:  # the trip home starts when the last step ends
+        if (last and not home_hides) or not overlaps:  # home after the last step
             seconds += step + hop + link.latency
         else:
             seconds += max(step, hop) + link.latency
-            hidden += hop_bytes
+            hidden += home_bytes if last and home_bytes is not None else hop_bytes
     return seconds, comm, hidden
 
 
@@ -175,8 +178,9 @@ def _exchange(hardware: Hardware, strategy: str, shape: LayerShape, devices: int
     backward kernel seconds), the pass's collectives and its kernels, overlapped where
     the strategy sends them in pieces and the target overlaps their kind."""
     steps = _ulysses_steps if strategy == "ulysses" else _allgather_steps
-    pieces_of = registry.get(strategy).pieces
-    pieces = pieces_of(shape, devices) if pieces_of and devices > 1 else (1, 1)
+    entry = registry.get(strategy)
+    pieces = (entry.pieces(shape, *entry.factorization(devices, devices))
+              if entry.pieces and devices > 1 else (1, 1))
     forward = shape.replace(backward=False)
     fwd_bytes = _comm_bytes(strategy, forward, devices)
     passes = [(fwd_bytes, steps(devices, forward), compute[0], _EXCHANGES[strategy][0],
@@ -223,17 +227,35 @@ def _seconds(candidate: Candidate, shape: LayerShape, hardware: Hardware, tile: 
             fwd_a2a = _comm_bytes("ulysses", inner_shape.replace(backward=False), inner)
         fwd_ring = _comm_bytes(strategy, forward, sizes) - fwd_a2a
         bwd_ring = total_bytes - a2a_bytes - fwd_ring
-        a2a, ici_bytes, dcn_bytes = _collective(hardware, a2a_bytes, inner,
-                                                _ulysses_steps(inner, shape))
         link = hardware.link(ring, inner)
         kv_hop = fwd_ring / max(ring - 1, 1)
+        # The inner all-to-alls in pieces (the hybrid's default) travel during the ring's
+        # first and last steps, all but one piece's share hidden; dK/dV's trip home then
+        # travels during the last step's query pieces.
+        pieces = registry.get(strategy).pieces
+        n = pieces(shape, ring, inner)[0] if pieces and inner > 1 else 1
         seconds, comm, hidden = _ring(hardware, link, compute_fwd, kv_hop)
         if shape.backward:  # P - 1 hops of K/V and dK/dV, then dK/dV home
             dkv_hop = max(bwd_ring - (ring - 1) * kv_hop, 0.0) / ring
             bwd_seconds, bwd_comm, bwd_hidden = _ring(hardware, link, compute_bwd,
-                                                      kv_hop + dkv_hop, home_bytes=dkv_hop)
+                                                      kv_hop + dkv_hop, home_bytes=dkv_hop,
+                                                      home_hides=n > 1)
             seconds, comm, hidden = seconds + bwd_seconds, comm + bwd_comm, hidden + bwd_hidden
-        seconds, comm = seconds + a2a, comm + a2a
+        ici_bytes = dcn_bytes = 0.0
+        passes = [(fwd_a2a, _ulysses_steps(inner, forward), compute_fwd)]
+        if shape.backward:
+            passes.append((a2a_bytes - fwd_a2a, _ulysses_steps(inner, shape)
+                           - _ulysses_steps(inner, forward), compute_bwd))
+        for num_bytes, num_steps, steps_compute in passes:
+            a2a, ici, dcn = _collective(hardware, num_bytes, inner, num_steps)
+            ici_bytes, dcn_bytes, comm = ici_bytes + ici, dcn_bytes + dcn, comm + a2a
+            if n > 1 and "all-to-all" in hardware.overlaps:
+                rest = (n - 1) / n
+                ends = steps_compute[0] + (steps_compute[-1] if len(steps_compute) > 1 else 0)
+                seconds += a2a / n + max(0.0, a2a * rest - ends)
+                hidden += num_bytes * rest
+            else:
+                seconds += a2a
         if link is hardware.ici:
             ici_bytes += fwd_ring + bwd_ring
         else:

@@ -164,8 +164,8 @@ def resolve_pieces(overlap: bool | Literal['auto'], chunks: int | Literal['auto'
 
     ``overlap=False``: ``(1, 1)``, each exchange whole (then ``chunks`` and
     ``head_groups`` must be 1 or ``"auto"``). ``overlap="auto"`` or True:
-    ``chunks="auto"`` is :func:`default_chunks` (1 where ``chunked`` is False: the
-    hybrid's ring stage is not chunked; 1 with forced head groups), and
+    ``chunks="auto"`` is :func:`default_chunks` (1 where ``chunked`` is False: a hybrid
+    whose ring is a halo exchange; 1 with forced head groups), and
     ``head_groups="auto"`` is 1 when the sequence is chunked, else
     :func:`default_head_groups`. Chunks and head groups do not combine (one of them is 1).
     Raises ``ValueError`` listing the counts that work.
@@ -187,7 +187,8 @@ def resolve_pieces(overlap: bool | Literal['auto'], chunks: int | Literal['auto'
         raise ValueError(
             f"chunks={chunks!r} does not cut the {local_len} tokens a device holds into "
             f"pieces (2^(chunks-1) must divide them); it takes one of {allowed} "
-            f"or 'auto'" + ("" if chunked else " (the hybrid does not chunk: 1)") + ".")
+            f"or 'auto'" + ("" if chunked else " (a window makes the hybrid's ring a halo "
+                                      "exchange here: not chunked)") + ".")
     if chunks > 1:
         if head_groups not in ("auto", 1) or isinstance(head_groups, bool):
             raise ValueError(f"chunks={chunks} with head_groups={head_groups!r}: chunks and "

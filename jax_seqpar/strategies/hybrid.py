@@ -11,11 +11,14 @@ sub-sequence; a second all-to-all returns the output to sequence shards. K/V
 heads are replicated only as far as the inner all-to-all needs; the ring
 circulates exactly the heads each device holds after it.
 
-The inner exchange is Ulysses' head pipeline
-(:func:`jax_seqpar.strategies.head_pipeline.head_pipeline`): with ``head_groups`` > 1 the ring
-runs once per head group, and group ``g + 1``'s all-to-all (and group ``g - 1``'s
-output's) travel while the ring of group ``g`` computes; the ring's own K/V hops hide
-behind its step kernels as in :mod:`jax_seqpar.strategies.ring`, forward and backward.
+The inner exchange is pipelined along the sequence
+(:mod:`jax_seqpar.strategies.ring_chunks`: the pieces' transfers behind the ring's first
+and last steps; the default where each device holds enough tokens) or over head groups
+(:func:`jax_seqpar.strategies.head_pipeline.head_pipeline`: the ring runs once per head
+group, and group ``g + 1``'s all-to-all, and group ``g - 1``'s output's, travel while the
+ring of group ``g`` computes). The ring's own K/V hops hide behind its step kernels as in
+:mod:`jax_seqpar.strategies.ring`, forward and backward. A window on the contiguous split
+shrinks the ring to a halo exchange, which is not chunked.
 
 Causal balance: with the zigzag order over all ``O*I`` shards (what
 ``sequence_parallel_attention`` applies), every ring step gives every device the
@@ -25,15 +28,19 @@ same number of visible key blocks.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
+from jax_seqpar.strategies import halo
+from jax_seqpar.strategies.chunk_pipeline import chunk_pipeline
 from jax_seqpar.strategies.head_pipeline import head_pipeline
-from jax_seqpar.strategies.heads import kv_replication, local_heads, resolve_pieces
+from jax_seqpar.strategies.heads import chunk_sizes, kv_replication, local_heads, resolve_pieces
 from jax_seqpar.strategies.inputs import (Call, Metadata, Operands, Options, axis_size,
                                           gather_tokens, per_shard, prepare)
 from jax_seqpar.strategies.ring import ring_over
+from jax_seqpar.strategies.ring_chunks import ring_chunks
 
 __all__ = ["hybrid_attention"]
 
@@ -54,11 +61,14 @@ def hybrid_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes, overl
         default positions are
         the contiguous split over ``(outer, inner)``, with which a
         window shrinks the ring part to a halo exchange.
-      overlap: False: the inner exchange whole, one ring (as ``head_groups=1``); True /
-        ``"auto"``: head groups as below.
-      chunks: 1 or ``"auto"``: the hybrid does not chunk the sequence (its stage is the
-        ring, not one kernel call).
-      head_groups: the inner exchange's head groups (as in
+      overlap: False: the inner exchange whole, one ring; True / ``"auto"``: pipelined,
+        in ``chunks`` sequence pieces where the local length allows, else in
+        ``head_groups`` (:func:`jax_seqpar.strategies.heads.resolve_pieces`).
+      chunks: how many query pieces (as in
+        :func:`jax_seqpar.strategies.ulysses.ulysses_attention`; over the inner axis);
+        ``"auto"``: :func:`~jax_seqpar.strategies.heads.default_chunks`, 1 where the ring
+        is a halo exchange (a window on the contiguous split).
+      head_groups: the inner exchange's head groups when the sequence is not chunked (as in
         :func:`jax_seqpar.strategies.ulysses.ulysses_attention`; the ring runs once per
         group). ``"auto"`` (default): the largest count up to
         :data:`~jax_seqpar.strategies.heads.MAX_AUTO_HEAD_GROUPS` that gives every
@@ -84,8 +94,13 @@ def hybrid_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes, overl
             f"{ulysses_axis!r} of size {inner}; choose an inner axis size that divides the heads "
             f"(e.g. {_divisor_hint(q.shape[2], inner)}) and put the rest on the ring axis, "
             f'or use strategy="ring".') from None
-    _, groups = resolve_pieces(overlap, chunks, head_groups, q.shape[2], k.shape[2], inner,
-                               q.shape[1], shared_kv=False, chunked=False)
+    # A window on the contiguous split makes the ring a halo exchange: not chunked.
+    ring_size = axis_size(ring_axis)
+    chunked = not (ring_size > 1 and shard.contiguous and halo.halo_sizes(
+        shard.options.spec, inner * q.shape[1], ring_size,
+        bidirectional=shard.q_tokens.bidirectional_ids is not None))
+    chunks, groups = resolve_pieces(overlap, chunks, head_groups, q.shape[2], k.shape[2],
+                                    inner, q.shape[1], shared_kv=False, chunked=chunked)
     if repeats > 1:
         # Replicated in float32: the replicas' gradients, on different devices, come back
         # and sum in float32 and round once (the pipeline sends K/V in q.dtype).
@@ -95,6 +110,11 @@ def hybrid_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes, overl
     stage = RingStage(ring_axis, shard.options, shard.contiguous)
     q_tokens, kv_tokens = tokens
     operands = Operands(q_tokens, kv_tokens, local_heads(shard.sinks, ulysses_axis))
+    if chunks > 1:
+        pipeline = (functools.partial(ring_chunks, ulysses_axis, ring_axis) if ring_size > 1
+                    else functools.partial(chunk_pipeline, ulysses_axis))  # no ring: Ulysses
+        return pipeline(shard.options, q, k, v, operands, sizes=chunk_sizes(q.shape[1], chunks),
+                        return_lse=call.return_lse)
     return head_pipeline(ulysses_axis, stage, q, k, v, operands, groups=groups,
                          return_lse=call.return_lse)
 

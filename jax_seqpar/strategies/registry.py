@@ -44,9 +44,11 @@ class Strategy:
         steps); Ulysses attends the whole sequence on every device: balanced already.
       global_view: whether :func:`jax_seqpar.sequence_parallel_attention` runs it
         (decode runs against a KV cache: :mod:`jax_seqpar.api.inference`).
-      pieces: ``pieces(shape, devices) -> (forward, backward)``: into how many pieces
-        its ``head_groups`` / ``chunks="auto"`` cut the forward's and the backward's
-        exchanges of a :class:`~jax_seqpar.core.shape.LayerShape` over ``devices``, so
+      pieces: ``pieces(shape, ring, ulysses) -> (forward, backward)``: into how many
+        pieces its ``head_groups`` / ``chunks="auto"`` cut the forward's and the
+        backward's exchanges of a :class:`~jax_seqpar.core.shape.LayerShape` over
+        ``ring x ulysses`` devices (:meth:`factorization`; the hybrid's: its inner
+        all-to-alls), so
         that each piece after the first travels while a kernel works on an earlier one
         (None: each exchange whole, before or after the kernels); Ulysses' sequence
         pieces count as the equal pieces that leave the same share exposed. The ring's
@@ -70,22 +72,30 @@ class Strategy:
         return (1, devices) if self.splits_heads else (devices, 1)
 
 
-def _ulysses_pieces(shape, devices: int) -> int:
-    """Ulysses' pieces as ``overlap="auto"`` cuts them (:func:`heads.resolve_pieces`).
+def _ulysses_pieces(shape, ring: int, ulysses: int, *, hybrid: bool = False) -> int:
+    """The pieces of Ulysses' exchange over ``ulysses`` devices (the hybrid's inner one,
+    beside a ring of ``ring``) as ``overlap="auto"`` cuts them
+    (:func:`heads.resolve_pieces`).
 
     Sequence chunks (:func:`heads.chunk_sizes`) leave the first query and K/V pieces and
     the last output piece exposed, ``1/2^(c-1)`` of the bytes: as many as ``2^(c-1)``
-    equal pieces.
+    equal pieces. The hybrid chunks unless a window makes its ring a halo exchange
+    (the window's default order is the contiguous split).
     Head groups where each group has its own K/V heads; 1 where K/V heads are shared by
     several groups: they travel whole ahead of group 0 and only parts of q and out hide
     (a third of the bytes at 2 query heads and 1 K/V head a device, compiled), which the
     pieces model would overstate."""
-    local_len = -(-shape.seq_len // devices)
-    chunks, groups = heads.resolve_pieces("auto", "auto", "auto", shape.num_heads,
-                                          shape.num_kv_heads, devices, local_len)
+    if ulysses == 1:
+        return 1
+    local_len = -(-shape.seq_len // (ring * ulysses))
+    halo_ring = hybrid and ring > 1 and halo_sizes(
+        MaskSpec.make(shape.causal, shape.window), shape.seq_len // ring, ring) is not None
+    chunks, groups = heads.resolve_pieces(
+        "auto", "auto", "auto", shape.num_heads, shape.num_kv_heads, ulysses, local_len,
+        shared_kv=not hybrid, chunked=not halo_ring)
     if chunks > 1:
         return 2 ** (chunks - 1)
-    _, kv_local = heads.local_head_counts(shape.num_heads, shape.num_kv_heads, devices)
+    _, kv_local = heads.local_head_counts(shape.num_heads, shape.num_kv_heads, ulysses)
     return groups if kv_local % groups == 0 else 1
 
 
@@ -95,14 +105,15 @@ StrategyName = Literal["ulysses", "ring", "allgather", "hybrid"]
 
 _ENTRIES = {s.name: s for s in (
     Strategy("ulysses", ulysses_attention, traffic.ulysses_bytes, splits_heads=True,
-             pieces=lambda shape, devices: (_ulysses_pieces(shape, devices),) * 2),
+             pieces=lambda shape, ring, ulysses: (_ulysses_pieces(shape, ring, ulysses),) * 2),
     Strategy("ring", ring_attention, traffic.ring_bytes, zigzag_balances=True),
     # forward: K/V gathered in chunks; backward: dK/dV passed around the ring, a hop a piece
     Strategy("allgather", allgather_attention, traffic.allgather_bytes, zigzag_balances=True,
-             pieces=lambda shape, devices: (
-                 allgather.default_chunks(-(-shape.seq_len // devices)), devices)),
+             pieces=lambda shape, ring, ulysses: (
+                 allgather.default_chunks(-(-shape.seq_len // ring)), ring)),
     Strategy("hybrid", hybrid_attention, traffic.hybrid_bytes, num_seq_axes=2, splits_heads=True,
-             zigzag_balances=True),
+             zigzag_balances=True, pieces=lambda shape, ring, ulysses: (
+                 _ulysses_pieces(shape, ring, ulysses, hybrid=True),) * 2),
 )}
 #: Every strategy the global entry point runs, by :data:`StrategyName`.
 STRATEGIES: Mapping[StrategyName, Strategy] = {name: _ENTRIES[name]

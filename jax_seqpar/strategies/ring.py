@@ -24,7 +24,7 @@ becomes a halo exchange (:mod:`jax_seqpar.strategies.halo`): a device receives j
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # annotations only
     from jax_seqpar.core.masks import Tokens
     from jax_seqpar.kernels.options import Options
 
-__all__ = ["ring_attention", "ring_over"]
+__all__ = ["ring_attention", "ring_over", "shift"]
 
 
 @per_shard
@@ -110,7 +110,7 @@ def ring_over(axis_name: str | tuple[str, ...], options: Options, q: jax.Array, 
     return _ring(axis_name, options, q, k, v, q_tokens, kv_tokens)
 
 
-def _shift(tree, axis_name):
+def shift(tree: Any, axis_name: str | tuple[str, ...]) -> Any:
     """Send every array in ``tree`` to the next device of the ring."""
     size = axis_size(axis_name)
     perm = [(i, (i + 1) % size) for i in range(size)]
@@ -133,7 +133,7 @@ def _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens):
 
     def step(carry, _):
         acc, kv = carry
-        next_kv = _shift(kv, axis_name)  # issued before the compute it can hide behind
+        next_kv = shift(kv, axis_name)  # issued before the compute it can hide behind
         # The step's result and the hop's arrival pass one barrier before either is
         # used, so nothing but the kernel can be scheduled between the hop's start and
         # its done (XLA:TPU otherwise starts the hop after the Mosaic call and hides it
@@ -199,9 +199,9 @@ def _backward_ring(axis_name, grads, q, k, v, kv_tokens, *, overlap: bool):
     if not overlap:
         def serial_step(carry, _):
             dq, kv, dkv = carry
-            next_kv = _shift(kv, axis_name)
+            next_kv = shift(kv, axis_name)
             dq, dkv = grads(dq, kv, dkv)
-            return (dq, next_kv, _shift(dkv, axis_name)), None
+            return (dq, next_kv, shift(dkv, axis_name)), None
 
         (dq, kv, dkv), _ = jax.lax.scan(serial_step, (dq, kv, zeros), length=size - 1)
         dq, dkv = grads(dq, kv, dkv)
@@ -218,23 +218,23 @@ def _backward_ring(axis_name, grads, q, k, v, kv_tokens, *, overlap: bool):
 
     def step(carry, _):
         dq, kv, dkv = carry
-        next_kv = _shift(kv, axis_name)
-        arrived = _shift(dkv, axis_name)  # in flight during this step's kernel
+        next_kv = shift(kv, axis_name)
+        arrived = shift(dkv, axis_name)  # in flight during this step's kernel
         dq, dkv, next_kv = fresh_plus(dq, kv, arrived, next_kv)
         return (dq, next_kv, dkv), None
 
-    next_kv = _shift(kv, axis_name)
+    next_kv = shift(kv, axis_name)
     dq, dkv = grads(dq, kv, zeros)
     dq, dkv, next_kv = jax.lax.optimization_barrier((dq, dkv, next_kv))
     (dq, kv, dkv), _ = jax.lax.scan(step, (dq, next_kv, dkv), length=size - 2)
-    dq, dkv, _ = fresh_plus(dq, kv, _shift(dkv, axis_name))
+    dq, dkv, _ = fresh_plus(dq, kv, shift(dkv, axis_name))
     return (dq, *_home(dkv, (k, v), axis_name))
 
 
 def _home(dkv, like, axis_name):
     """The accumulators' last hop home, in ``like``'s dtypes: the sums are done, so
     rounding before the hop is rounding after it, at the input dtype's bytes."""
-    return _shift(tuple(x.astype(y.dtype) for x, y in zip(dkv, like)), axis_name)
+    return shift(tuple(x.astype(y.dtype) for x, y in zip(dkv, like)), axis_name)
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)

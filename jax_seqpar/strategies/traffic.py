@@ -212,7 +212,10 @@ def check_shape(*, batch: int, seq_len: int, num_heads: int, num_kv_heads: int, 
 def hybrid_bytes(sizes: tuple[int, ...], *, num_heads: int, num_kv_heads: int, seq_len: int,
                  spec: MaskSpec = _NO_MASK, **shape: float) -> float:
     """Ulysses over the inner axis of ``sizes=(outer, inner)`` on the local shard, then
-    the ring over the outer one on ``lcm(Hkv, inner)/inner`` K/V heads."""
+    the ring over the outer one on ``lcm(Hkv, inner)/inner`` K/V heads. Pipelined along
+    the sequence (the default where the local length allows and the ring is no halo
+    exchange), the backward also sends the float32 ``<dout, out>`` rows (the ring's own
+    backward does not need them)."""
     if len(sizes) != 2:
         raise ValueError(f"hybrid needs axis_sizes=(outer, inner). Got {sizes!r}.")
     outer, inner = sizes
@@ -220,11 +223,16 @@ def hybrid_bytes(sizes: tuple[int, ...], *, num_heads: int, num_kv_heads: int, s
         raise ValueError(f"num_heads={num_heads} is not divisible by the ulysses (inner) "
                          f"axis size {inner}; use strategy='ring' or swap the axes.")
     kv_heads_after_ulysses = replicated_kv_heads(num_kv_heads, inner) // inner
+    reach = _window_reach(spec, seq_len, outer)
+    from jax_seqpar.strategies import heads  # the pieces' rules (heads imports jax)
+
+    chunks = heads.default_chunks(seq_len // (outer * inner), inner) if (
+        outer == 1 or reach is None) else 1
     return (_ulysses_bytes(seq_len=seq_len // outer, num_heads=num_heads,
-                           num_kv_heads=num_kv_heads, axis_size=inner, row_statistic=False,
-                           **shape)
+                           num_kv_heads=num_kv_heads, axis_size=inner,
+                           row_statistic=chunks > 1, **shape)
             + _ring_bytes(seq_len=seq_len, kv_heads=kv_heads_after_ulysses, axis_size=outer,
-                          reach=_window_reach(spec, seq_len, outer), **shape))
+                          reach=reach, **shape))
 
 
 def ulysses_bytes(sizes: tuple[int, ...], *, num_heads: int, spec: MaskSpec = _NO_MASK,

@@ -1,0 +1,236 @@
+"""The hybrid's exchange pipelined along the sequence, around its ring.
+
+The inner all-to-all cuts each device's ``L`` local tokens into the pieces of
+:mod:`jax_seqpar.strategies.pieces` (K/V in ``2^(c-1)`` pieces of ``u``, queries in
+``u, L/4, ..., u``); the ring over the outer axis (``O`` devices) then passes the whole
+block of keys a device gathered, ``[B, I*L, h_kv, D]``, as
+:mod:`jax_seqpar.strategies.ring` does: the slow axis carries each K/V block once a step,
+as unpipelined. The pieces' transfers hide behind the ring's first and last steps:
+
+* forward. Step 0 (this device's own keys): the keys first (as Ulysses,
+  :func:`jax_seqpar.strategies.pieces.keys_first`), then each further query piece
+  attends to every key in one kernel call while the next piece comes in; the first
+  hop of the ring travels during the last of these calls. Steps ``1 .. O-2``: every
+  query against the block that arrived, one call, the next hop in flight (as the
+  ring). Step ``O-1``: one call per query piece against the last block, final at once,
+  each piece's output leaving while the next piece's call runs. Exposed: the first
+  query and K/V pieces and the last output piece, ``1/2^(c-1)`` of the inner bytes
+  (the ring's hops all hide).
+* backward (``custom_vjp``): step 0, each piece's ``dout`` arrives (smallest first)
+  while the previous piece's dq against the own keys is computed, then the own keys'
+  dK/dV from every query (the next block's hop in flight); steps ``1 .. O-1`` as the
+  ring's backward (dq accumulates here, float32 dK/dV accumulators follow their block);
+  the last step's dK/dV take the hop home while the first query piece's last dq is
+  computed, then leave through the inner axis with the dq pieces, one piece's dq
+  behind each further call. Exposed: the first ``dout`` piece and the last dq piece.
+
+Memory: the ring's own (float32 output or dq accumulators of the gathered queries, two
+K/V blocks), plus the pieces in flight.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from jax_seqpar.core import compat as _compat
+from jax_seqpar.core.merge import with_sinks
+from jax_seqpar.strategies.head_pipeline import no_gradient
+from jax_seqpar.strategies.inputs import Operands, Options, axis_size
+from jax_seqpar.strategies.pieces import (Pieces, RowCotangents, concat, exchange, keys_first,
+                                          local, offsets, send)
+from jax_seqpar.strategies.ring import shift
+
+__all__ = ["ring_chunks"]
+
+
+def ring_chunks(inner_axis: str | tuple[str, ...], outer_axis: str | tuple[str, ...],
+                options: Options, q: jax.Array, k: jax.Array, v: jax.Array,
+                operands: Operands, *, sizes: tuple, return_lse: bool = False):
+    """The hybrid's attention, its inner exchange pipelined over sequence pieces.
+
+    Args:
+      inner_axis: the all-to-all's mesh axis (size ``I``); outer_axis: the ring's
+        (size ``O`` > 1).
+      options: the call's :class:`jax_seqpar.kernels.options.Options`.
+      q: ``[B, L, H, Dqk]``; k, v: ``[B, L, Hkv', D]`` local sequence shards (``Hkv'``
+        a multiple of ``I``: :func:`jax_seqpar.strategies.heads.kv_replication`).
+      operands: the inner group's metadata ``[B, I*L]`` in device order
+        (:func:`jax_seqpar.strategies.inputs.gather_tokens` over the inner axis) and the
+        ``[H/I]`` sink logits of this device's heads, or None.
+      sizes: local tokens of each query piece
+        (:func:`jax_seqpar.strategies.heads.chunk_sizes`).
+      return_lse: also return the float32 ``[B, L, H]`` log-sum-exp.
+    Returns:
+      ``[B, L, H, Dv]`` in ``q.dtype`` (and the log-sum-exp).
+    """
+    config = (inner_axis, outer_axis, options, tuple(sizes), bool(return_lse),
+              jnp.dtype(k.dtype))
+    out, lse = _pipeline(config, q, k, v, operands)
+    return (out, lse) if return_lse else out
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _pipeline(config, q, k, v, operands):
+    return _pipeline_fwd(config, q, k, v, operands)[0]
+
+
+def _parts(size, sizes):
+    """Each query piece's rows in the gathered ``[B, I*L, ...]`` (piece-major)."""
+    return [slice(size * o, size * (o + s)) for o, s in zip(offsets(sizes), sizes)]
+
+
+def _put(full, part, piece):
+    """``piece`` written into rows ``part`` of ``full`` (pytrees alike), in place: the
+    pieces' buffers die as they are written, never a second whole-sequence copy."""
+    return jax.tree.map(lambda f, p: f.at[:, part].set(p.astype(f.dtype)), full, piece)
+
+
+def _pipeline_fwd(config, q, k, v, operands):
+    inner, outer, options, sizes, return_lse, _ = config
+    k, v = (x.astype(q.dtype) for x in (k, v))
+    size, steps = axis_size(inner), axis_size(outer)
+    cut = Pieces.of(inner, sizes, operands, q.shape[1])
+    q_tokens, c, sinks = cut.q_tokens, len(sizes), operands.sinks
+    qs: list[Any] = [None] * c  # every query piece as it arrived (heads-sharded)
+    acc, (qs[0], qs[1]), keys, values, shards = keys_first(inner, options, q, k, v, cut)
+    block = (keys, values, concat(cut.kv_tokens))
+    hop = shift(block, outer)  # step 1's block
+    # Step 0, the queries: piece j + 1 comes in while piece j meets every own key; the
+    # hop travels during the last call (one transfer in flight a call).
+    accs = [acc] + [None] * (c - 1)
+    for j in range(1, c):
+        ins = [local(shards[0], sizes, j + 1)] if j + 1 < c else []
+        raw, unpack = send(ins, [], inner, size)
+        result = options.forward(qs[j], keys, values, q_tokens[j], block[2])
+        if ins:
+            result, raw, shards = jax.lax.optimization_barrier((result, raw, shards))
+            qs[j + 1] = unpack(raw)[0][0]
+        else:
+            result, hop = jax.lax.optimization_barrier((result, hop))
+        accs[j] = result
+    queries, q_all = concat(qs), concat(q_tokens)
+    del qs  # the pieces die here: the last step reads the gathered queries
+
+    def step(carry, _):
+        acc, kv = carry
+        upcoming = shift(kv, outer)
+        acc = options.forward(queries, kv[0], kv[1], q_all, kv[2], accumulate=acc)
+        return jax.lax.optimization_barrier((acc, upcoming)), None
+
+    acc, kv = _compat.match_varying((concat(accs), hop), (accs, hop, queries))
+    (acc, kv), _ = jax.lax.scan(step, (acc, kv), length=steps - 2)
+    # The last step: piece by piece, each final at once, its output leaving while the
+    # next piece's call runs (the block passes each barrier: the calls stay in order).
+    lses: list[Any] = [None] * c
+    sent: list[Any] = [None] * c
+    pending: list[Any] = []
+    for j, part in enumerate(_parts(size, sizes)):
+        raw, unpack = send([], pending, inner, size)
+        result = options.forward(queries[:, part], kv[0], kv[1], q_tokens[j], kv[2],
+                                 accumulate=jax.tree.map(lambda x: x[:, part], acc))
+        result, raw, kv = jax.lax.optimization_barrier((result, raw, kv))
+        if pending:
+            sent[j - 1] = unpack(raw)[1]
+        out, lse = result
+        lses[j] = lse  # without the sinks: what the backward's kernels take
+        if sinks is not None:
+            out, lse = with_sinks(out, lse, sinks)
+        pending = [out.astype(q.dtype)] + ([lse[..., None]] if return_lse else [])
+    sent[c - 1] = exchange([], pending, inner, size)[1]
+    out = concat([s[0] for s in sent])  # [B, L, H, Dv]
+    lse = concat([s[1] for s in sent])[..., 0] if return_lse else None
+    return (out, lse), (queries, keys, values, lses, operands, out)
+
+
+def _pipeline_bwd(config, residuals, cotangents):
+    inner, outer, options, sizes, return_lse, kv_dtype = config
+    queries, keys, values, lses, operands, out = residuals
+    size, steps = axis_size(inner), axis_size(outer)
+    cut = Pieces.of(inner, sizes, operands, out.shape[1])
+    q_tokens, c = cut.q_tokens, len(sizes)
+    q_all, parts = concat(q_tokens), _parts(size, sizes)
+    cotangents, queries, keys, values = jax.lax.optimization_barrier(
+        (cotangents, queries, keys, values))
+    dout, dlse = cotangents
+    dtype = dout.dtype
+    rows = RowCotangents.of(inner, cut, operands, out, dout, dlse, lses, return_lse)
+    block = (keys, values, concat(cut.kv_tokens))
+    hop = shift(block, outer)
+    # Step 0: the dout pieces smallest first, each piece's dq against the own keys while
+    # the next comes in.
+    order = [0, *reversed(range(1, c))]
+    upcoming = exchange([local(dout, sizes, order[0])], [], inner, size)[0][0]
+    deltas: list[Any] = [None] * c
+    # The gathered dout and the float32 dq accumulator, written piece by piece.
+    dout_all = jnp.zeros(queries.shape[:3] + (dout.shape[3],), queries.dtype)
+    dq = jnp.zeros(queries.shape, jnp.float32)
+    for n, j in enumerate(order):
+        dout_j, deltas[j] = rows.of_piece(j, upcoming, dtype=queries.dtype)
+        dout_all = _put(dout_all, parts[j], dout_j)
+        dq_j = options.backward(queries[:, parts[j]], keys, values, q_tokens[j], block[2],
+                                lses[j], deltas[j], dout_j)[0]
+        ins = [local(dout, sizes, order[n + 1])] if n + 1 < c else []
+        raw, unpack = send(ins, [], inner, size)
+        dq_j, raw, dout = jax.lax.optimization_barrier((dq_j, raw, dout))
+        dq = _put(dq, parts[j], dq_j)
+        if ins:
+            upcoming = unpack(raw)[0][0]
+    delta_all, lse_all = concat(deltas), concat(lses)
+
+    def grads(kv, dq=None):
+        """float32 ``(dq, dk, dv)`` of every query against ``kv`` (``dq``: added)."""
+        accumulate = None
+        if dq is not None:
+            zeros = _compat.match_varying(tuple(jnp.zeros(x.shape, jnp.float32)
+                                                for x in kv[:2]), dq)
+            accumulate = (dq, *zeros)
+        return options.backward(queries, kv[0], kv[1], q_all, kv[2], lse_all, delta_all,
+                                dout_all, accumulate=accumulate)
+
+    # The own keys' dK/dV from every query, step 1's block in flight.
+    _, *dkv = grads(block)
+    dkv, hop = jax.lax.optimization_barrier((tuple(dkv), hop))
+
+    def step(carry, _):  # the ring's backward step: fresh dK/dV, the accumulator in flight
+        dq, kv, dkv = carry
+        upcoming, arrived = shift(kv, outer), shift(dkv, outer)
+        dq, *fresh = grads(kv, dq)
+        (dq, fresh), arrived, upcoming = jax.lax.optimization_barrier(
+            ((dq, tuple(fresh)), arrived, upcoming))
+        return (dq, upcoming, tuple(x + y for x, y in zip(fresh, arrived))), None
+
+    carry = _compat.match_varying((dq, hop, dkv), (dq, hop, dkv))
+    (dq, kv, dkv), _ = jax.lax.scan(step, carry, length=steps - 2)
+    # The last step: its block's dK/dV (the accumulator in flight), home during the
+    # first piece's dq; then every dq piece, final at once, leaving while the next runs.
+    arrived = shift(dkv, outer)
+    _, *fresh = grads(kv)
+    fresh, arrived = jax.lax.optimization_barrier((tuple(fresh), arrived))
+    home = shift(tuple((x + y).astype(kv_dtype) for x, y in zip(fresh, arrived)), outer)
+    unit = size * cut.kv_sizes[0]
+    sent_q: list[Any] = [None] * c
+    pending: list[Any] = []
+    for n, j in enumerate(reversed(range(c))):  # the smallest piece last
+        raw, unpack = send([], pending, inner, size)
+        last = options.backward(queries[:, parts[j]], kv[0], kv[1], q_tokens[j], kv[2],
+                                lses[j], deltas[j], dout_all[:, parts[j]])[0]
+        last, raw, kv, home = jax.lax.optimization_barrier((last, raw, kv, home))
+        got = unpack(raw)[1]
+        if n == 1:  # the first piece's dq and every K/V piece's dK/dV
+            sent_q[c - 1], sent_kv = got[0], got[1:]
+        elif n > 1:
+            sent_q[c - n] = got[0]
+        pending = [(dq[:, parts[j]] + last).astype(dtype)]
+        if n == 0:
+            pending += [x[:, m * unit:(m + 1) * unit] for m in range(len(cut.kv_sizes))
+                        for x in home]
+    sent_q[0] = exchange([], pending, inner, size)[1][0]
+    dk, dv = (concat(sent_kv[i::2]) for i in (0, 1))
+    return concat(sent_q), dk, dv, no_gradient(operands, rows.sinks_gradient())
+
+
+_pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)
