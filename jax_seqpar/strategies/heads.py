@@ -2,15 +2,12 @@
 
 The all-to-all gives each of P devices ``H/P`` query heads; K/V heads are replicated
 just enough (:func:`kv_replication`) for every device to hold the K/V heads of its
-query heads. The exchange is pipelined over head groups
+query heads. The exchange is pipelined (``overlap="auto"``) along the sequence where
+each device holds enough tokens (:mod:`jax_seqpar.strategies.chunk_pipeline`, and the
+hybrid's :mod:`jax_seqpar.strategies.ring_chunks`: :func:`chunk_counts`,
+:func:`chunk_sizes`, :func:`default_chunks`), else over head groups
 (:mod:`jax_seqpar.strategies.head_pipeline`: :func:`head_group_counts`,
-:func:`default_head_groups`; the default, ``overlap="auto"``) or, asked for with
-``overlap=True`` or ``chunks=``, along the sequence
-(:mod:`jax_seqpar.strategies.chunk_pipeline`: :func:`chunk_counts`,
-:func:`default_chunks`), which hides about 90 % of the bytes in a compiled training
-step but holds every query chunk's float32 accumulators until the last key chunk
-arrives (temp memory 1.8-2.9x the unpipelined exchange's at 16k tokens, 8 devices): not
-the default until its buffers in flight are bounded. :func:`resolve_pieces` reads the call's ``overlap``,
+:func:`default_head_groups`). :func:`resolve_pieces` reads the call's ``overlap``,
 ``chunks`` and ``head_groups`` with these rules, which the planner's
 :attr:`~jax_seqpar.strategies.registry.Strategy.pieces` shares.
 """
