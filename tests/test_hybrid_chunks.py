@@ -1,7 +1,8 @@
 """The hybrid's inner exchange pipelined along the sequence around its ring
 (:mod:`jax_seqpar.strategies.ring_chunks`) against the reference: outputs, log-sum-exps
 and the gradients of q, k, v and the sinks, for every chunk count the 8 local tokens
-allow, on rings of 2 and 4 devices (no middle step; two), with causal / full masks,
+allow, on rings of 2 and 4 devices (no middle step; two) and of one (Ulysses' pipeline
+over the inner axis), with causal / full masks,
 windows on given positions, sinks, segment ids, GQA and replicated K/V."""
 
 import functools
@@ -29,6 +30,7 @@ HYBRID_CHUNK_CASES = [
     (8, 8, 2, 3, dict(order="zigzag", window=(9, 4), segments=True)),
     (16, 2, 4, 4, dict(causal=True, dtype=jnp.bfloat16)),  # K/V replicated (float32)
     (8, 4, 2, 2, dict(order="zigzag", causal=True, sinks=True, dtype=jnp.float16)),
+    (16, 4, 1, 3, dict(causal=True, return_lse=True)),  # no ring: Ulysses' pipeline
 ]
 
 
