@@ -55,9 +55,10 @@ from jax_seqpar.flax import SelfAttention, make_attention_fn
 from jax_seqpar.strategies.registry import STRATEGIES as REGISTRY
 
 #: Examples each property draws (besides its explicit examples): the default tier's
-#: (seeded, about a minute on 2 cores for the three) and the matrix tier's.
+#: (seeded, about a minute on 2 cores for the three) and the matrix tier's (about four
+#: minutes of one core for the three).
 BUDGETS = {"default": {"spa": 5, "dpa": 5, "flax": 2},
-           "large": {"spa": 30, "dpa": 30, "flax": 9}}
+           "large": {"spa": 20, "dpa": 20, "flax": 6}}
 SEQS, HEAD_DIMS, HEADS = (1, 7, 16, 30, 64), (8, 16), (1, 2, 4, 8)
 DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 #: mesh name -> (shape, axis names, seq_axes, batch axis or None).
