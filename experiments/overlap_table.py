@@ -3,7 +3,7 @@
 ``dump --program loss`` compiles what a training step compiles: ``jax.grad`` of a scalar
 loss of the global ``sequence_parallel_attention(..., positions=...)`` (tokens kept in
 the strategy's order, no relayout), with ``--overlap false|auto|true`` (Ulysses / hybrid;
-``true``: Ulysses' sequence-chunk pipeline);
+``true``: the sequence-chunk pipeline);
 ``--program vjp`` (default) the per-shard program with a given cotangent of
 ``bench_target.compile_strategy``.
 
