@@ -232,6 +232,8 @@ def test_chunk_counts_and_default():
     ("ulysses", dict(chunks=5), r"chunks=5 does not cut the 8 tokens a device holds .* "
      r"one of \(1, 2, 3, 4\) or 'auto'"),
     ("ulysses", dict(chunks=2, head_groups=2), r"chunks and head groups do not combine"),
+    ("hybrid", dict(chunks=2, window=(4, 0)), r"chunks=2 does not cut .* one of \(1,\) "
+     r"or 'auto' \(a window makes the hybrid's ring a halo exchange here: not chunked\)"),
     ("ulysses", dict(overlap=False, chunks=2), r"overlap=False sends each exchange whole"),
     ("allgather", dict(chunks=3),
      r"chunks=3 must be a positive divisor of the 8 tokens each device holds: one of "
