@@ -13,7 +13,6 @@ the forward (:func:`keys_first`).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple, Optional
 
 import jax
@@ -31,14 +30,16 @@ __all__ = ["Pieces", "RowCotangents", "concat", "exchange", "keys_first", "local
            "send"]
 
 
-def send(to_heads: Sequence[jax.Array], to_seq: Sequence[jax.Array], axis_name: _Axes,
-         size: int) -> tuple[list[jax.Array], Callable]:
+def send(to_heads: list[jax.Array], to_seq: list[jax.Array], axis_name: _Axes,
+         size: int) -> tuple[list[jax.Array], Any]:
     """ONE all-to-all for pieces going both ways (XLA runs one asynchronous all-to-all at
-    a time: two around a kernel would leave one exposed): :func:`seq_to_heads` of each
-    ``[B, s, n, D]`` of ``to_heads`` (``-> [B, P*s, n/P, D]``) and :func:`heads_to_seq` of
-    each ``[B, P*s, n, D]`` of ``to_seq`` (``-> [B, s, P*n, D]``), every piece flattened
-    per destination device and packed along the features. Pieces of different dtypes
-    go in one all-to-all per dtype.
+    a time: two around a kernel would leave one exposed):
+    :func:`~jax_seqpar.strategies.head_pipeline.seq_to_heads` of each ``[B, s, n, D]`` of
+    ``to_heads`` (``-> [B, P*s, n/P, D]``) and
+    :func:`~jax_seqpar.strategies.head_pipeline.heads_to_seq` of each ``[B, P*s, n, D]``
+    of ``to_seq`` (``-> [B, s, P*n, D]``), every piece flattened per destination device
+    and packed along the features. Pieces of different dtypes go in one all-to-all per
+    dtype.
 
     Returns ``(raw, unpack)``: what the all-to-all returned and ``unpack(raw) -> (heads,
     seq)``. The pipelines pass ``raw`` through the barrier that closes a step and unpack
@@ -78,14 +79,14 @@ def send(to_heads: Sequence[jax.Array], to_seq: Sequence[jax.Array], axis_name: 
     return [packed], unpack
 
 
-def exchange(to_heads: Sequence[jax.Array], to_seq: Sequence[jax.Array], axis_name: _Axes,
+def exchange(to_heads: list[jax.Array], to_seq: list[jax.Array], axis_name: _Axes,
              size: int) -> tuple[list[jax.Array], list[jax.Array]]:
     """:func:`send`, unpacked at once: ``(heads, seq)``."""
     raw, unpack = send(to_heads, to_seq, axis_name, size)
     return unpack(raw)
 
 
-def offsets(sizes: Sequence[int]) -> list[int]:
+def offsets(sizes: tuple[int, ...]) -> list[int]:
     """Where each piece of ``sizes`` starts."""
     return [sum(sizes[:i]) for i in range(len(sizes))]
 
@@ -105,13 +106,13 @@ def _piece_tokens(tokens, size, sizes):
             for i in range(len(sizes))]
 
 
-def local(x: jax.Array, sizes: Sequence[int], i: int) -> jax.Array:
+def local(x: jax.Array, sizes: tuple[int, ...], i: int) -> jax.Array:
     """Piece ``i`` of a local ``[B, L, ...]`` shard: ``[B, s_i, ...]``."""
     o = offsets(sizes)[i]
     return x[:, o:o + sizes[i]]
 
 
-def concat(pieces: Sequence[Any]) -> Any:
+def concat(pieces: list[Any]) -> Any:
     """Pieces along the sequence (axis 1), arrays or Tokens pytrees of them."""
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *pieces)
 
