@@ -36,7 +36,7 @@ from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.strategies.head_pipeline import no_gradient
 from jax_seqpar.strategies.inputs import Operands, Options, axis_size
 from jax_seqpar.strategies.pieces import (Pieces, RowCotangents, concat, exchange, keys_first,
-                                          local, offsets, send)
+                                          local, send)
 
 __all__ = ["chunk_pipeline"]
 
@@ -125,7 +125,7 @@ def _pipeline_bwd(config, residuals, cotangents):
     dout, dlse = cotangents
     dtype = dout.dtype
     rows = RowCotangents.of(axis_name, cut, operands, out, dout, dlse, lses, return_lse)
-    q_parts = [slice(size * o, size * (o + s)) for o, s in zip(offsets(sizes), sizes)]
+    q_parts = cut.parts(size)
     cotangents_of = functools.partial(rows.of_piece, dtype=queries.dtype)
     # dq: the query pieces smallest first, each against every key in one kernel call (its
     # dK/dV part unused: the dq kernel alone runs), the next piece's dout coming in and

@@ -26,7 +26,7 @@ from jax_seqpar.strategies.inputs import Operands, Options, axis_size
 #: A mesh axis name, or a tuple of them.
 _Axes = str | tuple[str, ...]
 
-__all__ = ["Pieces", "RowCotangents", "concat", "exchange", "keys_first", "local", "offsets",
+__all__ = ["Pieces", "RowCotangents", "concat", "exchange", "keys_first", "local",
            "send"]
 
 
@@ -86,7 +86,7 @@ def exchange(to_heads: list[jax.Array], to_seq: list[jax.Array], axis_name: _Axe
     return unpack(raw)
 
 
-def offsets(sizes: tuple[int, ...]) -> list[int]:
+def _offsets(sizes: tuple[int, ...]) -> list[int]:
     """Where each piece of ``sizes`` starts."""
     return [sum(sizes[:i]) for i in range(len(sizes))]
 
@@ -96,7 +96,7 @@ def _cut(x, size, sizes):
     piece ``i``'s all-to-all concatenates the devices' tokens in."""
     b, rest = x.shape[0], x.shape[2:]
     x = x.reshape(b, size, -1, *rest)  # [B, P, L, ...]
-    return [x[:, :, o:o + s].reshape(b, size * s, *rest) for o, s in zip(offsets(sizes), sizes)]
+    return [x[:, :, o:o + s].reshape(b, size * s, *rest) for o, s in zip(_offsets(sizes), sizes)]
 
 
 def _piece_tokens(tokens, size, sizes):
@@ -108,7 +108,7 @@ def _piece_tokens(tokens, size, sizes):
 
 def local(x: jax.Array, sizes: tuple[int, ...], i: int) -> jax.Array:
     """Piece ``i`` of a local ``[B, L, ...]`` shard: ``[B, s_i, ...]``."""
-    o = offsets(sizes)[i]
+    o = _offsets(sizes)[i]
     return x[:, o:o + sizes[i]]
 
 
@@ -136,6 +136,11 @@ class Pieces(NamedTuple):
         size = axis_size(axis_name)
         return cls(tuple(sizes), kv_sizes, _piece_tokens(operands.q_tokens, size, sizes),
                    _piece_tokens(operands.kv_tokens, size, kv_sizes))
+
+    def parts(self, size: int) -> list[slice]:
+        """Each query piece's rows in the gathered ``[B, P*L, ...]`` (piece-major: the
+        order of ``concat(q_tokens)``), over ``size = P`` devices."""
+        return [slice(size * o, size * (o + s)) for o, s in zip(_offsets(self.sizes), self.sizes)]
 
     def rows(self, x: jax.Array, size: int) -> list[jax.Array]:
         """``[B, P*L, ...]`` in device order (a row statistic sent whole) -> every query

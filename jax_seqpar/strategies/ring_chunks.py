@@ -41,7 +41,7 @@ from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.strategies.head_pipeline import no_gradient
 from jax_seqpar.strategies.inputs import Operands, Options, axis_size
 from jax_seqpar.strategies.pieces import (Pieces, RowCotangents, concat, exchange, keys_first,
-                                          local, offsets, send)
+                                          local, send)
 from jax_seqpar.strategies.ring import shift
 
 __all__ = ["ring_chunks"]
@@ -76,11 +76,6 @@ def ring_chunks(inner_axis: str | tuple[str, ...], outer_axis: str | tuple[str, 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _pipeline(config, q, k, v, operands):
     return _pipeline_fwd(config, q, k, v, operands)[0]
-
-
-def _parts(size, sizes):
-    """Each query piece's rows in the gathered ``[B, I*L, ...]`` (piece-major)."""
-    return [slice(size * o, size * (o + s)) for o, s in zip(offsets(sizes), sizes)]
 
 
 def _put(full, part, piece):
@@ -128,7 +123,7 @@ def _pipeline_fwd(config, q, k, v, operands):
     lses: list[Any] = [None] * c
     sent: list[Any] = [None] * c
     pending: list[Any] = []
-    for j, part in enumerate(_parts(size, sizes)):
+    for j, part in enumerate(cut.parts(size)):
         raw, unpack = send([], pending, inner, size)
         result = options.forward(queries[:, part], kv[0], kv[1], q_tokens[j], kv[2],
                                  accumulate=jax.tree.map(lambda x: x[:, part], acc))
@@ -152,7 +147,7 @@ def _pipeline_bwd(config, residuals, cotangents):
     size, steps = axis_size(inner), axis_size(outer)
     cut = Pieces.of(inner, sizes, operands, out.shape[1])
     q_tokens, c = cut.q_tokens, len(sizes)
-    q_all, parts = concat(q_tokens), _parts(size, sizes)
+    q_all, parts = concat(q_tokens), cut.parts(size)
     cotangents, queries, keys, values = jax.lax.optimization_barrier(
         (cotangents, queries, keys, values))
     dout, dlse = cotangents
