@@ -165,6 +165,11 @@ def test_ulysses_chunk_counts_and_default():
     assert head_split.chunk_counts(8) == (1, 2, 3, 4)
     assert head_split.chunk_sizes(2048, 5) == (128, 512, 512, 512, 256, 128)
     assert head_split.chunk_sizes(8, 1) == (8,)
+    # every count a length allows cuts it whole, L/4 whole or not (126: pieces of 63, 32, 31)
+    for local_len in range(2, 400, 2):
+        for chunks in head_split.chunk_counts(local_len):
+            sizes = head_split.chunk_sizes(local_len, chunks)
+            assert sum(sizes) == local_len and min(sizes) > 0, (local_len, chunks, sizes)
     # 2048 tokens a device: the most auto chunks; 8: none (a smallest chunk of 16 tokens)
     assert head_split.default_chunks(2048, 8) == head_split.MAX_AUTO_CHUNKS
     assert head_split.default_chunks(8, 8) == 1

@@ -117,20 +117,28 @@ def chunk_sizes(local_len: int, chunks: int) -> tuple[int, ...]:
     """Local tokens of each query piece of the sequence-chunk pipeline
     (:mod:`jax_seqpar.strategies.chunk_pipeline`) with ``chunks = c``: ``u = L/2^(c-1)``
     first (it meets the K/V pieces, ``2^(c-1)`` of ``u`` tokens each, while they arrive),
-    then halving, ``L/2, L/4, ..., 2u, u``, with any piece over ``L/4`` cut into pieces of
-    ``L/4`` (each piece attends to every key in one kernel call while the next comes in
-    and the previous output leaves: the largest piece's float32 result is at most a
-    quarter of the sequence's). The first query and K/V pieces and the last output piece
-    are exposed: ``1/2^(c-1)`` of the bytes.
+    then halving, ``L/2, L/4, ..., 2u, u``, with any piece over ``L/4`` cut into
+    ``floor(piece / (L/4))`` near-equal pieces (each piece attends to every key in one
+    kernel call while the next comes in and the previous output leaves: the largest
+    piece's float32 result is about a quarter of the sequence's). The first query and K/V
+    pieces and the last output piece are exposed: ``1/2^(c-1)`` of the bytes. The sizes
+    sum to ``L`` for every count of :func:`chunk_counts` (``L/4`` need not be whole).
 
     >>> chunk_sizes(2048, 5)
     (128, 512, 512, 512, 256, 128)
+    >>> chunk_sizes(126, 2)
+    (63, 32, 31)
     """
     if chunks == 1:
         return (local_len,)
     unit, cap = local_len // 2 ** (chunks - 1), max(local_len // 4, 1)
     halving = [unit * 2 ** i for i in reversed(range(chunks - 1))]
-    return (unit, *(piece for s in halving for piece in [min(s, cap)] * max(s // cap, 1)))
+    return (unit, *(piece for s in halving for piece in _near_equal(s, max(s // cap, 1))))
+
+
+def _near_equal(total: int, count: int) -> tuple[int, ...]:
+    """``total`` cut into ``count`` whole pieces, the larger first, differing by at most 1."""
+    return tuple(total // count + (i < total % count) for i in range(count))
 
 
 def chunk_counts(local_len: int) -> tuple[int, ...]:
