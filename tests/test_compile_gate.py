@@ -166,7 +166,7 @@ def test_strategy_compiles(target, strategy):
         _transfers_hide_behind_kernels(strategy, mode, program.compiled)
         _time_model_hides_no_more_than_the_program(target, strategy, mode, program.compiled)
         if strategy == "ring":
-            _ring_transfer_overlaps_the_step_kernel(mode, program.compiled)
+            _ring_transfer_overlaps_the_step_kernel(target, mode, program.compiled)
 
 
 def _kernels_are_called(target, mode, compiled):
@@ -209,14 +209,20 @@ def _transfers_hide_behind_kernels(strategy, mode, compiled):
         assert hidden["fraction"] >= least - 1e-9, (mode, hidden)
 
 
-def _ring_transfer_overlaps_the_step_kernel(mode, compiled):
+def _ring_transfer_overlaps_the_step_kernel(target, mode, compiled):
     """In the forward loop and the backward loop, the K/V collective-permute of every
-    step encloses the step's kernel: the transfer is scheduled to hide behind it."""
+    step encloses the step's kernel: the transfer is scheduled to hide behind it. On GPU
+    each step sends ONE collective-permute (K, V, positions and, backward, the dK/dV
+    accumulator packed in one buffer): XLA:GPU keeps one in flight, so a second would
+    wait for the first, exposed once the hops outlast the kernel."""
     steps = [r for r in schedule.collective_schedule(compiled)  # in the ring loops
              if r.kind == "collective-permute" and r.runs > 1]
     assert {r.computation for r in steps} == {
         r.computation for r in steps if r.encloses_kernel}, (mode, steps)
-    assert len({r.computation for r in steps}) == (1 if mode == "fwd" else 2), (mode, steps)
+    loops = [r.computation for r in steps]
+    assert len(set(loops)) == (1 if mode == "fwd" else 2), (mode, steps)
+    if target == GPU:
+        assert len(loops) == len(set(loops)), (mode, steps)
 
 
 def _time_model_hides_no_more_than_the_program(target, strategy, mode, compiled):
@@ -234,18 +240,19 @@ def _time_model_hides_no_more_than_the_program(target, strategy, mode, compiled)
         assert modelled >= hidden - 0.05, (mode, modelled, hidden)
 
 
-def _training_step(target: str, strategy: str, *, backward: bool = True, **keywords):
+def _training_step(target: str, strategy: str, *, backward: bool = True,
+                   shape: LayerShape = SHAPE, **keywords):
     """``jax.grad`` of a scalar loss of the global call with ``positions=`` (tokens kept
-    in their order: no relayout), at :data:`SHAPE` on the strategy's mesh
+    in their order: no relayout), at ``shape`` on the strategy's mesh
     (:data:`MESHES`), compiled with the strategy's target options: what a training step
     compiles (``backward=False``: the call alone)."""
     axes = MESHES[strategy]
     mesh = targets.target_mesh(target, tuple(axes), tuple(axes.values()))
     seq_axes = tuple(axes) if len(axes) > 1 else tuple(axes)[0]
     sharding = NamedSharding(mesh, P(None, seq_axes))
-    args = [jax.ShapeDtypeStruct(size, SHAPE.dtype, sharding=sharding)
-            for size in SHAPE.operand_shapes()[:3]]
-    args.append(jax.ShapeDtypeStruct((SHAPE.batch, SHAPE.seq_len), jnp.int32,
+    args = [jax.ShapeDtypeStruct(size, shape.dtype, sharding=sharding)
+            for size in shape.operand_shapes()[:3]]
+    args.append(jax.ShapeDtypeStruct((shape.batch, shape.seq_len), jnp.int32,
                                      sharding=sharding))
 
     def attend(q, k, v, positions):
@@ -262,12 +269,13 @@ def _training_step(target: str, strategy: str, *, backward: bool = True, **keywo
                            compiler_options=targets.compile_options(platform, strategy))
 
 
-def _pipelined_and_whole(target: str, strategy: str, backward: bool):
+def _pipelined_and_whole(target: str, strategy: str, backward: bool,
+                         shape: LayerShape = SHAPE):
     """``(hidden share, temp bytes)`` of the strategy's training step (or forward) with
     its default pipeline and with ``overlap=False``."""
     results = []
     for overlap in ("auto", False):
-        compiled = _training_step(target, strategy, backward=backward,
+        compiled = _training_step(target, strategy, backward=backward, shape=shape,
                                   **({} if overlap == "auto" else dict(overlap=overlap))).compiled
         results.append((schedule.bytes_hidden(compiled), hlo.memory_bytes(compiled)["temp"]))
     return results
@@ -301,6 +309,31 @@ def test_pipeline_hides_ninety_percent(target, strategy, backward):
     assert whole["fraction"] < 0.5, whole
     assert whole["total"] == pytest.approx(pipelined["total"], rel=0.01), (whole, pipelined)
     assert temp <= TEMP_RATIO[target, strategy] * whole_temp, (temp / 2**20, whole_temp / 2**20)
+
+
+#: 16384 tokens a device: the ring's hops (K/V 16 MiB each, the dK/dV accumulator 32 MiB
+#: each) outlast the fusions around the kernel, so a second collective in a step would run
+#: exposed on GPU (XLA:GPU keeps one in flight; each hop is one packed buffer).
+LONG = SHAPE.replace(seq_len=131072)
+
+
+@pytest.mark.parametrize("target, strategy, backward", [
+    _on(GPU, strategy, backward) for strategy in ("ring", "hybrid") for backward in (False, True)])
+def test_gpu_long_sequence_hides_ninety_percent(target, strategy, backward):
+    """At 131072 tokens on h100:8 the ring and the hybrid send at least 90 % of their bytes
+    while a kernel runs, forward and training step (before each hop was one buffer:
+    the ring 49.9 % / 39.6 %, the hybrid 89.1 % / 76.2 %), the ring's steps one
+    collective-permute each; the hybrid's temp within 1.10x of ``overlap=False``'s."""
+    if strategy == "ring":
+        compiled = _training_step(target, strategy, backward=backward, shape=LONG).compiled
+        assert schedule.bytes_hidden(compiled)["fraction"] >= 0.90
+        _ring_transfer_overlaps_the_step_kernel(target, "fwd_bwd" if backward else "fwd",
+                                                compiled)
+        return
+    (pipelined, temp), (_, whole_temp) = _pipelined_and_whole(target, strategy, backward,
+                                                              LONG)
+    assert pipelined["fraction"] >= 0.90, pipelined
+    assert temp <= 1.10 * whole_temp, (temp / 2**20, whole_temp / 2**20)
 
 
 # (head dim of q/k, of v): every head dim the Pallas kernel is built for, DeepSeek's

@@ -41,6 +41,7 @@ from jax_seqpar.core.masks import EMPTY_LSE
 from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.inputs import (Call, Metadata, axis_size, gather_tokens, per_shard,
                                           prepare)
+from jax_seqpar.strategies.ring import shift, shift_during
 
 __all__ = ["allgather_attention", "chunk_counts", "default_chunks", "MAX_AUTO_CHUNKS",
            "MIN_CHUNK_TOKENS", "resolve_chunks"]
@@ -146,13 +147,6 @@ def chunked_attention(axis_name, options, q, k, v, q_tokens, kv_tokens, *, chunk
       q, k, v (the backward accepts the ``lse`` cotangent).
     """
     return _chunked((axis_name, options, int(chunks)), q, k, v, q_tokens, kv_tokens)
-
-
-def _hop(tree, axis_name):
-    """Send every array in ``tree`` to the next device along ``axis_name``."""
-    size = axis_size(axis_name)
-    perm = [(i, (i + 1) % size) for i in range(size)]
-    return jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, perm), tree)
 
 
 def _packs(k, v) -> bool:
@@ -270,21 +264,19 @@ def _chunked_bwd(config, residuals, cotangents):
 
     # The accumulators travel and are summed in float32 and cast once, at home: rounded
     # to the inputs' dtype at every hop, their error would grow with P.
-    send = functools.partial(_hop, axis_name=axis_name)
     dq = _compat.match_varying(jnp.zeros(q.shape, jnp.float32), q)
     dq, dkv = fresh(dq, 0)
     if size > 1:
         def step(carry, r):
             dq, dkv = carry
-            arrived = send(dkv)  # from device d - 1, in flight during this step's kernel
-            dq, new = fresh(dq, r)
-            dq, new, arrived = jax.lax.optimization_barrier((dq, new, arrived))
+            # dK/dV from device d - 1, in flight during this step's kernel
+            (dq, new), arrived = shift_during(lambda: fresh(dq, r), dkv, axis_name)
             return (dq, tuple(a + b for a, b in zip(arrived, new))), None
 
         (dq, dkv), _ = jax.lax.scan(step, (dq, dkv), jnp.arange(1, size))
         # The last hop home in the input dtype: the sums are done, so rounding before
         # the hop is rounding after it, at half the bytes (bf16).
-        dk, dv = send(tuple(x.astype(y.dtype) for x, y in zip(dkv, kept_kv)))
+        dk, dv = shift(tuple(x.astype(y.dtype) for x, y in zip(dkv, kept_kv)), axis_name)
     else:
         dk, dv = dkv
     no_grad = jax.tree.map(lambda _: None, (q_tokens, all_tokens))  # kv_tokens' structure

@@ -7,8 +7,9 @@ each step it sends its current K/V shard (with the shard's token metadata) to
 the next device and computes attention against it, merging the partial result
 into a float32 ``(out, lse)`` carry (the kernel continues the carry; see the
 ``accumulate`` argument of :mod:`jax_seqpar.kernels.contract`). Each step's result and
-the next shard's arrival pass one ``optimization_barrier``, so the transfer is
-scheduled around the step's kernel on every backend. The backward is a second ring (a
+the next shard's arrival pass one ``optimization_barrier`` (:func:`shift_during`; on GPU
+the shard's arrays travel as one byte buffer), so the transfer is scheduled around the
+step's kernel on every backend. The backward is a second ring (a
 ``custom_vjp``): the forward saves only ``q, k, v, out, lse``; the backward
 re-rotates K/V and carries float32 dK/dV accumulators around the ring (the
 sums all in float32, so the gradients' error does not grow with P) and home, in
@@ -24,7 +25,8 @@ becomes a halo exchange (:mod:`jax_seqpar.strategies.halo`): a device receives j
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Any
+import itertools
+from typing import TYPE_CHECKING, Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -38,7 +40,7 @@ if TYPE_CHECKING:  # annotations only
     from jax_seqpar.core.masks import Tokens
     from jax_seqpar.kernels.options import Options
 
-__all__ = ["ring_attention", "ring_over", "shift"]
+__all__ = ["ring_attention", "ring_over", "shift", "shift_during"]
 
 
 @per_shard
@@ -117,6 +119,52 @@ def shift(tree: Any, axis_name: str | tuple[str, ...]) -> Any:
     return jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, perm), tree)
 
 
+def shift_during(compute: Callable[[], Any], tree: Any, axis_name: str | tuple[str, ...]
+                 ) -> tuple[Any, Any]:
+    """``(compute(), shift(tree))``, the hop in flight while ``compute``'s kernels run.
+
+    The hop's arrival and ``compute``'s result pass one ``optimization_barrier`` before
+    either is used, so nothing but ``compute`` can be scheduled between the hop's start
+    and its done (XLA:TPU otherwise starts the hop after a Mosaic call and hides it
+    behind the merge only). Where the program is lowered for a GPU, ``tree``'s arrays
+    travel as one byte buffer, passed through the barrier raw and unpacked after it:
+    XLA:GPU keeps one asynchronous collective in flight at a time, so a second array's
+    transfer would wait for the first's and run exposed (K and V, or K/V beside the
+    dK/dV accumulator, at 16384 local tokens), and it ends a transfer whose unpacking
+    feeds the barrier before the kernel. Elsewhere each array travels as it is.
+    """
+    def each():
+        return jax.lax.optimization_barrier((compute(), shift(tree, axis_name)))
+
+    def packed():
+        raw, unpack = _packed(tree)
+        result, raw = jax.lax.optimization_barrier((compute(), shift(raw, axis_name)))
+        return result, unpack(raw)
+
+    if len(jax.tree.leaves(tree)) < 2:
+        return each()
+    return jax.lax.platform_dependent(cuda=packed, rocm=packed, default=each)
+
+
+def _packed(tree: Any) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
+    """``tree``'s arrays as one ``uint8`` buffer, and the function that unpacks such a
+    buffer into ``tree``'s structure, shapes and dtypes."""
+    leaves, treedef = jax.tree.flatten(tree)
+    raw = [jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1) for x in leaves]
+    ends = list(itertools.accumulate(r.size for r in raw))
+
+    def unpack(buffer):
+        out = []
+        for x, end, r in zip(leaves, ends, raw):
+            width = x.dtype.itemsize
+            piece = buffer[end - r.size:end].reshape(x.shape if width == 1 else
+                                                      (*x.shape, width))
+            out.append(jax.lax.bitcast_convert_type(piece, x.dtype))
+        return jax.tree.unflatten(treedef, out)
+
+    return jnp.concatenate(raw), unpack
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _ring(axis_name, options, q, k, v, q_tokens, kv_tokens):
     return _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens)
@@ -133,13 +181,7 @@ def _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens):
 
     def step(carry, _):
         acc, kv = carry
-        next_kv = shift(kv, axis_name)  # issued before the compute it can hide behind
-        # The step's result and the hop's arrival pass one barrier before either is
-        # used, so nothing but the kernel can be scheduled between the hop's start and
-        # its done (XLA:TPU otherwise starts the hop after the Mosaic call and hides it
-        # behind the merge only).
-        acc, next_kv = jax.lax.optimization_barrier((attend(acc, kv), next_kv))
-        return (acc, next_kv), None
+        return shift_during(lambda: attend(acc, kv), kv, axis_name), None
 
     acc = (jnp.zeros((batch, local_len, heads, d_v), jnp.float32),
            jnp.full((batch, local_len, heads), EMPTY_LSE, jnp.float32))
@@ -207,27 +249,18 @@ def _backward_ring(axis_name, grads, q, k, v, kv_tokens, *, overlap: bool):
         dq, dkv = grads(dq, kv, dkv)
         return (dq, *_home(dkv, (k, v), axis_name))
 
-    def fresh_plus(dq, kv, arrived, next_kv=None):
-        # The kernel's raw result and the transfers in flight pass one barrier: their
-        # start..done encloses the kernel (under jax.grad, XLA:TPU otherwise ends them
-        # around the fusions only).
-        dq, fresh = grads(dq, kv, zeros)
-        (dq, fresh), arrived, next_kv = jax.lax.optimization_barrier(
-            ((dq, fresh), arrived, next_kv))
-        return dq, tuple(x + y for x, y in zip(fresh, arrived)), next_kv
-
     def step(carry, _):
+        # The transfers in flight during this step's kernel (under jax.grad, XLA:TPU
+        # otherwise ends them around the fusions only): K/V onward, the accumulator in.
         dq, kv, dkv = carry
-        next_kv = shift(kv, axis_name)
-        arrived = shift(dkv, axis_name)  # in flight during this step's kernel
-        dq, dkv, next_kv = fresh_plus(dq, kv, arrived, next_kv)
-        return (dq, next_kv, dkv), None
+        (dq, fresh), (next_kv, arrived) = shift_during(lambda: grads(dq, kv, zeros),
+                                                       (kv, dkv), axis_name)
+        return (dq, next_kv, tuple(x + y for x, y in zip(fresh, arrived))), None
 
-    next_kv = shift(kv, axis_name)
-    dq, dkv = grads(dq, kv, zeros)
-    dq, dkv, next_kv = jax.lax.optimization_barrier((dq, dkv, next_kv))
+    (dq, dkv), next_kv = shift_during(lambda: grads(dq, kv, zeros), kv, axis_name)
     (dq, kv, dkv), _ = jax.lax.scan(step, (dq, next_kv, dkv), length=size - 2)
-    dq, dkv, _ = fresh_plus(dq, kv, shift(dkv, axis_name))
+    (dq, fresh), arrived = shift_during(lambda: grads(dq, kv, zeros), dkv, axis_name)
+    dkv = tuple(x + y for x, y in zip(fresh, arrived))
     return (dq, *_home(dkv, (k, v), axis_name))
 
 

@@ -42,7 +42,7 @@ from jax_seqpar.strategies.head_pipeline import no_gradient
 from jax_seqpar.strategies.inputs import Operands, Options, axis_size
 from jax_seqpar.strategies.pieces import (Pieces, RowCotangents, concat, exchange, keys_first,
                                           local, send)
-from jax_seqpar.strategies.ring import shift
+from jax_seqpar.strategies.ring import shift_during
 
 __all__ = ["ring_chunks"]
 
@@ -93,28 +93,27 @@ def _pipeline_fwd(config, q, k, v, operands):
     qs: list[Any] = [None] * c  # every query piece as it arrived (heads-sharded)
     acc, (qs[0], qs[1]), keys, values, shards = keys_first(inner, options, q, k, v, cut)
     block = (keys, values, concat(cut.kv_tokens))
-    hop = shift(block, outer)  # step 1's block
-    # Step 0, the queries: piece j + 1 comes in while piece j meets every own key; the
-    # hop travels during the last call (one transfer in flight a call).
+    # Step 0, the queries: piece j + 1 comes in while piece j meets every own key; step
+    # 1's block travels during the last call (one transfer in flight a call).
     accs = [acc] + [None] * (c - 1)
     for j in range(1, c):
         ins = [local(shards[0], sizes, j + 1)] if j + 1 < c else []
-        raw, unpack = send(ins, [], inner, size)
-        result = options.forward(qs[j], keys, values, q_tokens[j], block[2])
+
+        def call(j=j):
+            return options.forward(qs[j], keys, values, q_tokens[j], block[2])
         if ins:
-            result, raw, shards = jax.lax.optimization_barrier((result, raw, shards))
+            raw, unpack = send(ins, [], inner, size)
+            accs[j], raw, shards = jax.lax.optimization_barrier((call(), raw, shards))
             qs[j + 1] = unpack(raw)[0][0]
         else:
-            result, hop = jax.lax.optimization_barrier((result, hop))
-        accs[j] = result
+            accs[j], hop = shift_during(call, block, outer)
     queries, q_all = concat(qs), concat(q_tokens)
     del qs  # the pieces die here: the last step reads the gathered queries
 
     def step(carry, _):
         acc, kv = carry
-        upcoming = shift(kv, outer)
-        acc = options.forward(queries, kv[0], kv[1], q_all, kv[2], accumulate=acc)
-        return jax.lax.optimization_barrier((acc, upcoming)), None
+        return shift_during(lambda: options.forward(queries, kv[0], kv[1], q_all, kv[2],
+                                                    accumulate=acc), kv, outer), None
 
     acc, kv = _compat.match_varying((concat(accs), hop), (accs, hop, queries))
     (acc, kv), _ = jax.lax.scan(step, (acc, kv), length=steps - 2)
@@ -154,7 +153,6 @@ def _pipeline_bwd(config, residuals, cotangents):
     dtype = dout.dtype
     rows = RowCotangents.of(inner, cut, operands, out, dout, dlse, lses, return_lse)
     block = (keys, values, concat(cut.kv_tokens))
-    hop = shift(block, outer)
     # Step 0: the dout pieces smallest first, each piece's dq against the own keys while
     # the next comes in.
     order = [0, *reversed(range(1, c))]
@@ -187,33 +185,33 @@ def _pipeline_bwd(config, residuals, cotangents):
                                 dout_all, accumulate=accumulate)
 
     # The own keys' dK/dV from every query, step 1's block in flight.
-    _, *dkv = grads(block)
-    dkv, hop = jax.lax.optimization_barrier((tuple(dkv), hop))
+    dkv, hop = shift_during(lambda: tuple(grads(block)[1:]), block, outer)
 
     def step(carry, _):  # the ring's backward step: fresh dK/dV, the accumulator in flight
         dq, kv, dkv = carry
-        upcoming, arrived = shift(kv, outer), shift(dkv, outer)
-        dq, *fresh = grads(kv, dq)
-        (dq, fresh), arrived, upcoming = jax.lax.optimization_barrier(
-            ((dq, tuple(fresh)), arrived, upcoming))
+        (dq, *fresh), (upcoming, arrived) = shift_during(lambda: grads(kv, dq), (kv, dkv),
+                                                         outer)
         return (dq, upcoming, tuple(x + y for x, y in zip(fresh, arrived))), None
 
     carry = _compat.match_varying((dq, hop, dkv), (dq, hop, dkv))
     (dq, kv, dkv), _ = jax.lax.scan(step, carry, length=steps - 2)
     # The last step: its block's dK/dV (the accumulator in flight), home during the
     # first piece's dq; then every dq piece, final at once, leaving while the next runs.
-    arrived = shift(dkv, outer)
-    _, *fresh = grads(kv)
-    fresh, arrived = jax.lax.optimization_barrier((tuple(fresh), arrived))
-    home = shift(tuple((x + y).astype(kv_dtype) for x, y in zip(fresh, arrived)), outer)
+    fresh, arrived = shift_during(lambda: tuple(grads(kv)[1:]), dkv, outer)
+    home = tuple((x + y).astype(kv_dtype) for x, y in zip(fresh, arrived))  # to send
     unit = size * cut.kv_sizes[0]
     sent_q: list[Any] = [None] * c
     pending: list[Any] = []
     for n, j in enumerate(reversed(range(c))):  # the smallest piece last
         raw, unpack = send([], pending, inner, size)
-        last = options.backward(queries[:, parts[j]], kv[0], kv[1], q_tokens[j], kv[2],
-                                lses[j], deltas[j], dout_all[:, parts[j]])[0]
-        last, raw, kv, home = jax.lax.optimization_barrier((last, raw, kv, home))
+
+        def call(j=j, raw=raw, kv=kv):  # the block passes each barrier: calls in order
+            return (options.backward(queries[:, parts[j]], kv[0], kv[1], q_tokens[j], kv[2],
+                                     lses[j], deltas[j], dout_all[:, parts[j]])[0], raw, kv)
+        if n == 0:  # dK/dV home during the first piece's call
+            (last, raw, kv), home = shift_during(call, home, outer)
+        else:
+            last, raw, kv = jax.lax.optimization_barrier(call())
         got = unpack(raw)[1]
         if n == 1:  # the first piece's dq and every K/V piece's dK/dV
             sent_q[c - 1], sent_kv = got[0], got[1:]
