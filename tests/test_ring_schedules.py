@@ -62,13 +62,13 @@ def gpu_schedule(monkeypatch):
 
 @pytest.mark.parametrize("strategy, extra", [
     ("ring", dict(causal=True)),
-    ("allgather", dict(causal=False, segments=True)),
+    ("allgather", dict(causal=False, segments=True, chunks=4)),
     ("hybrid", dict(causal=True, segments=True, ulysses_size=2, chunks=2)),
 ])
 def test_gpu_schedule_packed_hops(gpu_schedule, strategy, extra, tolerances):
     """The GPU branch: every hop's arrays (K, V and positions; K/V with the dK/dV
     accumulator; dK/dV home) in one byte buffer, unpacked on arrival, in bf16 (two-byte
-    arrays beside four-byte ones)."""
+    arrays beside four-byte ones); the all-gather's pieces merged after their barrier."""
     mesh = jax.make_mesh((8,), ("sp",))
     q, k, v = normals([(1, 64, 4, 8), (1, 64, 2, 8), (1, 64, 2, 8)], dtype=jnp.bfloat16)
     extra = dict(extra)

@@ -38,6 +38,7 @@ import jax.numpy as jnp
 
 from jax_seqpar.core import compat as _compat
 from jax_seqpar.core.masks import EMPTY_LSE
+from jax_seqpar.core.merge import merge
 from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.inputs import (Call, Metadata, axis_size, gather_tokens, per_shard,
                                           prepare)
@@ -198,6 +199,24 @@ def _chunked_forward(config, q, k, v, q_tokens, kv_tokens):
         kc, vc = _unpack(piece[0])
         return options.forward(q, kc, vc, q_tokens, piece[1], accumulate=acc)
 
+    def attend_during(acc, piece, upcoming):
+        """``attend(acc, piece)`` while ``upcoming``'s gather is in flight: the result and
+        the gather pass one barrier. Where lowered for a GPU the kernel's own result
+        passes it and the merge comes after: XLA:GPU otherwise counts the merge's
+        fusions as cover enough and starts the gather after the kernel (h100, 16384
+        tokens a device: nothing hidden)."""
+        def in_kernel():
+            return jax.lax.optimization_barrier((attend(acc, piece), upcoming))
+
+        def merge_after():
+            kc, vc = _unpack(piece[0])
+            result = options.forward(q, kc, vc, q_tokens, piece[1])
+            result, before, arrived = jax.lax.optimization_barrier((result, acc, upcoming))
+            return merge(*before, *result), arrived
+
+        return jax.lax.platform_dependent(cuda=merge_after, rocm=merge_after,
+                                          default=in_kernel)
+
     def keep(kept, piece, c):  # the pieces the backward reads, written in place
         return jax.tree.map(lambda xs, x: jax.lax.dynamic_update_index_in_dim(xs, x, c, 0),
                             kept, piece[0])
@@ -214,7 +233,7 @@ def _chunked_forward(config, q, k, v, q_tokens, kv_tokens):
             upcoming = _gather_piece(axis_name, chunks, k, v, all_tokens, c + 1)
             # The kernel's result and the next piece's arrival (its raw gather) pass one
             # barrier: the gather is left to run while this piece's kernel computes.
-            acc, upcoming = jax.lax.optimization_barrier((attend(acc, piece), upcoming))
+            acc, upcoming = attend_during(acc, piece, upcoming)
             return (acc, upcoming, keep(kept, piece, c)), None
 
         carry = _compat.match_varying((acc, piece, kept), (acc, piece, kept))
