@@ -137,7 +137,7 @@ def record_xla_tiles(monkeypatch, record: Callable) -> None:
     ``record("tile", row, q_position, kv_position)`` (the first position of the call's or
     the tile's queries and keys, which name them), through ``jax.debug.callback``.
     Programs traced before (a cached ``jit``) report nothing: clear the caches first."""
-    from jax_seqpar.kernels import xla
+    from jax_seqpar.kernels import contract, xla
 
     def report(kind, row, q_positions, kv_positions):
         jax.debug.callback(lambda *a: record(kind, *(int(x) for x in a)), row,
@@ -158,3 +158,8 @@ def record_xla_tiles(monkeypatch, record: Callable) -> None:
 
     monkeypatch.setattr(xla, "schedule", scheduled)
     monkeypatch.setattr(xla, "_tile_step", reported)
+    # The kernels are traced once per shapes (kernels.contract's cache): the reporting
+    # kernel gets a cache of its own, dropped with the patch.
+    traced_once = contract._traced_once.__wrapped__
+    monkeypatch.setattr(contract, "_traced_once", jax.jit(
+        lambda *a: traced_once(*a), static_argnums=(0, 1, 2)))

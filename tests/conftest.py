@@ -69,6 +69,16 @@ def pytest_collection_modifyitems(items):
                                       if item.get_closest_marker(tier)), len(LONGEST_FIRST)))
 
 
+@pytest.fixture(autouse=True)
+def _kernels_traced_afresh():
+    """Each test traces the kernels afresh (``kernels.contract`` traces a kernel once per
+    shapes and options): a test that patches a kernel's internals (a constant, a
+    recorder) sees its own patch, not a trace another test left."""
+    from jax_seqpar.kernels import contract
+
+    contract._traced_once.clear_cache()
+
+
 @pytest.fixture
 def tolerances():
     """``tolerances(dtype, kind="out") -> {"atol": float, "rtol": float}``.

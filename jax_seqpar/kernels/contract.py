@@ -234,6 +234,28 @@ def _has_arrays(tree) -> bool:
     return any(isinstance(x, (jax.Array, np.ndarray)) for x in jax.tree.leaves(tree))
 
 
+_DYNAMIC = object()  # an operand's place among the static arguments
+
+
+def _hashable(x) -> bool:
+    try:
+        hash(x)
+    except TypeError:
+        return False
+    return True
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1, 2))
+def _traced_once(impl, statics, static_items, dynamic_args, dynamic_kwargs):
+    """``impl`` called with its static arguments in place, traced once per operand
+    shapes and static arguments (``jit``'s cache: a pipeline's pieces of one size, and
+    the branches ``platform_dependent`` stages for every platform, trace each kernel
+    once, not once per call)."""
+    merged = (given if static is _DYNAMIC else static
+              for static, given in zip(statics, dynamic_args))
+    return impl(*merged, **dynamic_kwargs, **dict(static_items))
+
+
 def folds_vmap(impl: Callable) -> Callable:
     """``impl`` whose array operands all lead with the batch axis (``[B, ...]``), made to
     fold a ``jax.vmap`` axis into that batch axis: one kernel call on ``[V*B, ...]``.
@@ -252,7 +274,12 @@ def folds_vmap(impl: Callable) -> Callable:
         dynamic_kwargs = {name: x for name, x in kwargs.items() if _has_arrays(x)}
         static_kwargs = {name: x for name, x in kwargs.items() if name not in dynamic_kwargs}
 
+        statics = tuple(_DYNAMIC if dynamic else x for x, dynamic in zip(args, is_dynamic))
+        static_items = tuple(sorted(static_kwargs.items()))
+
         def apply(fn, dynamic_args, dynamic_kwargs):
+            if fn is impl and _hashable((statics, static_items)):
+                return _traced_once(impl, statics, static_items, dynamic_args, dynamic_kwargs)
             merged = (given if dynamic else x
                       for x, given, dynamic in zip(args, dynamic_args, is_dynamic))
             return fn(*merged, **dynamic_kwargs, **static_kwargs)
