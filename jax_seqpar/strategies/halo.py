@@ -39,7 +39,7 @@ from jax_seqpar.core.merge import merge
 if TYPE_CHECKING:  # annotations only
     from jax_seqpar.kernels.options import Options
 
-__all__ = ["exchange", "halo_attention", "halo_sizes", "window_attention"]
+__all__ = ["exchange", "halo_attention", "halo_sizes", "ring_is_halo", "window_attention"]
 
 
 def halo_sizes(spec: MaskSpec, local_len: int, num_shards: int, *,
@@ -64,6 +64,16 @@ def halo_sizes(spec: MaskSpec, local_len: int, num_shards: int, *,
     if left + right >= (num_shards - 1) * local_len:
         return None
     return left, right
+
+
+def ring_is_halo(spec: MaskSpec, local_len: int, num_shards: int, *,
+                 bidirectional: bool = False) -> bool:
+    """Whether a ring of ``num_shards`` shards of ``local_len`` tokens on the contiguous
+    split is a halo exchange (:func:`halo_sizes`): then the hybrid, whose ring it is,
+    does not chunk its inner exchange (there is no ring step to hide the pieces behind).
+    """
+    return num_shards > 1 and halo_sizes(spec, local_len, num_shards,
+                                         bidirectional=bidirectional) is not None
 
 
 #: Strategies whose causal work zigzag balances (Ulysses is balanced by construction).

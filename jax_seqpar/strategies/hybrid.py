@@ -96,7 +96,7 @@ def hybrid_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes, overl
             f'or use strategy="ring".') from None
     # A window on the contiguous split makes the ring a halo exchange: not chunked.
     ring_size = axis_size(ring_axis)
-    chunked = not (ring_size > 1 and shard.contiguous and halo.halo_sizes(
+    chunked = not (shard.contiguous and halo.ring_is_halo(
         shard.options.spec, inner * q.shape[1], ring_size,
         bidirectional=shard.q_tokens.bidirectional_ids is not None))
     chunks, groups = resolve_pieces(overlap, chunks, head_groups, q.shape[2], k.shape[2],

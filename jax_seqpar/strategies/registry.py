@@ -17,7 +17,7 @@ from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.strategies import allgather, heads, traffic
 from jax_seqpar.strategies.allgather import allgather_attention
 from jax_seqpar.strategies.decode import decode_attention
-from jax_seqpar.strategies.halo import halo_sizes
+from jax_seqpar.strategies.halo import halo_sizes, ring_is_halo
 from jax_seqpar.strategies.hybrid import hybrid_attention
 from jax_seqpar.strategies.ring import ring_attention
 from jax_seqpar.strategies.ulysses import ulysses_attention
@@ -88,8 +88,8 @@ def _ulysses_pieces(shape, ring: int, ulysses: int, *, hybrid: bool = False) -> 
     if ulysses == 1:
         return 1
     local_len = -(-shape.seq_len // (ring * ulysses))
-    halo_ring = hybrid and ring > 1 and halo_sizes(
-        MaskSpec.make(shape.causal, shape.window), shape.seq_len // ring, ring) is not None
+    halo_ring = hybrid and ring_is_halo(MaskSpec.make(shape.causal, shape.window),
+                                        shape.seq_len // ring, ring)
     chunks, groups = heads.resolve_pieces(
         "auto", "auto", "auto", shape.num_heads, shape.num_kv_heads, ulysses, local_len,
         shared_kv=not hybrid, chunked=not halo_ring)

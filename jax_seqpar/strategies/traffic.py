@@ -224,10 +224,10 @@ def hybrid_bytes(sizes: tuple[int, ...], *, num_heads: int, num_kv_heads: int, s
                          f"axis size {inner}; use strategy='ring' or swap the axes.")
     kv_heads_after_ulysses = replicated_kv_heads(num_kv_heads, inner) // inner
     reach = _window_reach(spec, seq_len, outer)
-    from jax_seqpar.strategies import heads  # the pieces' rules (heads imports jax)
+    from jax_seqpar.strategies import halo, heads  # the pieces' rules (they import jax)
 
-    chunks = heads.default_chunks(seq_len // (outer * inner), inner) if (
-        outer == 1 or reach is None) else 1
+    chunks = 1 if halo.ring_is_halo(spec, seq_len // outer, outer) else heads.default_chunks(
+        seq_len // (outer * inner), inner)
     return (_ulysses_bytes(seq_len=seq_len // outer, num_heads=num_heads,
                            num_kv_heads=num_kv_heads, axis_size=inner,
                            row_statistic=chunks > 1, **shape)
