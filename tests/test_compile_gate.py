@@ -318,14 +318,17 @@ LONG = SHAPE.replace(seq_len=131072)
 
 
 @pytest.mark.parametrize("target, strategy, backward", [
-    _on(GPU, strategy, backward) for strategy in ("ring", "allgather", "hybrid")
-    for backward in (False, True)])
-def test_gpu_long_sequence_hides_ninety_percent(target, strategy, backward):
+    *(_on(GPU, strategy, backward) for strategy in ("ring", "allgather", "hybrid")
+      for backward in (False, True)), _on(TPU, "hybrid", True)])
+def test_long_sequence_hides_ninety_percent(target, strategy, backward):
     """At 131072 tokens on h100:8 the ring, the all-gather and the hybrid send at least
     90 % of their bytes while a kernel runs, forward and training step (before each hop
     was one buffer and the all-gather's merge came after its barrier: the ring 49.9 % /
     39.6 %, the all-gather 0 % / 31.8 %, the hybrid 89.1 % / 76.2 %), the ring's steps
-    one collective-permute each; the hybrid's temp within 1.10x of ``overlap=False``'s."""
+    one collective-permute each; the hybrid's temp within 1.10x of ``overlap=False``'s.
+    The hybrid's training step on v5p:2x2x2 too (88.4 % before its dK/dV were summed
+    ahead of the first dq piece: XLA:TPU ran that piece's kernel before their trip home),
+    its temp within :data:`TEMP_RATIO`."""
     if strategy != "hybrid":
         compiled = _training_step(target, strategy, backward=backward, shape=LONG).compiled
         assert schedule.bytes_hidden(compiled)["fraction"] >= 0.90
@@ -336,7 +339,8 @@ def test_gpu_long_sequence_hides_ninety_percent(target, strategy, backward):
     (pipelined, temp), (_, whole_temp) = _pipelined_and_whole(target, strategy, backward,
                                                               LONG)
     assert pipelined["fraction"] >= 0.90, pipelined
-    assert temp <= 1.10 * whole_temp, (temp / 2**20, whole_temp / 2**20)
+    bound = 1.10 if target == GPU else TEMP_RATIO[target, strategy]
+    assert temp <= bound * whole_temp, (temp / 2**20, whole_temp / 2**20)
 
 
 # (head dim of q/k, of v): every head dim the Pallas kernel is built for, DeepSeek's

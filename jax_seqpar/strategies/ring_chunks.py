@@ -208,8 +208,10 @@ def _pipeline_bwd(config, residuals, cotangents):
         def call(j=j, raw=raw, kv=kv):  # the block passes each barrier: calls in order
             return (options.backward(queries[:, parts[j]], kv[0], kv[1], q_tokens[j], kv[2],
                                      lses[j], deltas[j], dout_all[:, parts[j]])[0], raw, kv)
-        if n == 0:  # dK/dV home during the first piece's call
-            (last, raw, kv), home = shift_during(call, home, outer)
+        if n == 0:  # dK/dV home during the first piece's call, summed before it (else
+            # XLA:TPU runs the call first and starts the hop after it)
+            home, kv = jax.lax.optimization_barrier((home, kv))
+            (last, raw, kv), home = shift_during(lambda: call(kv=kv), home, outer)
         else:
             last, raw, kv = jax.lax.optimization_barrier(call())
         got = unpack(raw)[1]
