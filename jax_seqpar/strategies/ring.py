@@ -40,7 +40,8 @@ if TYPE_CHECKING:  # annotations only
     from jax_seqpar.core.masks import Tokens
     from jax_seqpar.kernels.options import Options
 
-__all__ = ["ring_attention", "ring_over", "shift", "shift_during"]
+__all__ = ["backward_steps", "forward_steps", "ring_attention", "ring_over", "shift",
+           "shift_during"]
 
 
 @per_shard
@@ -146,6 +147,32 @@ def shift_during(compute: Callable[[], Any], tree: Any, axis_name: str | tuple[s
     return jax.lax.platform_dependent(cuda=packed, rocm=packed, default=each)
 
 
+def forward_steps(attend: Callable[[Any, Any], Any], acc: Any, kv: Any,
+                  axis_name: str | tuple[str, ...], steps: int) -> tuple[Any, Any]:
+    """``steps`` steps of a ring's forward (a scan): each ``acc = attend(acc, kv)`` while
+    ``kv`` hops on (:func:`shift_during`). Returns ``(acc, kv)`` after them: the last
+    block arrived, not yet attended to."""
+    def step(carry, _):
+        acc, kv = carry
+        return shift_during(lambda: attend(acc, kv), kv, axis_name), None
+
+    return jax.lax.scan(step, (acc, kv), length=steps)[0]
+
+
+def backward_steps(grads: Callable[[Any, Any], Any], dq: Any, kv: Any, dkv: Any,
+                   axis_name: str | tuple[str, ...], steps: int) -> tuple[Any, Any, Any]:
+    """``steps`` steps of a ring's backward (a scan): each computes fresh float32 dK/dV
+    (``(dq, (dk, dv)) = grads(dq, kv)``) while ``kv`` hops on and the accumulator ``dkv``
+    arrives from the previous device, then adds it. Returns ``(dq, kv, dkv)``."""
+    def step(carry, _):
+        dq, kv, dkv = carry
+        (dq, fresh), (next_kv, arrived) = shift_during(lambda: grads(dq, kv), (kv, dkv),
+                                                       axis_name)
+        return (dq, next_kv, tuple(x + y for x, y in zip(fresh, arrived))), None
+
+    return jax.lax.scan(step, (dq, kv, dkv), length=steps)[0]
+
+
 def _packed(tree: Any) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
     """``tree``'s arrays as one ``uint8`` buffer, and the function that unpacks such a
     buffer into ``tree``'s structure, shapes and dtypes."""
@@ -179,17 +206,13 @@ def _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens):
         # the XLA and Pallas kernels merge after (see jax_seqpar.kernels.contract).
         return options.forward(q, kv[0], kv[1], q_tokens, kv[2], accumulate=carry)
 
-    def step(carry, _):
-        acc, kv = carry
-        return shift_during(lambda: attend(acc, kv), kv, axis_name), None
-
     acc = (jnp.zeros((batch, local_len, heads, d_v), jnp.float32),
            jnp.full((batch, local_len, heads), EMPTY_LSE, jnp.float32))
     acc = _compat.match_varying(acc, q)
     # The barrier's results vary over every axis any of its operands varies over: so
     # must the K/V carry from the start (a dp x sp mesh: K/V vary over dp, acc too).
     kv = _compat.match_varying((k, v, kv_tokens), (acc, k, v, kv_tokens))
-    (acc, kv), _ = jax.lax.scan(step, (acc, kv), length=axis_size(axis_name) - 1)
+    acc, kv = forward_steps(attend, acc, kv, axis_name, axis_size(axis_name) - 1)
     return attend(acc, kv)
 
 
@@ -249,16 +272,11 @@ def _backward_ring(axis_name, grads, q, k, v, kv_tokens, *, overlap: bool):
         dq, dkv = grads(dq, kv, dkv)
         return (dq, *_home(dkv, (k, v), axis_name))
 
-    def step(carry, _):
-        # The transfers in flight during this step's kernel (under jax.grad, XLA:TPU
-        # otherwise ends them around the fusions only): K/V onward, the accumulator in.
-        dq, kv, dkv = carry
-        (dq, fresh), (next_kv, arrived) = shift_during(lambda: grads(dq, kv, zeros),
-                                                       (kv, dkv), axis_name)
-        return (dq, next_kv, tuple(x + y for x, y in zip(fresh, arrived))), None
-
+    # The transfers in flight during each step's kernel (under jax.grad, XLA:TPU
+    # otherwise ends them around the fusions only): K/V onward, the accumulator in.
     (dq, dkv), next_kv = shift_during(lambda: grads(dq, kv, zeros), kv, axis_name)
-    (dq, kv, dkv), _ = jax.lax.scan(step, (dq, next_kv, dkv), length=size - 2)
+    dq, kv, dkv = backward_steps(lambda dq, kv: grads(dq, kv, zeros), dq, next_kv, dkv,
+                                 axis_name, size - 2)
     (dq, fresh), arrived = shift_during(lambda: grads(dq, kv, zeros), dkv, axis_name)
     dkv = tuple(x + y for x, y in zip(fresh, arrived))
     return (dq, *_home(dkv, (k, v), axis_name))

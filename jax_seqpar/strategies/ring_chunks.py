@@ -42,7 +42,7 @@ from jax_seqpar.strategies.head_pipeline import no_gradient
 from jax_seqpar.strategies.inputs import Operands, Options, axis_size
 from jax_seqpar.strategies.pieces import (Pieces, RowCotangents, concat, exchange, keys_first,
                                           local, send)
-from jax_seqpar.strategies.ring import shift_during
+from jax_seqpar.strategies.ring import backward_steps, forward_steps, shift_during
 
 __all__ = ["ring_chunks"]
 
@@ -110,13 +110,11 @@ def _pipeline_fwd(config, q, k, v, operands):
     queries, q_all = concat(qs), concat(q_tokens)
     del qs  # the pieces die here: the last step reads the gathered queries
 
-    def step(carry, _):
-        acc, kv = carry
-        return shift_during(lambda: options.forward(queries, kv[0], kv[1], q_all, kv[2],
-                                                    accumulate=acc), kv, outer), None
+    def attend(acc, kv):
+        return options.forward(queries, kv[0], kv[1], q_all, kv[2], accumulate=acc)
 
     acc, kv = _compat.match_varying((concat(accs), hop), (accs, hop, queries))
-    (acc, kv), _ = jax.lax.scan(step, (acc, kv), length=steps - 2)
+    acc, kv = forward_steps(attend, acc, kv, outer, steps - 2)  # the ring's middle steps
     # The last step: piece by piece, each final at once, its output leaving while the
     # next piece's call runs (the block passes each barrier: the calls stay in order).
     lses: list[Any] = [None] * c
@@ -187,14 +185,12 @@ def _pipeline_bwd(config, residuals, cotangents):
     # The own keys' dK/dV from every query, step 1's block in flight.
     dkv, hop = shift_during(lambda: tuple(grads(block)[1:]), block, outer)
 
-    def step(carry, _):  # the ring's backward step: fresh dK/dV, the accumulator in flight
-        dq, kv, dkv = carry
-        (dq, *fresh), (upcoming, arrived) = shift_during(lambda: grads(kv, dq), (kv, dkv),
-                                                         outer)
-        return (dq, upcoming, tuple(x + y for x, y in zip(fresh, arrived))), None
+    def step_grads(dq, kv):
+        dq, *fresh = grads(kv, dq)
+        return dq, tuple(fresh)
 
-    carry = _compat.match_varying((dq, hop, dkv), (dq, hop, dkv))
-    (dq, kv, dkv), _ = jax.lax.scan(step, carry, length=steps - 2)
+    dq, hop, dkv = _compat.match_varying((dq, hop, dkv), (dq, hop, dkv))
+    dq, kv, dkv = backward_steps(step_grads, dq, hop, dkv, outer, steps - 2)  # middle steps
     # The last step: its block's dK/dV (the accumulator in flight), home during the
     # first piece's dq; then every dq piece, final at once, leaving while the next runs.
     fresh, arrived = shift_during(lambda: tuple(grads(kv)[1:]), dkv, outer)
