@@ -33,9 +33,13 @@ COLLECTIVES = ("collective-permute", "all-to-all", "all-gather", "reduce-scatter
 GPU_OVERLAPS = COLLECTIVES
 
 #: The collectives that overlap a kernel on TPU. XLA's TPU compiler overlaps
-#: collective-permutes with a kernel; all-to-all and all-gather only when compiled with :data:`jax_seqpar.tools.targets.COMPILE_OPTIONS` (the library's target
-#: compile sets each strategy's; pass them to your own ``jit`` too); a reduce-scatter over
-#: a slice compiles to a synchronous all-reduce and a slice, with or without them.
+#: collective-permutes with a kernel; all-to-all and all-gather only when compiled with
+#: :data:`jax_seqpar.tools.targets.COMPILE_OPTIONS` (the library's target compile sets
+#: each strategy's; pass them to your own ``jit`` too; Ulysses' exchange pipelined over
+#: head groups, rather than sequence pieces, needs
+#: :data:`jax_seqpar.tools.targets.TPU_HEAD_GROUP_OPTIONS` besides, which the model does
+#: not tell apart); a reduce-scatter over a slice compiles to a synchronous all-reduce
+#: and a slice, with or without them.
 TPU_OVERLAPS = ("collective-permute", "all-to-all", "all-gather")
 
 

@@ -36,7 +36,7 @@ from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.strategies.head_pipeline import no_gradient
 from jax_seqpar.strategies.inputs import Operands, Options, axis_size
 from jax_seqpar.strategies.pieces import (Pieces, RowCotangents, concat, exchange, keys_first,
-                                          local, send)
+                                          local, put, send)
 
 __all__ = ["chunk_pipeline"]
 
@@ -132,14 +132,16 @@ def _pipeline_bwd(config, residuals, cotangents):
     # the previous dq leaving meanwhile.
     order = [0, *reversed(range(1, c))]
     upcoming = exchange([local(dout, sizes, order[0])], [], axis_name, size)[0][0]
-    douts: list[Any] = [None] * c
     deltas: list[Any] = [None] * c
     sent_q: list[Any] = [None] * c
     pending: list[jax.Array] = []
+    # The gathered dout, written piece by piece (the dK/dV pass reads it whole).
+    dout_all = jnp.zeros(queries.shape[:3] + (dout.shape[3],), queries.dtype)
     for n, j in enumerate(order):
-        douts[j], deltas[j] = cotangents_of(j, upcoming)
+        dout_j, deltas[j] = cotangents_of(j, upcoming)
+        dout_all = put(dout_all, q_parts[j], dout_j)
         dq = options.backward(queries[:, q_parts[j]], keys, values, q_tokens[j], kv_all,
-                              lses[j], deltas[j], douts[j])[0]
+                              lses[j], deltas[j], dout_j)[0]
         ins = [local(dout, sizes, order[n + 1])] if n + 1 < c else []
         raw, unpack = send(ins, pending, axis_name, size)
         # The barrier takes the kernel's raw result (a cast between would be what XLA:TPU
@@ -153,8 +155,7 @@ def _pipeline_bwd(config, residuals, cotangents):
         pending = [dq.astype(dtype)]
     # dK/dV: one K/V piece at a time against every query (the dK/dV kernel alone), each
     # final at once and leaving while the next runs (the last dq with the first).
-    dout_all, delta_all, lse_all = concat(douts), concat(deltas), concat(lses)
-    del douts
+    delta_all, lse_all = concat(deltas), concat(lses)
     unit = size * kv_sizes[0]
     leaving = ("q", order[-1])
     sent_kv: list[Any] = [None] * len(kv_sizes)

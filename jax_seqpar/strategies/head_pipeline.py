@@ -15,11 +15,12 @@ and log-sum-exp and the sequence-sharded output as returned (input dtype); the k
 heads-sharded copy of the output.
 
 XLA:TPU runs all-to-alls synchronously unless compiled with
-``xla_tpu_enable_async_all_to_all=true`` (and, for every group's exchange to enclose a
-kernel, ``xla_tpu_use_aggressive_scheduling=true``): see
-:data:`jax_seqpar.tools.targets.COMPILE_OPTIONS`, which the package's target compiles
-pass; pass them to your own ``jax.jit(...).lower(...).compile(compiler_options=...)``
-or ``LIBTPU_INIT_ARGS``. XLA:GPU's all-to-all is asynchronous by default.
+``xla_tpu_enable_async_all_to_all=true`` (:data:`jax_seqpar.tools.targets.COMPILE_OPTIONS`,
+which the package's target compiles pass; pass them to your own
+``jax.jit(...).lower(...).compile(compiler_options=...)`` or ``LIBTPU_INIT_ARGS``), and
+for every group's exchange to enclose a kernel it needs
+:data:`jax_seqpar.tools.targets.TPU_HEAD_GROUP_OPTIONS` besides (not a default: it
+raises the sequence pieces' memory). XLA:GPU's all-to-all is asynchronous by default.
 """
 
 from __future__ import annotations

@@ -26,7 +26,7 @@ from jax_seqpar.strategies.inputs import Operands, Options, axis_size
 #: A mesh axis name, or a tuple of them.
 _Axes = str | tuple[str, ...]
 
-__all__ = ["Pieces", "RowCotangents", "concat", "exchange", "keys_first", "local",
+__all__ = ["Pieces", "RowCotangents", "concat", "exchange", "keys_first", "local", "put",
            "send"]
 
 
@@ -115,6 +115,13 @@ def local(x: jax.Array, sizes: tuple[int, ...], i: int) -> jax.Array:
 def concat(pieces: list[Any]) -> Any:
     """Pieces along the sequence (axis 1), arrays or Tokens pytrees of them."""
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *pieces)
+
+
+def put(full: Any, part: slice, piece: Any) -> Any:
+    """``piece`` written into rows ``part`` (axis 1) of ``full`` (pytrees alike), in place:
+    the pieces' buffers die as they are written, never a second whole-sequence copy (as
+    :func:`concat` of pieces kept until the end would make)."""
+    return jax.tree.map(lambda f, p: f.at[:, part].set(p.astype(f.dtype)), full, piece)
 
 
 class Pieces(NamedTuple):

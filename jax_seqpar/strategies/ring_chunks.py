@@ -41,7 +41,7 @@ from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.strategies.head_pipeline import no_gradient
 from jax_seqpar.strategies.inputs import Operands, Options, axis_size
 from jax_seqpar.strategies.pieces import (Pieces, RowCotangents, concat, exchange, keys_first,
-                                          local, send)
+                                          local, put, send)
 from jax_seqpar.strategies.ring import backward_steps, forward_steps, shift_during
 
 __all__ = ["ring_chunks"]
@@ -76,12 +76,6 @@ def ring_chunks(inner_axis: str | tuple[str, ...], outer_axis: str | tuple[str, 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
 def _pipeline(config, q, k, v, operands):
     return _pipeline_fwd(config, q, k, v, operands)[0]
-
-
-def _put(full, part, piece):
-    """``piece`` written into rows ``part`` of ``full`` (pytrees alike), in place: the
-    pieces' buffers die as they are written, never a second whole-sequence copy."""
-    return jax.tree.map(lambda f, p: f.at[:, part].set(p.astype(f.dtype)), full, piece)
 
 
 def _pipeline_fwd(config, q, k, v, operands):
@@ -161,13 +155,13 @@ def _pipeline_bwd(config, residuals, cotangents):
     dq = jnp.zeros(queries.shape, jnp.float32)
     for n, j in enumerate(order):
         dout_j, deltas[j] = rows.of_piece(j, upcoming, dtype=queries.dtype)
-        dout_all = _put(dout_all, parts[j], dout_j)
+        dout_all = put(dout_all, parts[j], dout_j)
         dq_j = options.backward(queries[:, parts[j]], keys, values, q_tokens[j], block[2],
                                 lses[j], deltas[j], dout_j)[0]
         ins = [local(dout, sizes, order[n + 1])] if n + 1 < c else []
         raw, unpack = send(ins, [], inner, size)
         dq_j, raw, dout = jax.lax.optimization_barrier((dq_j, raw, dout))
-        dq = _put(dq, parts[j], dq_j)
+        dq = put(dq, parts[j], dq_j)
         if ins:
             upcoming = unpack(raw)[0][0]
     delta_all, lse_all = concat(deltas), concat(lses)

@@ -34,19 +34,24 @@ import numpy as np
 if TYPE_CHECKING:  # targets imports nothing of the package at run time
     from jax_seqpar.strategies.registry import StrategyName
 
-__all__ = ["COMPILE_OPTIONS", "Target", "compile_only_environment", "compile_options",
-           "emulate_cpu_devices", "libtpu_init_args", "parse", "require_plugin",
-           "target_mesh", "target_platform"]
+__all__ = ["COMPILE_OPTIONS", "TPU_HEAD_GROUP_OPTIONS", "Target", "compile_only_environment",
+           "compile_options", "emulate_cpu_devices", "libtpu_init_args", "parse",
+           "require_plugin", "target_mesh", "target_platform"]
 
 #: GPU kinds, each ``(target description file, GPUs per host)``.
 GPUS = {"h100": ("h100_sxm.txtpb", 8), "h200": ("h200.txtpb", 8), "a100": ("a100_sxm_80.txtpb", 8)}
 #: HBM per TPU device (one chip; v4 and v5p as one megacore device), bytes.
 TPU_HBM = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2**30}
-#: XLA:TPU runs all-to-all synchronously unless asked: the first makes it asynchronous,
-#: the second lets the scheduler start a head group's exchange before the previous
-#: group's kernel (without it Ulysses' pipeline hides nothing on v5p:2x2x2, S=16384).
-_TPU_ASYNC_ALL_TO_ALL = {"xla_tpu_enable_async_all_to_all": True,
-                         "xla_tpu_use_aggressive_scheduling": True}
+#: XLA:TPU runs all-to-all synchronously unless asked: this makes it asynchronous. The
+#: sequence pieces' transfers pass the barriers of their kernels and need no more.
+_TPU_ASYNC_ALL_TO_ALL = {"xla_tpu_enable_async_all_to_all": True}
+#: What a pipeline over head groups (``chunks=1``: a local length too short for sequence
+#: pieces, or forced) needs on TPU besides: the scheduler starts a group's exchange
+#: before the previous group's kernel only with it (v5p:2x2x2, S=16384, 2 groups: a
+#: third of the forward's bytes hidden with it, none without). Not among the default
+#: options: it raises the sequence pieces' memory (Ulysses' training step at 131072 on
+#: v5p:2x2x2: 780.7 MiB temp with it, 517.6 without; the hybrid's 916.4 and 696.4).
+TPU_HEAD_GROUP_OPTIONS = {"xla_tpu_use_aggressive_scheduling": True}
 #: XLA:TPU runs all-gather synchronously unless asked: these make it an async collective
 #: fusion that runs inside the Mosaic call it can hide behind (each of the five is needed;
 #: tests/test_compile_gate.py holds that with them the gather encloses a kernel).
@@ -137,7 +142,7 @@ def compile_options(platform: str, strategy: Optional[StrategyName] = None) -> d
     for ``jax.jit(f).lower(*args).compile(compiler_options=compile_options("tpu"))``.
 
     >>> compile_options("tpu", "ulysses")
-    {'xla_tpu_enable_async_all_to_all': True, 'xla_tpu_use_aggressive_scheduling': True}
+    {'xla_tpu_enable_async_all_to_all': True}
     >>> compile_options("tpu", "ring")
     {}
     """
@@ -153,7 +158,7 @@ def libtpu_init_args(strategy: Optional[StrategyName] = None) -> str:
     them).
 
     >>> libtpu_init_args("ulysses")
-    '--xla_tpu_enable_async_all_to_all=true --xla_tpu_use_aggressive_scheduling=true'
+    '--xla_tpu_enable_async_all_to_all=true'
     """
     return " ".join(f"--{key}={str(value).lower()}"
                     for key, value in compile_options("tpu", strategy).items())
