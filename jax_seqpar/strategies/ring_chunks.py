@@ -150,9 +150,12 @@ def _pipeline_bwd(config, residuals, cotangents):
     order = [0, *reversed(range(1, c))]
     upcoming = exchange([local(dout, sizes, order[0])], [], inner, size)[0][0]
     deltas: list[Any] = [None] * c
-    # The gathered dout and the float32 dq accumulator, written piece by piece.
+    # The gathered dout, written piece by piece. The float32 dq pieces are kept and
+    # joined once after the loop: written into a whole accumulator as they come, XLA:TPU
+    # keeps two copies of it beside the pieces (v5p training step at 16384: 82.1 -> 74.1
+    # MiB temp).
     dout_all = jnp.zeros(queries.shape[:3] + (dout.shape[3],), queries.dtype)
-    dq = jnp.zeros(queries.shape, jnp.float32)
+    dqs: list[Any] = [None] * c
     for n, j in enumerate(order):
         dout_j, deltas[j] = rows.of_piece(j, upcoming, dtype=queries.dtype)
         dout_all = put(dout_all, parts[j], dout_j)
@@ -161,10 +164,11 @@ def _pipeline_bwd(config, residuals, cotangents):
         ins = [local(dout, sizes, order[n + 1])] if n + 1 < c else []
         raw, unpack = send(ins, [], inner, size)
         dq_j, raw, dout = jax.lax.optimization_barrier((dq_j, raw, dout))
-        dq = put(dq, parts[j], dq_j)
+        dqs[j] = dq_j
         if ins:
             upcoming = unpack(raw)[0][0]
     delta_all, lse_all = concat(deltas), concat(lses)
+    dq = concat(dqs)
 
     def grads(kv, dq=None):
         """float32 ``(dq, dk, dv)`` of every query against ``kv`` (``dq``: added)."""
