@@ -299,8 +299,8 @@ def _pipelined_and_whole(target: str, strategy: str, backward: bool,
 #: targets: :func:`test_long_sequence_hides_ninety_percent`). GPU: Ulysses meets it
 #: (measured 0.97x forward, 0.86x training step); the hybrid's training step does at
 #: 16384 tokens (1.01x) but not at 4096 (1.16x: its pieces' float32 buffers weigh more
-#: against a short sequence's). TPU, training step: 1.22x (Ulysses) and 2.34x (the
-#: hybrid) at 4096, 1.29x and 1.51x at 16384; forward 1.12x and 1.21x at 4096: XLA:TPU
+#: against a short sequence's). TPU, training step: 1.22x (Ulysses) and 2.32x (the
+#: hybrid) at 4096, 1.29x and 1.36x at 16384; forward 1.12x and 1.21x at 4096: XLA:TPU
 #: holds more for the pieces against a short sequence's whole buffers. The bounds keep it
 #: from growing.
 TEMP_RATIO = {(GPU, "ulysses"): 1.10, (TPU, "ulysses"): 1.3,
