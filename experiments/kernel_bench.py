@@ -76,14 +76,13 @@ def _attention_fn(impl: str, causal: bool, seq: int, batch: int, heads: int):
             q, k, v, is_causal=causal, implementation="cudnn")
     if impl == "splash":
         return _splash_fn(causal, seq, heads)
-    module = kernels.get(impl)
     positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (batch, seq))
     tokens = Tokens(positions)
     spec = MaskSpec.make(causal=causal)
 
     def fn(q, k, v):
-        out, _ = module.attention(q, k, v, tokens, tokens,
-                                  Options(spec, q.shape[-1] ** -0.5, module))
+        out, _ = kernels.attention(Options(spec, q.shape[-1] ** -0.5, impl),
+                                   q, k, v, tokens, tokens)
         return out.astype(q.dtype)
 
     return fn

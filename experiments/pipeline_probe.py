@@ -33,6 +33,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P  # noqa: E402
 from jax_seqpar.api import program as api  # noqa: E402
 from jax_seqpar.core import layout  # noqa: E402
 from jax_seqpar.core.shape import LayerShape  # noqa: E402
+from jax_seqpar.strategies import registry  # noqa: E402
 from jax_seqpar.tools import aot, bench, hlo, schedule, targets  # noqa: E402
 
 
@@ -40,7 +41,7 @@ def build(strategy, mesh, shape, kernel, kwargs):
     """:func:`jax_seqpar.tools.bench.build` with keywords for the per-shard function."""
     axes = tuple(mesh.axis_names)
     axis_name = api.axis_name_of(axes)
-    attend = functools.partial(api.per_shard_fn(strategy, axes), **kwargs)
+    attend = functools.partial(registry.get(strategy).attention, seq_axes=axis_name, **kwargs)
     order = bench.layout_for(strategy, shape)
 
     def body(q, k, v):

@@ -167,8 +167,26 @@ def inputs(case: Case, dtype):
 
 def block_sizes(kernel: str, tile: int):
     """Every tile of ``kernel`` (forward and backward) ``tile`` tokens."""
-    module = kernels.get(kernel)
-    return module.BlockSizes(**{f.name: tile for f in dataclasses.fields(module.BlockSizes)})
+    del kernel  # one tile-size class for every kernel
+    return kernels.BlockSizes(**{f.name: tile for f in dataclasses.fields(kernels.BlockSizes)})
+
+
+class Lowered:
+    """The kernel contract's functions (``options`` after the operands), run through
+    :mod:`jax_seqpar.kernels.lowering`: the kernel ``options.kernel`` chooses."""
+
+    @staticmethod
+    def forward(q, k, v, q_tokens, kv_tokens, options, accumulate=None):
+        return kernels.forward(options, q, k, v, q_tokens, kv_tokens, accumulate)
+
+    @staticmethod
+    def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options, accumulate=None):
+        return kernels.backward(options, q, k, v, q_tokens, kv_tokens, lse, delta, dout,
+                                accumulate)
+
+    @staticmethod
+    def attention(q, k, v, q_tokens, kv_tokens, options):
+        return kernels.attention(options, q, k, v, q_tokens, kv_tokens)
 
 
 def value_and_grads(attend, inputs_, weights):
@@ -218,7 +236,7 @@ def run(kernel: str, case: Case, dtype, poison: Optional[slice] = None):
     call = options(kernel, case)
 
     def attend(q, k, v):
-        return call.attention(q, k, v, q_tokens, kv_tokens)
+        return kernels.attention(call, q, k, v, q_tokens, kv_tokens)
 
     return value_and_grads(attend, (q, k, v), weights)
 

@@ -142,8 +142,8 @@ def test_time_model_overlaps_what_the_compiled_schedule_overlaps(target, kind):
     def body(q, k, v, x):
         n = q.shape[1]
         tokens = Tokens(jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (1, n)))
-        out, _ = kernels.get("auto").forward(q, k, v, tokens, tokens, make_options(
-            q, MaskSpec.make(causal=True), scale=0.1))
+        out, _ = kernels.forward(make_options(q, MaskSpec.make(causal=True), scale=0.1),
+                                 q, k, v, tokens, tokens)
         return out, _COLLECTIVES[kind](x)
 
     f = jax.shard_map(body, mesh=mesh, in_specs=P("sp"), out_specs=P("sp"))
@@ -434,9 +434,9 @@ def test_pallas_float32_compiles_without_spills(target, head_dim):
         tokens = Tokens(jnp.arange(512, dtype=jnp.int32)[None])
 
         def loss(q, k, v):
-            out, lse = kernels.get("pallas").attention(
-                q, k, v, tokens, tokens,
-                make_options(q, MaskSpec.make(causal=True), kernel="pallas"))
+            out, lse = kernels.attention(
+                make_options(q, MaskSpec.make(causal=True), kernel="pallas"),
+                q, k, v, tokens, tokens)
             return out.sum() + lse.sum()
 
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
@@ -496,8 +496,8 @@ def test_kernel_choice_follows_the_lowering_platform():
         def run(q, k, v):
             n = q.shape[1]
             tokens = Tokens(jnp.broadcast_to(jnp.arange(n, dtype=jnp.int32), (1, n)))
-            return kernels.get(kernel).forward(q, k, v, tokens, tokens, make_options(
-                q, MaskSpec.make(causal=True), scale=0.25, kernel=kernel))
+            return kernels.forward(make_options(
+                q, MaskSpec.make(causal=True), scale=0.25, kernel=kernel), q, k, v, tokens, tokens)
 
         return jax.export.export(jax.jit(run), platforms=platforms, disabled_checks=[
             jax.export.DisabledSafetyCheck.custom_call("__gpu$xla.gpu.triton")])(

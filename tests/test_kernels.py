@@ -116,7 +116,7 @@ def test_empty_tiles_are_skipped(kernel, case, tolerances):
 @pytest.mark.parametrize("kernel", kc.KERNELS)
 def test_backward_accumulates(kernel):
     """``backward(..., accumulate=g)`` returns the gradients plus ``g`` (ragged tiles too)."""
-    module = kernels.get(kernel)
+    module = kc.Lowered
     case = kc.for_kernel(Case(q_len=37, heads=4, kv_heads=2, causal=True, segments=True),
                          kernel)
     q_tokens, kv_tokens = kc.tokens(case)
@@ -141,7 +141,7 @@ def test_forward_accumulates(kernel):
     """``forward(..., accumulate=(out, lse))`` continues a result over earlier keys: keys
     split in two runs give the result over all of them, rows that see no key in one of
     the runs included (documents and the causal mask leave some empty in each)."""
-    module = kernels.get(kernel)
+    module = kc.Lowered
     case = kc.for_kernel(Case(q_len=37, kv_len=48, heads=4, kv_heads=2, causal=True,
                               segments=True), kernel)
     q_tokens, kv_tokens = kc.tokens(case)
@@ -172,8 +172,6 @@ def test_one_block_sizes_class_for_every_kernel():
 
     assert (xla.BlockSizes is pallas.BlockSizes is mosaic.BlockSizes is kernels.BlockSizes
             is contract.BlockSizes)
-    for name in kernels.KERNELS:
-        assert kernels.get(name).BlockSizes is kernels.BlockSizes
 
 
 @pytest.mark.parametrize("sizes", [dict(block_q=0), dict(block_k=1.5), dict(block_q_bwd=True),
@@ -242,8 +240,8 @@ def test_per_platform_tiles_every_kernel_takes(kernel, sizes, fragments, method)
     tokens = Tokens(jnp.zeros((1, 32), jnp.int32))
 
     def call(sizes):
-        fn = getattr(kernels.get(kernel), method)
-        options = Options(MaskSpec(), 1.0, kernels.get(kernel), sizes)
+        fn = getattr(kc.Lowered, method)
+        options = Options(MaskSpec(), 1.0, kernel, sizes)
         return jax.eval_shape(lambda q: fn(q, q, q, tokens, tokens, options), q)
 
     with pytest.raises(ValueError) as error:

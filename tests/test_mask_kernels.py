@@ -15,6 +15,8 @@ XLA kernel and one each on the interpreted kernels (:data:`DEFAULT`); the rest i
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -25,6 +27,7 @@ import kernel_cases as kc
 from checks import record_xla_tiles
 from jax_seqpar.core import masks
 from jax_seqpar.core.masks import MaskSpec, Tokens
+from jax_seqpar import kernels
 from jax_seqpar.kernels import make_options, tiling, xla
 from jax_seqpar.kernels.gpu import _core as gpu_core
 from jax_seqpar.kernels.tpu import _common as tpu_common
@@ -102,7 +105,7 @@ def _computed_tiles(kernel: str, case: Case, monkeypatch) -> list:
             if kind == "tile":
                 seen.append((row, q_position // tile, kv_position // tile))
         record_xla_tiles(monkeypatch, record)
-        jax.block_until_ready(jax.jit(options.forward)(q, k, v, q_tokens, kv_tokens))
+        jax.block_until_ready(jax.jit(functools.partial(kernels.forward, options))(q, k, v, q_tokens, kv_tokens))
         return seen
 
     def report(*index):
@@ -128,7 +131,7 @@ def _computed_tiles(kernel: str, case: Case, monkeypatch) -> list:
                 tile_fn(is_partial)
             run_tile(plan_ref, batch, row, col, counted)
         monkeypatch.setattr(tpu_common, "run_tile", counting)
-    jax.block_until_ready(jax.jit(options.forward)(q, k, v, q_tokens, kv_tokens))
+    jax.block_until_ready(jax.jit(functools.partial(kernels.forward, options))(q, k, v, q_tokens, kv_tokens))
     return seen
 
 
@@ -186,7 +189,7 @@ def _calls(options, q, k, v, q_tokens, kv_tokens, accumulate, monkeypatch):
     """``(result, kernel calls run)`` of ``options.forward`` with ``accumulate``."""
     events = []
     record_xla_tiles(monkeypatch, lambda kind, *_: events.append(kind))
-    result = jax.block_until_ready(jax.jit(options.forward)(q, k, v, q_tokens, kv_tokens,
+    result = jax.block_until_ready(jax.jit(functools.partial(kernels.forward, options))(q, k, v, q_tokens, kv_tokens,
                                                             accumulate))
     monkeypatch.undo()
     return result, events.count("call")
@@ -242,7 +245,7 @@ def test_new_masks_lower_for_the_accelerator(kernel):
         options = make_options(q, spec, kernel=kernel)
 
         def loss(q, k, v):
-            out, lse = options.attention(q, k, v, tokens, tokens)
+            out, lse = kernels.attention(options, q, k, v, tokens, tokens)
             return out.astype(jnp.float32).sum() + lse.sum()
 
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)

@@ -79,6 +79,7 @@ def test_bf16(strategy, make_qkv, tolerances):
 
 def _plain_scan_ring(q, k, v, tokens, *, axis_name, options):
     """The ring written naively: differentiated by JAX autodiff through the scan."""
+    from jax_seqpar import kernels
     from jax_seqpar.core.merge import merge
     from jax_seqpar.core.masks import EMPTY_LSE
 
@@ -87,7 +88,7 @@ def _plain_scan_ring(q, k, v, tokens, *, axis_name, options):
 
     def step(carry, _):
         out, lse, kv = carry
-        o, l = options.attention(q, kv[0], kv[1], tokens, kv[2])
+        o, l = kernels.attention(options, q, kv[0], kv[1], tokens, kv[2])
         out, lse = merge(out, lse, o, l)
         kv = jax.tree.map(lambda x: jax.lax.ppermute(x, axis_name, perm), kv)
         return (out, lse, kv), None
@@ -102,7 +103,8 @@ def _plain_scan_ring(q, k, v, tokens, *, axis_name, options):
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_custom_ring_backward_matches_autodiff_of_plain_ring(causal, make_qkv):
-    from jax_seqpar.strategies.inputs import Metadata, shard_tokens
+    from jax_seqpar.strategies.inputs import Metadata, shard_operands
+    from jax_seqpar import kernels
     from jax_seqpar.kernels import make_options
 
     q, k, v = make_qkv(batch=B, seq=S, heads=H, kv_heads=2, head_dim=D, v_head_dim=8, seed=4)
@@ -110,7 +112,7 @@ def test_custom_ring_backward_matches_autodiff_of_plain_ring(causal, make_qkv):
     mesh, axes = _mesh("ring")
 
     def plain(q, k, v, segment_ids):
-        tokens = shard_tokens(q, Metadata(segment_ids=segment_ids), axis_name=axes)
+        tokens = shard_operands(q, Metadata(segment_ids=segment_ids), axes).q_tokens
         options = make_options(q, masks.MaskSpec(causal=causal), kernel="xla")
         return _plain_scan_ring(q, k, v, tokens, axis_name=axes, options=options)
 

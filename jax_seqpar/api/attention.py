@@ -14,7 +14,6 @@ shardings (data and tensor parallelism) are kept.
 from __future__ import annotations
 
 import dataclasses
-import inspect
 import math
 import typing
 from typing import TYPE_CHECKING, Callable, Literal, Optional, Union
@@ -23,18 +22,17 @@ import jax
 import jax.numpy as jnp
 
 from jax_seqpar.api import placement as _placement
-from jax_seqpar.api.program import run
+from jax_seqpar.api.program import Placement, run
 from jax_seqpar.core import checks, masks
 from jax_seqpar.core.layout import LayoutName
-from jax_seqpar.core.merge import check_sinks
 from jax_seqpar.core.meshes import split_axis
 from jax_seqpar.core.shape import LayerShape
+from jax_seqpar.kernels.options import KernelName, Options, make_options
 from jax_seqpar.planning import plan as planning
 from jax_seqpar.strategies import registry
-from jax_seqpar.strategies.inputs import (Call, Metadata, Operands, check_ids,
-                                          check_self_attention, empty_result)
+from jax_seqpar.strategies.inputs import (Metadata, Operands, check_metadata, check_qkv,
+                                          empty_result)
 from jax_seqpar.strategies.local import local_attention
-from jax_seqpar.kernels import KernelName
 
 #: What ``strategy=`` takes: a registered strategy that runs on the global view, or
 #: ``"auto"`` (planned: :func:`jax_seqpar.planning.plan.auto_choice`).
@@ -46,9 +44,10 @@ LayoutChoice = Literal["auto", LayoutName]
 LAYOUTS: tuple[LayoutChoice, ...] = typing.get_args(LayoutChoice)
 
 if TYPE_CHECKING:  # annotations only
-    from jax_seqpar.kernels.contract import BlockSizes
+    from jax_seqpar.kernels.options import BlockSizes
 
-__all__ = ["LAYOUTS", "STRATEGIES", "LayoutChoice", "StrategyChoice",
+__all__ = ["LAYOUTS", "STRATEGIES", "LayoutChoice", "StrategyChoice", "attend", "describe",
+           "placement",
            "sequence_parallel_attention"]
 
 
@@ -193,24 +192,85 @@ def sequence_parallel_attention(
         mesh = jax.make_mesh((8,), ("sp",))
         out = sequence_parallel_attention(q, k, v, mesh=mesh, strategy="ring", causal=True)
     """
-    segment_ids = check_self_attention(q, k, v, segment_ids)
-    batch, seq_len = q.shape[:2]
-    positions = check_ids("positions", positions, batch, seq_len)
-    kv_segment_ids = check_ids("kv_segment_ids", kv_segment_ids, batch, seq_len, segments=True)
-    call = Call.make(causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
-                     scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
-                     return_lse=return_lse)
-    bidirectional_ids = checks.bidirectional_ids(bidirectional_ids, batch, seq_len,
-                                                 call.spec.causal)
-    checks.mask_fn(call.spec, batch, seq_len, seq_len)
-    sinks = check_sinks(sinks, q.shape[2])
+    options, metadata = describe(
+        q, k, v, causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
+        scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
+        return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+        positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks)
+    where = placement(q, k, v, options, metadata, mesh=mesh, seq_axes=seq_axes,
+                      strategy=strategy, layout=layout, batch_axes=batch_axes,
+                      ulysses_size=ulysses_size, overlap=overlap, chunks=chunks,
+                      head_groups=head_groups)
+    return attend(q, k, v, options, metadata, where)
+
+
+def describe(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
+             window: int | tuple[int, int] | None = None, chunk_size: int | None = None,
+             mask_fn: Callable | None = None, scale: float | None = None,
+             kernel: KernelName = "auto", block_sizes: BlockSizes | None = None,
+             softcap: float | None = None, return_lse: bool = False,
+             segment_ids: jax.typing.ArrayLike | None = None,
+             kv_segment_ids: jax.typing.ArrayLike | None = None,
+             positions: jax.typing.ArrayLike | None = None,
+             bidirectional_ids: jax.typing.ArrayLike | None = None,
+             sinks: jax.typing.ArrayLike | None = None) -> tuple[Options, Metadata]:
+    """What a self-attention call on global ``q [B, S, H, Dqk]``, ``k, v [B, S, Hkv, .]``
+    computes and its per-token data, every keyword checked once (``ValueError`` naming a
+    bad one): the boundary of the global entry points and the Flax layers (keywords as
+    in :func:`sequence_parallel_attention`)."""
+    check_qkv(q, k, v)
+    if k.shape[1] != q.shape[1]:
+        raise ValueError(f"self-attention needs q and k of one sequence length. "
+                         f"Got q seq={q.shape[1]}, k seq={k.shape[1]}.")
+    spec = masks.MaskSpec.make(checks.flag("causal", causal), window, chunk_size, mask_fn)
+    options = make_options(q, spec, scale=scale, kernel=kernel, block_sizes=block_sizes,
+                           softcap=softcap, return_lse=return_lse)
+    return options, check_metadata(q, options, Metadata(
+        segment_ids, kv_segment_ids, positions, bidirectional_ids, sinks))
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata: Metadata,
+           where: Optional[Placement]):
+    """The one path of every entry point: self-attention of global ``q [B, S, H, Dqk]``,
+    ``k, v [B, S, Hkv, .]`` as its three descriptions say, each built and checked once by
+    the entry point: what is computed (``options``), the per-token data (``metadata``,
+    checked by :func:`~jax_seqpar.strategies.inputs.check_metadata`) and where
+    (``where``, from :func:`placement`; None: on the caller's devices, unsplit).
+
+    Returns what :func:`sequence_parallel_attention` returns.
+    """
+    if where is None:
+        tokens = masks.Tokens(metadata.positions, metadata.segment_ids,
+                              metadata.bidirectional_ids)
+        kv_segment_ids = (metadata.segment_ids if metadata.kv_segment_ids is None
+                          else metadata.kv_segment_ids)
+        kv_tokens = dataclasses.replace(tokens, segment_ids=kv_segment_ids)
+        return local_attention(q, k, v, options, Operands(tokens, kv_tokens, metadata.sinks))
+    if not (q.shape[0] and q.shape[1]):  # no token: jax.nn's empty result, no program
+        return empty_result(q, v, options.return_lse)
+    q, k, v, *ids = _placement.onto(where.mesh, q, k, v, *(
+        None if x is None else jnp.asarray(x) for x in metadata.arrays()))
+    return run(q, k, v, Metadata(*ids), options=options, placement=where)
+
+
+def placement(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata: Metadata,
+              *, mesh: Optional[jax.sharding.Mesh], seq_axes: Union[str, tuple] = "sp",
+              strategy: StrategyChoice = "auto", layout: LayoutChoice = "auto",
+              batch_axes: str | tuple[str, ...] | None = None,
+              ulysses_size: Optional[int] = None, overlap: Union[bool, str] = "auto",
+              chunks: Union[int, str] = "auto",
+              head_groups: Union[int, str] = "auto") -> Optional[Placement]:
+    """Where a call on global ``q, k, v`` runs, its keywords checked once (``ValueError``
+    naming a bad one): None without a mesh (every keyword here must then keep its
+    default), else the :class:`~jax_seqpar.api.program.Placement`, ``strategy="auto"``
+    resolved (:func:`jax_seqpar.planning.plan.auto_choice`). See
+    :func:`sequence_parallel_attention` for the keywords."""
     if mesh is None:
         checks.mesh_only(seq_axes=(seq_axes, "sp"), strategy=(strategy, "auto"),
                          layout=(layout, "auto"), batch_axes=(batch_axes, None),
-                         ulysses_size=(ulysses_size, None))
-        tokens = masks.Tokens(positions, segment_ids, bidirectional_ids)
-        kv_tokens = dataclasses.replace(tokens, segment_ids=kv_segment_ids)
-        return local_attention(q, k, v, call, Operands(tokens, kv_tokens, sinks))
+                         ulysses_size=(ulysses_size, None), overlap=(overlap, "auto"),
+                         chunks=(chunks, "auto"), head_groups=(head_groups, "auto"))
+        return None
     axes = (seq_axes,) if isinstance(seq_axes, str) else tuple(seq_axes)
     for name in axes:
         if name not in mesh.shape:
@@ -220,16 +280,14 @@ def sequence_parallel_attention(
         raise ValueError(f"strategy={strategy!r} is not one of {STRATEGIES}.")
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}.")
-    if positions is not None and layout not in ("auto", "contiguous"):
+    if metadata.positions is not None and layout not in ("auto", "contiguous"):
         raise ValueError(f"positions= says the tokens are already in the order to keep; "
                          f"layout={layout!r} would relayout them again. Put the batch into "
                          "the layout once (jax_seqpar.permute_batch) and drop layout=.")
-    if layout == "per_document" and segment_ids is None:
+    if layout == "per_document" and metadata.segment_ids is None:
         raise ValueError('layout="per_document" orders the tokens by their documents: pass '
                          "segment_ids= (int32[B, S]); without documents use "
                          'layout="zigzag".')
-    if not (batch and seq_len):  # no token: jax.nn's empty result, no program to shard
-        return empty_result(q, v, call.return_lse)
     batch_entry, head_entry = _placement.kept_entries(q, k, v, mesh, axes, batch_axes)
     if ulysses_size is not None:  # the hybrid's split, named: nothing left to choose
         if strategy not in ("auto", "hybrid"):
@@ -237,30 +295,21 @@ def sequence_parallel_attention(
                              f'"auto"). Got strategy={strategy!r}.')
         strategy = "hybrid"
         split_axis(mesh, axes, ulysses_size)  # refuses a size the devices do not divide
-    elif strategy == "auto":
+    elif strategy == "auto" and q.shape[0] and q.shape[1]:  # an empty call runs nothing
         strategy, ulysses_size = _choose_strategy(
-            q, k, v, mesh, axes, call.spec, _placement.entry_size(mesh, batch_entry),
+            q, k, v, mesh, axes, options.spec, _placement.entry_size(mesh, batch_entry),
             _placement.entry_size(mesh, head_entry))
-    pipeline = _pipeline_keywords(strategy, overlap=overlap, chunks=chunks,
-                                  head_groups=head_groups)
-    call = dataclasses.replace(
-        call, mesh=mesh, axes=axes, strategy=strategy, ulysses_size=ulysses_size,
-        layout="contiguous" if positions is not None else layout, batch_entry=batch_entry,
-        head_entry=head_entry, out_spec=_placement.caller_spec(q, mesh), pipeline=pipeline)
-    q, k, v, *ids = _placement.onto(mesh, q, k, v, segment_ids, kv_segment_ids, positions,
-                                    bidirectional_ids,
-                                    None if sinks is None else jnp.asarray(sinks))
-    return run(q, k, v, Metadata(*ids), call=call)
-
-
-def _pipeline_keywords(strategy: str, **keywords) -> tuple:
-    """The pipelining keywords set (not ``"auto"``) as ``(name, value)`` pairs, refused by
-    name where ``strategy``'s per-shard function does not take them."""
-    taken = inspect.signature(registry.get(strategy).attention).parameters
-    chosen = tuple((name, value) for name, value in keywords.items()
-                   if not (isinstance(value, str) and value == "auto"))
-    for name, value in chosen:
-        if name not in taken:
+    pipelining = ("overlap", "chunks", "head_groups")
+    entry = registry.get(strategy) if strategy != "auto" else None
+    if entry is not None and entry.num_seq_axes == 2 and ulysses_size is None and len(axes) != 2:
+        raise ValueError(f"strategy={strategy!r} runs over two sequence axes (outer, inner); "
+                         f"got seq_axes={axes}. Pass ulysses_size= to split one axis in two.")
+    for name, value in (("overlap", overlap), ("chunks", chunks), ("head_groups", head_groups)):
+        if not (isinstance(value, str) and value == "auto") and name not in (
+                entry.pipelining if entry is not None else pipelining):
             raise ValueError(f"{name}={value!r} does not apply to strategy={strategy!r}, "
                              "which does not pipeline that way; drop it.")
-    return chosen
+    return Placement(
+        mesh, axes, strategy, ulysses_size,
+        "contiguous" if metadata.positions is not None else layout, batch_entry, head_entry,
+        _placement.caller_spec(q, mesh), overlap, chunks, head_groups)

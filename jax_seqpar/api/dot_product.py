@@ -17,17 +17,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_seqpar.core import checks, masks
-from jax_seqpar.strategies.inputs import Call, Operands, check_qkv
-from jax_seqpar.api.attention import sequence_parallel_attention
-from jax_seqpar.strategies.local import local_attention
-from jax_seqpar.core.merge import with_sinks
-from jax_seqpar.api.head_rows import per_head
+from jax_seqpar.api import attention
 from jax_seqpar.api.attention import LayoutChoice, StrategyChoice
-from jax_seqpar.kernels import KernelName
+from jax_seqpar.api.head_rows import per_head
+from jax_seqpar.core import checks, masks
+from jax_seqpar.core.merge import check_sinks, with_sinks
+from jax_seqpar.kernels.options import KernelName, make_options
+from jax_seqpar.strategies.inputs import Metadata, Operands, check_qkv
+from jax_seqpar.strategies.local import local_attention
 
 if TYPE_CHECKING:  # annotations only
-    from jax_seqpar.kernels.contract import BlockSizes
+    from jax_seqpar.kernels.options import BlockSizes
 
 __all__ = ["dot_product_attention", "without_segment_ids"]
 
@@ -260,24 +260,25 @@ def dot_product_attention(
     elif kv_segments is not None:
         q_segments = jnp.zeros((batch, q_len), jnp.int32)
     checks.mask_fn(spec, batch, q_len, kv_len)
-    call = dataclasses.replace(
-        Call.make(causal=is_causal, window=local_window_size, scale=scale, kernel=kernel,
-                  block_sizes=block_sizes, softcap=softcap), spec=spec)
-    if mesh is None:
-        def attend(q, k, v, operands: Operands, return_lse: bool):
-            return local_attention(q, k, v, dataclasses.replace(call, return_lse=return_lse),
-                                   operands)
-    else:
-        def attend(q, k, v, operands: Operands, return_lse: bool):
-            q_tokens, kv_tokens = operands.q_tokens, operands.kv_tokens
-            return sequence_parallel_attention(
-                q, k, v, mesh=mesh, seq_axes=seq_axes, strategy=strategy, layout=layout,
-                ulysses_size=ulysses_size, causal=is_causal, window=local_window_size,
-                scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
-                chunk_size=spec.chunk_size, mask_fn=spec.mask_fn,
-                segment_ids=q_tokens.segment_ids, kv_segment_ids=kv_tokens.segment_ids,
-                bidirectional_ids=q_tokens.bidirectional_ids, sinks=operands.sinks,
-                return_lse=return_lse)
+    options = make_options(query, spec, scale=scale, kernel=kernel, block_sizes=block_sizes,
+                           softcap=softcap, return_lse=return_residual)
+    sinks = check_sinks(sinks, heads)
+
+    def attend(q, k, v, operands: Operands, return_lse: bool):
+        """The one path on ``[rows, T, heads, D]`` (heads folded into rows for a per-head
+        mask): the keys' bidirectional ids are the queries'."""
+        call = dataclasses.replace(options, return_lse=return_lse)
+        q_tokens, kv_tokens = operands.q_tokens, operands.kv_tokens
+        metadata = Metadata(q_tokens.segment_ids, kv_tokens.segment_ids, None,
+                            q_tokens.bidirectional_ids, operands.sinks)
+        if mesh is None:
+            kv_tokens = dataclasses.replace(kv_tokens,
+                                            bidirectional_ids=q_tokens.bidirectional_ids)
+            return local_attention(q, k, v, call, Operands(q_tokens, kv_tokens, operands.sinks))
+        where = attention.placement(q, k, v, call, metadata, mesh=mesh, seq_axes=seq_axes,
+                                    strategy=strategy, layout=layout,
+                                    ulysses_size=ulysses_size)
+        return attention.attend(q, k, v, call, metadata, where)
     q_tokens = masks.Tokens(None, q_segments, bidirectional_ids)  # [B, T] fields or None
     if kv_segments is not None and kv_segments.ndim == 3:  # a per-head mask
         if mesh is not None and (strategy in ("ulysses", "hybrid") or ulysses_size):

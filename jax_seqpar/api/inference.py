@@ -51,22 +51,21 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from jax_seqpar.core import checks, masks
+from jax_seqpar.core.merge import check_sinks
 from jax_seqpar.kernels import tiling
-from jax_seqpar.kernels.options import Options
-from jax_seqpar.kernels import make_options
-from jax_seqpar.strategies.inputs import check_qkv, check_self_attention
-from jax_seqpar.api import placement as _placement
+from jax_seqpar.kernels.options import Options, make_options
+from jax_seqpar.strategies.inputs import Metadata, check_qkv, check_self_attention
+from jax_seqpar.api import attention, placement as _placement
 from jax_seqpar.api.placement import place as _place
-from jax_seqpar.api.attention import sequence_parallel_attention
 from jax_seqpar.api.program import axis_name_of, can_check_vma
 from jax_seqpar.api.dot_product import without_segment_ids
 from jax_seqpar.api.kv_cache import KVCache, check_against_cache
 from jax_seqpar.strategies import decode as decode_steps
 from jax_seqpar.api.attention import LayoutChoice, StrategyChoice
-from jax_seqpar.kernels import KernelName
+from jax_seqpar.kernels.options import KernelName
 
 if TYPE_CHECKING:  # annotations only
-    from jax_seqpar.kernels.contract import BlockSizes
+    from jax_seqpar.kernels.options import BlockSizes
 
 __all__ = ["KVCache", "decode", "prefill"]
 
@@ -138,13 +137,15 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
         (placed_ids,) = _placement.onto(cache.mesh, bidirectional_ids)
         bidirectional_ids = _without_padding(placed_ids, seq_lengths)
     seq_axes = cache.seq_axes if len(cache.seq_axes) > 1 else cache.seq_axes[0]
-    # The attention is its own staged program (sequence_parallel_attention), the cache
-    # write another: each compiles once, and what the attention builds inside stays there.
-    out = sequence_parallel_attention(
-        q, k, v, mesh=cache.mesh, seq_axes=seq_axes, strategy=strategy, causal=causal,
-        segment_ids=segment_ids, window=window, scale=scale, layout=layout, kernel=kernel,
-        block_sizes=block_sizes, softcap=softcap, sinks=sinks, chunk_size=spec.chunk_size,
-        bidirectional_ids=bidirectional_ids, mask_fn=spec.mask_fn)  # [B, S, H, Dv], like q
+    # The attention is its own staged program (the global call's), the cache write
+    # another: each compiles once, and what the attention builds inside stays there.
+    options = make_options(q, spec, scale=scale, kernel=kernel, block_sizes=block_sizes,
+                           softcap=softcap)
+    metadata = Metadata(segment_ids, None, None, bidirectional_ids,
+                        check_sinks(sinks, q.shape[2]))
+    where = attention.placement(q, k, v, options, metadata, mesh=cache.mesh,
+                                seq_axes=seq_axes, strategy=strategy, layout=layout)
+    out = attention.attend(q, k, v, options, metadata, where)  # [B, S, H, Dv], like q
     return out, _write_prompt(k, v, cache, seq_lengths)
 
 

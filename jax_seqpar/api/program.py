@@ -1,8 +1,10 @@
 """The one compiled program of a global call: pad, place, ``shard_map``, and back.
 
-:func:`run` takes a call's global arrays and its static description (:class:`~jax_seqpar.strategies.inputs.Call`, built
-by :func:`jax_seqpar.api.attention.sequence_parallel_attention` from its keywords) and
-runs the call's program, compiled once per call signature, sequence length and input
+:func:`run` takes a call's global arrays and its three descriptions, built and checked
+once by the entry point (:func:`jax_seqpar.api.attention.attend` is the one path every
+entry point takes): what is computed (:class:`~jax_seqpar.kernels.options.Options`), the
+per-token data (:class:`~jax_seqpar.strategies.inputs.Metadata`) and where it runs
+(:class:`Placement`), and runs the call's program, compiled once per call signature, sequence length and input
 sharding. The program pads the sequence to what the layout needs, relayouts the tokens
 inside the shards (or gathers them into the per-document order), runs the strategy's
 per-shard function inside ``jax.shard_map`` (over the caller's mesh, or the hybrid's
@@ -14,6 +16,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+from typing import Literal, Optional
 
 import jax
 import jax.numpy as jnp
@@ -24,11 +27,47 @@ from jax_seqpar.api import placement as _placement
 from jax_seqpar.core import layout as layouts, packing
 from jax_seqpar.core.meshes import split_axis
 from jax_seqpar.strategies import registry
-from jax_seqpar.strategies.inputs import Call, Metadata
-from jax_seqpar.kernels import KernelName
+from jax_seqpar.kernels.options import KernelName, Options
+from jax_seqpar.strategies.inputs import Metadata
 from jax_seqpar.strategies.registry import StrategyName
 
-__all__ = ["axis_name_of", "can_check_vma", "per_shard_fn", "run"]
+__all__ = ["Placement", "axis_name_of", "can_check_vma", "run"]
+
+
+@dataclasses.dataclass(frozen=True)
+class Placement:
+    """Where a global call runs: the one description of it, built and checked once by the
+    entry point (:func:`jax_seqpar.api.attention.placement`); hashable, part of the key
+    of the call's compiled program. Read only by this layer (``api/``).
+
+    Attributes:
+      mesh: the caller's mesh; axes: its sequence axes (names).
+      strategy: a registered strategy's name (``"auto"`` already resolved).
+      ulysses_size: the hybrid's Ulysses group on a split of the axes, or None.
+      layout: the token order (``"auto"`` resolved when the program is built, by the
+        padded length), ``"contiguous"`` for tokens given with their positions.
+      batch_entry, head_entry: the mesh axes the batch and the heads stay sharded over.
+      out_spec: the output's sharding (the queries'), or None (Auto meshes: XLA's).
+      overlap, chunks, head_groups: the pipelining the caller set (``"auto"``: the
+        strategy's choice); only keywords of the strategy's ``pipelining``.
+    """
+
+    mesh: jax.sharding.Mesh
+    axes: tuple[str, ...]
+    strategy: StrategyName
+    ulysses_size: Optional[int] = None
+    layout: Literal["auto", layouts.LayoutName] = "auto"
+    batch_entry: str | tuple[str, ...] | None = None
+    head_entry: str | tuple[str, ...] | None = None
+    out_spec: Optional[P] = None
+    overlap: bool | Literal["auto"] = "auto"
+    chunks: int | Literal["auto"] = "auto"
+    head_groups: int | Literal["auto"] = "auto"
+
+    def pipelining(self) -> dict:
+        """The strategy's pipelining keywords the caller set (not ``"auto"``)."""
+        return {name: getattr(self, name) for name in registry.get(self.strategy).pipelining
+                if not (isinstance(getattr(self, name), str) and getattr(self, name) == "auto")}
 
 
 def _keep(x, *, axis_name):
@@ -60,19 +99,6 @@ def can_check_vma(kernel: KernelName) -> bool:
     return not kernels.may_interpret(kernel)
 
 
-def per_shard_fn(strategy: StrategyName, axes: tuple, *, core: bool = False):
-    """The per-shard attention function for ``strategy`` over the sequence ``axes``
-    (``core``: its core, ``f(q, k, v, call, metadata, **pipeline)``, which the global
-    view calls with the call's :class:`~jax_seqpar.strategies.inputs.Call`)."""
-    entry = registry.get(strategy)
-    if entry.num_seq_axes == 2 and len(axes) != 2:  # the others run over the axes flattened
-        raise ValueError(f"strategy={strategy!r} runs over two sequence axes (outer, inner); "
-                         f"got seq_axes={axes}. Pass ulysses_size= to split one axis in two.")
-    # per_shard sets the function attribute `core`, which Callable does not declare.
-    function = entry.attention.core if core else entry.attention  # type: ignore[attr-defined]
-    return functools.partial(function, seq_axes=axis_name_of(axes))
-
-
 @dataclasses.dataclass(frozen=True)
 class _Geometry:
     """Where one call's ``shard_map`` runs: ``mesh`` (the caller's, or for a hybrid with
@@ -87,43 +113,35 @@ class _Geometry:
     length: int
 
 
-def _global(call: Call) -> tuple[jax.sharding.Mesh, StrategyName]:
-    """The mesh and the strategy of a global call (the entry point sets both)."""
-    if call.mesh is None or call.strategy is None:
-        raise ValueError(f"a global call runs on a mesh with a strategy. Got "
-                         f"mesh={call.mesh!r}, strategy={call.strategy!r}.")
-    return call.mesh, call.strategy
-
-
-def _geometry(call: Call, seq_len: int) -> _Geometry:
-    mesh, strategy = _global(call)
-    axes = call.axes
-    if call.ulysses_size is not None:  # hybrid on a (ring, ulysses) split of the same devices
-        mesh, axes = split_axis(mesh, axes, call.ulysses_size)
+def _geometry(options: Options, placement: Placement, seq_len: int) -> _Geometry:
+    mesh, axes = placement.mesh, placement.axes
+    if placement.ulysses_size is not None:  # hybrid on a (ring, ulysses) split of the devices
+        mesh, axes = split_axis(mesh, axes, placement.ulysses_size)
     num_shards = math.prod(mesh.shape[name] for name in axes)
-    layout = call.layout
+    layout = placement.layout
     if layout == "auto":
-        layout = registry.default_layout(strategy, call.spec, seq_len=seq_len,
+        layout = registry.default_layout(placement.strategy, options.spec, seq_len=seq_len,
                                          num_shards=num_shards)
     per_shard = {"contiguous": 1, "zigzag": 2, "striped": num_shards, "per_document": 1}[layout]
     return _Geometry(mesh, axes, layout, num_shards,
                      _placement.padded_length(seq_len, num_shards * per_shard))
 
 
-def run(q: jax.Array, k: jax.Array, v: jax.Array, metadata: Metadata, *, call: Call):
-    """``call`` run on its global arrays (``metadata``: the ids and sinks beside q, k, v)
-    by its one compiled program."""
+def run(q: jax.Array, k: jax.Array, v: jax.Array, metadata: Metadata, *, options: Options,
+        placement: Placement):
+    """The call ``options`` at ``placement`` run on its global arrays (``metadata``: the
+    checked ids and sinks beside q, k, v) by its one compiled program."""
     arrays = (q, k, v, *metadata.arrays())
-    mesh, _ = _global(call)
-    divides = q.shape[1] % math.prod(mesh.shape[a] for a in call.axes) == 0
+    mesh, axes = placement.mesh, placement.axes
+    divides = q.shape[1] % math.prod(mesh.shape[a] for a in axes) == 0
     in_shardings = _placement.boundary_shardings(
-        arrays, mesh, call.batch_entry, axis_name_of(call.axes) if divides else None,
-        call.head_entry)
-    return _program(call, q.shape[1], in_shardings)(*arrays)
+        arrays, mesh, placement.batch_entry, axis_name_of(axes) if divides else None,
+        placement.head_entry)
+    return _program(options, placement, q.shape[1], in_shardings)(*arrays)
 
 
 @functools.lru_cache(maxsize=None)
-def _program(call: Call, seq_len: int, in_shardings: tuple):
+def _program(options: Options, placement: Placement, seq_len: int, in_shardings: tuple):
     """The jitted program of one call signature at one sequence length and input sharding
     (:func:`~jax_seqpar.api.placement.boundary_shardings`).
 
@@ -137,19 +155,22 @@ def _program(call: Call, seq_len: int, in_shardings: tuple):
     Left to the ``shard_map`` over a split mesh, the caller's weights came back typed
     on that mesh and the next step failed.
     """
-    geometry = _geometry(call, seq_len)
-    seq_spec = P(call.batch_entry, axis_name_of(call.axes), call.head_entry, None)
-    spec = _placement.result_spec(seq_spec, call.out_spec, padded=geometry.length != seq_len)
-    out_shardings = tuple(NamedSharding(_global(call)[0], P(*spec[:ndim]))
-                          for ndim in ((4, 3) if call.return_lse else (4,)))
-    return jax.jit(functools.partial(_attend, call=call, geometry=geometry,
-                                     in_shardings=in_shardings),
+    geometry = _geometry(options, placement, seq_len)
+    seq_spec = P(placement.batch_entry, axis_name_of(placement.axes), placement.head_entry,
+                 None)
+    spec = _placement.result_spec(seq_spec, placement.out_spec,
+                                  padded=geometry.length != seq_len)
+    out_shardings = tuple(NamedSharding(placement.mesh, P(*spec[:ndim]))
+                          for ndim in ((4, 3) if options.return_lse else (4,)))
+    return jax.jit(functools.partial(_attend, options=options, placement=placement,
+                                     geometry=geometry, in_shardings=in_shardings),
                    in_shardings=in_shardings,
-                   out_shardings=out_shardings if call.return_lse else out_shardings[0])
+                   out_shardings=out_shardings if options.return_lse else out_shardings[0])
 
 
-def _attend(*arrays, call: Call, geometry: _Geometry, in_shardings: tuple):
-    caller_mesh, strategy = _global(call)
+def _attend(*arrays, options: Options, placement: Placement, geometry: _Geometry,
+            in_shardings: tuple):
+    caller_mesh = placement.mesh
     q, k, v, *rest = _placement.bind(arrays, in_shardings, caller_mesh)
     metadata = Metadata(*rest)
     seq_len, length, num_shards = q.shape[1], geometry.length, geometry.num_shards
@@ -158,10 +179,16 @@ def _attend(*arrays, call: Call, geometry: _Geometry, in_shardings: tuple):
         q, k, v, metadata = _placement.pad_inputs(length, q, k, v, metadata)
     inverse = None
     if layout == "per_document":  # a data-dependent order: gathered here, before shard_map
-        q, k, v, metadata, inverse = _per_document(call, num_shards, q, k, v, metadata)
+        q, k, v, metadata, inverse = _per_document(options, placement, num_shards, q, k, v,
+                                                   metadata)
         layout = "contiguous"
-    attend = per_shard_fn(strategy, axes, core=True)
+    entry = registry.get(placement.strategy)
+    if entry.num_seq_axes == 2 and len(axes) != 2:  # the others run over the axes flattened
+        raise ValueError(f"strategy={placement.strategy!r} runs over two sequence axes (outer, "
+                         f"inner); got seq_axes={axes}. Pass ulysses_size= to split one axis "
+                         "in two.")
     axis_name = axis_name_of(axes)
+    attend = functools.partial(entry.attend, seq_axes=axis_name, **placement.pipelining())
     relayout_in, relayout_out = _RELAYOUTS[layout]
 
     def body(q, k, v, metadata):
@@ -177,61 +204,61 @@ def _attend(*arrays, call: Call, geometry: _Geometry, in_shardings: tuple):
         if metadata.positions is None and layout != "contiguous":
             positions = layouts.shard_positions(layout, q.shape[1], axis_name=axis_name)
             metadata.positions = jnp.broadcast_to(positions, q.shape[:2])  # [B, L]
-        result = attend(q, k, v, call, metadata,
-                        **dict(call.pipeline))  # [B, L, H, Dv] (and lse [B, L, H])
+        result = attend(q, k, v, options, metadata)  # [B, L, H, Dv] (and lse [B, L, H])
         return jax.tree.map(lambda x: relayout_out(x, axis_name=axis_name), result)
 
-    batch_entry, head_entry = call.batch_entry, call.head_entry
+    batch_entry, head_entry = placement.batch_entry, placement.head_entry
     qkv_spec = P(batch_entry, axis_name, head_entry, None)
     ids_spec = P(batch_entry, axis_name)
     id_fields = ("segment_ids", "kv_segment_ids", "positions", "bidirectional_ids")
     specs = Metadata(**{name: P() if getattr(metadata, name) is None else ids_spec
                         for name in id_fields}, sinks=P(head_entry))
     out_specs: P | tuple[P, P] = qkv_spec
-    if call.return_lse:
+    if options.return_lse:
         out_specs = (qkv_spec, P(batch_entry, axis_name, head_entry))
     mapped = jax.shard_map(
         body, mesh=mesh, in_specs=(qkv_spec,) * 3 + (specs,), out_specs=out_specs,
-        check_vma=can_check_vma(call.kernel))
+        check_vma=can_check_vma(options.kernel))
     with _placement.on_mesh(mesh, caller_mesh):  # a split mesh is the context of its shard_map
         q, k, v = (_placement.place(x, mesh, qkv_spec) for x in (q, k, v))
         metadata = Metadata(*(None if x is None else _placement.place(x, mesh, spec)
                               for x, spec in zip(metadata.arrays(), specs.arrays())))
         result = mapped(q, k, v, metadata)
     if inverse is not None:  # back to natural order
-        result = jax.tree.map(lambda x: _gather_seq(x, inverse, call), result)
+        result = jax.tree.map(lambda x: _gather_seq(x, inverse, placement), result)
     # Back on the caller's mesh (a split mesh has the same devices: no data moves there)
     # at the caller's length, sharded like q.
-    seq_spec = P(batch_entry, axis_name_of(call.axes), head_entry, None)
-    out_spec = call.out_spec
+    seq_spec = P(batch_entry, axis_name_of(placement.axes), head_entry, None)
+    out_spec = placement.out_spec
     return jax.tree.map(
         lambda x: _placement.finish(x, caller_mesh, seq_len, P(*seq_spec[:x.ndim]),
                                     None if out_spec is None else P(*out_spec[:x.ndim])),
         result)
 
 
-def _gather_seq(x, order, call: Call):
+def _gather_seq(x, order, placement: Placement):
     """``x [B, S, ...]`` reordered along the sequence by ``order int32[B, S]``, on the
     caller's mesh with the sequence whole (an Explicit type cannot gather a sharded dim)."""
-    spec = P(call.batch_entry, None, call.head_entry, None)[:x.ndim]
-    x = _placement.place(x, _global(call)[0], P(*spec))
+    spec = P(placement.batch_entry, None, placement.head_entry, None)[:x.ndim]
+    x = _placement.place(x, placement.mesh, P(*spec))
     index = order.reshape(order.shape + (1,) * (x.ndim - 2))
     return jnp.take_along_axis(x, index, axis=1)
 
 
-def _per_document(call: Call, num_shards: int, q, k, v, metadata: Metadata):
+def _per_document(options: Options, placement: Placement, num_shards: int, q, k, v,
+                  metadata: Metadata):
     """``(q, k, v, metadata, inverse)``: the call's arrays in the per-document order of
     its segment ids, with the ``positions`` of that order, and the order's inverse
     (:mod:`jax_seqpar.core.packing`, traced)."""
     if metadata.segment_ids is None:  # sequence_parallel_attention refuses this first
         raise ValueError('layout="per_document" orders the tokens by their documents: pass '
                          "segment_ids= (int32[B, S]).")
-    ids = _placement.place(metadata.segment_ids, _global(call)[0], P(call.batch_entry, None))
-    block = getattr(call.block_sizes, "block_q", None) or packing.DEFAULT_BLOCK
+    ids = _placement.place(metadata.segment_ids, placement.mesh, P(placement.batch_entry, None))
+    block = getattr(options.block_sizes, "block_q", None) or packing.DEFAULT_BLOCK
     positions = packing.per_document_positions(ids, num_shards, block)  # [B, S]
 
     def moved(x):
-        return None if x is None else _gather_seq(x, positions, call)
+        return None if x is None else _gather_seq(x, positions, placement)
 
     metadata = dataclasses.replace(metadata, positions=positions, **{
         name: moved(getattr(metadata, name))

@@ -12,56 +12,16 @@ named here and refused when we cannot honour it: a request is never dropped.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from typing import Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
 
-from jax_seqpar.api.attention import sequence_parallel_attention
+from jax_seqpar.api import attention
 from jax_seqpar.core import checks, masks
-from jax_seqpar.strategies.inputs import Call
 from jax_seqpar.api.attention import LayoutChoice, StrategyChoice
-from jax_seqpar.kernels import BlockSizes, KernelName
-
-
-@dataclasses.dataclass(frozen=True)
-class AttentionConfig:
-    """The static keywords of :func:`jax_seqpar.sequence_parallel_attention` one layer
-    calls it with (every field but ``causal`` passed as is; see there).
-
-    Attributes:
-      mesh, seq_axes, strategy, layout, kernel, block_sizes, ulysses_size: where and how
-        the sequence is split and attended.
-      causal, window, chunk_size, mask_fn: the mask (``causal`` may be switched on per
-        call, e.g. by NNX's ``is_causal``).
-      scale, softcap: the logits.
-    """
-
-    mesh: Optional[jax.sharding.Mesh] = None
-    seq_axes: Union[str, tuple] = "sp"
-    strategy: str = "auto"
-    causal: bool = False
-    window: Union[int, tuple[int, int], None] = None
-    scale: Optional[float] = None
-    layout: str = "auto"
-    kernel: str = "auto"
-    block_sizes: object = None
-    softcap: Optional[float] = None
-    ulysses_size: Optional[int] = None
-    chunk_size: Optional[int] = None
-    mask_fn: Optional[Callable] = None
-
-    def __post_init__(self):  # refused when the layer is made, before any call
-        Call.make(causal=self.causal, window=self.window, chunk_size=self.chunk_size,
-                  mask_fn=self.mask_fn, scale=self.scale, softcap=self.softcap)
-
-    def keywords(self, causal: bool) -> dict:
-        """The keywords of a call, ``causal`` switched on when either asks for it."""
-        keywords = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
-        keywords["causal"] = self.causal or causal
-        return keywords
+from jax_seqpar.kernels.options import BlockSizes, KernelName, check_softcap
 
 
 def _refuse(name: str, value, fix: str) -> None:
@@ -109,8 +69,9 @@ def make_attention_fn(
         local (unsharded) blockwise kernel.
       seq_axes, strategy, causal, window, scale, layout, kernel, block_sizes,
         softcap, ulysses_size, chunk_size, mask_fn: as in
-        :func:`jax_seqpar.sequence_parallel_attention` (kept in an
-        ``AttentionConfig``).
+        :func:`jax_seqpar.sequence_parallel_attention` (checked when the function is
+        made; each call builds its descriptions once:
+        :func:`jax_seqpar.api.attention.describe`).
 
     Returns:
       ``attention_fn(query, key, value, bias=None, mask=None, ..., is_causal=False,
@@ -127,8 +88,9 @@ def make_attention_fn(
             num_heads=8, in_features=256, decode=False, rngs=nnx.Rngs(0),
             attention_fn=make_attention_fn(mesh, strategy="ring", causal=True))
     """
-    config = AttentionConfig(mesh, seq_axes, strategy, causal, window, scale, layout, kernel,
-                             block_sizes, softcap, ulysses_size, chunk_size, mask_fn)
+    masks.MaskSpec.make(checks.flag("causal", causal), window, chunk_size, mask_fn)
+    checks.scale(scale)  # refused when the function is made, before any call
+    check_softcap(softcap)
 
     def attention_fn(query, key, value, bias=None, mask=None, broadcast_dropout=True,
                      dropout_rng=None, dropout_rate=0.0, deterministic=False, dtype=None,
@@ -176,10 +138,15 @@ def make_attention_fn(
                 raise ValueError(f"{name} must have shape [batch..., length]={expected}. "
                                  f"Got {tuple(jnp.shape(x))}.")
         ids = jax.tree.map(lambda x: jnp.reshape(x, (flat, query.shape[1])), ids)  # [B, S]
-        out = sequence_parallel_attention(
-            query, key, value, segment_ids=ids.segment_ids,
-            bidirectional_ids=ids.bidirectional_ids, sinks=sinks,
-            **config.keywords(checks.flag("is_causal", is_causal)))
+        options, metadata = attention.describe(
+            query, key, value, causal=causal or checks.flag("is_causal", is_causal),
+            window=window, chunk_size=chunk_size, mask_fn=mask_fn, scale=scale,
+            kernel=kernel, block_sizes=block_sizes, softcap=softcap,
+            segment_ids=ids.segment_ids, bidirectional_ids=ids.bidirectional_ids, sinks=sinks)
+        where = attention.placement(query, key, value, options, metadata, mesh=mesh,
+                                    seq_axes=seq_axes, strategy=strategy, layout=layout,
+                                    ulysses_size=ulysses_size)
+        out = attention.attend(query, key, value, options, metadata, where)
         return out.reshape(*batch_dims, *out.shape[1:])  # [batch..., S, H, Dv]
 
     return attention_fn

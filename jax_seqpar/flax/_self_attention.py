@@ -9,12 +9,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from jax_seqpar.api import inference
-from jax_seqpar.api.attention import sequence_parallel_attention
-from jax_seqpar.flax._rope import apply_rope
-from jax_seqpar.strategies.inputs import Call
+from jax_seqpar.api import attention, inference
 from jax_seqpar.api.attention import LayoutChoice, StrategyChoice
-from jax_seqpar.kernels import KernelName
+from jax_seqpar.core import checks, masks
+from jax_seqpar.flax._rope import apply_rope
+from jax_seqpar.kernels.options import KernelName, check_softcap
 
 
 class SelfAttention(nnx.Module):
@@ -110,8 +109,8 @@ class SelfAttention(nnx.Module):
         rngs: nnx.Rngs,
     ):
         # refused before any call
-        Call.make(causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
-                  softcap=softcap)
+        masks.MaskSpec.make(checks.flag("causal", causal), window, chunk_size, mask_fn)
+        check_softcap(softcap)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
             raise ValueError(f"num_heads={num_heads} must be a positive multiple of "
@@ -163,11 +162,15 @@ class SelfAttention(nnx.Module):
         rope_positions = jnp.arange(x.shape[1], dtype=jnp.int32) if positions is None \
             else positions  # [S] natural order, or [B, S] as given
         q, k, v = self._rotated_qkv(x, rope_positions)  # [B, S, H | Hkv, Dh]
-        out = sequence_parallel_attention(
-            q, k, v, mesh=self.mesh, seq_axes=self.seq_axes, strategy=self.strategy,
-            causal=self.causal, segment_ids=segment_ids, positions=positions,
-            bidirectional_ids=bidirectional_ids, ulysses_size=self.ulysses_size,
-            **self._mask_options())  # [B, S, H, Dh]
+        options, metadata = attention.describe(
+            q, k, v, causal=self.causal, window=self.window, chunk_size=self.chunk_size,
+            mask_fn=self.mask_fn, kernel=self.kernel, softcap=self.softcap,
+            segment_ids=segment_ids, positions=positions, bidirectional_ids=bidirectional_ids,
+            sinks=None if self.sinks is None else self.sinks[...])
+        where = attention.placement(q, k, v, options, metadata, mesh=self.mesh,
+                                    seq_axes=self.seq_axes, strategy=self.strategy,
+                                    layout=self.layout, ulysses_size=self.ulysses_size)
+        out = attention.attend(q, k, v, options, metadata, where)  # [B, S, H, Dh]
         return self.o_proj(out)  # [B, S, d_model]
 
     # --- decode mode: prefill and decode against a sequence-sharded KV cache ---------

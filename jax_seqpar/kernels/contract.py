@@ -34,119 +34,22 @@ Shapes: ``q [B, Sq, H, Dqk]``, ``k [B, Sk, Hkv, Dqk]``, ``v [B, Sk, Hkv, Dv]``,
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-import math
-from typing import TYPE_CHECKING, Callable, Optional, Protocol, Sequence
+from typing import Callable, Optional, Protocol, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_seqpar.core import checks
 from jax_seqpar.core.masks import Tokens
+from jax_seqpar.kernels.options import (GPU_MIN_TILE, TPU_LANES, BlockSizes, Options,
+                                        check_softcap, resolve_block_sizes)
 
-if TYPE_CHECKING:  # annotations only
-    from jax_seqpar.kernels.options import Options
-
-__all__ = ["BlockSizes", "F32", "Kernel", "add_accumulated", "check_accumulated",
+__all__ = ["GPU_MIN_TILE", "TPU_LANES", "BlockSizes", "F32", "Kernel", "add_accumulated", "check_accumulated",
            "check_backward_operands", "check_operands", "check_softcap",
            "differentiable", "folds_vmap", "merge_accumulated", "resolve_block_sizes"]
 
 F32 = jnp.float32
-#: Smallest tile the Triton (GPU) lowering takes; tiles there are powers of two.
-GPU_MIN_TILE = 16
-#: TPU lane width; Mosaic tiles are multiples of it.
-TPU_LANES = 128
-
-
-def _next_power_of_two(n: int) -> int:
-    return 1 << max(0, n - 1).bit_length()
-
-
-@dataclasses.dataclass(frozen=True)
-class BlockSizes:
-    """Tile sizes in tokens, the same class for every kernel.
-
-    A size left ``None`` is the default of the kernel that runs, for the call's
-    head dims and dtype (each kernel module's ``default_block_sizes``). Tiles are
-    clipped to the sequence (the XLA kernel: its length; Triton: the next power of
-    two; Mosaic: whole 128-token lanes) and ragged tails are padded. What a kernel
-    takes: the XLA kernel any positive size; the Pallas kernel powers of two >= 16
-    when lowered for GPU (:meth:`check_gpu`), any size in the interpreter; the
-    Mosaic kernel multiples of 128 (:meth:`check_tpu`). Powers of two that are
-    multiples of 128 (128, 256, 512) suit every kernel.
-
-    Attributes:
-      block_q: query tokens per forward tile.
-      block_k: key/value tokens per forward tile.
-      block_q_bwd: query tokens per tile in the backward.
-      block_k_bwd: key/value tokens per tile in the backward.
-    """
-
-    block_q: Optional[int] = None
-    block_k: Optional[int] = None
-    block_q_bwd: Optional[int] = None
-    block_k_bwd: Optional[int] = None
-
-    def __post_init__(self):
-        for name, size in self._sizes():
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"{name}={size!r} must be a positive int (or None for the "
-                                 f"kernel's default). Got {self}.")
-
-    def _sizes(self):
-        """``(name, size)`` of the sizes that are set."""
-        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
-                if getattr(self, f.name) is not None]
-
-    def check_gpu(self) -> None:
-        """Raise ``ValueError`` unless every size set suits the Triton (GPU) lowering:
-        powers of two >= 16."""
-        for name, size in self._sizes():
-            if size < GPU_MIN_TILE or size & (size - 1):
-                raise ValueError(
-                    f"{name}={size} must be a power of two >= {GPU_MIN_TILE} for the Triton "
-                    f"(GPU) lowering; use e.g. {max(GPU_MIN_TILE, _next_power_of_two(size))}.")
-
-    def check_tpu(self) -> None:
-        """Raise ``ValueError`` unless every size set suits the Mosaic (TPU) kernel:
-        multiples of 128, the TPU lane width."""
-        for name, size in self._sizes():
-            if size % TPU_LANES:
-                raise ValueError(
-                    f"{name}={size} must be a positive multiple of {TPU_LANES} (the TPU lane "
-                    f"width); use e.g. {TPU_LANES * -(-size // TPU_LANES)}.")
-
-    def resolve(self, defaults: "BlockSizes") -> "BlockSizes":
-        """These sizes with every ``None`` taken from ``defaults``."""
-        return dataclasses.replace(defaults, **dict(self._sizes()))
-
-
-def resolve_block_sizes(block_sizes: Optional[BlockSizes], defaults: BlockSizes,
-                        kernel_name: str) -> BlockSizes:
-    """``block_sizes`` (``None`` or partly ``None``) completed from ``defaults``.
-
-    Raises ``ValueError`` unless ``block_sizes`` is a :class:`BlockSizes` or None.
-    """
-    if block_sizes is None:
-        return defaults
-    if not isinstance(block_sizes, BlockSizes):
-        raise ValueError(f"block_sizes={block_sizes!r} must be a jax_seqpar.kernels.BlockSizes "
-                         f"(the tile sizes of {kernel_name}) or None.")
-    return block_sizes.resolve(defaults)
-
-
-def check_softcap(softcap: float | None) -> Optional[float]:
-    """``None`` or a positive number (not a bool) as a float, else ``ValueError``.
-
-    ``softcap=inf`` is no cap (``c * tanh(s / c) -> s`` as ``c`` grows; computed as
-    written it would be ``inf * 0``, NaN): it returns None.
-    """
-    if softcap is None:
-        return None
-    softcap = checks.real("softcap", softcap, positive=True)
-    return None if math.isinf(softcap) else softcap
 
 
 def check_operands(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens, *,

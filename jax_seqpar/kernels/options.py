@@ -1,48 +1,152 @@
-"""The static options of one attention call, the one object kernels take them in.
+"""What one attention call computes: the static description every kernel and strategy
+reads (:class:`Options`), and its tile sizes (:class:`BlockSizes`).
 
-Built once by :func:`jax_seqpar.kernels.make_options` from the public keywords; strategies
-reach every kernel through its :meth:`Options.forward` / :meth:`Options.backward` /
-:meth:`Options.attention` (see :mod:`jax_seqpar.kernels.contract` for the contract).
+Built once per call by :func:`make_options` from the public keywords (every check runs
+there); the kernels read the fields they need (:mod:`jax_seqpar.kernels.contract`), and
+strategies reach the kernel of the platform a program is lowered for through
+:mod:`jax_seqpar.kernels.lowering` with it. Nothing here imports a kernel.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import math
+import typing
+from typing import Literal, Optional
 
 import jax
 
-from jax_seqpar.core import compat as _compat
+from jax_seqpar.core import checks
 from jax_seqpar.core.masks import MaskSpec, Tokens
-from jax_seqpar.kernels import tiling
-from jax_seqpar.kernels.contract import BlockSizes, Kernel, check_softcap, resolve_block_sizes
 
-__all__ = ["Options"]
+__all__ = ["GPU_MIN_TILE", "KERNELS", "TPU_LANES", "BlockSizes", "KernelName", "Options",
+           "check_softcap", "make_options", "resolve_block_sizes"]
+
+#: What ``kernel=`` takes: a per-platform choice (``"auto"``) or one kernel.
+KernelName = Literal["auto", "xla", "pallas", "mosaic"]
+#: Every value ``kernel=`` takes.
+KERNELS: tuple[str, ...] = typing.get_args(KernelName)
+#: Smallest tile the Triton (GPU) lowering takes; tiles there are powers of two.
+GPU_MIN_TILE = 16
+#: TPU lane width; Mosaic tiles are multiples of it.
+TPU_LANES = 128
+
+
+def _next_power_of_two(n: int) -> int:
+    return 1 << max(0, n - 1).bit_length()
+
+
+@dataclasses.dataclass(frozen=True)
+class BlockSizes:
+    """Tile sizes in tokens, the same class for every kernel.
+
+    A size left ``None`` is the default of the kernel that runs, for the call's
+    head dims and dtype (each kernel module's ``default_block_sizes``). Tiles are
+    clipped to the sequence (the XLA kernel: its length; Triton: the next power of
+    two; Mosaic: whole 128-token lanes) and ragged tails are padded. What a kernel
+    takes: the XLA kernel any positive size; the Pallas kernel powers of two >= 16
+    when lowered for GPU (:meth:`check_gpu`), any size in the interpreter; the
+    Mosaic kernel multiples of 128 (:meth:`check_tpu`). Powers of two that are
+    multiples of 128 (128, 256, 512) suit every kernel.
+
+    Attributes:
+      block_q: query tokens per forward tile.
+      block_k: key/value tokens per forward tile.
+      block_q_bwd: query tokens per tile in the backward.
+      block_k_bwd: key/value tokens per tile in the backward.
+    """
+
+    block_q: Optional[int] = None
+    block_k: Optional[int] = None
+    block_q_bwd: Optional[int] = None
+    block_k_bwd: Optional[int] = None
+
+    def __post_init__(self):
+        for name, size in self._sizes():
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name}={size!r} must be a positive int (or None for the "
+                                 f"kernel's default). Got {self}.")
+
+    def _sizes(self):
+        """``(name, size)`` of the sizes that are set."""
+        return [(f.name, getattr(self, f.name)) for f in dataclasses.fields(self)
+                if getattr(self, f.name) is not None]
+
+    def check_gpu(self) -> None:
+        """Raise ``ValueError`` unless every size set suits the Triton (GPU) lowering:
+        powers of two >= 16."""
+        for name, size in self._sizes():
+            if size < GPU_MIN_TILE or size & (size - 1):
+                raise ValueError(
+                    f"{name}={size} must be a power of two >= {GPU_MIN_TILE} for the Triton "
+                    f"(GPU) lowering; use e.g. {max(GPU_MIN_TILE, _next_power_of_two(size))}.")
+
+    def check_tpu(self) -> None:
+        """Raise ``ValueError`` unless every size set suits the Mosaic (TPU) kernel:
+        multiples of 128, the TPU lane width."""
+        for name, size in self._sizes():
+            if size % TPU_LANES:
+                raise ValueError(
+                    f"{name}={size} must be a positive multiple of {TPU_LANES} (the TPU lane "
+                    f"width); use e.g. {TPU_LANES * -(-size // TPU_LANES)}.")
+
+    def resolve(self, defaults: "BlockSizes") -> "BlockSizes":
+        """These sizes with every ``None`` taken from ``defaults``."""
+        return dataclasses.replace(defaults, **dict(self._sizes()))
+
+
+def resolve_block_sizes(block_sizes: Optional[BlockSizes], defaults: BlockSizes,
+                        kernel_name: str) -> BlockSizes:
+    """``block_sizes`` (``None`` or partly ``None``) completed from ``defaults``.
+
+    Raises ``ValueError`` unless ``block_sizes`` is a :class:`BlockSizes` or None.
+    """
+    if block_sizes is None:
+        return defaults
+    if not isinstance(block_sizes, BlockSizes):
+        raise ValueError(f"block_sizes={block_sizes!r} must be a jax_seqpar.kernels.BlockSizes "
+                         f"(the tile sizes of {kernel_name}) or None.")
+    return block_sizes.resolve(defaults)
+
+
+def check_softcap(softcap: float | None) -> Optional[float]:
+    """``None`` or a positive number (not a bool) as a float, else ``ValueError``.
+
+    ``softcap=inf`` is no cap (``c * tanh(s / c) -> s`` as ``c`` grows; computed as
+    written it would be ``inf * 0``, NaN): it returns None.
+    """
+    if softcap is None:
+        return None
+    softcap = checks.real("softcap", softcap, positive=True)
+    return None if math.isinf(softcap) else softcap
 
 
 @dataclasses.dataclass(frozen=True)
 class Options:
-    """The static options of one attention call (hashable, for custom_vjp), the one
-    object the kernels take them in.
+    """What one attention call computes (hashable: static under ``jit`` and
+    ``custom_vjp``, and the key of the call's compiled program).
 
     Attributes:
       spec: the mask (:class:`jax_seqpar.core.masks.MaskSpec`).
-      scale: score multiplier.
-      kernel: the kernel (see :func:`jax_seqpar.kernels.get`); the kernels themselves
-        ignore it.
-      block_sizes: the tile sizes, or None for the kernel's defaults.
+      scale: the score multiplier (``1/sqrt(Dqk)`` unless given).
+      kernel: the ``kernel=`` choice (:data:`KernelName`): which kernel runs, per
+        lowering platform (:mod:`jax_seqpar.kernels.lowering`); the kernels ignore it.
+      block_sizes: the tile sizes, or None for the running kernel's defaults.
       softcap: logit soft-cap (``softcap * tanh(s / softcap)``), or None.
+      return_lse: whether the call also returns the float32 log-sum-exp (read by the
+        strategies and the entry points, not by the kernels).
     """
 
     spec: MaskSpec
     scale: float
-    kernel: Kernel
+    kernel: KernelName = "auto"
     block_sizes: Optional[BlockSizes] = None
     softcap: Optional[float] = None
+    return_lse: bool = False
 
     def resolved(self, defaults: BlockSizes, kernel_name: str) -> "Options":
         """These options as a kernel runs them: tile sizes completed from ``defaults``
-        (:func:`~jax_seqpar.kernels.contract.resolve_block_sizes`), the soft-cap checked (:func:`~jax_seqpar.kernels.contract.check_softcap`) and
+        (:func:`resolve_block_sizes`), the soft-cap checked (:func:`check_softcap`) and
         the scale a float. Raises ``ValueError`` naming ``kernel_name``."""
         if not isinstance(self.spec, MaskSpec):
             raise ValueError(f"options.spec must be a jax_seqpar.core.masks.MaskSpec (the mask "
@@ -62,53 +166,30 @@ class Options:
                              f"Got block_sizes={self.block_sizes!r}.")
         return block_q, block_k
 
-    def forward(self, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
-                accumulate: tuple[jax.Array, jax.Array] | None = None):
-        """The kernel's forward; with ``accumulate`` (the ``(out, lse)`` of earlier keys)
-        the result covers both (see :mod:`jax_seqpar.kernels.contract`), and a call in
-        which no query may see any key is skipped whole (``_unless_empty``)."""
-        if accumulate is None:
-            return self.kernel.forward(q, k, v, q_tokens, kv_tokens, self)
-        return self._unless_empty(
-            lambda: self.kernel.forward(q, k, v, q_tokens, kv_tokens, self, accumulate),
-            accumulate, (q, k, v, q_tokens, kv_tokens))
-
-    def backward(self, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens,
-                 kv_tokens: Tokens, lse: jax.Array, delta: jax.Array, dout: jax.Array,
-                 accumulate: tuple[jax.Array, jax.Array] | None = None):
-        """The kernel's backward (float32 ``(dq, dk, dv)``, plus ``accumulate``); with
-        ``accumulate``, skipped whole like :meth:`forward`."""
-        def call():
-            return self.kernel.backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, self,
-                                        accumulate)
-        if accumulate is None:
-            return call()
-        return self._unless_empty(call, accumulate, (q, k, v, q_tokens, kv_tokens))
-
     def may_be_empty(self, q_tokens: Tokens) -> bool:
         """Whether a whole call on these tokens can have no visible pair beyond what
         causality alone rules out cheaply: with documents (segment ids), chunks
         (``spec.chunk_size``) or bidirectional ids, a ring step or a pipeline's pair of
-        chunks may share nothing (then ``_unless_empty`` skips its kernel)."""
+        pieces may share nothing (then :mod:`jax_seqpar.kernels.lowering` skips it)."""
         return (q_tokens.segment_ids is not None or q_tokens.bidirectional_ids is not None
                 or self.spec.chunk_size is not None)
 
-    def _unless_empty(self, call, accumulate, operands):
-        """``call()``, or ``accumulate`` unchanged when no query may see any key
-        (:func:`jax_seqpar.kernels.tiling.any_visible`, exact-conservative: a call it
-        skips has no visible pair): a ring step whose K/V shard holds none of this
-        shard's documents or chunks costs no kernel. Only where whole calls can be
-        empty (:meth:`may_be_empty`; the test is a few tile summaries, other masks keep
-        one kernel call)."""
-        q_tokens, kv_tokens = operands[3:]
-        if not self.may_be_empty(q_tokens):
-            return call()
-        like = (operands, accumulate)
-        return jax.lax.cond(tiling.any_visible(self.spec, q_tokens, kv_tokens),
-                            lambda: _compat.match_varying(tuple(call()), like),
-                            lambda: _compat.match_varying(tuple(accumulate), like))
 
-    def attention(self, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens,
-                  kv_tokens: Tokens):
-        """The kernel's differentiable forward: ``(out float32, lse float32)``."""
-        return self.kernel.attention(q, k, v, q_tokens, kv_tokens, self)
+def make_options(q: jax.Array, spec: MaskSpec, *, scale: float | None = None,
+                 kernel: KernelName = "auto", block_sizes: BlockSizes | None = None,
+                 softcap: float | None = None, return_lse: bool = False) -> Options:
+    """The :class:`Options` of a call on queries ``q [..., Dqk]`` (for the default scale
+    ``1/sqrt(Dqk)``), every keyword checked once here (``ValueError`` naming it): the
+    mask ``spec``, ``kernel`` one of :data:`KERNELS`, ``block_sizes`` a
+    :class:`BlockSizes` or None, ``scale`` a finite number, ``softcap`` a positive one,
+    ``return_lse`` a bool."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}.")
+    if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
+        raise ValueError(
+            f"block_sizes={block_sizes!r} is not a jax_seqpar.kernels.BlockSizes, the tile "
+            f"sizes every kernel takes (kernel={kernel!r}); pass e.g. "
+            "BlockSizes(block_q=256, block_k=256), or None for the kernel's defaults.")
+    scale = checks.scale(scale)
+    return Options(spec, q.shape[-1] ** -0.5 if scale is None else scale, kernel,
+                   block_sizes, check_softcap(softcap), checks.flag("return_lse", return_lse))

@@ -31,20 +31,24 @@ target compiles pass them; pass them to your own compile too); XLA:GPU needs non
 from __future__ import annotations
 
 import functools
-from typing import Literal
+from typing import TYPE_CHECKING, Callable, Literal
+
+if TYPE_CHECKING:  # annotations only
+    from jax_seqpar.kernels.options import BlockSizes, KernelName
 
 import jax
 import jax.numpy as jnp
 
+from jax_seqpar import kernels
 from jax_seqpar.core import compat as _compat
 from jax_seqpar.core.masks import EMPTY_LSE
 from jax_seqpar.core.merge import merge
 from jax_seqpar.strategies import halo
-from jax_seqpar.strategies.inputs import (Call, Metadata, axis_size, gather_tokens, per_shard,
-                                          prepare)
+from jax_seqpar.strategies.inputs import (Metadata, Options, axis_size, describe, finish,
+                                          gather_tokens, shard_operands)
 from jax_seqpar.strategies.ring import shift, shift_during
 
-__all__ = ["allgather_attention", "chunk_counts", "default_chunks", "MAX_AUTO_CHUNKS",
+__all__ = ["allgather_attention", "attend", "chunk_counts", "default_chunks", "MAX_AUTO_CHUNKS",
            "MIN_CHUNK_TOKENS", "resolve_chunks"]
 
 #: ``chunks="auto"`` takes at most this many pieces: 16 hide fifteen sixteenths of the
@@ -95,9 +99,15 @@ def resolve_chunks(chunks: int | Literal['auto'], local_len: int) -> int:
     return chunks
 
 
-@per_shard
-def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, call: Call, metadata: Metadata, *,
-                        seq_axes: str | tuple[str, ...], chunks: int | Literal['auto'] = "auto"):
+def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | tuple[str, ...],
+                        causal: bool = False, segment_ids: jax.Array | None = None,
+                        positions: jax.Array | None = None, window: int | tuple[int, int] | None = None,
+                        scale: float | None = None, kernel: KernelName = "auto",
+                        block_sizes: BlockSizes | None = None, softcap: float | None = None,
+                        sinks: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
+                        chunk_size: int | None = None, bidirectional_ids: jax.Array | None = None,
+                        mask_fn: Callable | None = None, return_lse: bool = False,
+                        chunks: int | Literal["auto"] = "auto"):
     """Exact attention of a sequence sharded over ``seq_axes`` (call inside ``shard_map``).
 
     Args:
@@ -121,19 +131,32 @@ def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, call: Call, me
         out = jax.shard_map(functools.partial(allgather_attention, seq_axes="sp"),
                             mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
     """
-    shard = prepare(q, k, v, call, metadata, seq_axes)
+    options, metadata = describe(
+        q, k, v, causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
+        scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
+        return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+        positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks)
+    return attend(q, k, v, options, metadata, seq_axes=seq_axes, chunks=chunks)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata: Metadata,
+           *, seq_axes: str | tuple[str, ...], chunks: int | Literal['auto'] = "auto"):
+    """The all-gather on described inputs (:func:`allgather_attention` after its checks), the core the global
+    view runs inside ``shard_map``: ``options`` and the local, checked ``metadata``
+    (:func:`jax_seqpar.strategies.inputs.describe`)."""
+    shard = shard_operands(q, metadata, seq_axes)
     chunks = resolve_chunks(chunks, q.shape[1])
     reach = None
-    if shard.contiguous:
-        reach = halo.halo_sizes(call.spec, q.shape[1], axis_size(seq_axes),
+    if metadata.positions is None:  # the contiguous split: a window may be a halo
+        reach = halo.halo_sizes(options.spec, q.shape[1], axis_size(seq_axes),
                                 bidirectional=shard.q_tokens.bidirectional_ids is not None)
     if reach is None:
-        out, lse = chunked_attention(seq_axes, shard.options, q, k, v, shard.q_tokens,
+        out, lse = chunked_attention(seq_axes, options, q, k, v, shard.q_tokens,
                                      shard.kv_tokens, chunks=chunks)
     else:
-        out, lse = halo.window_attention(seq_axes, shard.options, reach, q, k, v,
+        out, lse = halo.window_attention(seq_axes, options, reach, q, k, v,
                                          shard.q_tokens, shard.kv_tokens)
-    return shard.finish(q, out, lse)  # [B, S/P, H, Dv]
+    return finish(options, q, out, lse, shard.sinks)  # [B, S/P, H, Dv]
 
 
 def chunked_attention(axis_name, options, q, k, v, q_tokens, kv_tokens, *, chunks: int):
@@ -197,7 +220,7 @@ def _chunked_forward(config, q, k, v, q_tokens, kv_tokens):
         # The kernel continues the running (out, lse), as the ring's steps do (Mosaic in
         # the kernel, in place; the XLA and Pallas kernels merge after).
         kc, vc = _unpack(piece[0])
-        return options.forward(q, kc, vc, q_tokens, piece[1], accumulate=acc)
+        return kernels.forward(options, q, kc, vc, q_tokens, piece[1], accumulate=acc)
 
     def attend_during(acc, piece, upcoming):
         """``attend(acc, piece)`` while ``upcoming``'s gather is in flight: the result and
@@ -210,7 +233,7 @@ def _chunked_forward(config, q, k, v, q_tokens, kv_tokens):
 
         def merge_after():
             kc, vc = _unpack(piece[0])
-            result = options.forward(q, kc, vc, q_tokens, piece[1])
+            result = kernels.forward(options, q, kc, vc, q_tokens, piece[1])
             result, before, arrived = jax.lax.optimization_barrier((result, acc, upcoming))
             return merge(*before, *result), arrived
 
@@ -277,7 +300,7 @@ def _chunked_bwd(config, residuals, cotangents):
         kj, vj, tj = source((me - r) % size)
         zeros = _compat.match_varying(tuple(jnp.zeros(x.shape, jnp.float32) for x in (kj, vj)),
                                       q)
-        dq, dk, dv = options.backward(q, kj, vj, q_tokens, tj, lse, delta, dout,
+        dq, dk, dv = kernels.backward(options, q, kj, vj, q_tokens, tj, lse, delta, dout,
                                       accumulate=(dq, *zeros))
         return dq, (dk, dv)
 

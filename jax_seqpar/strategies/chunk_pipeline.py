@@ -32,6 +32,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jax_seqpar import kernels
 from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.strategies.head_pipeline import no_gradient
 from jax_seqpar.strategies.inputs import Operands, Options, axis_size
@@ -98,7 +99,7 @@ def _pipeline_fwd(config, q, k, v, operands):
     for j in range(1, c):
         ins = [local(shards[0], sizes, j + 1)] if j + 1 < c else []
         raw, unpack = send(ins, pending, axis_name, size)
-        result = options.forward(qs[j], keys, values, q_tokens[j], kv_all)
+        result = kernels.forward(options, qs[j], keys, values, q_tokens[j], kv_all)
         result, raw, shards = jax.lax.optimization_barrier((result, raw, shards))
         got_in, got_out = unpack(raw)
         sent[j - 1] = got_out
@@ -140,7 +141,7 @@ def _pipeline_bwd(config, residuals, cotangents):
     for n, j in enumerate(order):
         dout_j, deltas[j] = cotangents_of(j, upcoming)
         dout_all = put(dout_all, q_parts[j], dout_j)
-        dq = options.backward(queries[:, q_parts[j]], keys, values, q_tokens[j], kv_all,
+        dq = kernels.backward(options, queries[:, q_parts[j]], keys, values, q_tokens[j], kv_all,
                               lses[j], deltas[j], dout_j)[0]
         ins = [local(dout, sizes, order[n + 1])] if n + 1 < c else []
         raw, unpack = send(ins, pending, axis_name, size)
@@ -162,7 +163,7 @@ def _pipeline_bwd(config, residuals, cotangents):
     for m in range(len(kv_sizes)):
         raw, unpack = send([], pending, axis_name, size)
         part = slice(m * unit, (m + 1) * unit)
-        _, dk, dv = options.backward(queries, keys[:, part], values[:, part], q_all,
+        _, dk, dv = kernels.backward(options, queries, keys[:, part], values[:, part], q_all,
                                      kv_tokens[m], lse_all, delta_all, dout_all)
         # The keys pass the barrier too: the next piece's kernel runs after it (else
         # XLA:TPU runs every piece's kernel ahead of the transfers).

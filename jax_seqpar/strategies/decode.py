@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_seqpar import kernels
 from jax_seqpar.core import checks, layout, masks
 from jax_seqpar.kernels import tiling
 from jax_seqpar.strategies.inputs import Options, check_ids, check_qkv
@@ -72,7 +73,7 @@ def _heads_as_tokens(options: Options, q, k_cache, v_cache, q_tokens: masks.Toke
     q = q.reshape(batch, new_tokens * kv_heads, heads // kv_heads, q.shape[3])  # [B, T*Hkv, G, D]
     k_cache = k_cache.reshape(batch, slots * kv_heads, 1, k_cache.shape[3])  # [B, C/P*Hkv, 1, D]
     v_cache = v_cache.reshape(batch, slots * kv_heads, 1, v_cache.shape[3])
-    out, lse = options.forward(q, k_cache, v_cache, pairs(q_tokens), pairs(kv_tokens))
+    out, lse = kernels.forward(options, q, k_cache, v_cache, pairs(q_tokens), pairs(kv_tokens))
     return out.reshape(batch, new_tokens, heads, -1), lse.reshape(batch, new_tokens, heads)
 
 
@@ -82,7 +83,7 @@ def _attend_slots(options: Options, q, k_cache, v_cache, q_tokens: masks.Tokens,
     queries against its slots; a slot at ``EMPTY_POSITION`` is later than every query
     (the mask is always causal) and never seen."""
     if k_cache.shape[2] == 1:  # MQA / MLA: tiles are heads-first already
-        return options.forward(q, k_cache, v_cache, q_tokens, kv_tokens)
+        return kernels.forward(options, q, k_cache, v_cache, q_tokens, kv_tokens)
     return _heads_as_tokens(options, q, k_cache, v_cache, q_tokens, kv_tokens)
 
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any, Optional
 import jax
 import jax.numpy as jnp
 
+from jax_seqpar import kernels
 from jax_seqpar.core import compat as _compat
 from jax_seqpar.strategies.inputs import axis_size
 from jax_seqpar.core.masks import MaskSpec, Tokens
@@ -182,7 +183,7 @@ def _window_forward(axis_name, options, reach, q, k, v, q_tokens, kv_tokens):
         halo_tokens = _halo_tokens(axis_name, reach, kv_tokens)
         k, v = (_around(reach, own, pulled) for own, pulled in zip((k, v), halo_kv))
         kv_tokens = jax.tree.map(functools.partial(_around, reach), kv_tokens, halo_tokens)
-    return options.forward(q, k, v, q_tokens, kv_tokens), (k, v, kv_tokens)  # [B, W+L, ..]
+    return kernels.forward(options, q, k, v, q_tokens, kv_tokens), (k, v, kv_tokens)  # [B, W+L, ..]
 
 
 def _window_fwd(axis_name, options, reach, q, k, v, q_tokens, kv_tokens):
@@ -195,7 +196,7 @@ def _window_bwd(axis_name, options, reach, residuals, cotangents):
     q, q_tokens, (k, v, kv_tokens), out, lse = residuals
     dout, dlse = cotangents
     zeros = _zeros_like((q, k, v), q)
-    dq, dk, dv = options.backward(q, k, v, q_tokens, kv_tokens, lse, _delta(out, dout, dlse),
+    dq, dk, dv = kernels.backward(options, q, k, v, q_tokens, kv_tokens, lse, _delta(out, dout, dlse),
                                   dout.astype(q.dtype), accumulate=zeros)  # float32
     left, right = reach
     own = slice(left, dk.shape[1] - right)
@@ -238,11 +239,11 @@ def halo_attention(axis_name: str | tuple[str, ...], options: Options, reach: tu
 
 def _forward(axis_name, options, reach, q, k, v, q_tokens, kv_tokens):
     halo_kv = exchange(axis_name, reach, (k, v)) if sum(reach) else None
-    out, lse = options.forward(q, k, v, q_tokens, kv_tokens)  # hides the exchange
+    out, lse = kernels.forward(options, q, k, v, q_tokens, kv_tokens)  # hides the exchange
     if halo_kv is None:
         return (out, lse), (None, None)
     halo_tokens = _halo_tokens(axis_name, reach, kv_tokens)
-    out, lse = merge(out, lse, *options.forward(q, *halo_kv, q_tokens, halo_tokens))
+    out, lse = merge(out, lse, *kernels.forward(options, q, *halo_kv, q_tokens, halo_tokens))
     return (out, lse), (halo_kv, halo_tokens)
 
 
@@ -259,11 +260,11 @@ def _halo_bwd(axis_name, options, reach, residuals, cotangents):
     dq = _compat.match_varying(jnp.zeros(q.shape, jnp.float32), q)
     returned = None
     if halo_kv is not None:
-        dq, *halo_dkv = options.backward(q, *halo_kv, q_tokens, halo_tokens, lse, delta, dout,
+        dq, *halo_dkv = kernels.backward(options, q, *halo_kv, q_tokens, halo_tokens, lse, delta, dout,
                                          accumulate=(dq, *_zeros_like(halo_kv, q)))
         # Sent back while the local kernel below runs.
         returned = _send_back(axis_name, reach, halo_dkv, (k, v))
-    dq, dk, dv = options.backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout,
+    dq, dk, dv = kernels.backward(options, q, k, v, q_tokens, kv_tokens, lse, delta, dout,
                                   accumulate=(dq, *_zeros_like((k, v), q)))
     if returned is not None:
         dk, dv = dk + returned[0], dv + returned[1]

@@ -32,6 +32,7 @@ from typing import Any, Optional, cast
 import jax
 import jax.numpy as jnp
 
+from jax_seqpar import kernels
 from jax_seqpar.core import compat as _compat
 from jax_seqpar.core.masks import Tokens
 from jax_seqpar.core.merge import with_sinks
@@ -70,13 +71,13 @@ class KernelStage:
 
     def forward(self, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens,
                 kv_tokens: Tokens):
-        out, lse = self.options.forward(q, k, v, q_tokens, kv_tokens)
+        out, lse = kernels.forward(self.options, q, k, v, q_tokens, kv_tokens)
         return (out, lse), (q, k, v, lse)
 
     def backward(self, residuals: tuple, q_tokens: Tokens, kv_tokens: Tokens, dout: jax.Array,
                  dlse: Optional[jax.Array], delta: jax.Array):
         q, k, v, lse = residuals
-        return self.options.backward(q, k, v, q_tokens, kv_tokens, lse, delta,
+        return kernels.backward(self.options, q, k, v, q_tokens, kv_tokens, lse, delta,
                                      dout.astype(q.dtype))
 
 

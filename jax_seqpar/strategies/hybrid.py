@@ -29,6 +29,10 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+from typing import TYPE_CHECKING, Callable, Literal
+
+if TYPE_CHECKING:  # annotations only
+    from jax_seqpar.kernels.options import BlockSizes, KernelName
 
 import jax
 import jax.numpy as jnp
@@ -37,17 +41,24 @@ from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.chunk_pipeline import chunk_pipeline
 from jax_seqpar.strategies.head_pipeline import head_pipeline
 from jax_seqpar.strategies.heads import chunk_sizes, kv_replication, local_heads, resolve_pieces
-from jax_seqpar.strategies.inputs import (Call, Metadata, Operands, Options, axis_size,
-                                          gather_tokens, per_shard, prepare)
+from jax_seqpar.strategies.inputs import (Metadata, Operands, Options, axis_size, describe,
+                                          gather_tokens, shard_operands)
 from jax_seqpar.strategies.ring import ring_over
 from jax_seqpar.strategies.ring_chunks import ring_chunks
 
-__all__ = ["hybrid_attention"]
+__all__ = ["attend", "hybrid_attention"]
 
 
-@per_shard
-def hybrid_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes, overlap="auto",
-                     chunks="auto", head_groups="auto"):
+def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | tuple[str, ...],
+                     causal: bool = False, segment_ids: jax.Array | None = None,
+                     positions: jax.Array | None = None, window: int | tuple[int, int] | None = None,
+                     scale: float | None = None, kernel: KernelName = "auto",
+                     block_sizes: BlockSizes | None = None, softcap: float | None = None,
+                     sinks: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
+                     chunk_size: int | None = None, bidirectional_ids: jax.Array | None = None,
+                     mask_fn: Callable | None = None, return_lse: bool = False,
+                     overlap: bool | Literal["auto"] = "auto", chunks: int | Literal["auto"] = "auto",
+                     head_groups: int | Literal["auto"] = "auto"):
     """Exact attention of a sequence sharded over ``seq_axes=(outer, inner)`` (in ``shard_map``).
 
     Args:
@@ -83,8 +94,23 @@ def hybrid_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes, overl
     >>> out = jax.shard_map(f, mesh=mesh, in_specs=P(None, ("dcn", "ici")),
     ...                     out_specs=P(None, ("dcn", "ici")))(q, k, v)
     """
+    options, metadata = describe(
+        q, k, v, causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
+        scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
+        return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+        positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks)
+    return attend(q, k, v, options, metadata, seq_axes=seq_axes, overlap=overlap, chunks=chunks,
+                  head_groups=head_groups)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata: Metadata,
+           *, seq_axes, overlap="auto", chunks="auto", head_groups="auto"):
+    """The hybrid on described inputs (:func:`hybrid_attention` after its checks), the core the global
+    view runs inside ``shard_map``: ``options`` and the local, checked ``metadata``
+    (:func:`jax_seqpar.strategies.inputs.describe`)."""
     ring_axis, ulysses_axis = _outer_inner(seq_axes)
-    shard = prepare(q, k, v, call, metadata, (ring_axis, ulysses_axis))
+    shard = shard_operands(q, metadata, (ring_axis, ulysses_axis))
+    contiguous = metadata.positions is None
     inner = axis_size(ulysses_axis)
     try:
         repeats = kv_replication(q.shape[2], k.shape[2], inner)
@@ -96,8 +122,8 @@ def hybrid_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes, overl
             f'or use strategy="ring".') from None
     # A window on the contiguous split makes the ring a halo exchange: not chunked.
     ring_size = axis_size(ring_axis)
-    chunked = not (shard.contiguous and halo.ring_is_halo(
-        shard.options.spec, inner * q.shape[1], ring_size,
+    chunked = not (contiguous and halo.ring_is_halo(
+        options.spec, inner * q.shape[1], ring_size,
         bidirectional=shard.q_tokens.bidirectional_ids is not None))
     chunks, groups = resolve_pieces(overlap, chunks, head_groups, q.shape[2], k.shape[2],
                                     inner, q.shape[1], shared_kv=False, chunked=chunked)
@@ -107,16 +133,16 @@ def hybrid_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes, overl
         k, v = (x.astype(jnp.float32).repeat(repeats, axis=2) for x in (k, v))
     tokens = gather_tokens((shard.q_tokens, shard.kv_tokens), ulysses_axis)  # [B, S/O]
     # Default positions: each ring shard holds S/O contiguous tokens.
-    stage = RingStage(ring_axis, shard.options, shard.contiguous)
+    stage = RingStage(ring_axis, options, contiguous)
     q_tokens, kv_tokens = tokens
     operands = Operands(q_tokens, kv_tokens, local_heads(shard.sinks, ulysses_axis))
     if chunks > 1:
         pipeline = (functools.partial(ring_chunks, ulysses_axis, ring_axis) if ring_size > 1
                     else functools.partial(chunk_pipeline, ulysses_axis))  # no ring: Ulysses
-        return pipeline(shard.options, q, k, v, operands, sizes=chunk_sizes(q.shape[1], chunks),
-                        return_lse=call.return_lse)
+        return pipeline(options, q, k, v, operands, sizes=chunk_sizes(q.shape[1], chunks),
+                        return_lse=options.return_lse)
     return head_pipeline(ulysses_axis, stage, q, k, v, operands, groups=groups,
-                         return_lse=call.return_lse)
+                         return_lse=options.return_lse)
 
 
 @dataclasses.dataclass(frozen=True)

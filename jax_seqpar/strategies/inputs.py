@@ -1,32 +1,29 @@
-"""Validation of attention inputs and the per-shard token metadata every strategy uses.
+"""The per-token data of a call (:class:`Metadata`), its checks, and its per-shard view.
 
 The argument checks themselves are :mod:`jax_seqpar.core.checks` (ids, positions,
 lengths, flags, numbers) and :func:`jax_seqpar.core.masks.normalize_window`; every
-entry point, global or per shard, reaches them through the functions here.
+entry point reaches them once, at its boundary: the per-shard functions through
+:func:`describe`, the global view through :func:`check_metadata`. Below the boundary,
+a strategy's core reads its shard's tokens (:func:`shard_operands`) and checks nothing.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import inspect
-from typing import TYPE_CHECKING, Any, Callable, Generic, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, Generic, Optional
 
 import jax
 import jax.numpy as jnp
 
 from jax_seqpar.core import checks, layout, masks
-from jax_seqpar.kernels.contract import check_softcap
-from jax_seqpar.kernels.options import Options
-from jax_seqpar.kernels import make_options
-from jax_seqpar.kernels import KernelName
+from jax_seqpar.kernels.options import KernelName, Options, make_options
 
 if TYPE_CHECKING:  # annotations only
-    from jax_seqpar.kernels.contract import BlockSizes
-    from jax_seqpar.strategies.registry import StrategyName
+    from jax_seqpar.kernels.options import BlockSizes
 
-__all__ = ["Call", "Metadata", "Operands", "Shard", "axis_size", "check_ids",
-           "check_qkv", "check_self_attention", "empty_result", "gather_tokens",
-           "per_shard", "prepare", "shard_tokens"]
+__all__ = ["Metadata", "Operands", "axis_size", "check_ids", "check_metadata", "check_qkv",
+           "check_self_attention", "describe", "empty_result", "finish", "gather_tokens",
+           "shard_operands"]
 
 
 def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
@@ -88,98 +85,22 @@ def empty_result(q: jax.Array, v: jax.Array, return_lse: bool):
     return out, jnp.full(q.shape[:3], masks.EMPTY_LSE, jnp.float32)
 
 
-def shard_tokens(q: jax.Array, metadata: "Metadata", *,
-                 axis_name: str | tuple[str, ...]) -> masks.Tokens:
-    """Metadata of this shard's tokens; positions default to the contiguous split.
-
-    Args:
-      q: the local ``[B, S_local, H, D]`` queries (for shapes).
-      metadata: the local ``int32[B, S_local]`` segment ids, positions and bidirectional
-        ids (each None or given; the bidirectional ids already checked:
-        :func:`jax_seqpar.core.checks.bidirectional_ids`).
-      axis_name: the mesh axis (or tuple of axes) the sequence is split over.
-    """
-    batch, local_len = q.shape[:2]
-    segment_ids = check_ids("segment_ids", metadata.segment_ids, batch, local_len, segments=True)
-    positions = check_ids("positions", metadata.positions, batch, local_len)
-    if positions is None:
-        positions = layout.shard_positions("contiguous", local_len, axis_name=axis_name)
-        positions = jnp.broadcast_to(positions, (batch, local_len)).astype(jnp.int32)
-    return masks.Tokens(*(None if x is None else jnp.asarray(x)
-                          for x in (positions, segment_ids, metadata.bidirectional_ids)))
-
-
 def axis_size(axis_name: str | tuple[str, ...]) -> int:
     """Number of shards along ``axis_name`` (a name or a tuple of names)."""
     return jax.lax.axis_size(axis_name)
 
 
-@dataclasses.dataclass(frozen=True)
-class Call:
-    """Everything static about one attention call: the one description every entry
-    point builds from its keywords (:meth:`make`) and every layer below reads (hashable:
-    the key of its compiled program).
-
-    Attributes:
-      spec: the mask (:class:`~jax_seqpar.core.masks.MaskSpec`).
-      scale: the score multiplier, or None (``1/sqrt(Dqk)``).
-      kernel: the ``kernel=`` name (:func:`jax_seqpar.kernels.get`); block_sizes: its
-        tiles or None; softcap: the logit soft-cap or None.
-      return_lse: also return the float32 log-sum-exp.
-      mesh, axes, strategy, ulysses_size, layout, batch_entry, head_entry, out_spec,
-        pipeline: the global view's choices (:mod:`jax_seqpar.api.program`): the mesh and
-        its sequence axes, the strategy and the hybrid's split, the token order, the
-        kept batch/head shardings, the output's sharding and the pipelining keywords set
-        (``(name, value)`` pairs). Unused by the per-shard and local paths.
-    """
-
-    spec: masks.MaskSpec = masks.MaskSpec()
-    scale: Optional[float] = None
-    kernel: KernelName = "auto"
-    block_sizes: Optional[BlockSizes] = None
-    softcap: Optional[float] = None
-    return_lse: bool = False
-    mesh: Optional[jax.sharding.Mesh] = None
-    axes: tuple = ()
-    strategy: Optional[StrategyName] = None
-    ulysses_size: Optional[int] = None
-    layout: Literal["auto", layout.LayoutName] = "contiguous"
-    batch_entry: str | tuple[str, ...] | None = None
-    head_entry: str | tuple[str, ...] | None = None
-    out_spec: Optional[jax.sharding.PartitionSpec] = None
-    pipeline: tuple = ()
-
-    @classmethod
-    def make(cls, *, causal: bool = False, window: int | tuple[int, int] | None = None,
-             chunk_size: int | None = None, mask_fn: Callable | None = None,
-             scale: float | None = None, kernel: KernelName = "auto",
-             block_sizes: BlockSizes | None = None, softcap: float | None = None,
-             return_lse: bool = False) -> "Call":
-        """The call of these keywords, each checked (``ValueError`` naming it): ``causal``
-        and ``return_lse`` bools, ``window`` non-negative ints, ``chunk_size`` a positive
-        int, ``mask_fn`` a callable, ``scale`` a finite number, ``softcap`` a positive
-        one. Array arguments are checked against the arrays by :func:`prepare` and the
-        entry points."""
-        spec = masks.MaskSpec.make(checks.flag("causal", causal), window, chunk_size, mask_fn)
-        return cls(spec, checks.scale(scale), kernel, block_sizes, check_softcap(softcap),
-                   checks.flag("return_lse", return_lse))
-
-    def options(self, q: jax.Array) -> Options:
-        """The kernels' options for queries ``q [..., Dqk]`` (``ValueError`` for a bad
-        kernel or tile sizes)."""
-        return make_options(q, self.spec, scale=self.scale, kernel=self.kernel,
-                            block_sizes=self.block_sizes, softcap=self.softcap)
-
-
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Metadata(Generic[masks.Leaf]):
-    """The dynamic arrays of a call beside q, k, v (a pytree; absent fields None).
+    """The per-token data of a call beside q, k, v: one pytree, built and checked once at
+    the entry point (:func:`describe`, or the global view's own boundary) and moved by
+    the layers below as it is (padding, placement, relayouts, ``shard_map``).
 
     Attributes:
       segment_ids, kv_segment_ids, positions, bidirectional_ids: ``int32[B, S]`` (the
-        local ``S`` inside ``shard_map``), as the entry points document them.
-      sinks: ``[H]`` float sink logits.
+        local ``S`` inside ``shard_map``) or None, as the entry points document them.
+      sinks: ``[H]`` float sink logits, or None.
     """
 
     segment_ids: Optional[masks.Leaf] = None
@@ -196,10 +117,11 @@ class Metadata(Generic[masks.Leaf]):
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class Operands(Generic[masks.Leaf]):
-    """The dynamic operands of a pipeline beside q, k, v (a pytree, for custom_vjp).
+    """The per-token data as the kernels see it (a pytree: the operand of the
+    pipelines' ``custom_vjp``): one :class:`~jax_seqpar.core.masks.Tokens` per side.
 
     Attributes:
-      q_tokens, kv_tokens: the query and key/value :class:`~jax_seqpar.core.masks.Tokens`.
+      q_tokens, kv_tokens: the query and key/value tokens' metadata.
       sinks: ``[h]`` sink logits of the heads attended, or None.
     """
 
@@ -208,46 +130,17 @@ class Operands(Generic[masks.Leaf]):
     sinks: Optional[masks.Leaf] = None
 
 
-@dataclasses.dataclass(frozen=True)
-class Shard:
-    """One shard's prepared call (:func:`prepare`), what a strategy's core reads.
-
-    Attributes:
-      q_tokens, kv_tokens: the local tokens' metadata (the keys' segment ids may differ).
-      options: the kernels' options; sinks: ``[H]`` or None.
-      contiguous: the positions are the default contiguous split (a window may then
-        shrink the exchange to a halo); return_lse: as the call's.
-    """
-
-    q_tokens: masks.Tokens
-    kv_tokens: masks.Tokens
-    options: Options
-    sinks: Optional[jax.Array]
-    contiguous: bool
-    return_lse: bool
-
-    def finish(self, q: jax.Array, out: jax.Array, lse: jax.Array):
-        """The float32 ``(out, lse)`` of this shard with the sinks folded in, out in
-        ``q.dtype``; the result the per-shard functions return."""
-        from jax_seqpar.core.merge import with_sinks
-
-        out, lse = with_sinks(out, lse, self.sinks)
-        return (out.astype(q.dtype), lse) if self.return_lse else out.astype(q.dtype)
-
-
-def prepare(q: jax.Array, k: jax.Array, v: jax.Array, call: Call, metadata: Metadata,
-            axis_name: str | tuple[str, ...]) -> Shard:
-    """The common prologue of every per-shard strategy: validate, then build metadata.
-
-    Args:
-      q, k, v: the local ``[B, S/P, H|Hkv, D]`` shards.
-      call: the static call; metadata: its local arrays.
-      axis_name: the mesh axis (or axes) the sequence is split over (default positions).
-    """
-    from jax_seqpar.core.merge import check_sinks
-
+def describe(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
+             window: int | tuple[int, int] | None, chunk_size: int | None,
+             mask_fn: Callable | None, scale: float | None, kernel: KernelName,
+             block_sizes: BlockSizes | None, softcap: float | None, return_lse: bool,
+             segment_ids, kv_segment_ids, positions, bidirectional_ids,
+             sinks) -> tuple[Options, Metadata]:
+    """The per-shard functions' boundary: the call's :class:`Options` and checked
+    :class:`Metadata` of the local shards ``q [B, S/P, H, Dqk]``, ``k, v [B, S/P, Hkv,
+    .]`` (``ValueError`` naming a bad argument). Every check of a per-shard call runs
+    here, once; the strategies' cores check nothing again."""
     check_qkv(q, k, v)
-    check_sinks(metadata.sinks, q.shape[2])
     if q.shape[1] != k.shape[1]:
         raise ValueError(
             f"sequence-parallel attention splits ONE sequence, so every shard holds as many "
@@ -255,64 +148,61 @@ def prepare(q: jax.Array, k: jax.Array, v: jax.Array, call: Call, metadata: Meta
             "local key/value tokens: shard q, k and v along the same split of the same "
             "sequence (for attention to another sequence, run "
             "jax_seqpar.dot_product_attention without a mesh).")
-    spec, (batch, local_len) = call.spec, q.shape[:2]
-    bidirectional = checks.bidirectional_ids(metadata.bidirectional_ids, batch, local_len,
-                                             spec.causal)
-    checks.mask_fn(spec, batch, local_len, local_len)
-    q_tokens = shard_tokens(q, dataclasses.replace(metadata, bidirectional_ids=bidirectional),
-                            axis_name=axis_name)
+    spec = masks.MaskSpec.make(checks.flag("causal", causal), window, chunk_size, mask_fn)
+    options = make_options(q, spec, scale=scale, kernel=kernel, block_sizes=block_sizes,
+                           softcap=softcap, return_lse=return_lse)
+    return options, check_metadata(q, options, Metadata(
+        segment_ids, kv_segment_ids, positions, bidirectional_ids, sinks))
+
+
+def check_metadata(q: jax.Array, options: Options, metadata: Metadata) -> Metadata:
+    """``metadata`` of the self-attention call on ``q [B, S, H, Dqk]`` checked against
+    its shapes (ids and positions ``int32[B, S]`` whose values fit int32, bidirectional
+    ids only with causal, sinks ``[H]``, ``kv_segment_ids`` only beside ``segment_ids``,
+    the mask predicate traced on the metadata's shapes): the one check of each array."""
+    from jax_seqpar.core.merge import check_sinks
+
+    batch, seq_len, heads = q.shape[:3]
+    if metadata.kv_segment_ids is not None and metadata.segment_ids is None:
+        raise ValueError("kv_segment_ids needs segment_ids for the queries too (a query "
+                         "sees a key when their segment ids are equal).")
+    checks.mask_fn(options.spec, batch, seq_len, seq_len)
+    return Metadata(
+        check_ids("segment_ids", metadata.segment_ids, batch, seq_len, segments=True),
+        check_ids("kv_segment_ids", metadata.kv_segment_ids, batch, seq_len, segments=True),
+        check_ids("positions", metadata.positions, batch, seq_len),
+        checks.bidirectional_ids(metadata.bidirectional_ids, batch, seq_len,
+                                 options.spec.causal),
+        check_sinks(metadata.sinks, heads))
+
+
+def shard_operands(q: jax.Array, metadata: Metadata,
+                   axis_name: str | tuple[str, ...]) -> Operands:
+    """The kernels' view of this shard's checked ``metadata``: one
+    :class:`~jax_seqpar.core.masks.Tokens` per side (positions default to the contiguous
+    split along ``axis_name``; the keys' segment ids are ``kv_segment_ids`` where given)."""
+    batch, local_len = q.shape[:2]
+    positions = metadata.positions
+    if positions is None:
+        positions = layout.shard_positions("contiguous", local_len, axis_name=axis_name)
+        positions = jnp.broadcast_to(positions, (batch, local_len)).astype(jnp.int32)
+    q_tokens = masks.Tokens(*(None if x is None else jnp.asarray(x) for x in (
+        positions, metadata.segment_ids, metadata.bidirectional_ids)))
     kv_tokens = q_tokens
     if metadata.kv_segment_ids is not None:
-        if metadata.segment_ids is None:
-            raise ValueError("kv_segment_ids needs segment_ids for the queries too (a query "
-                             "sees a key when their segment ids are equal).")
-        kv_segment_ids = check_ids("kv_segment_ids", metadata.kv_segment_ids, batch,
-                                   local_len, segments=True)
-        kv_tokens = dataclasses.replace(q_tokens, segment_ids=jnp.asarray(kv_segment_ids))
-    return Shard(q_tokens, kv_tokens, call.options(q), metadata.sinks,
-                 metadata.positions is None, call.return_lse)
+        kv_tokens = dataclasses.replace(q_tokens,
+                                        segment_ids=jnp.asarray(metadata.kv_segment_ids))
+    return Operands(q_tokens, kv_tokens, metadata.sinks)
 
 
-#: The public types of the strategies' own keywords (their cores' keyword-only arguments:
-#: the pipelining of Ulysses, the hybrid and the all-gather) where a core leaves them bare.
-_OWN_TYPES = {"overlap": "bool | Literal['auto']", "chunks": "int | Literal['auto']",
-              "head_groups": "int | Literal['auto']"}
+def finish(options: Options, q: jax.Array, out: jax.Array, lse: jax.Array,
+           sinks: jax.Array | None):
+    """A shard's float32 ``(out, lse)`` with ``sinks`` folded in, out in ``q.dtype``:
+    what the per-shard functions return (``(out, lse)`` with ``options.return_lse``)."""
+    from jax_seqpar.core.merge import with_sinks
 
-
-def per_shard(core: Callable) -> Callable:
-    """The public per-shard function of a strategy's ``core``: the keywords every
-    per-shard function takes, written once here, read into a :class:`Call` and a
-    :class:`Metadata`, then ``core(q, k, v, call, metadata, *, seq_axes, **extra)``
-    (``extra``: the core's own keyword-only arguments, e.g. Ulysses' pipelining, which
-    the public signature lists after the common ones). The core's docstring is the
-    function's; the core itself is its ``core`` attribute (what the global view calls).
-    """
-
-    def attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
-                  seq_axes: str | tuple[str, ...], causal: bool = False,
-                  segment_ids: jax.Array | None = None, positions: jax.Array | None = None,
-                  window: int | tuple[int, int] | None = None, scale: float | None = None,
-                  kernel: KernelName = "auto", block_sizes: BlockSizes | None = None,
-                  softcap: float | None = None, sinks: jax.Array | None = None,
-                  kv_segment_ids: jax.Array | None = None, chunk_size: int | None = None,
-                  bidirectional_ids: jax.Array | None = None, mask_fn: Callable | None = None,
-                  return_lse: bool = False, **extra: object):
-        call = Call.make(causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
-                         scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
-                         return_lse=return_lse)
-        metadata = Metadata(segment_ids, kv_segment_ids, positions, bidirectional_ids, sinks)
-        return core(q, k, v, call, metadata, seq_axes=seq_axes, **extra)
-
-    common = list(inspect.signature(attention).parameters.values())[:-1]
-    own = [p.replace(annotation=_OWN_TYPES.get(p.name, p.annotation))
-           if p.annotation is p.empty else p
-           for p in inspect.signature(core).parameters.values()
-           if p.kind == p.KEYWORD_ONLY and p.name != "seq_axes"]
-    for name in ("__module__", "__name__", "__qualname__", "__doc__"):
-        setattr(attention, name, getattr(core, name))
-    setattr(attention, "__signature__", inspect.Signature(common + own))
-    setattr(attention, "core", core)
-    return attention
+    out, lse = with_sinks(out, lse, sinks)
+    return (out.astype(q.dtype), lse) if options.return_lse else out.astype(q.dtype)
 
 
 # Any: a Tokens or a tuple of them (a pytree, which JAX types as Any), returned as given.

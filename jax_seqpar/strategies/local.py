@@ -15,10 +15,10 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
 from jax_seqpar import kernels
-from jax_seqpar.strategies.inputs import Call, Operands, check_ids, check_qkv, empty_result
-from jax_seqpar.core import checks
 from jax_seqpar.core.masks import Tokens
-from jax_seqpar.core.merge import check_sinks, with_sinks
+from jax_seqpar.core.merge import with_sinks
+from jax_seqpar.kernels.options import Options
+from jax_seqpar.strategies.inputs import Operands, empty_result
 
 __all__ = ["local_attention"]
 
@@ -30,93 +30,50 @@ def _positioned(tokens: Tokens, batch: int, length: int) -> Tokens:
     return dataclasses.replace(tokens, positions=positions)
 
 
-def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, call: Call,
+def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, options: Options,
                     operands: Operands):
     """Exact attention of ``q`` against ``k, v`` on whole arrays (queries and keys may
-    differ in length).
+    differ in length), on inputs the entry point has checked.
 
     Args:
       q: ``[B, T, H, Dqk]``; k: ``[B, S, Hkv, Dqk]``; v: ``[B, S, Hkv, Dv]`` (one dtype).
-      call: the static call (:meth:`~jax_seqpar.strategies.inputs.Call.make`: mask, scale, kernel, tiles, softcap,
-        return_lse); its global-view fields are unused.
+      options: what the call computes (:class:`~jax_seqpar.kernels.options.Options`).
       operands: ``q_tokens``: the queries' ``int32[B, T]`` fields, ``kv_tokens``: the
-        keys' ``int32[B, S]`` fields (either may be None: no field given); ``sinks``:
-        ``[H]`` or None. Positions left None are ``arange`` of their length; the keys'
-        segment and bidirectional ids left None are the queries' when ``T == S``
-        (``ValueError`` otherwise). Bidirectional ids need ``call.spec.causal``.
+        keys' ``int32[B, S]`` fields (each None where not given, the two sides
+        consistent); ``sinks``: ``[H]`` or None. Positions left None are ``arange``
+        of their length.
 
     Returns:
-      ``[B, T, H, Dv]`` in ``q.dtype`` (softmax in float32); with ``call.return_lse``,
+      ``[B, T, H, Dv]`` in ``q.dtype`` (softmax in float32); with ``options.return_lse``,
       ``(out, lse)``, the ``float32[B, T, H]`` log-sum-exp (sinks included). A query
       that sees no key gets zeros.
     """
-    check_qkv(q, k, v)
-    spec = call.spec
-    batch, q_len, heads = q.shape[:3]
-    kv_len = k.shape[1]
-    q_tokens = operands.q_tokens or Tokens(None)
-    kv_tokens = operands.kv_tokens or Tokens(None)
-    segment_ids, kv_segment_ids = q_tokens.segment_ids, kv_tokens.segment_ids
-    if kv_segment_ids is None and segment_ids is not None:
-        if q_len != kv_len:
-            raise ValueError(f"segment_ids of {q_len} queries cannot serve {kv_len} keys; "
-                             "pass kv_segment_ids= for the keys.")
-        kv_segment_ids = segment_ids
-    if segment_ids is None and kv_segment_ids is not None:
-        raise ValueError("kv_segment_ids needs segment_ids for the queries too (a query "
-                         "sees a key when their segment ids are equal).")
-    positions = check_ids("positions", q_tokens.positions, batch, q_len)
-    segment_ids = check_ids("segment_ids", segment_ids, batch, q_len, segments=True)
-    kv_positions = check_ids("kv_positions", kv_tokens.positions, batch, kv_len)
-    kv_segment_ids = check_ids("kv_segment_ids", kv_segment_ids, batch, kv_len, segments=True)
-    bidirectional_ids = q_tokens.bidirectional_ids
-    kv_bidirectional_ids = kv_tokens.bidirectional_ids
-    if kv_bidirectional_ids is None and bidirectional_ids is not None:
-        if q_len != kv_len:
-            raise ValueError(f"bidirectional_ids of {q_len} queries cannot serve {kv_len} keys; "
-                             "pass kv_bidirectional_ids= for the keys.")
-        kv_bidirectional_ids = bidirectional_ids
-    if (bidirectional_ids is None) != (kv_bidirectional_ids is None):
-        raise ValueError("kv_bidirectional_ids needs bidirectional_ids for the queries too (a "
-                         "query and a key see each other both ways when their ids match).")
-    bidirectional_ids = checks.bidirectional_ids(bidirectional_ids, batch, q_len, spec.causal)
-    kv_bidirectional_ids = checks.bidirectional_ids(kv_bidirectional_ids, batch, kv_len,
-                                                    spec.causal, name="kv_bidirectional_ids")
-    checks.mask_fn(spec, batch, q_len, kv_len)
-    sinks = check_sinks(operands.sinks, heads)
-    if not (batch and q_len and kv_len):  # nothing to attend: jax.nn's empty result
+    if not (q.shape[0] and q.shape[1] and k.shape[1]):  # nothing to attend: jax.nn's result
         out, lse = empty_result(q, v, True)
-        lse = with_sinks(out, lse, sinks)[1]
-        return (out, lse) if call.return_lse else out
-    call.options(q)  # refuses a bad kernel or tile sizes here, not in the program
-    # Positions left None are arange, filled in the staged program.
-    q_tokens, kv_tokens = (Tokens(*(None if x is None else jnp.asarray(x) for x in fields))
-                           for fields in ((positions, segment_ids, bidirectional_ids),
-                                          (kv_positions, kv_segment_ids, kv_bidirectional_ids)))
-    operands = Operands(q_tokens, kv_tokens, None if sinks is None else jnp.asarray(sinks))
-    out, lse = _staged(q, k, v, operands, call=call)
-    return (out, lse) if call.return_lse else out
+        lse = with_sinks(out, lse, operands.sinks)[1]
+    else:
+        out, lse = _staged(q, k, v, operands, options=options)
+    return (out, lse) if options.return_lse else out
 
 
 # One program per signature: called eagerly, the kernel's scan and its closures would
 # otherwise be traced and compiled anew on every call.
-@functools.partial(jax.jit, static_argnames="call")
-def _staged(q, k, v, operands: Operands, *, call: Call):
-    """``(out, lse)`` of ``call`` on whole arrays (``operands`` checked)."""
+@functools.partial(jax.jit, static_argnames="options")
+def _staged(q, k, v, operands: Operands, *, options: Options):
+    """``(out, lse)`` of ``options`` on whole arrays (``operands`` checked)."""
     operands = Operands(_positioned(operands.q_tokens, *q.shape[:2]),
                         _positioned(operands.kv_tokens, *k.shape[:2]), operands.sinks)
-    options = call.options(q)
 
     def attend(q, k, v, operands: Operands):
-        out, lse = options.attention(q, k, v, operands.q_tokens,
+        out, lse = kernels.attention(options, q, k, v, operands.q_tokens,
                                      operands.kv_tokens)  # f32 [B, T, H, Dv], [B, T, H]
         out, lse = with_sinks(out, lse, operands.sinks)
         return out.astype(q.dtype), lse
 
-    return _per_shard(attend, call, q, k, v, operands)
+    return _per_shard(attend, options, q, k, v, operands)
 
 
-def _per_shard(attend, call: Call, q, k, v, operands: Operands):
+def _per_shard(attend, options: Options, q, k, v, operands: Operands):
     """``attend(q, k, v, operands)`` on arrays typed with an Explicit sharding: each device attends its own batch rows and heads
     (``shard_map`` over q's batch and head axes; the sequence gathered whole), and the
     output keeps q's sharding, as ``jax.nn`` gives it. Unsharded or Auto-mesh arrays are
@@ -144,5 +101,5 @@ def _per_shard(attend, call: Call, q, k, v, operands: Operands):
     out, lse = jax.shard_map(
         attend, mesh=mesh, in_specs=(qkv,) * 3 + (operand_specs,),
         out_specs=(qkv, P(batch_entry, None, head_entry)),
-        check_vma=not kernels.may_interpret(call.kernel))(*placed)
+        check_vma=not kernels.may_interpret(options.kernel))(*placed)
     return jax.reshard(out, P(*spec[:3], None)), jax.reshard(lse, P(*spec[:3]))

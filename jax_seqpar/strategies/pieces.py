@@ -18,6 +18,7 @@ from typing import Any, NamedTuple, Optional
 import jax
 import jax.numpy as jnp
 
+from jax_seqpar import kernels
 from jax_seqpar.core.masks import Tokens
 from jax_seqpar.strategies.head_pipeline import (heads_to_seq, seq_to_heads, sink_cotangents,
                                                  sink_gradient)
@@ -182,7 +183,7 @@ def keys_first(axis_name: _Axes, options: Options, q: jax.Array, k: jax.Array, v
         last = m + 1 == len(kv_sizes)
         raw, unpack = send([local(x, kv_sizes, m + 1) for x in shards[1:]] if not last
                            else [local(shards[0], sizes, 1)], [], axis_name, size)
-        acc = options.forward(q0, ks[m], vs[m], pieces.q_tokens[0], pieces.kv_tokens[m],
+        acc = kernels.forward(options, q0, ks[m], vs[m], pieces.q_tokens[0], pieces.kv_tokens[m],
                               accumulate=acc)
         acc, raw, shards = jax.lax.optimization_barrier((acc, raw, shards))
         upcoming = unpack(raw)[0]

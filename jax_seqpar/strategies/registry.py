@@ -14,13 +14,9 @@ import typing
 from typing import Callable, Literal, Mapping, Optional, TypedDict
 
 from jax_seqpar.core.masks import MaskSpec
-from jax_seqpar.strategies import allgather, heads, traffic
-from jax_seqpar.strategies.allgather import allgather_attention
+from jax_seqpar.strategies import allgather, heads, hybrid, ring, traffic, ulysses
 from jax_seqpar.strategies.decode import decode_attention
 from jax_seqpar.strategies.halo import halo_sizes, ring_is_halo
-from jax_seqpar.strategies.hybrid import hybrid_attention
-from jax_seqpar.strategies.ring import ring_attention
-from jax_seqpar.strategies.ulysses import ulysses_attention
 
 __all__ = ["DECODE", "STRATEGIES", "Strategy", "StrategyName", "comm_bytes", "default_layout",
            "get"]
@@ -32,8 +28,14 @@ class Strategy:
 
     Attributes:
       name: what ``strategy=`` takes.
-      attention: the per-shard function, ``attention(q, k, v, *, seq_axes, ...)``
+      attention: the public per-shard function, ``attention(q, k, v, *, seq_axes, ...)``
         inside ``jax.shard_map``.
+      attend: its core on described inputs, ``attend(q, k, v, options, metadata, *,
+        seq_axes, **pipelining)`` (``options``: the call's
+        :class:`~jax_seqpar.kernels.options.Options`; ``metadata``: its checked local
+        :class:`~jax_seqpar.strategies.inputs.Metadata`): what the global view runs.
+      pipelining: the keywords of ``attend`` beyond ``seq_axes`` (``"overlap"``,
+        ``"chunks"``, ``"head_groups"``): the global call passes those it was given.
       bytes: its traffic model, ``bytes(sizes, **shape) -> bytes one device sends``
         (:func:`comm_bytes`).
       num_seq_axes: how many sequence axes it runs over: 1, or 2 (``(outer, inner)``: the
@@ -57,12 +59,14 @@ class Strategy:
 
     name: Literal[StrategyName, "decode"]
     attention: Callable
+    attend: Callable
     bytes: Callable
     num_seq_axes: int = 1
     splits_heads: bool = False
     zigzag_balances: bool = False
     global_view: bool = True
     pieces: Optional[Callable] = None
+    pipelining: tuple[str, ...] = ()
 
     def factorization(self, devices: int, ulysses: int) -> tuple[int, int]:
         """``(ring, ulysses)`` devices of this strategy over ``devices`` (``ulysses``: the
@@ -99,20 +103,26 @@ def _ulysses_pieces(shape, ring: int, ulysses: int, *, hybrid: bool = False) -> 
     return groups if kv_local % groups == 0 else 1
 
 
+_PIPELINING = ("overlap", "chunks", "head_groups")
+
 #: The name of a strategy the global entry point runs (``strategy=``; the entry points
 #: add ``"auto"``), in the order tables list them.
 StrategyName = Literal["ulysses", "ring", "allgather", "hybrid"]
 
 _ENTRIES = {s.name: s for s in (
-    Strategy("ulysses", ulysses_attention, traffic.ulysses_bytes, splits_heads=True,
+    Strategy("ulysses", ulysses.ulysses_attention, ulysses.attend, traffic.ulysses_bytes,
+             splits_heads=True, pipelining=_PIPELINING,
              pieces=lambda shape, ring, ulysses: (_ulysses_pieces(shape, ring, ulysses),) * 2),
-    Strategy("ring", ring_attention, traffic.ring_bytes, zigzag_balances=True),
+    Strategy("ring", ring.ring_attention, ring.attend, traffic.ring_bytes,
+             zigzag_balances=True),
     # forward: K/V gathered in chunks; backward: dK/dV passed around the ring, a hop a piece
-    Strategy("allgather", allgather_attention, traffic.allgather_bytes, zigzag_balances=True,
+    Strategy("allgather", allgather.allgather_attention, allgather.attend,
+             traffic.allgather_bytes, zigzag_balances=True, pipelining=("chunks",),
              pieces=lambda shape, ring, ulysses: (
                  allgather.default_chunks(-(-shape.seq_len // ring)), ring)),
-    Strategy("hybrid", hybrid_attention, traffic.hybrid_bytes, num_seq_axes=2, splits_heads=True,
-             zigzag_balances=True, pieces=lambda shape, ring, ulysses: (
+    Strategy("hybrid", hybrid.hybrid_attention, hybrid.attend, traffic.hybrid_bytes,
+             num_seq_axes=2, splits_heads=True, zigzag_balances=True, pipelining=_PIPELINING,
+             pieces=lambda shape, ring, ulysses: (
                  _ulysses_pieces(shape, ring, ulysses, hybrid=True),) * 2),
 )}
 #: Every strategy the global entry point runs, by :data:`StrategyName`.
@@ -120,7 +130,8 @@ STRATEGIES: Mapping[StrategyName, Strategy] = {name: _ENTRIES[name]
                                       for name in typing.get_args(StrategyName)}
 
 #: Attention of new tokens to a sequence-sharded KV cache (forward only).
-DECODE = Strategy("decode", decode_attention, traffic.decode_bytes, global_view=False)
+DECODE = Strategy("decode", decode_attention, decode_attention, traffic.decode_bytes,
+                  global_view=False)
 
 
 def get(name: str) -> Strategy:

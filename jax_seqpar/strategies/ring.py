@@ -31,22 +31,28 @@ from typing import TYPE_CHECKING, Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jax_seqpar import kernels
 from jax_seqpar.core import compat as _compat
 from jax_seqpar.strategies import halo
-from jax_seqpar.strategies.inputs import Call, Metadata, axis_size, per_shard, prepare
+from jax_seqpar.strategies.inputs import Metadata, axis_size, describe, finish, shard_operands
 from jax_seqpar.core.masks import EMPTY_LSE
 
 if TYPE_CHECKING:  # annotations only
     from jax_seqpar.core.masks import Tokens
-    from jax_seqpar.kernels.options import Options
+    from jax_seqpar.kernels.options import BlockSizes, KernelName, Options
 
-__all__ = ["backward_steps", "forward_steps", "ring_attention", "ring_over", "shift",
+__all__ = ["attend", "backward_steps", "forward_steps", "ring_attention", "ring_over", "shift",
            "shift_during"]
 
 
-@per_shard
-def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, call: Call, metadata: Metadata, *,
-                   seq_axes: str | tuple[str, ...]):
+def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | tuple[str, ...],
+                   causal: bool = False, segment_ids: jax.Array | None = None,
+                   positions: jax.Array | None = None, window: int | tuple[int, int] | None = None,
+                   scale: float | None = None, kernel: KernelName = "auto",
+                   block_sizes: BlockSizes | None = None, softcap: float | None = None,
+                   sinks: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
+                   chunk_size: int | None = None, bidirectional_ids: jax.Array | None = None,
+                   mask_fn: Callable | None = None, return_lse: bool = False):
     """Exact attention of a sequence sharded over ``seq_axes`` (call inside ``shard_map``).
 
     Args:
@@ -63,7 +69,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, call: Call, metadat
         id see each other both ways (prefix-LM, images), or None.
       scale: defaults to ``1/sqrt(Dqk)``.
       kernel: ``"auto"``, ``"xla"``, ``"pallas"`` or ``"mosaic"`` (see
-        :func:`jax_seqpar.kernels.get`); block_sizes: the kernel's tiles.
+        :mod:`jax_seqpar.kernels.lowering`); block_sizes: the kernel's tiles.
       softcap: logits become ``softcap * tanh(s / softcap)`` before masking, or None.
       sinks: ``[H]`` float logits of a zero-valued virtual key per head (gpt-oss),
         or None. Pass it replicated (``P()``); its gradient sums over the shards.
@@ -72,8 +78,10 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, call: Call, metadat
       return_lse: also return the float32 ``[B, S/P, H]`` log-sum-exp of each row
         (sinks included), for callers that merge partial results.
 
-    The keywords are read into ``call`` and ``metadata``
-    (:func:`jax_seqpar.strategies.inputs.per_shard`).
+    The keywords are checked once and read into the call's
+    :class:`~jax_seqpar.kernels.options.Options` and
+    :class:`~jax_seqpar.strategies.inputs.Metadata`
+    (:func:`jax_seqpar.strategies.inputs.describe`), then :func:`attend` runs.
 
     Returns:
       ``[B, S/P, H, Dv]`` in ``q.dtype`` (softmax statistics and carries in float32),
@@ -84,10 +92,23 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, call: Call, metadat
         out = jax.shard_map(functools.partial(ring_attention, seq_axes="sp", causal=True),
                             mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
     """
-    shard = prepare(q, k, v, call, metadata, seq_axes)
-    out, lse = ring_over(seq_axes, shard.options, q, k, v, shard.q_tokens, shard.kv_tokens,
-                         contiguous=shard.contiguous)
-    return shard.finish(q, out, lse)
+    options, metadata = describe(
+        q, k, v, causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
+        scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
+        return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+        positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks)
+    return attend(q, k, v, options, metadata, seq_axes=seq_axes)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata: Metadata,
+           *, seq_axes: str | tuple[str, ...]):
+    """The ring on described inputs (:func:`ring_attention` after its checks), the core the global
+    view runs inside ``shard_map``: ``options`` and the local, checked ``metadata``
+    (:func:`jax_seqpar.strategies.inputs.describe`)."""
+    operands = shard_operands(q, metadata, seq_axes)
+    out, lse = ring_over(seq_axes, options, q, k, v, operands.q_tokens, operands.kv_tokens,
+                         contiguous=metadata.positions is None)
+    return finish(options, q, out, lse, operands.sinks)
 
 
 def ring_over(axis_name: str | tuple[str, ...], options: Options, q: jax.Array, k: jax.Array,
@@ -204,7 +225,7 @@ def _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens):
     def attend(carry, kv):
         # The kernel continues the running (out, lse): Mosaic in the kernel, in place;
         # the XLA and Pallas kernels merge after (see jax_seqpar.kernels.contract).
-        return options.forward(q, kv[0], kv[1], q_tokens, kv[2], accumulate=carry)
+        return kernels.forward(options, q, kv[0], kv[1], q_tokens, kv[2], accumulate=carry)
 
     acc = (jnp.zeros((batch, local_len, heads, d_v), jnp.float32),
            jnp.full((batch, local_len, heads), EMPTY_LSE, jnp.float32))
@@ -231,7 +252,7 @@ def _ring_bwd(axis_name, options, residuals, cotangents):
 
     def grads(dq, kv, dkv):
         """``(dq, dkv)`` plus this step's gradients (``dkv``: float32 accumulators)."""
-        dq, *dkv = options.backward(q, kv[0], kv[1], q_tokens, kv[2], lse, delta, dout,
+        dq, *dkv = kernels.backward(options, q, kv[0], kv[1], q_tokens, kv[2], lse, delta, dout,
                                     accumulate=(dq, *dkv))
         return dq, tuple(dkv)
 

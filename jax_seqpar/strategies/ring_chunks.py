@@ -36,6 +36,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from jax_seqpar import kernels
 from jax_seqpar.core import compat as _compat
 from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.strategies.head_pipeline import no_gradient
@@ -94,7 +95,7 @@ def _pipeline_fwd(config, q, k, v, operands):
         ins = [local(shards[0], sizes, j + 1)] if j + 1 < c else []
 
         def call(j=j):
-            return options.forward(qs[j], keys, values, q_tokens[j], block[2])
+            return kernels.forward(options, qs[j], keys, values, q_tokens[j], block[2])
         if ins:
             raw, unpack = send(ins, [], inner, size)
             accs[j], raw, shards = jax.lax.optimization_barrier((call(), raw, shards))
@@ -105,7 +106,7 @@ def _pipeline_fwd(config, q, k, v, operands):
     del qs  # the pieces die here: the last step reads the gathered queries
 
     def attend(acc, kv):
-        return options.forward(queries, kv[0], kv[1], q_all, kv[2], accumulate=acc)
+        return kernels.forward(options, queries, kv[0], kv[1], q_all, kv[2], accumulate=acc)
 
     acc, kv = _compat.match_varying((concat(accs), hop), (accs, hop, queries))
     acc, kv = forward_steps(attend, acc, kv, outer, steps - 2)  # the ring's middle steps
@@ -116,7 +117,7 @@ def _pipeline_fwd(config, q, k, v, operands):
     pending: list[Any] = []
     for j, part in enumerate(cut.parts(size)):
         raw, unpack = send([], pending, inner, size)
-        result = options.forward(queries[:, part], kv[0], kv[1], q_tokens[j], kv[2],
+        result = kernels.forward(options, queries[:, part], kv[0], kv[1], q_tokens[j], kv[2],
                                  accumulate=jax.tree.map(lambda x: x[:, part], acc))
         result, raw, kv = jax.lax.optimization_barrier((result, raw, kv))
         if pending:
@@ -159,7 +160,7 @@ def _pipeline_bwd(config, residuals, cotangents):
     for n, j in enumerate(order):
         dout_j, deltas[j] = rows.of_piece(j, upcoming, dtype=queries.dtype)
         dout_all = put(dout_all, parts[j], dout_j)
-        dq_j = options.backward(queries[:, parts[j]], keys, values, q_tokens[j], block[2],
+        dq_j = kernels.backward(options, queries[:, parts[j]], keys, values, q_tokens[j], block[2],
                                 lses[j], deltas[j], dout_j)[0]
         ins = [local(dout, sizes, order[n + 1])] if n + 1 < c else []
         raw, unpack = send(ins, [], inner, size)
@@ -177,7 +178,7 @@ def _pipeline_bwd(config, residuals, cotangents):
             zeros = _compat.match_varying(tuple(jnp.zeros(x.shape, jnp.float32)
                                                 for x in kv[:2]), dq)
             accumulate = (dq, *zeros)
-        return options.backward(queries, kv[0], kv[1], q_all, kv[2], lse_all, delta_all,
+        return kernels.backward(options, queries, kv[0], kv[1], q_all, kv[2], lse_all, delta_all,
                                 dout_all, accumulate=accumulate)
 
     # The own keys' dK/dV from every query, step 1's block in flight.
@@ -200,7 +201,7 @@ def _pipeline_bwd(config, residuals, cotangents):
         raw, unpack = send([], pending, inner, size)
 
         def call(j=j, raw=raw, kv=kv):  # the block passes each barrier: calls in order
-            return (options.backward(queries[:, parts[j]], kv[0], kv[1], q_tokens[j], kv[2],
+            return (kernels.backward(options, queries[:, parts[j]], kv[0], kv[1], q_tokens[j], kv[2],
                                      lses[j], deltas[j], dout_all[:, parts[j]])[0], raw, kv)
         if n == 0:  # dK/dV home during the first piece's call, summed before it (else
             # XLA:TPU runs the call first and starts the hop after it)

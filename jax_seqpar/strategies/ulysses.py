@@ -17,21 +17,34 @@ device holds enough tokens) or over head groups
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Callable, Literal
+
+if TYPE_CHECKING:  # annotations only
+    from jax_seqpar.kernels.options import BlockSizes, KernelName, Options
+
+import jax
 import jax.numpy as jnp
 
 from jax_seqpar.strategies.chunk_pipeline import chunk_pipeline
 from jax_seqpar.strategies.head_pipeline import KernelStage, head_pipeline
 from jax_seqpar.strategies.heads import (chunk_sizes, kv_replication, local_heads,
                                          resolve_pieces)
-from jax_seqpar.strategies.inputs import (Call, Metadata, Operands, axis_size, gather_tokens,
-                                          per_shard, prepare)
+from jax_seqpar.strategies.inputs import (Metadata, Operands, axis_size, describe,
+                                          gather_tokens, shard_operands)
 
-__all__ = ["ulysses_attention"]
+__all__ = ["attend", "ulysses_attention"]
 
 
-@per_shard
-def ulysses_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes, overlap="auto",
-                      chunks="auto", head_groups="auto"):
+def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | tuple[str, ...],
+                      causal: bool = False, segment_ids: jax.Array | None = None,
+                      positions: jax.Array | None = None, window: int | tuple[int, int] | None = None,
+                      scale: float | None = None, kernel: KernelName = "auto",
+                      block_sizes: BlockSizes | None = None, softcap: float | None = None,
+                      sinks: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
+                      chunk_size: int | None = None, bidirectional_ids: jax.Array | None = None,
+                      mask_fn: Callable | None = None, return_lse: bool = False,
+                      overlap: bool | Literal["auto"] = "auto", chunks: int | Literal["auto"] = "auto",
+                      head_groups: int | Literal["auto"] = "auto"):
     """Exact attention of a sequence sharded over ``seq_axes`` (call inside ``shard_map``).
 
     Args:
@@ -64,7 +77,21 @@ def ulysses_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes, over
     >>> out = jax.shard_map(functools.partial(ulysses_attention, seq_axes="sp"),
     ...                     mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
     """
-    shard = prepare(q, k, v, call, metadata, seq_axes)
+    options, metadata = describe(
+        q, k, v, causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
+        scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
+        return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+        positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks)
+    return attend(q, k, v, options, metadata, seq_axes=seq_axes, overlap=overlap, chunks=chunks,
+                  head_groups=head_groups)
+
+
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata: Metadata,
+           *, seq_axes, overlap="auto", chunks="auto", head_groups="auto"):
+    """Ulysses on described inputs (:func:`ulysses_attention` after its checks), the core the global
+    view runs inside ``shard_map``: ``options`` and the local, checked ``metadata``
+    (:func:`jax_seqpar.strategies.inputs.describe`)."""
+    shard = shard_operands(q, metadata, seq_axes)
     size = axis_size(seq_axes)
     repeats = kv_replication(q.shape[2], k.shape[2], size)
     chunks, groups = resolve_pieces(overlap, chunks, head_groups, q.shape[2], k.shape[2], size,
@@ -76,7 +103,8 @@ def ulysses_attention(q, k, v, call: Call, metadata: Metadata, *, seq_axes, over
     q_tokens, kv_tokens = gather_tokens((shard.q_tokens, shard.kv_tokens), seq_axes)  # [B, S]
     operands = Operands(q_tokens, kv_tokens, local_heads(shard.sinks, seq_axes))
     if chunks > 1:
-        return chunk_pipeline(seq_axes, shard.options, q, k, v, operands,
-                              sizes=chunk_sizes(q.shape[1], chunks), return_lse=call.return_lse)
-    return head_pipeline(seq_axes, KernelStage(shard.options), q, k, v, operands,
-                         groups=groups, return_lse=call.return_lse)
+        return chunk_pipeline(seq_axes, options, q, k, v, operands,
+                              sizes=chunk_sizes(q.shape[1], chunks),
+                              return_lse=options.return_lse)
+    return head_pipeline(seq_axes, KernelStage(options), q, k, v, operands,
+                         groups=groups, return_lse=options.return_lse)

@@ -18,6 +18,7 @@ table and the plot live in :mod:`jax_seqpar.tools.bench_report`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import statistics
 import sys
@@ -124,7 +125,7 @@ def build(case: Case, mesh: jax.sharding.Mesh):
     """
     axes = tuple(mesh.axis_names)
     axis_name = api.axis_name_of(axes)
-    attend = api.per_shard_fn(case.strategy, axes)
+    attend = functools.partial(registry.get(case.strategy).attention, seq_axes=axis_name)
     order = layout_for(case.strategy, case.shape)
 
     def body(q, k, v):  # [B, S/P, H, D] each

@@ -23,6 +23,7 @@ from typing import Optional
 
 import jax
 
+from jax_seqpar import kernels
 from jax_seqpar.planning import hardware as hardware_lib
 
 __all__ = ["calibrate_cpu"]
@@ -81,7 +82,7 @@ def _attention_rate(mesh, axis, seq_len, heads, head_dim, runs) -> float:
         options = make_options(q, masks.MaskSpec(causal=True), kernel="xla")
         positions = jnp.broadcast_to(jnp.arange(seq_len, dtype=jnp.int32), q.shape[:2])
         tokens = masks.Tokens(positions, None)
-        out, vjp = jax.vjp(lambda q, k, v: options.attention(q, k, v, tokens, tokens)[0],
+        out, vjp = jax.vjp(lambda q, k, v: kernels.attention(options, q, k, v, tokens, tokens)[0],
                            q, k, v)
         return out + sum(g.sum() for g in vjp(dout))
 

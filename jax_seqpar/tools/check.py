@@ -142,11 +142,10 @@ def check_kernel(case: Case, print_fn: Callable[[str], None] = print) -> bool:
                       None if segments is None else segments[:, case.seq - q_len:])
     spec = MaskSpec.make(case.causal, None if case.window is None else (case.window, 0))
     scale = case.d_qk ** -0.5
-    module = kernels.get(case.kernel)
-
     def ours(q, k, v):
-        return module.attention(q, k, v, q_tokens, kv_tokens, kernels.make_options(
-            q, spec, scale=scale, kernel=case.kernel, softcap=case.softcap))
+        return kernels.attention(kernels.make_options(
+            q, spec, scale=scale, kernel=case.kernel, softcap=case.softcap),
+            q, k, v, q_tokens, kv_tokens)
 
     def theirs(q, k, v):
         return reference.attention(
