@@ -8,6 +8,7 @@ import pytest
 from jax.sharding import Mesh
 
 import checks
+from document_mixes import with_padding
 import jax_seqpar as sp
 from jax_seqpar.core import reference
 from jax_seqpar.core.masks import MaskSpec, Tokens
@@ -20,8 +21,8 @@ _mesh = checks.strategy_mesh
 def _documents(batch, seq, seed=0):
     """Packed heavy-tailed documents with a padded tail: a long document is dealt to every
     shard, short ones are kept whole, padding goes last."""
-    ids = mixes.with_padding(lambda b, s, r: mixes.heavy_tailed(b, s, r, scale=8), batch, seq,
-                             np.random.default_rng(seed), max_fraction=0.2)
+    ids = with_padding(lambda b, s, r: mixes.heavy_tailed(b, s, r, scale=8), batch, seq,
+                       np.random.default_rng(seed), max_fraction=0.2)
     ids[0, :120] = -7  # one long document (any id but the padding one is a document)
     return ids
 

@@ -7,6 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from document_mixes import ADVERSARIAL, with_padding
 import jax_seqpar as sp
 from jax_seqpar.core import packing, work
 from jax_seqpar.core.masks import PAD_SEGMENT, MaskSpec, Tokens
@@ -58,7 +59,7 @@ def _check_balance(ids, num_shards, block):
 @pytest.mark.parametrize("seq,num_shards,block", [(4096, 8, 128), (2048, 4, 64),
                                                   (1536, 3, 32), (4096, 16, 16)])
 def test_balance_on_adversarial_mixes(seq, num_shards, block):
-    for name, mix in mixes.ADVERSARIAL.items():
+    for name, mix in ADVERSARIAL.items():
         for seed in range(4):
             _check_balance(mix(2, seq, np.random.default_rng(seed)), num_shards, block)
 
@@ -99,7 +100,7 @@ def test_heavy_tailed_mix_at_the_issue_size():
 
 def test_permute_and_unpermute_batch():
     rng = np.random.default_rng(0)
-    ids = mixes.with_padding(mixes.heavy_tailed, 3, 512, rng)
+    ids = with_padding(mixes.heavy_tailed, 3, 512, rng)
     batch = {"ids": ids, "x": rng.normal(size=(3, 512, 2)), "j": jnp.asarray(ids)}
     laid, positions = sp.permute_batch(batch, "per_document", 8, segment_ids=ids, block_size=16)
     assert isinstance(positions, np.ndarray) and isinstance(laid["x"], np.ndarray)
@@ -137,7 +138,7 @@ def test_traced_layout_is_a_balanced_order():
     layout = jax.jit(lambda ids: packing.per_document_positions(ids, 8, 16))
     same = 0
     for seed, mix in enumerate(["pareto_1.3", "padded_short", "two_big", "primes"]):
-        ids = mixes.ADVERSARIAL[mix](2, 1024, np.random.default_rng(seed))
+        ids = ADVERSARIAL[mix](2, 1024, np.random.default_rng(seed))
         positions = np.asarray(layout(jnp.asarray(ids)))
         _check_order(ids, positions, 8)
         ratio, _ = _ratios(ids, positions, 8)
@@ -163,7 +164,7 @@ def test_work_counts_against_brute_force(causal, window):
     seq, shards = 192, 4
     local = seq // shards
     for mix in ("padded_pareto", "shorter_than_2P", "primes"):
-        ids = mixes.ADVERSARIAL[mix](2, seq, rng)
+        ids = ADVERSARIAL[mix](2, seq, rng)
         positions = np.stack([rng.permutation(seq) for _ in range(2)]).astype(np.int32)
         laid = np.take_along_axis(ids, positions, 1)
         seen = _brute_visible(positions, laid, causal, window)

@@ -278,28 +278,6 @@ def plot_packed(result: dict, path: str) -> None:
     figure.savefig(path, dpi=110)
 
 
-def plot_masked(result: dict, path: str) -> None:
-    """PNG: per masked mix, the worst busiest/mean pairs and tiles of each layout."""
-    from matplotlib.figure import Figure
-
-    rows = result["masked"]
-    mixes_seen = list(dict.fromkeys(r["mix"] for r in rows))
-    figure = Figure(figsize=(9, 6), layout="constrained")
-    axes = figure.subplots(2, 1, squeeze=False)[:, 0]
-    width = 0.8 / len(MASKED_LAYOUTS)
-    for ax, key in zip(axes, ("pairs", "tiles")):
-        for i, name in enumerate(MASKED_LAYOUTS):
-            values = [next(r[key]["worst"] for r in rows if r["mix"] == m and r["layout"] == name)
-                      for m in mixes_seen]
-            ax.bar(np.arange(len(mixes_seen)) + i * width, values, width, label=name)
-        ax.axhline({"pairs": 1.05, "tiles": 1.10}[key], color="k", linewidth=0.6, ls="--")
-        ax.set(title=f"busiest/mean {key} (worst over {result['seeds']} seeds)",
-               ylabel="/ mean", ylim=(0.9, None))
-        ax.set_xticks(np.arange(len(mixes_seen)) + 0.4 - width / 2, mixes_seen)
-    axes[0].legend(fontsize=7)
-    figure.savefig(path, dpi=110)
-
-
 __all__ = ["KERNEL_TILES", "MASKED_LAYOUTS", "balance", "format_packed",
            "masked_balance", "masked_measure", "masked_positions",
-           "measure", "plot_masked", "plot_packed", "positions_of", "ring_times", "run_packed"]
+           "measure", "plot_packed", "positions_of", "ring_times", "run_packed"]
