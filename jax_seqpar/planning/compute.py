@@ -6,8 +6,9 @@ Pairs are counted in whole tiles of ``tile`` tokens that the mask does not empty
 (:func:`tile_pairs`), for the token order the package runs: zigzag over all ``P`` shards
 when causal where it balances the strategy's work (ring, hybrid, all-gather), else
 contiguous (Ulysses); per ring step, or in one step where the strategy gathers K/V.
-Packed documents are counted per row by :mod:`.packed`. The FLOPs are ``2 B H (Dqk + Dv)`` per pair forward,
-``(3 Dqk + 2 Dv) / (Dqk + Dv)`` times that backward, at the hardware's attention FLOP/s.
+Packed documents are counted per row by :mod:`.packed`. The FLOPs are
+``2 B H (Dqk + Dv)`` per pair forward, ``(3 Dqk + 2 Dv) / (Dqk + Dv)`` times that
+backward, at the hardware's attention FLOP/s.
 """
 
 from __future__ import annotations

@@ -91,8 +91,9 @@ def documents(shape: LayerShape, natural: Tokens, layout: Optional[LayoutName],
 def laid_out(entry: Strategy, devices: int, shape: LayerShape, tile: int,
              batch: Documents) -> Tokens:
     """``batch``'s tokens ``[B', S']`` in its layout over ``devices`` (None: the strategy
-    ``entry``'s default, zigzag where it balances causal work): positions, segment
-    ids and bidirectional ids (padded with :data:`~jax_seqpar.core.masks.PAD_SEGMENT` as the entry point pads)."""
+    ``entry``'s default, zigzag where it balances causal work): positions, segment ids
+    and bidirectional ids (padded with :data:`~jax_seqpar.core.masks.PAD_SEGMENT` as the
+    entry point pads)."""
     ids, bids, layout = batch.tokens.segment_ids, batch.tokens.bidirectional_ids, batch.layout
     if ids is None:
         raise ValueError("laid_out takes documents (segment ids): see documents().")

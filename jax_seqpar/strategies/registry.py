@@ -10,6 +10,7 @@ which the planner then considers and :func:`comm_bytes` counts.
 
 from __future__ import annotations
 
+import typing
 from typing import Literal, Mapping, TypedDict
 
 from jax_seqpar.core.masks import MaskSpec
@@ -22,13 +23,14 @@ __all__ = ["DECODE", "STRATEGIES", "Strategy", "StrategyName", "check_layer", "c
 
 
 #: The name of a strategy the global entry point runs (``strategy=``; the entry points
-#: add ``"auto"``), in the order tables list them: the package's own; :func:`register`
-#: adds others, which the planner and :func:`comm_bytes` take by their names.
+#: add ``"auto"``), in the order tables list them: the package's own. :func:`register`
+#: adds others, which the planner and :func:`comm_bytes` take by their names (typed as
+#: this alias, as the registry's keys).
 StrategyName = Literal["ulysses", "ring", "allgather", "hybrid"]
 
 #: Every strategy the global entry point runs, by name (:data:`StrategyName`, then any
 #: :func:`register` added), live: registering adds to it.
-STRATEGIES: dict[str, Strategy] = {}
+STRATEGIES: dict[StrategyName, Strategy] = {}
 #: The registered strategies the global entry point does not run (decode), by name.
 _OTHERS: dict[str, Strategy] = {}
 
@@ -48,14 +50,20 @@ def register(entry: Strategy) -> None:
     if entry.name == "auto" or entry.name in STRATEGIES or entry.name in _OTHERS:
         raise ValueError(f"strategy {entry.name!r} is registered already (or reserved): "
                          f"unregister it first, or choose another name.")
-    (STRATEGIES if entry.global_view else _OTHERS)[entry.name] = entry
+    if entry.global_view:
+        STRATEGIES[typing.cast(StrategyName, entry.name)] = entry  # open: any name
+    else:
+        _OTHERS[entry.name] = entry
 
 
 def unregister(name: str) -> Strategy:
     """Removes the strategy called ``name`` and returns its entry (:func:`register`'s
     undo, e.g. at the end of a test)."""
     entry = get(name)
-    del (STRATEGIES if entry.global_view else _OTHERS)[name]
+    if entry.global_view:
+        del STRATEGIES[typing.cast(StrategyName, name)]
+    else:
+        del _OTHERS[name]
     return entry
 
 
@@ -66,7 +74,7 @@ for _module in (ulysses, ring, allgather, hybrid, decode):
 DECODE = decode.ENTRY
 
 
-def names() -> tuple[str, ...]:
+def names() -> tuple[StrategyName, ...]:
     """Every strategy the global entry point runs, by name, the registered ones included
     (:data:`STRATEGIES`' keys)."""
     return tuple(STRATEGIES)

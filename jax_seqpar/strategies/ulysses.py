@@ -177,7 +177,8 @@ def _pieces(shape: LayerShape, ring: int, ulysses: int) -> tuple[int, int]:
     return (exchange_pieces(shape, ring, ulysses),) * 2
 
 
-#: Ulysses' registry entry (:mod:`jax_seqpar.strategies.registry`).
+#: Ulysses' registry entry (:mod:`jax_seqpar.strategies.registry`). Ties by bytes go to it
+#: (``preference=0``): it has the fewest, largest messages (lowest latency).
 ENTRY = Strategy("ulysses", ulysses_attention, ulysses_bytes, splits_heads=True, preference=0,
                  exchanges=("all-to-all", "all-to-all"), exchange_steps=exchange_steps,
                  pieces=_pieces)
