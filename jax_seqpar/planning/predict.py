@@ -25,7 +25,7 @@ device (:class:`~jax_seqpar.planning.hardware.Hardware` figures):
   not the mean;
 * which transfers hide behind a kernel is what the target's compiled programs show
   (:attr:`~jax_seqpar.planning.hardware.Hardware.overlaps`: the collective kinds a kernel can hide) for the way the
-  strategy sends them (its pieces, :attr:`~jax_seqpar.strategies.registry.Strategy.pieces`);
+  strategy sends them (its pieces, :attr:`~jax_seqpar.strategies.entry.Strategy.pieces`);
 * the ring: ``O`` steps of ``max(compute, hop) + latency`` (``compute + hop +
   latency`` where the target does not overlap collective-permutes), hops of the bytes
   :func:`jax_seqpar.comm_bytes` counts: ``O - 1`` K/V rotations forward,
