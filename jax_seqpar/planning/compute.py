@@ -3,10 +3,12 @@ device, as the kernels compute them, and their seconds (:mod:`.predict` adds the
 transfers).
 
 Pairs are counted in whole tiles of ``tile`` tokens that the mask does not empty
-(:func:`tile_pairs`), for the token order the package runs: Ulysses contiguous; ring,
-hybrid and all-gather zigzag over all ``P`` shards when causal. Packed documents are
-counted per row by :mod:`.packed`. The FLOPs are ``2 B H (Dqk + Dv)`` per pair forward,
-``(3 Dqk + 2 Dv) / (Dqk + Dv)`` times that backward, at the hardware's attention FLOP/s.
+(:func:`tile_pairs`), for the token order the package runs: zigzag over all ``P`` shards
+when causal where it balances the strategy's work (ring, hybrid, all-gather), else
+contiguous (Ulysses); per ring step, or in one step where the strategy gathers K/V.
+Packed documents are counted per row by :mod:`.packed`. The FLOPs are
+``2 B H (Dqk + Dv)`` per pair forward, ``(3 Dqk + 2 Dv) / (Dqk + Dv)`` times that
+backward, at the hardware's attention FLOP/s.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.planning import packed
 from jax_seqpar.planning.hardware import Hardware
-from jax_seqpar.strategies.registry import StrategyName
+from jax_seqpar.strategies.entry import Strategy
 
 __all__ = ["TILE", "step_seconds", "tile_pairs", "visible_pairs"]
 
@@ -77,18 +79,21 @@ def tile_pairs(q_positions: np.ndarray | jax.Array, kv_positions: np.ndarray | j
     return float((~empty).sum()) * tile_q * tile_k
 
 
-def _step_pairs(strategy: str, ring: int, ulysses: int, shape: LayerShape,
+def _step_pairs(entry: Strategy, ring: int, ulysses: int, shape: LayerShape,
                 tile: int) -> list[float]:
     """Computed pairs per ring step on the busiest device (one step: no ring).
 
-    Token orders as the package runs them: Ulysses contiguous; ring, hybrid and
-    all-gather zigzag over all ``P`` shards when causal. A hybrid device
-    attends for its ring group's ``I`` shards gathered by the all-to-all.
+    Token orders as the package runs them: zigzag over all ``P`` shards when causal
+    where it balances (:attr:`~jax_seqpar.strategies.entry.Strategy.zigzag_balances`:
+    ring, hybrid and all-gather), else contiguous (Ulysses). A device attends for its
+    ring group's ``I`` shards gathered by a head split (the hybrid's all-to-all; all of
+    them for Ulysses), or its own queries to every key at once where the strategy
+    gathers K/V (:attr:`~jax_seqpar.strategies.entry.Strategy.gathers_kv`).
     """
     devices = ring * ulysses
-    zigzag = shape.causal and strategy != "ulysses"
+    zigzag = shape.causal and entry.zigzag_balances
     shards = _shard_positions(shape.seq_len, devices, zigzag)
-    if strategy == "allgather":
+    if entry.gathers_kv:
         kv = shards.reshape(-1)
         return [max(tile_pairs(q, kv, shape, tile) for q in _sampled(shards))]
     groups = shards.reshape(ring, -1)  # a ring group's tokens after the a2a
@@ -110,20 +115,20 @@ def _sampled(items, limit: int = 8):
     return [items[i] for i in np.linspace(0, len(items) - 1, limit).round().astype(int)]
 
 
-def step_seconds(strategy: StrategyName, ring: int, ulysses: int, shape: LayerShape,
+def step_seconds(entry: Strategy, ring: int, ulysses: int, shape: LayerShape,
                  hardware: Hardware, tile: int, documents: packed.Documents | None = None):
-    """Forward and backward compute seconds per ring step of ``strategy`` over ``ring x
-    ulysses`` devices (tile-level, busiest device; one step: no ring); ``documents``:
-    :func:`jax_seqpar.planning.packed.documents` of a packed batch, or None."""
+    """Forward and backward compute seconds per ring step of the strategy ``entry`` over
+    ``ring x ulysses`` devices (tile-level, busiest device; one step: no ring);
+    ``documents``: :func:`jax_seqpar.planning.packed.documents` of a packed batch, or None."""
     d_qk, d_v = shape.head_dim, shape.v_head_dim or shape.head_dim  # None: head_dim
     heads = shape.num_heads // ulysses
     if documents is not None:
-        pairs = packed.step_pairs(strategy, ring, ulysses, shape, tile, documents)
+        pairs = packed.step_pairs(entry, ring, ulysses, shape, tile, documents)
     elif _tile_count(ring, shape, tile) <= _MAX_TILE_PAIRS:
-        pairs = _step_pairs(strategy, ring, ulysses, shape, tile)
+        pairs = _step_pairs(entry, ring, ulysses, shape, tile)
     else:  # too many tiles to classify: exact visible pairs, spread evenly
         per_device = visible_pairs(shape.seq_len, MaskSpec.make(shape.causal, shape.window)) / ring
-        steps = 1 if strategy == "allgather" else ring
+        steps = 1 if entry.gathers_kv else ring
         pairs = [per_device / steps] * steps
     forward = [2 * shape.batch * heads * (d_qk + d_v) * p / hardware.attention_flops
                for p in pairs]

@@ -23,7 +23,7 @@ from jax_seqpar.core import layout as layouts, packing, work
 from jax_seqpar.core.masks import PAD_SEGMENT, MaskSpec, Tokens
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.core.layout import LayoutName
-from jax_seqpar.strategies.registry import StrategyName
+from jax_seqpar.strategies.entry import Strategy
 
 __all__ = ["Documents", "documents", "laid_out", "step_pairs"]
 
@@ -88,15 +88,17 @@ def documents(shape: LayerShape, natural: Tokens, layout: Optional[LayoutName],
     return Documents(Tokens(None, segment_ids, bids), layout, spec)
 
 
-def laid_out(strategy: StrategyName, devices: int, shape: LayerShape, tile: int,
+def laid_out(entry: Strategy, devices: int, shape: LayerShape, tile: int,
              batch: Documents) -> Tokens:
-    """``batch``'s tokens ``[B', S']`` in its layout over ``devices``: positions, segment
-    ids and bidirectional ids (padded with :data:`~jax_seqpar.core.masks.PAD_SEGMENT` as the entry point pads)."""
+    """``batch``'s tokens ``[B', S']`` in its layout over ``devices`` (None: the strategy
+    ``entry``'s default, zigzag where it balances causal work): positions, segment ids
+    and bidirectional ids (padded with :data:`~jax_seqpar.core.masks.PAD_SEGMENT` as the
+    entry point pads)."""
     ids, bids, layout = batch.tokens.segment_ids, batch.tokens.bidirectional_ids, batch.layout
     if ids is None:
         raise ValueError("laid_out takes documents (segment ids): see documents().")
     if layout is None:
-        layout = "zigzag" if shape.causal and strategy != "ulysses" else "contiguous"
+        layout = "zigzag" if shape.causal and entry.zigzag_balances else "contiguous"
     chunks = {"zigzag": 2 * devices, "striped": devices * devices}.get(layout, devices)
     length = -(-ids.shape[1] // chunks) * chunks
     pad = ((0, 0), (0, length - ids.shape[1]))
@@ -114,16 +116,17 @@ def laid_out(strategy: StrategyName, devices: int, shape: LayerShape, tile: int,
     return Tokens(positions, gather(ids), gather(bids))
 
 
-def step_pairs(strategy: StrategyName, ring: int, ulysses: int, shape: LayerShape, tile: int,
+def step_pairs(entry: Strategy, ring: int, ulysses: int, shape: LayerShape, tile: int,
                batch: Documents) -> list[float]:
-    """Computed (query, key) pairs per row at each ring step, on that step's busiest
-    device (the all-gather: one step, its busiest device's total).
+    """Computed (query, key) pairs per row at each ring step of the strategy ``entry``, on
+    that step's busiest device (where it gathers K/V, the all-gather's way: one step, its
+    busiest device's total).
 
     A ring group's tokens are its ``ulysses`` devices' slots together (what Ulysses'
     all-to-all gathers); tiles are ``tile`` clipped to a group. Past
     ``MAX_TILE_PAIRS``, the exact visible pairs (no tile rounding).
     """
-    tokens = laid_out(strategy, ring * ulysses, shape, tile, batch)
+    tokens = laid_out(entry, ring * ulysses, shape, tile, batch)
     rows, length = tokens.positions.shape
     block = min(tile, length // ring)
     if rows * (length / block) ** 2 <= MAX_TILE_PAIRS:
@@ -132,6 +135,6 @@ def step_pairs(strategy: StrategyName, ring: int, ulysses: int, shape: LayerShap
     else:
         steps = work.work_per_step(batch.spec, tokens, ring)
     steps = steps / rows  # [device, step], per row
-    if strategy == "allgather":
+    if entry.gathers_kv:
         return [float(steps.sum(1).max())]
     return [float(x) for x in steps.max(0)]

@@ -29,6 +29,8 @@ import jax
 from jax_seqpar.core.masks import normalize_window
 from jax_seqpar.core.shape import LayerShape, dtype_of_size, is_count
 from jax_seqpar.planning import hardware as hardware_lib, predict, tuned
+from jax_seqpar.strategies import registry
+from jax_seqpar.strategies.entry import Strategy
 from jax_seqpar.strategies.registry import StrategyName, comm_bytes
 from jax_seqpar.strategies.traffic import axis_sizes_tuple, replicated_kv_heads
 from jax_seqpar.core.layout import LayoutName
@@ -77,15 +79,11 @@ class Plan:
 
     @property
     def ulysses_size(self) -> Optional[int]:
-        """Devices per Ulysses group of a hybrid choice (None for other strategies)."""
-        if self.strategy != "hybrid" or self.factorization is None:
+        """Devices per Ulysses group of a hybrid (two-axis) choice (None for other
+        strategies)."""
+        if self.factorization is None or registry.get(self.strategy).num_seq_axes != 2:
             return None
         return self.factorization[1]
-
-
-# Ties go to the first: Ulysses cannot overlap its all_to_alls with compute but
-# has the fewest, largest messages (lowest latency).
-_PREFERENCE: tuple[StrategyName, ...] = ("ulysses", "hybrid", "ring")
 
 
 def _ratio(numerator: float, denominator: float) -> float:
@@ -176,63 +174,110 @@ def plan_layer(shape: LayerShape, axis_sizes: int | Mapping[str, int], *,
                          "hardware= too (a preset name or a Hardware).")
     devices = math.prod(sizes)
     traffic = shape.comm_kwargs()
-    num_heads, num_kv_heads = shape.num_heads, shape.num_kv_heads
-    # comm_bytes validates everything else (divisibility, positivity).
-    ring = comm_bytes("ring", axis_sizes=devices, **traffic)
-    balance = "; zigzag layout balances causal work" if shape.causal else ""
-
+    registry.check_layer(devices, **traffic)  # comm_bytes' messages (positivity, division)
+    num_heads = shape.num_heads
+    inner_size = sizes[-1]  # the one axis, or the inner of two
+    candidates: dict[str, float] = {}
+    feasible: list[tuple[StrategyName, Strategy]] = []
+    blocked: list[Strategy] = []  # head-splitting strategies the heads rule out
+    for name, entry in _by_bytes(len(sizes)):
+        if entry.splits_heads and num_heads % entry.factorization(devices, inner_size)[1]:
+            blocked.append(entry)
+            continue
+        entry_sizes = sizes if entry.num_seq_axes == 2 else devices
+        candidates[name] = comm_bytes(name, axis_sizes=entry_sizes, **traffic)
+        feasible.append((name, entry))
+    if not feasible:
+        raise ValueError(f"no registered strategy runs {num_heads} heads over axis_sizes="
+                         f"{sizes}: register one without a head constraint.")
+    strategy, chosen = min(feasible, key=lambda item: (candidates[item[0]], _rank(item[1])))
+    plan_axes: str | tuple[str, str]
+    plan_sizes: int | tuple[int, int]
     if len(sizes) == 1:
-        (axis,), (size,) = names, sizes
-        candidates = {"ring": ring}
-        if num_heads % size == 0:
-            candidates["ulysses"] = comm_bytes("ulysses", axis_sizes=size, **traffic)
-        strategy = min((s for s in _PREFERENCE if s in candidates),
-                       key=lambda s: (candidates[s], _PREFERENCE.index(s)))
-        plan_axes: str | tuple[str, str] = axis
-        plan_sizes: int | tuple[int, int] = size
-        if strategy == "ulysses":
+        (plan_axes,), (plan_sizes,) = names, sizes
+    else:
+        (outer, inner), (outer_size, _) = names, sizes
+        plan_axes, plan_sizes = (outer, inner), (outer_size, inner_size)
+    reason = _bytes_reason(chosen, candidates, blocked, shape, names, sizes)
+    if devices == 1:
+        reason += " (one device: nothing is sent)"
+    return Plan(strategy=strategy, seq_axes=plan_axes, axis_sizes=plan_sizes,
+                bytes_per_device=candidates[strategy], reason=reason, candidates=candidates,
+                factorization=chosen.factorization(devices, inner_size))
+
+
+def _rank(entry: Strategy) -> int:
+    """``entry``'s rank among the choice by bytes (a tie goes to the lower)."""
+    assert entry.preference is not None  # _by_bytes keeps only ranked strategies
+    return entry.preference
+
+
+def _by_bytes(num_axes: int) -> list[tuple[StrategyName, Strategy]]:
+    """The strategies the choice by bytes weighs on ``num_axes`` sequence axes: those
+    with a :attr:`~jax_seqpar.strategies.entry.Strategy.preference`; on one axis the
+    one-axis ones, on two the two-axis ones (heads split over the inner axis) and the
+    one-axis ones that split no heads (over both axes flattened). Listed as plans list
+    their candidates: those without a head constraint first, each group by rank."""
+    found = [(name, entry) for name, entry in registry.STRATEGIES.items()
+             if entry.preference is not None
+             and (entry.num_seq_axes == 2 if num_axes == 2 and entry.splits_heads
+                  else entry.num_seq_axes == 1)]
+    return sorted(found, key=lambda item: (item[1].splits_heads, _rank(item[1])))
+
+
+def _bytes_reason(chosen: Strategy, candidates: Mapping[str, float], blocked: list[Strategy],
+                  shape: LayerShape, names: tuple[str, ...], sizes: tuple[int, ...]) -> str:
+    """One sentence with the numbers behind the choice by bytes of ``chosen``: against
+    the best of the others (those that split heads, where ``chosen`` splits none)."""
+    num_heads, num_kv_heads = shape.num_heads, shape.num_kv_heads
+    balance = ("; zigzag layout balances causal work"
+               if shape.causal and chosen.zigzag_balances else "")
+    rivals = [registry.get(name) for name in candidates if name != chosen.name]
+    if not chosen.splits_heads:
+        rivals = [entry for entry in rivals if entry.splits_heads] or rivals
+    rival = min(rivals, key=lambda entry: (candidates[entry.name], _rank(entry)),
+                default=None)
+    splitter = rival if rival is not None and rival.splits_heads else None
+    if len(sizes) == 1:
+        (size,) = sizes
+        if chosen.splits_heads:
             kv_heads = replicated_kv_heads(num_kv_heads, size)
             replicated = (f" ({num_kv_heads} KV heads replicated to {kv_heads})"
                           if kv_heads != num_kv_heads else "")
-            reason = (f"ulysses: {num_heads} heads divisible by {size}{replicated} and a2a "
-                      f"traffic {_ratio(candidates['ulysses'], ring):.2f}x of ring")
-        elif "ulysses" not in candidates:
-            reason = (f"ring: num_heads={num_heads} is not divisible by the axis size {size}, "
-                      f"so ulysses cannot split heads{balance}")
-        else:
-            factor = _ratio(candidates["ulysses"], ring)
-            why = ("only 1 KV head (MQA/MLA)" if num_kv_heads == 1
-                   else f"only {num_kv_heads} of {num_heads} heads are K/V heads")
-            reason = f"ring: {why} and ulysses would move {factor:.1f}x more bytes{balance}"
-    else:
-        (outer, inner), (outer_size, inner_size) = names, sizes
-        plan_axes, plan_sizes = (outer, inner), (outer_size, inner_size)
-        candidates = {"ring": ring}
-        if num_heads % inner_size == 0:
-            candidates["hybrid"] = comm_bytes("hybrid", axis_sizes=sizes, **traffic)
-        strategy = min((s for s in _PREFERENCE if s in candidates),
-                       key=lambda s: (candidates[s], _PREFERENCE.index(s)))
-        if strategy == "hybrid":
-            reason = (f"hybrid: ulysses over {inner!r} ({inner_size} divides {num_heads} heads) "
-                      f"and ring over {outer!r} send "
-                      f"{_ratio(candidates['hybrid'], ring):.2f}x the bytes of a ring over "
-                      f"both axes")
-        elif "hybrid" not in candidates:
-            reason = (f"ring over ({outer!r}, {inner!r}): num_heads={num_heads} is not "
-                      f"divisible by the inner axis size {inner_size}, so hybrid cannot use "
-                      f"ulysses{balance}")
-        else:
-            reason = (f"ring over ({outer!r}, {inner!r}): hybrid would move "
-                      f"{_ratio(candidates['hybrid'], ring):.1f}x more bytes{balance}")
-    if devices == 1:
-        reason += " (one device: nothing is sent)"
-    if strategy == "hybrid":
-        factorization = (sizes[0], sizes[1])
-    else:
-        factorization = (1, devices) if strategy == "ulysses" else (devices, 1)
-    return Plan(strategy=strategy, seq_axes=plan_axes, axis_sizes=plan_sizes,
-                bytes_per_device=candidates[strategy], reason=reason, candidates=candidates,
-                factorization=factorization)
+            reason = f"{chosen.name}: {num_heads} heads divisible by {size}{replicated}"
+            if rival is None:
+                return reason
+            return (f"{reason} and a2a traffic "
+                    f"{_ratio(candidates[chosen.name], candidates[rival.name]):.2f}x of "
+                    f"{rival.name}")
+        if splitter is None and blocked:
+            return (f"{chosen.name}: num_heads={num_heads} is not divisible by the axis size "
+                    f"{size}, so {blocked[0].name} cannot split heads{balance}")
+        if rival is None:
+            return f"{chosen.name}: the only strategy for this layer{balance}"
+        factor = _ratio(candidates[rival.name], candidates[chosen.name])
+        why = ("only 1 KV head (MQA/MLA)" if num_kv_heads == 1
+               else f"only {num_kv_heads} of {num_heads} heads are K/V heads")
+        return f"{chosen.name}: {why} and {rival.name} would move {factor:.1f}x more bytes{balance}"
+    (outer, inner), (_, inner_size) = names, sizes
+    if chosen.num_seq_axes == 2:
+        assert chosen.parts is not None  # a two-axis Strategy names its parts
+        outer_part, inner_part = chosen.parts
+        reason = (f"{chosen.name}: {inner_part} over {inner!r} ({inner_size} divides "
+                  f"{num_heads} heads) and {outer_part} over {outer!r}")
+        if rival is None:
+            return reason
+        return (f"{reason} send {_ratio(candidates[chosen.name], candidates[rival.name]):.2f}x "
+                f"the bytes of a {rival.name} over both axes")
+    where = f"{chosen.name} over ({outer!r}, {inner!r})"
+    if splitter is None and blocked:
+        inner_part = blocked[0].parts[1] if blocked[0].parts else "its head split"
+        return (f"{where}: num_heads={num_heads} is not divisible by the inner axis size "
+                f"{inner_size}, so {blocked[0].name} cannot use {inner_part}{balance}")
+    if rival is None:
+        return f"{where}: the only strategy for this layer{balance}"
+    return (f"{where}: {rival.name} would move "
+            f"{_ratio(candidates[rival.name], candidates[chosen.name]):.1f}x more bytes{balance}")
 
 
 _GIB = 2.0**30
@@ -254,7 +299,7 @@ def _plan_predicted(shape: LayerShape, names, sizes, hardware, memory_budget,
         raise ValueError(f"memory_budget must be a positive number of bytes. Got "
                          f"{memory_budget!r}.")
     # Validates the shape (divisibility, positivity) with comm_bytes' messages.
-    comm_bytes("ring", axis_sizes=devices, **shape.comm_kwargs())
+    registry.check_layer(devices, **shape.comm_kwargs())
     found = {c.label: c for c in predict.candidates(devices, shape.num_heads)}
     predictions = {label: predict.predict(c, shape, hardware, **(documents or {}))
                    for label, c in found.items()}

@@ -25,7 +25,7 @@ device (:class:`~jax_seqpar.planning.hardware.Hardware` figures):
   not the mean;
 * which transfers hide behind a kernel is what the target's compiled programs show
   (:attr:`~jax_seqpar.planning.hardware.Hardware.overlaps`: the collective kinds a kernel can hide) for the way the
-  strategy sends them (its pieces, :attr:`~jax_seqpar.strategies.registry.Strategy.pieces`);
+  strategy sends them (its pieces, :attr:`~jax_seqpar.strategies.entry.Strategy.pieces`);
 * the ring: ``O`` steps of ``max(compute, hop) + latency`` (``compute + hop +
   latency`` where the target does not overlap collective-permutes), hops of the bytes
   :func:`jax_seqpar.comm_bytes` counts: ``O - 1`` K/V rotations forward,
@@ -66,6 +66,7 @@ from jax_seqpar.planning import hardware as hardware_lib, packed
 from jax_seqpar.planning.compute import TILE, step_seconds
 from jax_seqpar.planning.hardware import Hardware
 from jax_seqpar.strategies import registry
+from jax_seqpar.strategies.entry import Strategy
 from jax_seqpar.strategies.registry import StrategyName, comm_bytes
 from jax_seqpar.core.layout import LayoutName
 
@@ -103,20 +104,6 @@ def candidates(devices: int, num_heads: int) -> list[Candidate]:
 def _comm_bytes(strategy, shape: LayerShape, axis_sizes):
     """:func:`~jax_seqpar.comm_bytes` of ``shape`` over ``axis_sizes``."""
     return comm_bytes(strategy, axis_sizes=axis_sizes, **shape.comm_kwargs())
-
-
-def _ulysses_steps(size: int, shape: LayerShape) -> int:
-    """Latency steps of Ulysses over ``size`` devices: 4 all-to-alls a pass and the
-    all-gathers (``size - 1`` steps each) of the positions and any segment ids."""
-    return 4 * (2 if shape.backward else 1) + (size - 1) * (1 + shape.segment_ids)
-
-
-def _allgather_steps(size: int, shape: LayerShape) -> int:
-    """Latency steps of the all-gather strategy: K, V, positions (and segment ids)
-    gathered, ``size - 1`` steps each; backward: dK/dV passed ``size`` hops around the
-    ring."""
-    gathered = 3 + shape.segment_ids
-    return (size - 1) * gathered + (size if shape.backward else 0)
 
 
 def _collective(hardware: Hardware, num_bytes: float, size: int,
@@ -167,28 +154,24 @@ def _ring(hardware: Hardware, link, compute: list, hop_bytes: float,
     return seconds, comm, hidden
 
 
-#: The collective kind of each exchange strategy's transfers: (forward, backward).
-_EXCHANGES = {"ulysses": ("all-to-all", "all-to-all"),
-              "allgather": ("all-gather", "collective-permute")}
-
-
-def _exchange(hardware: Hardware, strategy: str, shape: LayerShape, devices: int,
+def _exchange(hardware: Hardware, entry: Strategy, shape: LayerShape, devices: int,
               compute: tuple) -> dict:
-    """Ulysses or all-gather over ``devices``: per pass (``compute``: its forward and
+    """An exchange strategy (:attr:`~jax_seqpar.strategies.entry.Strategy.exchanges`:
+    Ulysses, the all-gather) over ``devices``: per pass (``compute``: its forward and
     backward kernel seconds), the pass's collectives and its kernels, overlapped where
     the strategy sends them in pieces and the target overlaps their kind."""
-    steps = _ulysses_steps if strategy == "ulysses" else _allgather_steps
-    entry = registry.get(strategy)
+    steps = entry.exchange_steps
+    kinds = entry.exchanges
+    assert steps is not None and kinds is not None  # Strategy checks they come together
     pieces = (entry.pieces(shape, *entry.factorization(devices, devices))
               if entry.pieces and devices > 1 else (1, 1))
     forward = shape.replace(backward=False)
-    fwd_bytes = _comm_bytes(strategy, forward, devices)
-    passes = [(fwd_bytes, steps(devices, forward), compute[0], _EXCHANGES[strategy][0],
-               pieces[0])]
+    fwd_bytes = _comm_bytes(entry.name, forward, devices)
+    passes = [(fwd_bytes, steps(devices, forward), compute[0], kinds[0], pieces[0])]
     if shape.backward:
-        passes.append((_comm_bytes(strategy, shape, devices) - fwd_bytes,
+        passes.append((_comm_bytes(entry.name, shape, devices) - fwd_bytes,
                        steps(devices, shape) - steps(devices, forward), compute[1],
-                       _EXCHANGES[strategy][1], pieces[1]))
+                       kinds[1], pieces[1]))
     out = dict(seconds=0.0, comm=0.0, hidden_bytes=0.0, ici_bytes=0.0, dcn_bytes=0.0)
     for num_bytes, num_steps, kernels, kind, n in passes:
         comm, ici_bytes, dcn_bytes = _collective(hardware, num_bytes, devices, num_steps)
@@ -206,34 +189,35 @@ def _exchange(hardware: Hardware, strategy: str, shape: LayerShape, devices: int
 
 def _seconds(candidate: Candidate, shape: LayerShape, hardware: Hardware, tile: int,
              documents=None) -> dict:
-    strategy, ring, inner = candidate.strategy, candidate.ring, candidate.ulysses
+    ring, inner = candidate.ring, candidate.ulysses
+    entry = registry.get(candidate.strategy)
     devices = ring * inner
-    sizes = (ring, inner) if registry.get(strategy).num_seq_axes == 2 else devices
-    compute_fwd, compute_bwd = step_seconds(strategy, ring, inner, shape, hardware, tile,
+    sizes = (ring, inner) if entry.num_seq_axes == 2 else devices
+    compute_fwd, compute_bwd = step_seconds(entry, ring, inner, shape, hardware, tile,
                                             documents)
     compute = sum(compute_fwd) + sum(compute_bwd)
-    total_bytes = _comm_bytes(strategy, shape, sizes)
-    if strategy in _EXCHANGES:
-        out = _exchange(hardware, strategy, shape, devices,
-                        (sum(compute_fwd), sum(compute_bwd)))
+    total_bytes = _comm_bytes(entry.name, shape, sizes)
+    if entry.exchanges is not None:
+        out = _exchange(hardware, entry, shape, devices, (sum(compute_fwd), sum(compute_bwd)))
         seconds, comm, hidden = out["seconds"], out["comm"], out["hidden_bytes"]
         ici_bytes, dcn_bytes = out["ici_bytes"], out["dcn_bytes"]
-    else:  # ring, hybrid: all-to-alls over the inner group, then the ring's steps
+    else:  # a ring (the hybrid's: its inner part's exchange over the group, then its steps)
         forward = shape.replace(backward=False)
-        a2a_bytes = fwd_a2a = 0.0
-        if inner > 1:
+        inner_entry = _inner(entry) if inner > 1 else None
+        exchange_bytes = fwd_exchange = 0.0
+        if inner_entry is not None:
             inner_shape = shape.replace(seq_len=shape.seq_len // ring)
-            a2a_bytes = _comm_bytes("ulysses", inner_shape, inner)
-            fwd_a2a = _comm_bytes("ulysses", inner_shape.replace(backward=False), inner)
-        fwd_ring = _comm_bytes(strategy, forward, sizes) - fwd_a2a
-        bwd_ring = total_bytes - a2a_bytes - fwd_ring
+            exchange_bytes = _comm_bytes(inner_entry.name, inner_shape, inner)
+            fwd_exchange = _comm_bytes(inner_entry.name, inner_shape.replace(backward=False),
+                                       inner)
+        fwd_ring = _comm_bytes(entry.name, forward, sizes) - fwd_exchange
+        bwd_ring = total_bytes - exchange_bytes - fwd_ring
         link = hardware.link(ring, inner)
         kv_hop = fwd_ring / max(ring - 1, 1)
-        # The inner all-to-alls in pieces (the hybrid's default) travel during the ring's
+        # The inner exchange in pieces (the hybrid's default) travels during the ring's
         # first and last steps, all but one piece's share hidden; dK/dV's trip home then
         # travels during the last step's query pieces.
-        pieces = registry.get(strategy).pieces
-        n = pieces(shape, ring, inner)[0] if pieces and inner > 1 else 1
+        n = entry.pieces(shape, ring, inner)[0] if entry.pieces and inner_entry else 1
         seconds, comm, hidden = _ring(hardware, link, compute_fwd, kv_hop)
         if shape.backward:  # P - 1 hops of K/V and dK/dV, then dK/dV home
             dkv_hop = max(bwd_ring - (ring - 1) * kv_hop, 0.0) / ring
@@ -242,20 +226,25 @@ def _seconds(candidate: Candidate, shape: LayerShape, hardware: Hardware, tile: 
                                                       home_hides=n > 1)
             seconds, comm, hidden = seconds + bwd_seconds, comm + bwd_comm, hidden + bwd_hidden
         ici_bytes = dcn_bytes = 0.0
-        passes = [(fwd_a2a, _ulysses_steps(inner, forward), compute_fwd)]
-        if shape.backward:
-            passes.append((a2a_bytes - fwd_a2a, _ulysses_steps(inner, shape)
-                           - _ulysses_steps(inner, forward), compute_bwd))
-        for num_bytes, num_steps, steps_compute in passes:
-            a2a, ici, dcn = _collective(hardware, num_bytes, inner, num_steps)
-            ici_bytes, dcn_bytes, comm = ici_bytes + ici, dcn_bytes + dcn, comm + a2a
-            if n > 1 and "all-to-all" in hardware.overlaps:
+        passes = []
+        if inner_entry is not None:
+            steps, kinds = inner_entry.exchange_steps, inner_entry.exchanges
+            assert steps is not None and kinds is not None  # _inner checked them
+            passes.append((fwd_exchange, steps(inner, forward), compute_fwd, kinds[0]))
+            if shape.backward:
+                passes.append((exchange_bytes - fwd_exchange,
+                               steps(inner, shape) - steps(inner, forward), compute_bwd,
+                               kinds[1]))
+        for num_bytes, num_steps, steps_compute, kind in passes:
+            exchange, ici, dcn = _collective(hardware, num_bytes, inner, num_steps)
+            ici_bytes, dcn_bytes, comm = ici_bytes + ici, dcn_bytes + dcn, comm + exchange
+            if n > 1 and kind in hardware.overlaps:
                 rest = (n - 1) / n
                 ends = steps_compute[0] + (steps_compute[-1] if len(steps_compute) > 1 else 0)
-                seconds += a2a / n + max(0.0, a2a * rest - ends)
+                seconds += exchange / n + max(0.0, exchange * rest - ends)
                 hidden += num_bytes * rest
             else:
-                seconds += a2a
+                seconds += exchange
         if link is hardware.ici:
             ici_bytes += fwd_ring + bwd_ring
         else:
@@ -263,6 +252,18 @@ def _seconds(candidate: Candidate, shape: LayerShape, hardware: Hardware, tile: 
     return dict(seconds=seconds, compute_seconds=compute, comm_seconds=comm,
                 exposed_comm_seconds=seconds - compute, bytes=total_bytes,
                 hidden_bytes=hidden, ici_bytes=ici_bytes, dcn_bytes=dcn_bytes)
+
+
+def _inner(entry: Strategy) -> Optional[Strategy]:
+    """The strategy a two-axis ``entry`` runs over its inner axis (its ``parts[1]``), whose
+    exchange travels around the ring; None for a one-axis strategy."""
+    if entry.parts is None:
+        return None
+    inner = registry.get(entry.parts[1])
+    if inner.exchanges is None:
+        raise ValueError(f"strategy {entry.name!r} runs {inner.name!r} over its inner axis, "
+                         f"which has no exchange to model (Strategy.exchanges).")
+    return inner
 
 
 def _memory(candidate: Candidate, shape: LayerShape, tile: int) -> float:
@@ -283,12 +284,9 @@ def _memory(candidate: Candidate, shape: LayerShape, tile: int) -> float:
         tokens = local * inner  # [B, S/O, H/I, D] after the all-to-all
         memory += grads * tokens * (heads * (d_qk + d_v) + kv_heads * (d_qk + d_v)) * size
         memory += b * s / candidate.ring * 4  # gathered int32 positions
-    kv_local = tokens * kv_heads * (d_qk + d_v)
-    if candidate.strategy == "allgather":
-        memory += b * s * (kv * size + 4) + (b * s * kv * 4 if shape.backward else 0.0)
-    elif candidate.ring > 1:
-        memory += 2 * kv_local * size  # the K/V being computed on and the next
-        memory += 2 * kv_local * 4 if shape.backward else 0.0  # dK/dV accumulators
+    kv_memory = registry.get(candidate.strategy).kv_memory
+    if kv_memory is not None:  # the strategy's own: a ring's K/V in flight, gathered K/V
+        memory += kv_memory(shape, candidate.ring, candidate.ulysses)
     memory += tokens * heads * (d_v + (d_qk if shape.backward else 0)) * 4  # f32 carries
     memory += b * heads * min(tile, s) ** 2 * 4 * (4 if shape.backward else 2)  # score tiles
     return float(memory)

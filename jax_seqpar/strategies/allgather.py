@@ -31,10 +31,8 @@ target compiles pass them; pass them to your own compile too); XLA:GPU needs non
 from __future__ import annotations
 
 import functools
-from typing import TYPE_CHECKING, Callable, Literal
-
-if TYPE_CHECKING:  # annotations only
-    from jax_seqpar.kernels.options import BlockSizes, KernelName
+import math
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import jax
 import jax.numpy as jnp
@@ -44,11 +42,20 @@ from jax_seqpar.core import compat as _compat
 from jax_seqpar.core.masks import EMPTY_LSE
 from jax_seqpar.core.merge import merge
 from jax_seqpar.strategies import halo
+from jax_seqpar.strategies.entry import Strategy
 from jax_seqpar.strategies.inputs import (Metadata, Options, axis_size, describe, finish,
                                           gather_tokens, shard_operands)
 from jax_seqpar.strategies.ring import shift, shift_during
+from jax_seqpar.strategies.traffic import (INDEX_BYTES, NO_MASK, accumulator_bytes, halo_bytes,
+                                           window_reach)
 
-__all__ = ["allgather_attention", "attend", "chunk_counts", "default_chunks", "MAX_AUTO_CHUNKS",
+if TYPE_CHECKING:  # annotations only
+    from jax_seqpar.core.masks import MaskSpec
+    from jax_seqpar.core.shape import LayerShape
+    from jax_seqpar.kernels.options import BlockSizes, KernelName
+
+__all__ = ["ENTRY", "allgather_attention", "allgather_bytes", "attend", "chunk_counts",
+           "default_chunks", "exchange_steps", "gathered_memory", "MAX_AUTO_CHUNKS",
            "MIN_CHUNK_TOKENS", "resolve_chunks"]
 
 #: ``chunks="auto"`` takes at most this many pieces: 16 hide fifteen sixteenths of the
@@ -327,3 +334,67 @@ def _chunked_bwd(config, residuals, cotangents):
 
 
 _chunked.defvjp(_chunked_fwd, _chunked_bwd)
+
+
+# The model: the bytes the all-gather sends, its latency steps, pieces and memory.
+
+def _gather_bytes(*, batch, seq_len, num_kv_heads, head_dim, v_head_dim, axis_size,
+                  dtype_bytes, backward, with_segment_ids, reach=None) -> float:
+    """all_gather of k, v and positions to ``[B, S, Hkv, .]`` (K/V in pieces, the same
+    bytes); the backward sends dK/dV home around the ring.
+
+    The backward's dK/dV accumulators ``[B, S/P, Hkv, Dqk + Dv]`` travel ``P``
+    ppermutes as the ring's do: ``P - 1`` in float32, the last (home) in the input
+    dtype. With a window ``reach`` (contiguous split) only the halo is gathered; its
+    float32 gradient goes back.
+    """
+    if axis_size == 1:
+        return 0.0
+    if reach is not None:
+        return halo_bytes(batch=batch, reach=reach, kv_heads=num_kv_heads, head_dim=head_dim,
+                          v_head_dim=v_head_dim, dtype_bytes=dtype_bytes, backward=backward,
+                          with_segment_ids=with_segment_ids, gradient_bytes=4)
+    fraction = (axis_size - 1) / axis_size
+    kv_elements = batch * seq_len * num_kv_heads * (head_dim + v_head_dim)
+    metadata = batch * seq_len * INDEX_BYTES * (2 if with_segment_ids else 1)
+    sent = fraction * (kv_elements * dtype_bytes + metadata)
+    if backward:
+        sent += accumulator_bytes(kv_elements // axis_size, axis_size, dtype_bytes)
+    return sent
+
+
+def allgather_bytes(sizes: tuple[int, ...], *, num_heads: int, seq_len: int,
+                    spec: MaskSpec = NO_MASK, **shape: Any) -> float:
+    """The all-gather over all ``sizes`` devices (the halo only with a window)."""
+    devices = math.prod(sizes)
+    return _gather_bytes(seq_len=seq_len, axis_size=devices,
+                         reach=window_reach(spec, seq_len, devices), **shape)
+
+
+def exchange_steps(size: int, shape: LayerShape) -> int:
+    """Latency steps of the all-gather strategy: K, V, positions (and segment ids)
+    gathered, ``size - 1`` steps each; backward: dK/dV passed ``size`` hops around the
+    ring."""
+    gathered = 3 + shape.segment_ids
+    return (size - 1) * gathered + (size if shape.backward else 0)
+
+
+def gathered_memory(shape: LayerShape, ring: int, ulysses: int) -> float:
+    """Bytes the all-gather holds beyond the layer's arrays: every device's K/V and
+    positions, O(S), and with backward their float32 gradients."""
+    kv = shape.num_kv_heads * (shape.head_dim + (shape.v_head_dim or shape.head_dim))
+    tokens = shape.batch * shape.seq_len
+    return tokens * (kv * shape.dtype_bytes + 4) + (tokens * kv * 4 if shape.backward else 0.0)
+
+
+def _pieces(shape: LayerShape, ring: int, ulysses: int) -> tuple[int, int]:
+    """Forward: K/V gathered in :func:`default_chunks` pieces; backward: dK/dV passed
+    around the ring, a hop a piece."""
+    return default_chunks(-(-shape.seq_len // ring)), ring
+
+
+#: The all-gather's registry entry (:mod:`jax_seqpar.strategies.registry`).
+ENTRY = Strategy("allgather", allgather_attention, allgather_bytes, zigzag_balances=True,
+                 exchanges=("all-gather", "collective-permute"), exchange_steps=exchange_steps,
+                 gathers_kv=True, kv_memory=gathered_memory, pieces=_pieces, attend=attend,
+                 pipelining=("chunks",))

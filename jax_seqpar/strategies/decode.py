@@ -17,6 +17,7 @@ when a row would pass the cache's capacity) before attending.
 from __future__ import annotations
 
 import dataclasses
+import math
 from typing import TYPE_CHECKING, Callable, Optional
 
 import jax
@@ -25,7 +26,9 @@ import numpy as np
 
 from jax_seqpar import kernels
 from jax_seqpar.core import checks, layout, masks
+from jax_seqpar.core.shape import check_counts
 from jax_seqpar.kernels import tiling
+from jax_seqpar.strategies.entry import Strategy
 from jax_seqpar.strategies.inputs import Options, check_ids, check_qkv
 from jax_seqpar.kernels import make_options
 from jax_seqpar.core.merge import check_sinks, merge_across
@@ -34,8 +37,8 @@ from jax_seqpar.kernels import KernelName
 if TYPE_CHECKING:  # annotations only
     from jax_seqpar.kernels.contract import BlockSizes
 
-__all__ = ["EMPTY_POSITION", "Step", "append_and_attend", "deal_round_robin",
-           "decode_attention", "overflow_message"]
+__all__ = ["ENTRY", "EMPTY_POSITION", "Step", "append_and_attend", "deal_round_robin",
+           "decode_attention", "decode_bytes", "overflow_message"]
 
 #: The position of an empty cache slot, later than every query, so the causal
 #: mask hides it and whole empty key blocks are skipped.
@@ -293,3 +296,24 @@ def append_and_attend(step: Step, k_cache: jax.Array, v_cache: jax.Array, positi
     out, lse = _attend_slots(options, step.q, k_cache, v_cache, q_tokens, kv_tokens)
     out = merge_across(out, lse, axis_name, step.sinks).astype(step.q.dtype)
     return out, k_cache, v_cache, positions  # out [B, T, H, Dv], the same on every device
+
+
+def decode_bytes(sizes: tuple[int, ...], *, batch: int, seq_len: int, num_heads: int,
+                 num_kv_heads: int, head_dim: int, v_head_dim: int, **_: object) -> float:
+    """Sharded-cache decode (:mod:`jax_seqpar.api.inference`): only the merge communicates.
+
+    ``seq_len`` is ``T``, the new tokens; the cache never moves. One ``pmax`` of
+    the float32 lse ``[B, T, H]`` and two ``psum`` s, of the float32 weights
+    ``[B, T, H]`` and weighted outputs ``[B, T, H, Dv]``: ``2(P-1)/P`` of each,
+    whatever the dtype of q/k/v.
+    """
+    check_counts(batch=batch, seq_len=seq_len, num_heads=num_heads,
+                 num_kv_heads=num_kv_heads, head_dim=head_dim, v_head_dim=v_head_dim)
+    devices = math.prod(sizes)
+    rows = batch * seq_len * num_heads
+    return 2 * (devices - 1) / devices * rows * (v_head_dim + 2) * 4
+
+
+#: Attention of new tokens to a sequence-sharded KV cache (forward only): its registry
+#: entry (:mod:`jax_seqpar.strategies.registry`), not one the global entry point runs.
+ENTRY = Strategy("decode", decode_attention, decode_bytes, global_view=False)

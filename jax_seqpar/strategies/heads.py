@@ -9,7 +9,7 @@ hybrid's :mod:`jax_seqpar.strategies.ring_chunks`: :func:`chunk_counts`,
 (:mod:`jax_seqpar.strategies.head_pipeline`: :func:`head_group_counts`,
 :func:`default_head_groups`). :func:`resolve_pieces` reads the call's ``overlap``,
 ``chunks`` and ``head_groups`` with these rules, which the planner's
-:attr:`~jax_seqpar.strategies.registry.Strategy.pieces` shares.
+:attr:`~jax_seqpar.strategies.entry.Strategy.pieces` shares.
 """
 
 from __future__ import annotations

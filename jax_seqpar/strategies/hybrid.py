@@ -29,24 +29,30 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import TYPE_CHECKING, Callable, Literal
-
-if TYPE_CHECKING:  # annotations only
-    from jax_seqpar.kernels.options import BlockSizes, KernelName
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import jax
 import jax.numpy as jnp
 
+from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.strategies import halo
+from jax_seqpar.strategies.entry import Strategy
 from jax_seqpar.strategies.chunk_pipeline import chunk_pipeline
 from jax_seqpar.strategies.head_pipeline import head_pipeline
-from jax_seqpar.strategies.heads import chunk_sizes, kv_replication, local_heads, resolve_pieces
+from jax_seqpar.strategies.heads import (chunk_sizes, default_chunks, kv_replication, local_heads,
+                                         resolve_pieces)
 from jax_seqpar.strategies.inputs import (Metadata, Operands, Options, axis_size, describe,
                                           gather_tokens, shard_operands)
-from jax_seqpar.strategies.ring import ring_over
+from jax_seqpar.strategies.ring import ENTRY as RING, in_flight_memory, ring_over, rotation_bytes
 from jax_seqpar.strategies.ring_chunks import ring_chunks
+from jax_seqpar.strategies.traffic import NO_MASK, replicated_kv_heads, window_reach
+from jax_seqpar.strategies.ulysses import ENTRY as ULYSSES, exchange_bytes, exchange_pieces
 
-__all__ = ["attend", "hybrid_attention"]
+if TYPE_CHECKING:  # annotations only
+    from jax_seqpar.core.shape import LayerShape
+    from jax_seqpar.kernels.options import BlockSizes, KernelName
+
+__all__ = ["ENTRY", "attend", "hybrid_attention", "hybrid_bytes"]
 
 
 def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | tuple[str, ...],
@@ -179,3 +185,47 @@ def _outer_inner(seq_axes) -> tuple:
                          f"axes, the ring over the outer and Ulysses over the inner. Got "
                          f"{seq_axes!r}.")
     return tuple(seq_axes)
+
+
+# The model: Ulysses' terms (ulysses.py) over the inner axis, around the ring's (ring.py)
+# over the outer one.
+
+def hybrid_bytes(sizes: tuple[int, ...], *, num_heads: int, num_kv_heads: int, seq_len: int,
+                 spec: MaskSpec = NO_MASK, **shape: Any) -> float:
+    """Ulysses over the inner axis of ``sizes=(outer, inner)`` on the local shard, then
+    the ring over the outer one on ``lcm(Hkv, inner)/inner`` K/V heads. Pipelined along
+    the sequence (the default where the local length allows and the ring is no halo
+    exchange), the backward also sends the float32 ``<dout, out>`` rows (the ring's own
+    backward does not need them)."""
+    if len(sizes) != 2:
+        raise ValueError(f"hybrid needs axis_sizes=(outer, inner). Got {sizes!r}.")
+    outer, inner = sizes
+    if num_heads % inner:
+        raise ValueError(f"num_heads={num_heads} is not divisible by the ulysses (inner) "
+                         f"axis size {inner}; use strategy='ring' or swap the axes.")
+    kv_heads_after_ulysses = replicated_kv_heads(num_kv_heads, inner) // inner
+    reach = window_reach(spec, seq_len, outer)
+    chunks = 1 if halo.ring_is_halo(spec, seq_len // outer, outer) else default_chunks(
+        seq_len // (outer * inner), inner)
+    return (exchange_bytes(seq_len=seq_len // outer, num_heads=num_heads,
+                           num_kv_heads=num_kv_heads, axis_size=inner,
+                           row_statistic=chunks > 1, **shape)
+            + rotation_bytes(seq_len=seq_len, kv_heads=kv_heads_after_ulysses, axis_size=outer,
+                             reach=reach, **shape))
+
+
+def _pieces(shape: LayerShape, ring: int, ulysses: int) -> tuple[int, int]:
+    """The inner exchange's pieces: chunked unless a window makes the ring a halo
+    exchange (the window's default order is the contiguous split); head groups only
+    where each has its own K/V heads."""
+    halo_ring = halo.ring_is_halo(MaskSpec.make(shape.causal, shape.window),
+                                  shape.seq_len // ring, ring)
+    pieces = exchange_pieces(shape, ring, ulysses, shared_kv=False, chunked=not halo_ring)
+    return pieces, pieces
+
+
+#: The hybrid's registry entry (:mod:`jax_seqpar.strategies.registry`).
+ENTRY = Strategy("hybrid", hybrid_attention, hybrid_bytes, num_seq_axes=2, splits_heads=True,
+                 zigzag_balances=True, preference=1, parts=(RING.name, ULYSSES.name),
+                 kv_memory=in_flight_memory, pieces=_pieces, attend=attend,
+                 pipelining=("overlap", "chunks", "head_groups"))

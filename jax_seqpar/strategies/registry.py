@@ -1,146 +1,93 @@
 """The one list of strategies: every module that lists, chooses, models or benchmarks
 strategies iterates :data:`STRATEGIES` (the API, the planner, the bench, the CLI, tests).
 
-Each :class:`Strategy` holds what the rest of the package needs to know about it: its
-per-shard function, the bytes it sends (:mod:`.traffic`), the token order that balances
-its causal work, its head constraint and the features it serves. A new strategy is one
-module and one entry here.
+Each strategy module ends with its :class:`~jax_seqpar.strategies.entry.Strategy` entry
+(its per-shard function, the bytes it sends, its terms of the time and memory model,
+the token order that balances its causal work, its head constraint), and this module
+lists them; :func:`register` adds one more (a strategy written outside the package),
+which the planner then considers and :func:`comm_bytes` counts.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import typing
-from typing import Callable, Literal, Mapping, Optional, TypedDict
+from typing import Literal, Mapping, TypedDict
 
 from jax_seqpar.core.masks import MaskSpec
-from jax_seqpar.strategies import allgather, heads, hybrid, ring, traffic, ulysses
-from jax_seqpar.strategies.decode import decode_attention
-from jax_seqpar.strategies.halo import halo_sizes, ring_is_halo
+from jax_seqpar.strategies import allgather, decode, hybrid, ring, traffic, ulysses
+from jax_seqpar.strategies.entry import Strategy
+from jax_seqpar.strategies.halo import halo_sizes
 
-__all__ = ["DECODE", "STRATEGIES", "Strategy", "StrategyName", "comm_bytes", "default_layout",
-           "get"]
+__all__ = ["DECODE", "STRATEGIES", "Strategy", "StrategyName", "check_layer", "comm_bytes",
+           "default_layout", "get", "names", "register", "unregister"]
 
-
-@dataclasses.dataclass(frozen=True)
-class Strategy:
-    """One way to split attention over the sequence devices.
-
-    Attributes:
-      name: what ``strategy=`` takes.
-      attention: the public per-shard function, ``attention(q, k, v, *, seq_axes, ...)``
-        inside ``jax.shard_map``.
-      attend: its core on described inputs, ``attend(q, k, v, options, metadata, *,
-        seq_axes, **pipelining)`` (``options``: the call's
-        :class:`~jax_seqpar.kernels.options.Options`; ``metadata``: its checked local
-        :class:`~jax_seqpar.strategies.inputs.Metadata`): what the global view runs.
-      pipelining: the keywords of ``attend`` beyond ``seq_axes`` (``"overlap"``,
-        ``"chunks"``, ``"head_groups"``): the global call passes those it was given.
-      bytes: its traffic model, ``bytes(sizes, **shape) -> bytes one device sends``
-        (:func:`comm_bytes`).
-      num_seq_axes: how many sequence axes it runs over: 1, or 2 (``(outer, inner)``: the
-        ring over the outer, Ulysses over the inner).
-      splits_heads: whether it splits heads over its (inner) axis, whose size must then
-        divide the query heads (K/V heads are replicated up to it).
-      zigzag_balances: whether the zigzag order balances its causal work (a ring's
-        steps); Ulysses attends the whole sequence on every device: balanced already.
-      global_view: whether :func:`jax_seqpar.sequence_parallel_attention` runs it
-        (decode runs against a KV cache: :mod:`jax_seqpar.api.inference`).
-      pieces: ``pieces(shape, ring, ulysses) -> (forward, backward)``: into how many
-        pieces its ``head_groups`` / ``chunks="auto"`` cut the forward's and the
-        backward's exchanges of a :class:`~jax_seqpar.core.shape.LayerShape` over
-        ``ring x ulysses`` devices (:meth:`factorization`; the hybrid's: its inner
-        all-to-alls), so
-        that each piece after the first travels while a kernel works on an earlier one
-        (None: each exchange whole, before or after the kernels); Ulysses' sequence
-        pieces count as the equal pieces that leave the same share exposed. The ring's
-        hops are its own pieces (one per step).
-    """
-
-    name: Literal[StrategyName, "decode"]
-    attention: Callable
-    attend: Callable
-    bytes: Callable
-    num_seq_axes: int = 1
-    splits_heads: bool = False
-    zigzag_balances: bool = False
-    global_view: bool = True
-    pieces: Optional[Callable] = None
-    pipelining: tuple[str, ...] = ()
-
-    def factorization(self, devices: int, ulysses: int) -> tuple[int, int]:
-        """``(ring, ulysses)`` devices of this strategy over ``devices`` (``ulysses``: the
-        inner group of a two-axis strategy)."""
-        if self.num_seq_axes == 2:
-            return devices // ulysses, ulysses
-        return (1, devices) if self.splits_heads else (devices, 1)
-
-
-def _ulysses_pieces(shape, ring: int, ulysses: int, *, hybrid: bool = False) -> int:
-    """The pieces of Ulysses' exchange over ``ulysses`` devices (the hybrid's inner one,
-    beside a ring of ``ring``) as ``overlap="auto"`` cuts them
-    (:func:`heads.resolve_pieces`).
-
-    Sequence chunks (:func:`heads.chunk_sizes`) leave the first query and K/V pieces and
-    the last output piece exposed, ``1/2^(c-1)`` of the bytes: as many as ``2^(c-1)``
-    equal pieces. The hybrid chunks unless a window makes its ring a halo exchange
-    (the window's default order is the contiguous split).
-    Head groups where each group has its own K/V heads; 1 where K/V heads are shared by
-    several groups: they travel whole ahead of group 0 and only parts of q and out hide
-    (a third of the bytes at 2 query heads and 1 K/V head a device, compiled), which the
-    pieces model would overstate."""
-    if ulysses == 1:
-        return 1
-    local_len = -(-shape.seq_len // (ring * ulysses))
-    halo_ring = hybrid and ring_is_halo(MaskSpec.make(shape.causal, shape.window),
-                                        shape.seq_len // ring, ring)
-    chunks, groups = heads.resolve_pieces(
-        "auto", "auto", "auto", shape.num_heads, shape.num_kv_heads, ulysses, local_len,
-        shared_kv=not hybrid, chunked=not halo_ring)
-    if chunks > 1:
-        return 2 ** (chunks - 1)
-    _, kv_local = heads.local_head_counts(shape.num_heads, shape.num_kv_heads, ulysses)
-    return groups if kv_local % groups == 0 else 1
-
-
-_PIPELINING = ("overlap", "chunks", "head_groups")
 
 #: The name of a strategy the global entry point runs (``strategy=``; the entry points
-#: add ``"auto"``), in the order tables list them.
+#: add ``"auto"``), in the order tables list them: the package's own. :func:`register`
+#: adds others, which the planner and :func:`comm_bytes` take by their names (typed as
+#: this alias, as the registry's keys).
 StrategyName = Literal["ulysses", "ring", "allgather", "hybrid"]
 
-_ENTRIES = {s.name: s for s in (
-    Strategy("ulysses", ulysses.ulysses_attention, ulysses.attend, traffic.ulysses_bytes,
-             splits_heads=True, pipelining=_PIPELINING,
-             pieces=lambda shape, ring, ulysses: (_ulysses_pieces(shape, ring, ulysses),) * 2),
-    Strategy("ring", ring.ring_attention, ring.attend, traffic.ring_bytes,
-             zigzag_balances=True),
-    # forward: K/V gathered in chunks; backward: dK/dV passed around the ring, a hop a piece
-    Strategy("allgather", allgather.allgather_attention, allgather.attend,
-             traffic.allgather_bytes, zigzag_balances=True, pipelining=("chunks",),
-             pieces=lambda shape, ring, ulysses: (
-                 allgather.default_chunks(-(-shape.seq_len // ring)), ring)),
-    Strategy("hybrid", hybrid.hybrid_attention, hybrid.attend, traffic.hybrid_bytes,
-             num_seq_axes=2, splits_heads=True, zigzag_balances=True, pipelining=_PIPELINING,
-             pieces=lambda shape, ring, ulysses: (
-                 _ulysses_pieces(shape, ring, ulysses, hybrid=True),) * 2),
-)}
-#: Every strategy the global entry point runs, by :data:`StrategyName`.
-STRATEGIES: Mapping[StrategyName, Strategy] = {name: _ENTRIES[name]
-                                      for name in typing.get_args(StrategyName)}
+#: Every strategy the global entry point runs, by name (:data:`StrategyName`, then any
+#: :func:`register` added), live: registering adds to it.
+STRATEGIES: dict[StrategyName, Strategy] = {}
+#: The registered strategies the global entry point does not run (decode), by name.
+_OTHERS: dict[str, Strategy] = {}
+
+
+def register(entry: Strategy) -> None:
+    """Adds ``entry`` to the strategies: :func:`get` finds it, the planner
+    (:func:`jax_seqpar.planning.plan.plan_layer`, :func:`~jax_seqpar.planning.predict.candidates`)
+    considers it where it has a :attr:`~Strategy.preference` or a model to predict, and
+    :func:`comm_bytes` counts it; a ``global_view`` entry joins :data:`STRATEGIES`.
+
+    Raises:
+      ValueError: a strategy of that name is registered already (:func:`unregister` it
+        first), or the name is ``"auto"``.
+    """
+    if not isinstance(entry, Strategy):
+        raise ValueError(f"register takes a strategies.entry.Strategy. Got {entry!r}.")
+    if entry.name == "auto" or entry.name in STRATEGIES or entry.name in _OTHERS:
+        raise ValueError(f"strategy {entry.name!r} is registered already (or reserved): "
+                         f"unregister it first, or choose another name.")
+    if entry.global_view:
+        STRATEGIES[typing.cast(StrategyName, entry.name)] = entry  # open: any name
+    else:
+        _OTHERS[entry.name] = entry
+
+
+def unregister(name: str) -> Strategy:
+    """Removes the strategy called ``name`` and returns its entry (:func:`register`'s
+    undo, e.g. at the end of a test)."""
+    entry = get(name)
+    if entry.global_view:
+        del STRATEGIES[typing.cast(StrategyName, name)]
+    else:
+        del _OTHERS[name]
+    return entry
+
+
+for _module in (ulysses, ring, allgather, hybrid, decode):
+    register(_module.ENTRY)
 
 #: Attention of new tokens to a sequence-sharded KV cache (forward only).
-DECODE = Strategy("decode", decode_attention, decode_attention, traffic.decode_bytes,
-                  global_view=False)
+DECODE = decode.ENTRY
+
+
+def names() -> tuple[StrategyName, ...]:
+    """Every strategy the global entry point runs, by name, the registered ones included
+    (:data:`STRATEGIES`' keys)."""
+    return tuple(STRATEGIES)
 
 
 def get(name: str) -> Strategy:
-    """The strategy called ``name`` (:data:`STRATEGIES` or ``"decode"``)."""
-    if name == DECODE.name:
-        return DECODE
-    if name not in STRATEGIES:
-        raise ValueError(f"strategy={name!r} is not one of {tuple(STRATEGIES)}.")
-    return STRATEGIES[typing.cast(StrategyName, name)]  # checked just above
+    """The strategy called ``name`` (:data:`STRATEGIES`, ``"decode"`` or another
+    registered strategy the global entry point does not run)."""
+    if name in STRATEGIES:
+        return STRATEGIES[name]
+    if name in _OTHERS:
+        return _OTHERS[name]
+    raise ValueError(f"strategy={name!r} is not one of {tuple(STRATEGIES)}.")
 
 
 def default_layout(strategy: StrategyName, spec: MaskSpec = MaskSpec(), *,
@@ -188,7 +135,20 @@ class _LayerSizes(TypedDict):
     dtype_bytes: float
 
 
-def comm_bytes(strategy: Literal[StrategyName, "decode"], *, batch: int, seq_len: int,
+def check_layer(axis_sizes: int | tuple[int, ...] | Mapping[str, int], *, batch: int,
+                seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                v_head_dim: int | None = None, dtype_bytes: float = 2, **_: object) -> None:
+    """Raises :func:`comm_bytes`' ``ValueError`` unless the layer (:func:`comm_bytes`'
+    keywords: ``check_layer(8, **shape.comm_kwargs())``) fits ``axis_sizes``: sizes
+    positive, heads in groups, the sequence divided by the devices. What every strategy
+    needs; each strategy's bytes model checks its own constraints besides."""
+    v_head_dim = head_dim if v_head_dim is None else v_head_dim
+    traffic.check_shape(sizes=traffic.axis_sizes_tuple(axis_sizes), batch=batch,
+                        seq_len=seq_len, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                        head_dim=head_dim, v_head_dim=v_head_dim, dtype_bytes=dtype_bytes)
+
+
+def comm_bytes(strategy: StrategyName | str, *, batch: int, seq_len: int,
                num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None,
                axis_sizes: int | tuple[int, ...] | Mapping[str, int], dtype_bytes: float = 2,
                backward: bool = False, with_segment_ids: bool = False,
@@ -237,8 +197,12 @@ def comm_bytes(strategy: Literal[StrategyName, "decode"], *, batch: int, seq_len
       less than counted here; rings of 3 or more match exactly;
     * XLA:CPU sends bf16 collectives as f32 (use ``dtype_bytes=4`` to compare).
 
+    A strategy added with :func:`register` is counted by its own model
+    (:attr:`Strategy.bytes <jax_seqpar.strategies.entry.Strategy.bytes>`).
+
     Args:
-      strategy: a name of :data:`STRATEGIES`.
+      strategy: a name of :data:`STRATEGIES` (or ``"decode"``, or a :func:`register` ed
+        name).
       batch, seq_len, num_heads, num_kv_heads, head_dim: global sizes.
       v_head_dim: ``Dv``, defaults to ``head_dim`` (MLA absorbed: 576 / 512).
       axis_sizes: the sequence axes' sizes: an int, ``(outer, inner)``, or

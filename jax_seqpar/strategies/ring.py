@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import math
 from typing import TYPE_CHECKING, Any, Callable
 
 import jax
@@ -34,14 +35,19 @@ import jax.numpy as jnp
 from jax_seqpar import kernels
 from jax_seqpar.core import compat as _compat
 from jax_seqpar.strategies import halo
+from jax_seqpar.strategies.entry import Strategy
 from jax_seqpar.strategies.inputs import Metadata, axis_size, describe, finish, shard_operands
+from jax_seqpar.strategies.traffic import (INDEX_BYTES, NO_MASK, accumulator_bytes, halo_bytes,
+                                           window_reach)
 from jax_seqpar.core.masks import EMPTY_LSE
 
 if TYPE_CHECKING:  # annotations only
-    from jax_seqpar.core.masks import Tokens
+    from jax_seqpar.core.masks import MaskSpec, Tokens
+    from jax_seqpar.core.shape import LayerShape
     from jax_seqpar.kernels.options import BlockSizes, KernelName, Options
 
-__all__ = ["attend", "backward_steps", "forward_steps", "ring_attention", "ring_over", "shift",
+__all__ = ["ENTRY", "attend", "backward_steps", "forward_steps", "in_flight_memory",
+           "ring_attention", "ring_bytes", "ring_over", "rotation_bytes", "shift",
            "shift_during"]
 
 
@@ -310,3 +316,59 @@ def _home(dkv, like, axis_name):
 
 
 _ring.defvjp(_ring_fwd, _ring_bwd)
+
+
+# The model: the bytes the ring sends and the K/V it holds (the hybrid's outer ring too).
+
+def rotation_bytes(*, batch: int, seq_len: int, kv_heads: int, head_dim: int, v_head_dim: int,
+                   axis_size: int, dtype_bytes: float, backward: bool, with_segment_ids: bool,
+                   reach: tuple[int, int] | None = None) -> float:
+    """The ring over ``axis_size`` devices on K/V of ``kv_heads`` heads.
+
+    Forward: ``P-1`` ppermutes of the local k ``[B, S/P, Hkv, Dqk]`` and v
+    ``[B, S/P, Hkv, Dv]``, with their int32 positions ``[B, S/P]`` (and segment
+    ids). Backward (custom_vjp, the forward is not re-run): the same ``P-1``
+    rotations of k, v and metadata, plus ``P - 1`` ppermutes of the float32 dk, dv
+    accumulators and one in the input dtype (the sums done, it brings them home). With
+    a window ``reach`` (contiguous split): a halo exchange; the backward re-uses the
+    saved halo and sends float32 dK/dV back.
+    """
+    if axis_size == 1:
+        return 0.0
+    if reach is not None:
+        return halo_bytes(batch=batch, reach=reach, kv_heads=kv_heads, head_dim=head_dim,
+                          v_head_dim=v_head_dim, dtype_bytes=dtype_bytes, backward=backward,
+                          with_segment_ids=with_segment_ids, gradient_bytes=4)
+    local_tokens = batch * seq_len // axis_size
+    kv_elements = local_tokens * kv_heads * (head_dim + v_head_dim)
+    metadata = local_tokens * INDEX_BYTES * (2 if with_segment_ids else 1)
+    rotation = (axis_size - 1) * (kv_elements * dtype_bytes + metadata)
+    if not backward:
+        return float(rotation)
+    return float(2 * rotation + accumulator_bytes(kv_elements, axis_size, dtype_bytes))
+
+
+def ring_bytes(sizes: tuple[int, ...], *, num_heads: int, num_kv_heads: int, seq_len: int,
+               spec: MaskSpec = NO_MASK, **shape: Any) -> float:
+    """The ring over all ``sizes`` devices (a halo exchange with a window)."""
+    devices = math.prod(sizes)
+    return rotation_bytes(seq_len=seq_len, kv_heads=num_kv_heads, axis_size=devices,
+                          reach=window_reach(spec, seq_len, devices), **shape)
+
+
+def in_flight_memory(shape: LayerShape, ring: int, ulysses: int) -> float:
+    """Bytes a ring of ``ring`` groups of ``ulysses`` devices holds beyond the layer's
+    arrays: the K/V block a step computes on and the next one in flight (the K/V heads a
+    device keeps after the inner head split), and with backward their float32 dK/dV
+    accumulators; nothing without a ring."""
+    if ring == 1:
+        return 0.0
+    d_qk, d_v = shape.head_dim, shape.v_head_dim or shape.head_dim
+    kv_heads = math.lcm(shape.num_kv_heads, ulysses) // ulysses
+    kv_local = shape.batch * shape.seq_len / ring * kv_heads * (d_qk + d_v)
+    return 2 * kv_local * shape.dtype_bytes + (2 * kv_local * 4 if shape.backward else 0.0)
+
+
+#: The ring's registry entry (:mod:`jax_seqpar.strategies.registry`).
+ENTRY = Strategy("ring", ring_attention, ring_bytes, zigzag_balances=True, preference=2,
+                 kv_memory=in_flight_memory, attend=attend)

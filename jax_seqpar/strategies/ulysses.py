@@ -17,22 +17,29 @@ device holds enough tokens) or over head groups
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Literal
-
-if TYPE_CHECKING:  # annotations only
-    from jax_seqpar.kernels.options import BlockSizes, KernelName, Options
+import math
+from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import jax
 import jax.numpy as jnp
 
+from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.strategies.chunk_pipeline import chunk_pipeline
 from jax_seqpar.strategies.head_pipeline import KernelStage, head_pipeline
-from jax_seqpar.strategies.heads import (chunk_sizes, kv_replication, local_heads,
-                                         resolve_pieces)
+from jax_seqpar.strategies.entry import Strategy
+from jax_seqpar.strategies.heads import (chunk_sizes, kv_replication, local_head_counts,
+                                         local_heads, resolve_pieces)
 from jax_seqpar.strategies.inputs import (Metadata, Operands, axis_size, describe,
                                           gather_tokens, shard_operands)
+from jax_seqpar.strategies.traffic import (INDEX_BYTES, NO_MASK, all_to_all_bytes,
+                                           replicated_kv_heads)
 
-__all__ = ["attend", "ulysses_attention"]
+if TYPE_CHECKING:  # annotations only
+    from jax_seqpar.core.shape import LayerShape
+    from jax_seqpar.kernels.options import BlockSizes, KernelName, Options
+
+__all__ = ["ENTRY", "attend", "exchange_bytes", "exchange_pieces", "exchange_steps",
+           "ulysses_attention", "ulysses_bytes"]
 
 
 def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | tuple[str, ...],
@@ -108,3 +115,94 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
                               return_lse=options.return_lse)
     return head_pipeline(seq_axes, KernelStage(options), q, k, v, operands,
                          groups=groups, return_lse=options.return_lse)
+
+
+# The model: the bytes Ulysses sends, its latency steps and pieces (the hybrid's inner
+# exchange uses the same three).
+
+def exchange_bytes(*, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
+                   head_dim: int, v_head_dim: int, axis_size: int, dtype_bytes: float,
+                   backward: bool, with_segment_ids: bool,
+                   row_statistic: bool = True) -> float:
+    """Ulysses over ``axis_size`` devices; ``seq_len`` is the length it gathers.
+
+    Forward: q ``[B, S/P, H, Dqk]``, k ``[B, S/P, Hkv_eff, Dqk]``, v
+    ``[B, S/P, Hkv_eff, Dv]`` go seq->head and out ``[B, S/P, H, Dv]`` head->seq,
+    whatever the head groups (they cut the same buffers into pieces).
+    Backward (the reverse pipeline): dout in; dq, dk, dv out, one all_to_all of the
+    forward's size each, dk and dv in float32 where the K/V heads are replicated (the
+    replicas' partial sums cross devices); with ``row_statistic`` (Ulysses' own kernel
+    backward; not the hybrid's ring, which has its own) also the float32 ``<dout, out>``
+    rows ``[B, S/P, H]`` in, computed on the sequence-sharded output the backward keeps.
+    The int32 positions (and segment ids, when used) ``[B, S/P]`` are all-gathered to
+    ``[B, S]`` once: ``(P-1) * B*S/P * 4`` bytes each, no gradient.
+    """
+    if axis_size == 1:
+        return 0.0
+    kv_heads = replicated_kv_heads(num_kv_heads, axis_size)
+    local_tokens = batch * seq_len // axis_size
+    kv_elements = kv_heads * (head_dim + v_head_dim)
+    elements_per_token = num_heads * head_dim + kv_elements + num_heads * v_head_dim
+    sent = all_to_all_bytes(local_tokens * elements_per_token, axis_size, dtype_bytes)
+    if backward:
+        grad_bytes = 4 if kv_heads != num_kv_heads else dtype_bytes
+        sent += all_to_all_bytes(local_tokens * (elements_per_token - kv_elements),
+                                 axis_size, dtype_bytes)
+        sent += all_to_all_bytes(local_tokens * kv_elements, axis_size, grad_bytes)
+        if row_statistic:
+            sent += all_to_all_bytes(local_tokens * num_heads, axis_size, 4)
+    metadata = local_tokens * INDEX_BYTES * (2 if with_segment_ids else 1)
+    return sent + (axis_size - 1) * metadata
+
+
+def ulysses_bytes(sizes: tuple[int, ...], *, num_heads: int, spec: MaskSpec = NO_MASK,
+                  **shape: Any) -> float:
+    """Ulysses over all ``sizes`` devices (a window changes nothing)."""
+    devices = math.prod(sizes)
+    if num_heads % devices:
+        raise ValueError(f"num_heads={num_heads} is not divisible by the ulysses axis "
+                         f"size {devices}; use strategy='ring' or 'hybrid'.")
+    return exchange_bytes(num_heads=num_heads, axis_size=devices,
+                          row_statistic=True, **shape)
+
+
+def exchange_steps(size: int, shape: LayerShape) -> int:
+    """Latency steps of Ulysses over ``size`` devices: 4 all-to-alls a pass and the
+    all-gathers (``size - 1`` steps each) of the positions and any segment ids."""
+    return 4 * (2 if shape.backward else 1) + (size - 1) * (1 + shape.segment_ids)
+
+
+def exchange_pieces(shape: LayerShape, ring: int, ulysses: int, *, shared_kv: bool = True,
+                    chunked: bool = True) -> int:
+    """The pieces of Ulysses' exchange over ``ulysses`` devices (the hybrid's inner one,
+    beside a ring of ``ring``) as ``overlap="auto"`` cuts them
+    (:func:`~jax_seqpar.strategies.heads.resolve_pieces`; ``shared_kv``, ``chunked``:
+    its own).
+
+    Sequence chunks (:func:`~jax_seqpar.strategies.heads.chunk_sizes`) leave the first
+    query and K/V pieces and the last output piece exposed, ``1/2^(c-1)`` of the bytes:
+    as many as ``2^(c-1)`` equal pieces. Head groups where each group has its own K/V
+    heads; 1 where K/V heads are shared by several groups: they travel whole ahead of
+    group 0 and only parts of q and out hide (a third of the bytes at 2 query heads and
+    1 K/V head a device, compiled), which the pieces model would overstate."""
+    if ulysses == 1:
+        return 1
+    local_len = -(-shape.seq_len // (ring * ulysses))
+    chunks, groups = resolve_pieces(
+        "auto", "auto", "auto", shape.num_heads, shape.num_kv_heads, ulysses, local_len,
+        shared_kv=shared_kv, chunked=chunked)
+    if chunks > 1:
+        return 2 ** (chunks - 1)
+    _, kv_local = local_head_counts(shape.num_heads, shape.num_kv_heads, ulysses)
+    return groups if kv_local % groups == 0 else 1
+
+
+def _pieces(shape: LayerShape, ring: int, ulysses: int) -> tuple[int, int]:
+    return (exchange_pieces(shape, ring, ulysses),) * 2
+
+
+#: Ulysses' registry entry (:mod:`jax_seqpar.strategies.registry`). Ties by bytes go to it
+#: (``preference=0``): it has the fewest, largest messages (lowest latency).
+ENTRY = Strategy("ulysses", ulysses_attention, ulysses_bytes, splits_heads=True, preference=0,
+                 exchanges=("all-to-all", "all-to-all"), exchange_steps=exchange_steps,
+                 pieces=_pieces, attend=attend, pipelining=("overlap", "chunks", "head_groups"))
