@@ -39,8 +39,8 @@ def segments(batch: int, seq: int, seed: int = 3, documents: int = 4) -> jax.Arr
 
 def with_vjp(fn: Callable, argnums=(0, 1, 2)) -> Callable:
     """``(args, cotangent) -> (fn(*args), the vjp of cotangent w.r.t. args[argnums])``;
-    ``cotangent=None``: no vjp (None). On Explicit meshes the cotangent is placed like
-    the output."""
+    ``cotangent=None``: no vjp (None). On Explicit meshes the cotangent (a tree like the
+    output: ``(out, lse)`` too) is placed like the output."""
 
     def run(args, cotangent):
         def on(*diff):
@@ -52,12 +52,18 @@ def with_vjp(fn: Callable, argnums=(0, 1, 2)) -> Callable:
         if cotangent is None:
             return on(*(args[i] for i in argnums)), None
         out, vjp = jax.vjp(on, *(args[i] for i in argnums))
-        sharding = jax.typeof(out).sharding  # an Explicit mesh's axes are in out's type:
-        if any(entry is not None for entry in getattr(sharding, "spec", ())):
-            cotangent = jax.reshard(cotangent, sharding)  # the cotangent carries them too
-        return out, vjp(cotangent)
+        return out, vjp(jax.tree.map(_placed_like, cotangent, out))
 
     return run
+
+
+def _placed_like(cotangent, out):
+    """``cotangent`` placed like ``out``: an Explicit mesh's axes are in ``out``'s type, and
+    the cotangent must carry them too."""
+    sharding = jax.typeof(out).sharding
+    if any(entry is not None for entry in getattr(sharding, "spec", ())):
+        return jax.reshard(cotangent, sharding)
+    return cotangent
 
 
 def out_and_vjp(fn: Callable, args: tuple, cotangent, argnums=(0, 1, 2)):
@@ -74,8 +80,15 @@ def upcast(args: tuple) -> tuple:
 def assert_close(out, grads, expected, expected_grads, tolerances, *, args, argnums=(0, 1, 2)):
     """Shapes and dtypes first (``out`` in ``args[0]``'s dtype, each gradient in its
     argument's), then values: ``out`` within the out tolerance of that dtype, each
-    gradient divided by ``max(1, |expected|)`` within the gradient one."""
+    gradient divided by ``max(1, |expected|)`` within the gradient one. ``out`` may be
+    ``(out, lse)`` (``return_lse=True``): the float32 lse within the out tolerance too."""
     dtype = args[0].dtype
+    if isinstance(out, tuple):
+        (out, lse), (expected, expected_lse) = out, expected
+        assert lse.shape == expected_lse.shape and lse.dtype == jnp.float32, (
+            lse.shape, lse.dtype, expected_lse.shape)
+        np.testing.assert_allclose(np.asarray(lse), np.asarray(expected_lse, np.float32),
+                                   **tolerances(dtype), err_msg="lse")
     assert out.shape == expected.shape and out.dtype == dtype, (
         out.shape, out.dtype, expected.shape, dtype)
     np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32),
@@ -85,7 +98,7 @@ def assert_close(out, grads, expected, expected_grads, tolerances, *, args, argn
         want = np.asarray(want, np.float32)
         assert got.shape == want.shape and got.dtype == args[i].dtype, (
             i, got.shape, got.dtype, want.shape, args[i].dtype)
-        scale = max(1.0, float(np.abs(want).max()))
+        scale = max(1.0, float(np.abs(want).max(initial=0.0)))  # initial: an empty batch
         # a float32 argument (e.g. sinks) of a low-precision call: the inputs' tolerance
         coarser = min(got.dtype, dtype, key=lambda d: jnp.finfo(d).bits)
         np.testing.assert_allclose(np.asarray(got, np.float32) / scale, want / scale,

@@ -36,6 +36,17 @@ CONTEXTS = {
 
 NAMES = sorted(CONTEXTS)
 
+#: Contexts outside the tiered five, which the exactness driver (tests/exactness.py) also
+#: calls from: ``jit`` of inputs made without a sharding, on an Auto mesh (with and
+#: without ``jax.set_mesh``) and on an Explicit one under ``jax.set_mesh``.
+JIT_CONTEXTS = {
+    "auto-jit": (AxisType.Auto, False, True, None),
+    "auto-set-mesh-jit": (AxisType.Auto, True, True, None),
+    "explicit-set-mesh-jit": (AxisType.Explicit, True, True, None),
+}
+
+_ALL = {**CONTEXTS, **JIT_CONTEXTS}
+
 
 def tiered(default: int) -> list:
     """Every context as a test parameter; all but ``NAMES[default % 5]`` are in the
@@ -72,21 +83,21 @@ class Context:
     returns there, and its gradients.
 
     Attributes:
-      name: a key of :data:`CONTEXTS`.
+      name: a key of :data:`CONTEXTS` or :data:`JIT_CONTEXTS`.
     """
 
     name: str
 
     @property
     def axis_type(self):
-        return CONTEXTS[self.name][0]
+        return _ALL[self.name][0]
 
     def mesh(self, shape=(8,), names=("sp",)) -> Mesh:
         """The mesh this context calls with."""
         return make_mesh(shape, names, self.axis_type)
 
     def _place(self, mesh, x, seq_axes):
-        placed = CONTEXTS[self.name][3]
+        placed = _ALL[self.name][3]
         if placed is None or x is None:
             return x
         entry = seq_axes if isinstance(seq_axes, str) else tuple(seq_axes)
@@ -101,16 +112,18 @@ class Context:
         """``(out, grads)``: ``build(mesh)(*args)`` and the vjp of ``cotangent`` (or None:
         no gradients) with respect to ``args[i]`` for ``i`` in ``argnums``, computed in
         one program under ``jit`` contexts."""
-        _, under_mesh, under_jit, _ = CONTEXTS[self.name]
+        _, under_mesh, under_jit, placed = _ALL[self.name]
         out_and_grads = checks.with_vjp(build(mesh), argnums)
         args = tuple(self._place(mesh, x, seq_axes) for x in args)
-        cotangent = self._place(mesh, cotangent, seq_axes)
+        cotangent = jax.tree.map(lambda x: self._place(mesh, x, seq_axes), cotangent)
 
         with jax.set_mesh(mesh) if under_mesh else contextlib.nullcontext():
             if under_jit:
                 out_shardings = None
-                if CONTEXTS[self.name][3] == "sequence":  # the caller states where out goes
-                    out_shardings = (jax.typeof(args[0]).sharding,
+                if placed == "sequence":  # the caller states where out goes
+                    out_sharding = jax.typeof(args[0]).sharding
+                    out_shardings = (out_sharding if cotangent is None else
+                                     jax.tree.map(lambda _: out_sharding, cotangent),
                                      tuple(jax.typeof(args[i]).sharding for i in argnums)
                                      if cotangent is not None else None)
                 return jax.jit(out_and_grads, out_shardings=out_shardings)(args, cotangent)
@@ -123,20 +136,30 @@ class Context:
         dtype; the output keeps the shape and dtype of the reference's and, on Explicit
         meshes, the sharding of ``args[0]``; the output, and under ``jit`` the gradients,
         are on ``mesh`` (:func:`assert_on_mesh`; an eager ``vjp`` of a split hybrid on an
-        Explicit mesh still names its gradients after the split mesh)."""
+        Explicit mesh still names its gradients after the split mesh). A reference that
+        returns ``(out, lse)`` gets a float32 cotangent for the lse, compared too.
+        Returns ``(out, grads)``."""
         upcast = checks.upcast(args)
-        shape = jax.eval_shape(reference, *upcast).shape
-        cotangent = checks.normal(shape, args[0].dtype, seed=7) if grads else None
+        shapes = jax.eval_shape(reference, *upcast)
+        cotangent = None
+        if grads and isinstance(shapes, tuple):
+            cotangent = (checks.normal(shapes[0].shape, args[0].dtype, seed=7),
+                         checks.normal(shapes[1].shape, jnp.float32, seed=8))
+        elif grads:
+            cotangent = checks.normal(shapes.shape, args[0].dtype, seed=7)
         out, got = self.run(build, args, mesh=mesh, seq_axes=seq_axes, cotangent=cotangent,
                             argnums=argnums)
-        assert_on_mesh((out, got) if CONTEXTS[self.name][2] else out, mesh)
+        assert_on_mesh((out, got) if _ALL[self.name][2] else out, mesh)
         if self.axis_type == AxisType.Explicit:
             q_spec = jax.typeof(self._place(mesh, args[0], seq_axes)).sharding.spec
-            assert tuple(jax.typeof(out).sharding.spec)[:3] == tuple(q_spec)[:3], (
-                jax.typeof(out), q_spec)
+            first = out[0] if isinstance(out, tuple) else out
+            assert tuple(jax.typeof(first).sharding.spec)[:3] == tuple(q_spec)[:3], (
+                jax.typeof(first), q_spec)
         if grads:
-            expected, want = checks.out_and_vjp(reference, upcast,
-                                                cotangent.astype(jnp.float32), argnums)
+            expected, want = checks.out_and_vjp(
+                reference, upcast, jax.tree.map(lambda x: x.astype(jnp.float32), cotangent),
+                argnums)
         else:
             expected, want, got = jax.jit(reference)(*upcast), (), ()
         checks.assert_close(out, got, expected, want, tolerances, args=args, argnums=argnums)
+        return out, got

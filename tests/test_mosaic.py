@@ -2,7 +2,8 @@
 
 The kernel against the reference is in the kernel matrix (``test_kernels.py``, at 128-token
 tiles, the TPU lane width); every strategy with ``kernel="mosaic"`` in
-``test_strategies.py``; the TPU compilation itself in ``test_mosaic_compile.py``.
+``test_exactness.py`` (``test_strategies[*-mosaic]``); the TPU compilation itself in
+``test_mosaic_compile.py``.
 """
 
 from __future__ import annotations
