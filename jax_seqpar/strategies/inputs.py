@@ -167,10 +167,13 @@ def check_metadata(q: jax.Array, options: Options, metadata: Metadata) -> Metada
         raise ValueError("kv_segment_ids needs segment_ids for the queries too (a query "
                          "sees a key when their segment ids are equal).")
     checks.mask_fn(options.spec, batch, seq_len, seq_len)
+    def ids(name, x, segments=False):  # each given array checked once; None stays None
+        return None if x is None else check_ids(name, x, batch, seq_len, segments=segments)
+
     return Metadata(
-        check_ids("segment_ids", metadata.segment_ids, batch, seq_len, segments=True),
-        check_ids("kv_segment_ids", metadata.kv_segment_ids, batch, seq_len, segments=True),
-        check_ids("positions", metadata.positions, batch, seq_len),
+        ids("segment_ids", metadata.segment_ids, True),
+        ids("kv_segment_ids", metadata.kv_segment_ids, True),
+        ids("positions", metadata.positions),
         checks.bidirectional_ids(metadata.bidirectional_ids, batch, seq_len,
                                  options.spec.causal),
         check_sinks(metadata.sinks, heads))
