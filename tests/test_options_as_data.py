@@ -16,9 +16,11 @@ import pytest
 
 import jax_seqpar
 
-#: The most functions that may take each option: the public entry points (global,
-#: per-shard, jax.nn-style, inference, Flax, the reference) and a builder or check each.
-LIMIT = 15
+#: The most functions that may take each option: the public entry points (global, the
+#: four per-shard functions, each with its own real signature, jax.nn-style, inference,
+#: Flax, the reference) and the two boundaries that read them (``api.attention.describe``,
+#: ``strategies.inputs.describe``), a builder or check each.
+LIMIT = 20
 OPTIONS = ("softcap", "scale", "block_sizes", "window", "segment_ids", "kv_segment_ids",
            "kernel", "sinks", "chunk_size", "bidirectional_ids", "mask_fn")
 

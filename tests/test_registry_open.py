@@ -141,3 +141,48 @@ def test_a_tiny_bytes_model_wins_the_predicted_choice():
     finally:
         registry.unregister(NAME)
     assert NAME not in registry.names()
+
+
+def replicate_attend(q, k, v, options, metadata, *, seq_axes):
+    """The core the global view runs: the call's descriptions (``options``: the mask and
+    scale; ``metadata``: positions, which this strategy leaves to the contiguous split)."""
+    assert metadata.positions is None and metadata.segment_ids is None
+    out = replicate_attention(q, k, v, seq_axes=seq_axes, causal=options.spec.causal)
+    return (out, None) if options.return_lse else out
+
+
+def test_the_global_call_runs_and_auto_plans_it(make_qkv):
+    """Registered with an ``attend`` core, the strategy runs through
+    ``sequence_parallel_attention`` (named, and as ``strategy="auto"``'s pick), exact in
+    outputs and gradients; without one, the global call refuses it by name."""
+    import jax_seqpar
+
+    q, k, v = make_qkv(batch=1, seq=64, heads=4, kv_heads=1, head_dim=16)
+    mesh = Mesh(np.array(jax.devices()[:8]), ("sp",))
+    tiny = dataclasses.replace(ENTRY, attend=replicate_attend, bytes=lambda sizes, **_: 1.0,
+                               exchange_steps=lambda size, shape: 0)
+    registry.register(tiny)
+    try:
+        for strategy in (NAME, "auto"):
+            def loss(q, k, v):
+                out = jax_seqpar.sequence_parallel_attention(
+                    q, k, v, mesh=mesh, strategy=strategy, layout="contiguous")
+                return jnp.sum(out ** 2), out
+
+            (_, out), grads = jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True)(q, k, v)
+            want, want_grads = jax.grad(
+                lambda q, k, v: (lambda o: (jnp.sum(o ** 2), o))(reference.attention(q, k, v)),
+                argnums=(0, 1, 2), has_aux=True)(q, k, v)[::-1]
+            np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+            for got, expected in zip(grads, want_grads):
+                np.testing.assert_allclose(got, expected, atol=2e-5, rtol=2e-5)
+        shape = LayerShape(1, 64, 4, 1, 16)
+        assert planner.auto_choice(shape, mesh, ("sp",)) == (NAME, None)
+    finally:
+        registry.unregister(NAME)
+    registry.register(ENTRY)  # no attend core: per shard only
+    try:
+        with pytest.raises(ValueError, match="has no attend core"):
+            jax_seqpar.sequence_parallel_attention(q, k, v, mesh=mesh, strategy=NAME)
+    finally:
+        registry.unregister(NAME)

@@ -86,9 +86,9 @@ def sequence_parallel_attention(
     sinks: Optional[jax.Array] = None,
     return_lse: bool = False,
     ulysses_size: Optional[int] = None,
-    overlap: Union[bool, str] = "auto",
-    chunks: Union[int, str] = "auto",
-    head_groups: Union[int, str] = "auto",
+    overlap: bool | Literal["auto"] = "auto",
+    chunks: int | Literal["auto"] = "auto",
+    head_groups: int | Literal["auto"] = "auto",
     chunk_size: Optional[int] = None,
     bidirectional_ids: Optional[jax.Array] = None,
     mask_fn: Callable | None = None,
@@ -257,9 +257,9 @@ def placement(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metada
               *, mesh: Optional[jax.sharding.Mesh], seq_axes: Union[str, tuple] = "sp",
               strategy: StrategyChoice = "auto", layout: LayoutChoice = "auto",
               batch_axes: str | tuple[str, ...] | None = None,
-              ulysses_size: Optional[int] = None, overlap: Union[bool, str] = "auto",
-              chunks: Union[int, str] = "auto",
-              head_groups: Union[int, str] = "auto") -> Optional[Placement]:
+              ulysses_size: Optional[int] = None, overlap: bool | Literal["auto"] = "auto",
+              chunks: int | Literal["auto"] = "auto",
+              head_groups: int | Literal["auto"] = "auto") -> Optional[Placement]:
     """Where a call on global ``q, k, v`` runs, its keywords checked once (``ValueError``
     naming a bad one): None without a mesh (every keyword here must then keep its
     default), else the :class:`~jax_seqpar.api.program.Placement`, ``strategy="auto"``
@@ -276,8 +276,9 @@ def placement(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metada
         if name not in mesh.shape:
             raise ValueError(f"seq_axes names {name!r}, which is not an axis of the mesh "
                              f"{dict(mesh.shape)}.")
-    if strategy not in STRATEGIES:
-        raise ValueError(f"strategy={strategy!r} is not one of {STRATEGIES}.")
+    if strategy != "auto" and strategy not in registry.STRATEGIES:
+        raise ValueError(f"strategy={strategy!r} is not one of "
+                         f"{('auto', *registry.STRATEGIES)}.")
     if layout not in LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {LAYOUTS}.")
     if metadata.positions is not None and layout not in ("auto", "contiguous"):
@@ -301,6 +302,10 @@ def placement(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metada
             _placement.entry_size(mesh, head_entry))
     pipelining = ("overlap", "chunks", "head_groups")
     entry = registry.get(strategy) if strategy != "auto" else None
+    if entry is not None and entry.attend is None:
+        raise ValueError(f"strategy={strategy!r} has no attend core (its registry entry's "
+                         "attend=None): it runs only as its per-shard function inside "
+                         "jax.shard_map; pick another strategy for the global call.")
     if entry is not None and entry.num_seq_axes == 2 and ulysses_size is None and len(axes) != 2:
         raise ValueError(f"strategy={strategy!r} runs over two sequence axes (outer, inner); "
                          f"got seq_axes={axes}. Pass ulysses_size= to split one axis in two.")
@@ -310,6 +315,6 @@ def placement(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metada
             raise ValueError(f"{name}={value!r} does not apply to strategy={strategy!r}, "
                              "which does not pipeline that way; drop it.")
     return Placement(
-        mesh, axes, strategy, ulysses_size,
+        mesh, axes, typing.cast(registry.StrategyName, strategy), ulysses_size,
         "contiguous" if metadata.positions is not None else layout, batch_entry, head_entry,
         _placement.caller_spec(q, mesh), overlap, chunks, head_groups)

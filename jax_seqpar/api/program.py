@@ -188,8 +188,9 @@ def _attend(*arrays, options: Options, placement: Placement, geometry: _Geometry
                          f"inner); got seq_axes={axes}. Pass ulysses_size= to split one axis "
                          "in two.")
     axis_name = axis_name_of(axes)
-    attend = functools.partial(entry.attend or functools.partial(_by_keywords, entry.attention),
-                               seq_axes=axis_name, **placement.pipelining())
+    if entry.attend is None:  # api.attention.placement refuses it first
+        raise ValueError(f"strategy={placement.strategy!r} has no attend core.")
+    attend = functools.partial(entry.attend, seq_axes=axis_name, **placement.pipelining())
     relayout_in, relayout_out = _RELAYOUTS[layout]
 
     def body(q, k, v, metadata):
@@ -235,21 +236,6 @@ def _attend(*arrays, options: Options, placement: Placement, geometry: _Geometry
         lambda x: _placement.finish(x, caller_mesh, seq_len, P(*seq_spec[:x.ndim]),
                                     None if out_spec is None else P(*out_spec[:x.ndim])),
         result)
-
-
-def _by_keywords(attention, q, k, v, options: Options, metadata: Metadata, *, seq_axes,
-                 **pipelining):
-    """A registered strategy that has only its public per-shard function (no ``attend``
-    core, :class:`~jax_seqpar.strategies.entry.Strategy`) run on the descriptions."""
-    spec = options.spec
-    return attention(q, k, v, seq_axes=seq_axes, causal=spec.causal, window=spec.window,
-                     chunk_size=spec.chunk_size, mask_fn=spec.mask_fn, scale=options.scale,
-                     kernel=options.kernel, block_sizes=options.block_sizes,
-                     softcap=options.softcap, return_lse=options.return_lse,
-                     segment_ids=metadata.segment_ids, kv_segment_ids=metadata.kv_segment_ids,
-                     positions=metadata.positions,
-                     bidirectional_ids=metadata.bidirectional_ids, sinks=metadata.sinks,
-                     **pipelining)
 
 
 def _gather_seq(x, order, placement: Placement):

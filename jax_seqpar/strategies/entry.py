@@ -34,8 +34,7 @@ class Strategy:
         seq_axes, **pipelining)`` (``options``: the call's
         :class:`~jax_seqpar.kernels.options.Options`; ``metadata``: its checked local
         :class:`~jax_seqpar.strategies.inputs.Metadata`): what the global view runs.
-        None: the global view runs ``attention`` with the descriptions' fields as its
-        keywords.
+        None: the strategy runs only per shard (the global view refuses it).
       pipelining: the keywords of ``attend`` beyond ``seq_axes`` (``"overlap"``,
         ``"chunks"``, ``"head_groups"``): the global call passes those it was given.
       bytes: its traffic model, ``bytes(sizes, *, batch, seq_len, num_heads,

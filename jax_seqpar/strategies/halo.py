@@ -243,7 +243,9 @@ def _forward(axis_name, options, reach, q, k, v, q_tokens, kv_tokens):
     if halo_kv is None:
         return (out, lse), (None, None)
     halo_tokens = _halo_tokens(axis_name, reach, kv_tokens)
-    out, lse = merge(out, lse, *kernels.forward(options, q, *halo_kv, q_tokens, halo_tokens))
+    halo_k, halo_v = halo_kv
+    out, lse = merge(out, lse, *kernels.forward(options, q, halo_k, halo_v, q_tokens,
+                                                halo_tokens))
     return (out, lse), (halo_kv, halo_tokens)
 
 
@@ -260,7 +262,9 @@ def _halo_bwd(axis_name, options, reach, residuals, cotangents):
     dq = _compat.match_varying(jnp.zeros(q.shape, jnp.float32), q)
     returned = None
     if halo_kv is not None:
-        dq, *halo_dkv = kernels.backward(options, q, *halo_kv, q_tokens, halo_tokens, lse, delta, dout,
+        halo_k, halo_v = halo_kv
+        dq, *halo_dkv = kernels.backward(options, q, halo_k, halo_v, q_tokens, halo_tokens,
+                                         lse, delta, dout,
                                          accumulate=(dq, *_zeros_like(halo_kv, q)))
         # Sent back while the local kernel below runs.
         returned = _send_back(axis_name, reach, halo_dkv, (k, v))

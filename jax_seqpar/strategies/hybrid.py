@@ -110,7 +110,9 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str 
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata: Metadata,
-           *, seq_axes, overlap="auto", chunks="auto", head_groups="auto"):
+           *, seq_axes: str | tuple[str, ...], overlap: bool | Literal["auto"] = "auto",
+           chunks: int | Literal["auto"] = "auto",
+           head_groups: int | Literal["auto"] = "auto"):
     """The hybrid on described inputs (:func:`hybrid_attention` after its checks), the core the global
     view runs inside ``shard_map``: ``options`` and the local, checked ``metadata``
     (:func:`jax_seqpar.strategies.inputs.describe`)."""

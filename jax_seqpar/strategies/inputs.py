@@ -134,8 +134,11 @@ def describe(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
              window: int | tuple[int, int] | None, chunk_size: int | None,
              mask_fn: Callable | None, scale: float | None, kernel: KernelName,
              block_sizes: BlockSizes | None, softcap: float | None, return_lse: bool,
-             segment_ids, kv_segment_ids, positions, bidirectional_ids,
-             sinks) -> tuple[Options, Metadata]:
+             segment_ids: jax.typing.ArrayLike | None,
+             kv_segment_ids: jax.typing.ArrayLike | None,
+             positions: jax.typing.ArrayLike | None,
+             bidirectional_ids: jax.typing.ArrayLike | None,
+             sinks: jax.typing.ArrayLike | None) -> tuple[Options, Metadata]:
     """The per-shard functions' boundary: the call's :class:`Options` and checked
     :class:`Metadata` of the local shards ``q [B, S/P, H, Dqk]``, ``k, v [B, S/P, Hkv,
     .]`` (``ValueError`` naming a bad argument). Every check of a per-shard call runs
