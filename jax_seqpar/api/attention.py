@@ -138,7 +138,7 @@ def sequence_parallel_attention(
         the segment ids and gathers the whole sequence into it and back, every call;
         a model applies it once per batch instead (:func:`jax_seqpar.permute_batch`).
       kernel: ``"auto"`` (Triton on GPU, Mosaic on TPU, XLA elsewhere: chosen by the
-        platform the program is lowered for; :func:`jax_seqpar.kernels.get`), ``"xla"``,
+        platform the program is lowered for; :mod:`jax_seqpar.kernels.lowering`), ``"xla"``,
         ``"pallas"`` or ``"mosaic"``.
       block_sizes: tile sizes (:class:`jax_seqpar.kernels.BlockSizes`, one class for every
         kernel; a size left None is the running kernel's default), or None.

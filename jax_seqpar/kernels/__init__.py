@@ -2,9 +2,11 @@
 
 Every kernel module (:mod:`.xla`, :mod:`.gpu.pallas`, :mod:`.tpu.mosaic`) keeps the
 contract of :mod:`jax_seqpar.kernels.contract`; a call's static description is one
-:class:`~jax_seqpar.kernels.options.Options` (:func:`make_options`), and strategies
-reach the kernel of the platform a program is lowered for through :func:`forward`,
-:func:`backward` and :func:`attention` (:mod:`jax_seqpar.kernels.lowering`).
+:class:`~jax_seqpar.kernels.options.Options`
+(:func:`~jax_seqpar.kernels.options.make_options`), and strategies reach the kernel of
+the platform a program is lowered for through :func:`~jax_seqpar.kernels.lowering.forward`,
+:func:`~jax_seqpar.kernels.lowering.backward` and
+:func:`~jax_seqpar.kernels.lowering.attention`.
 """
 
 from jax_seqpar.kernels.contract import Kernel as Kernel

@@ -1,7 +1,7 @@
 """The kernel contract, in one place: what every local attention kernel takes and returns.
 
-A kernel (:mod:`.xla`, :mod:`.pallas`, :mod:`.mosaic`, or the per-platform choice
-of :func:`jax_seqpar.kernels.get`) is a :class:`Kernel`:
+A kernel (:mod:`.xla`, :mod:`.pallas`, :mod:`.mosaic`; :mod:`jax_seqpar.kernels.lowering`
+calls the one of the platform lowered for) is a :class:`Kernel`:
 
 * ``forward(q, k, v, q_tokens, kv_tokens, options, accumulate=None)`` -> ``(out
   float32[B, Sq, H, Dv], lse float32[B, Sq, H])``, where ``options`` is the call's
@@ -22,14 +22,14 @@ of :func:`jax_seqpar.kernels.get`) is a :class:`Kernel`:
   differentiates exactly;
 * ``options.softcap``: logits ``s = scale * q.k`` become ``softcap * tanh(s / softcap)``
   before masking (Gemma 2, arXiv:2408.00118);
-* ``options.block_sizes``: one :class:`BlockSizes` for every kernel; a size left
+* ``options.block_sizes``: one :class:`~jax_seqpar.kernels.options.BlockSizes` for every kernel; a size left
   ``None`` is the kernel's default for the head dims and dtype (its
   ``default_block_sizes``); :meth:`~jax_seqpar.kernels.options.Options.resolved` completes them.
 
 Shapes: ``q [B, Sq, H, Dqk]``, ``k [B, Sk, Hkv, Dqk]``, ``v [B, Sk, Hkv, Dv]``,
 ``H % Hkv == 0`` (GQA/MQA), token metadata (:class:`jax_seqpar.core.masks.Tokens`)
 ``[B, Sq]`` and ``[B, Sk]``. This module also holds the checks the kernels share
-(:func:`check_operands`, :func:`check_softcap`, :func:`check_backward_operands`).
+(:func:`check_operands`, :func:`~jax_seqpar.kernels.options.check_softcap`, :func:`check_backward_operands`).
 """
 
 from __future__ import annotations
@@ -248,9 +248,9 @@ def differentiable(forward_impl: Callable, backward_impl: Callable) -> Callable:
 
 
 class Kernel(Protocol):
-    """What :func:`jax_seqpar.kernels.get` returns: a kernel module
-    (:mod:`jax_seqpar.kernels.xla`, :mod:`jax_seqpar.kernels.gpu.pallas`,
-    :mod:`jax_seqpar.kernels.tpu.mosaic`) or a per-platform choice of them.
+    """What a kernel module offers (:mod:`jax_seqpar.kernels.xla`,
+    :mod:`jax_seqpar.kernels.gpu.pallas`, :mod:`jax_seqpar.kernels.tpu.mosaic`), which
+    :mod:`jax_seqpar.kernels.lowering` calls for the platform a program is lowered for.
 
     Every kernel reads its options from one :class:`~jax_seqpar.kernels.options.Options` (``softcap=None``: no
     soft-capping) and ignores ``options.kernel``; kernels may take more keywords (the
@@ -261,7 +261,7 @@ class Kernel(Protocol):
     # properties.
     @property
     def BlockSizes(self) -> type[BlockSizes]:  # noqa: N802 - the modules' class name
-        """The tile-size class, :class:`BlockSizes` for every kernel."""
+        """The tile-size class, :class:`~jax_seqpar.kernels.options.BlockSizes` for every kernel."""
 
     @property
     def DTYPES(self) -> Optional[tuple]:  # noqa: N802 - the modules' constant

@@ -16,7 +16,7 @@ It has the kernel contract (:mod:`jax_seqpar.kernels.contract`), shared with
 takes cotangents for ``out`` AND ``lse``. Every function takes the call's
 :class:`~jax_seqpar.kernels.options.Options`: the mask, the scale, the soft-cap
 (logits ``s = scale * q.k`` become ``softcap * tanh(s / softcap)`` before masking) and
-any positive tile sizes (:class:`~jax_seqpar.kernels.contract.BlockSizes`).
+any positive tile sizes (:class:`~jax_seqpar.kernels.options.BlockSizes`).
 
 GQA/MQA (``H % Hkv == 0``) are computed group-wise without repeating K/V.
 A query row that sees no key gets zeros and ``lse = EMPTY_LSE``.

@@ -314,6 +314,6 @@ def decode_bytes(sizes: tuple[int, ...], *, batch: int, seq_len: int, num_heads:
     return 2 * (devices - 1) / devices * rows * (v_head_dim + 2) * 4
 
 
-#: Attention of new tokens to a sequence-sharded KV cache (forward only): its registry
-#: entry (:mod:`jax_seqpar.strategies.registry`), not one the global entry point runs.
+#: The registry entry (:mod:`jax_seqpar.strategies.registry`) of new tokens attending to a
+#: sequence-sharded KV cache, forward only; the global entry point does not run it.
 ENTRY = Strategy("decode", decode_attention, decode_bytes, global_view=False)

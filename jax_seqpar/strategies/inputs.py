@@ -139,7 +139,8 @@ def describe(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
              positions: jax.typing.ArrayLike | None,
              bidirectional_ids: jax.typing.ArrayLike | None,
              sinks: jax.typing.ArrayLike | None) -> tuple[Options, Metadata]:
-    """The per-shard functions' boundary: the call's :class:`Options` and checked
+    """The per-shard functions' boundary: the call's
+    :class:`~jax_seqpar.kernels.options.Options` and checked
     :class:`Metadata` of the local shards ``q [B, S/P, H, Dqk]``, ``k, v [B, S/P, Hkv,
     .]`` (``ValueError`` naming a bad argument). Every check of a per-shard call runs
     here, once; the strategies' cores check nothing again."""

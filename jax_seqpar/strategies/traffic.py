@@ -36,7 +36,7 @@ __all__ = ["INDEX_BYTES", "NO_MASK", "accumulator_bytes", "all_to_all_bytes",
 
 #: Bytes of one int32 position or segment id.
 INDEX_BYTES = 4
-#: No mask: what a bytes model's ``spec`` defaults to.
+#: What a bytes model's ``spec`` defaults to, the empty mask.
 NO_MASK = MaskSpec()
 
 

@@ -107,7 +107,7 @@ def layout_for(strategy: StrategyName, shape: LayerShape) -> layout.LayoutName:
 class Case:
     """One configuration the bench compiles: a strategy over mesh ``axes`` (``{name:
     size}``, outer first) on a layer ``shape`` with a ``kernel`` (a name of
-    :data:`~jax_seqpar.kernels.KERNELS`); ``overlap``: the strategy's own pipelining
+    :data:`~jax_seqpar.kernels.options.KERNELS`); ``overlap``: the strategy's own pipelining
     (``"auto"``), or False for Ulysses' and the hybrid's exchanges sent whole."""
 
     strategy: StrategyName
