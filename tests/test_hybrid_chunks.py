@@ -1,5 +1,5 @@
 """The hybrid's inner exchange pipelined along the sequence around its ring
-(:mod:`jax_seqpar.strategies.ring_chunks`) beyond exactness (tests/test_exactness.py runs
+(:mod:`jax_seqpar.strategies.ring_pieces`) beyond exactness (tests/test_exactness.py runs
 every chunk count against the reference, per shard and through the global call): a
 training step through it compiles once, and the model hides what its pieces hide."""
 

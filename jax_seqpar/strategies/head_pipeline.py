@@ -101,14 +101,14 @@ def head_pipeline(axis_name: str | tuple[str, ...], stage: Any, q: jax.Array, k:
       ``[B, S/P, H, Dv]`` in ``q.dtype`` (and the log-sum-exp), differentiable in q, k, v
       and ``sinks``.
     """
-    layout = _Layout.of(q, k, axis_size(axis_name), groups)
+    layout = _HeadGroups.of(q, k, axis_size(axis_name), groups)
     config = (axis_name, stage, layout, bool(return_lse))
     out, lse = _pipeline(config, q, k, v, operands)
     return (out, lse) if return_lse else out
 
 
 @dataclasses.dataclass(frozen=True)
-class _Layout:
+class _HeadGroups:
     """How the local heads split into groups: ``size`` devices, ``groups`` groups of
     ``q_group`` query heads; ``kv_group`` K/V heads per group, or 0 when the K/V heads
     are shared by several groups (exchanged once; group ``g`` reads K/V head

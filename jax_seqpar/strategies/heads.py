@@ -3,8 +3,8 @@
 The all-to-all gives each of P devices ``H/P`` query heads; K/V heads are replicated
 just enough (:func:`kv_replication`) for every device to hold the K/V heads of its
 query heads. The exchange is pipelined (``overlap="auto"``) along the sequence where
-each device holds enough tokens (:mod:`jax_seqpar.strategies.chunk_pipeline`, and the
-hybrid's :mod:`jax_seqpar.strategies.ring_chunks`: :func:`chunk_counts`,
+each device holds enough tokens (:mod:`jax_seqpar.strategies.seq_pipeline`, and the
+hybrid's :mod:`jax_seqpar.strategies.ring_pieces`: :func:`chunk_counts`,
 :func:`chunk_sizes`, :func:`default_chunks`), else over head groups
 (:mod:`jax_seqpar.strategies.head_pipeline`: :func:`head_group_counts`,
 :func:`default_head_groups`). :func:`resolve_pieces` reads the call's ``overlap``,
@@ -115,7 +115,7 @@ def local_heads(x: jax.Array | None, axis_name: str | tuple[str, ...]) -> jax.Ar
 
 def chunk_sizes(local_len: int, chunks: int) -> tuple[int, ...]:
     """Local tokens of each query piece of the sequence-chunk pipeline
-    (:mod:`jax_seqpar.strategies.chunk_pipeline`) with ``chunks = c``: ``u = L/2^(c-1)``
+    (:mod:`jax_seqpar.strategies.seq_pipeline`) with ``chunks = c``: ``u = L/2^(c-1)``
     first (it meets the K/V pieces, ``2^(c-1)`` of ``u`` tokens each, while they arrive),
     then halving, ``L/2, L/4, ..., 2u, u``, with any piece over ``L/4`` cut into
     ``floor(piece / (L/4))`` near-equal pieces (each piece attends to every key in one

@@ -12,7 +12,7 @@ heads are replicated only as far as the inner all-to-all needs; the ring
 circulates exactly the heads each device holds after it.
 
 The inner exchange is pipelined along the sequence
-(:mod:`jax_seqpar.strategies.ring_chunks`: the pieces' transfers behind the ring's first
+(:mod:`jax_seqpar.strategies.ring_pieces`: the pieces' transfers behind the ring's first
 and last steps; the default where each device holds enough tokens) or over head groups
 (:func:`jax_seqpar.strategies.head_pipeline.head_pipeline`: the ring runs once per head
 group, and group ``g + 1``'s all-to-all, and group ``g - 1``'s output's, travel while the
@@ -37,14 +37,14 @@ import jax.numpy as jnp
 from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.entry import Strategy
-from jax_seqpar.strategies.chunk_pipeline import chunk_pipeline
+from jax_seqpar.strategies.seq_pipeline import seq_pipeline
 from jax_seqpar.strategies.head_pipeline import head_pipeline
 from jax_seqpar.strategies.heads import (chunk_sizes, default_chunks, kv_replication, local_heads,
                                          resolve_pieces)
 from jax_seqpar.strategies.inputs import (Metadata, Operands, Options, axis_size, describe,
                                           gather_tokens, shard_operands)
 from jax_seqpar.strategies.ring import ENTRY as RING, in_flight_memory, ring_over, rotation_bytes
-from jax_seqpar.strategies.ring_chunks import ring_chunks
+from jax_seqpar.strategies.ring_pieces import ring_pieces
 from jax_seqpar.strategies.traffic import NO_MASK, replicated_kv_heads, window_reach
 from jax_seqpar.strategies.ulysses import ENTRY as ULYSSES, exchange_bytes, exchange_pieces
 
@@ -145,8 +145,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
     q_tokens, kv_tokens = tokens
     operands = Operands(q_tokens, kv_tokens, local_heads(shard.sinks, ulysses_axis))
     if chunks > 1:
-        pipeline = (functools.partial(ring_chunks, ulysses_axis, ring_axis) if ring_size > 1
-                    else functools.partial(chunk_pipeline, ulysses_axis))  # no ring: Ulysses
+        pipeline = (functools.partial(ring_pieces, ulysses_axis, ring_axis) if ring_size > 1
+                    else functools.partial(seq_pipeline, ulysses_axis))  # no ring: Ulysses
         return pipeline(options, q, k, v, operands, sizes=chunk_sizes(q.shape[1], chunks),
                         return_lse=options.return_lse)
     return head_pipeline(ulysses_axis, stage, q, k, v, operands, groups=groups,

@@ -5,8 +5,8 @@ Each device cuts its ``L = S/P`` local tokens twice (``u = L/2^(c-1)``,
 tokens, its queries into pieces ``u, L/4, L/4, L/4, L/8, ..., 2u, u``. A piece's
 all-to-all brings the ``P`` devices' piece for this device's ``H/P`` heads (their positions
 and segment ids travel with them: any token order is exact). The pipelines that send them
-(:mod:`jax_seqpar.strategies.chunk_pipeline` around the kernel,
-:mod:`jax_seqpar.strategies.ring_chunks` around the hybrid's ring) share what is here: the
+(:mod:`jax_seqpar.strategies.seq_pipeline` around the kernel,
+:mod:`jax_seqpar.strategies.ring_pieces` around the hybrid's ring) share what is here: the
 packed exchange of pieces going both ways (:func:`send`) and the keys-first opening of
 the forward (:func:`keys_first`).
 """
@@ -123,7 +123,7 @@ def put(full: Any, part: slice, piece: Any) -> Any:
     the pieces' buffers die as they are written, never a second whole-sequence copy (as
     :func:`concat` of pieces kept until the end would make). Measured, not assumed: the
     hybrid's float32 dq pieces are joined with :func:`concat` instead, because XLA:TPU
-    kept two copies of a ``put`` accumulator (:mod:`jax_seqpar.strategies.ring_chunks`)."""
+    kept two copies of a ``put`` accumulator (:mod:`jax_seqpar.strategies.ring_pieces`)."""
     return jax.tree.map(lambda f, p: f.at[:, part].set(p.astype(f.dtype)), full, piece)
 
 

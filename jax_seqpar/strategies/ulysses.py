@@ -9,7 +9,7 @@ any mask). When ``Hkv`` is not a multiple of P, K/V heads are replicated just
 enough (``P / gcd(Hkv, P)`` times) for every device to hold the K/V heads of its
 query heads.
 
-Pipelined along the sequence (:mod:`jax_seqpar.strategies.chunk_pipeline`: the keys
+Pipelined along the sequence (:mod:`jax_seqpar.strategies.seq_pipeline`: the keys
 first, then the queries, each piece's transfer behind a kernel; the default where each
 device holds enough tokens) or over head groups
 (:mod:`jax_seqpar.strategies.head_pipeline`); ``overlap=False`` sends each exchange whole.
@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_seqpar.core.masks import MaskSpec
-from jax_seqpar.strategies.chunk_pipeline import chunk_pipeline
+from jax_seqpar.strategies.seq_pipeline import seq_pipeline
 from jax_seqpar.strategies.head_pipeline import KernelStage, head_pipeline
 from jax_seqpar.strategies.entry import Strategy
 from jax_seqpar.strategies.heads import (chunk_sizes, kv_replication, local_head_counts,
@@ -112,7 +112,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
     q_tokens, kv_tokens = gather_tokens((shard.q_tokens, shard.kv_tokens), seq_axes)  # [B, S]
     operands = Operands(q_tokens, kv_tokens, local_heads(shard.sinks, seq_axes))
     if chunks > 1:
-        return chunk_pipeline(seq_axes, options, q, k, v, operands,
+        return seq_pipeline(seq_axes, options, q, k, v, operands,
                               sizes=chunk_sizes(q.shape[1], chunks),
                               return_lse=options.return_lse)
     return head_pipeline(seq_axes, KernelStage(options), q, k, v, operands,

@@ -45,10 +45,10 @@ from jax_seqpar.strategies.pieces import (Pieces, RowCotangents, concat, exchang
                                           local, put, send)
 from jax_seqpar.strategies.ring import backward_steps, forward_steps, shift_during
 
-__all__ = ["ring_chunks"]
+__all__ = ["ring_pieces"]
 
 
-def ring_chunks(inner_axis: str | tuple[str, ...], outer_axis: str | tuple[str, ...],
+def ring_pieces(inner_axis: str | tuple[str, ...], outer_axis: str | tuple[str, ...],
                 options: Options, q: jax.Array, k: jax.Array, v: jax.Array,
                 operands: Operands, *, sizes: tuple, return_lse: bool = False):
     """The hybrid's attention, its inner exchange pipelined over sequence pieces.

@@ -39,10 +39,10 @@ from jax_seqpar.strategies.inputs import Operands, Options, axis_size
 from jax_seqpar.strategies.pieces import (Pieces, RowCotangents, concat, exchange, keys_first,
                                           local, put, send)
 
-__all__ = ["chunk_pipeline"]
+__all__ = ["seq_pipeline"]
 
 
-def chunk_pipeline(axis_name: str | tuple[str, ...], options: Options, q: jax.Array, k: jax.Array,
+def seq_pipeline(axis_name: str | tuple[str, ...], options: Options, q: jax.Array, k: jax.Array,
                    v: jax.Array, operands: Operands, *, sizes: tuple,
                    return_lse: bool = False):
     """Ulysses' exchange around the local kernel, pipelined over sequence chunks.
