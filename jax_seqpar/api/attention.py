@@ -27,11 +27,10 @@ from jax_seqpar.core import checks, masks
 from jax_seqpar.core.layout import LayoutName
 from jax_seqpar.core.meshes import split_axis
 from jax_seqpar.core.shape import LayerShape
-from jax_seqpar.kernels.options import KernelName, Options, make_options
+from jax_seqpar.kernels.options import KernelName, Options
 from jax_seqpar.planning import plan as planning
 from jax_seqpar.strategies import registry
-from jax_seqpar.strategies.inputs import (Metadata, Operands, check_metadata, check_qkv,
-                                          empty_result)
+from jax_seqpar.strategies.inputs import Metadata, Operands, describe, empty_result
 from jax_seqpar.strategies.local import local_attention
 
 #: What ``strategy=`` takes: a registered strategy that runs on the global view, or
@@ -46,8 +45,7 @@ LAYOUTS: tuple[LayoutChoice, ...] = typing.get_args(LayoutChoice)
 if TYPE_CHECKING:  # annotations only
     from jax_seqpar.kernels.options import BlockSizes
 
-__all__ = ["LAYOUTS", "STRATEGIES", "LayoutChoice", "StrategyChoice", "attend", "describe",
-           "placement",
+__all__ = ["LAYOUTS", "STRATEGIES", "LayoutChoice", "StrategyChoice", "attend", "placement",
            "sequence_parallel_attention"]
 
 
@@ -193,7 +191,7 @@ def sequence_parallel_attention(
         out = sequence_parallel_attention(q, k, v, mesh=mesh, strategy="ring", causal=True)
     """
     options, metadata = describe(
-        q, k, v, causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
+        q, k, v, local=False, causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
         scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
         return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
         positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks)
@@ -202,31 +200,6 @@ def sequence_parallel_attention(
                       ulysses_size=ulysses_size, overlap=overlap, chunks=chunks,
                       head_groups=head_groups)
     return attend(q, k, v, options, metadata, where)
-
-
-def describe(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool = False,
-             window: int | tuple[int, int] | None = None, chunk_size: int | None = None,
-             mask_fn: Callable | None = None, scale: float | None = None,
-             kernel: KernelName = "auto", block_sizes: BlockSizes | None = None,
-             softcap: float | None = None, return_lse: bool = False,
-             segment_ids: jax.typing.ArrayLike | None = None,
-             kv_segment_ids: jax.typing.ArrayLike | None = None,
-             positions: jax.typing.ArrayLike | None = None,
-             bidirectional_ids: jax.typing.ArrayLike | None = None,
-             sinks: jax.typing.ArrayLike | None = None) -> tuple[Options, Metadata]:
-    """What a self-attention call on global ``q [B, S, H, Dqk]``, ``k, v [B, S, Hkv, .]``
-    computes and its per-token data, every keyword checked once (``ValueError`` naming a
-    bad one): the boundary of the global entry points and the Flax layers (keywords as
-    in :func:`sequence_parallel_attention`)."""
-    check_qkv(q, k, v)
-    if k.shape[1] != q.shape[1]:
-        raise ValueError(f"self-attention needs q and k of one sequence length. "
-                         f"Got q seq={q.shape[1]}, k seq={k.shape[1]}.")
-    spec = masks.MaskSpec.make(checks.flag("causal", causal), window, chunk_size, mask_fn)
-    options = make_options(q, spec, scale=scale, kernel=kernel, block_sizes=block_sizes,
-                           softcap=softcap, return_lse=return_lse)
-    return options, check_metadata(q, options, Metadata(
-        segment_ids, kv_segment_ids, positions, bidirectional_ids, sinks))
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata: Metadata,
@@ -290,11 +263,13 @@ def placement(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metada
                          "segment_ids= (int32[B, S]); without documents use "
                          'layout="zigzag".')
     batch_entry, head_entry = _placement.kept_entries(q, k, v, mesh, axes, batch_axes)
-    if ulysses_size is not None:  # the hybrid's split, named: nothing left to choose
-        if strategy not in ("auto", "hybrid"):
-            raise ValueError(f'ulysses_size={ulysses_size} needs strategy="hybrid" (or '
+    if ulysses_size is not None:  # a two-axis strategy's split, named: nothing left to choose
+        two_axes = [name for name, entry in registry.STRATEGIES.items()
+                    if entry.num_seq_axes == 2]  # the built-in one first
+        if strategy != "auto" and strategy not in two_axes:
+            raise ValueError(f'ulysses_size={ulysses_size} needs strategy="{two_axes[0]}" (or '
                              f'"auto"). Got strategy={strategy!r}.')
-        strategy = "hybrid"
+        strategy = two_axes[0] if strategy == "auto" else strategy
         split_axis(mesh, axes, ulysses_size)  # refuses a size the devices do not divide
     elif strategy == "auto" and q.shape[0] and q.shape[1]:  # an empty call runs nothing
         strategy, ulysses_size = _choose_strategy(

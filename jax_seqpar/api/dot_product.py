@@ -23,6 +23,7 @@ from jax_seqpar.api.head_rows import per_head
 from jax_seqpar.core import checks, masks
 from jax_seqpar.core.merge import check_sinks, with_sinks
 from jax_seqpar.kernels.options import KernelName, make_options
+from jax_seqpar.strategies import registry
 from jax_seqpar.strategies.inputs import Metadata, Operands, check_qkv
 from jax_seqpar.strategies.local import local_attention
 
@@ -281,7 +282,8 @@ def dot_product_attention(
         return attention.attend(q, k, v, call, metadata, where)
     q_tokens = masks.Tokens(None, q_segments, bidirectional_ids)  # [B, T] fields or None
     if kv_segments is not None and kv_segments.ndim == 3:  # a per-head mask
-        if mesh is not None and (strategy in ("ulysses", "hybrid") or ulysses_size):
+        splits_heads = strategy != "auto" and registry.get(strategy).splits_heads
+        if mesh is not None and (splits_heads or ulysses_size):
             raise ValueError(
                 f"a per-head mask of shape {None if mask is None else tuple(mask.shape)} runs "
                 f"each of the {heads} heads "

@@ -67,7 +67,7 @@ from jax_seqpar.kernels.options import KernelName
 if TYPE_CHECKING:  # annotations only
     from jax_seqpar.kernels.options import BlockSizes
 
-__all__ = ["KVCache", "decode", "prefill"]
+__all__ = ["KVCache", "decode", "decode_described", "prefill", "prefill_described"]
 
 
 def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal: bool = True,
@@ -110,7 +110,25 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
         cache = KVCache.create(mesh, batch=2, capacity=8192, num_kv_heads=8, head_dim=128)
         out, cache = prefill(q, k, v, cache, seq_lengths=jnp.array([4000, 17]))
     """
-    check_self_attention(q, k, v, None)
+    spec = masks.MaskSpec.make(checks.flag("causal", causal), window, chunk_size, mask_fn)
+    options = make_options(q, without_segment_ids(spec), scale=scale, kernel=kernel,
+                           block_sizes=block_sizes, softcap=softcap)
+    return prefill_described(q, k, v, cache, options,
+                             Metadata(bidirectional_ids=bidirectional_ids, sinks=sinks),
+                             strategy=strategy, layout=layout, seq_lengths=seq_lengths)
+
+
+def prefill_described(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
+                      options: Options, metadata: Metadata, *,
+                      strategy: StrategyChoice = "auto", layout: LayoutChoice = "auto",
+                      seq_lengths: Optional[jax.Array] = None):
+    """:func:`prefill` of a call already described by ``options`` (its mask's predicate
+    sees no segment ids: :func:`~jax_seqpar.api.dot_product.without_segment_ids`) and
+    ``metadata`` (the prompts' ``bidirectional_ids`` and the ``sinks``; no other field):
+    the path :func:`prefill` and :class:`jax_seqpar.flax.SelfAttention` take. The arrays
+    and the cache are checked here."""
+    bidirectional_ids, sinks = metadata.bidirectional_ids, metadata.sinks
+    check_self_attention(q, k, v)
     check_against_cache(k, v, cache)
     batch, seq_len = q.shape[:2]
     if seq_len > cache.capacity:
@@ -125,10 +143,9 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
     # no mesh spec may name.
     q, k, v, seq_lengths, sinks = _placement.onto(cache.mesh, q, k, v, seq_lengths,
                                                   None if sinks is None else jnp.asarray(sinks))
-    causal = checks.flag("causal", causal)
+    causal = options.spec.causal
     bidirectional_ids = checks.bidirectional_ids(bidirectional_ids, batch, seq_len, causal)
-    spec = without_segment_ids(masks.MaskSpec.make(causal, window, chunk_size, mask_fn))
-    checks.mask_fn(spec, batch, seq_len, seq_len)
+    checks.mask_fn(options.spec, batch, seq_len, seq_len)
     seq_lengths = _prompt_lengths(seq_lengths, batch=batch, seq_len=seq_len)
     segment_ids = None
     if not causal:  # causal prompts never see their own later padding; others must not
@@ -139,8 +156,6 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
     seq_axes = cache.seq_axes if len(cache.seq_axes) > 1 else cache.seq_axes[0]
     # The attention is its own staged program (the global call's), the cache write
     # another: each compiles once, and what the attention builds inside stays there.
-    options = make_options(q, spec, scale=scale, kernel=kernel, block_sizes=block_sizes,
-                           softcap=softcap)
     metadata = Metadata(segment_ids, None, None, bidirectional_ids,
                         check_sinks(sinks, q.shape[2]))
     where = attention.placement(q, k, v, options, metadata, mesh=cache.mesh,
@@ -243,8 +258,26 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *,
         step = jax.jit(decode, donate_argnums=3)  # donated: the cache updates in place
         out, cache = step(q_new, k_new, v_new, cache)  # q_new [B, 1, H, Dqk]
     """
+    spec = masks.MaskSpec.make(True, window, chunk_size, mask_fn)
+    options = make_options(q, without_segment_ids(spec), scale=scale, kernel=kernel,
+                           block_sizes=block_sizes, softcap=softcap)
+    return decode_described(q, k, v, cache, options,
+                            Metadata(bidirectional_ids=bidirectional_ids, sinks=sinks),
+                            check_capacity=check_capacity)
+
+
+def decode_described(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
+                     options: Options, metadata: Metadata, *,
+                     check_capacity: bool = True):
+    """:func:`decode` of a call already described by ``options`` (causal, its mask's
+    predicate blind to segment ids) and ``metadata`` (the new tokens'
+    ``bidirectional_ids`` and the ``sinks``; no other field): the path :func:`decode` and
+    :class:`jax_seqpar.flax.SelfAttention` take. The arrays and the cache are checked
+    here."""
+    bidirectional_ids, sinks = metadata.bidirectional_ids, metadata.sinks
     check_qkv(q, k, v)
     check_against_cache(k, v, cache)
+    window = options.spec.window
     new_tokens = q.shape[1]
     if k.shape[1] != new_tokens:
         raise ValueError(f"q and k/v must hold the same new tokens. Got q seq={new_tokens}, "
@@ -266,12 +299,10 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *,
     cache.check_room(new_tokens)
     batch = q.shape[0]
     bidirectional_ids = checks.bidirectional_ids(bidirectional_ids, batch, new_tokens, True)
-    spec = without_segment_ids(masks.MaskSpec.make(True, window, chunk_size, mask_fn))
-    checks.mask_fn(spec, batch, new_tokens, cache.capacity)
-    call = _Decode(options=make_options(q, spec, scale=scale, kernel=kernel,
-                                        block_sizes=block_sizes, softcap=softcap),
+    checks.mask_fn(options.spec, batch, new_tokens, cache.capacity)
+    call = _Decode(options=options,
                    check_capacity=checks.flag("check_capacity", check_capacity),
-                   check_vma=can_check_vma(kernel))
+                   check_vma=can_check_vma(options.kernel))
     step = decode_steps.Step(*_placement.onto(
         cache.mesh, q, k, v, bidirectional_ids,
         None if sinks is None else jnp.asarray(sinks)))  # as prefill

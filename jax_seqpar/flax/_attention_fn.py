@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from jax_seqpar.api import attention
 from jax_seqpar.core import checks, masks
 from jax_seqpar.api.attention import LayoutChoice, StrategyChoice
+from jax_seqpar.strategies.inputs import describe
 from jax_seqpar.kernels.options import BlockSizes, KernelName, check_softcap
 
 
@@ -71,7 +72,7 @@ def make_attention_fn(
         softcap, ulysses_size, chunk_size, mask_fn: as in
         :func:`jax_seqpar.sequence_parallel_attention` (checked when the function is
         made; each call builds its descriptions once:
-        :func:`jax_seqpar.api.attention.describe`).
+        :func:`jax_seqpar.strategies.inputs.describe`).
 
     Returns:
       ``attention_fn(query, key, value, bias=None, mask=None, ..., is_causal=False,
@@ -138,8 +139,8 @@ def make_attention_fn(
                 raise ValueError(f"{name} must have shape [batch..., length]={expected}. "
                                  f"Got {tuple(jnp.shape(x))}.")
         ids = jax.tree.map(lambda x: jnp.reshape(x, (flat, query.shape[1])), ids)  # [B, S]
-        options, metadata = attention.describe(
-            query, key, value, causal=causal or checks.flag("is_causal", is_causal),
+        options, metadata = describe(
+            query, key, value, local=False, causal=causal or checks.flag("is_causal", is_causal),
             window=window, chunk_size=chunk_size, mask_fn=mask_fn, scale=scale,
             kernel=kernel, block_sizes=block_sizes, softcap=softcap,
             segment_ids=ids.segment_ids, bidirectional_ids=ids.bidirectional_ids, sinks=sinks)

@@ -11,9 +11,11 @@ from flax import nnx
 
 from jax_seqpar.api import attention, inference
 from jax_seqpar.api.attention import LayoutChoice, StrategyChoice
+from jax_seqpar.strategies.inputs import Metadata, describe
 from jax_seqpar.core import checks, masks
 from jax_seqpar.flax._rope import apply_rope
-from jax_seqpar.kernels.options import KernelName, check_softcap
+from jax_seqpar.api.dot_product import without_segment_ids
+from jax_seqpar.kernels.options import KernelName, Options, check_softcap, make_options
 
 
 class SelfAttention(nnx.Module):
@@ -162,11 +164,11 @@ class SelfAttention(nnx.Module):
         rope_positions = jnp.arange(x.shape[1], dtype=jnp.int32) if positions is None \
             else positions  # [S] natural order, or [B, S] as given
         q, k, v = self._rotated_qkv(x, rope_positions)  # [B, S, H | Hkv, Dh]
-        options, metadata = attention.describe(
-            q, k, v, causal=self.causal, window=self.window, chunk_size=self.chunk_size,
+        options, metadata = describe(
+            q, k, v, local=False, causal=self.causal, window=self.window, chunk_size=self.chunk_size,
             mask_fn=self.mask_fn, kernel=self.kernel, softcap=self.softcap,
             segment_ids=segment_ids, positions=positions, bidirectional_ids=bidirectional_ids,
-            sinks=None if self.sinks is None else self.sinks[...])
+            sinks=self._sink_logits())
         where = attention.placement(q, k, v, options, metadata, mesh=self.mesh,
                                     seq_axes=self.seq_axes, strategy=self.strategy,
                                     layout=self.layout, ulysses_size=self.ulysses_size)
@@ -210,10 +212,15 @@ class SelfAttention(nnx.Module):
     def _kv_cache(self) -> inference.KVCache:
         return self._cache_variable().get_value()
 
-    def _mask_options(self) -> dict:
-        return dict(window=self.window, chunk_size=self.chunk_size, mask_fn=self.mask_fn,
-                    layout=self.layout, kernel=self.kernel, softcap=self.softcap,
-                    sinks=None if self.sinks is None else self.sinks[...])
+    def _sink_logits(self) -> Optional[jax.Array]:
+        return None if self.sinks is None else self.sinks[...]
+
+    def _decode_options(self, q: jax.Array) -> Options:
+        """What prefill and decode compute: this layer's mask made causal, its predicate
+        blind to segment ids (decoding makes its own), its kernel and soft-cap."""
+        spec = masks.MaskSpec.make(True, self.window, self.chunk_size, self.mask_fn)
+        return make_options(q, without_segment_ids(spec), kernel=self.kernel,
+                            softcap=self.softcap)
 
     def _rotated_qkv(self, x, positions):
         if x.ndim != 3 or x.shape[-1] != self.d_model:
@@ -242,9 +249,11 @@ class SelfAttention(nnx.Module):
                              f"capacity={cache.capacity} per row; call "
                              f"init_cache(batch, capacity >= {x.shape[1]}) first.")
         q, k, v = self._rotated_qkv(x, jnp.arange(x.shape[1], dtype=jnp.int32))
-        out, cache = inference.prefill(
-            q, k, v, cache, causal=True, strategy=self.strategy, seq_lengths=seq_lengths,
-            bidirectional_ids=bidirectional_ids, **self._mask_options())  # [B, S, H, Dh]
+        out, cache = inference.prefill_described(
+            q, k, v, cache, self._decode_options(q),
+            Metadata(bidirectional_ids=bidirectional_ids, sinks=self._sink_logits()),
+            strategy=self.strategy, layout=self.layout,
+            seq_lengths=seq_lengths)  # [B, S, H, Dh]
         self._cache_variable().set_value(cache)
         return self.o_proj(out)  # [B, S, d_model]
 
@@ -270,9 +279,8 @@ class SelfAttention(nnx.Module):
             cache.check_room(x.shape[1])  # a full cache refuses before any work
         positions = cache.length[:, None] + jnp.arange(x.shape[1], dtype=jnp.int32)[None]  # [B, T]
         q, k, v = self._rotated_qkv(x, positions)
-        options = {name: value for name, value in self._mask_options().items()
-                   if name != "layout"}
-        out, cache = inference.decode(q, k, v, cache, check_capacity=check_capacity,
-                                      **options)  # [B, T, H, Dh]
+        out, cache = inference.decode_described(
+            q, k, v, cache, self._decode_options(q), Metadata(sinks=self._sink_logits()),
+            check_capacity=check_capacity)  # [B, T, H, Dh]
         self._cache_variable().set_value(cache)
         return self.o_proj(out)  # [B, T, d_model]

@@ -12,7 +12,6 @@ the platform a program is lowered for through :func:`~jax_seqpar.kernels.lowerin
 from jax_seqpar.kernels.contract import Kernel as Kernel
 from jax_seqpar.kernels.lowering import attention as attention
 from jax_seqpar.kernels.lowering import backward as backward
-from jax_seqpar.kernels.lowering import dtypes as dtypes
 from jax_seqpar.kernels.lowering import forward as forward
 from jax_seqpar.kernels.lowering import may_interpret as may_interpret
 from jax_seqpar.kernels.options import KERNELS as KERNELS
@@ -22,4 +21,4 @@ from jax_seqpar.kernels.options import Options as Options
 from jax_seqpar.kernels.options import make_options as make_options
 
 __all__ = ["KERNELS", "BlockSizes", "Kernel", "KernelName", "Options", "attention",
-           "backward", "dtypes", "forward", "make_options", "may_interpret"]
+           "backward", "forward", "make_options", "may_interpret"]

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import functools
 from types import ModuleType
-from typing import Callable, Mapping, Optional
+from typing import Callable, Mapping
 
 import jax
 
@@ -31,7 +31,7 @@ from jax_seqpar.core.masks import Tokens
 from jax_seqpar.kernels import tiling
 from jax_seqpar.kernels.options import KERNELS, KernelName, Options
 
-__all__ = ["attention", "backward", "dtypes", "forward", "may_interpret"]
+__all__ = ["attention", "backward", "forward", "may_interpret"]
 
 # The kernel each choice lowers to, per lowering platform ("default": every other);
 # "pallas-interpret" is the Pallas kernel run by the Pallas interpreter.
@@ -59,14 +59,6 @@ def may_interpret(kernel: KernelName) -> bool:
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}.")
     return kernel in ("mosaic", "pallas")
-
-
-def dtypes(kernel: KernelName) -> Optional[tuple]:
-    """The input dtypes ``kernel`` takes on every platform; None for any float
-    (``"auto"`` falls back to the XLA kernel for a dtype its platform's lacks)."""
-    if kernel in ("auto", "xla"):
-        return None
-    return _module(kernel).DTYPES
 
 
 def _check_tiles(options: Options, chosen: set) -> None:

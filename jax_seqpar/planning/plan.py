@@ -208,7 +208,9 @@ def plan_layer(shape: LayerShape, axis_sizes: int | Mapping[str, int], *,
 
 def _rank(entry: Strategy) -> int:
     """``entry``'s rank among the choice by bytes (a tie goes to the lower)."""
-    assert entry.preference is not None  # _by_bytes keeps only ranked strategies
+    if entry.preference is None:  # _by_bytes keeps only ranked strategies
+        raise ValueError(f"strategy {entry.name!r} has no preference rank (Strategy."
+                         "preference=None): the choice by bytes never weighs it.")
     return entry.preference
 
 
@@ -261,7 +263,9 @@ def _bytes_reason(chosen: Strategy, candidates: Mapping[str, float], blocked: li
         return f"{chosen.name}: {why} and {rival.name} would move {factor:.1f}x more bytes{balance}"
     (outer, inner), (_, inner_size) = names, sizes
     if chosen.num_seq_axes == 2:
-        assert chosen.parts is not None  # a two-axis Strategy names its parts
+        if chosen.parts is None:  # Strategy refuses a two-axis entry without its parts
+            raise ValueError(f"strategy {chosen.name!r} runs over two axes but names no "
+                             "(outer, inner) parts.")
         outer_part, inner_part = chosen.parts
         reason = (f"{chosen.name}: {inner_part} over {inner!r} ({inner_size} divides "
                   f"{num_heads} heads) and {outer_part} over {outer!r}")

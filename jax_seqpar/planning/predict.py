@@ -160,9 +160,7 @@ def _exchange(hardware: Hardware, entry: Strategy, shape: LayerShape, devices: i
     Ulysses, the all-gather) over ``devices``: per pass (``compute``: its forward and
     backward kernel seconds), the pass's collectives and its kernels, overlapped where
     the strategy sends them in pieces and the target overlaps their kind."""
-    steps = entry.exchange_steps
-    kinds = entry.exchanges
-    assert steps is not None and kinds is not None  # Strategy checks they come together
+    steps, kinds = _exchange_model(entry)
     pieces = (entry.pieces(shape, *entry.factorization(devices, devices))
               if entry.pieces and devices > 1 else (1, 1))
     forward = shape.replace(backward=False)
@@ -228,8 +226,7 @@ def _seconds(candidate: Candidate, shape: LayerShape, hardware: Hardware, tile: 
         ici_bytes = dcn_bytes = 0.0
         passes = []
         if inner_entry is not None:
-            steps, kinds = inner_entry.exchange_steps, inner_entry.exchanges
-            assert steps is not None and kinds is not None  # _inner checked them
+            steps, kinds = _exchange_model(inner_entry)
             passes.append((fwd_exchange, steps(inner, forward), compute_fwd, kinds[0]))
             if shape.backward:
                 passes.append((exchange_bytes - fwd_exchange,
@@ -252,6 +249,16 @@ def _seconds(candidate: Candidate, shape: LayerShape, hardware: Hardware, tile: 
     return dict(seconds=seconds, compute_seconds=compute, comm_seconds=comm,
                 exposed_comm_seconds=seconds - compute, bytes=total_bytes,
                 hidden_bytes=hidden, ici_bytes=ici_bytes, dcn_bytes=dcn_bytes)
+
+
+def _exchange_model(entry: Strategy) -> tuple:
+    """``(exchange_steps, exchanges)`` of an exchange strategy; ``ValueError`` for one
+    without them (:class:`~jax_seqpar.strategies.entry.Strategy` refuses one alone)."""
+    if entry.exchange_steps is None or entry.exchanges is None:
+        raise ValueError(f"strategy {entry.name!r} is modelled as an exchange but names no "
+                         f"exchanges={entry.exchanges!r} / exchange_steps="
+                         f"{entry.exchange_steps!r}.")
+    return entry.exchange_steps, entry.exchanges
 
 
 def _inner(entry: Strategy) -> Optional[Strategy]:

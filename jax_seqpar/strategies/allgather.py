@@ -139,7 +139,7 @@ def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: s
                             mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
     """
     options, metadata = describe(
-        q, k, v, causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
+        q, k, v, local=True, causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
         scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
         return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
         positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks)
@@ -163,7 +163,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
     else:
         out, lse = halo.window_attention(seq_axes, options, reach, q, k, v,
                                          shard.q_tokens, shard.kv_tokens)
-    return finish(options, q, out, lse, shard.sinks)  # [B, S/P, H, Dv]
+    return finish(options, q, out, lse, shard)  # [B, S/P, H, Dv]
 
 
 def chunked_attention(axis_name, options, q, k, v, q_tokens, kv_tokens, *, chunks: int):

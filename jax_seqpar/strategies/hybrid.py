@@ -101,7 +101,7 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str 
     ...                     out_specs=P(None, ("dcn", "ici")))(q, k, v)
     """
     options, metadata = describe(
-        q, k, v, causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
+        q, k, v, local=True, causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
         scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
         return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
         positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks)

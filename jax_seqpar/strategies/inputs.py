@@ -54,16 +54,22 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
                          "(MHA, GQA or MQA).")
 
 
-def check_self_attention(q: jax.Array, k: jax.Array, v: jax.Array,
-                         segment_ids: jax.typing.ArrayLike | None):
-    """:func:`check_qkv` plus one sequence length for q and k; returns ``segment_ids``
-    as ``int32[B, S]`` (:func:`check_ids`)."""
+def check_self_attention(q: jax.Array, k: jax.Array, v: jax.Array, *,
+                         local: bool = False) -> None:
+    """:func:`check_qkv` plus one sequence for q and k (``local``: the shards inside
+    ``shard_map``, where a different count means q and k/v were split differently)."""
     check_qkv(q, k, v)
-    batch, seq_len = q.shape[:2]
-    if k.shape[1] != seq_len:
-        raise ValueError(f"self-attention needs q and k of one sequence length. "
-                         f"Got q seq={seq_len}, k seq={k.shape[1]}.")
-    return check_ids("segment_ids", segment_ids, batch, seq_len, segments=True)
+    if q.shape[1] == k.shape[1]:
+        return
+    if local:
+        raise ValueError(
+            f"sequence-parallel attention splits ONE sequence, so every shard holds as many "
+            f"query as key/value tokens. Got {q.shape[1]} local query tokens and {k.shape[1]} "
+            "local key/value tokens: shard q, k and v along the same split of the same "
+            "sequence (for attention to another sequence, run "
+            "jax_seqpar.dot_product_attention without a mesh).")
+    raise ValueError(f"self-attention needs q and k of one sequence length. "
+                     f"Got q seq={q.shape[1]}, k seq={k.shape[1]}.")
 
 
 def check_ids(name: str, ids: jax.typing.ArrayLike | None, batch: int, seq: int, *,
@@ -130,28 +136,23 @@ class Operands(Generic[masks.Leaf]):
     sinks: Optional[masks.Leaf] = None
 
 
-def describe(q: jax.Array, k: jax.Array, v: jax.Array, *, causal: bool,
-             window: int | tuple[int, int] | None, chunk_size: int | None,
-             mask_fn: Callable | None, scale: float | None, kernel: KernelName,
-             block_sizes: BlockSizes | None, softcap: float | None, return_lse: bool,
-             segment_ids: jax.typing.ArrayLike | None,
-             kv_segment_ids: jax.typing.ArrayLike | None,
-             positions: jax.typing.ArrayLike | None,
-             bidirectional_ids: jax.typing.ArrayLike | None,
-             sinks: jax.typing.ArrayLike | None) -> tuple[Options, Metadata]:
-    """The per-shard functions' boundary: the call's
-    :class:`~jax_seqpar.kernels.options.Options` and checked
-    :class:`Metadata` of the local shards ``q [B, S/P, H, Dqk]``, ``k, v [B, S/P, Hkv,
-    .]`` (``ValueError`` naming a bad argument). Every check of a per-shard call runs
-    here, once; the strategies' cores check nothing again."""
-    check_qkv(q, k, v)
-    if q.shape[1] != k.shape[1]:
-        raise ValueError(
-            f"sequence-parallel attention splits ONE sequence, so every shard holds as many "
-            f"query as key/value tokens. Got {q.shape[1]} local query tokens and {k.shape[1]} "
-            "local key/value tokens: shard q, k and v along the same split of the same "
-            "sequence (for attention to another sequence, run "
-            "jax_seqpar.dot_product_attention without a mesh).")
+def describe(q: jax.Array, k: jax.Array, v: jax.Array, *, local: bool,
+             causal: bool = False, window: int | tuple[int, int] | None = None,
+             chunk_size: int | None = None, mask_fn: Callable | None = None,
+             scale: float | None = None, kernel: KernelName = "auto",
+             block_sizes: BlockSizes | None = None, softcap: float | None = None,
+             return_lse: bool = False, segment_ids: jax.typing.ArrayLike | None = None,
+             kv_segment_ids: jax.typing.ArrayLike | None = None,
+             positions: jax.typing.ArrayLike | None = None,
+             bidirectional_ids: jax.typing.ArrayLike | None = None,
+             sinks: jax.typing.ArrayLike | None = None) -> tuple[Options, Metadata]:
+    """The boundary of every self-attention entry point: the call's
+    :class:`~jax_seqpar.kernels.options.Options` and checked :class:`Metadata` of
+    ``q [B, S, H, Dqk]``, ``k, v [B, S, Hkv, .]`` (``local``: the shards inside
+    ``shard_map``, ``S`` the local length; else global arrays), ``ValueError`` naming a
+    bad argument. Every check of a call runs here, once; the layers below check nothing
+    again. The keywords are those of :func:`jax_seqpar.sequence_parallel_attention`."""
+    check_self_attention(q, k, v, local=local)
     spec = masks.MaskSpec.make(checks.flag("causal", causal), window, chunk_size, mask_fn)
     options = make_options(q, spec, scale=scale, kernel=kernel, block_sizes=block_sizes,
                            softcap=softcap, return_lse=return_lse)
@@ -203,12 +204,13 @@ def shard_operands(q: jax.Array, metadata: Metadata,
 
 
 def finish(options: Options, q: jax.Array, out: jax.Array, lse: jax.Array,
-           sinks: jax.Array | None):
-    """A shard's float32 ``(out, lse)`` with ``sinks`` folded in, out in ``q.dtype``:
-    what the per-shard functions return (``(out, lse)`` with ``options.return_lse``)."""
+           operands: Operands):
+    """A shard's float32 ``(out, lse)`` with the sinks of ``operands`` folded in, out in
+    ``q.dtype``: what the per-shard functions return (``(out, lse)`` with
+    ``options.return_lse``)."""
     from jax_seqpar.core.merge import with_sinks
 
-    out, lse = with_sinks(out, lse, sinks)
+    out, lse = with_sinks(out, lse, operands.sinks)
     return (out.astype(q.dtype), lse) if options.return_lse else out.astype(q.dtype)
 
 

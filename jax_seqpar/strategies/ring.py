@@ -99,7 +99,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | 
                             mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
     """
     options, metadata = describe(
-        q, k, v, causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
+        q, k, v, local=True, causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
         scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
         return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
         positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks)
@@ -114,7 +114,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
     operands = shard_operands(q, metadata, seq_axes)
     out, lse = ring_over(seq_axes, options, q, k, v, operands.q_tokens, operands.kv_tokens,
                          contiguous=metadata.positions is None)
-    return finish(options, q, out, lse, operands.sinks)
+    return finish(options, q, out, lse, operands)
 
 
 def ring_over(axis_name: str | tuple[str, ...], options: Options, q: jax.Array, k: jax.Array,
