@@ -13,7 +13,6 @@ shardings (data and tensor parallelism) are kept.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import typing
 from typing import TYPE_CHECKING, Callable, Literal, Optional, Union
@@ -30,7 +29,7 @@ from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.kernels.options import KernelName, Options
 from jax_seqpar.planning import plan as planning
 from jax_seqpar.strategies import registry
-from jax_seqpar.strategies.inputs import Metadata, Operands, describe, empty_result
+from jax_seqpar.strategies.inputs import Metadata, describe, empty_result, operands
 from jax_seqpar.strategies.local import local_attention
 
 #: What ``strategy=`` takes: a registered strategy that runs on the global view, or
@@ -191,8 +190,8 @@ def sequence_parallel_attention(
         out = sequence_parallel_attention(q, k, v, mesh=mesh, strategy="ring", causal=True)
     """
     options, metadata = describe(
-        q, k, v, local=False, causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
-        scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
+        q, k, v, local=False, causal=causal, window=window, chunk_size=chunk_size,
+        mask_fn=mask_fn, scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
         return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
         positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks)
     where = placement(q, k, v, options, metadata, mesh=mesh, seq_axes=seq_axes,
@@ -206,19 +205,14 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
            where: Optional[Placement]):
     """The one path of every entry point: self-attention of global ``q [B, S, H, Dqk]``,
     ``k, v [B, S, Hkv, .]`` as its three descriptions say, each built and checked once by
-    the entry point: what is computed (``options``), the per-token data (``metadata``,
-    checked by :func:`~jax_seqpar.strategies.inputs.check_metadata`) and where
+    the entry point: what is computed (``options``), the per-token data (``metadata``;
+    both from :func:`~jax_seqpar.strategies.inputs.describe`) and where
     (``where``, from :func:`placement`; None: on the caller's devices, unsplit).
 
     Returns what :func:`sequence_parallel_attention` returns.
     """
     if where is None:
-        tokens = masks.Tokens(metadata.positions, metadata.segment_ids,
-                              metadata.bidirectional_ids)
-        kv_segment_ids = (metadata.segment_ids if metadata.kv_segment_ids is None
-                          else metadata.kv_segment_ids)
-        kv_tokens = dataclasses.replace(tokens, segment_ids=kv_segment_ids)
-        return local_attention(q, k, v, options, Operands(tokens, kv_tokens, metadata.sinks))
+        return local_attention(q, k, v, options, operands(metadata))
     if not (q.shape[0] and q.shape[1]):  # no token: jax.nn's empty result, no program
         return empty_result(q, v, options.return_lse)
     q, k, v, *ids = _placement.onto(where.mesh, q, k, v, *(

@@ -25,7 +25,6 @@ from jax_seqpar.core.merge import check_sinks, with_sinks
 from jax_seqpar.kernels.options import KernelName, make_options
 from jax_seqpar.strategies import registry
 from jax_seqpar.strategies.inputs import Metadata, Operands, check_qkv
-from jax_seqpar.strategies.local import local_attention
 
 if TYPE_CHECKING:  # annotations only
     from jax_seqpar.kernels.options import BlockSizes
@@ -269,13 +268,8 @@ def dot_product_attention(
         """The one path on ``[rows, T, heads, D]`` (heads folded into rows for a per-head
         mask): the keys' bidirectional ids are the queries'."""
         call = dataclasses.replace(options, return_lse=return_lse)
-        q_tokens, kv_tokens = operands.q_tokens, operands.kv_tokens
-        metadata = Metadata(q_tokens.segment_ids, kv_tokens.segment_ids, None,
-                            q_tokens.bidirectional_ids, operands.sinks)
-        if mesh is None:
-            kv_tokens = dataclasses.replace(kv_tokens,
-                                            bidirectional_ids=q_tokens.bidirectional_ids)
-            return local_attention(q, k, v, call, Operands(q_tokens, kv_tokens, operands.sinks))
+        metadata = Metadata(operands.q_tokens.segment_ids, operands.kv_tokens.segment_ids,
+                            None, operands.q_tokens.bidirectional_ids, operands.sinks)
         where = attention.placement(q, k, v, call, metadata, mesh=mesh, seq_axes=seq_axes,
                                     strategy=strategy, layout=layout,
                                     ulysses_size=ulysses_size)

@@ -182,11 +182,7 @@ def _attend(*arrays, options: Options, placement: Placement, geometry: _Geometry
         q, k, v, metadata, inverse = _per_document(options, placement, num_shards, q, k, v,
                                                    metadata)
         layout = "contiguous"
-    entry = registry.get(placement.strategy)
-    if entry.num_seq_axes == 2 and len(axes) != 2:  # the others run over the axes flattened
-        raise ValueError(f"strategy={placement.strategy!r} runs over two sequence axes (outer, "
-                         f"inner); got seq_axes={axes}. Pass ulysses_size= to split one axis "
-                         "in two.")
+    entry = registry.get(placement.strategy)  # placement checked its axes and its core
     axis_name = axis_name_of(axes)
     if entry.attend is None:  # api.attention.placement refuses it first
         raise ValueError(f"strategy={placement.strategy!r} has no attend core.")

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # annotations only
 
 __all__ = ["Metadata", "Operands", "axis_size", "check_ids", "check_metadata", "check_qkv",
            "check_self_attention", "describe", "empty_result", "finish", "gather_tokens",
-           "shard_operands"]
+           "operands", "shard_operands"]
 
 
 def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
@@ -184,23 +184,29 @@ def check_metadata(q: jax.Array, options: Options, metadata: Metadata) -> Metada
         check_sinks(metadata.sinks, heads))
 
 
-def shard_operands(q: jax.Array, metadata: Metadata,
-                   axis_name: str | tuple[str, ...]) -> Operands:
-    """The kernels' view of this shard's checked ``metadata``: one
-    :class:`~jax_seqpar.core.masks.Tokens` per side (positions default to the contiguous
-    split along ``axis_name``; the keys' segment ids are ``kv_segment_ids`` where given)."""
-    batch, local_len = q.shape[:2]
-    positions = metadata.positions
-    if positions is None:
-        positions = layout.shard_positions("contiguous", local_len, axis_name=axis_name)
-        positions = jnp.broadcast_to(positions, (batch, local_len)).astype(jnp.int32)
+def operands(metadata: Metadata) -> Operands:
+    """The kernels' view of checked ``metadata``: one :class:`~jax_seqpar.core.masks.Tokens`
+    per side, the keys' segment ids ``kv_segment_ids`` where given (positions as given,
+    None included)."""
     q_tokens = masks.Tokens(*(None if x is None else jnp.asarray(x) for x in (
-        positions, metadata.segment_ids, metadata.bidirectional_ids)))
+        metadata.positions, metadata.segment_ids, metadata.bidirectional_ids)))
     kv_tokens = q_tokens
     if metadata.kv_segment_ids is not None:
         kv_tokens = dataclasses.replace(q_tokens,
                                         segment_ids=jnp.asarray(metadata.kv_segment_ids))
     return Operands(q_tokens, kv_tokens, metadata.sinks)
+
+
+def shard_operands(q: jax.Array, metadata: Metadata,
+                   axis_name: str | tuple[str, ...]) -> Operands:
+    """:func:`operands` of this shard, positions defaulting to the contiguous split along
+    ``axis_name``."""
+    if metadata.positions is not None:
+        return operands(metadata)
+    batch, local_len = q.shape[:2]
+    positions = layout.shard_positions("contiguous", local_len, axis_name=axis_name)
+    positions = jnp.broadcast_to(positions, (batch, local_len)).astype(jnp.int32)
+    return operands(dataclasses.replace(metadata, positions=positions))
 
 
 def finish(options: Options, q: jax.Array, out: jax.Array, lse: jax.Array,
