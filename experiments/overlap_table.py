@@ -81,7 +81,7 @@ def dump(args):
         for strategy in args.strategies.split(","):
             for mode in args.modes.split(","):
                 name = (f"{target.replace(':', '_')}-{strategy}-{args.kernel}-{args.seq}-{mode}"
-                        f"{dict(auto='', false='-serial', true='-chunks')[args.overlap]}")
+                        f"{dict(auto='', false='-serial', true='-pieces')[args.overlap]}")
                 path = os.path.join(args.dir, name)
                 if os.path.exists(path + ".json"):
                     continue

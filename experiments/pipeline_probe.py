@@ -4,7 +4,7 @@ Makes the rows of "Steps measured on the way" in ``experiments/pipelines_results
 
 Compiles (deviceless AOT, nothing runs) one strategy's global program, forward or
 forward + vjp, for a GPU or TPU target, with per-shard keywords (``--kw
-head_groups=2``, ``--kw chunks=8``) and extra compiler options (``--opt KEY=VALUE``;
+head_groups=2``, ``--kw pieces=8``) and extra compiler options (``--opt KEY=VALUE``;
 the target compile's :data:`jax_seqpar.tools.targets.COMPILE_OPTIONS` are always
 passed unless ``--no-target-options``), and prints every collective (kind, MiB per run,
 runs, async, encloses a kernel), bytes hidden (:func:`jax_seqpar.tools.schedule.bytes_hidden`)

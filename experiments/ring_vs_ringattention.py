@@ -13,7 +13,7 @@ programs, not real interconnects). For each sequence length S it reports:
 * per-device temp memory from ``compiled.memory_analysis()`` (fwd+bwd and fwd);
 * bytes one device sends, read from the compiled HLO (:mod:`jax_seqpar.tools.hlo`);
 * max abs error of out and of dq/dk/dv against an exact reference computed in
-  query chunks (``jax_seqpar.core.reference`` per chunk, rematerialized), or against
+  query blocks (``jax_seqpar.core.reference`` per chunk, rematerialized), or against
   the other implementation when S exceeds ``--reference-max-seq``.
 
 Theirs: ``ring_attention(q, k, v, attn_bias, segment_ids, cache_idx, axis_name,

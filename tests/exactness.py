@@ -5,7 +5,7 @@ A case names the entry point (the global :func:`jax_seqpar.sequence_parallel_att
 or a strategy's per-shard function inside ``jax.shard_map``), the strategy, the mesh, the
 shape and dtype, the mask (static keywords, a mask family's per-token ids, documents),
 the token order, sinks, softcap, the lse, the kernel and its tiles, and the pipeline
-(``head_groups``, ``chunks``, ``overlap``). :func:`check` makes the inputs on the host and
+(``head_groups``, ``pieces``, ``overlap``). :func:`check` makes the inputs on the host and
 asserts the output (and lse) and the gradients of q, k, v (and the sinks) equal the
 reference's, computed in float32 from the same inputs (:meth:`contexts.Context.check`).
 tests/test_exactness.py holds the cases.
@@ -26,6 +26,7 @@ import checks
 import contexts
 import jax_seqpar as sp
 from jax_seqpar.core import reference
+from jax_seqpar.strategies import registry
 
 #: The per-token arrays a call takes besides q, k, v and the sinks, in argument order.
 TOKEN_ARRAYS = ("segment_ids", "positions", "bidirectional_ids")
@@ -65,8 +66,8 @@ class Case:
     """One call against the reference.
 
     Attributes:
-      strategy: a per-shard strategy (``"ring"``, ``"ulysses"``, ``"hybrid"``,
-        ``"allgather"``), or for the global entry ``"auto"`` or ``"local"`` (``mesh=None``,
+      strategy: a registered strategy (``"ring"``, ``"ulysses"``, ``"hybrid"``,
+        ``"allgather"``, or one a test registers), or for the global entry ``"auto"`` or ``"local"`` (``mesh=None``,
         called inside the context's mesh).
       entry: ``"global"`` (``sequence_parallel_attention``) or ``"per_shard"`` (the
         strategy's function inside ``jax.shard_map``, the sequence split over the mesh).
@@ -82,7 +83,7 @@ class Case:
       sinks: pass float32 sinks (and compare their gradient, which must not vanish).
       return_lse: compare the log-sum-exp too.
       kernel, block_sizes: the kernel and its tiles.
-      pipeline: ``head_groups`` / ``chunks`` / ``overlap`` keywords.
+      pipeline: ``head_groups`` / ``pieces`` / ``overlap`` keywords.
       mesh: ``(shape, axis names)``; None: 8 devices as ``"sp"``, the hybrid's 2 x 4 as
         ``("dcn", "ici")``. The sequence is split over all its axes.
       ulysses_size: the global hybrid's split of a one-axis mesh, or None.
@@ -173,14 +174,21 @@ def _global(case: Case, keywords: dict, seq_axes):
 
 
 def _per_shard(case: Case, keywords: dict, seq_axes):
-    function = getattr(sp, f"{case.strategy}_attention")
-    static = dict(keywords, seq_axes=seq_axes, kernel=case.kernel,
-                  block_sizes=case.block_sizes, return_lse=case.return_lse, **case.pipeline)
+    function = registry.get(case.strategy).attention  # a registered one too
+    # Only what the case sets: a registered strategy may take no more than its mask.
+    static = dict(keywords, seq_axes=seq_axes, **case.pipeline)
+    if case.kernel != "auto":
+        static["kernel"] = case.kernel
+    if case.block_sizes is not None:
+        static["block_sizes"] = case.block_sizes
+    if case.return_lse:
+        static["return_lse"] = True
     seq = P(None, seq_axes)
 
     def body(q, k, v, sinks, *arrays):
-        given = {name: x for name, x in zip(TOKEN_ARRAYS, arrays) if x is not None}
-        return function(q, k, v, sinks=sinks, **given, **static)
+        given = {name: x for name, x in zip(TOKEN_ARRAYS + ("sinks",), (*arrays, sinks))
+                 if x is not None}
+        return function(q, k, v, **given, **static)
 
     def build(mesh):
         mapped = jax.shard_map(body, mesh=mesh, in_specs=(seq, seq, seq, P()) + (seq,) * 3,

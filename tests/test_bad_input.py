@@ -394,3 +394,88 @@ def test_x64_mode_interpreted_kernels(kernel, tolerances):
                 q, k, v, mesh=_mesh(), strategy="ring", causal=True, kernel=kernel),
             lambda q, k, v: reference.attention(q, k, v, causal=True),
             _qkv(1, seed=7), tolerances)
+
+
+# ---- issue 40's audit: a predicate's missing fields, lengths, int32 keywords ----------
+
+def _reads_segment_ids(q, kv):
+    return q.segment_ids == kv.segment_ids
+
+
+@pytest.mark.parametrize("call", ["local", "ring"])
+def test_mask_fn_reading_segment_ids_not_given_is_refused(call):
+    """A predicate that reads ``segment_ids`` of a call given none is a ValueError naming
+    the field and the keyword (it was ``None == None``: True, silently)."""
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"mask_fn read .*segment_ids.*pass segment_ids="):
+        _global(call, q, k, v, causal=True, mask_fn=_reads_segment_ids)
+    out = _global(call, q, k, v, causal=True, mask_fn=_reads_segment_ids,
+                  segment_ids=jnp.zeros((B, S), jnp.int32))  # given: one document
+    np.testing.assert_allclose(np.asarray(out), np.asarray(
+        reference.attention(q, k, v, causal=True)), atol=2e-5, rtol=2e-5)
+
+
+def test_mask_fn_reading_segment_ids_is_refused_where_none_are_shown():
+    """``dot_product_attention`` and ``prefill`` show a predicate no segment ids: reading
+    them is a ValueError saying so, not a comparison with None."""
+    from jax_seqpar import KVCache, prefill
+
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"mask_fn read .*segment_ids.*dot_product_attention"):
+        dot_product_attention(q, k, v, is_causal=True, mask_fn=_reads_segment_ids)
+    cache = KVCache.create(_mesh(), batch=B, capacity=S, num_kv_heads=H, head_dim=D,
+                           dtype=jnp.float32)
+    with pytest.raises(ValueError, match=r"mask_fn read .*segment_ids"):
+        prefill(q, k, v, cache, mask_fn=_reads_segment_ids)
+
+
+def _table_mask():
+    table = jnp.tril(jnp.ones((S, S), bool))  # closed over: a constant of the predicate
+    return lambda q, kv: table[q.positions, kv.positions]
+
+
+@pytest.mark.parametrize("kernel", ["pallas", "mosaic"])
+def test_mask_fn_holding_arrays_with_a_pallas_kernel_is_refused(kernel):
+    """A predicate closing over an array cannot run in a Pallas kernel: asked for one by
+    name, the call says so naming mask_fn and the kernels that can (it crashed naming
+    ``pallas_call``)."""
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"mask_fn=.*closes over arrays.*kernel='xla'"):
+        sequence_parallel_attention(q, k, v, kernel=kernel, mask_fn=_table_mask())
+
+
+def test_chunk_size_must_fit_int32():
+    """``chunk_size=2**31`` is a ValueError naming chunk_size (it was an OverflowError
+    naming an argument path); ``2**31 - 1`` works, one chunk."""
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=r"chunk_size must fit int32.*chunk_size=2147483648"):
+        sequence_parallel_attention(q, k, v, causal=True, chunk_size=2**31)
+    with pytest.raises(ValueError, match=r"chunk_size must fit int32"):
+        dot_product_attention(q, k, v, is_causal=True, chunk_size=2**40)
+    out = sequence_parallel_attention(q, k, v, causal=True, chunk_size=INT32_MAX)
+    np.testing.assert_allclose(np.asarray(out), np.asarray(
+        reference.attention(q, k, v, causal=True)), atol=2e-5, rtol=2e-5)
+
+
+def test_prefill_refuses_negative_seq_lengths():
+    """``prefill(seq_lengths=)`` with a negative length is a ValueError naming it and the
+    value, eagerly; under ``jit`` the program fails when it runs, with the same message
+    (as decode's capacity check; not beside a split-axis hybrid, where a negative length
+    reads as 0). The cache's length was -5."""
+    from jax_seqpar import KVCache, prefill
+
+    q, k, v = _qkv()
+    mesh = _mesh()
+    cache = KVCache.create(mesh, batch=B, capacity=S, num_kv_heads=H, head_dim=D,
+                           dtype=jnp.float32)
+    bad = jnp.array([3, -5], jnp.int32)
+    with pytest.raises(ValueError, match=r"seq_lengths must be >= 0.*seq_lengths\[1\]=-5"):
+        prefill(q, k, v, cache, seq_lengths=bad)
+    with pytest.raises(ValueError, match=r"seq_lengths must be >= 0.*-5"):
+        prefill(q, k, v, cache, seq_lengths=np.array([3, -5]))
+    with jax.set_mesh(mesh):
+        step = jax.jit(lambda lengths: prefill(q, k, v, cache, seq_lengths=lengths,
+                                               strategy="ring")[1].length)
+        with pytest.raises(jax.errors.JaxRuntimeError, match=r"seq_lengths must be >= 0"):
+            jax.block_until_ready(step(bad))
+        np.testing.assert_array_equal(np.asarray(step(jnp.array([3, 0], jnp.int32))), [3, 0])

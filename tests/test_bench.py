@@ -95,7 +95,7 @@ def test_every_option_is_documented():
     pytest.param(DEFAULT.replace(seq_len=1004), ["sp=8"], ["ring"],
                  "seq_len=1004 is not divisible by the 8 devices", id="seq_not_divisible"),
     pytest.param(DEFAULT.replace(seq_len=8 * 3), ["sp=8"], ["ring"],
-                 "not divisible by 2\\*8=16 zigzag chunks", id="zigzag_chunks"),
+                 "not divisible by 2\\*8=16 zigzag half-shards", id="zigzag_chunks"),
     pytest.param(DEFAULT.replace(seq_len=288, num_heads=8, num_kv_heads=8),
                  ["dcn=2,ici=3"], ["hybrid"],
                  "num_heads=8 is not divisible by the ulysses \\(inner\\) axis size 3",

@@ -139,11 +139,20 @@ def test_flax_layer_compiles_once_training_and_decoding(mesh, jitted):
     call = (lambda f: nnx.jit(f)) if jitted else (lambda f: f)
     forward = call(lambda layer, x: layer(x))
     _assert_compiles_once(lambda: forward(layer, x))
-    layer.init_cache(B, 64, dtype=jnp.float32)
     prefill = call(lambda layer, x: layer.prefill(x))
-    _assert_compiles_once(lambda: prefill(layer, x))
+
+    def new_request():  # a fresh cache (init_cache: eager, compiled once), then prefill
+        layer.init_cache(B, 64)
+        return prefill(layer, x)
+
+    _assert_compiles_once(new_request)
     decode = call(lambda layer, x: layer.decode(x))
     _assert_compiles_once(lambda: decode(layer, x[:, :1]))
+    # Flax's convention: a prompt, then steps; the steps compile once.
+    step = call(lambda layer, x: layer(x, decode=True))
+    layer.init_cache(B, 64)
+    step(layer, x)
+    _assert_compiles_once(lambda: step(layer, x[:, :1]))
 
 
 def test_flax_training_step_compiles_once(mesh):

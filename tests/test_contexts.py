@@ -25,7 +25,7 @@ from jax_seqpar.core import reference
 from jax_seqpar.flax import SelfAttention, make_attention_fn
 
 B, H, HKV, D = 1, 8, 2, 8
-LENGTHS = (64, 60)  # divisible by the 8 devices (and the 16 zigzag chunks); not divisible
+LENGTHS = (64, 60)  # divisible by the 8 devices (and the 16 zigzag half-shards); not divisible
 #: strategy name -> (mesh shape, axis names, keyword arguments)
 STRATEGIES = {
     "ring": ((8,), ("sp",), dict(strategy="ring")),
@@ -84,7 +84,7 @@ def _cache(mesh, q):
 
 @pytest.mark.parametrize("context", contexts.tiered(2), indirect=True)
 def test_prefill_pads_in_every_context(context, make_qkv, tolerances):
-    """A prompt the zigzag layout pads (24 tokens, 16 chunks) fills the cache and attends."""
+    """A prompt the zigzag layout pads (24 tokens, 16 pieces) fills the cache and attends."""
     mesh = context.mesh()
     q, k, v = make_qkv(batch=2, seq=24, heads=H, kv_heads=HKV, head_dim=D, dtype=jnp.float16)
 

@@ -25,6 +25,7 @@ DOCTESTED = (
     "jax_seqpar.planning.plan",
     "jax_seqpar.planning.predict",
     "jax_seqpar.planning.projection",
+    "jax_seqpar.strategies.halo",
     "jax_seqpar.strategies.heads",
     "jax_seqpar.strategies.registry",
     "jax_seqpar.tools.hlo",

@@ -123,10 +123,10 @@ _VARIANTS = {
     "per_document": dict(layout="per_document"),
     "auto_mesh": dict(context="auto-set-mesh-jit"),
     "bfloat16": dict(dtype=jnp.bfloat16),
-    # Ulysses' pipelines: head groups (2 heads a device), sequence chunks; the hybrid over
+    # Ulysses' pipelines: head groups (2 heads a device), sequence pieces; the hybrid over
     # two mesh axes.
     "head_groups": dict(shape=(1, 32, 16, 4, 8, 8), pipeline=dict(head_groups=2)),
-    "sequence_chunks": dict(shape=(1, 64, 8, 2, 8, 8), pipeline=dict(overlap=True, chunks=2)),
+    "sequence_pieces": dict(shape=(1, 64, 8, 2, 8, 8), pipeline=dict(overlap=True, pieces=2)),
     "two_axes": dict(mesh=((2, 4), ("dcn", "ici")), ulysses_size=None),
     "float16": dict(dtype=jnp.float16),
 }
@@ -135,13 +135,13 @@ _VARIANTS = {
 def _applies(strategy: str, variant: str) -> bool:
     """Whether ``variant`` means something for ``strategy`` (the local path has no mesh,
     token order or pipeline; only Ulysses' exchange is pipelined, and only over one
-    axis it chunks the sequence; only the hybrid runs over two axes)."""
+    axis it pieces the sequence; only the hybrid runs over two axes)."""
     if strategy == "local" and variant in ("zigzag", "striped", "per_document", "auto_mesh",
-                                           "head_groups", "sequence_chunks", "two_axes"):
+                                           "head_groups", "sequence_pieces", "two_axes"):
         return False
     if variant == "head_groups":
         return strategy in ("ulysses", "hybrid")
-    if variant == "sequence_chunks":
+    if variant == "sequence_pieces":
         return strategy == "ulysses"
     return variant != "two_axes" or strategy == "hybrid"
 
@@ -242,7 +242,7 @@ def test_windows_sinks_softcap(case, tolerances):
 def _pipeline_case(strategy, heads, kv_heads, *, order=None, sinks=False, segments=False,
                    return_lse=False, dtype=jnp.float32, outer=2, **keywords) -> Case:
     """``keywords``: the mask (``causal``, ``window``) and the pipeline (``head_groups``,
-    ``chunks``); ``outer``: the hybrid's ring devices, of 8."""
+    ``pieces``); ``outer``: the hybrid's ring devices, of 8."""
     mask = {key: keywords.pop(key) for key in ("causal", "window") if key in keywords}
     return Case(strategy, entry="per_shard", shape=(1, 64, heads, kv_heads, 8, 16),
                 dtype=dtype, mask=mask, segments=(3, 3) if segments else None,
@@ -315,7 +315,7 @@ _ALLGATHER_CHUNKS = [
 ]
 # The hybrid's inner exchange pipelined along the sequence around its ring, on rings of
 # 2 and 4 devices (no middle step; two) and of one (Ulysses' pipeline over the inner
-# axis); (heads, kv heads, outer, chunks, variant). K/V replicated in the bf16 case.
+# axis); (heads, kv heads, outer, pieces, variant). K/V replicated in the bf16 case.
 _HYBRID_CHUNKS = [
     (16, 4, 2, 4, dict(order="zigzag", causal=True, sinks=True, return_lse=True)),
     (8, 2, 4, 3, dict(order="zigzag", causal=True, segments=True)),
@@ -327,13 +327,13 @@ _HYBRID_CHUNKS = [
 ]
 CHUNKS = (
     _params([(_pipeline_id("ulysses", h, kv, variant, c=c),
-              _pipeline_case("ulysses", h, kv, chunks=c, **variant))
+              _pipeline_case("ulysses", h, kv, pieces=c, **variant))
              for h, kv, c, variant in _ULYSSES_CHUNKS], lambda i: i in (0, 1, 2))
     + _params([(_pipeline_id("allgather", h, kv, variant, c=c),
-                _pipeline_case("allgather", h, kv, chunks=c, **variant))
+                _pipeline_case("allgather", h, kv, pieces=c, **variant))
                for h, kv, c, variant in _ALLGATHER_CHUNKS], lambda i: i in (1, 4))
     + _params([(_pipeline_id("hybrid", h, kv, variant, o=outer, c=c),
-                _pipeline_case("hybrid", h, kv, outer=outer, chunks=c, **variant))
+                _pipeline_case("hybrid", h, kv, outer=outer, pieces=c, **variant))
                for h, kv, outer, c, variant in _HYBRID_CHUNKS], lambda i: i in (0, 1)))
 
 
@@ -348,8 +348,8 @@ def test_pipelines(case, tolerances):
 # gradient), then an Auto mesh; 60 tokens: padded to whole shards (8 a device).
 CONTEXTS = [
     pytest.param(Case("hybrid", shape=(1, seq, 8, 2, 8, 8), dtype=dtype, mask=dict(causal=True),
-                      pipeline=dict(chunks=2), context=context),
-                 id=f"hybrid-chunks-{context}-s{seq}-{jnp.dtype(dtype).name}", marks=marks)
+                      pipeline=dict(pieces=2), context=context),
+                 id=f"hybrid-pieces-{context}-s{seq}-{jnp.dtype(dtype).name}", marks=marks)
     for context, seq, dtype, marks in [
         ("jit-replicated", 64, jnp.float32, ()),
         ("explicit-set-mesh", 60, jnp.bfloat16, pytest.mark.matrix),

@@ -1,5 +1,8 @@
 """Flax integration: the attention_fn adapter inside Flax's own layers, and SelfAttention."""
 
+import contextlib
+import functools
+
 import flax.linen as linen
 import jax
 import jax.numpy as jnp
@@ -11,6 +14,7 @@ import checks
 import jax_seqpar
 from jax_seqpar.core import reference
 from jax_seqpar.flax import SelfAttention, apply_rope, make_attention_fn
+from test_compile_once import counting_compiles
 
 BATCH, SEQ, HEADS, FEATURES = 2, 64, 8, 32
 
@@ -264,3 +268,145 @@ def test_self_attention_config_errors():
         SelfAttention(FEATURES, HEADS, head_dim=5, rngs=nnx.Rngs(0))
     with pytest.raises(ValueError, match="d_model=32"):
         _self_attention()(jnp.zeros((1, SEQ, 16)))
+
+
+# --- today's models: no RoPE, QK-norm, a query scale; Flax's decode convention -------
+
+MODEL_OPTIONS = dict(qk_norm=True, scale=0.3)
+
+
+def _rms_norm(x, scale):
+    """A hand-written RMSNorm over the last axis (epsilon 1e-6), learned ``scale``."""
+    scale = scale.reshape((1,) * (x.ndim - 1) + scale.shape)  # [1, 1, 1, Dh]
+    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + 1e-6) * scale
+
+
+def _rotate(x, positions, base):
+    """Rotate-half RoPE written out: features ``i`` and ``i + D/2`` pair up."""
+    half = x.shape[-1] // 2
+    angles = positions[:, None] * base ** (-jnp.arange(half) / half)[None]  # [S, D/2]
+    cos, sin = jnp.cos(angles)[None, :, None], jnp.sin(angles)[None, :, None]  # [1, S, 1, D/2]
+    first, second = x[..., :half], x[..., half:]
+    return jnp.concatenate([first * cos - second * sin, second * cos + first * sin], axis=-1)
+
+
+def _layer_by_hand(params, x, *, rope_base, scale):
+    """The causal layer in plain jnp from its parameters (``nnx.State``): projections,
+    QK-norm, optional RoPE, softmax attention, the output projection."""
+    w = lambda *path: functools.reduce(lambda node, key: node[key], path, params)[...]
+    q = jnp.einsum("bsd,dhk->bshk", x, w("q_proj", "kernel"))  # [B, S, H, Dh]
+    k = jnp.einsum("bsd,dhk->bshk", x, w("k_proj", "kernel"))  # [B, S, Hkv, Dh]
+    v = jnp.einsum("bsd,dhk->bshk", x, w("v_proj", "kernel"))
+    q, k = _rms_norm(q, w("q_norm", "scale")), _rms_norm(k, w("k_norm", "scale"))
+    if rope_base is not None:
+        positions = jnp.arange(x.shape[1], dtype=jnp.float32)
+        q, k = _rotate(q, positions, rope_base), _rotate(k, positions, rope_base)
+    out = reference.attention(q, k, v, causal=True, scale=scale)  # [B, S, H, Dh]
+    return jnp.einsum("bshk,hkd->bsd", out, w("o_proj", "kernel"))
+
+
+def _model_layer(mesh=None, **kwargs):
+    """A ``SelfAttention`` with QK-norm and a query scale, its norms' scales not 1."""
+    layer = _self_attention(mesh=mesh, **MODEL_OPTIONS, **kwargs)
+    layer.q_norm.scale[...] = jnp.linspace(0.5, 1.5, 8)
+    layer.k_norm.scale[...] = jnp.linspace(1.5, 0.5, 8)
+    return layer
+
+
+@pytest.mark.parametrize("strategy,rope_base", [
+    pytest.param(None, None, id="unsharded-nope"),
+    pytest.param("ring", None, id="ring-nope"),
+    pytest.param("ulysses", 10000.0, id="ulysses-rope"),
+])
+def test_self_attention_qk_norm_scale_rope_match_layer_by_hand(strategy, rope_base,
+                                                               tolerances):
+    """``rope_base=None, qk_norm=True, scale=s`` (and QK-norm before RoPE) equals the
+    layer written by hand, outputs and gradients, on an 8-device mesh and without."""
+    x = _x()
+    mesh = None if strategy is None else jax.make_mesh((8,), ("sp",))
+    with contextlib.ExitStack() as stack:
+        if mesh is not None:
+            stack.enter_context(jax.set_mesh(mesh))
+        extra = {} if strategy is None else dict(strategy=strategy)
+        layer = _model_layer(mesh, rope_base=rope_base, **extra)
+        out, grads = _nnx_out_and_grads(layer, x)
+        _, params = nnx.split(layer)
+        by_hand = functools.partial(_layer_by_hand, x=x, rope_base=rope_base, scale=0.3)
+        expected_out, vjp = jax.vjp(by_hand, params)
+        expected_grads = vjp(jax.grad(_loss)(expected_out))[0]
+    assert out.shape == x.shape and out.dtype == x.dtype
+    np.testing.assert_allclose(out, expected_out, **tolerances(x.dtype))
+    assert float(jnp.abs(expected_grads["q_norm"]["scale"][...]).max()) > 0
+    _assert_trees_close(grads, expected_grads, **tolerances(x.dtype, "grad"))
+
+
+def _decode_token_by_token(layer, x, prompt_len):
+    """``layer(x, decode=True)`` under ``nnx.jit``: the prompt, then one token a call;
+    the outputs joined ``[B, S, d_model]`` and the compilations of each call."""
+    step = nnx.jit(lambda layer, x: layer(x, decode=True))
+    outs, compiles = [], []
+    with counting_compiles() as compiled:
+        for start, stop in [(0, prompt_len)] + [(t, t + 1) for t in range(prompt_len, SEQ)]:
+            before = len(compiled)
+            outs.append(jax.block_until_ready(step(layer, x[:, start:stop])))
+            compiles.append(len(compiled) - before)
+    return jnp.concatenate(outs, axis=1), compiles
+
+
+@pytest.mark.parametrize("sharded", [False, True], ids=["unsharded", "ring"])
+def test_decode_true_token_by_token_equals_the_full_forward(sharded, tolerances):
+    """A default (float32) layer with the default cache: ``init_cache`` then ``layer(x,
+    decode=True)``, a prompt and then one token a call, equals the causal forward; nothing
+    compiles after the first appending step."""
+    x = _x()
+    mesh = jax.make_mesh((8,), ("sp",)) if sharded else None
+    with contextlib.ExitStack() as stack:
+        if sharded:
+            stack.enter_context(jax.set_mesh(mesh))
+        layer = _model_layer(mesh, rope_base=10000.0,
+                             **(dict(strategy="ring") if sharded else {}))
+        expected = layer(x)
+        layer.init_cache(BATCH, SEQ)
+        assert layer.cache.get_value().k.dtype == jnp.float32
+        out, compiles = _decode_token_by_token(layer, x, prompt_len=SEQ - 6)
+    assert out.shape == x.shape and out.dtype == x.dtype
+    np.testing.assert_allclose(out, expected, **tolerances(x.dtype))
+    assert compiles[2:] == [0] * (len(compiles) - 2), compiles  # prefill, then one step
+    np.testing.assert_array_equal(layer.cache.get_value().length, [SEQ, SEQ])
+
+
+@pytest.mark.parametrize("dtype,cache_dtype", [
+    pytest.param(jnp.bfloat16, None, id="bf16-layer"),
+    pytest.param(jnp.float16, None, id="fp16-layer"),
+    pytest.param(None, jnp.bfloat16, id="fp32-layer-bf16-cache"),
+])
+def test_decode_true_in_narrow_dtypes(dtype, cache_dtype, tolerances):
+    """The cache follows the layer's dtype; a narrower cache asked for is attended in
+    (q, k, v cast to it), the output in the layer's dtype."""
+    x = _x().astype(dtype or jnp.float32)
+    layer = _self_attention(**MODEL_OPTIONS, rope_base=None, dtype=dtype)
+    expected = layer(x)
+    layer.init_cache(BATCH, SEQ, dtype=cache_dtype)
+    assert layer.cache.get_value().k.dtype == (cache_dtype or dtype)
+    out, _ = _decode_token_by_token(layer, x, prompt_len=SEQ - 3)
+    assert out.dtype == expected.dtype == x.dtype
+    narrow = cache_dtype or dtype
+    np.testing.assert_allclose(np.asarray(out, np.float32), np.asarray(expected, np.float32),
+                               **tolerances(narrow))
+
+
+def test_decode_true_errors():
+    layer = _self_attention(**MODEL_OPTIONS)
+    with pytest.raises(ValueError, match=r"no KV cache; call layer.init_cache"):
+        layer(_x(), decode=True)
+    layer.init_cache(BATCH, SEQ)
+    with pytest.raises(ValueError, match="decode=True tracks the tokens' positions"):
+        layer(_x(), decode=True, positions=jnp.arange(SEQ))
+    with pytest.raises(ValueError, match="decode must be a bool"):
+        layer(_x(), decode=1)
+    layer(_x()[:, :SEQ - 1], decode=True)
+    with pytest.raises(ValueError, match=r"capacity=64 .* length=63 and 2 new token"):
+        layer(_x()[:, :2], decode=True)
+    assert layer.prefilled
+    layer.init_cache(BATCH, SEQ)  # a fresh cache: the next call prefills again
+    assert not layer.prefilled

@@ -435,6 +435,37 @@ def test_collective_schedule_of_a_cpu_program(mesh):
                                               fraction=0.0)
 
 
+def test_bytes_by_link_splits_a_two_level_mesh(mesh2x4):
+    """On a (2, 4) mesh read as 2 hosts of 4: a permute over the outer axis crosses hosts,
+    an all-gather over the inner axis stays inside; the device groups are the mesh's."""
+    def fn(x):
+        hop = lax.ppermute(x, "outer", [(0, 1), (1, 0)])
+        return hop + lax.all_gather(x, "inner", tiled=True)[: x.shape[0]]
+
+    compiled = jax.jit(_sharded(fn, mesh2x4)).lower(x).compile()
+    rows = {r.kind: r for r in schedule.collective_schedule(compiled)}
+    assert {frozenset(pair) for pair in rows["collective-permute"].groups} == {
+        frozenset((i, i + 4)) for i in range(4)}
+    assert sorted(map(sorted, rows["all-gather"].groups)) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    links = schedule.bytes_by_link(compiled, 4)
+    assert links["across"]["total"] == LOCAL_BYTES
+    assert links["within"]["total"] == LOCAL_BYTES * 3  # (P-1) x its 512-byte input
+    assert links["across"]["fraction"] == links["within"]["fraction"] == 0.0  # CPU: sync
+    assert schedule.bytes_by_link(compiled, 8)["across"]["total"] == 0  # one host of 8
+
+
+@pytest.mark.parametrize("attributes, expected", [
+    ("replica_groups={{0,2},{1,3}}", ((0, 2), (1, 3))),
+    ("replica_groups=[2,4]<=[8]", ((0, 1, 2, 3), (4, 5, 6, 7))),
+    ("replica_groups=[4,2]<=[2,4]T(1,0)", ((0, 4), (1, 5), (2, 6), (3, 7))),
+    ("replica_groups={}", ((0, 1, 2, 3, 4, 5, 6, 7),)),
+    ("source_target_pairs={{0,1},{1,0}}", ((0, 1), (1, 0))),
+])
+def test_device_groups_reads_every_form(attributes, expected):
+    inst = hlo.Instruction("c", "f32[8]", "all-gather", ("p",), f"channel_id=1, {attributes}")
+    assert hlo.device_groups(inst, 8) == expected
+
+
 def test_unsupported_collective_is_an_error():
     text = _GPU_STYLE_HLO.replace("all-to-all(%p0)", "ragged-all-to-all(%p0)")
     with pytest.raises(ValueError, match="ragged-all-to-all"):

@@ -184,6 +184,8 @@ def _small_cache(**kwargs):
     pytest.param(lambda: _small_cache(seq_axes="tp"), "not an axis of the mesh", id="axis"),
     pytest.param(lambda: _small_cache(head_dim=0), "head_dim must be a positive int",
                  id="head-dim"),
+    pytest.param(lambda: _small_cache(capacity=2**31), r"capacity must fit int32 .* "
+                 "Got capacity=2147483648", id="capacity-int32"),  # was a host OOM
     pytest.param(lambda: inference.prefill(*_stream(2, 72, 4, 2, 16, 16, jnp.float32),
                                            _small_cache()),
                  "72 tokens but the cache holds only capacity=64", id="prompt-too-long"),
@@ -201,6 +203,37 @@ def _small_cache(**kwargs):
 def test_bad_input_is_refused(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+@pytest.mark.parametrize("step", ["prefill", "decode"])
+@pytest.mark.parametrize("cache_dtype, q_dtype", [(jnp.bfloat16, jnp.float32),
+                                                  (jnp.float32, jnp.float16)])
+def test_a_dtype_other_than_the_caches_is_refused_by_name(step, cache_dtype, q_dtype):
+    """Refused at the entry point, naming both dtypes and the argument to change, never
+    a kernel (the CPU once reported the GPU kernel's dtypes, for arrays the user never
+    made)."""
+    cache = _small_cache(dtype=cache_dtype)
+    q, k, v = _stream(2, 4, 4, 2, 16, 16, q_dtype)
+    cached, asked = jnp.dtype(cache_dtype).name, jnp.dtype(q_dtype).name
+    message = (rf"the cache stores {cached} keys and values but q is {asked}: create the "
+               rf"cache with dtype={asked} \(KVCache.create\(\.\.\., dtype=\.\.\.\)")
+    with pytest.raises(ValueError, match=message) as refused:
+        getattr(inference, step)(q, k, v, cache)
+    assert "kernel" not in str(refused.value) and "pallas" not in str(refused.value)
+
+
+def test_the_default_cache_serves_float32_and_refuses_other_dtypes(tolerances):
+    """``KVCache.create`` without ``dtype=`` stores float32 (a default float32 model
+    decodes with it); a dtype no kernel takes is refused when the cache is made."""
+    cache = _small_cache()
+    assert cache.k.dtype == cache.v.dtype == jnp.float32
+    q, k, v = _stream(2, 9, 4, 2, 16, 16, jnp.float32)
+    _, cache = inference.prefill(q[:, :8], k[:, :8], v[:, :8], cache)
+    out, cache = inference.decode(q[:, 8:], k[:, 8:], v[:, 8:], cache)
+    np.testing.assert_allclose(out, _expected_stream(q, k, v)[:, 8:], **tolerances(jnp.float32))
+    with pytest.raises(ValueError, match=r"dtype must be one of \['float32', 'bfloat16', "
+                                         r"'float16'\] .* Got dtype=int32"):
+        _small_cache(dtype=jnp.int32)
 
 
 
@@ -317,6 +350,45 @@ def test_generation_from_the_sharded_cache_matches_unsharded_tokens():
     assert isinstance(cache, inference.KVCache)
     assert tuple(cache.k.sharding.spec)[:2] == (None, "sp")
     np.testing.assert_array_equal(cache.length, lengths + 11)  # the last token is not fed
+
+
+@pytest.mark.parametrize("transform", ["grad", "jit-grad", "vjp"])
+def test_a_gradient_of_decode_is_refused_by_name(transform):
+    """Decoding is inference: its backward is our ValueError (it was JAX's "Linearization
+    failed" from inside the step)."""
+    cache = _small_cache()
+    q, k, v = _stream(2, 8, 4, 2, 16, 16, jnp.float32)
+    _, cache = inference.prefill(q, k, v, cache)
+
+    def loss(q):
+        return inference.decode(q[:, :1], k[:, :1], v[:, :1], cache)[0].sum()
+
+    with jax.set_mesh(cache.mesh), pytest.raises(
+            ValueError, match="decode is inference against a KV cache and has no gradient"):
+        if transform == "vjp":
+            jax.vjp(loss, q)[1](jnp.float32(1.0))
+        else:
+            (jax.jit(jax.grad(loss)) if transform == "jit-grad" else jax.grad(loss))(q)
+
+
+def test_a_cache_larger_than_a_devices_free_memory_is_refused():
+    """Where a device reports its memory (GPU, TPU), a cache that does not fit is a
+    ValueError naming the bytes, not an out-of-memory crash."""
+    from jax_seqpar.api import kv_cache
+
+    class Device:
+        def memory_stats(self):
+            return {"bytes_limit": 1000, "bytes_in_use": 400}
+
+        def __str__(self):
+            return "gpu:0"
+
+    class Mesh:
+        devices = np.array([Device()])
+
+    kv_cache._check_memory(Mesh(), 600)  # fits exactly
+    with pytest.raises(ValueError, match="needs 601 bytes on each device but gpu:0 has 600"):
+        kv_cache._check_memory(Mesh(), 601)
 
 
 def test_decode_mode_errors():

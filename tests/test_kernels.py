@@ -24,7 +24,7 @@ import pytest
 import checks
 import kernel_cases as kc
 from jax_seqpar import kernels
-from jax_seqpar.core import masks
+from jax_seqpar.core import blocks, masks, reference
 from jax_seqpar.core.masks import MaskSpec, Tokens
 from jax_seqpar.kernels.options import Options
 from jax_seqpar.kernels import make_options
@@ -95,17 +95,21 @@ SKIPS_INTERIOR_TILES = {"xla": True, "pallas": False, "mosaic": True}
 
 @pytest.mark.parametrize("kernel,case", kc.matrix(
     SKIP_CASES, marks=lambda kernel, _: [pytest.mark.interpret] if kernel == "mosaic" else []))
-def test_empty_tiles_are_skipped(kernel, case, tolerances):
+def test_empty_tiles_are_skipped(kernel, case, tolerances, monkeypatch):
     """NaN keys and values in EMPTY tiles leave every result exact, so those tiles are
-    never computed (a masked computation would still give ``0 * NaN = NaN``), and no
-    gradient flows into them."""
+    never computed (a masked computation would still give ``0 * NaN = NaN`` with the
+    kernels' isolation of non-finite numbers, ``contract.isolated`` and
+    ``isolated_grads``, turned off here), and no gradient flows into them."""
+    from jax_seqpar.kernels import contract
+    monkeypatch.setattr(contract, "isolated", lambda *args: args)
+    monkeypatch.setattr(contract, "isolated_grads", lambda *args: args)
     case = kc.for_kernel(case, kernel)
     tile = case.tile
     poison = slice(tile, 3 * tile) if case.causal else slice(tile, 2 * tile)
-    classes = np.asarray(jax.jit(lambda q_tokens, kv_tokens: masks.classify(
-        MaskSpec.make(case.causal, case.window), masks.summarize(q_tokens, tile),
-        masks.summarize(kv_tokens, tile)))(*kc.tokens(case)))
-    assert (classes[:, poison.start // tile:poison.stop // tile] == masks.EMPTY).all()
+    classes = np.asarray(jax.jit(lambda q_tokens, kv_tokens: blocks.classify(
+        MaskSpec.make(case.causal, case.window), blocks.summarize(q_tokens, tile),
+        blocks.summarize(kv_tokens, tile)))(*kc.tokens(case)))
+    assert (classes[:, poison.start // tile:poison.stop // tile] == blocks.EMPTY).all()
     poisoned = case.causal or SKIPS_INTERIOR_TILES[kernel]
     results = kc.check(kernel, case, jnp.float32, tolerances, poison if poisoned else None)
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(results))
@@ -161,6 +165,59 @@ def test_forward_accumulates(kernel):
         np.testing.assert_allclose(got, want, atol=1e-5, rtol=1e-5)
     with pytest.raises(ValueError, match="accumulate must be"):
         module.forward(q, k, v, q_tokens, kv_tokens, options, accumulate=(earlier[0],))
+
+
+#: Non-finite numbers in one document's tokens (added, so their gradients are the
+#: kernel's): its values, or its keys.
+NON_FINITE = {"values": dict(v=np.nan), "keys": dict(k=np.inf)}
+
+
+@pytest.mark.parametrize("bad", list(NON_FINITE))
+@pytest.mark.parametrize("kernel", kc.KERNELS)
+def test_non_finite_numbers_stay_in_their_document(kernel, bad, tolerances):
+    """One document's values (or keys) non-finite: the other documents' out, lse and
+    gradients equal the reference's with those values at zero, through the kernel's
+    ``attention`` and its ``forward`` / ``backward`` (a ring's calls); the document's
+    rows and gradients are NaN. A tile's products multiply the zero probabilities of
+    invisible pairs by every key (``0 * NaN``): NaN values reached the other documents'
+    outputs and gradients, inf keys their gradients."""
+    case = kc.for_kernel(Case(q_len=48, heads=4, kv_heads=2, causal=True, segments=True),
+                         kernel)
+    q_tokens, kv_tokens = kc.tokens(case)  # documents 0, 1, 2 in each row
+    rows = np.asarray(q_tokens.segment_ids) == 1
+    (q, k, v), weights = kc.inputs(case, jnp.float32)
+    options = kc.options(kernel, case)
+    doc = jnp.asarray(rows)[:, :, None, None]
+
+    def poisoned(q, k, v):
+        return [x + jnp.where(doc, NON_FINITE[bad].get(name, 0.0), 0.0)
+                for name, x in zip("qkv", (q, k, v))]
+
+    def attention(q, k, v):
+        return kc.Lowered.attention(*poisoned(q, k, v), q_tokens, kv_tokens, options)
+
+    def forward_backward(q, k, v):
+        q, k, v = poisoned(q, k, v)
+        out, lse = kc.Lowered.forward(q, k, v, q_tokens, kv_tokens, options)
+        delta = jnp.sum(out * weights[0], axis=-1) - weights[1]
+        return out, lse, kc.Lowered.backward(q, k, v, q_tokens, kv_tokens, lse, delta,
+                                             weights[0], options)
+
+    def clean(q, k, v):
+        return reference.attention(
+            q, k, jnp.where(doc, 0.0, v), causal=True, scale=case.d_qk**-0.5,
+            segment_ids=q_tokens.segment_ids, return_lse=True)
+
+    expected = kc.value_and_grads(clean, (q, k, v), weights)
+    for results in (kc.value_and_grads(attention, (q, k, v), weights),
+                    jax.jit(forward_backward)(q, k, v)):
+        for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), jax.tree.leaves(results),
+                                   jax.tree.leaves(expected)):
+            got, want = np.asarray(got), np.asarray(want)
+            np.testing.assert_allclose(got[~rows], want[~rows], err_msg=name,
+                                       **tolerances(jnp.float32, "out" if len(name) == 3 else "grad"))
+            if name != "lse":
+                assert np.isnan(got[rows]).all(), name
 
 
 # The kernel contract (jax_seqpar.kernels.contract): one BlockSizes, one custom_vjp.

@@ -52,7 +52,7 @@ def test_zigzag_positions_are_permuted_arange(num_shards):
     assert positions.shape == (seq_len,) and positions.dtype == jnp.int32
     np.testing.assert_array_equal(
         positions, layout.zigzag_permute(jnp.arange(seq_len), num_shards, axis=0))
-    # Shard r holds chunks r and 2P-1-r.
+    # Shard r holds half-shards r and 2P-1-r.
     chunk = seq_len // (2 * num_shards)
     for shard, local in enumerate(np.split(np.asarray(positions), num_shards)):
         expected = [shard, 2 * num_shards - 1 - shard]

@@ -4,7 +4,7 @@ counts that measure it (core.work) against brute force by the mask predicate.
 Host numpy only: no kernel runs. The balance targets hold at the bench's size (B=2 rows,
 S=16384, P=8, 128-token tiles) on the three masked mixes of tools/mixes.MASKED:
 prefix-LM documents with heavy-tailed lengths, vision-language documents with images,
-chunked causal rows whose chunks do not align with zigzag's pieces."""
+chunked causal rows whose chunks do not align with zigzag's half-shards."""
 
 import jax.numpy as jnp
 import numpy as np
@@ -187,9 +187,9 @@ def test_predict_counts_bidirectional_ids_and_chunks():
     ids, bids = mixes.prefix_lm(1, 2048, np.random.default_rng(0))
     shape = LayerShape(1, 2048, 8, 8, 64, causal=True, segment_ids=True)
 
-    def compute(**kw):
-        return predict(Candidate("ring", 4, 1), shape, "h100", tile=128,
-                       **kw)["compute_seconds"]
+    def compute(chunk_size=None, **kw):
+        return predict(Candidate("ring", 4, 1), shape.replace(chunk_size=chunk_size), "h100",
+                       tile=128, **kw)["compute_seconds"]
 
     causal = compute(segment_ids=ids)
     assert compute(segment_ids=ids, bidirectional_ids=bids) > causal  # prefixes see more

@@ -428,3 +428,161 @@ def test_generation_of_a_chunked_prefix_lm_matches_the_full_model():
     np.testing.assert_array_equal(result.tokens, expected)
     with pytest.raises(ValueError, match="prefix_lengths must be int32"):
         generate(model, prompts, lengths, num_tokens=8, prefix_lengths=np.array([21, 0]))
+
+
+# --- issue 40's audit: a predicate on the fields the call has; its constants; NaN that
+# --- no query can see -----------------------------------------------------------------
+
+def _args(seq=32, heads=H):
+    return tuple(checks.normals([(B, seq, heads, D), (B, seq, HKV, D), (B, seq, HKV, D)]))
+
+
+def _zero_bidirectional_ids(q, kv):
+    """Every pair whose query carries bidirectional id 0: all of them when none are given
+    (documented: read as zeros), so the call is plain causal."""
+    return q.bidirectional_ids == 0
+
+
+def _always(q, kv):
+    return True
+
+
+@pytest.mark.parametrize("mesh_or_not", ["local", "ring"])
+@pytest.mark.parametrize("mask_fn, causal", [(_zero_bidirectional_ids, True),
+                                             (_always, False)], ids=["bid0", "true"])
+def test_mask_fn_sees_the_fields_the_call_has(mesh_or_not, mask_fn, causal, tolerances):
+    """A predicate reading ``bidirectional_ids`` of a call given none reads zeros (it read
+    ``None == 0``: False, every row zero), and one returning Python ``True`` keeps every
+    pair (it crashed in the kernel): outputs and gradients equal the reference's."""
+    args = _args()
+    where = {} if mesh_or_not == "local" else dict(mesh=jax.make_mesh((8,), ("sp",)),
+                                                   strategy="ring")
+    checks.assert_matches(
+        lambda q, k, v: jax_seqpar.sequence_parallel_attention(
+            q, k, v, causal=causal, mask_fn=mask_fn, **where),
+        lambda q, k, v: reference.attention(q, k, v, causal=causal), args, tolerances)
+
+
+_TABLE = jnp.asarray(np.random.default_rng(0).random((32, 32)) < 0.6) | jnp.eye(32, dtype=bool)
+
+
+def _table_mask(q, kv):
+    """A mask from a constant table the predicate closes over."""
+    return _TABLE[q.positions, kv.positions]
+
+
+@pytest.mark.parametrize("mesh_or_not", ["local", "ring"])
+@pytest.mark.parametrize("kernel", ["auto", "xla"])
+def test_mask_fn_holding_a_table_works_with_every_kernel_choice(mesh_or_not, kernel,
+                                                                tolerances):
+    """A predicate closing over a ``jnp`` table: ``kernel="auto"`` runs it (it failed on
+    CPU: ``pallas_call ... captures constants``, the Pallas branches being traced too),
+    as ``"xla"`` does; outputs and gradients equal the reference's."""
+    args = _args()
+    where = {} if mesh_or_not == "local" else dict(mesh=jax.make_mesh((8,), ("sp",)),
+                                                   strategy="ring")
+    checks.assert_matches(
+        lambda q, k, v: jax_seqpar.sequence_parallel_attention(
+            q, k, v, causal=True, mask_fn=_table_mask, kernel=kernel, **where),
+        lambda q, k, v: reference.attention(q, k, v, causal=True, mask_fn=_table_mask),
+        args, tolerances)
+
+
+_CALLS = {"local": None, "ring": dict(strategy="ring"), "ulysses": dict(strategy="ulysses"),
+          "allgather": dict(strategy="allgather"),
+          "hybrid": dict(strategy="hybrid", ulysses_size=2)}
+
+
+@pytest.mark.parametrize("kernel", ["xla", pytest.param("pallas", marks=pytest.mark.interpret)])
+@pytest.mark.parametrize("call", list(_CALLS))
+def test_padding_values_never_reach_an_output(call, kernel, tolerances):
+    """NaN in the q, k and v of padding tokens (segment id ``PAD_SEGMENT``), which no
+    query sees: the real rows equal the reference's without them, the padding rows are
+    zero, and every gradient is finite (padding's zero). NaN values made every real row
+    NaN (``0 * NaN`` in ``P @ V``)."""
+    seq, pad = 32, 6
+    q, k, v = _args(seq, heads=8)  # Ulysses splits the heads over the 8 devices
+    ids = np.zeros((B, seq), np.int32)
+    ids[:, 14:] = 1
+    ids[:, seq - pad:] = jax_seqpar.core.masks.PAD_SEGMENT
+    ids = jnp.asarray(ids)
+    poison = lambda x: x.at[:, seq - pad:].set(jnp.nan)  # noqa: E731
+    where = {} if _CALLS[call] is None else dict(mesh=jax.make_mesh((8,), ("sp",)),
+                                                 **_CALLS[call])
+
+    def ours(q, k, v):
+        return jax_seqpar.sequence_parallel_attention(
+            poison(q), poison(k), poison(v), causal=True, segment_ids=ids, kernel=kernel,
+            **where)
+
+    def clean(q, k, v):  # the reference on the real tokens; padding rows zero
+        out = reference.attention(q, k, v, causal=True, segment_ids=ids)
+        return out.at[:, seq - pad:].set(0.0)
+
+    out, grads = checks.assert_matches(ours, clean, (q, k, v), tolerances)
+    np.testing.assert_array_equal(np.asarray(out[:, seq - pad:]), 0)
+    for grad in grads:
+        assert np.isfinite(np.asarray(grad)).all()
+
+
+#: What a document's tokens hold in the test below: NaN or inf values, or inf keys and
+#: NaN values.
+_BAD = {"nan_values": dict(v=np.nan), "inf_values": dict(v=np.inf),
+        "keys_and_values": dict(k=np.inf, v=np.nan)}
+
+
+@pytest.mark.parametrize("kernel", ["xla", pytest.param("pallas", marks=pytest.mark.interpret)])
+@pytest.mark.parametrize("bad", list(_BAD))
+@pytest.mark.parametrize("call", list(_CALLS))
+def test_a_document_s_non_finite_values_stay_in_its_rows(call, bad, kernel, tolerances):
+    """Three packed documents, the middle one's values non-finite: the other documents'
+    rows equal the reference's with those values at zero, and so do their gradients (q,
+    k and v); the middle document's rows and gradients are NaN (a query that sees a
+    non-finite value gets a NaN row). ``0 * NaN`` in ``P @ V`` (and in the backward's
+    products) put NaN in 20-44 rows of the other documents."""
+    seq = 32
+    q, k, v = _args(seq, heads=8)  # Ulysses splits the heads over the 8 devices
+    ids = np.zeros((B, seq), np.int32)
+    ids[0, 9:20], ids[0, 20:] = 1, 2
+    ids[1, 14:27], ids[1, 27:] = 1, 2
+    doc = jnp.asarray(ids == 1)[:, :, None, None]
+    ids = jnp.asarray(ids)
+    where = {} if _CALLS[call] is None else dict(mesh=jax.make_mesh((8,), ("sp",)),
+                                                 **_CALLS[call])
+
+    def ours(q, k, v):
+        # Added, not selected: the gradients of the poisoned tokens are the kernel's.
+        poisoned = [x + jnp.where(doc, _BAD[bad].get(name, 0.0), 0.0)
+                    for name, x in zip("qkv", (q, k, v))]
+        return jax_seqpar.sequence_parallel_attention(*poisoned, causal=True, segment_ids=ids,
+                                                      kernel=kernel, **where)
+
+    def clean(q, k, v):
+        return reference.attention(q, k, jnp.where(doc, 0.0, v), causal=True, segment_ids=ids)
+
+    cotangent = checks.normal((B, seq, 8, D), seed=7)
+    out, grads = checks.out_and_vjp(ours, (q, k, v), cotangent)
+    expected, expected_grads = checks.out_and_vjp(clean, (q, k, v), cotangent)
+    rows = np.asarray(doc[:, :, 0, 0])
+    for got, want, kind in zip((out, *grads), (expected, *expected_grads),
+                               ("out", "grad", "grad", "grad")):
+        got, want = np.asarray(got), np.asarray(want)
+        np.testing.assert_allclose(got[~rows], want[~rows], **tolerances(q.dtype, kind))
+        assert np.isnan(got[rows]).all()
+
+
+def test_the_reference_keeps_non_finite_values_in_the_rows_that_see_them():
+    """The oracle's contract: a query that sees a non-finite value gets a NaN row (its
+    lse, of q and k, stays finite); the other rows equal those with the values at zero
+    (``0 * NaN`` in its ``P @ V`` put NaN in every row of the batch row)."""
+    q, k, v = _args()
+    ids = jnp.asarray(np.repeat([[0] * 10 + [1] * 12 + [2] * 10], B, axis=0), jnp.int32)
+    doc = (ids == 1)[:, :, None, None]
+    out, lse = reference.attention(q, k, jnp.where(doc, np.nan, v), causal=True,
+                                   segment_ids=ids, return_lse=True)
+    clean, clean_lse = reference.attention(q, k, jnp.where(doc, 0.0, v), causal=True,
+                                           segment_ids=ids, return_lse=True)
+    rows = np.asarray(doc[:, :, 0, 0])
+    np.testing.assert_array_equal(np.asarray(out)[~rows], np.asarray(clean)[~rows])
+    assert np.isnan(np.asarray(out)[rows]).all()
+    np.testing.assert_array_equal(np.asarray(lse), np.asarray(clean_lse))

@@ -25,7 +25,7 @@ from jax.experimental import pallas as pl
 
 import kernel_cases as kc
 from checks import record_xla_tiles
-from jax_seqpar.core import masks
+from jax_seqpar.core import blocks
 from jax_seqpar.core.masks import MaskSpec, Tokens
 from jax_seqpar import kernels
 from jax_seqpar.kernels import make_options, tiling, xla
@@ -87,8 +87,8 @@ def _classes(case: Case):
     """``int8[B, nq, nk]`` tile classes of the case's forward at its tile."""
     q_tokens, kv_tokens = kc.tokens(case)
     tile = case.tile
-    return np.asarray(masks.classify(case.spec, masks.summarize(q_tokens, tile, per_row=True),
-                                     masks.summarize(kv_tokens, tile, per_row=True)))
+    return np.asarray(blocks.classify(case.spec, blocks.summarize(q_tokens, tile, per_row=True),
+                                     blocks.summarize(kv_tokens, tile, per_row=True)))
 
 
 def _computed_tiles(kernel: str, case: Case, monkeypatch) -> list:
@@ -139,14 +139,14 @@ def _check_tile_count(kernel, case, monkeypatch):
     case = kc.for_kernel(case, kernel)
     classes = _classes(case)
     computed = _computed_tiles(kernel, case, monkeypatch)
-    nonempty = {tuple(int(x) for x in i) for i in np.argwhere(classes != masks.EMPTY)}
+    nonempty = {tuple(int(x) for x in i) for i in np.argwhere(classes != blocks.EMPTY)}
     assert len(computed) == len(set(computed))  # each tile once
     assert set(computed) == nonempty
     # Skipping holds the count down: below every tile (and chunks below causality alone).
     assert len(computed) < classes.size
     if case.chunk_size is not None:
         causal_only = _classes(case._replace(chunk_size=None))
-        assert len(computed) < int((causal_only != masks.EMPTY).sum())
+        assert len(computed) < int((causal_only != blocks.EMPTY).sum())
 
 
 #: What the default tier counts (the rest is the interpret tier).
@@ -159,7 +159,7 @@ DEFAULT_TILE_COUNTS = {("xla", "chunked"), ("pallas", "vlm_spans")}
     else [pytest.mark.interpret]))
 def test_kernels_compute_exactly_the_non_empty_tiles(kernel, case, monkeypatch):
     """The tiles the XLA and Pallas forwards compute are the non-EMPTY tiles of
-    :func:`masks.classify` for chunks, prefix-LM documents and image spans: EMPTY tiles
+    :func:`blocks.classify` for chunks, prefix-LM documents and image spans: EMPTY tiles
     are skipped (fewer than the causal mask alone would compute)."""
     _check_tile_count(kernel, case, monkeypatch)
 
@@ -178,9 +178,9 @@ def test_mosaic_plan_runs_the_non_empty_tiles():
     classes = _classes(case)
     plan = np.asarray(tpu_common.plan(jnp.asarray(classes)))
     np.testing.assert_array_equal(plan & 3, classes)
-    assert (plan & 3 != masks.EMPTY).sum() < classes.size
+    assert (plan & 3 != blocks.EMPTY).sum() < classes.size
     fetched = np.take_along_axis(classes, plan >> 2, axis=-1)  # the class of each fetch
-    assert np.all(fetched != masks.EMPTY)  # every row sees a tile: no step fetches an EMPTY one
+    assert np.all(fetched != blocks.EMPTY)  # every row sees a tile: no step fetches an EMPTY one
 
 
 # --- whole calls skipped by Options --------------------------------------------------------

@@ -15,7 +15,7 @@ import pytest
 
 import checks
 import kernel_cases as kc
-from jax_seqpar.core import masks
+from jax_seqpar.core import blocks, masks
 from jax_seqpar.core.masks import MaskSpec, Tokens
 from jax_seqpar.kernels.options import Options
 from jax_seqpar.kernels.tpu import mosaic
@@ -71,7 +71,7 @@ def test_plan_fetches_no_new_tile_on_empty_steps():
     steps request its first visible tile, which the pipeline then keeps."""
     from jax_seqpar.kernels.tpu import _common as _mosaic_common
 
-    e, p, f = masks.EMPTY, masks.PARTIAL, masks.FULL
+    e, p, f = blocks.EMPTY, blocks.PARTIAL, blocks.FULL
     classes = jnp.array([[e, e, p, f, e, p], [e, e, e, e, e, e], [f, e, e, p, e, e]], jnp.int32)
     plan = np.asarray(_mosaic_common.plan(classes))
     np.testing.assert_array_equal(plan & 3, classes)

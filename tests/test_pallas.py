@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 
 import kernel_cases as kc
-from jax_seqpar.core import masks
+from jax_seqpar.core import blocks
 from jax_seqpar.core.masks import MaskSpec, Tokens
 from jax_seqpar.kernels.options import Options
 from jax_seqpar.kernels.gpu import _core as _pallas_core, pallas
@@ -77,7 +77,7 @@ def test_decode_splits_the_cache(monkeypatch, tolerances):
 
 
 def test_head_dim_chunks():
-    """Wide head dims become few power-of-two chunks; narrow ones one masked chunk."""
+    """Wide head dims become few power-of-two column parts; narrow ones one masked part."""
     assert _pallas_core.HeadDim.of(576).widths == (256, 256, 64)
     assert _pallas_core.HeadDim.of(512).widths == (256, 256)
     assert _pallas_core.HeadDim.of(80).widths == (128,)
@@ -100,9 +100,9 @@ def test_tile_bounds_in_chunks(by_key, monkeypatch):
     positions = jnp.broadcast_to(jnp.arange(112, dtype=jnp.int32), (2, 112))
     tokens = Tokens(positions, jnp.stack([positions[0] // 40, positions[1] // 24]))
     spec = MaskSpec.make(causal=True, window=(30, 0))
-    t = Tiling(2, 1, 1, 112, 112, 16, 16)  # 7 x 7 tiles: chunks of 3, 3, 1
-    summary = masks.summarize(tokens, 16, per_row=True)
-    classes = masks.classify(spec, summary, summary)  # [2, 7, 7]
+    t = Tiling(2, 1, 1, 112, 112, 16, 16)  # 7 x 7 tiles: runs of 3, 3, 1
+    summary = blocks.summarize(tokens, 16, per_row=True)
+    classes = blocks.classify(spec, summary, summary)  # [2, 7, 7]
     expected = jnp.stack([_pallas_core.row_bounds(c.T if by_key else c) for c in classes])
     np.testing.assert_array_equal(
         _pallas_core.tile_bounds(spec, t, tokens, tokens, by_key=by_key), expected)

@@ -25,19 +25,19 @@ def _mesh(strategy, outer=2):
 
 
 def test_ulysses_chunk_counts_and_default():
-    assert head_split.chunk_counts(8) == (1, 2, 3, 4)
-    assert head_split.chunk_sizes(2048, 5) == (128, 512, 512, 512, 256, 128)
-    assert head_split.chunk_sizes(8, 1) == (8,)
+    assert head_split.piece_counts(8) == (1, 2, 3, 4)
+    assert head_split.piece_sizes(2048, 5) == (128, 512, 512, 512, 256, 128)
+    assert head_split.piece_sizes(8, 1) == (8,)
     # every count a length allows cuts it whole, L/4 whole or not (126: pieces of 63, 32, 31)
     for local_len in range(2, 400, 2):
-        for chunks in head_split.chunk_counts(local_len):
-            sizes = head_split.chunk_sizes(local_len, chunks)
-            assert sum(sizes) == local_len and min(sizes) > 0, (local_len, chunks, sizes)
-    # 2048 tokens a device: the most auto chunks; 8: none (a smallest chunk of 16 tokens)
-    assert head_split.default_chunks(2048, 8) == head_split.MAX_AUTO_CHUNKS
-    assert head_split.default_chunks(8, 8) == 1
+        for pieces in head_split.piece_counts(local_len):
+            sizes = head_split.piece_sizes(local_len, pieces)
+            assert sum(sizes) == local_len and min(sizes) > 0, (local_len, pieces, sizes)
+    # 2048 tokens a device: the most auto pieces; 8: none (a smallest chunk of 16 tokens)
+    assert head_split.default_pieces(2048, 8) == head_split.MAX_AUTO_PIECES
+    assert head_split.default_pieces(8, 8) == 1
     assert head_split.resolve_pieces(True, "auto", "auto", 16, 4, 8, 2048) == (5, 1)
-    # the default chunks the sequence where the local length allows (no more memory
+    # the default pieces the sequence where the local length allows (no more memory
     # than the unpipelined exchange), else pipelines head groups
     assert head_split.resolve_pieces("auto", "auto", "auto", 16, 4, 8, 2048) == (5, 1)
     assert head_split.resolve_pieces("auto", "auto", "auto", 16, 4, 8, 8) == (1, 2)
@@ -63,11 +63,11 @@ def test_head_group_counts_and_default():
 def test_chunk_counts_and_default():
     from jax_seqpar.strategies import allgather
 
-    assert allgather.chunk_counts(8) == (1, 2, 4, 8)
-    assert allgather.default_chunks(16384 // 8) == allgather.MAX_AUTO_CHUNKS
-    assert allgather.default_chunks(256) == 2 and allgather.default_chunks(100) == 1
-    with pytest.raises(ValueError, match="chunks=3 must be a positive divisor of the 8"):
-        allgather.resolve_chunks(3, 8)
+    assert allgather.piece_counts(8) == (1, 2, 4, 8)
+    assert allgather.default_pieces(16384 // 8) == allgather.MAX_AUTO_PIECES
+    assert allgather.default_pieces(256) == 2 and allgather.default_pieces(100) == 1
+    with pytest.raises(ValueError, match="pieces=3 must be a positive divisor of the 8"):
+        allgather.resolve_gathered_pieces(3, 8)
 
 
 @pytest.mark.parametrize("strategy, options, match", [
@@ -77,16 +77,16 @@ def test_chunk_counts_and_default():
     ("ulysses", dict(head_groups=0), r"head_groups=0 .* one of \(1, 2\)"),
     ("hybrid", dict(head_groups=8), r"head_groups=8 does not split the 4 query heads .* "
      r"over 4 devices.* one of \(1, 2, 4\)"),
-    ("ulysses", dict(chunks=5), r"chunks=5 does not cut the 8 tokens a device holds .* "
+    ("ulysses", dict(pieces=5), r"pieces=5 does not cut the 8 tokens a device holds .* "
      r"one of \(1, 2, 3, 4\) or 'auto'"),
-    ("ulysses", dict(chunks=2, head_groups=2), r"chunks and head groups do not combine"),
-    ("hybrid", dict(chunks=2, window=(4, 0)), r"chunks=2 does not cut .* one of \(1,\) "
-     r"or 'auto' \(a window makes the hybrid's ring a halo exchange here: not chunked\)"),
-    ("ulysses", dict(overlap=False, chunks=2), r"overlap=False sends each exchange whole"),
-    ("allgather", dict(chunks=3),
-     r"chunks=3 must be a positive divisor of the 8 tokens each device holds: one of "
+    ("ulysses", dict(pieces=2, head_groups=2), r"pieces and head groups do not combine"),
+    ("hybrid", dict(pieces=2, window=(4, 0)), r"pieces=2 does not cut .* one of \(1,\) "
+     r"or 'auto' \(a window or chunks make the hybrid's ring a halo exchange here: not cut into pieces\)"),
+    ("ulysses", dict(overlap=False, pieces=2), r"overlap=False sends each exchange whole"),
+    ("allgather", dict(pieces=3),
+     r"pieces=3 must be a positive divisor of the 8 tokens each device holds: one of "
      r"\(1, 2, 4, 8\)"),
-    ("allgather", dict(chunks="8"), r"chunks='8' must be a positive divisor"),
+    ("allgather", dict(pieces="8"), r"pieces='8' must be a positive divisor"),
 ])
 def test_bad_pipeline_arguments_name_the_numbers(strategy, options, match):
     """Traced only (no compile): a count the heads or tokens do not allow is refused in

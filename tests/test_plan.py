@@ -125,7 +125,7 @@ def test_hybrid_hand_computed():
     accumulators = 512 * 1 * 32 * (4 + 2)  # float32 on the ring's hop, bf16 home
     assert comm_bytes("hybrid", axis_sizes=(2, 4), **shape) == a2a + gather_positions + rotation
     # Backward: dout in, dq out in bf16; the replicated K/V's dK/dV out in float32; the
-    # float32 <dout, out> rows in (the exchange is chunked: 3 chunks at 128 tokens over 4).
+    # float32 <dout, out> rows in (the exchange is cut: 3 pieces at 128 tokens over 4).
     grads_a2a = 128 * (8 * 16 + 8 * 16) * 2 * 3 / 4 + 128 * (4 * 16 + 4 * 16) * 4 * 3 / 4
     rows = 128 * 8 * 4 * 3 / 4
     assert comm_bytes("hybrid", axis_sizes=(2, 4), backward=True, **shape) == (
@@ -135,7 +135,7 @@ def test_hybrid_hand_computed():
 @pytest.mark.parametrize("backward", [False, True])
 def test_hybrid_degenerates(backward):
     shape = dict(SMALL, backward=backward)
-    # Over (1, 8) the hybrid is Ulysses, chunked as Ulysses is (its <dout, out> rows sent)
+    # Over (1, 8) the hybrid is Ulysses, cut into pieces as Ulysses is (its <dout, out> rows sent)
     assert comm_bytes("hybrid", axis_sizes=(1, 8), **shape) == comm_bytes(
         "ulysses", axis_sizes=8, **shape)
     assert comm_bytes("hybrid", axis_sizes=(8, 1), **shape) == comm_bytes(

@@ -4,6 +4,7 @@ axis (run exactly through the global API, with no data moved), and measured tuni
 import dataclasses
 import functools
 import json
+import logging
 import math
 
 import jax
@@ -14,7 +15,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
 
 import jax_seqpar
 from jax_seqpar.tools import calibrate, hlo, tune
-from jax_seqpar.planning import compute, hardware, plan as planner, predict, tuned
+from jax_seqpar.planning import compute, hardware, plan as planner, predict, reasons, tuned
 from jax_seqpar.core import reference
 from jax_seqpar.core.meshes import split_axis
 from jax_seqpar.core.masks import MaskSpec
@@ -45,8 +46,15 @@ def test_every_prediction_is_finite_and_positive(preset, seq_len, heads, kv_head
     for label, seconds in chosen.predicted_seconds.items():
         assert math.isfinite(seconds) and seconds > 0, label
         assert math.isfinite(chosen.memory_bytes[label]) and chosen.memory_bytes[label] > 0
-    best = min(chosen.predicted_seconds, key=chosen.predicted_seconds.get)
-    assert best in chosen.reason and f"fastest predicted on {preset}" in chosen.reason
+    seconds = chosen.predicted_seconds
+    tied = [label for label, s in seconds.items()
+            if s <= min(seconds.values()) * (1 + reasons.TIE)]
+    if len(tied) == 1:  # one fastest: said to be so
+        assert tied[0] in chosen.reason and f"fastest predicted on {preset}" in chosen.reason
+    else:  # a tie: said to be one, won by the fewest bytes
+        assert f"a tie on {preset}, {len(tied)} candidates" in chosen.reason
+        fewest = min(tied, key=chosen.candidates.__getitem__)
+        assert chosen.reason.startswith(fewest + ":")
     assert chosen.factorization[0] * chosen.factorization[1] == devices
 
 
@@ -135,7 +143,7 @@ def test_ring_hides_hops_behind_compute_only_where_the_hardware_overlaps():
 
 def test_exchanges_in_pieces_hide_where_the_target_overlaps_their_kind(monkeypatch):
     """An exchange sent whole is never hidden; sent in the strategy's pieces (the
-    all-gather: K/V in 16 chunks at 8192 tokens a device, dK/dV in 8 hops around the
+    all-gather: K/V in 16 pieces at 8192 tokens a device, dK/dV in 8 hops around the
     ring), each piece after the first hides behind the kernels where the target overlaps
     its kind (GPU and TPU both overlap all-gathers and collective-permutes; CPU none)."""
     shape = LayerShape(1, 1 << 16, 32, 8, 128, dtype="bfloat16", causal=True)
@@ -374,3 +382,46 @@ def test_tune_command(tmp_path, capsys):
     assert len(json.loads(cache.read_text())) == 1
     assert main(["tune", "--mesh", "sp=3", "--cache", str(cache)]) == 2
     assert "seq_len=4096 is not divisible by the 3 devices" in capsys.readouterr().err
+
+
+def test_auto_says_once_what_it_chose(caplog):
+    """``strategy="auto"`` says on the ``jax_seqpar`` logger (INFO), once per layer, mask
+    and mesh (not on the calls after), the strategy and order it took and why: every
+    candidate's predicted time, bytes and memory."""
+    from jax_seqpar.api import attention
+
+    attention._announced.cache_clear()
+    mesh = jax.make_mesh((8,), ("sp",))
+    q = jnp.ones((1, 8 * 24, 8, 16), jnp.float32)
+    with caplog.at_level(logging.INFO, logger="jax_seqpar"):
+        for _ in range(3):
+            jax_seqpar.sequence_parallel_attention(q, q, q, mesh=mesh, causal=True)
+        jax.jit(lambda q: jax_seqpar.sequence_parallel_attention(q, q, q, mesh=mesh,
+                                                                 causal=True))(q)
+    records = [r for r in caplog.records if r.name == "jax_seqpar"]
+    assert len(records) == 1 and records[0].levelno == logging.INFO
+    message = records[0].getMessage()
+    strategy, ulysses_size = planner.auto_choice(
+        LayerShape(1, 8 * 24, 8, 8, 16, dtype=jnp.float32, causal=True), mesh, ("sp",))
+    assert f"): {strategy}" in message and 'layout="auto" -> ' in message
+    for label in ("ulysses", "ring", "allgather"):
+        assert message.count(label) >= 3  # its time, bytes and memory
+    with caplog.at_level(logging.INFO, logger="jax_seqpar"):  # another mask: said again
+        jax_seqpar.sequence_parallel_attention(q, q, q, mesh=mesh, causal=True, window=8)
+    assert len([r for r in caplog.records if r.name == "jax_seqpar"]) == 2
+
+
+def test_a_tie_is_said_to_be_a_tie_and_goes_to_fewest_bytes():
+    """Candidates predicted within ``reasons.TIE`` of the fastest are a tie: the plan says
+    so, names them, and takes the one that sends fewest bytes."""
+    choice = planner.plan(seq_len=131072, num_heads=32, num_kv_heads=8, head_dim=128,
+                          axis_sizes={"sp": 8}, causal=True, hardware="h100")
+    seconds = choice.predicted_seconds
+    tied = [label for label, s in seconds.items()
+            if s <= min(seconds.values()) * (1 + reasons.TIE)]
+    assert len(tied) > 1, seconds  # this layer is compute-bound on h100: a tie
+    fewest = min(tied, key=choice.candidates.__getitem__)
+    assert choice.strategy == fewest.split()[0]
+    assert f"a tie on h100, {len(tied)} candidates" in choice.reason
+    assert "the tie goes to the fewest bytes sent" in choice.reason
+    assert "fastest predicted" not in choice.reason

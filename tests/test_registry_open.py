@@ -1,5 +1,6 @@
 """The registry is open: a strategy written here, in the test file, is registered with
-``registry.register`` and then counted by ``comm_bytes`` and weighed by the planner
+``registry.register`` and then checked by the exactness driver (per shard and through
+the global entry point), counted by ``comm_bytes`` and weighed by the planner
 (``plan_layer``, by bytes and by predicted time, and ``auto_choice``), with no module of
 the package touched. The fixture unregisters it, so other tests see the package's own.
 """
@@ -7,6 +8,7 @@ the package touched. The fixture unregisters it, so other tests see the package'
 import dataclasses
 import math
 
+import exactness
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -83,6 +85,24 @@ def test_registered_runs_and_matches_the_reference(registered, make_qkv):
     assert out.shape == q.shape and out.dtype == q.dtype
     np.testing.assert_allclose(out, reference.attention(q, k, v, causal=True),
                                atol=2e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("entry, context", [
+    ("per_shard", "auto"), ("per_shard", "auto-jit"), ("per_shard", "auto-set-mesh-jit"),
+    ("global", "explicit-set-mesh"), ("global", "auto"), ("global", "jit-sharded")])
+def test_the_exactness_driver_checks_it(entry, context, tolerances):
+    """The driver every built-in strategy goes through (tests/exactness.py) takes the
+    registered one by its name: per shard and through the global entry point (with its
+    ``attend`` core), outputs and gradients against the reference, from the contexts
+    users call from."""
+    registry.register(dataclasses.replace(ENTRY, attend=replicate_attend))
+    try:
+        exactness.check(exactness.Case(NAME, entry=entry, shape=(2, 64, 4, 2, 16, 16),
+                                       mask=dict(causal=True), layout=(
+                                           "contiguous" if entry == "global" else None),
+                                       context=context), tolerances)
+    finally:
+        registry.unregister(NAME)
 
 
 def test_comm_bytes_counts_it(registered):

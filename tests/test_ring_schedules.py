@@ -62,8 +62,8 @@ def gpu_schedule(monkeypatch):
 
 @pytest.mark.parametrize("strategy, extra", [
     ("ring", dict(causal=True)),
-    ("allgather", dict(causal=False, segments=True, chunks=4)),
-    ("hybrid", dict(causal=True, segments=True, ulysses_size=2, chunks=2)),
+    ("allgather", dict(causal=False, segments=True, pieces=4)),
+    ("hybrid", dict(causal=True, segments=True, ulysses_size=2, pieces=2)),
 ])
 def test_gpu_schedule_packed_hops(gpu_schedule, strategy, extra, tolerances):
     """The GPU branch: every hop's arrays (K, V and positions; K/V with the dK/dV
@@ -76,7 +76,7 @@ def test_gpu_schedule_packed_hops(gpu_schedule, strategy, extra, tolerances):
     ours = functools.partial(sequence_parallel_attention, mesh=mesh, strategy=strategy,
                              segment_ids=ids, kernel="xla", **extra)  # the GPU's kernels
     # need a GPU: the XLA kernel, whatever the platform
-    for key in ("ulysses_size", "chunks"):
+    for key in ("ulysses_size", "pieces"):
         extra.pop(key, None)
     theirs = functools.partial(reference.attention, segment_ids=ids, **extra)
     with jax.set_mesh(mesh):

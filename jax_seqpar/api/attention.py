@@ -13,6 +13,8 @@ shardings (data and tensor parallelism) are kept.
 
 from __future__ import annotations
 
+import functools
+import logging
 import math
 import typing
 from typing import TYPE_CHECKING, Callable, Literal, Optional, Union
@@ -21,7 +23,7 @@ import jax
 import jax.numpy as jnp
 
 from jax_seqpar.api import placement as _placement
-from jax_seqpar.api.program import Placement, run
+from jax_seqpar.api.program import Placement, attend
 from jax_seqpar.core import checks, masks
 from jax_seqpar.core.layout import LayoutName
 from jax_seqpar.core.meshes import split_axis
@@ -29,8 +31,7 @@ from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.kernels.options import KernelName, Options
 from jax_seqpar.planning import plan as planning
 from jax_seqpar.strategies import registry
-from jax_seqpar.strategies.inputs import Metadata, describe, empty_result, operands
-from jax_seqpar.strategies.local import local_attention
+from jax_seqpar.strategies.inputs import Metadata, describe
 
 #: What ``strategy=`` takes: a registered strategy that runs on the global view, or
 #: ``"auto"`` (planned: :func:`jax_seqpar.planning.plan.auto_choice`).
@@ -44,6 +45,9 @@ LAYOUTS: tuple[LayoutChoice, ...] = typing.get_args(LayoutChoice)
 if TYPE_CHECKING:  # annotations only
     from jax_seqpar.kernels.options import BlockSizes
 
+#: Says what ``strategy="auto"`` chose (INFO), once per layer, mask and mesh.
+_LOG = logging.getLogger("jax_seqpar")
+
 __all__ = ["LAYOUTS", "STRATEGIES", "LayoutChoice", "StrategyChoice", "attend", "placement",
            "sequence_parallel_attention"]
 
@@ -53,12 +57,35 @@ def _choose_strategy(q, k, v, mesh, axes: tuple, spec: masks.MaskSpec, batch_sha
     """``(strategy, ulysses_size)`` for the batch rows and heads one sequence group really
     holds: a tuned plan, else the hardware model's choice."""
     batch, seq_len, heads, head_dim = q.shape
-    # Planned at the length the call pads to (whole zigzag chunks on every device).
+    # Planned at the length the call pads to (whole zigzag half-shards on every device).
     seq_len = _placement.padded_length(seq_len, 2 * math.prod(mesh.shape[a] for a in axes))
     local = LayerShape(batch // batch_shards, seq_len, heads // head_shards,
                        k.shape[2] // head_shards, head_dim, v.shape[3], dtype=q.dtype,
-                       causal=spec.causal, window=spec.window)
-    return planning.auto_choice(local, mesh, axes)
+                       causal=spec.causal, window=spec.window, chunk_size=spec.chunk_size)
+    return _announced(local, spec, mesh, axes)
+
+
+@functools.lru_cache(maxsize=None)
+def _announced(local: LayerShape, spec: masks.MaskSpec, mesh: jax.sharding.Mesh,
+               axes: tuple) -> tuple[registry.StrategyName, int | None]:
+    """:func:`jax_seqpar.planning.plan.auto_choice`, said once per layer, mask and mesh on
+    the ``jax_seqpar`` logger (INFO): the strategy, the token order ``layout="auto"``
+    takes with it, the pieces its exchange travels in with ``overlap="auto"`` (as the
+    time model counts them, :attr:`~jax_seqpar.strategies.entry.Strategy.pieces`), and
+    why (the predicted time, bytes and memory of every candidate)."""
+    strategy, ulysses_size, why = planning.auto_plan(local, mesh, axes)
+    entry = registry.get(strategy)
+    devices = math.prod(mesh.shape[a] for a in axes)
+    ring, ulysses = entry.factorization(devices, ulysses_size or mesh.shape[axes[-1]])
+    layout = registry.default_layout(strategy, spec, seq_len=local.seq_len, num_shards=devices)
+    pieces = "" if entry.pieces is None else (
+        ", its exchange in %d / %d pieces (forward / backward)" % entry.pieces(local, ring,
+                                                                             ulysses))
+    _LOG.info('strategy="auto" on %s over %s: %s%s, layout="auto" -> %s%s (%s)',
+              dict(mesh.shape), axes, strategy,
+              "" if ulysses_size is None else f" (ulysses_size={ulysses_size})",
+              layout, pieces, why)
+    return strategy, ulysses_size
 
 
 def sequence_parallel_attention(
@@ -84,7 +111,7 @@ def sequence_parallel_attention(
     return_lse: bool = False,
     ulysses_size: Optional[int] = None,
     overlap: bool | Literal["auto"] = "auto",
-    chunks: int | Literal["auto"] = "auto",
+    pieces: int | Literal["auto"] = "auto",
     head_groups: int | Literal["auto"] = "auto",
     chunk_size: Optional[int] = None,
     bidirectional_ids: Optional[jax.Array] = None,
@@ -152,13 +179,13 @@ def sequence_parallel_attention(
         hybrid), Ulysses over groups of this many neighbouring sequence devices and the
         ring across the groups, on the same devices
         (:func:`jax_seqpar.core.meshes.split_axis`: one axis works too).
-      overlap, chunks, head_groups: how Ulysses' exchange (``"ulysses"``, the hybrid's
+      overlap, pieces, head_groups: how Ulysses' exchange (``"ulysses"``, the hybrid's
         inner one) is pipelined behind the kernel: ``"auto"`` or True (along the
         sequence where each device holds enough tokens, the keys first, then the
-        queries: all but ``1/2^(chunks-1)`` of the bytes travel while a kernel runs, in
+        queries: all but ``1/2^(pieces-1)`` of the bytes travel while a kernel runs, in
         no more memory than ``overlap=False``; else in head groups: the planner's rule,
         :func:`jax_seqpar.strategies.heads.resolve_pieces`), ``overlap=False`` (each
-        exchange whole, one kernel call), or forced counts for experiments (``chunks``
+        exchange whole, one kernel call), or forced counts for experiments (``pieces``
         also sets the all-gather's pieces); a strategy without the keyword refuses a
         value other than ``"auto"``.
       chunk_size: tokens see each other only inside one chunk ``position // chunk_size``
@@ -196,28 +223,9 @@ def sequence_parallel_attention(
         positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks)
     where = placement(q, k, v, options, metadata, mesh=mesh, seq_axes=seq_axes,
                       strategy=strategy, layout=layout, batch_axes=batch_axes,
-                      ulysses_size=ulysses_size, overlap=overlap, chunks=chunks,
+                      ulysses_size=ulysses_size, overlap=overlap, pieces=pieces,
                       head_groups=head_groups)
     return attend(q, k, v, options, metadata, where)
-
-
-def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata: Metadata,
-           where: Optional[Placement]):
-    """The one path of every entry point: self-attention of global ``q [B, S, H, Dqk]``,
-    ``k, v [B, S, Hkv, .]`` as its three descriptions say, each built and checked once by
-    the entry point: what is computed (``options``), the per-token data (``metadata``;
-    both from :func:`~jax_seqpar.strategies.inputs.describe`) and where
-    (``where``, from :func:`placement`; None: on the caller's devices, unsplit).
-
-    Returns what :func:`sequence_parallel_attention` returns.
-    """
-    if where is None:
-        return local_attention(q, k, v, options, operands(metadata))
-    if not (q.shape[0] and q.shape[1]):  # no token: jax.nn's empty result, no program
-        return empty_result(q, v, options.return_lse)
-    q, k, v, *ids = _placement.onto(where.mesh, q, k, v, *(
-        None if x is None else jnp.asarray(x) for x in metadata.arrays()))
-    return run(q, k, v, Metadata(*ids), options=options, placement=where)
 
 
 def placement(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata: Metadata,
@@ -225,7 +233,7 @@ def placement(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metada
               strategy: StrategyChoice = "auto", layout: LayoutChoice = "auto",
               batch_axes: str | tuple[str, ...] | None = None,
               ulysses_size: Optional[int] = None, overlap: bool | Literal["auto"] = "auto",
-              chunks: int | Literal["auto"] = "auto",
+              pieces: int | Literal["auto"] = "auto",
               head_groups: int | Literal["auto"] = "auto") -> Optional[Placement]:
     """Where a call on global ``q, k, v`` runs, its keywords checked once (``ValueError``
     naming a bad one): None without a mesh (every keyword here must then keep its
@@ -236,7 +244,7 @@ def placement(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metada
         checks.mesh_only(seq_axes=(seq_axes, "sp"), strategy=(strategy, "auto"),
                          layout=(layout, "auto"), batch_axes=(batch_axes, None),
                          ulysses_size=(ulysses_size, None), overlap=(overlap, "auto"),
-                         chunks=(chunks, "auto"), head_groups=(head_groups, "auto"))
+                         pieces=(pieces, "auto"), head_groups=(head_groups, "auto"))
         return None
     axes = (seq_axes,) if isinstance(seq_axes, str) else tuple(seq_axes)
     for name in axes:
@@ -269,7 +277,7 @@ def placement(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metada
         strategy, ulysses_size = _choose_strategy(
             q, k, v, mesh, axes, options.spec, _placement.entry_size(mesh, batch_entry),
             _placement.entry_size(mesh, head_entry))
-    pipelining = ("overlap", "chunks", "head_groups")
+    pipelining = ("overlap", "pieces", "head_groups")
     entry = registry.get(strategy) if strategy != "auto" else None
     if entry is not None and entry.attend is None:
         raise ValueError(f"strategy={strategy!r} has no attend core (its registry entry's "
@@ -278,7 +286,7 @@ def placement(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metada
     if entry is not None and entry.num_seq_axes == 2 and ulysses_size is None and len(axes) != 2:
         raise ValueError(f"strategy={strategy!r} runs over two sequence axes (outer, inner); "
                          f"got seq_axes={axes}. Pass ulysses_size= to split one axis in two.")
-    for name, value in (("overlap", overlap), ("chunks", chunks), ("head_groups", head_groups)):
+    for name, value in (("overlap", overlap), ("pieces", pieces), ("head_groups", head_groups)):
         if not (isinstance(value, str) and value == "auto") and name not in (
                 entry.pipelining if entry is not None else pipelining):
             raise ValueError(f"{name}={value!r} does not apply to strategy={strategy!r}, "
@@ -286,4 +294,4 @@ def placement(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metada
     return Placement(
         mesh, axes, typing.cast(registry.StrategyName, strategy), ulysses_size,
         "contiguous" if metadata.positions is not None else layout, batch_entry, head_entry,
-        _placement.caller_spec(q, mesh), overlap, chunks, head_groups)
+        _placement.caller_spec(q, mesh), overlap, pieces, head_groups)

@@ -45,13 +45,21 @@ class _WithoutSegmentIds:
     mask_fn: Callable
 
     def __call__(self, q: masks.Tokens, kv: masks.Tokens):
-        hide = lambda t: masks.Tokens(t.positions, None, t.bidirectional_ids)  # noqa: E731
+        absent = masks.Absent("q_tokens/kv_tokens.segment_ids", _HIDDEN_SEGMENT_IDS)
+        hide = lambda t: masks.Tokens(t.positions, absent, t.bidirectional_ids)  # noqa: E731
         return self.mask_fn(hide(q), hide(kv))
+
+
+_HIDDEN_SEGMENT_IDS = (
+    "dot_product_attention, prefill and decode show mask_fn no segment ids (the ids they "
+    "make for padding are their own, not the caller's): mask on positions and "
+    "bidirectional_ids, or call sequence_parallel_attention with segment_ids=.")
 
 
 def without_segment_ids(spec: masks.MaskSpec) -> masks.MaskSpec:
     """``spec`` whose ``mask_fn`` (if any) is called with ``masks.Tokens`` whose
-    ``segment_ids`` are None, for entry points that take no segment ids from the caller
+    ``segment_ids`` are :class:`~jax_seqpar.core.masks.Absent` (reading them is a
+    ``ValueError``), for entry points that take no segment ids from the caller
     (:func:`dot_product_attention`, ``prefill``, ``decode``): the ids they make for
     themselves (padding, KV heads) are not the caller's to read."""
     if spec.mask_fn is None or isinstance(spec.mask_fn, _WithoutSegmentIds):
@@ -178,7 +186,8 @@ def dot_product_attention(
         prefix-LM prompt, an image's tokens); 0 is plain causal.
       mask_fn: ``mask_fn(q_tokens, kv_tokens) -> bool``, a jittable elementwise
         predicate on :class:`jax_seqpar.core.masks.Tokens` (``positions``, and
-        ``bidirectional_ids`` when given; ``segment_ids`` is None), ANDed with the rest
+        ``bidirectional_ids``, zeros when not given; reading ``segment_ids`` is a
+        ``ValueError``), ANDed with the rest
         (see :class:`jax_seqpar.core.masks.MaskSpec`). Define it once: compiled
         programs are keyed on the function.
 
@@ -259,7 +268,8 @@ def dot_product_attention(
             kv_segments = jnp.zeros((batch, kv_len), jnp.int32)
     elif kv_segments is not None:
         q_segments = jnp.zeros((batch, q_len), jnp.int32)
-    checks.mask_fn(spec, batch, q_len, kv_len)
+    checks.mask_fn(spec, batch, q_len, kv_len,
+                   given=() if bidirectional_ids is None else ("bidirectional_ids",))
     options = make_options(query, spec, scale=scale, kernel=kernel, block_sizes=block_sizes,
                            softcap=softcap, return_lse=return_residual)
     sinks = check_sinks(sinks, heads)

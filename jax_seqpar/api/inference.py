@@ -14,23 +14,22 @@ of the window. Every slot carries its token's position, so attention is exact
 whatever the placement; empty slots hold
 :data:`~jax_seqpar.strategies.decode.EMPTY_POSITION` and are never seen.
 
-Capacity is a contract: a row holds at most ``C`` tokens. A :func:`decode` that
-would take a row past ``C`` is refused and writes nothing (the cache stays as it
-was): called eagerly it raises ``ValueError`` before any work, naming the capacity,
-the row's length and the tokens asked for; traced under ``jax.jit`` the compiled
-step checks the lengths on the device and a host callback on every shard raises
-the same message when the step runs: the step fails, and reading any of its outputs
-raises ``jax.errors.JaxRuntimeError`` whose text ends with that ``ValueError`` (with
-asynchronous dispatch, at the first read). A step jitted with ``donate_argnums`` on the cache has given its
-input buffers away when it starts, so after a refused donated step the old cache
-is gone too: keep ``cache.length + T <= capacity`` (or call without donating) to
-recover from a refusal. A prompt longer than ``C`` is refused by :func:`prefill`
-from its shape. Give the cache the capacity of the longest sequence. A sliding
-window lifts the limit only where the cache is made for it, by opting in:
-``KVCache.create(..., window=W)`` is a ring (position ``p`` overwrites ``p - C``)
-that keeps each row's latest ``C`` tokens, exact for decodes that see at most ``W``
-keys back (``window=(left <= W, 0)``) with ``T <= C - W`` new tokens a step, which
-it checks.
+Capacity is a contract: a row holds at most ``C`` tokens. A :func:`decode` that would
+take a row past ``C`` is refused and writes nothing (the cache stays as it was): called
+eagerly it raises ``ValueError`` before any work, naming the capacity, the row's length
+and the tokens asked for; traced under ``jax.jit`` the compiled step checks the lengths
+on the device and a host callback on every shard raises the same message when the step
+runs: the step fails, and reading any of its outputs raises
+``jax.errors.JaxRuntimeError`` whose text ends with that ``ValueError`` (with
+asynchronous dispatch, at the first read). A step jitted with ``donate_argnums`` on the
+cache has given its input buffers away when it starts, so after a refused donated step
+the old cache is gone too: keep ``cache.length + T <= capacity`` (or call without
+donating) to recover from a refusal. A prompt longer than ``C`` is refused by
+:func:`prefill` from its shape. Give the cache the capacity of the longest sequence. A
+sliding window lifts the limit only where the cache is made for it, by opting in:
+``KVCache.create(..., window=W)`` is a ring (position ``p`` overwrites ``p - C``) that
+keeps each row's latest ``C`` tokens, exact for decodes that see at most ``W`` keys back
+(``window=(left <= W, 0)``) with ``T <= C - W`` new tokens a step, which it checks.
 
 .. code-block:: python
 
@@ -82,12 +81,15 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
     Args:
       q: ``[B, S, H, Dqk]``; k: ``[B, S, Hkv, Dqk]``; v: ``[B, S, Hkv, Dv]`` the
         prompts at positions ``0 .. S-1`` (rows shorter than ``S`` padded at the end).
-      cache: the :class:`KVCache` to fill (``S <= capacity``); its content is replaced.
+      cache: the :class:`KVCache` to fill (``S <= capacity``, its dtype q's); its content
+        is replaced.
       causal, window, scale, layout, kernel, block_sizes, strategy, softcap, sinks: as in
         :func:`jax_seqpar.sequence_parallel_attention` (``strategy="hybrid"``
         needs a cache over ``(outer, inner)`` axes).
-      seq_lengths: ``int32[B]`` true prompt lengths (default ``S``): later tokens are
-        padding, not written to the cache, and (with ``causal=False``) not attended.
+      seq_lengths: ``int32[B]`` true prompt lengths (default ``S``; a negative one is a
+        ``ValueError``, under ``jit`` when the program runs, except beside a split-axis
+        hybrid, where it reads as 0): later tokens are padding,
+        not written to the cache, and (with ``causal=False``) not attended.
       chunk_size: tokens see each other only inside one chunk ``position // chunk_size``
         (Llama 4's chunked layers); decode with the same ``chunk_size``.
       bidirectional_ids: ``int32[B, S]`` (needs ``causal``): prompt tokens that carry
@@ -95,7 +97,8 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
         prompt (PaliGemma: image and prefix one id, then decode causally); padding
         past ``seq_lengths`` is never seen whatever its id.
       mask_fn: ``mask_fn(q_tokens, kv_tokens) -> bool`` on the tokens' global
-        ``positions`` (and ``bidirectional_ids``; ``segment_ids`` is None), ANDed with
+        ``positions`` (and ``bidirectional_ids``, zeros when not given; reading ``segment_ids`` is a
+        ``ValueError``), ANDed with
         the rest (see :class:`jax_seqpar.core.masks.MaskSpec`); decode with the same one.
 
     Returns:
@@ -103,7 +106,7 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
       meaningless, the cache's ``length`` is ``seq_lengths``.
 
     Raises:
-      ValueError: shapes that do not match the cache, a prompt longer than it.
+      ValueError: shapes or a dtype that do not match the cache, a prompt longer than it.
 
     .. code-block:: python
 
@@ -129,13 +132,16 @@ def prefill_described(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
     and the cache are checked here."""
     bidirectional_ids, sinks = metadata.bidirectional_ids, metadata.sinks
     check_self_attention(q, k, v)
-    check_against_cache(k, v, cache)
+    check_against_cache(q, k, v, cache)
     batch, seq_len = q.shape[:2]
     if seq_len > cache.capacity:
         raise ValueError(f"the prompt has {seq_len} tokens but the cache holds only "
                          f"capacity={cache.capacity} per row (prefill replaces its content: "
                          f"length 0 + {seq_len} tokens asked); create a larger KVCache.")
     seq_lengths = checks.lengths("seq_lengths", seq_lengths, batch)  # int32[B] or None
+    # Concrete lengths are read here; traced ones are checked by the program (a host
+    # error when it runs, as decode's capacity check).
+    check_on_device = not checks.nonnegative_lengths("seq_lengths", seq_lengths)
     if seq_lengths is not None:
         seq_lengths = jnp.asarray(seq_lengths, jnp.int32)
     # Eager arrays replicated onto the cache's mesh: left on one device, the programs'
@@ -145,7 +151,9 @@ def prefill_described(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
                                                   None if sinks is None else jnp.asarray(sinks))
     causal = options.spec.causal
     bidirectional_ids = checks.bidirectional_ids(bidirectional_ids, batch, seq_len, causal)
-    checks.mask_fn(options.spec, batch, seq_len, seq_len)
+    checks.mask_fn(options.spec, batch, seq_len, seq_len,
+                   given=() if bidirectional_ids is None else ("bidirectional_ids",))
+    given = seq_lengths
     seq_lengths = _prompt_lengths(seq_lengths, batch=batch, seq_len=seq_len)
     segment_ids = None
     if not causal:  # causal prompts never see their own later padding; others must not
@@ -161,15 +169,35 @@ def prefill_described(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
     where = attention.placement(q, k, v, options, metadata, mesh=cache.mesh,
                                 seq_axes=seq_axes, strategy=strategy, layout=layout)
     out = attention.attend(q, k, v, options, metadata, where)  # [B, S, H, Dv], like q
+    if check_on_device and (where is None or where.ulysses_size is None):  # (a host callback cannot share a
+        # program with a split-axis hybrid: there a negative length reads as 0)
+        seq_lengths = _refuse_negative(seq_lengths, given, mesh=cache.mesh)
     return out, _write_prompt(k, v, cache, seq_lengths)
 
 
 @functools.partial(jax.jit, static_argnames=("batch", "seq_len"))
 def _prompt_lengths(lengths, *, batch: int, seq_len: int):
-    """``int32[B]``: the true prompt lengths (default ``S``), at most ``S``."""
+    """``int32[B]``: the true prompt lengths (default ``S``), in ``0 .. S``."""
     if lengths is None:
         return jnp.full((batch,), seq_len, jnp.int32)
-    return jnp.minimum(lengths.astype(jnp.int32), seq_len)
+    return jnp.clip(lengths.astype(jnp.int32), 0, seq_len)
+
+
+@functools.partial(jax.jit, static_argnames="mesh")
+def _refuse_negative(lengths, given, *, mesh):
+    """``lengths``, or, when the caller's traced ``given`` lengths hold a negative one,
+    a failed program: a host ``ValueError`` naming ``seq_lengths`` on every shard of
+    ``mesh`` at once (read as ``jax.errors.JaxRuntimeError``, as decode's capacity
+    check)."""
+    def refuse(lengths, given):
+        raise ValueError(checks.negative_length_message("seq_lengths", given))
+
+    def check(lengths, given):  # every shard: none waits in a collective for another
+        return jax.lax.cond((given >= 0).all(), lambda: lengths, lambda: jax.pure_callback(
+            refuse, jax.ShapeDtypeStruct(lengths.shape, lengths.dtype), lengths, given))
+
+    return jax.shard_map(check, mesh=mesh, in_specs=(P(), P()), out_specs=P(),
+                         check_vma=False)(lengths, given)
 
 
 @jax.jit
@@ -221,7 +249,7 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *,
 
     Args:
       q: ``[B, T, H, Dqk]``; k: ``[B, T, Hkv, Dqk]``; v: ``[B, T, Hkv, Dv]`` the new
-        tokens (k/v stored in the cache's dtype; softmax in float32).
+        tokens, in the cache's dtype (softmax in float32).
       cache: the :class:`KVCache` (``length + T <= capacity`` in every row).
       window: ``(left, right)`` or one int: query ``i`` sees keys ``i-left .. i``;
         key blocks outside every window are skipped.
@@ -242,13 +270,14 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *,
         these ids. A span continued in a later step is seen whole only from there (the
         outputs already returned stay as they were: decode them in one step).
       mask_fn: ``mask_fn(q_tokens, kv_tokens) -> bool`` on global ``positions`` (and
-        ``bidirectional_ids``; ``segment_ids`` is None), as in :func:`prefill`.
+        ``bidirectional_ids``, zeros when not given; reading ``segment_ids`` is a
+        ``ValueError``), as in :func:`prefill`.
 
     Returns:
       ``(out [B, T, H, Dv] in q.dtype, replicated; cache with length + T)``.
 
     Raises:
-      ValueError: shapes that do not match the cache or each other; a step that would
+      ValueError: shapes or a dtype that do not match the cache or each other; a step that would
         take a row past the capacity (nothing is written). Under ``jit`` the capacity
         check runs with the step and raises ``jax.errors.JaxRuntimeError`` carrying
         the same message (see the module docstring, donation included).
@@ -276,7 +305,7 @@ def decode_described(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
     here."""
     bidirectional_ids, sinks = metadata.bidirectional_ids, metadata.sinks
     check_qkv(q, k, v)
-    check_against_cache(k, v, cache)
+    check_against_cache(q, k, v, cache)
     window = options.spec.window
     new_tokens = q.shape[1]
     if k.shape[1] != new_tokens:
@@ -284,7 +313,7 @@ def decode_described(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
                          f"k seq={k.shape[1]}.")
     if new_tokens > cache.capacity:
         raise ValueError(f"{new_tokens} new tokens do not fit a cache of capacity="
-                         f"{cache.capacity}; decode them in chunks or create a larger cache.")
+                         f"{cache.capacity}; decode them in parts or create a larger cache.")
     if cache.window is not None:
         left, right = masks.normalize_window(window) or (None, 0)
         if left is None or left > cache.window or right:
@@ -299,14 +328,39 @@ def decode_described(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
     cache.check_room(new_tokens)
     batch = q.shape[0]
     bidirectional_ids = checks.bidirectional_ids(bidirectional_ids, batch, new_tokens, True)
-    checks.mask_fn(options.spec, batch, new_tokens, cache.capacity)
+    checks.mask_fn(options.spec, batch, new_tokens, cache.capacity,
+                   given=() if bidirectional_ids is None else ("bidirectional_ids",))
     call = _Decode(options=options,
                    check_capacity=checks.flag("check_capacity", check_capacity),
                    check_vma=can_check_vma(options.kernel))
     step = decode_steps.Step(*_placement.onto(
         cache.mesh, q, k, v, bidirectional_ids,
         None if sinks is None else jnp.asarray(sinks)))  # as prefill
+    return _forward_only(step, cache, call)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _forward_only(step: decode_steps.Step, cache: KVCache, call: _Decode):
+    """:func:`_decode`, whose backward is a ``ValueError``: decoding against a cache is
+    inference (the cache's keys are stored, not traced), with no gradient."""
     return _decode(step, cache, call=call)
+
+
+def _forward_only_fwd(step, cache, call):  # primals wrapped: symbolic zeros on
+    step, cache = jax.tree.map(lambda primal: primal.value, (step, cache))
+    return _decode(step, cache, call=call), None
+
+
+def _forward_only_bwd(call, residuals, cotangents):
+    raise ValueError("decode is inference against a KV cache and has no gradient (jax.grad, "
+                     "jax.vjp or a training step of a loss through decode); train with "
+                     "sequence_parallel_attention or SelfAttention(x) without decode=True, or "
+                     "wrap decode in jax.lax.stop_gradient.")
+
+
+# symbolic zeros: JAX does not build zero cotangents for the outputs a loss ignores (the
+# cache's), which outside ``jax.set_mesh`` it could not place on an Explicit mesh.
+_forward_only.defvjp(_forward_only_fwd, _forward_only_bwd, symbolic_zeros=True)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -20,11 +20,15 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jax_seqpar.api.placement import place as _place
+from jax_seqpar.core import checks
 from jax_seqpar.api.program import axis_name_of
 from jax_seqpar.strategies import decode as decode_steps
 from jax_seqpar.strategies.decode import EMPTY_POSITION
 
 __all__ = ["KVCache", "check_against_cache"]
+
+# The dtypes a cache stores: those of the queries it serves (see check_against_cache).
+_DTYPES = ("float32", "bfloat16", "float16")
 
 
 def _static(**kwargs):
@@ -60,7 +64,7 @@ class KVCache:
     @classmethod
     def create(cls, mesh: jax.sharding.Mesh, *, batch: int, capacity: int, num_kv_heads: int,
                head_dim: int, v_head_dim: Optional[int] = None,
-               dtype: jax.typing.DTypeLike = jnp.bfloat16, seq_axes: Union[str, tuple] = "sp",
+               dtype: jax.typing.DTypeLike = jnp.float32, seq_axes: Union[str, tuple] = "sp",
                window: Optional[int] = None) -> "KVCache":
         """An empty cache of ``capacity`` slots per row, created sharded (never whole).
 
@@ -70,7 +74,10 @@ class KVCache:
             number of shards).
           num_kv_heads, head_dim: ``Hkv`` and ``Dqk``; v_head_dim: ``Dv``
             (default ``head_dim``; MLA absorbed: ``Hkv=1``, 576 / 512).
-          dtype: storage dtype of k and v.
+          dtype: storage dtype of k and v: float32 (default, JAX's and
+            ``nnx.MultiHeadAttention.init_cache``'s), bfloat16 or float16; the dtype of
+            the q, k, v that :func:`~jax_seqpar.api.inference.prefill` and
+            :func:`~jax_seqpar.api.inference.decode` take (they refuse another).
           seq_axes: the mesh axis (or tuple of axes) the slots are split over.
           window: opt in to a bounded cache for sliding-window attention that sees at
             most ``window`` keys back: position ``p`` overwrites ``p - capacity``, so
@@ -80,8 +87,8 @@ class KVCache:
             keeps its slot and a full row refuses more.
 
         Raises:
-          ValueError: unknown axes, non-positive sizes, or a capacity the shards
-            do not divide.
+          ValueError: unknown axes, non-positive sizes, a capacity the shards
+            do not divide or that does not fit int32, or a dtype other than float32, bfloat16, float16.
         """
         axes = (seq_axes,) if isinstance(seq_axes, str) else tuple(seq_axes)
         for name in axes:
@@ -94,10 +101,19 @@ class KVCache:
         for name, value in sizes.items():
             if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
                 raise ValueError(f"{name} must be a positive int. Got {name}={value!r}.")
+        if np.dtype(dtype).name not in _DTYPES:
+            raise ValueError(f"dtype must be one of {list(_DTYPES)} (the dtype of the queries "
+                             f"the cache serves). Got dtype={np.dtype(dtype).name}.")
+        if capacity > checks.INT32_MAX:
+            raise ValueError(f"capacity must fit int32 (the cache's positions and lengths are "
+                             f"int32): at most 2**31 - 1 = {checks.INT32_MAX} slots per row. "
+                             f"Got capacity={capacity}.")
         shards = math.prod(mesh.shape[name] for name in axes)
         if capacity % shards:
             raise ValueError(f"capacity={capacity} is not divisible by the {shards} shards of "
                              f"{axes}; use capacity={-(-capacity // shards) * shards}.")
+        _check_memory(mesh, batch * (capacity // shards) * (
+            num_kv_heads * (head_dim + v_head_dim) * np.dtype(dtype).itemsize + 4))
         k, v, positions, length = _empty(mesh, axes, batch, capacity, num_kv_heads, head_dim,
                                          v_head_dim, np.dtype(dtype))()
         if window is not None and (isinstance(window, bool) or not isinstance(
@@ -155,10 +171,32 @@ def _empty(mesh, axes, batch, capacity, num_kv_heads, head_dim, v_head_dim, dtyp
     return empty
 
 
-def check_against_cache(k: jax.Array, v: jax.Array, cache: KVCache) -> None:
-    """Raise ``ValueError`` unless new ``k, v`` have the cache's batch, heads and dims."""
+def check_against_cache(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache) -> None:
+    """Raise ``ValueError`` unless new ``k, v`` have the cache's batch, heads and dims, and
+    ``q, k, v`` (one dtype, checked before) the cache's dtype: the kernels attend q to the
+    cached keys, so they must share it (a wider cache would hold nothing more, a narrower
+    one would silently round the new keys)."""
+    if q.dtype != cache.k.dtype:
+        raise ValueError(f"the cache stores {cache.k.dtype.name} keys and values but q is "
+                         f"{q.dtype.name}: create the cache with dtype={q.dtype.name} "
+                         f"(KVCache.create(..., dtype=...), or SelfAttention.init_cache(..., "
+                         f"dtype=...)), or cast q, k and v to {cache.k.dtype.name}.")
     expected = (cache.k.shape[0], cache.k.shape[2], cache.k.shape[3], cache.v.shape[3])
     got = (k.shape[0], k.shape[2], k.shape[3], v.shape[3])
     if got != expected:
         raise ValueError(f"k/v [batch, ., kv_heads, head_dim] / v_head_dim must match the "
                          f"cache's (batch, Hkv, Dqk, Dv)={expected}. Got {got}.")
+
+
+def _check_memory(mesh: jax.sharding.Mesh, per_device: int) -> None:
+    """``ValueError`` when a device of ``mesh`` that reports its memory (GPU, TPU; not the
+    CPU) has less free than the ``per_device`` bytes a new cache needs there."""
+    for device in mesh.devices.flat:
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if not stats or "bytes_limit" not in stats:
+            continue
+        free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
+        if per_device > free:
+            raise ValueError(f"the cache needs {per_device} bytes on each device but {device} "
+                             f"has {free} free; use a smaller capacity or batch, a narrower "
+                             "dtype, or more shards.")

@@ -26,7 +26,7 @@ from jax_seqpar.kernels.tiling import pad_seq
 if TYPE_CHECKING:  # annotations only
     from jax_seqpar.strategies.inputs import Metadata
 
-__all__ = ["bind", "boundary_shardings", "caller_spec", "entry_size", "finish",
+__all__ = ["bind", "boundary_shardings", "caller_spec", "concrete", "entry_size", "finish",
            "kept_entries", "on_mesh", "onto", "pad_inputs", "padded_length", "place",
            "result_spec"]
 
@@ -50,12 +50,24 @@ def entry_size(mesh: jax.sharding.Mesh, entry: str | tuple[str, ...] | None) -> 
     return math.prod(mesh.shape[name] for name in names)
 
 
+def concrete(x: jax.Array | None) -> jax.Array | None:
+    """``x``, or the concrete array under an eager transformation's tracer (``jax.grad``,
+    ``jax.vjp``, ``nnx.value_and_grad`` outside ``jit``), which is what the call's program
+    receives: its sharding is known and, committed, ``jit`` will not reshard it."""
+    if isinstance(x, jax.core.Tracer):
+        value = x.to_concrete_value()
+        return x if value is None else value
+    return x
+
+
 def _known_spec(x):
     """The PartitionSpec ``x`` is known to have: its type's (Explicit meshes) or, for a
-    concrete array, its NamedSharding's; None when unknown (a tracer on an Auto mesh)."""
+    concrete array (or an eager tracer's, :func:`concrete`), its NamedSharding's; None
+    when unknown (a traced array on an Auto mesh)."""
     spec = getattr(getattr(jax.typeof(x), "sharding", None), "spec", None)
     if spec is not None and any(e is not None for e in spec):
         return spec
+    x = concrete(x)
     if isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer):
         sharding = getattr(x, "sharding", None)
         if isinstance(sharding, NamedSharding):
@@ -121,9 +133,9 @@ def _names(entry) -> tuple:
     return entry if isinstance(entry, tuple) else (entry,)
 
 
-def padded_length(seq_len: int, chunks: int) -> int:
-    """The smallest multiple of ``chunks`` that holds ``seq_len`` tokens."""
-    return -(-seq_len // chunks) * chunks
+def padded_length(seq_len: int, pieces: int) -> int:
+    """The smallest multiple of ``pieces`` that holds ``seq_len`` tokens."""
+    return -(-seq_len // pieces) * pieces
 
 
 def pad_inputs(length: int, q: jax.Array, k: jax.Array, v: jax.Array, metadata: Metadata):
@@ -201,7 +213,8 @@ def boundary_shardings(arrays: tuple, mesh: jax.sharding.Mesh,
 
 
 def _boundary_sharding(x, mesh, wanted: P):
-    concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
+    x = concrete(x)  # an eager tracer: declared as the array jit receives (it is committed)
+    is_concrete = isinstance(x, jax.Array) and not isinstance(x, jax.core.Tracer)
     if is_explicit(mesh):
         spec = P(*(getattr(getattr(jax.typeof(x), "sharding", None), "spec", None) or ()))
         # A traced input typed whole along the sequence is left undeclared where the
@@ -209,11 +222,11 @@ def _boundary_sharding(x, mesh, wanted: P):
         # the caller's program can sum it sharded. Where they do not, it is declared: XLA
         # would otherwise leave on the gradient the sharding of the padded sequence (a
         # split mesh's outer axis), which the caller's mesh cannot name.
-        if concrete or (len(spec) > 1 and spec[1] is not None) or (
+        if is_concrete or (len(spec) > 1 and spec[1] is not None) or (
                 len(wanted) > 1 and wanted[1] is None):
             return NamedSharding(mesh, spec)
         return None
-    if concrete and x.committed:
+    if is_concrete and x.committed:
         return x.sharding
     return NamedSharding(mesh, wanted)
 

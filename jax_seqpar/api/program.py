@@ -1,10 +1,10 @@
 """The one compiled program of a global call: pad, place, ``shard_map``, and back.
 
-:func:`run` takes a call's global arrays and its three descriptions, built and checked
-once by the entry point (:func:`jax_seqpar.api.attention.attend` is the one path every
-entry point takes): what is computed (:class:`~jax_seqpar.kernels.options.Options`), the
-per-token data (:class:`~jax_seqpar.strategies.inputs.Metadata`) and where it runs
-(:class:`Placement`), and runs the call's program, compiled once per call signature, sequence length and input
+:func:`attend` is the one path every entry point takes: it takes a call's global arrays
+and its three descriptions, built and checked once by the entry point: what is computed
+(:class:`~jax_seqpar.kernels.options.Options`), the per-token data
+(:class:`~jax_seqpar.strategies.inputs.Metadata`) and where it runs (:class:`Placement`),
+and runs the call's program, compiled once per call signature, sequence length and input
 sharding. The program pads the sequence to what the layout needs, relayouts the tokens
 inside the shards (or gathers them into the per-document order), runs the strategy's
 per-shard function inside ``jax.shard_map`` (over the caller's mesh, or the hybrid's
@@ -28,10 +28,11 @@ from jax_seqpar.core import layout as layouts, packing
 from jax_seqpar.core.meshes import split_axis
 from jax_seqpar.strategies import registry
 from jax_seqpar.kernels.options import KernelName, Options
-from jax_seqpar.strategies.inputs import Metadata
+from jax_seqpar.strategies.inputs import Metadata, empty_result, operands
+from jax_seqpar.strategies.local import local_attention
 from jax_seqpar.strategies.registry import StrategyName
 
-__all__ = ["Placement", "axis_name_of", "can_check_vma", "run"]
+__all__ = ["Placement", "attend", "axis_name_of", "can_check_vma"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,7 +49,7 @@ class Placement:
         padded length), ``"contiguous"`` for tokens given with their positions.
       batch_entry, head_entry: the mesh axes the batch and the heads stay sharded over.
       out_spec: the output's sharding (the queries'), or None (Auto meshes: XLA's).
-      overlap, chunks, head_groups: the pipelining the caller set (``"auto"``: the
+      overlap, pieces, head_groups: the pipelining the caller set (``"auto"``: the
         strategy's choice); only keywords of the strategy's ``pipelining``.
     """
 
@@ -61,7 +62,7 @@ class Placement:
     head_entry: str | tuple[str, ...] | None = None
     out_spec: Optional[P] = None
     overlap: bool | Literal["auto"] = "auto"
-    chunks: int | Literal["auto"] = "auto"
+    pieces: int | Literal["auto"] = "auto"
     head_groups: int | Literal["auto"] = "auto"
 
     def pipelining(self) -> dict:
@@ -127,21 +128,39 @@ def _geometry(options: Options, placement: Placement, seq_len: int) -> _Geometry
                      _placement.padded_length(seq_len, num_shards * per_shard))
 
 
-def run(q: jax.Array, k: jax.Array, v: jax.Array, metadata: Metadata, *, options: Options,
-        placement: Placement):
-    """The call ``options`` at ``placement`` run on its global arrays (``metadata``: the
-    checked ids and sinks beside q, k, v) by its one compiled program."""
-    arrays = (q, k, v, *metadata.arrays())
-    mesh, axes = placement.mesh, placement.axes
+def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata: Metadata,
+           where: Optional[Placement]):
+    """The one path of every entry point: self-attention of global ``q [B, S, H, Dqk]``,
+    ``k, v [B, S, Hkv, .]`` as its three descriptions say, each built and checked once by
+    the entry point: what is computed (``options``), the per-token data (``metadata``;
+    both from :func:`~jax_seqpar.strategies.inputs.describe`) and where (``where``, from
+    :func:`jax_seqpar.api.attention.placement`; None: on the caller's devices, unsplit).
+    A split call runs its one compiled program (``_program``) on the global arrays.
+
+    Returns what :func:`jax_seqpar.sequence_parallel_attention` returns.
+    """
+    if where is None:
+        return local_attention(q, k, v, options, operands(metadata))
+    if not (q.shape[0] and q.shape[1]):  # no token: jax.nn's empty result, no program
+        return empty_result(q, v, options.return_lse)
+    arrays = _placement.onto(where.mesh, q, k, v, *(
+        None if x is None else jnp.asarray(x) for x in metadata.arrays()))
+    mesh, axes = where.mesh, where.axes
     divides = q.shape[1] % math.prod(mesh.shape[a] for a in axes) == 0
     in_shardings = _placement.boundary_shardings(
-        arrays, mesh, placement.batch_entry, axis_name_of(axes) if divides else None,
-        placement.head_entry)
-    return _program(options, placement, q.shape[1], in_shardings)(*arrays)
+        arrays, mesh, where.batch_entry, axis_name_of(axes) if divides else None,
+        where.head_entry)
+    # Called eagerly (concrete arrays, or under an eager jax.grad / jax.vjp), an Auto
+    # mesh's program leaves its outputs' shardings to its last constraint (the caller's
+    # mesh): declared, an eager backward would need the caller's cotangent committed there.
+    eager = not any(isinstance(_placement.concrete(x), jax.core.Tracer) for x in arrays)
+    declare_out = where.out_spec is not None or not eager
+    return _program(options, where, q.shape[1], in_shardings, declare_out)(*arrays)
 
 
 @functools.lru_cache(maxsize=None)
-def _program(options: Options, placement: Placement, seq_len: int, in_shardings: tuple):
+def _program(options: Options, placement: Placement, seq_len: int, in_shardings: tuple,
+             declare_out: bool = True):
     """The jitted program of one call signature at one sequence length and input sharding
     (:func:`~jax_seqpar.api.placement.boundary_shardings`).
 
@@ -165,7 +184,8 @@ def _program(options: Options, placement: Placement, seq_len: int, in_shardings:
     return jax.jit(functools.partial(_attend, options=options, placement=placement,
                                      geometry=geometry, in_shardings=in_shardings),
                    in_shardings=in_shardings,
-                   out_shardings=out_shardings if options.return_lse else out_shardings[0])
+                   out_shardings=None if not declare_out else
+                   out_shardings if options.return_lse else out_shardings[0])
 
 
 def _attend(*arrays, options: Options, placement: Placement, geometry: _Geometry,

@@ -96,7 +96,7 @@ def permute_batch(batch: Any, layout: LayoutName, num_shards: int, *, axis: int 
         document ids in natural order (:data:`~jax_seqpar.core.masks.PAD_SEGMENT`:
         padding). Numpy ids are laid out on host and numpy arrays of the batch stay
         numpy; JAX ids (traceable, under ``jit``) give JAX arrays.
-      block_size: ``"per_document"`` only: the kernel tile dealt chunks are aligned
+      block_size: ``"per_document"`` only: the kernel tile dealt runs are aligned
         to (default :data:`~jax_seqpar.core.packing.DEFAULT_BLOCK`).
       bidirectional_ids: ``"per_document"`` only: ``int[B, S]`` in natural order (the
         ids the attention layers take: a prefix-LM prompt, an image), or None.

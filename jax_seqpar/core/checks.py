@@ -32,8 +32,9 @@ import numpy as np
 if TYPE_CHECKING:  # annotations only
     from jax_seqpar.core.masks import MaskSpec
 
-__all__ = ["bidirectional_ids", "flag", "lengths", "mask_fn", "mesh_only", "positions",
-           "real", "scale", "segment_ids"]
+__all__ = ["bidirectional_ids", "flag", "lengths", "mask_fn", "mesh_only",
+           "negative_length_message", "nonnegative_lengths", "positions", "real", "scale",
+           "segment_ids"]
 
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -106,6 +107,28 @@ def positions(name: str, x: jax.typing.ArrayLike | None, batch: int, seq: int):
 def lengths(name: str, x: jax.typing.ArrayLike | None, batch: int):
     """``int32[batch]`` sequence lengths (``int32_array``)."""
     return int32_array(name, x, (batch,), dims="[batch]")
+
+
+def negative_length_message(name: str, lengths: jax.typing.ArrayLike) -> str:
+    """What a negative sequence length is told (``lengths``: concrete ``int[B]``)."""
+    lengths = np.asarray(lengths)
+    row = int(np.argmin(lengths))
+    return (f"{name} must be >= 0 (a row's count of real tokens). Got {name}[{row}]="
+            f"{int(lengths[row])}: pass each row's true length, 0 for a row without tokens.")
+
+
+def nonnegative_lengths(name: str, x: jax.typing.ArrayLike | None) -> bool:
+    """Raise ``ValueError`` naming ``name`` and the value if the concrete lengths ``x``
+    (``int[B]``, or None) hold a negative one. Returns whether the values were read:
+    False for a traced ``x`` (under ``jit``), whose caller checks on the device."""
+    if x is None:
+        return True
+    if is_traced(x) or not getattr(x, "is_fully_addressable", True):
+        return False
+    values = np.asarray(x)
+    if values.size and values.min() < 0:
+        raise ValueError(negative_length_message(name, values))
+    return True
 
 
 def flag(name: str, value: object) -> bool:
@@ -186,11 +209,16 @@ def bidirectional_ids(x: jax.typing.ArrayLike | None, batch: int, seq: int, caus
     return int32_array(name, x, (batch, seq))
 
 
-def mask_fn(spec: MaskSpec, batch: int, q_len: int, kv_len: int) -> None:
+def mask_fn(spec: MaskSpec, batch: int, q_len: int, kv_len: int, *,
+            given: tuple[str, ...] = ()) -> None:
     """Raise ``ValueError`` unless ``spec.mask_fn`` (if any) maps query metadata
     ``[batch, q_len, 1]`` and key metadata ``[batch, 1, kv_len]`` (int32
-    :class:`~jax_seqpar.core.masks.Tokens`, the optional ids given) to booleans that
-    broadcast to ``[batch, q_len, kv_len]``. Traced abstractly: no work runs."""
+    :class:`~jax_seqpar.core.masks.Tokens`) to booleans that broadcast to
+    ``[batch, q_len, kv_len]`` (a Python bool included). Traced abstractly (no work runs)
+    on the fields the call HAS, as the kernels show them
+    (:func:`~jax_seqpar.core.masks.predicate_tokens`): ``given`` names the optional
+    fields the call has (``"segment_ids"``, ``"bidirectional_ids"``); absent bidirectional
+    ids read as zeros, absent segment ids are a ``ValueError`` naming them when read."""
     from jax_seqpar.core import masks
 
     if spec.mask_fn is None:
@@ -198,12 +226,21 @@ def mask_fn(spec: MaskSpec, batch: int, q_len: int, kv_len: int) -> None:
 
     def tokens(shape):
         x = jax.ShapeDtypeStruct(shape, np.int32)
-        return masks.Tokens(x, x, x)
+        return masks.Tokens(x, x if "segment_ids" in given else None,
+                            x if "bidirectional_ids" in given else None)
+
+    def predicate(q, kv):  # masks.visible's call of the predicate, nothing else
+        return masks.visible(masks.MaskSpec(mask_fn=spec.mask_fn), q, kv)
 
     want = (batch, q_len, kv_len)
     try:
-        out = jax.eval_shape(spec.mask_fn, tokens((batch, q_len, 1)),
-                             tokens((batch, 1, kv_len)))
+        out = jax.eval_shape(predicate, tokens((batch, q_len, 1)), tokens((batch, 1, kv_len)))
+    except ValueError as error:
+        if "mask_fn read" in str(error):  # a field the call was not given: its own message
+            raise ValueError(str(error)) from None
+        raise ValueError(f"mask_fn(q_tokens, kv_tokens) failed on int32 metadata of shapes "
+                         f"[{batch}, {q_len}, 1] and [{batch}, 1, {kv_len}]: {error}. It must "
+                         "be a jittable elementwise predicate on masks.Tokens fields.") from error
     except Exception as error:  # noqa: BLE001 - any failure is the predicate's
         raise ValueError(f"mask_fn(q_tokens, kv_tokens) failed on int32 metadata of shapes "
                          f"[{batch}, {q_len}, 1] and [{batch}, 1, {kv_len}]: {error}. It must "

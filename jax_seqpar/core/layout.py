@@ -2,7 +2,7 @@
 
 With a *contiguous* split, shard ``r`` of ``P`` holds tokens ``r*S/P .. (r+1)*S/P - 1``:
 under a causal mask the last shard of a ring does ``P`` blocks of work, the first one.
-The *zigzag* order cuts the sequence into ``2P`` chunks and gives shard ``r`` chunks ``r``
+The *zigzag* order cuts the sequence into ``2P`` half-shards and gives shard ``r`` half-shards ``r``
 and ``2P-1-r``, so every shard does the same causal work at every ring step
 (ring-flash-attention; Llama 3's context parallelism, arXiv:2407.21783). The *striped*
 order (Striped Attention, arXiv:2311.09431) deals tokens round-robin (``r, r+P, ...``).
@@ -47,16 +47,16 @@ def _check_num_shards(num_shards: int) -> int:
 
 
 def _check_zigzag_len(seq_len: int, num_shards: int) -> int:
-    """The zigzag chunk length ``seq_len / (2 * num_shards)``, or a ValueError."""
+    """The zigzag half-shard length ``seq_len / (2 * num_shards)``, or a ValueError."""
     num_shards = _check_num_shards(num_shards)
-    num_chunks = 2 * num_shards
-    if seq_len % num_chunks:
-        padded = -(-seq_len // num_chunks) * num_chunks
+    num_halves = 2 * num_shards
+    if seq_len % num_halves:
+        padded = -(-seq_len // num_halves) * num_halves
         raise ValueError(
-            f"zigzag needs seq_len divisible by 2*num_shards={num_chunks}. Got {seq_len=} "
+            f"zigzag needs seq_len divisible by 2*num_shards={num_halves}. Got {seq_len=} "
             f"with {num_shards=}; pad the sequence to {padded} (e.g. with a separate "
             f"segment id) or use the contiguous layout.")
-    return seq_len // num_chunks
+    return seq_len // num_halves
 
 
 def _normalize_axis(axis: int, ndim: int) -> int:
@@ -68,9 +68,9 @@ def _normalize_axis(axis: int, ndim: int) -> int:
 def zigzag_permute(x: jax.Array, num_shards: int, axis: int = 1) -> jax.Array:
     """Reorder ``x`` along ``axis`` from the natural order into the zigzag order.
 
-    The sequence is cut into ``2 * num_shards`` chunks; the result holds chunks
+    The sequence is cut into ``2 * num_shards`` half-shards; the result holds half-shards
     ``0, 2P-1, 1, 2P-2, ..., P-1, P``, so that splitting it contiguously into
-    ``num_shards`` pieces gives shard ``r`` chunks ``r`` and ``2P-1-r``.
+    ``num_shards`` pieces gives shard ``r`` half-shards ``r`` and ``2P-1-r``.
 
     Args:
       x: any array, e.g. ``[batch, seq, heads, head_dim]`` activations or
@@ -90,11 +90,11 @@ def zigzag_permute(x: jax.Array, num_shards: int, axis: int = 1) -> jax.Array:
     axis = _normalize_axis(axis, jnp.ndim(x))
     x = jnp.asarray(x)
     seq_len = x.shape[axis]
-    chunk = _check_zigzag_len(seq_len, num_shards)
+    half = _check_zigzag_len(seq_len, num_shards)
     lead, trail = x.shape[:axis], x.shape[axis + 1:]
-    halves = x.reshape(*lead, 2, num_shards, chunk, *trail)  # [..., 2, P, S/2P, ...]
-    early = halves[(slice(None),) * axis + (0,)]  # [..., P, S/2P, ...] chunks 0..P-1
-    late = jnp.flip(halves[(slice(None),) * axis + (1,)], axis=axis)  # chunks 2P-1..P
+    halves = x.reshape(*lead, 2, num_shards, half, *trail)  # [..., 2, P, S/2P, ...]
+    early = halves[(slice(None),) * axis + (0,)]  # [..., P, S/2P, ...] half-shards 0..P-1
+    late = jnp.flip(halves[(slice(None),) * axis + (1,)], axis=axis)  # half-shards 2P-1..P
     paired = jnp.stack([early, late], axis=axis + 1)  # [..., P, 2, S/2P, ...]
     return paired.reshape(x.shape)
 
@@ -121,9 +121,9 @@ def zigzag_unpermute(x: jax.Array, num_shards: int, axis: int = 1) -> jax.Array:
     axis = _normalize_axis(axis, jnp.ndim(x))
     x = jnp.asarray(x)
     seq_len = x.shape[axis]
-    chunk = _check_zigzag_len(seq_len, num_shards)
+    half = _check_zigzag_len(seq_len, num_shards)
     lead, trail = x.shape[:axis], x.shape[axis + 1:]
-    paired = x.reshape(*lead, num_shards, 2, chunk, *trail)  # [..., P, 2, S/2P, ...]
+    paired = x.reshape(*lead, num_shards, 2, half, *trail)  # [..., P, 2, S/2P, ...]
     early = paired[(slice(None),) * (axis + 1) + (0,)]  # [..., P, S/2P, ...]
     late = jnp.flip(paired[(slice(None),) * (axis + 1) + (1,)], axis=axis)
     halves = jnp.stack([early, late], axis=axis)  # [..., 2, P, S/2P, ...]
@@ -165,7 +165,7 @@ def _check_layout(layout: str) -> None:
 def _check_even_local_len(local_len: int, what: str) -> int:
     if local_len % 2:
         raise ValueError(
-            f"{what} needs an even local shard length (two zigzag chunks per shard). "
+            f"{what} needs an even local shard length (two zigzag half-shards per shard). "
             f"Got {local_len=}; make the global sequence length a multiple of "
             f"2 * (number of shards).")
     return local_len // 2
@@ -181,7 +181,7 @@ def shard_positions(layout: LayoutName, local_len: int, *, axis_name: AxisName) 
 
     Returns:
       ``int32[local_len]``: for ``"contiguous"``, ``r*S/P + arange(S/P)``; for
-      ``"zigzag"``, the positions of chunks ``r`` and ``2P-1-r``; for ``"striped"``,
+      ``"zigzag"``, the positions of half-shards ``r`` and ``2P-1-r``; for ``"striped"``,
       ``r + P*arange(S/P)`` (``r`` is this shard's index along ``axis_name``).
 
     Raises:
@@ -199,27 +199,27 @@ def shard_positions(layout: LayoutName, local_len: int, *, axis_name: AxisName) 
         return index * local_len + arange
     if layout == "striped":
         return index + jax.lax.axis_size(axis_name) * arange
-    chunk = _check_even_local_len(local_len, "shard_positions('zigzag')")
+    half = _check_even_local_len(local_len, "shard_positions('zigzag')")
     num_shards = jax.lax.axis_size(axis_name)
-    first = index * chunk + arange[:chunk]
-    second = (2 * num_shards - 1 - index) * chunk + arange[:chunk]
+    first = index * half + arange[:half]
+    second = (2 * num_shards - 1 - index) * half + arange[:half]
     return jnp.concatenate([first, second]).astype(jnp.int32)
 
 
-def _chunk_destination(chunk: int, num_shards: int) -> int:
-    """The zigzag shard that holds global chunk ``chunk`` (of ``2 * num_shards``)."""
-    return chunk if chunk < num_shards else 2 * num_shards - 1 - chunk
+def _half_destination(half: int, num_shards: int) -> int:
+    """The zigzag shard that holds global half ``half`` (of ``2 * num_shards``)."""
+    return half if half < num_shards else 2 * num_shards - 1 - half
 
 
 def _zigzag_perms(num_shards: int):
-    """``ppermute`` pairs moving the even / odd contiguous chunks to their zigzag shard.
+    """``ppermute`` pairs moving the even / odd contiguous half-shards to their zigzag shard.
 
-    Shard ``r`` of a contiguous split holds chunks ``2r`` and ``2r+1``. Each of the
+    Shard ``r`` of a contiguous split holds half-shards ``2r`` and ``2r+1``. Each of the
     two maps ``r -> destination`` is a bijection of the shards, so each is one
     ``ppermute``.
     """
-    even = [(r, _chunk_destination(2 * r, num_shards)) for r in range(num_shards)]
-    odd = [(r, _chunk_destination(2 * r + 1, num_shards)) for r in range(num_shards)]
+    even = [(r, _half_destination(2 * r, num_shards)) for r in range(num_shards)]
+    odd = [(r, _half_destination(2 * r + 1, num_shards)) for r in range(num_shards)]
     return even, odd
 
 
@@ -246,7 +246,7 @@ def to_zigzag(x: jax.Array, *, axis_name: AxisName, axis: int = 1) -> jax.Array:
       axis: the local sequence axis (default 1).
 
     Returns:
-      This shard of the zigzag order: same shape and dtype, holding global chunks
+      This shard of the zigzag order: same shape and dtype, holding global half-shards
       ``r`` and ``2P-1-r``.
 
     Raises:
@@ -258,13 +258,13 @@ def to_zigzag(x: jax.Array, *, axis_name: AxisName, axis: int = 1) -> jax.Array:
     ...     jnp.arange(4))
     Array([0, 1, 2, 3], dtype=int32)
     """
-    axis, even_chunk, odd_chunk = _halves(x, axis, "to_zigzag")
-    # [..., S/2P, ...] each: contiguous chunks 2r and 2r+1
+    axis, even_half, odd_half = _halves(x, axis, "to_zigzag")
+    # [..., S/2P, ...] each: contiguous half-shards 2r and 2r+1
     num_shards = jax.lax.axis_size(axis_name)
     even_perm, odd_perm = _zigzag_perms(num_shards)
-    got_even = jax.lax.ppermute(even_chunk, axis_name, perm=even_perm)  # [..., S/2P, ...]
-    got_odd = jax.lax.ppermute(odd_chunk, axis_name, perm=odd_perm)  # [..., S/2P, ...]
-    # Shard d holds chunks d and 2P-1-d; the even one of them is chunk d iff d is even.
+    got_even = jax.lax.ppermute(even_half, axis_name, perm=even_perm)  # [..., S/2P, ...]
+    got_odd = jax.lax.ppermute(odd_half, axis_name, perm=odd_perm)  # [..., S/2P, ...]
+    # Shard d holds half-shards d and 2P-1-d; the even one of them is half d iff d is even.
     even_first = jax.lax.axis_index(axis_name) % 2 == 0
     first = jnp.where(even_first, got_even, got_odd)
     second = jnp.where(even_first, got_odd, got_even)
@@ -275,13 +275,13 @@ def from_zigzag(x: jax.Array, *, axis_name: AxisName, axis: int = 1) -> jax.Arra
     """Inverse of :func:`to_zigzag`: a zigzag shard back to its contiguous shard.
 
     Args:
-      x: this shard of a zigzag-ordered array (global chunks ``r`` and ``2P-1-r``),
+      x: this shard of a zigzag-ordered array (global half-shards ``r`` and ``2P-1-r``),
         e.g. ``[batch, S/P, heads, dim]``; ``x.shape[axis]`` must be even.
       axis_name: the mesh axis (or tuple of axes) the sequence is sharded over.
       axis: the local sequence axis (default 1).
 
     Returns:
-      This shard of the natural order (global chunks ``2r`` and ``2r+1``): same
+      This shard of the natural order (global half-shards ``2r`` and ``2r+1``): same
       shape and dtype.
 
     Raises:
@@ -297,11 +297,11 @@ def from_zigzag(x: jax.Array, *, axis_name: AxisName, axis: int = 1) -> jax.Arra
     num_shards = jax.lax.axis_size(axis_name)
     even_perm, odd_perm = _zigzag_perms(num_shards)
     even_first = jax.lax.axis_index(axis_name) % 2 == 0
-    even_chunk = jnp.where(even_first, first, second)
-    odd_chunk = jnp.where(even_first, second, first)
+    even_half = jnp.where(even_first, first, second)
+    odd_half = jnp.where(even_first, second, first)
     inverse = lambda perm: [(dst, src) for src, dst in perm]
-    got_even = jax.lax.ppermute(even_chunk, axis_name, perm=inverse(even_perm))
-    got_odd = jax.lax.ppermute(odd_chunk, axis_name, perm=inverse(odd_perm))
+    got_even = jax.lax.ppermute(even_half, axis_name, perm=inverse(even_perm))
+    got_odd = jax.lax.ppermute(odd_half, axis_name, perm=inverse(odd_perm))
     return jnp.concatenate([got_even, got_odd], axis=axis)  # [..., S/P, ...]
 
 

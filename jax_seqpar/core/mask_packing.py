@@ -22,7 +22,7 @@ shards, tile ``c``):
 3. *Deal*: the fill's loads are exact before the pieces move (a token's pairs do not
    depend on the order; every shard takes as many pieces, so its fill tiles start at
    the same slot), and so is every tile's computed count against all the others
-   (:func:`jax_seqpar.core.masks.classify`). Pieces go, costliest first, to the shard
+   (:func:`jax_seqpar.core.blocks.classify`). Pieces go, costliest first, to the shard
    with room whose overload after taking it is lowest (pairs over their mean, and
    tiles over theirs with twice the slack), then pairs of pieces swap between the
    most overloaded shard and another while that lowers it. The fill is then split
@@ -40,7 +40,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
-from jax_seqpar.core import masks, work
+from jax_seqpar.core import blocks, masks, work
 from jax_seqpar.core.masks import PAD_SEGMENT
 
 __all__ = ["masked_row_positions"]
@@ -67,12 +67,12 @@ def _runs(ids: np.ndarray):
 def _tile_costs(spec: masks.MaskSpec, tiles: masks.Tokens) -> np.ndarray:
     """``float64[T]``: of the ``T`` tiles ``tiles`` (``[T, c]`` fields, padding
     :data:`PAD_SEGMENT`), how many each computes as queries against all of them as keys
-    (:func:`jax_seqpar.core.masks.classify`, the kernels' rule)."""
+    (:func:`jax_seqpar.core.blocks.classify`, the kernels' rule)."""
     count, block = tiles.positions.shape
     flat = jax.tree.map(lambda x: x.reshape(1, count * block).astype(np.int32), tiles)
-    summary = jax.tree.map(lambda x: x[0], masks.summarize(flat, block, per_row=True))
-    kind = np.asarray(masks.classify(spec, summary, summary))  # numpy for host summaries
-    return (kind != masks.EMPTY).sum(1).astype(np.float64)
+    summary = jax.tree.map(lambda x: x[0], blocks.summarize(flat, block, per_row=True))
+    kind = np.asarray(blocks.classify(spec, summary, summary))  # numpy for host summaries
+    return (kind != blocks.EMPTY).sum(1).astype(np.float64)
 
 
 def _overload(load, mean):

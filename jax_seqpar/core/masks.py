@@ -1,4 +1,4 @@
-"""Attention masks from per-token metadata, and their block classification.
+"""Attention masks from per-token metadata.
 
 A mask is never a dense ``[S, S]`` array. It is a static :class:`MaskSpec`
 (``causal``, ``window``, ``chunk_size``, an optional ``mask_fn``) applied to per-token
@@ -17,30 +17,25 @@ Llama 4's chunked attention is ``causal`` with ``chunk_size``; prefix-LM is one
 bidirectional id per document's prefix; a vision-language model gives each image's
 tokens one bidirectional id.
 
-For skipping work, :func:`summarize` reduces the metadata of a block of tokens to
-its ranges and a segment signature, and :func:`classify` tells, for every (query
-block, key block) pair, whether it is ``EMPTY`` (nothing visible: skip it), ``FULL``
-(everything visible: no mask needed) or ``PARTIAL``. The classification is
-conservative: ``EMPTY`` and ``FULL`` are only claimed when they hold for every token
-pair (and every batch row a summary covers). Padding (:data:`PAD_SEGMENT`) sees
-nothing and nothing sees it, so summaries leave it out: a tile of padding is ``EMPTY``.
+Padding (:data:`PAD_SEGMENT`) sees nothing and nothing sees it. For skipping work, the
+same masks are classified a block of tokens at a time: :mod:`jax_seqpar.core.blocks`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import operator
-from typing import Callable, Generic, Optional, TypeVar, Union
+import typing
+from typing import Any, Callable, Generic, Optional, TypeVar, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["BlockSummary", "classify", "cols", "EMPTY_LSE", "Leaf", "MaskSpec", "MAX_WINDOW",
-           "normalize_window", "PAD_SEGMENT", "rows", "shifted", "summarize", "Tokens",
-           "visible", "visible_tokens"]
-
-EMPTY, PARTIAL, FULL = 0, 1, 2
+__all__ = ["Absent", "array_namespace", "cols", "EMPTY_LSE", "Leaf", "MaskSpec", "MAX_WINDOW",
+           "normalize_window", "PAD_SEGMENT", "predicate_tokens", "rows", "shifted",
+           "Tokens", "visible", "visible_tokens", "without_padding"]
 
 #: The log-sum-exp given to a query row that sees no key. Finite, so merges and
 #: gradients stay NaN-free, and so low that any real block outweighs it.
@@ -50,10 +45,6 @@ EMPTY_LSE = -1e30
 #: key and no query sees it; the global entry point and the kernels pad with it, and
 #: layouts and work counts give it no work.
 PAD_SEGMENT = -(2**31)
-
-#: Bits of a tile's segment signature (bit ``id % 32`` is set for every document in it).
-SIGNATURE_BITS = 32
-
 
 #: A window side this large reaches every pair of int32 positions (their difference is
 #: at most ``2**32 - 1``): larger sides are clamped to it, which changes nothing.
@@ -99,7 +90,7 @@ def shifted(x: jax.Array, by: int):
     int32 key position (a window edge below ``-2**31`` admits every key, like ``-2**31``).
 
     Works on jax and numpy arrays (host work counts) alike."""
-    xp = _namespace(x)
+    xp = array_namespace(x)
     low, high = -(2**31), 2**31 - 1
     if abs(by) >= MAX_WINDOW:  # past every int32 position whatever x is
         return xp.full_like(x, high if by > 0 else low)
@@ -114,14 +105,19 @@ def shifted(x: jax.Array, by: int):
 
 
 def normalize_chunk_size(chunk_size) -> Optional[int]:
-    """``None`` or a positive int number of tokens (``ValueError`` otherwise)."""
+    """``None`` or a positive int number of tokens that fits int32 (``ValueError``
+    otherwise, naming ``chunk_size``)."""
     if chunk_size is None:
         return None
     value = _whole(chunk_size)
     if value is None or value <= 0:
         raise ValueError(f"chunk_size must be a positive int number of tokens (Llama 4 uses "
                          f"8192), or None for no chunks. Got {chunk_size=!r}.")
-    return min(value, MAX_WINDOW)
+    if value > 2**31 - 1:  # the kernels divide int32 positions by it
+        raise ValueError(f"chunk_size must fit int32 (at most 2**31 - 1 = {2**31 - 1} tokens, "
+                         f"as positions are int32). Got {chunk_size=!r}: pass a smaller "
+                         f"chunk_size, or chunk_size=None for one chunk.")
+    return value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,6 +185,72 @@ class Tokens(Generic[Leaf]):
     bidirectional_ids: Optional[Leaf] = None
 
 
+class Absent:
+    """A field of the :class:`Tokens` a ``mask_fn`` is shown that the call was not given:
+    any use of it (a comparison, arithmetic, indexing, an attribute, a conversion to an
+    array) raises ``ValueError`` saying which field and how to give it, instead of
+    Python's ``None == x`` answering ``False`` for every token or a crash deep in a
+    kernel. ``fix`` says what to pass."""
+
+    def __init__(self, field: str, fix: str):
+        self._message = (f"mask_fn read {field}, but this call has none: {fix}")
+
+    def _refuse(self, *_args, **_kwargs):
+        raise ValueError(self._message)
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        self._refuse()
+
+    def __repr__(self):
+        return "<absent: " + self._message + ">"
+
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = _refuse
+    __and__ = __rand__ = __or__ = __ror__ = __xor__ = __rxor__ = __invert__ = _refuse
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = _refuse
+    __floordiv__ = __rfloordiv__ = __mod__ = __rmod__ = __neg__ = __abs__ = _refuse
+    __getitem__ = __bool__ = __int__ = __index__ = __iter__ = __len__ = _refuse
+    __array__ = __jax_array__ = _refuse
+    __hash__ = object.__hash__
+
+
+#: What a ``mask_fn`` reading absent segment ids is told to do.
+_NO_SEGMENT_IDS = ("pass segment_ids= (each token's document id; zeros for one document) "
+                   "where the entry point takes them, or mask on the fields it has "
+                   "(positions, bidirectional_ids).")
+
+
+def predicate_tokens(tokens: Tokens, segments_fix: str = _NO_SEGMENT_IDS) -> Tokens:
+    """``tokens`` as a ``mask_fn`` sees them: absent ``bidirectional_ids`` read as
+    documented (all zero, shaped like ``positions``), absent ``segment_ids`` are
+    :class:`Absent` (reading them is a ``ValueError`` naming the keyword), never None."""
+    segment_ids, bidirectional_ids = tokens.segment_ids, tokens.bidirectional_ids
+    if segment_ids is None:
+        side = "q_tokens/kv_tokens.segment_ids"
+        segment_ids = Absent(side, segments_fix)
+    if bidirectional_ids is None:
+        bidirectional_ids = array_namespace(tokens.positions).zeros_like(tokens.positions)
+    return Tokens(tokens.positions, segment_ids, bidirectional_ids)
+
+
+def array_namespace(x: Any) -> Any:
+    """numpy for numpy arrays (host counts: :mod:`jax_seqpar.core.work`), else jax.numpy."""
+    return np if isinstance(x, np.ndarray) else jnp
+
+
+def _predicate(spec: MaskSpec, q: Tokens, kv: Tokens):
+    """``spec.mask_fn`` on the fields the call has (:func:`predicate_tokens`), as a bool
+    array of the tokens' broadcast shape (a Python ``True`` included)."""
+    predicate = typing.cast(Callable, spec.mask_fn)  # visible calls it only when set
+    ok = predicate(predicate_tokens(q), predicate_tokens(kv))
+    if np.ndim(ok):
+        return ok
+    xp = array_namespace(q.positions)  # a Python (or 0-d) bool: the same for every pair
+    shape = np.broadcast_shapes(np.shape(q.positions), np.shape(kv.positions))
+    return xp.broadcast_to(xp.asarray(ok), shape)
+
+
 def visible(spec: MaskSpec, q: Tokens, kv: Tokens):
     """The mask predicate: may a query see a key? Broadcasts like its inputs.
 
@@ -199,157 +261,49 @@ def visible(spec: MaskSpec, q: Tokens, kv: Tokens):
     Returns:
       bool array of the broadcast shape (or ``None`` when nothing is masked).
     """
-    ok = None
-
-    def both(a, b):
-        return b if a is None else a & b
-
+    terms = []  # every condition that applies; a key is visible where all hold
     q_pos, kv_pos = q.positions, kv.positions
     if spec.causal:
         causal = kv_pos <= q_pos
         if q.bidirectional_ids is not None:
             q_bid, kv_bid = q.bidirectional_ids, kv.bidirectional_ids
             causal = causal | ((q_bid == kv_bid) & (q_bid != 0))
-        ok = both(ok, causal)
+        terms.append(causal)
     if spec.window is not None:  # edges saturate at the int32 limits, never wrap
         left, right = spec.window
-        ok = both(ok, (kv_pos >= shifted(q_pos, -left)) & (kv_pos <= shifted(q_pos, right)))
+        terms.append((kv_pos >= shifted(q_pos, -left)) & (kv_pos <= shifted(q_pos, right)))
     if spec.chunk_size is not None:
-        ok = both(ok, q_pos // spec.chunk_size == kv_pos // spec.chunk_size)
+        terms.append(q_pos // spec.chunk_size == kv_pos // spec.chunk_size)
     if q.segment_ids is not None:
-        ok = both(ok, (q.segment_ids == kv.segment_ids) & (q.segment_ids != PAD_SEGMENT))
+        terms.append((q.segment_ids == kv.segment_ids) & (q.segment_ids != PAD_SEGMENT))
     if spec.mask_fn is not None:
-        ok = both(ok, spec.mask_fn(q, kv))
-    return ok
+        terms.append(_predicate(spec, q, kv))
+    return functools.reduce(operator.and_, terms) if terms else None
+
+
+def without_padding(x: jax.Array, tokens: Tokens) -> jax.Array:
+    """``x [B, S, ...]`` (q, k or v) with the rows of padding tokens (segment id
+    :data:`PAD_SEGMENT`) at zero. Nothing sees padding and it sees nothing, but a kernel
+    multiplies its rows by zero weights (``P @ V``, and ``dS^T Q`` / ``dS K`` in the
+    backward), and ``0 * NaN`` is NaN: zeroed, whatever they held never reaches an output
+    or a gradient (padding's gradients are zero). One select over the tokens
+    (``O(S * D)``, none per tile), only where they carry segment ids."""
+    if tokens.segment_ids is None:
+        return x
+    pad = tokens.segment_ids == PAD_SEGMENT
+    return jnp.where(pad.reshape(pad.shape + (1,) * (x.ndim - pad.ndim)), jnp.zeros((), x.dtype), x)
 
 
 def rows(tokens: Tokens) -> Tokens:
     """``[..., S]`` metadata as ``[..., S, 1]`` (the query side of :func:`visible`)."""
-    return jax.tree.map(lambda x: x[..., :, None], tokens)
+    return jax.tree.map(functools.partial(jnp.expand_dims, axis=-1), tokens)
 
 
 def cols(tokens: Tokens) -> Tokens:
     """``[..., S]`` metadata as ``[..., 1, S]`` (the key side of :func:`visible`)."""
-    return jax.tree.map(lambda x: x[..., None, :], tokens)
+    return jax.tree.map(functools.partial(jnp.expand_dims, axis=-2), tokens)
 
 
 def visible_tokens(spec: MaskSpec, q: Tokens, kv: Tokens):
     """``bool[batch, Sq, Sk]`` mask of :func:`visible` for two runs of tokens (or None)."""
     return visible(spec, rows(q), cols(kv))
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class BlockSummary:
-    """The metadata of each block of tokens, ``[num_blocks]`` (one decision for every
-    batch row) or ``[batch, num_blocks]`` (per row), padding left out.
-
-    Attributes:
-      pos_min, pos_max: ``int32`` position range of the block's real tokens.
-      seg_min, seg_max: ``int32`` segment id range, or None (no segment ids).
-      seg_bits: ``uint32`` signature: bit ``id % 32`` set for each document in the
-        block (0: padding only); two blocks whose signatures share no bit share no
-        document, whatever their ranges. None without segment ids.
-      padded: ``bool``, the block holds padding (never ``FULL``). None without ids.
-      bid_min, bid_max: ``int32`` range of the block's non-zero bidirectional ids
-        (an empty range, min > max, when it has none). None without bidirectional ids.
-      bid_zero: ``bool``, the block holds a real token of bidirectional id 0.
-    """
-
-    pos_min: jax.Array
-    pos_max: jax.Array
-    seg_min: Optional[jax.Array] = None
-    seg_max: Optional[jax.Array] = None
-    seg_bits: Optional[jax.Array] = None
-    padded: Optional[jax.Array] = None
-    bid_min: Optional[jax.Array] = None
-    bid_max: Optional[jax.Array] = None
-    bid_zero: Optional[jax.Array] = None
-
-
-def _namespace(x):
-    """numpy for numpy arrays (host counts: :mod:`jax_seqpar.core.work`), else jax.numpy."""
-    return np if isinstance(x, np.ndarray) else jnp
-
-
-def summarize(tokens: Tokens, block: int, *, per_row: bool = False) -> BlockSummary:
-    """Summarize ``tokens`` (seq a multiple of ``block``) block by block: over the whole
-    batch (``[num_blocks]`` fields), or for each batch row with ``per_row``. Numpy
-    tokens give numpy summaries (the same rule on host)."""
-    xp = _namespace(tokens.positions)
-    batch, seq = tokens.positions.shape
-    if seq % block:
-        raise ValueError(f"{seq=} must be a multiple of {block=}.")
-    shape = (batch, seq // block, block)
-    axes = (2,) if per_row else (0, 2)
-    positions = tokens.positions.reshape(shape)
-    top, bottom = np.iinfo(np.int32).max, np.iinfo(np.int32).min
-    segments = None if tokens.segment_ids is None else tokens.segment_ids.reshape(shape)
-    pad = None if segments is None else segments == PAD_SEGMENT
-
-    def ranges(x, leave_out):
-        if leave_out is None:
-            return x.min(axis=axes), x.max(axis=axes)
-        return (xp.where(leave_out, top, x).min(axis=axes),
-                xp.where(leave_out, bottom, x).max(axis=axes))
-
-    summary = BlockSummary(*ranges(positions, pad))
-    if segments is not None and pad is not None:  # both or neither
-        bit = xp.left_shift(np.uint32(1), xp.bitwise_and(segments, SIGNATURE_BITS - 1)
-                            .astype(np.uint32))
-        bits = xp.bitwise_or.reduce(xp.where(pad, np.uint32(0), bit), axis=axes)
-        summary.seg_min, summary.seg_max = ranges(segments, pad)
-        summary.seg_bits, summary.padded = bits, pad.any(axis=axes)
-    if tokens.bidirectional_ids is not None:
-        bids = tokens.bidirectional_ids.reshape(shape)
-        real = xp.ones(shape, bool) if pad is None else ~pad
-        summary.bid_min, summary.bid_max = ranges(bids, ~real | (bids == 0))
-        summary.bid_zero = (real & (bids == 0)).any(axis=axes)
-    return summary
-
-
-def classify(spec: MaskSpec, q: BlockSummary, kv: BlockSummary) -> jax.Array:
-    """``int8[..., num_q_blocks, num_kv_blocks]`` of ``EMPTY`` / ``PARTIAL`` / ``FULL``.
-
-    Leading dims broadcast: batch-wide summaries give ``[nq, nk]``, per-row ones
-    ``[B, nq, nk]``. int8 keeps the table a quarter of int32's size; the Pallas kernels
-    only reduce it to per-row loop bounds (fused, never stored).
-    """
-    xp = _namespace(q.pos_min)
-
-    def rows(x):
-        return x[..., :, None]
-
-    def cols(x):
-        return x[..., None, :]
-    q_lo, q_hi, k_lo, k_hi = rows(q.pos_min), rows(q.pos_max), cols(kv.pos_min), cols(kv.pos_max)
-    empty = xp.zeros(np.broadcast_shapes(q_lo.shape, k_lo.shape), bool)
-    full = xp.ones_like(empty)
-    if spec.causal:
-        after, before = k_lo > q_hi, k_hi <= q_lo
-        if q.bid_min is not None:  # a shared non-zero id lifts causality
-            qb_lo, qb_hi, kb_lo, kb_hi = (rows(q.bid_min), rows(q.bid_max), cols(kv.bid_min),
-                                          cols(kv.bid_max))
-            after &= (kb_lo > qb_hi) | (kb_hi < qb_lo)  # no id in common
-            one_id = ((qb_lo == qb_hi) & (kb_lo == kb_hi) & (qb_lo == kb_lo)
-                      & ~rows(q.bid_zero) & ~cols(kv.bid_zero))
-            before |= one_id
-        empty |= after
-        full &= before
-    if spec.window is not None:
-        left, right = spec.window
-        empty |= (k_lo > shifted(q_hi, right)) | (k_hi < shifted(q_lo, -left))
-        full &= (k_hi <= shifted(q_lo, right)) & (k_lo >= shifted(q_hi, -left))
-    if spec.chunk_size is not None:  # floor division is monotone: chunk ranges
-        c = spec.chunk_size
-        empty |= (k_lo // c > q_hi // c) | (k_hi // c < q_lo // c)
-        full &= (q_lo // c == q_hi // c) & (k_lo // c == k_hi // c) & (q_lo // c == k_lo // c)
-    if spec.mask_fn is not None:  # per element: never claimed FULL
-        full &= False
-    if q.seg_min is not None:
-        qs_lo, qs_hi, ks_lo, ks_hi = (rows(q.seg_min), rows(q.seg_max), cols(kv.seg_min),
-                                      cols(kv.seg_max))
-        empty |= (ks_lo > qs_hi) | (ks_hi < qs_lo) | ((rows(q.seg_bits) & cols(kv.seg_bits)) == 0)
-        full &= (qs_lo == qs_hi) & (ks_lo == ks_hi) & (qs_lo == ks_lo)
-        full &= ~rows(q.padded) & ~cols(kv.padded)
-    return xp.where(empty, EMPTY, xp.where(full, FULL, PARTIAL)).astype(np.int8)

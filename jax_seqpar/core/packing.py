@@ -15,7 +15,7 @@ Per row (``S`` tokens, ``P`` shards of ``L = S/P`` slots, tile ``c``):
 2. *Dealt* documents (``n >= 2Pc`` tokens, or more work than a shard's mean) are
    dealt to every shard by pair index, a zigzag inside the document: every shard gets
    the same tokens and the same work of each, and the same share at every ring step.
-   Chunks of whole tiles first, then token-level chunks; fewer than ``2P`` middle
+   Runs of whole tiles first, then token-level runs; fewer than ``2P`` middle
    tokens are left over.
 3. Everything else, the *fill* (shorter documents kept whole, those middle tokens,
    padding), is one stream merged from a dense half (tokens of documents denser than
@@ -48,7 +48,7 @@ from jax_seqpar.core.masks import PAD_SEGMENT, MaskSpec, Tokens
 
 __all__ = ["DEFAULT_BLOCK", "balance_bound", "per_document_positions"]
 
-#: The tile the layout aligns dealt chunks to unless told. It divides every kernel's
+#: The tile the layout aligns dealt runs to unless told. It divides every kernel's
 #: default tiles (XLA 256, Triton 128 or 64, Mosaic 512 are multiples of it).
 DEFAULT_BLOCK = 128
 
@@ -153,10 +153,10 @@ def per_document_positions(segment_ids: jax.typing.ArrayLike, num_shards: int,
         their shard). A numpy array is laid out on host in numpy; a JAX array (or a
         tracer, under ``jit``) in ``jax.numpy``.
       num_shards: ``P``; ``S`` must be divisible by it.
-      block_size: the kernel tile dealt chunks are aligned to (any positive int; only
+      block_size: the kernel tile dealt runs are aligned to (any positive int; only
         the tile counts depend on it, never correctness).
       spread_tokens: documents at least this long are dealt to every shard (default
-        ``2 * P * block_size``: every chunk whole tiles). Documents with more work than
+        ``2 * P * block_size``: every run whole tiles). Documents with more work than
         a shard's mean are dealt whatever their length. (The causal order only.)
       bidirectional_ids: ``int[B, S]`` (or ``[S]``) in natural order, or None; with
         ``chunk_size`` (or None: one chunk), the causal mask the order balances. When

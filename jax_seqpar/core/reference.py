@@ -60,6 +60,9 @@ def attention(
     Returns:
       ``out: [batch, q_seq, heads, d_v]`` in ``q.dtype`` (and ``lse``). A query
       that sees no key gets zeros and ``lse = EMPTY_LSE`` (or the sink's logit).
+      A query that sees a key whose value holds a non-finite number gets a NaN
+      output row (its ``lse``, of q and k only, is kept); a value a query cannot
+      see never reaches its row, whatever it holds (other documents' values stay out).
     """
     batch, q_seq, heads, d_qk = q.shape
     kv_seq, kv_heads = k.shape[1], k.shape[2]
@@ -82,6 +85,14 @@ def attention(
         spec, masks.Tokens(positions, segment_ids, bidirectional_ids),
         masks.Tokens(kv_positions, kv_segment_ids, kv_bidirectional_ids))
 
+    # Values a query cannot see stay out of its row: P @ V would add 0 * NaN.
+    bad = ~jnp.isfinite(v).all(axis=-1)  # [B, Sk, Hkv]
+    v = jnp.where(bad[..., None], jnp.zeros((), v.dtype), v)
+    seen = jnp.ones((batch, q_seq, kv_seq), bool) if mask is None else jnp.broadcast_to(
+        mask, (batch, q_seq, kv_seq))
+    sees_bad = jnp.einsum("bqk,bkh->bqh", seen.astype(jnp.float32),
+                          bad.astype(jnp.float32)) > 0  # [B, Sq, Hkv]
+
     group = heads // kv_heads
     qg = q.astype(jnp.float32).reshape(batch, q_seq, kv_heads, group, d_qk)
     s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32)) * scale
@@ -101,6 +112,7 @@ def attention(
     p = jnp.exp(s - m)
     l = p.sum(axis=-1, keepdims=True)
     o = jnp.einsum("bhgqk,bkhd->bqhgd", p / jnp.where(l == 0, 1.0, l), v.astype(jnp.float32))
+    o = jnp.where(sees_bad[:, :, :, None, None], jnp.nan, o)
     out = o.reshape(batch, q_seq, heads, v.shape[-1]).astype(q.dtype)
     if not return_lse:
         return out

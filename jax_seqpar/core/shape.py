@@ -3,8 +3,8 @@ time model, tuning and the benchmarks all describe a layer with.
 
 A :class:`LayerShape` is pure data: the sizes of ``q [batch, seq_len, num_heads,
 head_dim]``, ``k [batch, seq_len, num_kv_heads, head_dim]`` and ``v [batch, seq_len,
-num_kv_heads, v_head_dim]``, their dtype, the mask (causal, window, whether segment
-ids travel with the tokens) and whether the backward pass counts. What is not the
+num_kv_heads, v_head_dim]``, their dtype, the mask (causal, window, chunks, whether
+segment ids travel with the tokens) and whether the backward pass counts. What is not the
 layer's stays out: the mesh (``axis_sizes`` of :func:`jax_seqpar.comm_bytes` and the
 planner), the kernel's tile (:func:`jax_seqpar.planning.predict.predict`), the
 hardware.
@@ -19,7 +19,7 @@ from typing import Any, Optional
 import jax.numpy as jnp
 import numpy as np
 
-from jax_seqpar.core.masks import normalize_window
+from jax_seqpar.core.masks import MaskSpec, normalize_chunk_size, normalize_window
 
 __all__ = ["LayerShape", "check_counts", "check_head_groups", "dtype_of_size", "is_count"]
 
@@ -91,6 +91,9 @@ class LayerShape:
       segment_ids: packed documents: segment ids travel with the tokens.
       backward: the layer is trained: forward + backward (``jax.value_and_grad``),
         else the forward only.
+      chunk_size: chunked attention (Llama 4): a query sees only keys of its own chunk
+        of ``chunk_size`` positions, or None. With a window it bounds the mask's reach
+        (:func:`jax_seqpar.strategies.halo.mask_reach`), so the bytes.
 
     >>> shape = LayerShape(1, 32768, 32, 8, 128, causal=True)
     >>> shape.v_head_dim, shape.dtype, shape.dtype_bytes
@@ -108,6 +111,7 @@ class LayerShape:
     window: Optional[tuple[int, int]] = None
     segment_ids: bool = False
     backward: bool = True
+    chunk_size: Optional[int] = None
 
     def __post_init__(self):
         set_field = lambda name, value: object.__setattr__(self, name, value)  # frozen
@@ -125,6 +129,12 @@ class LayerShape:
             set_field(name, bool(getattr(self, name)))
         set_field("dtype", _dtype_name(self.dtype))
         set_field("window", normalize_window(self.window))
+        set_field("chunk_size", normalize_chunk_size(self.chunk_size))
+
+    @property
+    def mask(self) -> MaskSpec:
+        """The layer's static mask (causal, window, chunks)."""
+        return MaskSpec.make(self.causal, self.window, self.chunk_size)
 
     @property
     def dtype_bytes(self) -> int:
@@ -138,7 +148,7 @@ class LayerShape:
                     num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                     v_head_dim=self.v_head_dim, dtype_bytes=self.dtype_bytes,
                     backward=self.backward, with_segment_ids=self.segment_ids,
-                    window=self.window, causal=self.causal)
+                    window=self.window, causal=self.causal, chunk_size=self.chunk_size)
 
     def operand_shapes(self) -> tuple:
         """Global shapes of ``q, k, v`` and the output's cotangent ``dout``."""

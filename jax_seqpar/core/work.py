@@ -3,7 +3,7 @@
 A device's work in a sequence-parallel layer is the number of (query, key) pairs its
 queries see, whichever device holds the keys (a ring brings them all). Host numpy,
 counted by the mask's own rules: both sides sorted by (document, position) and cut in
-tiles, each pair of tiles classified (:func:`jax_seqpar.core.masks.classify`, exact
+tiles, each pair of tiles classified (:func:`jax_seqpar.core.blocks.classify`, exact
 where it says EMPTY or FULL) and the PARTIAL ones counted pair by pair by the mask
 predicate (:func:`jax_seqpar.core.masks.visible`: causal, window, chunks, documents,
 bidirectional ids). No ``[S, S]`` matrix is held. A document need not be one run:
@@ -18,7 +18,7 @@ laid-out :class:`~jax_seqpar.core.masks.Tokens` (positions, segment ids, bidirec
 * :func:`ring_makespans`: a ring's time models from per-step loads;
 * :func:`computed_tiles_per_shard`: the (query tile, key tile) pairs the kernels compute
   in a ring, classified per batch row as they classify them
-  (:func:`jax_seqpar.core.masks.classify`): what time follows.
+  (:func:`jax_seqpar.core.blocks.classify`): what time follows.
 
 Padding (:data:`~jax_seqpar.core.masks.PAD_SEGMENT`) sees nothing and nothing sees it.
 """
@@ -30,7 +30,7 @@ from typing import Optional
 import jax
 import numpy as np
 
-from jax_seqpar.core import masks
+from jax_seqpar.core import blocks, masks
 from jax_seqpar.core.masks import PAD_SEGMENT
 
 __all__ = ["computed_tiles_per_shard", "ring_makespans", "token_work", "work_per_shard",
@@ -83,19 +83,19 @@ def _sorted_tiles(tokens: masks.Tokens):
 def _counts(spec: masks.MaskSpec, q: masks.Tokens, kv: masks.Tokens) -> np.ndarray:
     """``int64[Sq]``: how many of the keys ``kv`` each query of ``q`` sees (one row,
     1-D fields). Both sides sorted by (document, position) and tiled; each tile pair
-    classified by :func:`jax_seqpar.core.masks.classify` (exact where it claims EMPTY
+    classified by :func:`jax_seqpar.core.blocks.classify` (exact where it claims EMPTY
     or FULL), the PARTIAL ones counted element by element by
     :func:`jax_seqpar.core.masks.visible`: no ``[S, S]`` matrix."""
     q_order, q_tiles = _sorted_tiles(q)
     kv_order, kv_tiles = _sorted_tiles(kv)
     flat = lambda tiles: jax.tree.map(lambda x: x.reshape(1, -1).astype(np.int32), tiles)  # noqa
-    q_sum = jax.tree.map(lambda x: x[0], masks.summarize(flat(q_tiles), _TILE, per_row=True))
-    kv_sum = jax.tree.map(lambda x: x[0], masks.summarize(flat(kv_tiles), _TILE, per_row=True))
-    kind = masks.classify(spec, q_sum, kv_sum)  # [nq, nk]
+    q_sum = jax.tree.map(lambda x: x[0], blocks.summarize(flat(q_tiles), _TILE, per_row=True))
+    kv_sum = jax.tree.map(lambda x: x[0], blocks.summarize(flat(kv_tiles), _TILE, per_row=True))
+    kind = blocks.classify(spec, q_sum, kv_sum)  # [nq, nk]
     per_slot = np.zeros(q_order.shape, np.int64)
-    full_keys = ((kind == masks.FULL) * (kv_order >= 0).sum(1)).sum(1)  # FULL: no padding
+    full_keys = ((kind == blocks.FULL) * (kv_order >= 0).sum(1)).sum(1)  # FULL: no padding
     per_slot += full_keys[:, None]
-    rows, cols = np.nonzero(kind == masks.PARTIAL)
+    rows, cols = np.nonzero(kind == blocks.PARTIAL)
     for first in range(0, rows.size, _PARTIAL_BATCH):
         qi, ki = rows[first:first + _PARTIAL_BATCH], cols[first:first + _PARTIAL_BATCH]
         seen = masks.visible(spec, masks.rows(jax.tree.map(lambda x: x[qi], q_tiles)),
@@ -209,7 +209,7 @@ def _shard_summaries(tokens: masks.Tokens, num_shards: int, block: int):
         x = x.reshape(rows * num_shards, local)
         return np.pad(x, ((0, 0), (0, padded - local)), constant_values=fill).astype(np.int32)
 
-    summary = masks.summarize(jax.tree.map(shards, tokens, fills), block,
+    summary = blocks.summarize(jax.tree.map(shards, tokens, fills), block,
                               per_row=True)  # [B*P, n]
     return jax.tree.map(lambda x: x.reshape(rows, num_shards, -1), summary)
 
@@ -222,7 +222,7 @@ def computed_tiles_per_shard(spec: masks.MaskSpec, tokens: masks.Tokens, num_sha
     shard ``(r - k) % P``).
 
     Each ring step is one kernel call on a shard's queries and one shard's keys, tiled
-    on their own and classified per batch row with :func:`jax_seqpar.core.masks.classify`
+    on their own and classified per batch row with :func:`jax_seqpar.core.blocks.classify`
     (ranges, segment signatures and bidirectional id ranges, padding left out), as the
     kernels classify them.
 
@@ -241,7 +241,7 @@ def computed_tiles_per_shard(spec: masks.MaskSpec, tokens: masks.Tokens, num_sha
     kv = _shard_summaries(tokens, num_shards, block_k)
     expand = lambda tree, axis: jax.tree.map(lambda x: np.expand_dims(x, axis), tree)  # noqa
     # [B, P (queries), P (keys), nq, nk], classified on host by the kernels' rule
-    nonempty = masks.classify(spec, expand(q, 2), expand(kv, 1)) != masks.EMPTY
+    nonempty = blocks.classify(spec, expand(q, 2), expand(kv, 1)) != blocks.EMPTY
     if count == "skip":
         per_pair = nonempty.sum(axis=(3, 4))
     elif count == "range":

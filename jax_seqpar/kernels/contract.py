@@ -20,6 +20,14 @@ calls the one of the platform lowered for) is a :class:`Kernel`:
 * ``attention(q, k, v, q_tokens, kv_tokens, options)`` is both, wired by
   :func:`differentiable` as a ``custom_vjp`` that accepts cotangents for ``out`` AND ``lse``, so any composition of merges
   differentiates exactly;
+* non-finite numbers in keys and values stay in the rows that see them: a query that
+  sees a key whose value (or key) holds NaN or inf gets a NaN ``out`` row (and so does
+  a query whose own q does); every other row and its gradients are exact, whatever the
+  keys and values it cannot see hold. Every kernel's ``forward``, ``backward`` and
+  ``attention`` apply :func:`isolated` / :func:`isolated_grads` to their operands
+  (selects over the tokens, none per tile), and the backward kernels select ``-inf``
+  into ``s - lse`` of invisible pairs. A non-finite q or ``dout`` row is not isolated
+  in the backward: it may reach the ``dk, dv`` of keys its row does not see;
 * ``options.softcap``: logits ``s = scale * q.k`` become ``softcap * tanh(s / softcap)``
   before masking (Gemma 2, arXiv:2408.00118);
 * ``options.block_sizes``: one :class:`~jax_seqpar.kernels.options.BlockSizes` for every kernel; a size left
@@ -47,7 +55,8 @@ from jax_seqpar.kernels.options import (GPU_MIN_TILE, TPU_LANES, BlockSizes, Opt
 
 __all__ = ["GPU_MIN_TILE", "TPU_LANES", "BlockSizes", "F32", "Kernel", "add_accumulated", "check_accumulated",
            "check_backward_operands", "check_operands", "check_softcap",
-           "differentiable", "folds_vmap", "merge_accumulated", "resolve_block_sizes"]
+           "differentiable", "folds_vmap", "isolated", "isolated_grads", "merge_accumulated",
+           "resolve_block_sizes"]
 
 F32 = jnp.float32
 
@@ -112,6 +121,56 @@ def check_accumulated(q: jax.Array, v: jax.Array,
             accumulate, (tuple, list)) else accumulate
         raise ValueError(f"accumulate must be (out float32{list(shapes[0])}, lse "
                          f"float32{list(shapes[1])}), the result over earlier keys. Got {got}.")
+
+
+def isolated(q: jax.Array, k: jax.Array, v: jax.Array):
+    """``(q, k, v)`` as a forward computes them: a key whose value holds a non-finite
+    number gets value zero and key NaN.
+
+    A tile computes ``P @ V`` for every pair, and ``0 * NaN`` is NaN: a bad value would
+    reach rows that cannot see it (other documents). A NaN key instead makes the scores
+    of the rows that see it NaN, and only theirs (invisible scores are selected away):
+    those rows' outputs are NaN, every other row is exact. One select over the keys
+    (``O(Sk * D)``), nothing per tile; finite inputs are unchanged.
+    """
+    return (q, *isolated_keys(k, v))
+
+
+def isolated_keys(k: jax.Array, v: jax.Array):
+    """``(k, v)`` of :func:`isolated`, for any leading shape (``[..., Sk, D]``: whole
+    arrays, or a Mosaic kernel's tile in VMEM, hence compare and broadcast only)."""
+    bad = jnp.max(jnp.where(jnp.abs(v.astype(jnp.float32)) < jnp.inf, 0.0, 1.0), axis=-1,
+                  keepdims=True)  # 1 where a value of the key is not finite
+    return (jnp.where(jnp.broadcast_to(bad, k.shape) > 0, jnp.asarray(jnp.nan, k.dtype), k),
+            jnp.where(jnp.broadcast_to(bad, v.shape) > 0, jnp.zeros((), v.dtype), v))
+
+
+def finite(x: jax.Array) -> jax.Array:
+    """``x`` with its non-finite numbers at zero (the backward's k and v)."""
+    return jnp.where(jnp.abs(x.astype(jnp.float32)) < jnp.inf, x, jnp.zeros((), x.dtype))
+
+
+def isolated_stats(lse: jax.Array, delta: jax.Array):
+    """``(lse, delta)`` of :func:`isolated_grads`: a row where either is non-finite gets
+    ``lse = NaN``, ``delta = 0`` (any shape: whole arrays or a kernel's tile)."""
+    bad = ~((jnp.abs(lse) < jnp.inf) & (jnp.abs(delta) < jnp.inf))
+    return jnp.where(bad, jnp.nan, lse), jnp.where(bad, 0.0, delta)
+
+
+def isolated_grads(k: jax.Array, v: jax.Array, lse: jax.Array, delta: jax.Array):
+    """``(k, v, lse, delta)`` as a backward computes them: non-finite numbers of k and v
+    at zero; a query row whose ``lse`` or ``delta`` is non-finite (its output was NaN:
+    it saw a non-finite value) gets ``lse = NaN`` and ``delta = 0``.
+
+    The backward's products (``dO @ V^T``, ``dS @ K``) multiply the zeros of invisible
+    pairs by every key of the tile, so k and v enter them finite; the kernels select
+    ``-inf`` into ``s - lse`` of invisible pairs before ``exp``, so a NaN ``lse`` makes
+    NaN exactly the probabilities of the pairs its row sees, and with ``delta = 0``
+    ``dS = P * (dP - delta)`` is zero off them. That row's ``dq`` and the ``dk, dv`` of
+    the keys it sees are NaN, every other gradient is exact. Selects over the keys and
+    the rows' statistics, nothing per tile; finite inputs are unchanged.
+    """
+    return (finite(k), finite(v), *isolated_stats(lse, delta))
 
 
 def merge_accumulated(result: tuple[jax.Array, jax.Array],
@@ -187,7 +246,11 @@ def folds_vmap(impl: Callable) -> Callable:
                       for x, given, dynamic in zip(args, dynamic_args, is_dynamic))
             return fn(*merged, **dynamic_kwargs, **static_kwargs)
 
-        call = jax.custom_batching.custom_vmap(functools.partial(apply, impl))
+        # Unbatched, the kernel is traced once per signature (no frame in between).
+        once = _hashable((statics, static_items))
+        call = jax.custom_batching.custom_vmap(
+            functools.partial(_traced_once, impl, statics, static_items) if once else
+            functools.partial(apply, impl))
 
         @call.def_vmap
         def rule(axis_size, in_batched, *operands):
@@ -224,10 +287,10 @@ def differentiable(forward_impl: Callable, backward_impl: Callable) -> Callable:
 
     @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
     def attention_vjp(static, q, k, v, q_tokens, kv_tokens):
-        return forward_impl(q, k, v, q_tokens, kv_tokens, *static)
+        return forward_impl(*isolated(q, k, v), q_tokens, kv_tokens, *static)
 
     def attention_fwd(static, q, k, v, q_tokens, kv_tokens):
-        out, lse = forward_impl(q, k, v, q_tokens, kv_tokens, *static)
+        out, lse = forward_impl(*isolated(q, k, v), q_tokens, kv_tokens, *static)
         return (out, lse), (q, k, v, q_tokens, kv_tokens, out.astype(q.dtype), lse)
 
     def attention_bwd(static, residuals, cotangents):
@@ -235,7 +298,9 @@ def differentiable(forward_impl: Callable, backward_impl: Callable) -> Callable:
         dout, dlse = cotangents
         delta = jnp.einsum("bqhd,bqhd->bqh", dout.astype(F32), out.astype(F32),
                            precision=jax.lax.Precision.HIGHEST) - dlse
-        dq, dk, dv = backward_impl(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *static)
+        k_clean, v_clean, lse, delta = isolated_grads(k, v, lse, delta)
+        dq, dk, dv = backward_impl(q, k_clean, v_clean, q_tokens, kv_tokens, lse, delta, dout,
+                                   *static)
         no_grad = jax.tree.map(lambda _: None, (q_tokens, kv_tokens))
         return (dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *no_grad)
 

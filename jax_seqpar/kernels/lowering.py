@@ -27,6 +27,7 @@ from typing import Callable, Mapping
 import jax
 
 from jax_seqpar.core import compat as _compat
+from jax_seqpar.core import masks
 from jax_seqpar.core.masks import Tokens
 from jax_seqpar.kernels import tiling
 from jax_seqpar.kernels.options import KERNELS, KernelName, Options
@@ -86,12 +87,13 @@ def _check_tiles(options: Options, chosen: set) -> None:
         f"size), or {every}.")
 
 
-def _lowered(method: str, args: tuple, options: Options, extra: tuple):
-    """``method`` of the kernel ``options.kernel`` chooses, on ``args`` then ``options``
-    and ``extra``: one module, or one branch per lowering platform."""
+def _kernel(method: str, options: Options, q: jax.Array, v: jax.Array, **extra) -> Callable:
+    """``method`` of the kernel ``options.kernel`` chooses, bound to ``options`` and the
+    keywords ``extra`` (``accumulate``), to call on the operands: one module's function,
+    or one branch per lowering platform (``jax.lax.platform_dependent``)."""
     if options.kernel in ("xla", "mosaic"):
-        return getattr(_module(options.kernel), method)(*args, options, *extra)
-    q, _, v = args[:3]
+        return functools.partial(getattr(_module(options.kernel), method), options=options,
+                                 **extra)
     branches: dict[str, Callable] = {}
     chosen = set()
     for platform, name in _PLATFORM_KERNELS[options.kernel].items():
@@ -104,24 +106,32 @@ def _lowered(method: str, args: tuple, options: Options, extra: tuple):
             name, module = "xla", _module("xla")
         keywords = {"interpret": name == "pallas-interpret"} if "pallas" in name else {}
         chosen.add(name.split("-")[0])
-        branches[platform] = functools.partial(
-            lambda fn, keywords, *arrays: fn(*arrays, options, *extra, **keywords),
-            getattr(module, method), keywords)
+        branches[platform] = functools.partial(getattr(module, method), options=options,
+                                               **extra, **keywords)
     _check_tiles(options, chosen)
-    default = branches.pop("default")
-    return jax.lax.platform_dependent(*args, default=default, **branches)
+    return functools.partial(jax.lax.platform_dependent, default=branches.pop("default"),
+                             **branches)
 
 
-def _unless_empty(call: Callable, accumulate, operands: tuple, options: Options):
-    """``call()``, or ``accumulate`` unchanged where no query of ``operands`` may see any
-    of its keys (:func:`jax_seqpar.kernels.tiling.any_visible`, exact-conservative: a
-    call it skips has no visible pair)."""
-    q_tokens, kv_tokens = operands[3:]
-    if not options.may_be_empty(q_tokens):
-        return call()
-    like = (operands, accumulate)
+def _without_padding(args: tuple) -> tuple:
+    """``args`` (``q, k, v, q_tokens, kv_tokens, ...``) with the padding rows of q, k and v
+    at zero (:func:`jax_seqpar.core.masks.without_padding`: ``0 * NaN`` is NaN)."""
+    q, k, v, q_tokens, kv_tokens = args[:5]
+    return (masks.without_padding(q, q_tokens), masks.without_padding(k, kv_tokens),
+            masks.without_padding(v, kv_tokens), *args[3:])
+
+
+def _unless_empty(call: Callable, args: tuple, accumulate, options: Options):
+    """``call(*args)``, or ``accumulate`` unchanged where no query of ``args`` (``q, k, v,
+    q_tokens, kv_tokens, ...``) may see any of its keys
+    (:func:`jax_seqpar.kernels.tiling.any_visible`, exact-conservative: a call it skips
+    has no visible pair)."""
+    q_tokens, kv_tokens = args[3:5]
+    if accumulate is None or not options.may_be_empty(q_tokens):
+        return call(*args)
+    like = (args[:5], accumulate)
     return jax.lax.cond(tiling.any_visible(options.spec, q_tokens, kv_tokens),
-                        lambda: _compat.match_varying(tuple(call()), like),
+                        lambda: _compat.match_varying(tuple(call(*args)), like),
                         lambda: _compat.match_varying(tuple(accumulate), like))
 
 
@@ -131,11 +141,8 @@ def forward(options: Options, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens
     (the contract: :mod:`jax_seqpar.kernels.contract`); with ``accumulate`` (the
     ``(out, lse)`` of earlier keys) the result covers both, and a call no query of which
     may see a key is skipped."""
-    operands = (q, k, v, q_tokens, kv_tokens)
-    if accumulate is None:
-        return _lowered("forward", operands, options, (None,))
-    return _unless_empty(lambda: _lowered("forward", operands, options, (accumulate,)),
-                         accumulate, operands, options)
+    return _unless_empty(_kernel("forward", options, q, v, accumulate=accumulate),
+                         _without_padding((q, k, v, q_tokens, kv_tokens)), accumulate, options)
 
 
 def backward(options: Options, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens,
@@ -143,16 +150,13 @@ def backward(options: Options, q: jax.Array, k: jax.Array, v: jax.Array, q_token
              accumulate: tuple[jax.Array, ...] | None = None):
     """float32 ``(dq, dk, dv)`` of the platform's kernel (plus ``accumulate``); with
     ``accumulate``, skipped whole like :func:`forward`."""
-    operands = (q, k, v, q_tokens, kv_tokens)
-    args = operands + (lse, delta, dout)
-    if accumulate is None:
-        return _lowered("backward", args, options, (None,))
-    return _unless_empty(lambda: _lowered("backward", args, options, (accumulate,)),
-                         accumulate, operands, options)
+    return _unless_empty(_kernel("backward", options, q, v, accumulate=accumulate),
+                         _without_padding((q, k, v, q_tokens, kv_tokens, lse, delta, dout)),
+                         accumulate, options)
 
 
 def attention(options: Options, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens,
               kv_tokens: Tokens):
     """The platform's kernel, differentiable: ``(out float32, lse float32)`` with
     cotangents for both."""
-    return _lowered("attention", (q, k, v, q_tokens, kv_tokens), options, ())
+    return _kernel("attention", options, q, v)(*_without_padding((q, k, v, q_tokens, kv_tokens)))

@@ -15,6 +15,7 @@ import typing
 from typing import Literal, Optional
 
 import jax
+import numpy as np
 
 from jax_seqpar.core import checks
 from jax_seqpar.core.masks import MaskSpec, Tokens
@@ -191,5 +192,37 @@ def make_options(q: jax.Array, spec: MaskSpec, *, scale: float | None = None,
             f"sizes every kernel takes (kernel={kernel!r}); pass e.g. "
             "BlockSizes(block_q=256, block_k=256), or None for the kernel's defaults.")
     scale = checks.scale(scale)
+    if kernel != "xla" and _captures_arrays(spec):
+        kernel = _kernel_for_captured_arrays(spec, kernel)
     return Options(spec, q.shape[-1] ** -0.5 if scale is None else scale, kernel,
                    block_sizes, check_softcap(softcap), checks.flag("return_lse", return_lse))
+
+
+def _captures_arrays(spec: MaskSpec) -> bool:
+    """Whether ``spec.mask_fn`` closes over arrays (a lookup table, a traced value): the
+    constants of its traced form, which a Pallas kernel cannot capture (only the XLA
+    kernel takes them). Traced abstractly on one token pair with every field present; a
+    predicate that fails to trace is left to :func:`jax_seqpar.core.checks.mask_fn`."""
+    if spec.mask_fn is None:
+        return False
+    one = jax.ShapeDtypeStruct((1, 1, 1), np.int32)
+    tokens = Tokens(one, one, one)
+    try:
+        traced = jax.make_jaxpr(spec.mask_fn)(tokens, tokens)
+    except Exception:  # noqa: BLE001 - reported with its shapes by checks.mask_fn
+        return False
+    return bool(traced.consts)
+
+
+def _kernel_for_captured_arrays(spec: MaskSpec, kernel: KernelName) -> KernelName:
+    """The kernel that runs a ``mask_fn`` holding arrays: ``"auto"`` takes the XLA kernel
+    on every platform (the Pallas kernels cannot capture them); ``"pallas"`` and
+    ``"mosaic"`` are refused naming ``mask_fn`` and the fix."""
+    if kernel == "auto":
+        return "xla"
+    raise ValueError(
+        f"mask_fn={spec.mask_fn!r} closes over arrays (a table, or a value traced under "
+        f"jit), which kernel={kernel!r} cannot take: its Pallas kernel receives only q, k, v "
+        "and the tokens' metadata. Pass kernel='xla' or kernel='auto' (which runs the XLA "
+        "kernel for such a predicate), or compute the mask from the tokens' fields with "
+        "Python constants.")

@@ -8,7 +8,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from jax_seqpar.core import masks
+from jax_seqpar.core import blocks, masks
 from jax_seqpar.core.masks import PAD_SEGMENT, MaskSpec, Tokens
 
 __all__ = ["Tiling", "any_visible", "loaded", "pad_seq", "padded_tokens", "per_field",
@@ -87,8 +87,8 @@ def schedule(spec: MaskSpec, t: Tiling, q_tokens: Tokens, kv_tokens: Tokens):
     """Tokens padded to whole tiles, and the tile classes ``int8[B, nq, nk]``
     (``EMPTY`` / ``PARTIAL`` / ``FULL``, per batch row) every kernel skips and masks by."""
     q_tokens, kv_tokens = padded_tokens(t, q_tokens, kv_tokens)
-    classes = masks.classify(spec, masks.summarize(q_tokens, t.block_q, per_row=True),
-                             masks.summarize(kv_tokens, t.block_k, per_row=True))
+    classes = blocks.classify(spec, blocks.summarize(q_tokens, t.block_q, per_row=True),
+                             blocks.summarize(kv_tokens, t.block_k, per_row=True))
     return q_tokens, kv_tokens, classes
 
 
@@ -106,4 +106,4 @@ def any_visible(spec: MaskSpec, q_tokens: Tokens, kv_tokens: Tokens,
     batch, q_len = q_tokens.positions.shape
     kv_len = kv_tokens.positions.shape[1]
     t = Tiling(batch, 1, 1, q_len, kv_len, min(block, q_len), min(block, kv_len))
-    return (schedule(spec, t, q_tokens, kv_tokens)[2] != masks.EMPTY).any()
+    return (schedule(spec, t, q_tokens, kv_tokens)[2] != blocks.EMPTY).any()

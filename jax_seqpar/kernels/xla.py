@@ -2,7 +2,7 @@
 
 Queries are cut into blocks of ``block_q`` tokens and keys into blocks of
 ``block_k``; every (query block, key block) pair of every batch row is classified
-from the token metadata (:func:`jax_seqpar.core.masks.classify`: ranges and segment
+from the token metadata (:func:`jax_seqpar.core.blocks.classify`: ranges and segment
 signatures, so packed rows skip what their own documents do not share) and is
 skipped when ``EMPTY``,
 computed without a mask when ``FULL``, and masked when ``PARTIAL``. Scores,
@@ -25,10 +25,12 @@ Paper: FlashAttention-2, arXiv:2307.08691.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
-from jax_seqpar.core import compat as _compat, masks
+from jax_seqpar.core import blocks, compat as _compat, masks
 from jax_seqpar.kernels import contract
 from jax_seqpar.kernels.contract import BlockSizes, check_softcap
 from jax_seqpar.kernels.options import Options
@@ -150,8 +152,8 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_token
     """
     options = _checked(q, k, v, q_tokens, kv_tokens, options)
     contract.check_accumulated(q, v, accumulate)
-    return contract.merge_accumulated(_forward(q, k, v, q_tokens, kv_tokens, options),
-                                      accumulate)
+    return contract.merge_accumulated(
+        _forward(*contract.isolated(q, k, v), q_tokens, kv_tokens, options), accumulate)
 
 
 @contract.folds_vmap
@@ -170,7 +172,7 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options):
         q_tile = _heads_first(_tile(q, b, i, t.block_q))  # [1, Hkv, G, bq, D]
         qt = _token_tile(q_tokens, b, i, t.block_q)  # [1, bq] fields
 
-        def update(carry, k_tile, v_tile, mask):
+        def update(k_tile, v_tile, carry, mask):
             m, l, acc = carry  # [1, Hkv, G, bq], same, [1, Hkv, G, bq, Dv]
             s, _ = _scores(q_tile, k_tile, options)
             if mask is not None:
@@ -185,7 +187,7 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options):
             k_tile, v_tile = (_heads_first(_tile(x, b, j, t.block_k)) for x in (k, v))
             kt = _token_tile(kv_tokens, b, j, t.block_k)
             return _tile_step(b, classes[b, i, j], spec, qt, kt,
-                              lambda c, mask: update(c, k_tile, v_tile, mask), carry)
+                              functools.partial(update, k_tile, v_tile), carry)
 
         stats_shape = (1, *hg, t.block_q)
         init = (jnp.full(stats_shape, masks.EMPTY_LSE, _F32), jnp.zeros(stats_shape, _F32),
@@ -225,6 +227,7 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_toke
     """
     options = _checked(q, k, v, q_tokens, kv_tokens, options)
     contract.check_backward_operands(q, v, lse, delta, dout)
+    k, v, lse, delta = contract.isolated_grads(k, v, lse, delta)
     return _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options, accumulate)
 
 
@@ -253,9 +256,12 @@ def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options: Options,
         def grads(carry, q_tile, do_tile, lse_tile, delta_tile, mask):
             dk, dv = carry
             s, cap_slope = _scores(q_tile, k_tile, options)
-            if mask is not None:  # before exp: rows with EMPTY_LSE must not overflow
+            s = s - lse_tile[..., None]
+            # Before exp: rows with EMPTY_LSE must not overflow, and a NaN lse (a row that
+            # saw a non-finite value, contract.isolated_grads) stays off invisible pairs.
+            if mask is not None:
                 s = jnp.where(mask, s, -jnp.inf)
-            p = jnp.exp(s - lse_tile[..., None])
+            p = jnp.exp(s)
             dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p, do_tile)
             dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_tile, v_tile)
             ds = p * (dp - delta_tile[..., None])

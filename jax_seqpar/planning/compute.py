@@ -4,8 +4,9 @@ transfers).
 
 Pairs are counted in whole tiles of ``tile`` tokens that the mask does not empty
 (:func:`tile_pairs`), for the token order the package runs: zigzag over all ``P`` shards
-when causal where it balances the strategy's work (ring, hybrid, all-gather), else
-contiguous (Ulysses); per ring step, or in one step where the strategy gathers K/V.
+when causal where it balances the strategy's work (ring, hybrid, all-gather) and the
+mask's reach is not bounded (:func:`jax_seqpar.strategies.registry.default_layout`), else
+contiguous (Ulysses; windows and chunks); per ring step, or in one step where the strategy gathers K/V.
 Packed documents are counted per row by :mod:`.packed`. The FLOPs are
 ``2 B H (Dqk + Dv)`` per pair forward, ``(3 Dqk + 2 Dv) / (Dqk + Dv)`` times that
 backward, at the hardware's attention FLOP/s.
@@ -21,6 +22,7 @@ from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.planning import packed
 from jax_seqpar.planning.hardware import Hardware
+from jax_seqpar.strategies import registry
 from jax_seqpar.strategies.entry import Strategy
 
 __all__ = ["TILE", "step_seconds", "tile_pairs", "visible_pairs"]
@@ -44,9 +46,9 @@ def visible_pairs(seq_len: int, spec: MaskSpec) -> float:
 
 def _shard_positions(seq_len: int, shards: int, zigzag: bool) -> np.ndarray:
     """``[shards, L]`` global positions of each shard's tokens, the sequence padded to
-    the whole chunks its layout needs (as the global entry point pads it)."""
-    chunks = 2 * shards if zigzag else shards
-    positions = np.arange(-(-seq_len // chunks) * chunks)
+    the whole half-shards its layout needs (as the global entry point pads it)."""
+    pieces = 2 * shards if zigzag else shards
+    positions = np.arange(-(-seq_len // pieces) * pieces)
     if not zigzag:
         return positions.reshape(shards, -1)
     halves = positions.reshape(2 * shards, -1)
@@ -59,7 +61,7 @@ def tile_pairs(q_positions: np.ndarray | jax.Array, kv_positions: np.ndarray | j
 
     Tiles are ``tile`` tokens clipped to the lengths, classified from
     their position ranges as the kernels do (conservatively), so a tile that
-    holds two far-apart zigzag chunks is computed whole.
+    holds two far-apart zigzag half-shards is computed whole.
     """
     def ranges(positions, tile):
         tile = min(tile, positions.size)
@@ -76,6 +78,9 @@ def tile_pairs(q_positions: np.ndarray | jax.Array, kv_positions: np.ndarray | j
     if shape.window is not None:
         left, right = shape.window
         empty |= (k_lo > q_hi + right) | (k_hi < q_lo - left)
+    if shape.chunk_size is not None:  # no key tile's chunk among the query tile's
+        chunk = shape.chunk_size
+        empty |= (k_lo // chunk > q_hi // chunk) | (k_hi // chunk < q_lo // chunk)
     return float((~empty).sum()) * tile_q * tile_k
 
 
@@ -83,7 +88,7 @@ def _step_pairs(entry: Strategy, ring: int, ulysses: int, shape: LayerShape,
                 tile: int) -> list[float]:
     """Computed pairs per ring step on the busiest device (one step: no ring).
 
-    Token orders as the package runs them: zigzag over all ``P`` shards when causal
+    Token orders as the package runs them (``default_layout``): zigzag over all ``P`` shards when causal
     where it balances (:attr:`~jax_seqpar.strategies.entry.Strategy.zigzag_balances`:
     ring, hybrid and all-gather), else contiguous (Ulysses). A device attends for its
     ring group's ``I`` shards gathered by a head split (the hybrid's all-to-all; all of
@@ -91,7 +96,8 @@ def _step_pairs(entry: Strategy, ring: int, ulysses: int, shape: LayerShape,
     gathers K/V (:attr:`~jax_seqpar.strategies.entry.Strategy.gathers_kv`).
     """
     devices = ring * ulysses
-    zigzag = shape.causal and entry.zigzag_balances
+    zigzag = registry.default_layout(entry.name, shape.mask, seq_len=shape.seq_len,
+                                     num_shards=devices) == "zigzag"
     shards = _shard_positions(shape.seq_len, devices, zigzag)
     if entry.gathers_kv:
         kv = shards.reshape(-1)
@@ -127,7 +133,7 @@ def step_seconds(entry: Strategy, ring: int, ulysses: int, shape: LayerShape,
     elif _tile_count(ring, shape, tile) <= _MAX_TILE_PAIRS:
         pairs = _step_pairs(entry, ring, ulysses, shape, tile)
     else:  # too many tiles to classify: exact visible pairs, spread evenly
-        per_device = visible_pairs(shape.seq_len, MaskSpec.make(shape.causal, shape.window)) / ring
+        per_device = visible_pairs(shape.seq_len, shape.mask) / ring
         steps = 1 if entry.gathers_kv else ring
         pairs = [per_device / steps] * steps
     forward = [2 * shape.batch * heads * (d_qk + d_v) * p / hardware.attention_flops

@@ -9,7 +9,7 @@ every (query tile, key tile) pair of every ring step per batch row
 (:func:`jax_seqpar.core.work.computed_tiles_per_shard`, the kernels' own rule) and
 charges each step its busiest device: the ring waits for it. The mask is the layer's
 (its causality and window) with the batch's bidirectional ids (prefix-LM prompts,
-images) and chunks, counted as the kernels classify them.
+images) and pieces, counted as the kernels classify them.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from jax_seqpar.core import layout as layouts, packing, work
 from jax_seqpar.core.masks import PAD_SEGMENT, MaskSpec, Tokens
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.core.layout import LayoutName
+from jax_seqpar.strategies import registry
 from jax_seqpar.strategies.entry import Strategy
 
 __all__ = ["Documents", "documents", "laid_out", "step_pairs"]
@@ -52,10 +53,10 @@ class Documents:
 def documents(shape: LayerShape, natural: Tokens, layout: Optional[LayoutName],
               spec: Optional[MaskSpec] = None) -> Optional[Documents]:
     """The batch ``natural`` (natural-order segment ids and bidirectional ids, either
-    None) validated, or None (one document per row, no ids, no chunks, the default
-    layout: :mod:`.predict`'s own position-only count). ``spec``: the mask, by default
-    the shape's causality and window."""
-    spec = MaskSpec.make(shape.causal, shape.window) if spec is None else spec
+    None) validated, or None (one document per row, no ids, no pieces, the default
+    layout: :mod:`.predict`'s own position-only count, which classifies tiles by
+    causality, window and chunks). ``spec``: the mask, by default the shape's."""
+    spec = shape.mask if spec is None else spec
     if layout is not None and layout not in layouts.LAYOUTS:
         raise ValueError(f"layout={layout!r} is not one of {layouts.LAYOUTS}.")
     segment_ids, bids = natural.segment_ids, natural.bidirectional_ids
@@ -66,7 +67,7 @@ def documents(shape: LayerShape, natural: Tokens, layout: Optional[LayoutName],
         if layout == "per_document":
             raise ValueError('layout="per_document" is laid out from documents: pass '
                              "segment_ids= (a representative batch, int[batch, seq_len]).")
-        if layout is None and bids is None and spec.chunk_size is None:
+        if layout is None and bids is None:
             return None
         rows = np.shape(bids)[0] if bids is not None and np.ndim(bids) == 2 else 1
         segment_ids = np.zeros((rows, shape.seq_len), np.int32)
@@ -91,16 +92,18 @@ def documents(shape: LayerShape, natural: Tokens, layout: Optional[LayoutName],
 def laid_out(entry: Strategy, devices: int, shape: LayerShape, tile: int,
              batch: Documents) -> Tokens:
     """``batch``'s tokens ``[B', S']`` in its layout over ``devices`` (None: the strategy
-    ``entry``'s default, zigzag where it balances causal work): positions, segment ids
+    ``entry``'s default, :func:`jax_seqpar.strategies.registry.default_layout`: zigzag
+    where it balances causal work and the mask's reach is not bounded): positions, segment ids
     and bidirectional ids (padded with :data:`~jax_seqpar.core.masks.PAD_SEGMENT` as the
     entry point pads)."""
     ids, bids, layout = batch.tokens.segment_ids, batch.tokens.bidirectional_ids, batch.layout
     if ids is None:
         raise ValueError("laid_out takes documents (segment ids): see documents().")
     if layout is None:
-        layout = "zigzag" if shape.causal and entry.zigzag_balances else "contiguous"
-    chunks = {"zigzag": 2 * devices, "striped": devices * devices}.get(layout, devices)
-    length = -(-ids.shape[1] // chunks) * chunks
+        layout = registry.default_layout(entry.name, batch.spec, seq_len=shape.seq_len,
+                                         num_shards=devices)
+    pieces = {"zigzag": 2 * devices, "striped": devices * devices}.get(layout, devices)
+    length = -(-ids.shape[1] // pieces) * pieces
     pad = ((0, 0), (0, length - ids.shape[1]))
     ids = np.pad(ids, pad, constant_values=PAD_SEGMENT)
     bids = None if bids is None else np.pad(bids, pad)

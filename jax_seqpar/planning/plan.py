@@ -28,11 +28,11 @@ import jax
 
 from jax_seqpar.core.masks import normalize_window
 from jax_seqpar.core.shape import LayerShape, dtype_of_size, is_count
-from jax_seqpar.planning import hardware as hardware_lib, predict, tuned
+from jax_seqpar.planning import hardware as hardware_lib, predict, reasons, tuned
 from jax_seqpar.strategies import registry
 from jax_seqpar.strategies.entry import Strategy
 from jax_seqpar.strategies.registry import StrategyName, comm_bytes
-from jax_seqpar.strategies.traffic import axis_sizes_tuple, replicated_kv_heads
+from jax_seqpar.strategies.traffic import axis_sizes_tuple
 from jax_seqpar.core.layout import LayoutName
 
 if TYPE_CHECKING:  # annotations only
@@ -86,10 +86,6 @@ class Plan:
         return self.factorization[1]
 
 
-def _ratio(numerator: float, denominator: float) -> float:
-    return 1.0 if numerator == denominator else numerator / denominator
-
-
 def _names_and_sizes(axis_sizes) -> tuple[tuple[str, ...], tuple[int, ...]]:
     """``(axis names, sizes)`` of ``axis_sizes``: an int (one axis, ``"sp"``) or
     ``{name: size}`` of one or two axes."""
@@ -135,7 +131,8 @@ def plan(seq_len: int, num_heads: int, num_kv_heads: int, head_dim: int,
         (``dtype_bytes`` 1, 2, 4 or 8: the layer is modelled in a dtype of that size,
         :func:`jax_seqpar.core.shape.dtype_of_size`).
       causal: worded into ``reason`` (zigzag balances the ring); with a window, the
-        halo it sends.
+        halo it sends. Chunks: :func:`plan_layer` of a
+        ``LayerShape(..., chunk_size=)`` (nothing is sent where every chunk fits a shard).
 
     Returns:
       A :class:`Plan`.
@@ -190,7 +187,7 @@ def plan_layer(shape: LayerShape, axis_sizes: int | Mapping[str, int], *,
     if not feasible:
         raise ValueError(f"no registered strategy runs {num_heads} heads over axis_sizes="
                          f"{sizes}: register one without a head constraint.")
-    strategy, chosen = min(feasible, key=lambda item: (candidates[item[0]], _rank(item[1])))
+    strategy, chosen = min(feasible, key=lambda item: (candidates[item[0]], reasons.rank(item[1])))
     plan_axes: str | tuple[str, str]
     plan_sizes: int | tuple[int, int]
     if len(sizes) == 1:
@@ -198,7 +195,7 @@ def plan_layer(shape: LayerShape, axis_sizes: int | Mapping[str, int], *,
     else:
         (outer, inner), (outer_size, _) = names, sizes
         plan_axes, plan_sizes = (outer, inner), (outer_size, inner_size)
-    reason = _bytes_reason(chosen, candidates, blocked, shape, names, sizes)
+    reason = reasons.bytes_reason(chosen, candidates, blocked, shape, names, sizes)
     if devices == 1:
         reason += " (one device: nothing is sent)"
     return Plan(strategy=strategy, seq_axes=plan_axes, axis_sizes=plan_sizes,
@@ -206,12 +203,11 @@ def plan_layer(shape: LayerShape, axis_sizes: int | Mapping[str, int], *,
                 factorization=chosen.factorization(devices, inner_size))
 
 
-def _rank(entry: Strategy) -> int:
-    """``entry``'s rank among the choice by bytes (a tie goes to the lower)."""
-    if entry.preference is None:  # _by_bytes keeps only ranked strategies
-        raise ValueError(f"strategy {entry.name!r} has no preference rank (Strategy."
-                         "preference=None): the choice by bytes never weighs it.")
-    return entry.preference
+def _tie_rank(name: str) -> int:
+    """Among predicted ties of equal bytes, the strategy ranked first
+    (:attr:`~jax_seqpar.strategies.entry.Strategy.preference`; unranked ones last)."""
+    preference = registry.get(name).preference
+    return len(registry.STRATEGIES) if preference is None else preference
 
 
 def _by_bytes(num_axes: int) -> list[tuple[StrategyName, Strategy]]:
@@ -224,75 +220,7 @@ def _by_bytes(num_axes: int) -> list[tuple[StrategyName, Strategy]]:
              if entry.preference is not None
              and (entry.num_seq_axes == 2 if num_axes == 2 and entry.splits_heads
                   else entry.num_seq_axes == 1)]
-    return sorted(found, key=lambda item: (item[1].splits_heads, _rank(item[1])))
-
-
-def _bytes_reason(chosen: Strategy, candidates: Mapping[str, float], blocked: list[Strategy],
-                  shape: LayerShape, names: tuple[str, ...], sizes: tuple[int, ...]) -> str:
-    """One sentence with the numbers behind the choice by bytes of ``chosen``: against
-    the best of the others (those that split heads, where ``chosen`` splits none)."""
-    num_heads, num_kv_heads = shape.num_heads, shape.num_kv_heads
-    balance = ("; zigzag layout balances causal work"
-               if shape.causal and chosen.zigzag_balances else "")
-    rivals = [registry.get(name) for name in candidates if name != chosen.name]
-    if not chosen.splits_heads:
-        rivals = [entry for entry in rivals if entry.splits_heads] or rivals
-    rival = min(rivals, key=lambda entry: (candidates[entry.name], _rank(entry)),
-                default=None)
-    splitter = rival if rival is not None and rival.splits_heads else None
-    if len(sizes) == 1:
-        (size,) = sizes
-        if chosen.splits_heads:
-            kv_heads = replicated_kv_heads(num_kv_heads, size)
-            replicated = (f" ({num_kv_heads} KV heads replicated to {kv_heads})"
-                          if kv_heads != num_kv_heads else "")
-            reason = f"{chosen.name}: {num_heads} heads divisible by {size}{replicated}"
-            if rival is None:
-                return reason
-            return (f"{reason} and a2a traffic "
-                    f"{_ratio(candidates[chosen.name], candidates[rival.name]):.2f}x of "
-                    f"{rival.name}")
-        if splitter is None and blocked:
-            return (f"{chosen.name}: num_heads={num_heads} is not divisible by the axis size "
-                    f"{size}, so {blocked[0].name} cannot split heads{balance}")
-        if rival is None:
-            return f"{chosen.name}: the only strategy for this layer{balance}"
-        factor = _ratio(candidates[rival.name], candidates[chosen.name])
-        why = ("only 1 KV head (MQA/MLA)" if num_kv_heads == 1
-               else f"only {num_kv_heads} of {num_heads} heads are K/V heads")
-        return f"{chosen.name}: {why} and {rival.name} would move {factor:.1f}x more bytes{balance}"
-    (outer, inner), (_, inner_size) = names, sizes
-    if chosen.num_seq_axes == 2:
-        if chosen.parts is None:  # Strategy refuses a two-axis entry without its parts
-            raise ValueError(f"strategy {chosen.name!r} runs over two axes but names no "
-                             "(outer, inner) parts.")
-        outer_part, inner_part = chosen.parts
-        reason = (f"{chosen.name}: {inner_part} over {inner!r} ({inner_size} divides "
-                  f"{num_heads} heads) and {outer_part} over {outer!r}")
-        if rival is None:
-            return reason
-        return (f"{reason} send {_ratio(candidates[chosen.name], candidates[rival.name]):.2f}x "
-                f"the bytes of a {rival.name} over both axes")
-    where = f"{chosen.name} over ({outer!r}, {inner!r})"
-    if splitter is None and blocked:
-        inner_part = blocked[0].parts[1] if blocked[0].parts else "its head split"
-        return (f"{where}: num_heads={num_heads} is not divisible by the inner axis size "
-                f"{inner_size}, so {blocked[0].name} cannot use {inner_part}{balance}")
-    if rival is None:
-        return f"{where}: the only strategy for this layer{balance}"
-    return (f"{where}: {rival.name} would move "
-            f"{_ratio(candidates[rival.name], candidates[chosen.name]):.1f}x more bytes{balance}")
-
-
-_GIB = 2.0**30
-
-
-def _ms(seconds: float) -> str:
-    return f"{seconds * 1e3:.3g} ms"
-
-
-def _gib(num_bytes: float) -> str:
-    return f"{num_bytes / _GIB:.3g} GiB"
+    return sorted(found, key=lambda item: (item[1].splits_heads, reasons.rank(item[1])))
 
 
 def _plan_predicted(shape: LayerShape, names, sizes, hardware, memory_budget,
@@ -307,16 +235,19 @@ def _plan_predicted(shape: LayerShape, names, sizes, hardware, memory_budget,
     found = {c.label: c for c in predict.candidates(devices, shape.num_heads)}
     predictions = {label: predict.predict(c, shape, hardware, **(documents or {}))
                    for label, c in found.items()}
-    rejected = {label: f"needs {_gib(p['memory'])} per device, over the budget of "
-                       f"{_gib(budget)}" for label, p in predictions.items()
+    rejected = {label: f"needs {reasons.gib(p['memory'])} per device, over the budget of "
+                       f"{reasons.gib(budget)}" for label, p in predictions.items()
                 if p["memory"] > budget}
     seconds = {label: p["seconds"] for label, p in predictions.items() if label not in rejected}
     if not seconds:
         raise ValueError(
-            f"every candidate is over the memory budget of {_gib(budget)} per device: "
+            f"every candidate is over the memory budget of {reasons.gib(budget)} per device: "
             + "; ".join(f"{label} {why}" for label, why in rejected.items())
             + ". Use more devices, a smaller batch, or a larger memory_budget.")
-    chosen = min(seconds, key=seconds.__getitem__)
+    # A tie goes to the fewest bytes, then to the strategy ranked first (equal bytes: a
+    # mask whose reach keeps every query's keys home sends nothing with any of them).
+    chosen = min(reasons.tied(seconds), key=lambda label: (predictions[label]["bytes"],
+                                                    _tie_rank(found[label].strategy)))
     predicted = Plan(
         strategy=found[chosen].strategy, seq_axes="", axis_sizes=0, bytes_per_device=0.0,
         reason="",
@@ -342,26 +273,9 @@ def choose(predicted: Plan, candidate: predict.Candidate, names: tuple[str, ...]
     return dataclasses.replace(
         predicted, strategy=candidate.strategy, seq_axes=seq_axes, axis_sizes=axis_sizes,
         bytes_per_device=predicted.candidates[candidate.label],
-        reason=_reason(candidate.label, predicted.predicted_seconds, measured or {},
-                       predicted.rejected, hardware),
+        reason=reasons.predicted_reason(candidate.label, predicted.predicted_seconds, measured or {},
+                       predicted.rejected, hardware, predicted.candidates),
         factorization=(candidate.ring, candidate.ulysses), measured_seconds=measured or {})
-
-
-def _reason(chosen, seconds, measured, rejected, hardware) -> str:
-    if measured:
-        others = sorted((s, label) for label, s in measured.items() if label != chosen)
-        text = (f"{chosen}: fastest measured on this mesh, {_ms(measured[chosen])} per layer "
-                f"(predicted {_ms(seconds[chosen])})")
-        timed = "measured"
-    else:
-        others = sorted((s, label) for label, s in seconds.items() if label != chosen)
-        text = f"{chosen}: fastest predicted on {hardware.name}, {_ms(seconds[chosen])} per layer"
-        timed = "predicted"
-    if others:
-        text += f"; {timed}: " + ", ".join(f"{label} {_ms(s)}" for s, label in others)
-    if rejected:
-        text += "; over the memory budget: " + ", ".join(sorted(rejected))
-    return text
 
 
 def auto_choice(shape: LayerShape, mesh: jax.sharding.Mesh,
@@ -374,11 +288,25 @@ def auto_choice(shape: LayerShape, mesh: jax.sharding.Mesh,
     else the prediction for the preset of the mesh's device kind; else (no preset)
     fewest bytes. ``ulysses_size`` is set for a hybrid only.
     """
+    strategy, ulysses_size, _ = auto_plan(shape, mesh, axes)
+    return strategy, ulysses_size
+
+
+def auto_plan(shape: LayerShape, mesh: jax.sharding.Mesh, axes: tuple[str, ...]
+              ) -> tuple[StrategyName, Optional[int], str]:
+    """:func:`auto_choice` and one sentence on why: the tuned plan's file, or the plan's
+    :attr:`Plan.reason` with the bytes and memory of every candidate."""
     axis_sizes = {name: mesh.shape[name] for name in axes}
     device_kind = mesh.devices.flat[0].device_kind
     hardware = hardware_lib.for_device_kind(device_kind)
     tuned_plan = tuned.lookup(tuned.cache_key(shape, axis_sizes, device_kind, hardware))
     if tuned_plan is not None:
-        return tuned_plan["strategy"], tuned_plan["ulysses_size"]
+        return (tuned_plan["strategy"], tuned_plan["ulysses_size"],
+                f"the plan tuned on this mesh ({tuned.ENV_VAR})")
     chosen = plan_layer(shape, axis_sizes, hardware=hardware)
-    return chosen.strategy, chosen.ulysses_size
+    why = chosen.reason + "; bytes sent per device: " + ", ".join(
+        f"{label} {reasons.binary_size(sent)}" for label, sent in chosen.candidates.items())
+    if chosen.memory_bytes:
+        why += "; memory per device: " + ", ".join(
+            f"{label} {reasons.binary_size(held)}" for label, held in chosen.memory_bytes.items())
+    return chosen.strategy, chosen.ulysses_size, why

@@ -31,6 +31,11 @@ device (:class:`~jax_seqpar.planning.hardware.Hardware` figures):
   :func:`jax_seqpar.comm_bytes` counts: ``O - 1`` K/V rotations forward,
   ``O - 1`` steps carrying K/V and float32 dK/dV backward and dK/dV's hop home,
   on the link the ring's slowest hop takes (:meth:`~jax_seqpar.planning.hardware.Hardware.link`);
+  where a window or chunks bound the mask's reach over the ring's groups
+  (:func:`jax_seqpar.strategies.halo.mask_reach`, the contiguous order), a halo exchange:
+  its bytes in flight during the own block's kernel, then the halo's kernel (backward:
+  the halo's gradients, then dK/dV back during the own block's), nothing at all where
+  the reach is ``(0, 0)``;
 * all-to-all and all-gather: ``bytes / bandwidth`` plus one latency per step: an
   ``all_to_all`` is one step, an ``all_gather`` or ``psum_scatter`` ``P - 1`` (ring
   algorithm, as NCCL runs them); per pass (forward, backward) added to the pass's
@@ -60,13 +65,14 @@ from typing import Optional
 
 import jax
 
-from jax_seqpar.core.masks import MaskSpec, Tokens
+from jax_seqpar.core.masks import Tokens
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.planning import hardware as hardware_lib, packed
 from jax_seqpar.planning.compute import TILE, step_seconds
 from jax_seqpar.planning.hardware import Hardware
 from jax_seqpar.strategies import registry
 from jax_seqpar.strategies.entry import Strategy
+from jax_seqpar.strategies.halo import mask_reach
 from jax_seqpar.strategies.registry import StrategyName, comm_bytes
 from jax_seqpar.core.layout import LayoutName
 
@@ -144,6 +150,9 @@ def _ring(hardware: Hardware, link, compute: list, hop_bytes: float,
         if last and (home_bytes is None or len(compute) == 1):
             seconds += step
             continue
+        if not (home_bytes if last else hop_bytes):  # the mask's reach: nothing travels
+            seconds += step
+            continue
         hop = (home_bytes if last else hop_bytes) / link.bandwidth
         comm += hop + link.latency
         if (last and not home_hides) or not overlaps:  # home after the last step
@@ -151,6 +160,28 @@ def _ring(hardware: Hardware, link, compute: list, hop_bytes: float,
         else:
             seconds += max(step, hop) + link.latency
             hidden += home_bytes if last and home_bytes is not None else hop_bytes
+    return seconds, comm, hidden
+
+
+def _halo(hardware: Hardware, link, compute_fwd: list, compute_bwd: list, fwd_bytes: float,
+          bwd_bytes: float) -> tuple[float, float, float]:
+    """``(seconds, comm_seconds, hidden_bytes)`` of a ring that is a halo exchange
+    (:mod:`jax_seqpar.strategies.halo`): forward, the halo's K/V travel while the own
+    block's kernel (``compute_fwd[0]``) runs, then the halo's kernel (the other steps'
+    compute); backward, the halo's gradients first (``compute_bwd[1:]``), then their
+    float32 dK/dV travel back while the own block's backward runs. Nothing sent, no
+    latency (a reach of ``(0, 0)``)."""
+    overlaps = "collective-permute" in hardware.overlaps
+    seconds = comm = hidden = 0.0
+    for own, halo_compute, num_bytes in ((compute_fwd[0], sum(compute_fwd[1:]), fwd_bytes),
+                                         (compute_bwd[0], sum(compute_bwd[1:]), bwd_bytes)):
+        hop = num_bytes / link.bandwidth + link.latency if num_bytes else 0.0
+        comm += hop
+        if overlaps and num_bytes:
+            seconds += halo_compute + max(own, hop)
+            hidden += num_bytes
+        else:
+            seconds += halo_compute + own + hop
     return seconds, comm, hidden
 
 
@@ -216,8 +247,15 @@ def _seconds(candidate: Candidate, shape: LayerShape, hardware: Hardware, tile: 
         # first and last steps, all but one piece's share hidden; dK/dV's trip home then
         # travels during the last step's query pieces.
         n = entry.pieces(shape, ring, inner)[0] if entry.pieces and inner_entry else 1
-        seconds, comm, hidden = _ring(hardware, link, compute_fwd, kv_hop)
-        if shape.backward:  # P - 1 hops of K/V and dK/dV, then dK/dV home
+        # The mask's reach bounds the ring (its default order is the contiguous split):
+        # a halo exchange, in flight during the own block's kernel.
+        is_halo = ring > 1 and mask_reach(shape.mask, shape.seq_len // ring, ring) is not None
+        if is_halo:
+            seconds, comm, hidden = _halo(hardware, link, compute_fwd, compute_bwd,
+                                          fwd_ring, bwd_ring if shape.backward else 0.0)
+        else:
+            seconds, comm, hidden = _ring(hardware, link, compute_fwd, kv_hop)
+        if shape.backward and not is_halo:  # P - 1 hops of K/V and dK/dV, then dK/dV home
             dkv_hop = max(bwd_ring - (ring - 1) * kv_hop, 0.0) / ring
             bwd_seconds, bwd_comm, bwd_hidden = _ring(hardware, link, compute_bwd,
                                                       kv_hop + dkv_hop, home_bytes=dkv_hop,
@@ -301,13 +339,14 @@ def _memory(candidate: Candidate, shape: LayerShape, tile: int) -> float:
 
 def predict(candidate: Candidate, shape: LayerShape, hardware: Hardware | str | None, *,
             tile: int = TILE, segment_ids: jax.Array | None = None,
-            layout: Optional[LayoutName] = None, bidirectional_ids: jax.Array | None = None,
-            chunk_size: Optional[int] = None) -> dict:
+            layout: Optional[LayoutName] = None,
+            bidirectional_ids: jax.Array | None = None) -> dict:
     """One layer's predicted time, broken down, and memory for ``candidate`` on ``hardware``.
 
     Args:
       candidate: a strategy over ``ring x ulysses`` devices (:func:`candidates`).
-      shape: the layer; ``shape.backward`` counts the backward too.
+      shape: the layer; ``shape.backward`` counts the backward too, ``shape.chunk_size``
+        chunked attention (its reach bounds the bytes, its tiles the compute).
       hardware: a :class:`~jax_seqpar.planning.hardware.Hardware` or a preset name.
       tile: tokens per kernel tile, each side (whole tiles are computed).
       segment_ids: ``int[B', S]`` natural-order document ids of a representative batch
@@ -315,12 +354,13 @@ def predict(candidate: Candidate, shape: LayerShape, hardware: Hardware | str | 
         busiest device's computed tiles at every ring step, each tile classified per
         row (causal within documents), as the kernels compute them.
       layout: the batch's token order (:data:`jax_seqpar.core.layout.LAYOUTS`), or None: the package's default
-        (zigzag for causal rings, hybrids and all-gathers; else contiguous).
+        (:func:`jax_seqpar.strategies.registry.default_layout`: zigzag for causal rings,
+        hybrids and all-gathers whose mask's reach is not bounded; else contiguous).
         ``"per_document"`` needs ``segment_ids`` and is laid out with ``tile``.
       bidirectional_ids: ``int[B', S]`` natural-order ids of the same batch (a
         prefix-LM prompt, an image: tokens that see each other both ways under a causal
-        mask), or None. chunk_size: the layer's chunked attention, or None. With
-        either, compute counts that mask, and ``"per_document"`` is balanced by it.
+        mask), or None. With them (or ``shape.chunk_size``), compute counts that mask,
+        and ``"per_document"`` is balanced by it.
 
     Returns:
       A dict, per device:
@@ -347,7 +387,7 @@ def predict(candidate: Candidate, shape: LayerShape, hardware: Hardware | str | 
     True
     """
     hardware = hardware_lib.get(hardware)
-    spec = MaskSpec.make(shape.causal, shape.window, chunk_size)
+    spec = shape.mask
     documents = packed.documents(shape, Tokens(None, segment_ids, bidirectional_ids), layout,
                                  spec)
     result = _seconds(candidate, shape, hardware, tile, documents)

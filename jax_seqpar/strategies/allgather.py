@@ -1,12 +1,11 @@
 """All-gather attention: every device gathers the whole K/V and attends with its queries.
 
 Megatron-LM's ``all_gather`` context parallelism; Llama 3 (arXiv:2407.21783) uses
-it for long-context training. Simple and low-latency; K/V memory is O(S) per device.
-With zigzag positions the causal work is balanced. With a window on the contiguous
-split (default positions) only what the window reaches is gathered
-(``jax_seqpar.strategies.halo.window_attention``).
+it for long-context training. K/V memory is O(S) per device; zigzag balances causal
+work. A window or chunks on the contiguous split gather only the mask's reach
+(:func:`jax_seqpar.strategies.halo.mask_reach`): nothing where every chunk fits a shard.
 
-**Gathered in chunks** (``chunked_attention``): each device cuts its ``S/P`` K/V
+**Gathered in pieces** (``attention_in_pieces``): each device cuts its ``S/P`` K/V
 tokens into ``C`` slices, and piece ``c`` is the all-gather of every device's slice
 ``c`` (K and V as one collective). A loop attends to piece ``c`` while piece ``c + 1``
 is gathered, merging the partial results in float32 as the ring's steps do; only the
@@ -47,63 +46,63 @@ from jax_seqpar.strategies.inputs import (Metadata, Options, axis_size, describe
                                           gather_tokens, shard_operands)
 from jax_seqpar.strategies.ring import shift, shift_during
 from jax_seqpar.strategies.traffic import (INDEX_BYTES, NO_MASK, accumulator_bytes, halo_bytes,
-                                           window_reach)
+                                           layer_reach)
 
 if TYPE_CHECKING:  # annotations only
     from jax_seqpar.core.masks import MaskSpec
     from jax_seqpar.core.shape import LayerShape
     from jax_seqpar.kernels.options import BlockSizes, KernelName
 
-__all__ = ["ENTRY", "allgather_attention", "allgather_bytes", "attend", "chunk_counts",
-           "default_chunks", "exchange_steps", "gathered_memory", "MAX_AUTO_CHUNKS",
-           "MIN_CHUNK_TOKENS", "resolve_chunks"]
+__all__ = ["ENTRY", "allgather_attention", "allgather_bytes", "attend", "piece_counts",
+           "default_pieces", "exchange_steps", "gathered_memory", "MAX_AUTO_PIECES",
+           "MIN_PIECE_TOKENS", "resolve_gathered_pieces"]
 
-#: ``chunks="auto"`` takes at most this many pieces: 16 hide fifteen sixteenths of the
+#: ``pieces="auto"`` takes at most this many pieces: 16 hide fifteen sixteenths of the
 #: gathered bytes (B=1, S=16384, H=16, Hkv=4, D=128, bf16, causal, 8 devices, compiled
 #: for h100:8 and v5p:2x2x2: 93.6 % of the forward's bytes and 90.3 % of the forward +
 #: backward's hidden, against 87 % with 8 pieces, with less temp memory than one
 #: gather); each further piece is one more kernel call that re-reads and re-writes the
 #: float32 running result (the Mosaic kernel continues it in place).
-MAX_AUTO_CHUNKS = 16
-#: ``chunks="auto"`` keeps at least this many of a device's tokens in each piece (a
+MAX_AUTO_PIECES = 16
+#: ``pieces="auto"`` keeps at least this many of a device's tokens in each piece (a
 #: Mosaic tile is 128 tokens; smaller slices make the pieces' key tiles span more
 #: devices' positions, so fewer causal tiles are skipped).
-MIN_CHUNK_TOKENS = 128
+MIN_PIECE_TOKENS = 128
 
 
-def chunk_counts(local_len: int) -> tuple[int, ...]:
+def piece_counts(local_len: int) -> tuple[int, ...]:
     """Every chunk count :func:`allgather_attention` takes for ``local_len`` tokens per
     device: the divisors of ``local_len``."""
     return tuple(c for c in range(1, local_len + 1) if local_len % c == 0)
 
 
-def default_chunks(local_len: int) -> int:
-    """What ``chunks="auto"`` takes: the largest power of two up to
-    :data:`MAX_AUTO_CHUNKS` dividing ``local_len`` that leaves every device's slice
-    of a piece :data:`MIN_CHUNK_TOKENS` tokens or more (1 when none does).
+def default_pieces(local_len: int) -> int:
+    """What ``pieces="auto"`` takes: the largest power of two up to
+    :data:`MAX_AUTO_PIECES` dividing ``local_len`` that leaves every device's slice
+    of a piece :data:`MIN_PIECE_TOKENS` tokens or more (1 when none does).
 
     .. code-block:: python
 
-        default_chunks(2048), default_chunks(1024), default_chunks(256), default_chunks(64)
+        default_pieces(2048), default_pieces(1024), default_pieces(256), default_pieces(64)
         # (16, 8, 2, 1)
     """
-    chunks = 1
-    while (2 * chunks <= MAX_AUTO_CHUNKS and local_len % (2 * chunks) == 0
-           and local_len // (2 * chunks) >= MIN_CHUNK_TOKENS):
-        chunks *= 2
-    return chunks
+    pieces = 1
+    while (2 * pieces <= MAX_AUTO_PIECES and local_len % (2 * pieces) == 0
+           and local_len // (2 * pieces) >= MIN_PIECE_TOKENS):
+        pieces *= 2
+    return pieces
 
 
-def resolve_chunks(chunks: int | Literal['auto'], local_len: int) -> int:
-    """``chunks`` checked against ``local_len`` (``"auto"``: :func:`default_chunks`)."""
-    if chunks == "auto":
-        return default_chunks(local_len)
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1 or (
-            local_len % chunks):
-        raise ValueError(f"chunks={chunks!r} must be a positive divisor of the {local_len} "
-                         f"tokens each device holds: one of {chunk_counts(local_len)} "
+def resolve_gathered_pieces(pieces: int | Literal['auto'], local_len: int) -> int:
+    """``pieces`` checked against ``local_len`` (``"auto"``: :func:`default_pieces`)."""
+    if pieces == "auto":
+        return default_pieces(local_len)
+    if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1 or (
+            local_len % pieces):
+        raise ValueError(f"pieces={pieces!r} must be a positive divisor of the {local_len} "
+                         f"tokens each device holds: one of {piece_counts(local_len)} "
                          "(or 'auto').")
-    return chunks
+    return pieces
 
 
 def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | tuple[str, ...],
@@ -114,7 +113,7 @@ def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: s
                         sinks: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                         chunk_size: int | None = None, bidirectional_ids: jax.Array | None = None,
                         mask_fn: Callable | None = None, return_lse: bool = False,
-                        chunks: int | Literal["auto"] = "auto"):
+                        pieces: int | Literal["auto"] = "auto"):
     """Exact attention of a sequence sharded over ``seq_axes`` (call inside ``shard_map``).
 
     Args:
@@ -122,10 +121,10 @@ def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: s
       seq_axes, causal, window, chunk_size, mask_fn, segment_ids, positions,
         bidirectional_ids, scale, kernel, block_sizes, softcap, sinks, kv_segment_ids,
         return_lse: as in :func:`jax_seqpar.strategies.ring.ring_attention`.
-      chunks: how many pieces K/V are gathered in (see the module docstring; a divisor
-        of ``S/P``; :func:`chunk_counts`). ``"auto"`` (default, :func:`default_chunks`): up to
-        :data:`MAX_AUTO_CHUNKS`, each device's slice of a piece at least
-        :data:`MIN_CHUNK_TOKENS` tokens. Pieces cost no memory (the gathered K/V are
+      pieces: how many pieces K/V are gathered in (see the module docstring; a divisor
+        of ``S/P``; :func:`piece_counts`). ``"auto"`` (default, :func:`default_pieces`): up to
+        :data:`MAX_AUTO_PIECES`, each device's slice of a piece at least
+        :data:`MIN_PIECE_TOKENS` tokens. Pieces cost no memory (the gathered K/V are
         written in place into the buffer the backward reads); each is one more kernel
         call. ``1``: one all-gather before one kernel call. A window on the contiguous
         split gathers only its halo, in one piece.
@@ -143,41 +142,41 @@ def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: s
         scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
         return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
         positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks)
-    return attend(q, k, v, options, metadata, seq_axes=seq_axes, chunks=chunks)
+    return attend(q, k, v, options, metadata, seq_axes=seq_axes, pieces=pieces)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata: Metadata,
-           *, seq_axes: str | tuple[str, ...], chunks: int | Literal['auto'] = "auto"):
+           *, seq_axes: str | tuple[str, ...], pieces: int | Literal['auto'] = "auto"):
     """The all-gather on described inputs (:func:`allgather_attention` after its checks), the core the global
     view runs inside ``shard_map``: ``options`` and the local, checked ``metadata``
     (:func:`jax_seqpar.strategies.inputs.describe`)."""
     shard = shard_operands(q, metadata, seq_axes)
-    chunks = resolve_chunks(chunks, q.shape[1])
+    pieces = resolve_gathered_pieces(pieces, q.shape[1])
     reach = None
     if metadata.positions is None:  # the contiguous split: a window may be a halo
-        reach = halo.halo_sizes(options.spec, q.shape[1], axis_size(seq_axes),
+        reach = halo.mask_reach(options.spec, q.shape[1], axis_size(seq_axes),
                                 bidirectional=shard.q_tokens.bidirectional_ids is not None)
     if reach is None:
-        out, lse = chunked_attention(seq_axes, options, q, k, v, shard.q_tokens,
-                                     shard.kv_tokens, chunks=chunks)
+        out, lse = attention_in_pieces(seq_axes, options, q, k, v, shard.q_tokens,
+                                     shard.kv_tokens, pieces=pieces)
     else:
         out, lse = halo.window_attention(seq_axes, options, reach, q, k, v,
                                          shard.q_tokens, shard.kv_tokens)
     return finish(options, q, out, lse, shard)  # [B, S/P, H, Dv]
 
 
-def chunked_attention(axis_name, options, q, k, v, q_tokens, kv_tokens, *, chunks: int):
-    """The chunked all-gather on prepared inputs (see the module docstring).
+def attention_in_pieces(axis_name, options, q, k, v, q_tokens, kv_tokens, *, pieces: int):
+    """The all-gather in pieces on prepared inputs (see the module docstring).
 
     Args:
       axis_name: the gather's mesh axis (or axes); options: the call's ``Options``.
       q, k, v: ``[B, S/P, H|Hkv, D]`` local shards; q_tokens, kv_tokens: their metadata.
-      chunks: a divisor of ``S/P``.
+      pieces: a divisor of ``S/P``.
     Returns:
       ``out float32[B, S/P, H, Dv]`` and ``lse float32[B, S/P, H]``, differentiable in
       q, k, v (the backward accepts the ``lse`` cotangent).
     """
-    return _chunked((axis_name, options, int(chunks)), q, k, v, q_tokens, kv_tokens)
+    return _in_pieces((axis_name, options, int(pieces)), q, k, v, q_tokens, kv_tokens)
 
 
 def _packs(k, v) -> bool:
@@ -185,14 +184,14 @@ def _packs(k, v) -> bool:
     return k.shape == v.shape
 
 
-def _gather_piece(axis_name, chunks, k, v, all_tokens, c):
+def _gather_piece(axis_name, pieces, k, v, all_tokens, c):
     """Piece ``c`` (a traced index): every device's slice ``c`` of K and V, gathered.
 
     Returns ``(kv, tokens)``: ``kv`` the raw gathered ``[2, B, P*n, Hkv, D]`` (K and V
     stacked) or the pair ``([B, P*n, Hkv, Dqk], [B, P*n, Hkv, Dv])``; ``tokens`` the
     piece's slice of the whole sequence's metadata ``all_tokens``.
     """
-    n = k.shape[1] // chunks
+    n = k.shape[1] // pieces
     ks, vs = (jax.lax.dynamic_slice_in_dim(x, c * n, n, axis=1) for x in (k, v))
     if _packs(k, v):
         kv = jax.lax.all_gather(jnp.stack([ks, vs]), axis_name, axis=2, tiled=True)
@@ -201,7 +200,7 @@ def _gather_piece(axis_name, chunks, k, v, all_tokens, c):
     size = axis_size(axis_name)
 
     def piece_of(t):  # [B, S] device-major -> [B, P*n] of slice c
-        t = t.reshape(t.shape[0], size, chunks, n)
+        t = t.reshape(t.shape[0], size, pieces, n)
         return jax.lax.dynamic_index_in_dim(t, c, axis=2, keepdims=False).reshape(
             t.shape[0], -1)
 
@@ -214,12 +213,12 @@ def _unpack(kv):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _chunked(config, q, k, v, q_tokens, kv_tokens):
-    return _chunked_forward(config, q, k, v, q_tokens, kv_tokens)[0]
+def _in_pieces(config, q, k, v, q_tokens, kv_tokens):
+    return _in_pieces_forward(config, q, k, v, q_tokens, kv_tokens)[0]
 
 
-def _chunked_forward(config, q, k, v, q_tokens, kv_tokens):
-    axis_name, options, chunks = config
+def _in_pieces_forward(config, q, k, v, q_tokens, kv_tokens):
+    axis_name, options, pieces = config
     all_tokens = gather_tokens(kv_tokens, axis_name)  # [B, S], once
     batch, local_len, heads, _ = q.shape
 
@@ -254,32 +253,32 @@ def _chunked_forward(config, q, k, v, q_tokens, kv_tokens):
     acc = (jnp.zeros((batch, local_len, heads, v.shape[-1]), jnp.float32),
            jnp.full((batch, local_len, heads), EMPTY_LSE, jnp.float32))
     acc = _compat.match_varying(acc, q)
-    piece = _gather_piece(axis_name, chunks, k, v, all_tokens, 0)
-    kept = jax.tree.map(lambda x: jnp.zeros((chunks, *x.shape), x.dtype), piece[0])
+    piece = _gather_piece(axis_name, pieces, k, v, all_tokens, 0)
+    kept = jax.tree.map(lambda x: jnp.zeros((pieces, *x.shape), x.dtype), piece[0])
     kept = _compat.match_varying(kept, (q, piece[0]))
-    if chunks > 1:
+    if pieces > 1:
         def step(carry, c):
             acc, piece, kept = carry
-            upcoming = _gather_piece(axis_name, chunks, k, v, all_tokens, c + 1)
+            upcoming = _gather_piece(axis_name, pieces, k, v, all_tokens, c + 1)
             # The kernel's result and the next piece's arrival (its raw gather) pass one
             # barrier: the gather is left to run while this piece's kernel computes.
             acc, upcoming = attend_during(acc, piece, upcoming)
             return (acc, upcoming, keep(kept, piece, c)), None
 
         carry = _compat.match_varying((acc, piece, kept), (acc, piece, kept))
-        (acc, piece, kept), _ = jax.lax.scan(step, carry, jnp.arange(chunks - 1))
+        (acc, piece, kept), _ = jax.lax.scan(step, carry, jnp.arange(pieces - 1))
     acc = attend(acc, piece)
-    return acc, (keep(kept, piece, chunks - 1), all_tokens)
+    return acc, (keep(kept, piece, pieces - 1), all_tokens)
 
 
-def _chunked_fwd(config, q, k, v, q_tokens, kv_tokens):
-    (out, lse), (kept, all_tokens) = _chunked_forward(config, q, k, v, q_tokens, kv_tokens)
+def _in_pieces_fwd(config, q, k, v, q_tokens, kv_tokens):
+    (out, lse), (kept, all_tokens) = _in_pieces_forward(config, q, k, v, q_tokens, kv_tokens)
     # q, the pieces (the whole K/V, in the input dtype), out (input dtype) and lse.
     return (out, lse), (q, q_tokens, all_tokens, kept, out.astype(q.dtype), lse)
 
 
-def _chunked_bwd(config, residuals, cotangents):
-    axis_name, options, chunks = config
+def _in_pieces_bwd(config, residuals, cotangents):
+    axis_name, options, pieces = config
     q, q_tokens, all_tokens, kept, out, lse = residuals
     dout, dlse = cotangents
     delta = jnp.einsum("bqhd,bqhd->bqh", dout.astype(jnp.float32),
@@ -287,13 +286,13 @@ def _chunked_bwd(config, residuals, cotangents):
     dout = dout.astype(q.dtype)
     size, me = axis_size(axis_name), jax.lax.axis_index(axis_name)
     local_len = q.shape[1]
-    n = local_len // chunks
+    n = local_len // pieces
     kept_kv = (kept[:, 0], kept[:, 1]) if not isinstance(kept, tuple) else kept
 
     def source(j):
         """Device ``j``'s K/V (its own token order) and metadata, from the kept pieces."""
         def of(x):  # [C, B, P*n, ...] -> [B, C*n, ...] of device j
-            x = x.reshape(chunks, x.shape[1], size, n, *x.shape[3:])
+            x = x.reshape(pieces, x.shape[1], size, n, *x.shape[3:])
             x = jax.lax.dynamic_index_in_dim(x, j, axis=2, keepdims=False)  # [C, B, n, ...]
             return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], local_len, *x.shape[3:])
 
@@ -333,7 +332,7 @@ def _chunked_bwd(config, residuals, cotangents):
             *no_grad)
 
 
-_chunked.defvjp(_chunked_fwd, _chunked_bwd)
+_in_pieces.defvjp(_in_pieces_fwd, _in_pieces_bwd)
 
 
 # The model: the bytes the all-gather sends, its latency steps, pieces and memory.
@@ -365,10 +364,11 @@ def _gather_bytes(*, batch, seq_len, num_kv_heads, head_dim, v_head_dim, axis_si
 
 def allgather_bytes(sizes: tuple[int, ...], *, num_heads: int, seq_len: int,
                     spec: MaskSpec = NO_MASK, **shape: Any) -> float:
-    """The all-gather over all ``sizes`` devices (the halo only with a window)."""
+    """The all-gather over all ``sizes`` devices (the halo only where a window or chunks
+    bound the mask's reach; nothing at reach ``(0, 0)``)."""
     devices = math.prod(sizes)
     return _gather_bytes(seq_len=seq_len, axis_size=devices,
-                         reach=window_reach(spec, seq_len, devices), **shape)
+                         reach=layer_reach(spec, seq_len, devices), **shape)
 
 
 def exchange_steps(size: int, shape: LayerShape) -> int:
@@ -388,13 +388,13 @@ def gathered_memory(shape: LayerShape, ring: int, ulysses: int) -> float:
 
 
 def _pieces(shape: LayerShape, ring: int, ulysses: int) -> tuple[int, int]:
-    """Forward: K/V gathered in :func:`default_chunks` pieces; backward: dK/dV passed
+    """Forward: K/V gathered in :func:`default_pieces` pieces; backward: dK/dV passed
     around the ring, a hop a piece."""
-    return default_chunks(-(-shape.seq_len // ring)), ring
+    return default_pieces(-(-shape.seq_len // ring)), ring
 
 
 #: The all-gather's registry entry (:mod:`jax_seqpar.strategies.registry`).
 ENTRY = Strategy("allgather", allgather_attention, allgather_bytes, zigzag_balances=True,
                  exchanges=("all-gather", "collective-permute"), exchange_steps=exchange_steps,
                  gathers_kv=True, kv_memory=gathered_memory, pieces=_pieces, attend=attend,
-                 pipelining=("chunks",))
+                 pipelining=("pieces",))

@@ -36,7 +36,7 @@ class Strategy:
         :class:`~jax_seqpar.strategies.inputs.Metadata`): what the global view runs.
         None: the strategy runs only per shard (the global view refuses it).
       pipelining: the keywords of ``attend`` beyond ``seq_axes`` (``"overlap"``,
-        ``"chunks"``, ``"head_groups"``): the global call passes those it was given.
+        ``"pieces"``, ``"head_groups"``): the global call passes those it was given.
       bytes: its traffic model, ``bytes(sizes, *, batch, seq_len, num_heads,
         num_kv_heads, head_dim, v_head_dim, dtype_bytes, backward, with_segment_ids,
         spec) -> bytes one device sends`` over ``sizes`` (devices per sequence axis;
@@ -54,7 +54,7 @@ class Strategy:
         (decode runs against a KV cache: :mod:`jax_seqpar.api.inference`); only such
         strategies are the planner's candidates.
       pieces: ``pieces(shape, ring, ulysses) -> (forward, backward)``: into how many
-        pieces its ``head_groups`` / ``chunks="auto"`` cut the forward's and the
+        pieces its ``head_groups`` / ``pieces="auto"`` cut the forward's and the
         backward's exchanges of a :class:`~jax_seqpar.core.shape.LayerShape` over
         ``ring x ulysses`` devices (:meth:`factorization`; a two-axis strategy's: its
         inner exchange), so that each piece after the first travels while a kernel

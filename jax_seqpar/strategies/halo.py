@@ -1,26 +1,31 @@
-"""Halo exchange: windowed attention on the contiguous split sends only what the window reaches.
+"""Halo exchange: on the contiguous split a device receives only what the mask reaches.
 
-With ``window=(left, right)`` (``right = 0`` when causal) a query of shard ``r``
-(positions ``r*L .. r*L+L-1``, ``L = S/P``) sees keys from ``r*L - left`` to
-``r*L + L - 1 + right``. So shard ``r`` needs the last ``left`` tokens before its
+The reach of a mask (:func:`mask_reach`) is the tokens ``(left, right)`` beyond a shard
+that some query of it can see: with ``window=(left, right)`` (``right = 0`` when
+causal) a query of shard ``r`` (positions ``r*L .. r*L+L-1``, ``L = S/P``) sees keys
+from ``r*L - left`` to ``r*L + L - 1 + right``; with ``chunk_size`` only keys of its own
+chunk (so back to its chunk's start, and without ``causal`` on to its chunk's end); the
+tighter of the two wins. Shard ``r`` then needs the last ``left`` tokens before its
 own and the first ``right`` after: ``ceil(left/L)`` hops from the lower
 neighbours and ``ceil(right/L)`` from the higher ones, the far hop carrying only
 the remainder. Each hop forwards the needed suffix (prefix) of what the previous
-hop brought, so a device sends exactly ``left + right`` tokens of K/V, whatever P.
+hop brought, so a device sends exactly ``left + right`` tokens of K/V, whatever P;
+a reach of ``(0, 0)`` (chunks that fit a shard) sends nothing, forward or backward.
 The positions of the halo are known (the split is contiguous), so only K/V and
 segment ids (and bidirectional ids) travel. With bidirectional ids a causal query also
-sees later keys of its id, so the halo keeps the window's right side then. Permutations
+sees later keys of its id, so the halo keeps the right side then. Permutations
 do not wrap around the sequence ends: shard 0 gets zeros from "the left", at positions
-(mod S) the window never reaches.
+(mod S) that no query sees (:func:`mask_reach` refuses a reach where one would).
 
-Used only when ``left + right < S - L`` (else the window reaches nearly every
+Used only when ``left + right < S - L`` (else the mask reaches nearly every
 shard and the full ring is as cheap) and only for the contiguous split: with any
-other positions the halo would not hold the keys the window needs.
+other positions the halo would not hold the keys the mask needs.
 
 ``halo_attention`` is the ring's form (a ``custom_vjp``: the backward sends
 float32 dK/dV back along the same hops); ``window_attention`` is the
 all-gather form (one kernel call over ``[left halo, own, right halo]``; its backward
-sends the halo's float32 dK/dV back the same way).
+sends the halo's float32 dK/dV back the same way); :func:`local_or_none` is the
+``(0, 0)`` case Ulysses and the hybrid route to.
 """
 
 from __future__ import annotations
@@ -40,41 +45,83 @@ from jax_seqpar.core.merge import merge
 if TYPE_CHECKING:  # annotations only
     from jax_seqpar.kernels.options import Options
 
-__all__ = ["exchange", "halo_attention", "halo_sizes", "ring_is_halo", "window_attention"]
+__all__ = ["exchange", "halo_attention", "is_local", "local_or_none", "mask_reach",
+           "window_attention"]
 
 
-def halo_sizes(spec: MaskSpec, local_len: int, num_shards: int, *,
+def mask_reach(spec: MaskSpec, local_len: int, num_shards: int, *,
                bidirectional: bool = False) -> Optional[tuple[int, int]]:
-    """Tokens ``(left, right)`` a shard needs from its neighbours, or None for the full ring.
+    """The reach of a mask on the contiguous split: tokens ``(left, right)`` beyond its own
+    that some query of a shard can see, or None (the full ring).
+
+    Shard ``r`` holds positions ``r*L .. r*L+L-1`` (``L = local_len``, ``S = P*L``). Each
+    field of the mask that bounds a query's keys bounds the reach, and the tighter bound
+    wins:
+
+    * ``window=(left, right)``: ``left`` tokens before the shard, ``right`` after;
+    * ``chunk_size=c``: a query sees keys of its own chunk only, so shard ``r`` needs
+      ``(r*L) mod c`` tokens before it (its first query's chunk start) and, without
+      ``causal``, ``(-(r+1)*L) mod c`` after it (its last query's chunk end, clipped
+      at ``S``); the reach is the largest over the shards;
+    * ``causal`` makes ``right`` 0, unless ``bidirectional``: with bidirectional ids a
+      causal query also sees the later keys of its id, bounded only by the window and
+      the chunk's end then.
+
+    ``mask_fn``, segment ids and padding only take keys away. ``(0, 0)``: every query's
+    keys are on its own device (chunks that fit a shard), so nothing need travel.
 
     Args:
-      spec: the mask; only a window bounds the reach (``causal`` makes ``right`` 0,
-        unless ``bidirectional``). Chunks and ``mask_fn`` only take keys away.
-      local_len: ``L = S/P`` tokens per shard; num_shards: ``P``.
-      bidirectional: the tokens carry bidirectional ids, with which a causal query
-        sees the later keys of its id: the window's right side still bounds them.
+      spec: the mask; local_len: ``L``; num_shards: ``P``.
+      bidirectional: the tokens carry bidirectional ids.
     Returns:
-      ``(left, right)`` with ``left + right < (P-1)*L``, or None when there is no
-      window or it reaches (nearly) every shard.
+      ``(left, right)`` with ``left + right < (P-1)*L``, or None when nothing bounds
+      the reach or it reaches (nearly) every shard.
+
+    >>> mask_reach(MaskSpec.make(causal=True, chunk_size=1024), 1024, 8)
+    (0, 0)
+    >>> mask_reach(MaskSpec.make(causal=True, chunk_size=2048), 1024, 8)
+    (1024, 0)
+    >>> mask_reach(MaskSpec.make(causal=True, window=(1024, 0), chunk_size=512), 1024, 8)
+    (0, 0)
     """
-    if spec.window is None:
-        return None
-    left, right = spec.window
+    infinite = (num_shards - 1) * local_len  # the whole rest of the sequence
+    left = right = infinite
+    if spec.window is not None:
+        left, right = min(spec.window[0], infinite), min(spec.window[1], infinite)
+    if spec.chunk_size is not None:
+        chunk, seq_len = spec.chunk_size, num_shards * local_len
+        left = min(left, max((r * local_len) % chunk for r in range(num_shards)))
+        right = min(right, max(min((-(r + 1) * local_len) % chunk, seq_len - (r + 1) * local_len)
+                               for r in range(num_shards)))
     if spec.causal and not bidirectional:
         right = 0
-    if left + right >= (num_shards - 1) * local_len:
+    if left + right >= infinite or not _ends_unseen(spec, left, right, local_len, num_shards):
         return None
     return left, right
 
 
-def ring_is_halo(spec: MaskSpec, local_len: int, num_shards: int, *,
-                 bidirectional: bool = False) -> bool:
-    """Whether a ring of ``num_shards`` shards of ``local_len`` tokens on the contiguous
-    split is a halo exchange (:func:`halo_sizes`): then the hybrid, whose ring it is,
-    does not chunk its inner exchange (there is no ring step to hide the pieces behind).
-    """
-    return num_shards > 1 and halo_sizes(spec, local_len, num_shards,
-                                         bidirectional=bidirectional) is not None
+def _ends_unseen(spec: MaskSpec, left: int, right: int, local_len: int,
+                 num_shards: int) -> bool:
+    """Whether no query sees the halo's tokens past the sequence ends: shard 0's left halo
+    (zeros at positions ``S-left .. S-1``) and shard ``P-1``'s right halo (zeros at
+    ``0 .. right-1``), as :func:`_halo_positions` places them. A causal mask hides the
+    first (later keys), a window or the chunks either."""
+    seq_len, chunk, window = num_shards * local_len, spec.chunk_size, spec.window
+    left_hidden = not left or spec.causal or (
+        window is not None and seq_len - left - (local_len - 1) > window[1]) or (
+        chunk is not None and (seq_len - left) // chunk > (local_len - 1) // chunk)
+    right_hidden = not right or (
+        window is not None and seq_len - local_len - right + 1 > window[0]) or (
+        chunk is not None and (right - 1) // chunk < (seq_len - local_len) // chunk)
+    return bool(left_hidden and right_hidden)
+
+
+def is_local(spec: MaskSpec, local_len: int, num_shards: int, *,
+             bidirectional: bool = False) -> bool:
+    """Whether the mask's reach on the contiguous split is ``(0, 0)``: every query's keys
+    are on its own device, and attention needs no collective at all (forward and
+    backward)."""
+    return mask_reach(spec, local_len, num_shards, bidirectional=bidirectional) == (0, 0)
 
 
 #: Strategies whose causal work zigzag balances (Ulysses is balanced by construction).
@@ -226,7 +273,7 @@ def halo_attention(axis_name: str | tuple[str, ...], options: Options, reach: tu
 
     Args:
       axis_name: the sequence axis; options: the call's static ``Options``;
-      reach: ``(left, right)`` from :func:`halo_sizes`.
+      reach: ``(left, right)`` from :func:`mask_reach`.
       q, k, v: ``[B, L, H|Hkv, D]`` local shards of a contiguous split; q_tokens,
         kv_tokens: their metadata.
     Returns:
@@ -282,3 +329,18 @@ def _zeros_like(arrays, like):
 
 
 halo_attention.defvjp(_halo_fwd, _halo_bwd)
+
+
+def local_or_none(axis_name: str | tuple[str, ...], options: Options, q: jax.Array,
+                  k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens, *,
+                  contiguous: bool):
+    """Attention of the shard's queries to its own keys where the mask's reach is
+    ``(0, 0)`` on the contiguous split (:func:`is_local`: chunks that fit a shard), else
+    None: ``(out float32[B, L, H, Dv], lse float32[B, L, H])`` with no collective,
+    forward or backward (Ulysses and the hybrid route here; the ring and the all-gather
+    get the same from their halo forms). ``q, k, v``: ``[B, L, H|Hkv, D]`` shards of
+    ``axis_name``; ``contiguous``: their positions are the contiguous split."""
+    if not contiguous or not is_local(options.spec, q.shape[1], axis_size(axis_name),
+                                      bidirectional=q_tokens.bidirectional_ids is not None):
+        return None
+    return halo_attention(axis_name, options, (0, 0), q, k, v, q_tokens, kv_tokens)

@@ -4,11 +4,11 @@ The all-to-all gives each of P devices ``H/P`` query heads; K/V heads are replic
 just enough (:func:`kv_replication`) for every device to hold the K/V heads of its
 query heads. The exchange is pipelined (``overlap="auto"``) along the sequence where
 each device holds enough tokens (:mod:`jax_seqpar.strategies.seq_pipeline`, and the
-hybrid's :mod:`jax_seqpar.strategies.ring_pieces`: :func:`chunk_counts`,
-:func:`chunk_sizes`, :func:`default_chunks`), else over head groups
+hybrid's :mod:`jax_seqpar.strategies.ring_pieces`: :func:`piece_counts`,
+:func:`piece_sizes`, :func:`default_pieces`), else over head groups
 (:mod:`jax_seqpar.strategies.head_pipeline`: :func:`head_group_counts`,
 :func:`default_head_groups`). :func:`resolve_pieces` reads the call's ``overlap``,
-``chunks`` and ``head_groups`` with these rules, which the planner's
+``pieces`` and ``head_groups`` with these rules, which the planner's
 :attr:`~jax_seqpar.strategies.entry.Strategy.pieces` shares.
 """
 
@@ -21,24 +21,24 @@ import jax
 
 from jax_seqpar.strategies.inputs import axis_size
 
-__all__ = ["chunk_counts", "chunk_sizes", "default_chunks", "default_head_groups",
+__all__ = ["piece_counts", "piece_sizes", "default_pieces", "default_head_groups",
            "head_group_counts", "kv_replication", "local_head_counts", "local_heads",
-           "MAX_AUTO_CHUNKS", "MAX_AUTO_HEAD_GROUPS", "MAX_CHUNKS", "MIN_CHUNK_TOKENS",
+           "MAX_AUTO_PIECES", "MAX_AUTO_HEAD_GROUPS", "MAX_PIECES", "MIN_PIECE_TOKENS",
            "resolve_head_groups", "resolve_pieces"]
 
 #: ``head_groups="auto"`` takes at most this many groups: 4 hide three quarters of the
 #: groups' traffic; every further group is one more kernel call and two more collectives
 #: (latency) for less and less.
 MAX_AUTO_HEAD_GROUPS = 4
-#: ``chunks="auto"`` takes at most this many sequence chunks: they leave ``1/2^(c-1)`` of
+#: ``pieces="auto"`` takes at most this many sequence pieces: they leave ``1/2^(c-1)`` of
 #: the bytes exposed (5: 6.25 %); every further chunk doubles the K/V pieces (a kernel
 #: call each, forward and backward) for half as much again.
-MAX_AUTO_CHUNKS = 5
-#: ``chunks="auto"`` keeps the smallest chunk at this many tokens after the all-to-all
+MAX_AUTO_PIECES = 5
+#: ``pieces="auto"`` keeps the smallest chunk at this many tokens after the all-to-all
 #: (``P`` devices' share of it): whole kernel tiles.
-MIN_CHUNK_TOKENS = 128
-#: The most chunks a call takes when forced, ``2^(c-1)`` K/V pieces, a kernel call each.
-MAX_CHUNKS = 6
+MIN_PIECE_TOKENS = 128
+#: The most pieces a call takes when forced, ``2^(c-1)`` K/V pieces, a kernel call each.
+MAX_PIECES = 6
 
 
 def kv_replication(num_heads: int, num_kv_heads: int, num_shards: int) -> int:
@@ -113,26 +113,26 @@ def local_heads(x: jax.Array | None, axis_name: str | tuple[str, ...]) -> jax.Ar
     return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis_name) * size, size)
 
 
-def chunk_sizes(local_len: int, chunks: int) -> tuple[int, ...]:
+def piece_sizes(local_len: int, pieces: int) -> tuple[int, ...]:
     """Local tokens of each query piece of the sequence-chunk pipeline
-    (:mod:`jax_seqpar.strategies.seq_pipeline`) with ``chunks = c``: ``u = L/2^(c-1)``
+    (:mod:`jax_seqpar.strategies.seq_pipeline`) with ``pieces = c``: ``u = L/2^(c-1)``
     first (it meets the K/V pieces, ``2^(c-1)`` of ``u`` tokens each, while they arrive),
     then halving, ``L/2, L/4, ..., 2u, u``, with any piece over ``L/4`` cut into
     ``floor(piece / (L/4))`` near-equal pieces (each piece attends to every key in one
     kernel call while the next comes in and the previous output leaves: the largest
     piece's float32 result is about a quarter of the sequence's). The first query and K/V
     pieces and the last output piece are exposed: ``1/2^(c-1)`` of the bytes. The sizes
-    sum to ``L`` for every count of :func:`chunk_counts` (``L/4`` need not be whole).
+    sum to ``L`` for every count of :func:`piece_counts` (``L/4`` need not be whole).
 
-    >>> chunk_sizes(2048, 5)
+    >>> piece_sizes(2048, 5)
     (128, 512, 512, 512, 256, 128)
-    >>> chunk_sizes(126, 2)
+    >>> piece_sizes(126, 2)
     (63, 32, 31)
     """
-    if chunks == 1:
+    if pieces == 1:
         return (local_len,)
-    unit, cap = local_len // 2 ** (chunks - 1), max(local_len // 4, 1)
-    halving = [unit * 2 ** i for i in reversed(range(chunks - 1))]
+    unit, cap = local_len // 2 ** (pieces - 1), max(local_len // 4, 1)
+    halving = [unit * 2 ** i for i in reversed(range(pieces - 1))]
     return (unit, *(piece for s in halving for piece in _near_equal(s, max(s // cap, 1))))
 
 
@@ -141,65 +141,65 @@ def _near_equal(total: int, count: int) -> tuple[int, ...]:
     return tuple(total // count + (i < total % count) for i in range(count))
 
 
-def chunk_counts(local_len: int) -> tuple[int, ...]:
+def piece_counts(local_len: int) -> tuple[int, ...]:
     """Every chunk count ``c`` a device's ``local_len`` tokens allow: ``2^(c-1)`` divides
-    them, up to :data:`MAX_CHUNKS`.
+    them, up to :data:`MAX_PIECES`.
 
-    >>> chunk_counts(24)
+    >>> piece_counts(24)
     (1, 2, 3, 4)
     """
-    return tuple(c for c in range(1, MAX_CHUNKS + 1) if local_len % 2 ** (c - 1) == 0)
+    return tuple(c for c in range(1, MAX_PIECES + 1) if local_len % 2 ** (c - 1) == 0)
 
 
-def default_chunks(local_len: int, num_shards: int) -> int:
-    """What ``chunks="auto"`` takes: the most chunks of :func:`chunk_counts` up to
-    :data:`MAX_AUTO_CHUNKS` whose smallest chunk brings :data:`MIN_CHUNK_TOKENS` tokens
+def default_pieces(local_len: int, num_shards: int) -> int:
+    """What ``pieces="auto"`` takes: the most pieces of :func:`piece_counts` up to
+    :data:`MAX_AUTO_PIECES` whose smallest chunk brings :data:`MIN_PIECE_TOKENS` tokens
     or more (1 on a single device: nothing to exchange)."""
     if num_shards == 1:
         return 1
-    return max(c for c in chunk_counts(local_len) if c <= MAX_AUTO_CHUNKS and (
-        c == 1 or num_shards * chunk_sizes(local_len, c)[0] >= MIN_CHUNK_TOKENS))
+    return max(c for c in piece_counts(local_len) if c <= MAX_AUTO_PIECES and (
+        c == 1 or num_shards * piece_sizes(local_len, c)[0] >= MIN_PIECE_TOKENS))
 
 
-def resolve_pieces(overlap: bool | Literal['auto'], chunks: int | Literal['auto'],
+def resolve_pieces(overlap: bool | Literal['auto'], pieces: int | Literal['auto'],
                    head_groups: int | Literal['auto'], num_heads: int, num_kv_heads: int,
                    num_shards: int, local_len: int, *, shared_kv: bool = True,
-                   chunked: bool = True) -> tuple[int, int]:
-    """``(chunks, head_groups)`` of one Ulysses exchange from the call's keywords.
+                   in_pieces: bool = True) -> tuple[int, int]:
+    """``(pieces, head_groups)`` of one Ulysses exchange from the call's keywords.
 
-    ``overlap=False``: ``(1, 1)``, each exchange whole (then ``chunks`` and
+    ``overlap=False``: ``(1, 1)``, each exchange whole (then ``pieces`` and
     ``head_groups`` must be 1 or ``"auto"``). ``overlap="auto"`` or True:
-    ``chunks="auto"`` is :func:`default_chunks` (1 where ``chunked`` is False: a hybrid
+    ``pieces="auto"`` is :func:`default_pieces` (1 where ``in_pieces`` is False: a hybrid
     whose ring is a halo exchange; 1 with forced head groups), and
-    ``head_groups="auto"`` is 1 when the sequence is chunked, else
-    :func:`default_head_groups`. Chunks and head groups do not combine (one of them is 1).
+    ``head_groups="auto"`` is 1 when the sequence is cut into pieces, else
+    :func:`default_head_groups`. Pieces and head groups do not combine (one of them is 1).
     Raises ``ValueError`` listing the counts that work.
     """
     if overlap not in (True, False, "auto"):
         raise ValueError(f"overlap={overlap!r} takes True, False or 'auto'.")
     if overlap is False:
-        for name, value in (("chunks", chunks), ("head_groups", head_groups)):
+        for name, value in (("pieces", pieces), ("head_groups", head_groups)):
             if value not in ("auto", 1) or isinstance(value, bool):
                 raise ValueError(f"overlap=False sends each exchange whole; {name}={value!r} "
                                  f"asks for pieces: drop it or pass overlap=True.")
         return 1, 1
-    allowed = chunk_counts(local_len) if chunked else (1,)
-    if chunks == "auto":
-        chunks = default_chunks(local_len, num_shards) if chunked else 1
+    allowed = piece_counts(local_len) if in_pieces else (1,)
+    if pieces == "auto":
+        pieces = default_pieces(local_len, num_shards) if in_pieces else 1
         if head_groups not in ("auto", 1):
-            chunks = 1
-    elif isinstance(chunks, bool) or chunks not in allowed:
+            pieces = 1
+    elif isinstance(pieces, bool) or pieces not in allowed:
         raise ValueError(
-            f"chunks={chunks!r} does not cut the {local_len} tokens a device holds into "
-            f"pieces (2^(chunks-1) must divide them); it takes one of {allowed} "
-            f"or 'auto'" + ("" if chunked else " (a window makes the hybrid's ring a halo "
-                                      "exchange here: not chunked)") + ".")
-    if chunks > 1:
+            f"pieces={pieces!r} does not cut the {local_len} tokens a device holds into "
+            f"pieces (2^(pieces-1) must divide them); it takes one of {allowed} "
+            f"or 'auto'" + ("" if in_pieces else " (a window or chunks make the hybrid's "
+                                      "ring a halo exchange here: not cut into pieces)") + ".")
+    if pieces > 1:
         if head_groups not in ("auto", 1) or isinstance(head_groups, bool):
-            raise ValueError(f"chunks={chunks} with head_groups={head_groups!r}: chunks and "
+            raise ValueError(f"pieces={pieces} with head_groups={head_groups!r}: pieces and "
                              "head groups do not combine; pass head_groups=1 (or 'auto') "
-                             "or chunks=1.")
-        return chunks, 1
+                             "or pieces=1.")
+        return pieces, 1
     groups = resolve_head_groups(head_groups, num_heads, num_kv_heads, num_shards,
                                  shared_kv=shared_kv)
     return 1, groups

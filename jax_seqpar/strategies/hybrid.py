@@ -17,8 +17,10 @@ and last steps; the default where each device holds enough tokens) or over head 
 (:func:`jax_seqpar.strategies.head_pipeline.head_pipeline`: the ring runs once per head
 group, and group ``g + 1``'s all-to-all, and group ``g - 1``'s output's, travel while the
 ring of group ``g`` computes). The ring's own K/V hops hide behind its step kernels as in
-:mod:`jax_seqpar.strategies.ring`, forward and backward. A window on the contiguous split
-shrinks the ring to a halo exchange, which is not chunked.
+:mod:`jax_seqpar.strategies.ring`, forward and backward. A window or chunks on the contiguous
+split shrink the ring to a halo exchange (the mask's reach over the outer axis), which is
+not cut into pieces; where the reach over all devices is ``(0, 0)`` (chunks that fit a
+shard) the hybrid attends locally and sends nothing.
 
 Causal balance: with the zigzag order over all ``O*I`` shards (what
 ``sequence_parallel_attention`` applies), every ring step gives every device the
@@ -39,20 +41,20 @@ from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.entry import Strategy
 from jax_seqpar.strategies.seq_pipeline import seq_pipeline
 from jax_seqpar.strategies.head_pipeline import head_pipeline
-from jax_seqpar.strategies.heads import (chunk_sizes, default_chunks, kv_replication, local_heads,
+from jax_seqpar.strategies.heads import (piece_sizes, default_pieces, kv_replication, local_heads,
                                          resolve_pieces)
 from jax_seqpar.strategies.inputs import (Metadata, Operands, Options, axis_size, describe,
-                                          gather_tokens, shard_operands)
+                                          finish, gather_tokens, shard_operands)
 from jax_seqpar.strategies.ring import ENTRY as RING, in_flight_memory, ring_over, rotation_bytes
 from jax_seqpar.strategies.ring_pieces import ring_pieces
-from jax_seqpar.strategies.traffic import NO_MASK, replicated_kv_heads, window_reach
+from jax_seqpar.strategies.traffic import NO_MASK, replicated_kv_heads, layer_reach
 from jax_seqpar.strategies.ulysses import ENTRY as ULYSSES, exchange_bytes, exchange_pieces
 
 if TYPE_CHECKING:  # annotations only
     from jax_seqpar.core.shape import LayerShape
     from jax_seqpar.kernels.options import BlockSizes, KernelName
 
-__all__ = ["ENTRY", "attend", "hybrid_attention", "hybrid_bytes"]
+__all__ = ["ENTRY", "attend", "hybrid_attention", "hybrid_bytes", "outer_ring"]
 
 
 def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | tuple[str, ...],
@@ -63,7 +65,7 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str 
                      sinks: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                      chunk_size: int | None = None, bidirectional_ids: jax.Array | None = None,
                      mask_fn: Callable | None = None, return_lse: bool = False,
-                     overlap: bool | Literal["auto"] = "auto", chunks: int | Literal["auto"] = "auto",
+                     overlap: bool | Literal["auto"] = "auto", pieces: int | Literal["auto"] = "auto",
                      head_groups: int | Literal["auto"] = "auto"):
     """Exact attention of a sequence sharded over ``seq_axes=(outer, inner)`` (in ``shard_map``).
 
@@ -79,13 +81,13 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str 
         the contiguous split over ``(outer, inner)``, with which a
         window shrinks the ring part to a halo exchange.
       overlap: False: the inner exchange whole, one ring; True / ``"auto"``: pipelined,
-        in ``chunks`` sequence pieces where the local length allows, else in
+        in ``pieces`` sequence pieces where the local length allows, else in
         ``head_groups`` (:func:`jax_seqpar.strategies.heads.resolve_pieces`).
-      chunks: how many query pieces (as in
+      pieces: how many query pieces (as in
         :func:`jax_seqpar.strategies.ulysses.ulysses_attention`; over the inner axis);
-        ``"auto"``: :func:`~jax_seqpar.strategies.heads.default_chunks`, 1 where the ring
+        ``"auto"``: :func:`~jax_seqpar.strategies.heads.default_pieces`, 1 where the ring
         is a halo exchange (a window on the contiguous split).
-      head_groups: the inner exchange's head groups when the sequence is not chunked (as in
+      head_groups: the inner exchange's head groups when the sequence is not cut into pieces (as in
         :func:`jax_seqpar.strategies.ulysses.ulysses_attention`; the ring runs once per
         group). ``"auto"`` (default): the largest count up to
         :data:`~jax_seqpar.strategies.heads.MAX_AUTO_HEAD_GROUPS` that gives every
@@ -105,13 +107,13 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str 
         scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
         return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
         positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks)
-    return attend(q, k, v, options, metadata, seq_axes=seq_axes, overlap=overlap, chunks=chunks,
+    return attend(q, k, v, options, metadata, seq_axes=seq_axes, overlap=overlap, pieces=pieces,
                   head_groups=head_groups)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata: Metadata,
            *, seq_axes: str | tuple[str, ...], overlap: bool | Literal["auto"] = "auto",
-           chunks: int | Literal["auto"] = "auto",
+           pieces: int | Literal["auto"] = "auto",
            head_groups: int | Literal["auto"] = "auto"):
     """The hybrid on described inputs (:func:`hybrid_attention` after its checks), the core the global
     view runs inside ``shard_map``: ``options`` and the local, checked ``metadata``
@@ -119,6 +121,11 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
     ring_axis, ulysses_axis = _outer_inner(seq_axes)
     shard = shard_operands(q, metadata, (ring_axis, ulysses_axis))
     contiguous = metadata.positions is None
+    local = halo.local_or_none((ring_axis, ulysses_axis), options, q, k, v, shard.q_tokens,
+                               shard.kv_tokens, contiguous=contiguous)
+    if local is not None:  # the mask's reach is (0, 0): nothing to exchange
+        out, lse = local
+        return finish(options, q, out, lse, shard)
     inner = axis_size(ulysses_axis)
     try:
         repeats = kv_replication(q.shape[2], k.shape[2], inner)
@@ -128,13 +135,14 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
             f"{ulysses_axis!r} of size {inner}; choose an inner axis size that divides the heads "
             f"(e.g. {_divisor_hint(q.shape[2], inner)}) and put the rest on the ring axis, "
             f'or use strategy="ring".') from None
-    # A window on the contiguous split makes the ring a halo exchange: not chunked.
+    # A window or chunks on the contiguous split make the ring a halo exchange: not cut
+    # into pieces; a reach of (0, 0) over the ring groups leaves no ring: Ulysses' pipeline.
     ring_size = axis_size(ring_axis)
-    chunked = not (contiguous and halo.ring_is_halo(
-        options.spec, inner * q.shape[1], ring_size,
-        bidirectional=shard.q_tokens.bidirectional_ids is not None))
-    chunks, groups = resolve_pieces(overlap, chunks, head_groups, q.shape[2], k.shape[2],
-                                    inner, q.shape[1], shared_kv=False, chunked=chunked)
+    ring = outer_ring(options.spec, inner * q.shape[1], ring_size, contiguous=contiguous,
+                      bidirectional=shard.q_tokens.bidirectional_ids is not None)
+    in_pieces = ring != "halo"
+    pieces, groups = resolve_pieces(overlap, pieces, head_groups, q.shape[2], k.shape[2],
+                                    inner, q.shape[1], shared_kv=False, in_pieces=in_pieces)
     if repeats > 1:
         # Replicated in float32: the replicas' gradients, on different devices, come back
         # and sum in float32 and round once (the pipeline sends K/V in q.dtype).
@@ -144,10 +152,10 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
     stage = RingStage(ring_axis, options, contiguous)
     q_tokens, kv_tokens = tokens
     operands = Operands(q_tokens, kv_tokens, local_heads(shard.sinks, ulysses_axis))
-    if chunks > 1:
-        pipeline = (functools.partial(ring_pieces, ulysses_axis, ring_axis) if ring_size > 1
+    if pieces > 1:
+        pipeline = (functools.partial(ring_pieces, ulysses_axis, ring_axis) if ring == "ring"
                     else functools.partial(seq_pipeline, ulysses_axis))  # no ring: Ulysses
-        return pipeline(options, q, k, v, operands, sizes=chunk_sizes(q.shape[1], chunks),
+        return pipeline(options, q, k, v, operands, sizes=piece_sizes(q.shape[1], pieces),
                         return_lse=options.return_lse)
     return head_pipeline(ulysses_axis, stage, q, k, v, operands, groups=groups,
                          return_lse=options.return_lse)
@@ -173,6 +181,21 @@ class RingStage:
 
     def backward(self, residuals, q_tokens, kv_tokens, dout, dlse, delta):
         return residuals((dout.astype(jnp.float32), dlse))
+
+
+def outer_ring(spec: MaskSpec, ring_len: int, ring_size: int, *, contiguous: bool = True,
+               bidirectional: bool = False) -> Literal["none", "halo", "ring"]:
+    """How the hybrid's ring over ``ring_size`` groups of ``ring_len`` tokens runs:
+    ``"none"`` (one group, or on the contiguous split a mask whose reach over the groups is
+    ``(0, 0)``: each group attends its own tokens, Ulysses alone), ``"halo"`` (the reach
+    bounded: a halo exchange, :func:`jax_seqpar.strategies.halo.mask_reach`) or
+    ``"ring"`` (every step)."""
+    if ring_size == 1:
+        return "none"
+    if not contiguous:
+        return "ring"
+    reach = halo.mask_reach(spec, ring_len, ring_size, bidirectional=bidirectional)
+    return "ring" if reach is None else "none" if reach == (0, 0) else "halo"
 
 
 def _divisor_hint(heads: int, inner: int) -> int:
@@ -202,27 +225,28 @@ def hybrid_bytes(sizes: tuple[int, ...], *, num_heads: int, num_kv_heads: int, s
     if len(sizes) != 2:
         raise ValueError(f"hybrid needs axis_sizes=(outer, inner). Got {sizes!r}.")
     outer, inner = sizes
+    if halo.is_local(spec, seq_len // (outer * inner), outer * inner):
+        return 0.0  # the mask's reach is (0, 0): attended locally
     if num_heads % inner:
         raise ValueError(f"num_heads={num_heads} is not divisible by the ulysses (inner) "
                          f"axis size {inner}; use strategy='ring' or swap the axes.")
     kv_heads_after_ulysses = replicated_kv_heads(num_kv_heads, inner) // inner
-    reach = window_reach(spec, seq_len, outer)
-    chunks = 1 if halo.ring_is_halo(spec, seq_len // outer, outer) else default_chunks(
+    reach = layer_reach(spec, seq_len, outer)
+    pieces = 1 if outer_ring(spec, seq_len // outer, outer) == "halo" else default_pieces(
         seq_len // (outer * inner), inner)
     return (exchange_bytes(seq_len=seq_len // outer, num_heads=num_heads,
                            num_kv_heads=num_kv_heads, axis_size=inner,
-                           row_statistic=chunks > 1, **shape)
+                           row_statistic=pieces > 1, **shape)
             + rotation_bytes(seq_len=seq_len, kv_heads=kv_heads_after_ulysses, axis_size=outer,
                              reach=reach, **shape))
 
 
 def _pieces(shape: LayerShape, ring: int, ulysses: int) -> tuple[int, int]:
-    """The inner exchange's pieces: chunked unless a window makes the ring a halo
-    exchange (the window's default order is the contiguous split); head groups only
+    """The inner exchange's pieces: cut along the sequence unless a window or chunks make the
+    ring a halo exchange (their default order is the contiguous split); head groups only
     where each has its own K/V heads."""
-    halo_ring = halo.ring_is_halo(MaskSpec.make(shape.causal, shape.window),
-                                  shape.seq_len // ring, ring)
-    pieces = exchange_pieces(shape, ring, ulysses, shared_kv=False, chunked=not halo_ring)
+    halo_ring = outer_ring(shape.mask, shape.seq_len // ring, ring) == "halo"
+    pieces = exchange_pieces(shape, ring, ulysses, shared_kv=False, in_pieces=not halo_ring)
     return pieces, pieces
 
 
@@ -230,4 +254,4 @@ def _pieces(shape: LayerShape, ring: int, ulysses: int) -> tuple[int, int]:
 ENTRY = Strategy("hybrid", hybrid_attention, hybrid_bytes, num_seq_axes=2, splits_heads=True,
                  zigzag_balances=True, preference=1, parts=(RING.name, ULYSSES.name),
                  kv_memory=in_flight_memory, pieces=_pieces, attend=attend,
-                 pipelining=("overlap", "chunks", "head_groups"))
+                 pipelining=("overlap", "pieces", "head_groups"))

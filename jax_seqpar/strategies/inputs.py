@@ -171,7 +171,9 @@ def check_metadata(q: jax.Array, options: Options, metadata: Metadata) -> Metada
     if metadata.kv_segment_ids is not None and metadata.segment_ids is None:
         raise ValueError("kv_segment_ids needs segment_ids for the queries too (a query "
                          "sees a key when their segment ids are equal).")
-    checks.mask_fn(options.spec, batch, seq_len, seq_len)
+    checks.mask_fn(options.spec, batch, seq_len, seq_len, given=tuple(
+        name for name in ("segment_ids", "bidirectional_ids")
+        if getattr(metadata, name) is not None))
     def ids(name, x, segments=False):  # each given array checked once; None stays None
         return None if x is None else check_ids(name, x, batch, seq_len, segments=segments)
 

@@ -1,7 +1,7 @@
 """The sequence pieces of Ulysses' exchange: how they are cut, sent and gathered.
 
 Each device cuts its ``L = S/P`` local tokens twice (``u = L/2^(c-1)``,
-:func:`jax_seqpar.strategies.heads.chunk_sizes`): its K/V into ``2^(c-1)`` pieces of ``u``
+:func:`jax_seqpar.strategies.heads.piece_sizes`): its K/V into ``2^(c-1)`` pieces of ``u``
 tokens, its queries into pieces ``u, L/4, L/4, L/4, L/8, ..., 2u, u``. A piece's
 all-to-all brings the ``P`` devices' piece for this device's ``H/P`` heads (their positions
 and segment ids travel with them: any token order is exact). The pipelines that send them

@@ -16,7 +16,7 @@ from typing import Literal, Mapping, TypedDict
 from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.strategies import allgather, decode, hybrid, ring, traffic, ulysses
 from jax_seqpar.strategies.entry import Strategy
-from jax_seqpar.strategies.halo import halo_sizes
+from jax_seqpar.strategies.halo import mask_reach
 
 __all__ = ["DECODE", "STRATEGIES", "Strategy", "StrategyName", "check_layer", "comm_bytes",
            "default_layout", "get", "names", "register", "unregister"]
@@ -90,23 +90,24 @@ def get(name: str) -> Strategy:
     raise ValueError(f"strategy={name!r} is not one of {tuple(STRATEGIES)}.")
 
 
-def default_layout(strategy: StrategyName, spec: MaskSpec = MaskSpec(), *,
+def default_layout(strategy: StrategyName | str, spec: MaskSpec = MaskSpec(), *,
                    seq_len: int | None = None,
                    num_shards: int | None = None) -> Literal["contiguous", "zigzag"]:
     """The token order ``layout="auto"`` uses: balance and locality.
 
-    A window bounds every query's keys, so work per query is (nearly) the same
-    everywhere and the contiguous split is balanced; it is also the only order
-    whose shards are local, where the ring and the all-gather exchange just a
-    halo. Without a window, zigzag where it balances causal work
+    A window or chunks bound every query's keys, so work per query is (nearly) the
+    same everywhere and the contiguous split is balanced; it is also the only order
+    whose shards are local, where every strategy sends only the mask's reach
+    (:func:`jax_seqpar.strategies.halo.mask_reach`: a halo, nothing for chunks that fit
+    a shard). Without a bounded reach, zigzag where it balances causal work
     (:attr:`Strategy.zigzag_balances`); everything else is contiguous.
 
     Args:
       strategy: a name of :data:`STRATEGIES`.
-      spec: the mask (its ``causal`` and ``window`` decide).
-      seq_len, num_shards: when both are given, a window that reaches (nearly)
-        every shard (no halo, see :func:`jax_seqpar.strategies.halo.halo_sizes`)
-        counts as no window.
+      spec: the mask (its ``causal``, ``window`` and ``chunk_size`` decide).
+      seq_len, num_shards: when both are given, the reach decides: a window or chunks
+        that reach (nearly) every shard count as none. Without them, a window means
+        contiguous and chunks are not known to be local.
     Returns:
       ``"contiguous"`` or ``"zigzag"``.
 
@@ -114,12 +115,14 @@ def default_layout(strategy: StrategyName, spec: MaskSpec = MaskSpec(), *,
     'contiguous'
     >>> default_layout("ring", MaskSpec(causal=True))
     'zigzag'
+    >>> default_layout("ring", MaskSpec(causal=True, chunk_size=1024), seq_len=8192, num_shards=8)
+    'contiguous'
     """
-    if spec.window is not None:
-        if seq_len is None or num_shards is None:
+    if seq_len is None or num_shards is None:
+        if spec.window is not None:
             return "contiguous"
-        if halo_sizes(spec, seq_len // num_shards, num_shards) is not None:
-            return "contiguous"
+    elif mask_reach(spec, -(-seq_len // num_shards), num_shards) is not None:
+        return "contiguous"
     return "zigzag" if spec.causal and get(strategy).zigzag_balances else "contiguous"
 
 
@@ -152,7 +155,8 @@ def comm_bytes(strategy: StrategyName | str, *, batch: int, seq_len: int,
                num_heads: int, num_kv_heads: int, head_dim: int, v_head_dim: int | None = None,
                axis_sizes: int | tuple[int, ...] | Mapping[str, int], dtype_bytes: float = 2,
                backward: bool = False, with_segment_ids: bool = False,
-               window: int | tuple[int, int] | None = None, causal: bool = False) -> float:
+               window: int | tuple[int, int] | None = None, causal: bool = False,
+               chunk_size: int | None = None) -> float:
     """Bytes ONE device sends in one attention call.
 
     Shapes are global: q ``[batch, seq_len, num_heads, head_dim]``, k
@@ -179,6 +183,13 @@ def comm_bytes(strategy: StrategyName | str, *, batch: int, seq_len: int,
       constant in ``P``. The ring's backward sends float32 dK/dV back, the
       all-gather's in the input dtype. A window reaching ``(P-1)*S/P`` tokens or
       more is the full ring / gather. Ulysses is unchanged by a window.
+    * ``chunk_size`` (chunked attention, Llama 4) on the contiguous split bounds the
+      reach as a window does (:func:`jax_seqpar.strategies.halo.mask_reach`: shard ``r``
+      needs ``(r*S/P) mod chunk_size`` tokens before it, and without ``causal`` to its
+      chunk's end after it; the tighter of the window and the chunks): the ring and the
+      all-gather send that halo. Where the reach is ``(0, 0)`` (chunks that fit a
+      shard) every strategy, Ulysses and the hybrid included, attends locally and sends
+      nothing.
 
     * ``"decode"``: decoding against a sequence-sharded KV cache; ``seq_len`` is
       the number of new tokens ``T`` (any, not divided); only the float32 merge
@@ -213,7 +224,9 @@ def comm_bytes(strategy: StrategyName | str, *, batch: int, seq_len: int,
       with_segment_ids: packed documents: segment ids travel with the keys.
       window: ``None``, an int or ``(left, right)``: the sliding window, with
         the per-shard functions' default (contiguous) positions.
-      causal: only matters with a window (a causal window reaches no later shard).
+      causal: only matters with a window or chunks (a causal query reaches no later
+        shard).
+      chunk_size: chunked attention's chunk, or None.
 
     Returns:
       Bytes one device sends, as a float (fractions of ``(P-1)/P``).
@@ -233,4 +246,4 @@ def comm_bytes(strategy: StrategyName | str, *, batch: int, seq_len: int,
     if entry.global_view:  # decode's seq_len is the new tokens, any number
         traffic.check_shape(sizes=sizes, **shape)
     return float(entry.bytes(sizes, backward=backward, with_segment_ids=with_segment_ids,
-                             spec=MaskSpec.make(causal, window), **shape))
+                             spec=MaskSpec.make(causal, window, chunk_size), **shape))

@@ -17,9 +17,11 @@ the input dtype once they are done, so memory stays O(S/P) per device. Each back
 dK/dV and only then adds the accumulator that arrived, so the accumulator's hop
 overlaps the step's kernel. Only the ``Hkv`` heads given are sent.
 
-With a sliding window on the contiguous split (the default positions), the ring
-becomes a halo exchange (:mod:`jax_seqpar.strategies.halo`): a device receives just the
-``left`` / ``right`` tokens its window reaches, not all P-1 shards.
+With a sliding window or chunks on the contiguous split (the default positions), the
+ring becomes a halo exchange (:mod:`jax_seqpar.strategies.halo`): a device receives just
+the ``left`` / ``right`` tokens the mask reaches (:func:`~jax_seqpar.strategies.halo.mask_reach`),
+not all P-1 shards, and nothing (no collective, forward or backward) where every chunk
+fits a shard.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.entry import Strategy
 from jax_seqpar.strategies.inputs import Metadata, axis_size, describe, finish, shard_operands
 from jax_seqpar.strategies.traffic import (INDEX_BYTES, NO_MASK, accumulator_bytes, halo_bytes,
-                                           window_reach)
+                                           layer_reach)
 from jax_seqpar.core.masks import EMPTY_LSE
 
 if TYPE_CHECKING:  # annotations only
@@ -69,7 +71,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | 
         :class:`jax_seqpar.core.masks.MaskSpec`), on global positions.
       segment_ids: ``int32[B, S/P]`` document ids of the local tokens, or None.
       positions: ``int32[B, S/P]`` global positions of the local tokens; default
-        (None) is the contiguous split, and only then does a window shrink the
+        (None) is the contiguous split, and only then does a window or chunks shrink the
         ring to a halo exchange (given positions are honoured with the full ring).
       bidirectional_ids: ``int32[B, S/P]`` (needs ``causal``): tokens of one non-zero
         id see each other both ways (prefix-LM, images), or None.
@@ -126,13 +128,14 @@ def ring_over(axis_name: str | tuple[str, ...], options: Options, q: jax.Array, 
       q, k, v: ``[B, S/P, H|Hkv, D]`` local shards; q_tokens, kv_tokens: their
         metadata (the keys' travels with them).
       contiguous: the tokens' positions are known to be the contiguous split
-        (``axis_index * S/P + arange``), so a window may skip unreachable shards.
+        (``axis_index * S/P + arange``), so a window or chunks may skip unreachable
+        shards (:func:`~jax_seqpar.strategies.halo.mask_reach`).
     Returns:
       ``out float32[B, S/P, H, Dv]`` and ``lse float32[B, S/P, H]``, both
       differentiable (the backward accepts the ``lse`` cotangent).
     """
     if contiguous:
-        reach = halo.halo_sizes(options.spec, q.shape[1], axis_size(axis_name),
+        reach = halo.mask_reach(options.spec, q.shape[1], axis_size(axis_name),
                                  bidirectional=q_tokens.bidirectional_ids is not None)
         if reach is not None:
             return halo.halo_attention(axis_name, options, reach, q, k, v, q_tokens,
@@ -181,7 +184,7 @@ def forward_steps(attend: Callable[[Any, Any], Any], acc: Any, kv: Any,
     block arrived, not yet attended to."""
     def step(carry, _):
         acc, kv = carry
-        return shift_during(lambda: attend(acc, kv), kv, axis_name), None
+        return shift_during(functools.partial(attend, acc, kv), kv, axis_name), None
 
     return jax.lax.scan(step, (acc, kv), length=steps)[0]
 
@@ -193,8 +196,8 @@ def backward_steps(grads: Callable[[Any, Any], Any], dq: Any, kv: Any, dkv: Any,
     arrives from the previous device, then adds it. Returns ``(dq, kv, dkv)``."""
     def step(carry, _):
         dq, kv, dkv = carry
-        (dq, fresh), (next_kv, arrived) = shift_during(lambda: grads(dq, kv), (kv, dkv),
-                                                       axis_name)
+        (dq, fresh), (next_kv, arrived) = shift_during(functools.partial(grads, dq, kv),
+                                                       (kv, dkv), axis_name)
         return (dq, next_kv, tuple(x + y for x, y in zip(fresh, arrived))), None
 
     return jax.lax.scan(step, (dq, kv, dkv), length=steps)[0]
@@ -217,11 +220,6 @@ def _packed(tree: Any) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
         return jax.tree.unflatten(treedef, out)
 
     return jnp.concatenate(raw), unpack
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _ring(axis_name, options, q, k, v, q_tokens, kv_tokens):
-    return _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens)
 
 
 def _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens):
@@ -315,6 +313,7 @@ def _home(dkv, like, axis_name):
     return shift(tuple(x.astype(y.dtype) for x, y in zip(dkv, like)), axis_name)
 
 
+_ring = jax.custom_vjp(_ring_forward, nondiff_argnums=(0, 1))
 _ring.defvjp(_ring_fwd, _ring_bwd)
 
 
@@ -330,8 +329,8 @@ def rotation_bytes(*, batch: int, seq_len: int, kv_heads: int, head_dim: int, v_
     ids). Backward (custom_vjp, the forward is not re-run): the same ``P-1``
     rotations of k, v and metadata, plus ``P - 1`` ppermutes of the float32 dk, dv
     accumulators and one in the input dtype (the sums done, it brings them home). With
-    a window ``reach`` (contiguous split): a halo exchange; the backward re-uses the
-    saved halo and sends float32 dK/dV back.
+    a ``reach`` (a window or chunks, contiguous split): a halo exchange; the backward
+    re-uses the saved halo and sends float32 dK/dV back; ``(0, 0)``: nothing.
     """
     if axis_size == 1:
         return 0.0
@@ -350,10 +349,11 @@ def rotation_bytes(*, batch: int, seq_len: int, kv_heads: int, head_dim: int, v_
 
 def ring_bytes(sizes: tuple[int, ...], *, num_heads: int, num_kv_heads: int, seq_len: int,
                spec: MaskSpec = NO_MASK, **shape: Any) -> float:
-    """The ring over all ``sizes`` devices (a halo exchange with a window)."""
+    """The ring over all ``sizes`` devices (a halo exchange where a window or chunks bound
+    the mask's reach)."""
     devices = math.prod(sizes)
     return rotation_bytes(seq_len=seq_len, kv_heads=num_kv_heads, axis_size=devices,
-                          reach=window_reach(spec, seq_len, devices), **shape)
+                          reach=layer_reach(spec, seq_len, devices), **shape)
 
 
 def in_flight_memory(shape: LayerShape, ring: int, ulysses: int) -> float:

@@ -63,7 +63,7 @@ def ring_pieces(inner_axis: str | tuple[str, ...], outer_axis: str | tuple[str, 
         (:func:`jax_seqpar.strategies.inputs.gather_tokens` over the inner axis) and the
         ``[H/I]`` sink logits of this device's heads, or None.
       sizes: local tokens of each query piece
-        (:func:`jax_seqpar.strategies.heads.chunk_sizes`).
+        (:func:`jax_seqpar.strategies.heads.piece_sizes`).
       return_lse: also return the float32 ``[B, L, H]`` log-sum-exp.
     Returns:
       ``[B, L, H, Dv]`` in ``q.dtype`` (and the log-sum-exp).

@@ -45,7 +45,7 @@ __all__ = ["seq_pipeline"]
 def seq_pipeline(axis_name: str | tuple[str, ...], options: Options, q: jax.Array, k: jax.Array,
                    v: jax.Array, operands: Operands, *, sizes: tuple,
                    return_lse: bool = False):
-    """Ulysses' exchange around the local kernel, pipelined over sequence chunks.
+    """Ulysses' exchange around the local kernel, pipelined over sequence pieces.
 
     Args:
       axis_name: the all-to-all's mesh axis (or axes), of size P.
@@ -56,7 +56,7 @@ def seq_pipeline(axis_name: str | tuple[str, ...], options: Options, q: jax.Arra
         (:func:`jax_seqpar.strategies.inputs.gather_tokens`) and the ``[H/P]`` sink logits
         of this device's heads, or None.
       sizes: local tokens of each query piece, summing to ``L``; the K/V pieces have
-        ``sizes[0]`` each (:func:`jax_seqpar.strategies.heads.chunk_sizes`).
+        ``sizes[0]`` each (:func:`jax_seqpar.strategies.heads.piece_sizes`).
       return_lse: also return the float32 ``[B, L, H]`` log-sum-exp.
     Returns:
       ``[B, L, H, Dv]`` in ``q.dtype`` (and the log-sum-exp).

@@ -28,11 +28,11 @@ from collections.abc import Mapping
 
 from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.core.shape import check_counts, check_head_groups, is_count
-from jax_seqpar.strategies.halo import halo_sizes
+from jax_seqpar.strategies.halo import mask_reach
 
 __all__ = ["INDEX_BYTES", "NO_MASK", "accumulator_bytes", "all_to_all_bytes",
            "axis_sizes_tuple", "check_shape", "halo_bytes", "replicated_kv_heads",
-           "window_reach"]
+           "layer_reach"]
 
 #: Bytes of one int32 position or segment id.
 INDEX_BYTES = 4
@@ -54,11 +54,11 @@ def all_to_all_bytes(local_elements: float, axis_size: int, dtype_bytes: float) 
     return local_elements * dtype_bytes * (axis_size - 1) / axis_size
 
 
-def window_reach(spec: MaskSpec, seq_len: int, axis_size: int) -> tuple[int, int] | None:
-    """``(left, right)`` halo tokens of a windowed ring / all-gather, or None (full)."""
-    if spec.window is None:
-        return None
-    return halo_sizes(spec, seq_len // axis_size, axis_size)
+def layer_reach(spec: MaskSpec, seq_len: int, axis_size: int) -> tuple[int, int] | None:
+    """``(left, right)`` halo tokens a ring / all-gather over ``axis_size`` devices sends on
+    the contiguous split of ``seq_len`` tokens (:func:`~jax_seqpar.strategies.halo.mask_reach`:
+    windows and chunks), or None (the full exchange); ``(0, 0)``: nothing."""
+    return mask_reach(spec, seq_len // axis_size, axis_size)
 
 
 def halo_bytes(*, batch: int, reach: tuple[int, int], kv_heads: int, head_dim: int,

@@ -13,6 +13,10 @@ Pipelined along the sequence (:mod:`jax_seqpar.strategies.seq_pipeline`: the key
 first, then the queries, each piece's transfer behind a kernel; the default where each
 device holds enough tokens) or over head groups
 (:mod:`jax_seqpar.strategies.head_pipeline`); ``overlap=False`` sends each exchange whole.
+
+Where the mask's reach on the contiguous split (default positions) is ``(0, 0)``
+(:func:`jax_seqpar.strategies.halo.mask_reach`: chunks that fit a shard) no exchange is
+needed: every device attends its own tokens, all heads, with no collective.
 """
 
 from __future__ import annotations
@@ -24,12 +28,13 @@ import jax
 import jax.numpy as jnp
 
 from jax_seqpar.core.masks import MaskSpec
+from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.seq_pipeline import seq_pipeline
 from jax_seqpar.strategies.head_pipeline import KernelStage, head_pipeline
 from jax_seqpar.strategies.entry import Strategy
-from jax_seqpar.strategies.heads import (chunk_sizes, kv_replication, local_head_counts,
+from jax_seqpar.strategies.heads import (piece_sizes, kv_replication, local_head_counts,
                                          local_heads, resolve_pieces)
-from jax_seqpar.strategies.inputs import (Metadata, Operands, axis_size, describe,
+from jax_seqpar.strategies.inputs import (Metadata, Operands, axis_size, describe, finish,
                                           gather_tokens, shard_operands)
 from jax_seqpar.strategies.traffic import (INDEX_BYTES, NO_MASK, all_to_all_bytes,
                                            replicated_kv_heads)
@@ -50,7 +55,7 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str
                       sinks: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                       chunk_size: int | None = None, bidirectional_ids: jax.Array | None = None,
                       mask_fn: Callable | None = None, return_lse: bool = False,
-                      overlap: bool | Literal["auto"] = "auto", chunks: int | Literal["auto"] = "auto",
+                      overlap: bool | Literal["auto"] = "auto", pieces: int | Literal["auto"] = "auto",
                       head_groups: int | Literal["auto"] = "auto"):
     """Exact attention of a sequence sharded over ``seq_axes`` (call inside ``shard_map``).
 
@@ -62,20 +67,20 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str
         scale, kernel, block_sizes, softcap, sinks, kv_segment_ids, return_lse: as in
         :func:`jax_seqpar.strategies.ring.ring_attention` (``sinks`` replicated).
       overlap: ``"auto"`` (default) or True: the exchange pipelined behind the kernel,
-        in ``chunks`` sequence pieces where the local length allows, else in
+        in ``pieces`` sequence pieces where the local length allows, else in
         ``head_groups`` head groups; False: each exchange whole, one kernel call
         (:func:`jax_seqpar.strategies.heads.resolve_pieces`).
-      chunks: how many query pieces (:func:`jax_seqpar.strategies.heads.chunk_sizes`;
-        :func:`jax_seqpar.strategies.heads.chunk_counts` lists what the local length
-        allows); ``"auto"``: :func:`~jax_seqpar.strategies.heads.default_chunks` (5 at
+      pieces: how many query pieces (:func:`jax_seqpar.strategies.heads.piece_sizes`;
+        :func:`jax_seqpar.strategies.heads.piece_counts` lists what the local length
+        allows); ``"auto"``: :func:`~jax_seqpar.strategies.heads.default_pieces` (5 at
         2048 tokens a device, 1 where the smallest piece would bring fewer than
-        :data:`~jax_seqpar.strategies.heads.MIN_CHUNK_TOKENS` tokens).
-        Chunks hide all but ``1/2^(chunks-1)`` of the bytes where collectives are
+        :data:`~jax_seqpar.strategies.heads.MIN_PIECE_TOKENS` tokens).
+        Pieces hide all but ``1/2^(pieces-1)`` of the bytes where collectives are
         asynchronous (GPU; TPU with the all-to-all option).
       head_groups: how many groups the ``H/P`` heads a device receives are pipelined in
-        when the sequence is not chunked (see :mod:`jax_seqpar.strategies.head_pipeline`;
+        when the sequence is not cut into pieces (see :mod:`jax_seqpar.strategies.head_pipeline`;
         :func:`jax_seqpar.strategies.heads.head_group_counts` lists the counts the heads
-        allow). ``"auto"``: 1 with chunks, else the largest allowed count up to
+        allow). ``"auto"``: 1 with pieces, else the largest allowed count up to
         :data:`jax_seqpar.strategies.heads.MAX_AUTO_HEAD_GROUPS`.
 
     Returns:
@@ -89,21 +94,26 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str
         scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
         return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
         positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks)
-    return attend(q, k, v, options, metadata, seq_axes=seq_axes, overlap=overlap, chunks=chunks,
+    return attend(q, k, v, options, metadata, seq_axes=seq_axes, overlap=overlap, pieces=pieces,
                   head_groups=head_groups)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata: Metadata,
            *, seq_axes: str | tuple[str, ...], overlap: bool | Literal["auto"] = "auto",
-           chunks: int | Literal["auto"] = "auto",
+           pieces: int | Literal["auto"] = "auto",
            head_groups: int | Literal["auto"] = "auto"):
     """Ulysses on described inputs (:func:`ulysses_attention` after its checks), the core the global
     view runs inside ``shard_map``: ``options`` and the local, checked ``metadata``
     (:func:`jax_seqpar.strategies.inputs.describe`)."""
     shard = shard_operands(q, metadata, seq_axes)
     size = axis_size(seq_axes)
+    local = halo.local_or_none(seq_axes, options, q, k, v, shard.q_tokens, shard.kv_tokens,
+                               contiguous=metadata.positions is None)
+    if local is not None:  # the mask's reach is (0, 0): nothing to exchange
+        out, lse = local
+        return finish(options, q, out, lse, shard)
     repeats = kv_replication(q.shape[2], k.shape[2], size)
-    chunks, groups = resolve_pieces(overlap, chunks, head_groups, q.shape[2], k.shape[2], size,
+    pieces, groups = resolve_pieces(overlap, pieces, head_groups, q.shape[2], k.shape[2], size,
                                     q.shape[1])
     if repeats > 1:
         # Replicated in float32: the replicas' gradients, on different devices, come back
@@ -111,9 +121,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
         k, v = (x.astype(jnp.float32).repeat(repeats, axis=2) for x in (k, v))
     q_tokens, kv_tokens = gather_tokens((shard.q_tokens, shard.kv_tokens), seq_axes)  # [B, S]
     operands = Operands(q_tokens, kv_tokens, local_heads(shard.sinks, seq_axes))
-    if chunks > 1:
+    if pieces > 1:
         return seq_pipeline(seq_axes, options, q, k, v, operands,
-                              sizes=chunk_sizes(q.shape[1], chunks),
+                              sizes=piece_sizes(q.shape[1], pieces),
                               return_lse=options.return_lse)
     return head_pipeline(seq_axes, KernelStage(options), q, k, v, operands,
                          groups=groups, return_lse=options.return_lse)
@@ -159,8 +169,11 @@ def exchange_bytes(*, batch: int, seq_len: int, num_heads: int, num_kv_heads: in
 
 def ulysses_bytes(sizes: tuple[int, ...], *, num_heads: int, spec: MaskSpec = NO_MASK,
                   **shape: Any) -> float:
-    """Ulysses over all ``sizes`` devices (a window changes nothing)."""
+    """Ulysses over all ``sizes`` devices (a window changes nothing; nothing is sent where
+    the mask's reach on the contiguous split is ``(0, 0)``: chunks that fit a shard)."""
     devices = math.prod(sizes)
+    if halo.is_local(spec, shape["seq_len"] // devices, devices):
+        return 0.0
     if num_heads % devices:
         raise ValueError(f"num_heads={num_heads} is not divisible by the ulysses axis "
                          f"size {devices}; use strategy='ring' or 'hybrid'.")
@@ -175,13 +188,13 @@ def exchange_steps(size: int, shape: LayerShape) -> int:
 
 
 def exchange_pieces(shape: LayerShape, ring: int, ulysses: int, *, shared_kv: bool = True,
-                    chunked: bool = True) -> int:
+                    in_pieces: bool = True) -> int:
     """The pieces of Ulysses' exchange over ``ulysses`` devices (the hybrid's inner one,
     beside a ring of ``ring``) as ``overlap="auto"`` cuts them
-    (:func:`~jax_seqpar.strategies.heads.resolve_pieces`; ``shared_kv``, ``chunked``:
+    (:func:`~jax_seqpar.strategies.heads.resolve_pieces`; ``shared_kv``, ``in_pieces``:
     its own).
 
-    Sequence chunks (:func:`~jax_seqpar.strategies.heads.chunk_sizes`) leave the first
+    Sequence pieces (:func:`~jax_seqpar.strategies.heads.piece_sizes`) leave the first
     query and K/V pieces and the last output piece exposed, ``1/2^(c-1)`` of the bytes:
     as many as ``2^(c-1)`` equal pieces. Head groups where each group has its own K/V
     heads; 1 where K/V heads are shared by several groups: they travel whole ahead of
@@ -190,11 +203,11 @@ def exchange_pieces(shape: LayerShape, ring: int, ulysses: int, *, shared_kv: bo
     if ulysses == 1:
         return 1
     local_len = -(-shape.seq_len // (ring * ulysses))
-    chunks, groups = resolve_pieces(
+    pieces, groups = resolve_pieces(
         "auto", "auto", "auto", shape.num_heads, shape.num_kv_heads, ulysses, local_len,
-        shared_kv=shared_kv, chunked=chunked)
-    if chunks > 1:
-        return 2 ** (chunks - 1)
+        shared_kv=shared_kv, in_pieces=in_pieces)
+    if pieces > 1:
+        return 2 ** (pieces - 1)
     _, kv_local = local_head_counts(shape.num_heads, shape.num_kv_heads, ulysses)
     return groups if kv_local % groups == 0 else 1
 
@@ -207,4 +220,4 @@ def _pieces(shape: LayerShape, ring: int, ulysses: int) -> tuple[int, int]:
 #: (``preference=0``): it has the fewest, largest messages (lowest latency).
 ENTRY = Strategy("ulysses", ulysses_attention, ulysses_bytes, splits_heads=True, preference=0,
                  exchanges=("all-to-all", "all-to-all"), exchange_steps=exchange_steps,
-                 pieces=_pieces, attend=attend, pipelining=("overlap", "chunks", "head_groups"))
+                 pieces=_pieces, attend=attend, pipelining=("overlap", "pieces", "head_groups"))

@@ -53,7 +53,7 @@ DEFAULT_MESHES = ("sp=8", "dcn=2,ici=4")
 #: What ``jax-seqpar bench`` runs without options.
 DEFAULT_SHAPE = LayerShape(batch=1, seq_len=4096, num_heads=8, num_kv_heads=2, head_dim=64,
                            dtype="float32", causal=True)
-#: B*H*S*S above which only the output is checked (in query chunks), not gradients.
+#: B*H*S*S above which only the output is checked (in query blocks), not gradients.
 REFERENCE_GRAD_LIMIT = 2**24
 MIB = 2.0**20
 
@@ -94,7 +94,7 @@ def skip_reason(strategy: StrategyName, axes: Mapping[str, int], shape: LayerSha
         return str(error)
     if layout_for(strategy, shape) == "zigzag" and shape.seq_len % (2 * devices):
         return (f"seq_len={shape.seq_len} is not divisible by 2*{devices}={2 * devices} "
-                f"zigzag chunks; use a multiple of {2 * devices}")
+                f"zigzag half-shards; use a multiple of {2 * devices}")
     return None
 
 
@@ -187,7 +187,7 @@ def _bytes_sent(compiled) -> float:
 
 
 def _reference(shape: LayerShape, q, k, v, dout):
-    """``(out, grads or None)`` of :mod:`jax_seqpar.core.reference`; the output in query chunks."""
+    """``(out, grads or None)`` of :mod:`jax_seqpar.core.reference`; the output in query blocks."""
     b, s, h = shape.batch, shape.seq_len, shape.num_heads
     attend = lambda q, k, v, **kw: reference.attention(q, k, v, causal=shape.causal, **kw)
     if b * h * s * s <= REFERENCE_GRAD_LIMIT:

@@ -205,7 +205,7 @@ def max_seq(target: str, case: bench.Case, *, backward: bool,
     + vjp with ``backward``) is at most ``(1 - reserve)`` of a device's HBM (a
     compiler that refuses the program for lack of memory, as XLA:TPU does, means
     it does not fit).
-    Lengths are multiples of ``2 * devices * 128`` (whole zigzag chunks of 128
+    Lengths are multiples of ``2 * devices * 128`` (whole zigzag half-shards of 128
     tokens); the search stops within :data:`MAX_SEQ_TOLERANCE` of the answer.
 
     Returns:

@@ -53,10 +53,12 @@ import math
 import re
 from typing import Any, Callable, Mapping
 
+import numpy as np
+
 from jax_seqpar.tools.hlo_text import (Instruction, bodies, multipliers, parse_module,
                                        shape_bytes)
 
-__all__ = ["COLLECTIVE_KINDS", "Cost", "collective_bytes", "kernel_calls", "memory_bytes",
+__all__ = ["COLLECTIVE_KINDS", "Cost", "collective_bytes", "device_groups", "kernel_calls", "memory_bytes",
            "measure"]
 
 #: Keys of the dict returned by :func:`collective_bytes`, always all present.
@@ -76,22 +78,43 @@ _OPCODES["send"] = ("collective-permute", lambda p: 1)
 _UNSUPPORTED = ("ragged-all-to-all", "collective-broadcast")
 
 _EXPLICIT_GROUPS_RE = re.compile(r"replica_groups=\{(\{[\d,\s]*\}(?:\s*,\s*\{[\d,\s]*\})*)?\}")
-_IOTA_GROUPS_RE = re.compile(r"replica_groups=\[(\d+),(\d+)\]<=\[")
+_IOTA_GROUPS_RE = re.compile(
+    r"replica_groups=\[(\d+),(\d+)\]<=\[([\d,]+)\](?:T\(([\d,]+)\))?")
+_PAIRS_RE = re.compile(r"source_target_pairs=\{(\{[\d,\s]*\}(?:\s*,\s*\{[\d,\s]*\})*)?\}")
 _PARTITIONS_RE = re.compile(r"\bnum_partitions=(\d+)")
 _REPLICAS_RE = re.compile(r"\breplica_count=(\d+)")
 
 
-def _group_size(inst: Instruction, num_devices: int) -> int:
+def _int_groups(text: str | None) -> tuple[tuple[int, ...], ...]:
+    """``"{0,1},{2,3}"`` -> ``((0, 1), (2, 3))``."""
+    return tuple(tuple(int(d) for d in group.split(",") if d.strip())
+                 for group in re.findall(r"\{([^}]*)\}", text or ""))
+
+
+def device_groups(inst: Instruction, num_devices: int) -> tuple[tuple[int, ...], ...]:
+    """The devices (the program's partition ids, i.e. positions in the mesh's device order)
+    that exchange data in collective ``inst``: its replica groups (the explicit
+    ``{{0,1},{2,3}}`` and the iota ``[2,4]<=[4,2]T(1,0)`` forms; none: every device), or a
+    collective-permute's ``(source, target)`` pairs."""
+    pairs = _PAIRS_RE.search(inst.attributes)
+    if pairs:
+        return _int_groups(pairs.group(1))
     iota = _IOTA_GROUPS_RE.search(inst.attributes)
     if iota:
-        return int(iota.group(2))
+        count, size = int(iota.group(1)), int(iota.group(2))
+        dims = [int(d) for d in iota.group(3).split(",")]
+        ids = np.arange(math.prod(dims)).reshape(dims)
+        if iota.group(4):
+            ids = ids.transpose([int(d) for d in iota.group(4).split(",")])
+        return tuple(tuple(int(d) for d in row) for row in ids.reshape(count, size))
     explicit = _EXPLICIT_GROUPS_RE.search(inst.attributes)
     if explicit and explicit.group(1):
-        first_group = re.match(r"\{([^}]*)\}", explicit.group(1))
-        if first_group is None:
-            raise ValueError(f"replica_groups={explicit.group(1)!r} is not a list of groups.")
-        return len([d for d in first_group.group(1).split(",") if d.strip()])
-    return num_devices
+        return _int_groups(explicit.group(1))
+    return (tuple(range(num_devices)),)
+
+
+def _group_size(inst: Instruction, num_devices: int) -> int:
+    return len(device_groups(inst, num_devices)[0])
 
 
 def _as_text(compiled_or_text: Any) -> str:

@@ -17,10 +17,10 @@ import re
 from typing import Any, Callable
 
 from jax_seqpar.tools.hlo import (COMPUTE_OPS, KERNEL_TARGETS, Program, async_fusion_done,
-                                  fusion_marker, is_collective, label)
+                                  device_groups, fusion_marker, is_collective, label)
 from jax_seqpar.tools.hlo_text import Instruction, bodies, callees
 
-__all__ = ["ScheduledCollective", "bytes_hidden", "collective_schedule"]
+__all__ = ["ScheduledCollective", "bytes_by_link", "bytes_hidden", "collective_schedule"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +41,11 @@ class ScheduledCollective:
         pair whose done is in the next trip of a loop, the rest of the body after the start
         and the head of the body before the done.
       encloses_kernel: a kernel runs between start and done (see :func:`bytes_hidden`).
+      groups: the devices that exchange data in it
+        (:func:`jax_seqpar.tools.hlo.device_groups`), within one program (one slice's).
+      between_slices: a transfer between TPU slices over DCN (XLA:TPU's multi-slice
+        programs are compiled per slice and send to the other slices with ``send`` ops
+        marked ``_xla_megascale_target``).
     """
 
     name: str
@@ -51,6 +56,8 @@ class ScheduledCollective:
     is_async: bool
     enclosed: tuple[str, ...]
     encloses_kernel: bool
+    groups: tuple[tuple[int, ...], ...] = ()
+    between_slices: bool = False
 
     @property
     def total_bytes(self) -> float:
@@ -58,6 +65,8 @@ class ScheduledCollective:
         return self.runs * self.bytes
 
 
+# The mark of XLA:TPU's transfers between slices (DCN).
+_MEGASCALE = "_xla_megascale_target"
 # Custom calls that are matrix products (cuBLAS / cuBLASLt on GPU).
 _MATMUL_TARGET_RE = re.compile(r"gemm|matmul", re.IGNORECASE)
 
@@ -167,8 +176,12 @@ def collective_schedule(compiled_or_text: Any, *, default_trip_count: int | None
                 wrapped.update(called)
                 sent = [program.payload(w, computation) for w in inner]
                 kind, per_run = sent[0][0], sum(b for _, b in sent)
+                groups = device_groups(inner[0], program.num_devices)
+                dcn = _MEGASCALE in inner[0].attributes
             elif is_collective(inst):
                 kind, per_run = program.payload(inst, computation)
+                groups = device_groups(inst, program.num_devices)
+                dcn = _MEGASCALE in inst.attributes
             else:
                 continue
             is_async = inst.opcode.endswith("-start") or inst.opcode == "send" or bool(marker)
@@ -192,7 +205,7 @@ def collective_schedule(compiled_or_text: Any, *, default_trip_count: int | None
                        and fusion_marker(b, computations) is None]
             rows.append(ScheduledCollective(
                 inst.name, kind, computation, runs, per_run, is_async,
-                tuple(label(b) for b in compute), any(map(is_kernel, compute))))
+                tuple(label(b) for b in compute), any(map(is_kernel, compute)), groups, dcn))
     # Collectives inside other computations (e.g. fused into a fusion): synchronous.
     skip = set(control) | wrapped | program.repeated
     for name, instructions in computations.items():
@@ -201,7 +214,9 @@ def collective_schedule(compiled_or_text: Any, *, default_trip_count: int | None
         for inst in filter(is_collective, instructions):
             kind, per_run = program.payload(inst, name)
             rows.append(ScheduledCollective(inst.name, kind, name, program.runs[name], per_run,
-                                            False, (), False))
+                                            False, (), False,
+                                            device_groups(inst, program.num_devices),
+                                            _MEGASCALE in inst.attributes))
     return rows
 
 
@@ -226,3 +241,32 @@ def bytes_hidden(compiled_or_text: Any, *, default_trip_count: int | None = None
     total = sum(r.total_bytes for r in rows)
     hidden = sum(r.total_bytes for r in rows if r.is_async and r.encloses_kernel)
     return dict(hidden=hidden, total=total, fraction=hidden / total if total else 1.0)
+
+
+def bytes_by_link(compiled_or_text: Any, domain_size: int, *,
+                  default_trip_count: int | None = None) -> dict[str, dict[str, float]]:
+    """What a device sends over the fast links and over the slow ones, and what hides.
+
+    A mesh's devices (the program's partition ids, in the mesh's device order) fall into
+    domains of ``domain_size`` consecutive devices: a host's GPUs (NVLink inside, the
+    network across) or a TPU slice (ICI inside, DCN across;
+    :func:`jax_seqpar.tools.targets.domains`). A collective is *across* when one of its
+    groups (or a permute's pair) holds devices of two domains, or it is a transfer
+    between TPU slices (a multi-slice program is one slice's), else *within*.
+
+    Returns:
+      ``{"within": {...}, "across": {...}}``, each ``{"hidden": bytes, "total": bytes,
+      "fraction": hidden / total}`` one device sends per program run (the rules of
+      :func:`bytes_hidden`).
+    """
+    rows = collective_schedule(compiled_or_text, default_trip_count=default_trip_count)
+    links = {link: dict(hidden=0.0, total=0.0) for link in ("within", "across")}
+    for row in rows:
+        spans = row.between_slices or any(
+            len({device // domain_size for device in group}) > 1 for group in row.groups)
+        link = links["across" if spans else "within"]
+        link["total"] += row.total_bytes
+        link["hidden"] += row.total_bytes if row.is_async and row.encloses_kernel else 0.0
+    for link in links.values():
+        link["fraction"] = link["hidden"] / link["total"] if link["total"] else 1.0
+    return links

@@ -2,8 +2,9 @@
 
 ``"h100:8"`` is eight H100 SXM GPUs on one host (``h200:N``, ``a100:N`` alike; more
 than 8 are hosts of 8), ``"v5p:2x2x2"`` a TPU v5p slice (``v5e:2x4``, ``v6e:2x4``,
-``v4:2x2x2``, ...: any topology libtpu knows), ``"cpu"`` / ``"cpu:N"`` this host's
-CPU devices. A target mesh holds devices that cannot run anything, but programs on
+``v4:2x2x2``, ...: any topology libtpu knows), ``"v5p:2x2x2*2"`` two such slices joined
+by the data-center network (DCN, as multi-slice training runs), ``"cpu"`` / ``"cpu:N"``
+this host's CPU devices. A target mesh holds devices that cannot run anything, but programs on
 it compile with the real compilers: XLA:GPU with Triton and ptxas for sm_90a /
 sm_80, XLA:TPU with Mosaic. Lower for the target's platform::
 
@@ -35,7 +36,7 @@ if TYPE_CHECKING:  # targets imports nothing of the package at run time
     from jax_seqpar.strategies.registry import StrategyName
 
 __all__ = ["COMPILE_OPTIONS", "TPU_HEAD_GROUP_OPTIONS", "Target", "compile_only_environment",
-           "compile_options", "emulate_cpu_devices", "libtpu_init_args", "parse",
+           "compile_options", "domains", "emulate_cpu_devices", "libtpu_init_args", "parse",
            "require_plugin", "target_mesh", "target_platform"]
 
 #: GPU kinds, each ``(target description file, GPUs per host)``.
@@ -45,7 +46,7 @@ TPU_HBM = {"v4": 32 * 2**30, "v5e": 16 * 2**30, "v5p": 95 * 2**30, "v6e": 32 * 2
 #: XLA:TPU runs all-to-all synchronously unless asked: this makes it asynchronous. The
 #: sequence pieces' transfers pass the barriers of their kernels and need no more.
 _TPU_ASYNC_ALL_TO_ALL = {"xla_tpu_enable_async_all_to_all": True}
-#: What a pipeline over head groups (``chunks=1``: a local length too short for sequence
+#: What a pipeline over head groups (``pieces=1``: a local length too short for sequence
 #: pieces, or forced) needs on TPU besides: the scheduler starts a group's exchange
 #: before the previous group's kernel only with it (v5p:2x2x2, S=16384, 2 groups: a
 #: third of the forward's bytes hidden with it, none without). Not among the default
@@ -78,10 +79,11 @@ COMPILE_OPTIONS = {
 }
 _PLUGINS = {"cuda": ("jax_cuda12_plugin", "the CUDA plugin (jax-cuda12-plugin)"),
             "tpu": ("libtpu", "libtpu")}
-_TPU_NAME_RE = re.compile(r"^(v\d+[a-z]*):(\d+(?:x\d+)+)$")
+_TPU_NAME_RE = re.compile(r"^(v\d+[a-z]*):(\d+(?:x\d+)+)(?:\*(\d+))?$")
 _DEVICE_MEMORY_RE = re.compile(r"\bdevice_memory_size:\s*(\d+)")
 _KNOWN = ("h100:N, h200:N, a100:N (N GPUs, hosts of 8 beyond 8), TPU topologies "
-          "v5p:2x2x2, v5e:2x4, v6e:2x4, v4:2x2x2, ..., cpu or cpu:N")
+          "v5p:2x2x2, v5e:2x4, v6e:2x4, v4:2x2x2, ... (v5p:2x2x2*2: two slices), cpu or "
+          "cpu:N")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -93,7 +95,9 @@ class Target:
       platform: the lowering platform, ``"cuda"``, ``"tpu"`` or ``"cpu"``.
       kind: ``"h100"``, ``"v5p"``, ... or ``"cpu"``.
       num_devices: devices in the mesh.
-      topology: the topology string of :func:`jax.experimental.topologies.get_topology_desc`.
+      topology: the topology string of :func:`jax.experimental.topologies.get_topology_desc`
+        (of one slice).
+      slices: TPU slices joined by DCN (1: one slice, or not a TPU).
     """
 
     name: str
@@ -101,6 +105,7 @@ class Target:
     kind: str
     num_devices: int
     topology: str
+    slices: int = 1
 
     @property
     def hbm_bytes(self) -> Optional[int]:
@@ -132,7 +137,12 @@ def parse(name: str) -> Target:
     found = _TPU_NAME_RE.match(name)
     if found:
         dims = [int(d) for d in found.group(2).split("x")]
-        return Target(name, "tpu", found.group(1), math.prod(dims), name)
+        slices = int(found.group(3) or 1)
+        if slices < 1:
+            raise ValueError(f"target {name!r} needs at least one slice; e.g. "
+                             f"'{found.group(1)}:{found.group(2)}*2'.")
+        return Target(name, "tpu", found.group(1), math.prod(dims) * slices,
+                      f"{found.group(1)}:{found.group(2)}", slices)
     raise ValueError(f"unknown target {name!r}; known forms: {_KNOWN}.")
 
 
@@ -215,11 +225,22 @@ def _devices(name: str) -> tuple:
         # libtpu locks /tmp/libtpu_lockfile so one process owns the TPUs; compile-only
         # topologies own none, so compiling processes (CI, a bench) may run side by side.
         os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-        extra = {"chip_config_name": "megacore"} if target.kind == "v4" else {}
+        extra: dict[str, str | int] = (
+            {"chip_config_name": "megacore"} if target.kind == "v4" else {})
+        if target.slices > 1:
+            extra["num_slices"] = target.slices
         topology = topologies.get_topology_desc(topology_name=target.topology,
                                                 platform="tpu", **extra)
-    # Host-major order: an inner mesh axis stays within a host (NVLink / one TPU host).
+    # Host-major order (slices, then their hosts): an inner mesh axis stays within a host
+    # (NVLink / one TPU host), an axis inside a slice within it.
     return tuple(sorted(topology.devices, key=lambda d: (d.process_index, d.id)))
+
+
+def domains(devices: Sequence) -> int:
+    """How many domains of fast links ``devices`` span: TPU slices (joined by DCN), else
+    hosts (GPUs joined by NVLink within a host, by the network across)."""
+    slices = {getattr(d, "slice_index", 0) for d in devices}
+    return len(slices) if len(slices) > 1 else len({d.process_index for d in devices})
 
 
 def target_mesh(name: str, axis_names: Sequence[str] = ("sp",),
@@ -230,7 +251,8 @@ def target_mesh(name: str, axis_names: Sequence[str] = ("sp",),
       name: a target name (see the module docstring), e.g. ``"h100:8"``, ``"v5p:2x2x2"``.
       axis_names: the mesh axes, outer first.
       shape: the size of each axis (product: the target's devices). Default: all
-        devices on one axis; with two axes, ``(hosts, devices per host)``.
+        devices on one axis; with two axes, ``(slices, devices per slice)`` for TPU
+        slices, else ``(hosts, devices per host)`` (:func:`domains`).
 
     Raises:
       ValueError: an unknown name, or a shape that does not fit the target.
@@ -238,21 +260,23 @@ def target_mesh(name: str, axis_names: Sequence[str] = ("sp",),
 
     .. code-block:: python
 
-        mesh = target_mesh("h100:16", ("dcn", "ici"))  # 2 hosts x 8 GPUs
+        mesh = target_mesh("h100:16", ("dcn", "ici"))      # 2 hosts x 8 GPUs
+        mesh = target_mesh("v5p:2x2x2*2", ("dcn", "ici"))  # 2 slices x 8 chips
     """
     from jax.sharding import Mesh
 
     devices = _devices(name)
     axis_names = tuple(axis_names)
     if shape is None:
-        hosts = len({d.process_index for d in devices})
+        hosts = domains(devices)
         if len(axis_names) == 1:
             shape = (len(devices),)
         elif len(axis_names) == 2 and hosts > 1:
             shape = (hosts, len(devices) // hosts)
         else:
-            raise ValueError(f"target {name!r} ({len(devices)} devices on {hosts} host(s)) "
-                             f"has no default shape for axes {axis_names}; pass shape=.")
+            raise ValueError(f"target {name!r} ({len(devices)} devices in {hosts} host(s) or "
+                             f"slice(s)) has no default shape for axes {axis_names}; pass "
+                             "shape=.")
     shape = tuple(int(s) for s in shape)
     if len(shape) != len(axis_names) or math.prod(shape) != len(devices):
         raise ValueError(f"mesh shape {shape} for axes {axis_names} must have one size per "

@@ -30,15 +30,15 @@ _F32 = core.F32
 _MIN_PROGRAMS = 256
 
 
-def _grad_tile(q_chunks, k_chunks, v_chunks, do_chunks, lse2, delta, mask, options,
+def _grad_tile(q_cols, k_cols, v_cols, do_cols, lse2, delta, mask, options,
                precision):
     """``(p, ds)`` of one tile ``[bq, bk]``: probabilities from the row log-sum-exp
     (log2 units) and the gradient of the raw (pre-softcap) scores, unscaled."""
-    s, tanh = core.scores(q_chunks, k_chunks, options, precision)
-    if mask is not None:
-        s = jnp.where(mask, s, -jnp.inf)
+    s, tanh = core.scores(q_cols, k_cols, options, precision)
     p = jnp.exp2(s - lse2[:, None])
-    ds = p * (core.dot_chunks(do_chunks, v_chunks, (1, 1), precision) - delta[:, None])
+    if mask is not None:  # after the lse: a NaN one (contract.isolated_grads) stays off
+        p = jnp.where(mask, p, 0.0)  # invisible pairs; an EMPTY_LSE row's inf too
+    ds = p * (core.dot_cols(do_cols, v_cols, (1, 1), precision) - delta[:, None])
     if tanh is not None:
         ds = ds * (1.0 - tanh * tanh)
     return p, ds
@@ -48,21 +48,21 @@ def _dq_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref, 
                dq_ref, *, options, block_k, d_qk, d_v, has_mask, precision):
     rows = slice(None)
     q_tile = core.token_tile(q_tok, rows)
-    q_chunks = None if d_qk.count > 1 else d_qk.load_all(q_ref, rows)
-    do_chunks = d_v.load_all(do_ref, rows)
+    q_cols = None if d_qk.count > 1 else d_qk.load_all(q_ref, rows)
+    do_cols = d_v.load_all(do_ref, rows)
     lse2, delta = lse_ref[...] * core.LOG2E, delta_ref[...]  # [bq]
 
     def step(j, dq, masked):
         window = pl.ds(j * block_k, block_k)
-        k_chunks = d_qk.load_all(k_ref, window)
-        v_chunks = d_v.load_all(v_ref, window)
-        q_now = d_qk.load_all(q_ref, rows) if q_chunks is None else q_chunks
+        k_cols = d_qk.load_all(k_ref, window)
+        v_cols = d_v.load_all(v_ref, window)
+        q_now = d_qk.load_all(q_ref, rows) if q_cols is None else q_cols
         mask = (core.tile_mask(options.spec, q_tile, core.token_tile(kv_tok, window))
                 if masked else None)
-        _, ds = _grad_tile(q_now, k_chunks, v_chunks, do_chunks, lse2, delta, mask, options,
+        _, ds = _grad_tile(q_now, k_cols, v_cols, do_cols, lse2, delta, mask, options,
                            precision)
-        ds = ds.astype(k_chunks[0].dtype)
-        return tuple(a + core.dot(ds, k, (1, 0), precision) for a, k in zip(dq, k_chunks))
+        ds = ds.astype(k_cols[0].dtype)
+        return tuple(a + core.dot(ds, k, (1, 0), precision) for a, k in zip(dq, k_cols))
 
     init = d_qk.zeros(q_ref.shape[0])
     dq = core.run_tiles(bounds_ref, step, init, has_mask=has_mask)
@@ -74,24 +74,24 @@ def _dkv_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref,
                 dk_ref, dv_ref, *, options, block_q, d_qk, d_v, has_mask, precision):
     cols = slice(None)
     kv_tile = core.token_tile(kv_tok, cols)
-    k_chunks = d_qk.load_all(k_ref, cols)
-    v_chunks = d_v.load_all(v_ref, cols)
+    k_cols = d_qk.load_all(k_ref, cols)
+    v_cols = d_v.load_all(v_ref, cols)
     heads = q_ref.shape[1]  # q_ref: [Sq, heads of this split, Dqk]
 
     def head_body(head, carry):
         def step(i, carry, masked):
             dk, dv = carry
             window = pl.ds(i * block_q, block_q)
-            q_chunks = d_qk.load_all(q_ref, window, head)
-            do_chunks = d_v.load_all(do_ref, window, head)
+            q_cols = d_qk.load_all(q_ref, window, head)
+            do_cols = d_v.load_all(do_ref, window, head)
             lse2 = lse_ref[head, window] * core.LOG2E
             mask = (core.tile_mask(options.spec, core.token_tile(q_tok, window), kv_tile)
                     if masked else None)
-            p, ds = _grad_tile(q_chunks, k_chunks, v_chunks, do_chunks, lse2,
+            p, ds = _grad_tile(q_cols, k_cols, v_cols, do_cols, lse2,
                                delta_ref[head, window], mask, options, precision)
-            p, ds = p.astype(do_chunks[0].dtype), ds.astype(q_chunks[0].dtype)
-            dv = tuple(a + core.dot(p, do, (0, 0), precision) for a, do in zip(dv, do_chunks))
-            dk = tuple(a + core.dot(ds, q, (0, 0), precision) for a, q in zip(dk, q_chunks))
+            p, ds = p.astype(do_cols[0].dtype), ds.astype(q_cols[0].dtype)
+            dv = tuple(a + core.dot(p, do, (0, 0), precision) for a, do in zip(dv, do_cols))
+            dk = tuple(a + core.dot(ds, q, (0, 0), precision) for a, q in zip(dk, q_cols))
             return dk, dv
 
         return core.run_tiles(bounds_ref, step, carry, has_mask=has_mask)

@@ -1,8 +1,8 @@
 """Pieces shared by the Pallas forward and backward kernels (:mod:`.pallas`, :mod:`._pallas_bwd`).
 
-* :class:`HeadDim`: how a head dim is cut into power-of-two column chunks (Triton
-  tensors are powers of two): one chunk up to 256 columns, masked loads for the
-  columns past the real dim, a loop of chunks beyond (MLA's 576 is 256+256+64);
+* :class:`HeadDim`: how a head dim is cut into power-of-two column parts (Triton
+  tensors are powers of two): one part up to 256 columns, masked loads for the
+  columns past the real dim, a loop of parts beyond (MLA's 576 is 256+256+64);
 * the loop schedule: per row of tiles, the first..last non-``EMPTY`` tile with the
   run of ``FULL`` tiles inside, so each kernel runs a masked loop, an unmasked loop
   and a masked loop whose loads all sit at the loop's top level (Triton's software
@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from jax_seqpar.core import masks
+from jax_seqpar.core import blocks, masks
 from jax_seqpar.kernels import tiling as _tiling
 from jax_seqpar.kernels.tiling import Tiling, pad_seq, padded_tokens
 from jax_seqpar.core.masks import MaskSpec, Tokens
@@ -34,10 +34,10 @@ from jax_seqpar.core.masks import MaskSpec, Tokens
 F32 = jnp.float32
 LOG2E = math.log2(math.e)
 LN2 = math.log(2.0)
-#: Smallest tile / head-dim chunk Triton's ``tl.dot`` takes.
+#: Smallest tile / head-dim part Triton's ``tl.dot`` takes.
 MIN_DIM = 16
-#: Widest head-dim chunk kept as one tensor; wider dims are cut into chunks.
-MAX_CHUNK = 256
+#: Widest head-dim part kept as one tensor; wider dims are cut into parts.
+MAX_PART = 256
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
 
@@ -151,16 +151,16 @@ def query_row_specs(t: Tiling, q_tokens, kv_tokens, d_qk: "HeadDim", d_v: "HeadD
 
 @dataclasses.dataclass(frozen=True)
 class HeadDim:
-    """A head dim cut into power-of-two column chunks (Triton tensors are powers of two).
+    """A head dim cut into power-of-two column parts (Triton tensors are powers of two).
 
-    Up to :data:`MAX_CHUNK` columns: one chunk of the next power of two, the columns
+    Up to :data:`MAX_PART` columns: one part of the next power of two, the columns
     past the real dim masked in loads and stores (no padding in memory). Wider:
     the largest powers of two that fit, so MLA's 576 is 256 + 256 + 64 and 512 is
     256 + 256 (a last piece under 16 columns is masked).
 
     Attributes:
       size: the real head dim.
-      widths: the chunks' widths, in column order.
+      widths: the parts' widths, in column order.
     """
 
     size: int
@@ -169,11 +169,11 @@ class HeadDim:
     @classmethod
     def of(cls, size: int) -> "HeadDim":
         whole = max(MIN_DIM, pl.next_power_of_2(size))
-        if whole <= MAX_CHUNK:
+        if whole <= MAX_PART:
             return cls(size, (whole,))
         widths, left = [], size
         while left > 0:
-            width = MIN_DIM if left < MIN_DIM else min(MAX_CHUNK, 1 << (left.bit_length() - 1))
+            width = MIN_DIM if left < MIN_DIM else min(MAX_PART, 1 << (left.bit_length() - 1))
             widths.append(width)
             left -= width
         return cls(size, tuple(widths))
@@ -186,31 +186,31 @@ class HeadDim:
     def padded(self) -> int:
         return sum(self.widths)
 
-    def _columns(self, chunk: int):
-        """``(slice, mask|None)`` of chunk ``chunk``'s columns."""
-        start, width = sum(self.widths[:chunk]), self.widths[chunk]
+    def _columns(self, part: int):
+        """``(slice, mask|None)`` of part ``part``'s columns."""
+        start, width = sum(self.widths[:part]), self.widths[part]
         if start + width <= self.size:
             return pl.ds(start, width), None
         return pl.ds(start, width), (start + jnp.arange(width) < self.size)[None, :]
 
     def zeros(self, rows: int):
-        """float32 accumulators ``[rows, width]``, one per chunk."""
+        """float32 accumulators ``[rows, width]``, one per part."""
         return tuple(jnp.zeros((rows, width), F32) for width in self.widths)
 
-    def load(self, ref, index: tuple, chunk: int):
-        """Chunk ``chunk`` of ``ref[*index, :]`` (``[rows, width]``), zeros past ``size``."""
-        cols, mask = self._columns(chunk)
+    def load(self, ref, index: tuple, part: int):
+        """Part ``part`` of ``ref[*index, :]`` (``[rows, width]``), zeros past ``size``."""
+        cols, mask = self._columns(part)
         if mask is None:
             return ref[index + (cols,)]
         return plgpu.load(ref.at[index + (cols,)], mask=mask, other=0)
 
     def load_all(self, ref, *index):
-        """Every chunk of ``ref[*index, :]`` (a list)."""
+        """Every part of ``ref[*index, :]`` (a list)."""
         return [self.load(ref, index, c) for c in range(self.count)]
 
-    def store(self, ref, chunk: int, value):
-        """Write chunk ``chunk`` of ``ref[:, :]`` (columns past ``size`` left alone)."""
-        cols, mask = self._columns(chunk)
+    def store(self, ref, part: int, value):
+        """Write part ``part`` of ``ref[:, :]`` (columns past ``size`` left alone)."""
+        cols, mask = self._columns(part)
         if mask is None:
             ref[:, cols] = value
         else:
@@ -249,19 +249,19 @@ def dot(a, b, contract, precision):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
 
 
-def dot_chunks(a_chunks, b_chunks, contract, precision):
-    """Sum over head-dim chunks of :func:`dot` (the chunked contraction)."""
+def dot_cols(a_cols, b_cols, contract, precision):
+    """Sum over head-dim parts of :func:`dot` (the split contraction)."""
     total = None
-    for a, b in zip(a_chunks, b_chunks):
+    for a, b in zip(a_cols, b_cols):
         part = dot(a, b, contract, precision)
         total = part if total is None else total + part
     return total
 
 
-def scores(q_chunks, k_chunks, options, precision):
+def scores(q_cols, k_cols, options, precision):
     """``(s, tanh)``: scores in log2 units ``[bq, bk]`` and, with ``options.softcap``,
     the ``tanh`` the backward needs (else ``None``)."""
-    s = dot_chunks(q_chunks, k_chunks, (1, 1), precision)
+    s = dot_cols(q_cols, k_cols, (1, 1), precision)
     cap = options.softcap
     if cap is None:
         return s * (options.scale * LOG2E), None
@@ -340,16 +340,16 @@ def tile_bounds(spec: MaskSpec, t: Tiling, q_tokens: Tokens, kv_tokens: Tokens, 
     The classes are built :data:`BOUNDS_CHUNK` rows at a time (``lax.map``), so
     memory is O(B * S) however long the sequence, never a ``[num_q, num_k]`` table.
     """
-    q_summaries = masks.summarize(q_tokens, t.block_q, per_row=True)  # [B, nq] fields
-    kv_summaries = masks.summarize(kv_tokens, t.block_k, per_row=True)  # [B, nk] fields
+    q_summaries = blocks.summarize(q_tokens, t.block_q, per_row=True)  # [B, nq] fields
+    kv_summaries = blocks.summarize(kv_tokens, t.block_k, per_row=True)  # [B, nk] fields
 
     def batch_row(q_summary, kv_summary):  # [nq], [nk] fields -> [n, 4]
         rows = kv_summary if by_key else q_summary
 
         def one_row(row):  # summaries of one tile -> its bounds [4]
             row = jax.tree.map(lambda x: x[None], row)
-            classes = (masks.classify(spec, q_summary, row).T if by_key
-                       else masks.classify(spec, row, kv_summary))
+            classes = (blocks.classify(spec, q_summary, row).T if by_key
+                       else blocks.classify(spec, row, kv_summary))
             return row_bounds(classes)[0]
 
         return lax.map(one_row, rows, batch_size=min(BOUNDS_CHUNK, rows.pos_min.shape[0]))
@@ -366,8 +366,8 @@ def row_bounds(classes):
     """
     n_cols = classes.shape[1]
     cols = jnp.arange(n_cols, dtype=jnp.int32)[None, :]
-    nonempty = classes != masks.EMPTY
-    full = classes == masks.FULL
+    nonempty = classes != blocks.EMPTY
+    full = classes == blocks.FULL
     first = jnp.min(jnp.where(nonempty, cols, n_cols), axis=1)
     end = jnp.max(jnp.where(nonempty, cols + 1, 0), axis=1)
     full_first = jnp.min(jnp.where(full, cols, n_cols), axis=1)

@@ -13,7 +13,7 @@ How the work is cut:
 * backward: one kernel per (query tile, batch, head) accumulates ``dq`` over key
   tiles, one per (key tile, batch, kv head, head split) accumulates ``dk, dv`` over
   the query tiles of its share of the GQA group (``_pallas_bwd``);
-* the tile classes of :func:`jax_seqpar.core.masks.classify` are reduced, outside the
+* the tile classes of :func:`jax_seqpar.core.blocks.classify` are reduced, outside the
   kernels and a few hundred rows at a time (O(B * S) memory, no ``[nq, nk]`` table),
   to loop bounds per batch row and row of tiles (``[B, n, 4]``: packed rows skip what
   their own documents do not share): the first..last non-``EMPTY`` tile and the run
@@ -25,9 +25,9 @@ How the work is cut:
 * GQA/MQA read K/V head ``h // group`` through the BlockSpec index map, never a
   repeated copy; ragged lengths are padded to whole tiles with segment sentinels
   (padded queries see nothing, padded keys are seen by nobody); head dims are
-  never padded in memory: a dim up to 256 is one power-of-two chunk with masked
+  never padded in memory: a dim up to 256 is one power-of-two part with masked
   loads and stores past the real dim, a wider one (MLA's 576 / 512) a loop of
-  few power-of-two chunks (``_pallas_core.HeadDim``);
+  few power-of-two parts (``_pallas_core.HeadDim``);
 * tiles, warps and pipeline stages default per head dim and dtype
   (:func:`default_block_sizes`, ``_pallas_config``) to sizes that compile
   without register spills and within shared memory on A100 (sm_80) and H100/H200
@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jax_seqpar.core import compat as _compat, masks
+from jax_seqpar.core import blocks, compat as _compat, masks
 from jax_seqpar.kernels.gpu import _bwd as _pallas_bwd
 from jax_seqpar.kernels import contract
 from jax_seqpar.kernels.gpu import _config as config
@@ -84,17 +84,17 @@ def _forward_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, out_ref, lse
                     options, block_k, d_qk, d_v, has_mask, precision):
     rows = slice(None)
     q_tile = core.token_tile(q_tok, rows)
-    # Wide (chunked) queries are re-read per step (L2 hits) rather than held in
+    # Wide (split) queries are re-read per step (L2 hits) rather than held in
     # registers next to a wide accumulator.
-    q_chunks = None if d_qk.count > 1 else d_qk.load_all(q_ref, rows)
+    q_cols = None if d_qk.count > 1 else d_qk.load_all(q_ref, rows)
 
     def step(j, carry, masked):
-        acc, m, l = carry  # chunks of [bq, Dv], [bq], [bq]; scores in log2 units
+        acc, m, l = carry  # parts of [bq, Dv], [bq], [bq]; scores in log2 units
         window = pl.ds(j * block_k, block_k)
-        k_chunks = d_qk.load_all(k_ref, window)
-        v_chunks = d_v.load_all(v_ref, window)
-        q_now = d_qk.load_all(q_ref, rows) if q_chunks is None else q_chunks
-        s, _ = core.scores(q_now, k_chunks, options, precision)  # [bq, bk]
+        k_cols = d_qk.load_all(k_ref, window)
+        v_cols = d_v.load_all(v_ref, window)
+        q_now = d_qk.load_all(q_ref, rows) if q_cols is None else q_cols
+        s, _ = core.scores(q_now, k_cols, options, precision)  # [bq, bk]
         if masked:
             s = jnp.where(core.tile_mask(options.spec, q_tile, core.token_tile(kv_tok, window)),
                           s, -jnp.inf)
@@ -103,7 +103,7 @@ def _forward_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, out_ref, lse
         p = jnp.exp2(s - m_new[:, None])
         alpha = jnp.exp2(m - m_new)
         acc = tuple(a * alpha[:, None] + core.dot(p.astype(v.dtype), v, (1, 0), precision)
-                    for a, v in zip(acc, v_chunks))
+                    for a, v in zip(acc, v_cols))
         return acc, m_new, l * alpha + p.sum(axis=-1)
 
     block_q = q_ref.shape[0]
@@ -169,7 +169,8 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_token
     options = _validate(q, k, v, q_tokens, kv_tokens, options, interpret)
     contract.check_accumulated(q, v, accumulate)
     return contract.merge_accumulated(
-        _forward(q, k, v, q_tokens, kv_tokens, options, interpret), accumulate)
+        _forward(*contract.isolated(q, k, v), q_tokens, kv_tokens, options, interpret),
+        accumulate)
 
 
 @contract.folds_vmap
@@ -233,6 +234,7 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_toke
     """
     options = _validate(q, k, v, q_tokens, kv_tokens, options, interpret)
     contract.check_backward_operands(q, v, lse, delta, dout)
+    k, v, lse, delta = contract.isolated_grads(k, v, lse, delta)
     grads = _pallas_bwd.backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options,
                                  interpret)
     return contract.add_accumulated(grads, accumulate)

@@ -42,16 +42,19 @@ def _dq_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref, de
     @pl.when(kv_tile == 0)
     def _init():
         dq_acc[...] = jnp.zeros(dq_acc.shape, mc.F32)
-        lse_col[...] = mc.row_to_column(lse_ref[...])  # [1, bq] -> [bq, 128]
-        delta_col[...] = mc.row_to_column(delta_ref[...])
+        lse, delta = contract.isolated_stats(lse_ref[...], delta_ref[...])  # [1, bq]
+        lse_col[...] = mc.row_to_column(lse)  # [1, bq] -> [bq, 128]
+        delta_col[...] = mc.row_to_column(delta)
 
     def tile(is_partial):
-        k = k_ref[...]
+        k = contract.finite(k_ref[...])  # non-finite numbers of k and v at zero
         s, t = mc.logits(q_ref[...], k, options, precision)  # [bq, bk]
-        if is_partial:
+        s = s - lse_col[:, :1]
+        if is_partial:  # after the lse: a NaN one stays off invisible pairs
             s = mc.masked(s, options.spec, q_tok, kv_tok, rows_are_queries=True)
-        p = jnp.exp(s - lse_col[:, :1])
-        dp = mc.dot(do_ref[...], v_ref[...], transpose_b=True, precision=precision)
+        p = jnp.exp(s)
+        dp = mc.dot(do_ref[...], contract.finite(v_ref[...]), transpose_b=True,
+                    precision=precision)
         ds = _grad_scores(t, p, dp, delta_col[:, :1])
         dq_acc[...] += mc.dot(ds.astype(k.dtype), k, precision=precision)
 
@@ -76,13 +79,15 @@ def _dkv_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref, d
 
     def tile(is_partial):
         q, do = q_ref[...], do_ref[...]
-        s, t = mc.logits(k_ref[...], q, options, precision)  # [bk, bq]
-        if is_partial:
+        lse, delta = contract.isolated_stats(lse_ref[...], delta_ref[...])  # [1, bq]
+        s, t = mc.logits(contract.finite(k_ref[...]), q, options, precision)  # [bk, bq]
+        s = s - lse
+        if is_partial:  # after the lse: a NaN one stays off invisible pairs
             s = mc.masked(s, options.spec, kv_tok, q_tok, rows_are_queries=False)
-        p = jnp.exp(s - lse_ref[...])  # lse [1, bq]
+        p = jnp.exp(s)
         dv_acc[...] += mc.dot(p.astype(do.dtype), do, precision=precision)
-        dp = mc.dot(v_ref[...], do, transpose_b=True, precision=precision)  # [bk, bq]
-        ds = _grad_scores(t, p, dp, delta_ref[...])
+        dp = mc.dot(contract.finite(v_ref[...]), do, transpose_b=True, precision=precision)
+        ds = _grad_scores(t, p, dp, delta)  # dp: [bk, bq]
         dk_acc[...] += mc.dot(ds.astype(q.dtype), q, precision=precision)
 
     mc.run_tile(plan_ref, pl.program_id(0), kv_tile, q_tile, tile)

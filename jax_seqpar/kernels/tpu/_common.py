@@ -13,7 +13,7 @@ padded to 128 lanes there) and are transposed in VMEM where a tile needs a colum
 The schedule of a call is one ``int32[B, rows, cols]`` table in SMEM (scalar prefetch),
 one plan per batch row (packed rows hold different documents):
 ``plan = fetch << 2 | class``, where ``class`` is the tile's
-:func:`jax_seqpar.core.masks.classify` class and ``fetch`` the tile the pipeline loads at
+:func:`jax_seqpar.core.blocks.classify` class and ``fetch`` the tile the pipeline loads at
 that step: the tile itself when it is not ``EMPTY``, else the last non-``EMPTY``
 tile before it (or the first after it), so an ``EMPTY`` step repeats the previous
 block index and the pipeline issues no copy for it.
@@ -27,7 +27,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from jax_seqpar.core import compat as _compat, masks
+from jax_seqpar.core import blocks, compat as _compat, masks
 from jax_seqpar.kernels import tiling as _tiling
 from jax_seqpar.kernels.tiling import Tiling
 from jax_seqpar.core.masks import Tokens
@@ -85,7 +85,7 @@ def plan(classes):
     """``int32[B, rows, cols]`` schedule (module docstring) from tile classes of that
     shape (per batch row)."""
     cols = jnp.arange(classes.shape[-1], dtype=jnp.int32)
-    nonempty = classes != masks.EMPTY
+    nonempty = classes != blocks.EMPTY
     last_before = lax.cummax(jnp.where(nonempty, cols, -1), axis=classes.ndim - 1)
     first = jnp.argmax(nonempty, axis=-1).astype(jnp.int32)[..., None]
     fetch = jnp.where(last_before >= 0, last_before, first)
@@ -105,8 +105,8 @@ def run_tile(plan_ref, batch_index, row_index, col_index, tile_fn):
     """Run ``tile_fn(masked)`` on ``PARTIAL`` (masked) and ``FULL`` tiles of batch row
     ``batch_index``; skip ``EMPTY``."""
     tile_class = plan_ref[batch_index, row_index, col_index] & ((1 << _CLASS_BITS) - 1)
-    pl.when(tile_class == masks.PARTIAL)(lambda: tile_fn(True))
-    pl.when(tile_class == masks.FULL)(lambda: tile_fn(False))
+    pl.when(tile_class == blocks.PARTIAL)(lambda: tile_fn(True))
+    pl.when(tile_class == blocks.FULL)(lambda: tile_fn(False))
 
 
 def precision(dtype):

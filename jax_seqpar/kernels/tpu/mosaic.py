@@ -18,7 +18,7 @@ How the work is cut (FlashAttention-2):
   transposed scores ``k @ q.T`` (no in-kernel transposes) and sums its GQA group
   in VMEM, without atomics (``_mosaic_bwd``);
 * every (query tile, key tile) pair of every batch row is classified outside the
-  kernel (:func:`jax_seqpar.core.masks.classify`) into a scalar-prefetched plan
+  kernel (:func:`jax_seqpar.core.blocks.classify`) into a scalar-prefetched plan
   ``[B, nq, nk]`` (packed rows skip what their own documents do not share): ``EMPTY``
   tiles are neither computed nor copied in, ``FULL`` tiles are not masked, and
   ``PARTIAL`` tiles apply :func:`jax_seqpar.core.masks.visible` to the tokens' positions,
@@ -42,7 +42,7 @@ import jax.numpy as jnp
 from jax import lax
 from jax.experimental import pallas as pl
 
-from jax_seqpar.core import compat as _compat, masks
+from jax_seqpar.core import blocks, compat as _compat, masks
 from jax_seqpar.kernels.tpu import _bwd as _mosaic_bwd
 from jax_seqpar.kernels import contract
 from jax_seqpar.kernels.tpu import _common as mc
@@ -98,7 +98,8 @@ def _forward_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, *refs, options
             acc_ref[...] = jnp.zeros(acc_ref.shape, mc.F32)
 
     def tile(is_partial):
-        s, _ = mc.logits(q_ref[...], k_ref[...], options, precision)  # [bq, bk]
+        k, v = contract.isolated_keys(k_ref[...], v_ref[...])  # a non-finite value: key NaN, value 0
+        s, _ = mc.logits(q_ref[...], k, options, precision)  # [bq, bk]
         if is_partial:
             s = mc.masked(s, options.spec, q_tok, kv_tok, rows_are_queries=True)
         # Statistics are lane-replicated [bq, 128]. m starts at EMPTY_LSE (finite),
@@ -108,7 +109,6 @@ def _forward_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, *refs, options
         p = jnp.exp(s - m_next[:, :1])
         alpha = jnp.exp(m_prev - m_next)
         l_ref[...] = alpha * l_ref[...] + p.sum(axis=-1, keepdims=True)
-        v = v_ref[...]
         acc_ref[...] = acc_ref[...] * alpha[:, :1] + mc.dot(p.astype(v.dtype), v,
                                                             precision=precision)
         m_ref[...] = m_next
@@ -156,7 +156,7 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_token
     """
     options = _checked(q, k, v, q_tokens, kv_tokens, options)
     contract.check_accumulated(q, v, accumulate)
-    return _forward(q, k, v, q_tokens, kv_tokens, options, accumulate)
+    return _forward(q, k, v, q_tokens, kv_tokens, options, accumulate)  # isolated per tile
 
 
 @contract.folds_vmap
@@ -235,6 +235,7 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_toke
     contract.check_backward_operands(q, v, lse, delta, dout)
     # dq accumulates in the dq kernel, in place; dk, dv are added after (a ring's
     # overlapped backward computes them fresh while the accumulators travel).
+    # Non-finite numbers isolated per tile, in VMEM (contract.isolated_grads' rules).
     dq, dk, dv = _mosaic_bwd.backward(
         q, k, v, q_tokens, kv_tokens, lse, delta, dout, options,
         dq_in=None if accumulate is None else accumulate[0])

@@ -21,7 +21,7 @@ def test_hybrid_chunks_compile_once():
 
     def loss(q, k, v):
         out = sp.sequence_parallel_attention(q, k, v, mesh=mesh, strategy="hybrid",
-                                             seq_axes=("dcn", "ici"), causal=True, chunks=3)
+                                             seq_axes=("dcn", "ici"), causal=True, pieces=3)
         return jnp.sum(out.astype(jnp.float32) ** 2)
 
     step = jax.jit(jax.grad(loss, argnums=(0, 1, 2)))
@@ -31,8 +31,8 @@ def test_hybrid_chunks_compile_once():
 
 
 def test_the_model_hides_what_the_hybrid_pieces_hide():
-    """The planner cuts the hybrid's inner exchange as ``chunks="auto"`` does (16 pieces'
-    worth at 2048 tokens a device over 4: 5 chunks), hides all but one piece's share of
+    """The planner cuts the hybrid's inner exchange as ``pieces="auto"`` does (16 pieces'
+    worth at 2048 tokens a device over 4: 5 pieces), hides all but one piece's share of
     the all-to-all bytes where the target overlaps all-to-alls, and none with a window
     (the ring is then a halo exchange: not chunked)."""
     shape = LayerShape(1, 16384, 16, 4, 128, dtype="bfloat16", causal=True)
