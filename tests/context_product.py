@@ -8,8 +8,9 @@ model), where the inputs live, and the entry point. :func:`run_cell` runs one ce
 ``"data"`` for the batch-sharded inputs) at tiny shapes and compares its output and
 gradients with :mod:`jax_seqpar.core.reference`. :func:`refusal` names the cells that
 cannot work and the error they must raise instead (``docs/guide/contexts.md`` lists
-them). :func:`pairwise` is the default tier's covering subset: every pair of levels of
-two factors meets in at least one cell.
+them). :func:`covering` gives the tiers' covering subsets: the default tier's, where
+every pair of levels of two factors meets in at least one cell, and the ``matrix``
+tier's, where every four levels of four factors meet.
 
 The training step is an NNX model (the entry point with a learned per-feature scale of
 the queries, or :class:`~jax_seqpar.flax.SelfAttention` itself) whose loss is
@@ -59,57 +60,60 @@ FORWARD_ONLY = "decode is inference against a KV cache and has no gradient"
 SHARDED_CONTRACTION = "Contracting dimensions are sharded"
 
 
-def cells() -> list[dict]:
+def cells(factors: dict = FACTORS) -> list[dict]:
     """The whole product, as dicts factor -> level."""
-    return [dict(zip(FACTORS, levels)) for levels in itertools.product(*FACTORS.values())]
+    return [dict(zip(factors, levels)) for levels in itertools.product(*factors.values())]
 
 
 def cell_id(cell: dict) -> str:
     return "-".join(cell[name] for name in FACTORS)
 
 
-def pairwise(factors: dict = FACTORS) -> list[dict]:
-    """A deterministic covering subset of ``factors``' product: every pair of levels of two
-    factors is in at least one cell.
+def _tuples(cell: dict, names: list, strength: int) -> set:
+    """The ``strength``-tuples of ``(factor, level)`` that ``cell`` (possibly partial) holds."""
+    return {tuple((a, cell[a]) for a in combo)
+            for combo in itertools.combinations(names, strength) if all(a in cell for a in combo)}
 
-    Greedy: each new cell starts from the first pair not yet covered (factors and levels
-    in their given order) and gives every other factor, in order, the level that covers
-    the most uncovered pairs with the levels already chosen (the first such level on a
-    tie), until no pair is left.
+
+def covering(factors: dict = FACTORS, strength: int = 2, start: tuple = ()) -> list[dict]:
+    """A deterministic covering subset of ``factors``' product: every ``strength`` levels
+    of ``strength`` different factors meet in at least one cell (2: every pair).
+
+    Greedy: the rows ``start`` first; then each new cell starts from the first tuple not
+    yet covered (factors and levels in their given order) and gives every other factor,
+    in order, the level that covers the most uncovered tuples with the levels already
+    chosen (the first such level on a tie), until no tuple is left. ``start`` rows come
+    back first, unchanged.
     """
     names = list(factors)
-    uncovered = {((a, x), (b, y)) for a, b in itertools.combinations(names, 2)
-                 for x in factors[a] for y in factors[b]}
-
-    def pairs(cell):
-        return {((a, cell[a]), (b, cell[b])) for a, b in itertools.combinations(names, 2)
-                if a in cell and b in cell}
-
-    order = [((a, x), (b, y)) for a, b in itertools.combinations(names, 2)
-             for x in factors[a] for y in factors[b]]
-    rows = []
+    order = [tuple(zip(combo, levels)) for combo in itertools.combinations(names, strength)
+             for levels in itertools.product(*(factors[a] for a in combo))]
+    uncovered = set(order)
+    rows = [dict(row) for row in start]
+    for row in rows:
+        uncovered -= _tuples(row, names, strength)
     while uncovered:
-        (a, x), (b, y) = next(pair for pair in order if pair in uncovered)
-        cell = {a: x, b: y}
+        cell = dict(next(tuple_ for tuple_ in order if tuple_ in uncovered))
         for name in names:
             if name in cell:
                 continue
             cell[name] = max(factors[name], key=lambda level: (
-                len(pairs({**cell, name: level}) & uncovered), -factors[name].index(level)))
+                len(_tuples({**cell, name: level}, names, strength) & uncovered),
+                -factors[name].index(level)))
         cell = {name: cell[name] for name in names}
-        uncovered -= pairs(cell)
+        uncovered -= _tuples(cell, names, strength)
         rows.append(cell)
     return rows
 
 
-def covered_pairs(rows: list[dict], factors: dict = FACTORS) -> set:
-    return {((a, row[a]), (b, row[b])) for row in rows
-            for a, b in itertools.combinations(list(factors), 2)}
+def covered(rows: list[dict], factors: dict = FACTORS, strength: int = 2) -> set:
+    """The ``strength``-tuples of levels the ``rows`` hold."""
+    return set().union(*(_tuples(row, list(factors), strength) for row in rows))
 
 
-def all_pairs(factors: dict = FACTORS) -> set:
-    return {((a, x), (b, y)) for a, b in itertools.combinations(list(factors), 2)
-            for x in factors[a] for y in factors[b]}
+def every_tuple(factors: dict = FACTORS, strength: int = 2) -> set:
+    """Every ``strength``-tuple of levels of different factors."""
+    return covered(cells(factors), factors, strength)
 
 
 def refusal(cell: dict) -> Optional[str]:
@@ -328,7 +332,7 @@ def expected(entry: str, transform: str):
 _RUN = [0]
 #: Cells one process runs before it lets go of its compiled programs: XLA:CPU maps each
 #: executable's code, and a process that keeps those of the whole product runs out.
-RELEASE_EVERY = 100
+RELEASE_EVERY = 50
 
 
 def _release():

@@ -241,7 +241,7 @@ def test_flax_layer_sharded_equals_unsharded_and_decodes_a_prefix_lm(mesh, toler
     np.testing.assert_allclose(value, want, rtol=1e-5)
     np.testing.assert_allclose(dx, want_dx, **tolerances(jnp.float32, "grad"))
     for got, expected in zip(jax.tree.leaves(params), jax.tree.leaves(want_params)):
-        np.testing.assert_allclose(got, expected, **tolerances(jnp.float32, "grad"))
+        checks.assert_gradient_close(got, expected, tolerances(jnp.float32, "grad"))
 
     prompt = 40
     prefix = jnp.where(jnp.arange(S)[None] < 12, 1, 0).astype(jnp.int32) * jnp.ones((B, 1),
