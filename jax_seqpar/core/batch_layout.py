@@ -81,9 +81,10 @@ def _per_document(batch, num_shards, axis, lead, tokens: Tokens, spec: MaskSpec,
                              "pipeline step).")
         if not (isinstance(bound, str) and bound == "auto"):
             bound = masks_normalize(bound)  # a positive int (ValueError otherwise)
-        positions = home_packing.home_positions(rows, num_shards, bound, block=block,
-                                                bidirectional_ids=bids,
-                                                chunk_size=spec.chunk_size).reshape(lead)
+        natural = Tokens(np.broadcast_to(np.arange(rows.shape[1], dtype=np.int32), rows.shape),
+                         rows.astype(np.int32), None if bids is None else bids.astype(np.int32))
+        positions = home_packing.home_positions(spec, natural, num_shards, bound,
+                                                block=block).reshape(lead)
         return _gather(batch, positions, axis), positions
     positions = packing.per_document_positions(rows, num_shards, block, bidirectional_ids=bids,
                                                chunk_size=spec.chunk_size).reshape(lead)

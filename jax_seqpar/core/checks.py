@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import TYPE_CHECKING, Callable, Optional, SupportsFloat, cast
+from typing import TYPE_CHECKING, Any, Callable, Optional, SupportsFloat, cast
 
 import jax
 import numpy as np
@@ -257,7 +257,7 @@ def mask_fn(spec: MaskSpec, batch: int, q_len: int, kv_len: int, *,
                          f"{getattr(out, 'dtype', type(out).__name__)}{list(shape or [])}.")
 
 
-def refuse_unless(ok, message: Callable[..., str], value, *args):
+def refuse_unless(ok: Any, message: Callable[..., str], value: Any, *args: Any) -> Any:
     """``value``, unless ``ok`` is False: then a ``ValueError(message(*args))``.
 
     Concrete ``ok`` raises now. Traced (inside a compiled program) the check runs on the

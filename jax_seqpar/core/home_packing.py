@@ -46,7 +46,7 @@ PAIRS_BOUND, TILES_BOUND = 1.05, 1.10
 ON_TARGET = 0.01
 
 
-def _spread(doc_tokens, span: int, *, block: int, bids, chunk_size):
+def _spread(doc_tokens, span: int, spec: masks.MaskSpec, natural: masks.Tokens, *, block: int):
     """``[k, m]`` natural indices (``-1``: none) of one document laid out over ``span``
     shards by :func:`jax_seqpar.core.packing.per_document_positions`."""
     n = doc_tokens.size
@@ -54,13 +54,12 @@ def _spread(doc_tokens, span: int, *, block: int, bids, chunk_size):
     sub = np.full(size, PAD_SEGMENT, np.int32)
     sub[:n] = 0
     sub_bids = None
-    if bids is not None or chunk_size is not None:
-        sub_bids = np.zeros(size, np.int32)
-        if bids is not None:
-            sub_bids[:n] = bids[doc_tokens]
-    order = packing.per_document_positions(
-        sub[None], span, block, bidirectional_ids=None if sub_bids is None else sub_bids[None],
-        chunk_size=chunk_size)[0]
+    if natural.bidirectional_ids is not None or spec.chunk_size is not None:
+        sub_bids = np.zeros((1, size), np.int32)
+        if natural.bidirectional_ids is not None:
+            sub_bids[0, :n] = np.asarray(natural.bidirectional_ids)[doc_tokens]
+    order = packing.per_document_positions(sub[None], span, block, bidirectional_ids=sub_bids,
+                                           chunk_size=spec.chunk_size)[0]
     index = np.where(order < n, doc_tokens[np.minimum(order, n - 1)], -1)
     return index.reshape(span, size // span)
 
@@ -139,9 +138,10 @@ def home_row_positions(spec: masks.MaskSpec, tokens: masks.Tokens, *, num_shards
     """
     size, P, D = tokens.positions.shape[0], num_shards, max_shards
     L = size // P
-    ids = tokens.segment_ids
+    ids = np.asarray(tokens.segment_ids)
+    positions = np.asarray(tokens.positions)
     cost = work.token_work(spec, tokens)[0].astype(np.float64)
-    order = np.lexsort((tokens.positions, ids))
+    order = np.lexsort((positions, ids))
     sorted_ids = ids[order]
     starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
     docs = np.split(order, starts[1:])
@@ -170,8 +170,7 @@ def home_row_positions(spec: masks.MaskSpec, tokens: masks.Tokens, *, num_shards
             home.append(doc)
             continue
         start = min(fits, key=lambda s: (-(target[s:s + span].min()), s))
-        laid = _spread(np.sort(doc), span, block=block,
-                       bids=tokens.bidirectional_ids, chunk_size=spec.chunk_size)
+        laid = _spread(np.sort(doc), span, spec, tokens, block=block)
         for j, row in enumerate(laid):
             mine = row[row >= 0]
             shard[mine] = start + j
@@ -185,7 +184,7 @@ def home_row_positions(spec: masks.MaskSpec, tokens: masks.Tokens, *, num_shards
 
     # 4. Slots by (shard, padding last, document, position).
     pad = (ids == PAD_SEGMENT).astype(np.int64)
-    return np.lexsort((tokens.positions, ids, pad, shard)).astype(np.int32)
+    return np.lexsort((positions, ids, pad, shard)).astype(np.int32)
 
 
 def balance(spec: masks.MaskSpec, laid_out: masks.Tokens, num_shards: int, block: int
@@ -217,19 +216,18 @@ def _try(spec, natural, num_shards, bound, block):
     positions = np.stack(rows).astype(np.int32)
     laid = _laid_out(natural, positions)
     return positions, balance(spec, laid, num_shards, block), packing.document_shards(
-        laid.segment_ids, num_shards)
+        np.asarray(laid.segment_ids), num_shards)
 
 
-def home_positions(segment_ids: np.ndarray, num_shards: int, max_document_shards, *,
-                   block: int, bidirectional_ids: Optional[np.ndarray] = None,
-                   chunk_size: Optional[int] = None) -> np.ndarray:
+def home_positions(spec: masks.MaskSpec, natural: masks.Tokens, num_shards: int,
+                   max_document_shards: int | str, *, block: int) -> np.ndarray:
     """``int32[B, S]``: the home order of numpy rows, every document on at most ``D``
     consecutive shards and every shard within :data:`PAIRS_BOUND` / :data:`TILES_BOUND`
     of the mean (summed over the rows).
 
     Args:
-      segment_ids: ``int[B, S]`` in natural order; bidirectional_ids, chunk_size: the
-        causal mask's other fields (as :func:`jax_seqpar.core.packing.per_document_positions`).
+      spec: the causal mask (chunks too); natural: ``int[B, S]`` rows in natural order
+        (positions ``arange(S)``, segment ids, bidirectional ids or None).
       num_shards: ``P``; block: the tile (tiles are counted at it).
       max_document_shards: ``D``, an int, or ``"auto"``: the smallest ``D`` whose order
         keeps the balance (``P`` and more: the unbounded per-document order).
@@ -238,17 +236,14 @@ def home_positions(segment_ids: np.ndarray, num_shards: int, max_document_shards
       ValueError: an int ``D`` whose order misses the balance (naming what it reaches and
         the smallest ``D`` that keeps it) or that a document cannot fit.
     """
-    spec = masks.MaskSpec.make(causal=True, chunk_size=chunk_size)
-    seq_len = segment_ids.shape[1]
-    natural = masks.Tokens(np.broadcast_to(np.arange(seq_len, dtype=np.int32), segment_ids.shape),
-                           segment_ids.astype(np.int32),
-                           None if bidirectional_ids is None else bidirectional_ids.astype(np.int32))
     auto = isinstance(max_document_shards, str)
     first = 1 if auto else int(max_document_shards)
+    unbounded = lambda: packing.per_document_positions(  # noqa: E731
+        np.asarray(natural.segment_ids), num_shards, block,
+        bidirectional_ids=natural.bidirectional_ids,
+        chunk_size=spec.chunk_size)
     if first >= num_shards:  # no bound below P: the unbounded order
-        return packing.per_document_positions(segment_ids, num_shards, block,
-                                              bidirectional_ids=bidirectional_ids,
-                                              chunk_size=chunk_size)
+        return unbounded()
     reached = None
     for bound in range(first, num_shards):
         try:
@@ -263,9 +258,7 @@ def home_positions(segment_ids: np.ndarray, num_shards: int, max_document_shards
         if ok:
             raise ValueError(_missed(first, reached, num_shards, feasible=bound))
     if auto:
-        return packing.per_document_positions(segment_ids, num_shards, block,
-                                              bidirectional_ids=bidirectional_ids,
-                                              chunk_size=chunk_size)
+        return unbounded()
     raise ValueError(_missed(first, reached, num_shards, feasible=None))
 
 

@@ -285,17 +285,17 @@ def _row_widest(xp, ids, num_shards: int):
     return (span[widest], ids[widest]) if size else (np.int32(0), np.int32(PAD_SEGMENT))
 
 
-def widest_documents(segment_ids: jax.typing.ArrayLike, num_shards: int):
+def widest_documents(ids: jax.typing.ArrayLike, num_shards: int):
     """Per row, ``(span int32[B], document int32[B])``: the most consecutive shards one
     document spans in this order, and the document (see :func:`document_shards`).
 
     Args:
-      segment_ids: ``int[B, S]`` ids in the order the shards hold them (shard ``r`` of
+      ids: ``int[B, S]`` segment ids in the order the shards hold them (shard ``r`` of
         ``P`` holds slots ``r*S/P ..``), numpy (host) or JAX (traceable).
       num_shards: ``P``.
     """
-    xp = _namespace(segment_ids)
-    rows = xp.asarray(segment_ids).astype(np.int32)
+    xp = _namespace(ids)
+    rows = xp.asarray(ids).astype(np.int32)
     if _is_numpy(xp):
         pairs = [_row_widest(np, row, num_shards) for row in rows]
         return (np.array([p[0] for p in pairs], np.int32).reshape(len(pairs)),

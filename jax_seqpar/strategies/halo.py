@@ -115,9 +115,10 @@ def _halo_tokens(axis_name, options: Options, reach, tokens: Tokens) -> Tokens:
     (a zero id is a real document)."""
     batch, local_len = tokens.positions.shape
     moved = options.spec.max_document_shards is not None
-    ids = (tokens.segment_ids, tokens.bidirectional_ids)
-    if any(x is not None for x in ids) or moved:
-        ids = exchange(axis_name, reach, ids + ((tokens.positions,) if moved else ()))
+    ids: tuple = (tokens.segment_ids, tokens.bidirectional_ids,
+                  tokens.positions if moved else None)
+    if any(x is not None for x in ids):
+        ids = exchange(axis_name, reach, ids)
     positions = ids[2] if moved else _halo_positions(reach, local_len, axis_name, batch)
     segment_ids = ids[0]
     if segment_ids is not None:

@@ -232,9 +232,10 @@ def documents_within(options: Options, shard: Operands,
     bound = options.spec.max_document_shards
     if bound is None:
         return shard
-    ids = shard.q_tokens.segment_ids
+    ids = jnp.asarray(shard.q_tokens.segment_ids)
     kv_ids = shard.kv_tokens.segment_ids
-    local = ids if kv_ids is ids else jnp.concatenate([ids, kv_ids], axis=1)  # [B, L|2L]
+    separate = kv_ids is not shard.q_tokens.segment_ids
+    local = jnp.concatenate([ids, jnp.asarray(kv_ids)], axis=1) if separate else ids  # [B, L|2L]
     # Sorted: the gather is the check's own (no other collective's to merge with).
     gathered = jax.lax.all_gather(jnp.sort(local, axis=1), axis_name, axis=1, tiled=True)
     shards = axis_size(axis_name)
@@ -251,7 +252,7 @@ def documents_within(options: Options, shard: Operands,
     checked = checks.refuse_unless(span[row] <= bound, message, ids, row, document[row],
                                    span[row])
     q_tokens = dataclasses.replace(shard.q_tokens, segment_ids=checked)
-    kv_tokens = q_tokens if kv_ids is ids else shard.kv_tokens
+    kv_tokens = shard.kv_tokens if separate else q_tokens
     return Operands(q_tokens, kv_tokens, shard.sinks)
 
 
