@@ -8,20 +8,23 @@ side and a strategy sends only that reach (:func:`jax_seqpar.core.reach.mask_rea
 Per row (``S`` tokens, ``P`` shards of ``L = S/P`` slots):
 
 1. Every token costs the keys it sees (:func:`jax_seqpar.core.work.token_work`: causal
-   within its document, a bidirectional prefix or image, chunks).
+   within its document, a bidirectional prefix or image, chunks); a document's tiles are
+   estimated by :func:`jax_seqpar.core.home_line.tile_surrogate`.
 2. *Spread* documents, those with more work than a shard's mean (or more tokens than a
-   shard holds), go to ``k <= D`` consecutive shards, ``k`` the fewest that can carry
-   them, where they add least to the busiest: inside the span the document is laid out
-   by :func:`jax_seqpar.core.packing.per_document_positions` over ``k`` shards (every
-   shard of the span takes the same share of its work).
-3. *Home* documents, the rest, are whole units of one stream (each in folded order: its
-   tokens ``t`` and ``n-1-t`` together, so any cut of it has its mean cost per token),
-   cut into the shards' free slots in shard order, never wrapping: a document shorter
-   than its shard's room stays whole on one shard, or on two where a cut falls inside it.
-   The stream is built greedily, largest documents first, each the one that brings the
-   next cut's cumulative work nearest its target (the mean less the spread documents'
-   work), within ``D`` shards.
+   shard holds), are folded (tile runs ``r`` and ``m-1-r`` together) and cut in pieces
+   over at most ``D`` consecutive shards, water-filled so that the work beyond the home
+   density that every shard holds stays even (:func:`spread_pieces`: each document's
+   span searched one at a time).
+3. *Home* documents, the rest, and the padding are whole units of a line cut into the
+   shards' free slots in shard order (:mod:`jax_seqpar.core.home_line`: a greedy fill
+   and a local search on the pairs' and tiles' surrogates); a home document crosses at
+   most one cut. The exact per-shard counts (:mod:`jax_seqpar.core.work`) then correct
+   the surrogates and the line is searched again (:data:`ATTEMPTS`; the best kept).
 4. Within a shard, tokens are sorted by (padding last, document, position).
+
+Where no order can keep the balance, :func:`lower_bounds` proves it: a document of ``w``
+pairs on at most ``D`` shards puts ``>= w / D`` on one of them, plus the cheapest tokens
+that fill the rest of their slots.
 
 Host numpy only (a data pipeline step): loops over documents. Exactness never depends on
 it: positions travel with the tokens, and the attention checks the bound.
@@ -31,101 +34,106 @@ from __future__ import annotations
 
 from typing import Optional
 
+import jax
 import numpy as np
 
-from jax_seqpar.core import masks, packing, work
+from jax_seqpar.core import home_line, masks, packing, work
 from jax_seqpar.core.masks import PAD_SEGMENT
 
-__all__ = ["PAIRS_BOUND", "TILES_BOUND", "balance", "home_positions", "home_row_positions"]
+__all__ = ["PAIRS_BOUND", "TILES_BOUND", "balance", "home_positions", "home_row_positions",
+           "lower_bounds", "spread_pieces"]
 
 #: The balance a bound must keep: the busiest shard's visible pairs and computed tiles
 #: over their means (those of the unbounded per-document order, issue 29).
 PAIRS_BOUND, TILES_BOUND = 1.05, 1.10
-#: A cut's cumulative work within this fraction of a shard's mean is on target: the stream
-#: then takes the largest document that stays on target.
-ON_TARGET = 0.01
+#: Rounds of the spread documents' placement search (each tries every span of each).
+PLACEMENT_ROUNDS = 3
+#: Line searches per row: each after the first corrects the surrogates by the exact
+#: per-shard counts of the one before; the best is kept.
+ATTEMPTS = 3
 
 
-def _spread(doc_tokens, span: int, spec: masks.MaskSpec, natural: masks.Tokens, *, block: int):
-    """``[k, m]`` natural indices (``-1``: none) of one document laid out over ``span``
-    shards by :func:`jax_seqpar.core.packing.per_document_positions`."""
-    n = doc_tokens.size
-    size = -(-n // span) * span
-    sub = np.full(size, PAD_SEGMENT, np.int32)
-    sub[:n] = 0
-    sub_bids = None
-    if natural.bidirectional_ids is not None or spec.chunk_size is not None:
-        sub_bids = np.zeros((1, size), np.int32)
-        if natural.bidirectional_ids is not None:
-            sub_bids[0, :n] = np.asarray(natural.bidirectional_ids)[doc_tokens]
-    order = packing.per_document_positions(sub[None], span, block, bidirectional_ids=sub_bids,
-                                           chunk_size=spec.chunk_size)[0]
-    index = np.where(order < n, doc_tokens[np.minimum(order, n - 1)], -1)
-    return index.reshape(span, size // span)
+def _folded(doc_tokens: np.ndarray, block: int) -> np.ndarray:
+    """A document's tokens (natural order) folded by runs of ``block``: runs ``r`` and
+    ``m-1-r`` together (``r = 0, 1, ..``, the last, partial run second), so any cut has
+    about its mean cost per token and its pieces are whole tiles but one."""
+    runs = np.split(doc_tokens, np.arange(block, doc_tokens.size, block))
+    m = len(runs)
+    order = np.empty(m, np.int64)
+    order[0::2], order[1::2] = np.arange((m + 1) // 2), np.arange(m - 1, (m - 1) // 2, -1)
+    return np.concatenate([runs[r] for r in order])
 
 
-def _folded(doc_tokens: np.ndarray) -> np.ndarray:
-    """A document's tokens (natural order) folded: ``t`` then ``n-1-t``, ``t = 0, 1, ..``."""
-    n = doc_tokens.size
-    front, back = doc_tokens[: (n + 1) // 2], doc_tokens[::-1][: n // 2]
-    out = np.empty(n, doc_tokens.dtype)
-    out[0::2], out[1::2] = front, back
-    return out
+def _water_fill(level: np.ndarray, amount: float, sizes_cap: np.ndarray, n: int) -> np.ndarray:
+    """``int64[k]``: the tokens of a document of ``n`` tokens and ``amount`` excess work
+    given to shards at ``level``: the lowest raised to one level (equal shares for a
+    document no denser than the home documents), at most ``sizes_cap`` each."""
+    if amount <= 0:
+        share = np.full(level.size, 1.0 / level.size)
+    else:
+        order = np.sort(level)
+        fill = np.cumsum(order)
+        k = np.arange(1, level.size + 1)
+        top = (amount + fill) / k
+        m = int(np.flatnonzero((k == level.size) | (top <= np.r_[order[1:], np.inf]))[0])
+        share = np.maximum(top[m] - level, 0) / amount
+    tokens = np.floor(share * n).astype(np.int64)
+    tokens[np.argmax(share)] += n - tokens.sum()
+    for _ in range(level.size):  # clip to the room, the rest to those with room left
+        over = np.maximum(tokens - sizes_cap, 0).sum()
+        if not over:
+            break
+        tokens = np.minimum(tokens, sizes_cap)
+        free = sizes_cap - tokens
+        give = np.floor(over * free / max(free.sum(), 1)).astype(np.int64)
+        give[np.argmax(free)] += over - give.sum()
+        tokens += give
+    return tokens
 
 
-def _home_stream(ids, cost, home, padding, room, target, *, max_shards: int, block: int):
-    """The home documents' tokens in stream order (folded within each), to be cut into
-    ``room`` slots per shard in shard order. Shard by shard, the stream takes the
-    largest unit (a document, or ``block`` tokens of padding) after which the shard's
-    rest can still reach its ``target`` work with the units left (the density it then
-    needs lies within theirs), the one nearest that density among equals; where no unit
-    fits the rest, the one whose first part brings the shard nearest its target is cut
-    (its rest opens the next shard, so it spans two; ``max_shards=1``: padding only)."""
-    units = [_folded(np.sort(d)) for d in home]
-    units += [padding[i:i + block] for i in range(0, padding.size, block)]
-    sizes = np.array([u.size for u in units], np.int64)
-    works = np.array([cost[u].sum() for u in units])
-    density = works / np.maximum(sizes, 1)
-    is_pad = np.array([ids[u[0]] == PAD_SEGMENT for u in units], bool)
-    left = np.ones(len(units), bool)
-    stream, carried_tokens, carried_work = [], 0, 0.0
-    for r in range(room.size):
-        tokens, work_left = room[r] - carried_tokens, target[r] - carried_work
-        carried_tokens, carried_work = 0, 0.0
-        while tokens > 0 and left.any():
-            fits = left & (sizes <= tokens)
-            if fits.any():
-                rest_tokens = tokens - sizes
-                want = (work_left - works) / np.maximum(rest_tokens, 1)
-                pool = left.copy()
-                low, high = density[pool].min(), density[pool].max()
-                ok = fits & ((rest_tokens == 0) | ((want >= low) & (want <= high)))
-                pick = ok if ok.any() else fits
-                gap = np.abs(np.where(rest_tokens > 0, want, works / max(tokens, 1))
-                             - work_left / tokens)
-                score = np.where(pick, sizes * 1e6 - gap, -np.inf) if ok.any() else np.where(
-                    pick, -np.abs(work_left - works - rest_tokens * density[pool].mean()), -np.inf)
-                u = int(np.argmax(score))
-                stream.append(units[u])
-                left[u] = False
-                tokens -= sizes[u]
-                work_left -= works[u]
-                continue
-            cut = left & (is_pad | (max_shards > 1))
-            if not cut.any():
-                cut = left
-            first = np.array([cost[units[u][:tokens]].sum() if cut[u] else np.inf
-                              for u in range(len(units))])
-            u = int(np.argmin(np.abs(first - work_left)))
-            stream.append(units[u])
-            left[u] = False
-            carried_tokens, carried_work = sizes[u] - tokens, works[u] - first[u]
-            tokens = 0
-    return np.concatenate(stream) if stream else np.zeros(0, np.int64)
+def spread_pieces(sizes, excess, L: int, D: int, P: int) -> list:
+    """For documents of ``sizes`` tokens and ``excess`` work (beyond the home density),
+    costliest first: ``int64[P]`` tokens of each on every shard, on at most ``D``
+    consecutive shards, water-filled; each document's span the one keeping the highest
+    shard lowest, searched again one document at a time (:data:`PLACEMENT_ROUNDS`)."""
+    def lay(choice):
+        level, room, out = np.zeros(P), np.full(P, L, np.int64), []
+        for (k, s), n, w in zip(choice, sizes, excess):
+            tokens = np.zeros(P, np.int64)
+            tokens[s:s + k] = _water_fill(level[s:s + k], w, room[s:s + k], int(n))
+            level += w * tokens / n
+            room -= tokens
+            out.append(tokens)
+        return out, float(level.max() + 1e-3 * (level ** 2).mean())
+
+    def options(n):
+        return [(k, s) for k in range(max(-(-int(n) // L), 1), min(D, P) + 1)
+                for s in range(P - k + 1)]
+
+    choice: list = []
+    for i in range(len(sizes)):  # greedy, then rounds of one document's best span
+        choice.append(min(options(sizes[i]), key=lambda o: lay(choice + [o])[1]))
+    for _ in range(PLACEMENT_ROUNDS if len(sizes) > 1 else 0):
+        for i in range(len(sizes)):
+            choice[i] = min(options(sizes[i]),
+                            key=lambda o: lay(choice[:i] + [o] + choice[i + 1:])[1])
+    return lay(choice)[0]
+
+
+def _documents(tokens: masks.Tokens):
+    """``(real, padding)``: each document's natural indices (by position), and padding's."""
+    ids, positions = np.asarray(tokens.segment_ids), np.asarray(tokens.positions)
+    order = np.lexsort((positions, ids))
+    sorted_ids = ids[order]
+    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
+    docs = np.split(order, starts[1:]) if order.size else []
+    real = [d for d in docs if ids[d[0]] != PAD_SEGMENT]
+    padding = next((d for d in docs if ids[d[0]] == PAD_SEGMENT), np.zeros(0, np.int64))
+    return real, padding
 
 
 def home_row_positions(spec: masks.MaskSpec, tokens: masks.Tokens, *, num_shards: int,
-                       max_shards: int, block: int) -> np.ndarray:
+                       max_shards: int, block: int, seed: int = 0) -> np.ndarray:
     """``int32[S]``: the natural position of the token at each slot, one row, every
     document on at most ``max_shards`` consecutive shards (``ValueError`` where one
     document has more tokens than ``max_shards`` shards hold).
@@ -134,57 +142,87 @@ def home_row_positions(spec: masks.MaskSpec, tokens: masks.Tokens, *, num_shards
       spec: the causal mask the order balances (chunks too); tokens: the row in natural
         order, 1-D fields (``positions`` ``arange(S)``, segment ids, bidirectional ids
         or None); num_shards: ``P``; max_shards: ``D``; block: the tile spread runs
-        align to.
+        align to (and tiles are counted at); seed: the line search's stream.
     """
     size, P, D = tokens.positions.shape[0], num_shards, max_shards
     L = size // P
     ids = np.asarray(tokens.segment_ids)
     positions = np.asarray(tokens.positions)
     cost = work.token_work(spec, tokens)[0].astype(np.float64)
-    order = np.lexsort((positions, ids))
-    sorted_ids = ids[order]
-    starts = np.flatnonzero(np.r_[True, sorted_ids[1:] != sorted_ids[:-1]])
-    docs = np.split(order, starts[1:])
-    real = [d for d in docs if ids[d[0]] != PAD_SEGMENT]
-    padding = next((d for d in docs if ids[d[0]] == PAD_SEGMENT), np.zeros(0, np.int64))
-    total = sum(cost[d].sum() for d in real)
-    mean = max(total / P, 1e-30)
+    real, padding = _documents(tokens)
+    doc_pairs = np.array([cost[d].sum() for d in real])
+    doc_sizes = np.array([d.size for d in real], np.float64)
+    doc_tiles = home_line.tile_surrogate(doc_sizes, doc_pairs, block)
+    mean = np.array([max(doc_pairs.sum() / P, 1e-30), max(doc_tiles.sum() / P, 1e-30)])
+    cap = mean * np.array([PAIRS_BOUND, TILES_BOUND])
     shard = np.full(size, -1, np.int64)
-    room = np.full(P, L)
-    target = np.full(P, mean)
+    room, fixed = np.full(P, L, np.int64), np.zeros((2, P))
 
-    # 2. Spread documents, costliest first, on the span that keeps the busiest lowest.
-    home = []
-    for doc in sorted(real, key=lambda d: -cost[d].sum()):
-        n, doc_work = doc.size, cost[doc].sum()
-        if n > D * L:
-            raise ValueError(f"a document of {n} tokens cannot lie on max_document_shards={D} "
-                             f"shards of {L} tokens: pass max_document_shards >= {-(-n // L)}.")
-        span = max(-(-n // L), int(np.ceil(doc_work / mean - 1e-9)))
-        if span < 2:
-            home.append(doc)
-            continue
-        span = min(span, D)
-        fits = [s for s in range(P - span + 1) if (room[s:s + span] >= -(-n // span)).all()]
-        if not fits:
-            home.append(doc)
-            continue
-        start = min(fits, key=lambda s: (-(target[s:s + span].min()), s))
-        laid = _spread(np.sort(doc), span, spec, tokens, block=block)
-        for j, row in enumerate(laid):
-            mine = row[row >= 0]
-            shard[mine] = start + j
-            room[start + j] -= mine.size
-            target[start + j] -= cost[mine].sum()
+    # 1. Spread documents (more work than a shard's mean, or more tokens than it holds),
+    #    folded and cut in pieces over at most ``D`` consecutive shards so that the work
+    #    the shards' home documents must make up stays even.
+    spread = (doc_sizes > L) | (doc_pairs > mean[0])
+    home = [int(d) for d in np.flatnonzero(~spread)]
+    big = [int(d) for d in np.argsort(-doc_pairs, kind="stable") if spread[d]]
+    for d in big:
+        if doc_sizes[d] > D * L:
+            raise ValueError(f"a document of {int(doc_sizes[d])} tokens cannot lie on "
+                             f"max_document_shards={D} shards of {L} tokens: pass "
+                             f"max_document_shards >= {-(-int(doc_sizes[d]) // L)}.")
+    rho = doc_pairs[~spread].sum() / max(size - doc_sizes[spread].sum(), 1)
+    pieces = spread_pieces(doc_sizes[big], doc_pairs[big] - rho * doc_sizes[big], L, D, P)
+    for d, piece in zip(big, pieces):
+        ends = np.cumsum(piece)
+        folded = _folded(real[d], block)
+        for j, part in enumerate(np.split(folded, ends[:-1])):
+            shard[part] = j
+            room[j] -= part.size
+            fixed[:, j] += [cost[part].sum(), doc_tiles[d] * part.size / real[d].size]
 
-    # 3. The home stream, cut into the shards' free slots in shard order.
-    stream = _home_stream(ids, cost, home, padding, room, target, max_shards=D, block=block)
-    if stream.size:
+    # 2. The home documents and the padding (runs of ``block``) on the line, cut into the
+    #    shards' free slots in shard order.
+    units = [_folded(real[d], block) for d in home]
+    units += [padding[i:i + block] for i in range(0, padding.size, block)]
+    if not units:
+        return _slots(ids, positions, shard)
+    sizes = np.array([u.size for u in units], np.float64)
+    pairs = np.zeros(len(units))
+    tiles = np.zeros(len(units))
+    pairs[:len(home)], tiles[:len(home)] = doc_pairs[home], doc_tiles[home]
+    spreadable = np.arange(len(units)) >= len(home)
+    best: tuple = (np.inf, None)
+    correction = np.zeros((2, P))
+    for attempt in range(ATTEMPTS):  # the surrogates corrected by the exact counts
+        order = home_line.line_order(sizes, pairs, tiles, spreadable, room, fixed + correction,
+                                     cap, max_shards=D, seed=seed + attempt)
+        stream = np.concatenate([units[u] for u in order])
         shard[stream] = np.searchsorted(np.cumsum(room), np.arange(stream.size), side="right")
+        slots = _slots(ids, positions, shard)
+        exact = _exact(spec, tokens, slots, P, block)
+        ratio = (exact / exact.mean(1, keepdims=True)).max(1) / [PAIRS_BOUND, TILES_BOUND]
+        if ratio.max() < best[0]:
+            best = (ratio.max(), slots)
+        if ratio.max() <= 1:
+            break
+        guess = np.stack(home_line.line_loads(order, sizes, pairs, tiles, room)[:2]) + fixed
+        correction += exact * (guess.sum(1) / exact.sum(1))[:, None] - guess
+    return best[1]
 
-    # 4. Slots by (shard, padding last, document, position).
+
+def _slots(ids, positions, shard):
+    """Slots by (shard, padding last, document, position)."""
     pad = (ids == PAD_SEGMENT).astype(np.int64)
     return np.lexsort((positions, ids, pad, shard)).astype(np.int32)
+
+
+def _exact(spec, tokens, slots, num_shards: int, block: int) -> np.ndarray:
+    """``float64[2, P]``: one row's visible pairs and computed tiles per shard in ``slots``."""
+    laid = _laid_out(jax.tree.map(lambda x: None if x is None else x[None], tokens),
+                     slots[None])
+    return np.stack([work.work_per_shard(spec, laid, num_shards),
+                     work.computed_tiles_per_shard(spec, laid, num_shards, block_q=block)]
+                    ).astype(np.float64)
+
 
 
 def balance(spec: masks.MaskSpec, laid_out: masks.Tokens, num_shards: int, block: int
@@ -244,32 +282,78 @@ def home_positions(spec: masks.MaskSpec, natural: masks.Tokens, num_shards: int,
         chunk_size=spec.chunk_size)
     if first >= num_shards:  # no bound below P: the unbounded order
         return unbounded()
-    reached = None
-    for bound in range(first, num_shards):
+    floors = lower_bounds(spec, natural, num_shards)
+
+    def attempt(bound):
+        """``(positions, (pairs, tiles, span))``, or ``(None, None)``: no order."""
+        if floors[bound - 1] > PAIRS_BOUND and bound != first:
+            return None, None  # proven out of reach
         try:
             positions, (pairs, tiles), span = _try(spec, natural, num_shards, bound, block)
         except ValueError:
-            continue  # a document needs more shards
-        ok = pairs <= PAIRS_BOUND and tiles <= TILES_BOUND and span <= bound
-        if ok and (auto or bound == first):
+            return None, None  # a document needs more shards
+        return positions, (pairs, tiles, span)
+
+    def keeps(got, bound) -> bool:
+        return got is not None and (got[0] <= PAIRS_BOUND and got[1] <= TILES_BOUND
+                                    and got[2] <= bound)
+
+    for bound in range(first, num_shards if auto else first + 1):
+        positions, got = attempt(bound)
+        if keeps(got, bound):
             return positions
-        if reached is None and bound == first:
-            reached = (pairs, tiles, span)
-        if ok:
-            raise ValueError(_missed(first, reached, num_shards, feasible=bound))
+        if not auto:
+            reached = got
     if auto:
         return unbounded()
-    raise ValueError(_missed(first, reached, num_shards, feasible=None))
+    feasible = next((b for b in range(first + 1, num_shards) if keeps(attempt(b)[1], b)),
+                    num_shards)
+    raise ValueError(_missed(first, reached, floors[first - 1], num_shards, feasible))
 
 
-def _missed(bound: int, reached, num_shards: int, feasible: Optional[int]) -> str:
+def _missed(bound: int, reached, floor: float, num_shards: int, feasible: int) -> str:
     got = ("no order (a document needs more shards)" if reached is None else
            f"busiest/mean visible pairs {reached[0]:.3f}, computed tiles {reached[1]:.3f}, "
            f"widest document {reached[2]} shards")
+    proof = (f" (no order can: every order with documents on at most {bound} shards has a "
+             f"shard with >= {floor:.3f}x the mean visible pairs)" if floor > PAIRS_BOUND
+             else f" (the lower bound is {floor:.3f}x the mean visible pairs)")
     fix = (f"the smallest bound that keeps it is max_document_shards={feasible}"
-           if feasible is not None else
-           f"no bound below {num_shards} keeps it: pass max_document_shards=None (the "
-           "unbounded per_document order)")
+           if feasible < num_shards else
+           f"no bound below {num_shards} keeps it: pass max_document_shards={num_shards} or "
+           "None (the unbounded per_document order)")
     return (f"max_document_shards={bound} cannot keep the per-document balance (busiest "
             f"shard <= {PAIRS_BOUND}x the mean visible pairs and <= {TILES_BOUND}x the mean "
-            f"computed tiles): it reaches {got}; {fix}, or pass max_document_shards='auto'.")
+            f"computed tiles): it reaches {got}{proof}; {fix}, or pass "
+            "max_document_shards='auto'.")
+
+
+def lower_bounds(spec: masks.MaskSpec, natural: masks.Tokens, num_shards: int) -> np.ndarray:
+    """``float64[P]``: entry ``D - 1`` a lower bound on the busiest/mean visible pairs of
+    any order of the ``int[B, S]`` natural rows with every document on at most ``D``
+    consecutive shards (summed over the rows; ``inf``: a document cannot fit).
+
+    A document of ``n`` tokens and ``w`` pairs on ``k <= D`` shards leaves ``k L - n`` of
+    their slots to other tokens, each costing at least the cheapest of the row's tokens
+    (padding 0): one of the ``k`` shards holds at least ``(w + cheapest(k L - n)) / k``;
+    every other row adds at least its ``L`` cheapest tokens to it.
+    """
+    rows, size = np.asarray(natural.segment_ids).shape
+    P = num_shards
+    L = size // P
+    cost = work.token_work(spec, natural).astype(np.float64)  # [B, S]
+    cheap = np.cumsum(np.sort(cost, axis=1), axis=1)
+    cheap = np.concatenate([np.zeros((rows, 1)), cheap], axis=1)  # cheap[b, m]: m cheapest
+    worst, floor = np.zeros((rows, P)), cheap[:, L]
+    for b in range(rows):
+        row = jax.tree.map(lambda x: None if x is None else x[b], natural)
+        for doc in _documents(row)[0]:
+            n, w = doc.size, cost[b, doc].sum()
+            k = np.arange(1, P + 1)
+            need = (w + cheap[b, np.clip(k * L - n, 0, size)]) / k
+            need = np.where(k * L >= n, need, np.inf)
+            worst[b] = np.maximum(worst[b], np.minimum.accumulate(need))
+    mean = max(cost.sum() / P, 1e-30)
+    if not rows:
+        return np.zeros(P)
+    return ((worst - floor[:, None]).max(0) + floor.sum()) / mean
