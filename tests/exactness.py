@@ -89,6 +89,9 @@ class Case:
       ulysses_size: the global hybrid's split of a one-axis mesh, or None.
       context: a name of :data:`contexts.CONTEXTS` or :data:`contexts.JIT_CONTEXTS`.
       seed: of q, k, v (the sinks take ``seed + 1``).
+      max_document_shards: ``D``: the tokens come in a random order (their positions)
+        with documents each on at most ``D`` consecutive shards (:func:`home_documents`),
+        and the call (not the reference) takes ``max_document_shards=D``.
     """
 
     strategy: str
@@ -109,6 +112,7 @@ class Case:
     ulysses_size: Optional[int] = None
     context: str = "auto-jit"
     seed: int = 0
+    max_document_shards: Optional[int] = None
 
     def mesh_axes(self) -> tuple:
         """``(mesh shape, axis names, seq_axes)``."""
@@ -129,6 +133,24 @@ def _order_positions(order: Optional[str], seq: int, shards: int):
             "striped": sp.striped_positions(seq, shards)}[order]
 
 
+def home_documents(batch: int, seq: int, shards: int, bound: int, seed: int = 5):
+    """``(segment_ids, positions)`` ``int32[B, S]`` in a laid-out order: every document on
+    at most ``bound`` consecutive shards (cut at random inside windows of ``bound`` shards,
+    the windows shifted by one shard on odd rows), the positions a random permutation
+    (so within a document's span they are not monotone)."""
+    rng = np.random.default_rng(seed)
+    local = seq // shards
+    ids = np.zeros((batch, seq), np.int32)
+    for b in range(batch):
+        shift = (b % 2) * local if bound > 1 else 0
+        edges = np.arange(-shift, seq, bound * local)
+        cuts = np.concatenate([[e, e + rng.integers(1, bound * local)] for e in edges])
+        cuts = np.unique(np.clip(cuts, 0, seq))
+        ids[b] = np.searchsorted(cuts, np.arange(seq), side="right") - 1
+    positions = np.stack([rng.permutation(seq) for _ in range(batch)]).astype(np.int32)
+    return jnp.asarray(ids), jnp.asarray(positions)
+
+
 def inputs(case: Case, shards: int):
     """``(args, keywords)``: ``(q, k, v, sinks, segment_ids, positions, bidirectional_ids)``
     (None where the case has none) and the static keywords both sides take."""
@@ -142,6 +164,9 @@ def inputs(case: Case, shards: int):
     order = _order_positions(case.order, seq, shards)
     if order is not None:
         arrays["positions"] = jnp.broadcast_to(order, (batch, seq))
+    if case.max_document_shards is not None:
+        arrays["segment_ids"], arrays["positions"] = home_documents(
+            batch, seq, shards, case.max_document_shards)
     if case.segments is not None:
         assert arrays["segment_ids"] is None, "the family has its documents"
         seed, documents = case.segments
@@ -158,6 +183,8 @@ def _global(case: Case, keywords: dict, seq_axes):
         static["layout"] = case.layout
     if case.ulysses_size is not None:
         static["ulysses_size"] = case.ulysses_size
+    if case.max_document_shards is not None:
+        static["max_document_shards"] = case.max_document_shards
 
     def build(mesh):
         if case.strategy == "local":
@@ -183,6 +210,8 @@ def _per_shard(case: Case, keywords: dict, seq_axes):
         static["block_sizes"] = case.block_sizes
     if case.return_lse:
         static["return_lse"] = True
+    if case.max_document_shards is not None:
+        static["max_document_shards"] = case.max_document_shards
     seq = P(None, seq_axes)
 
     def body(q, k, v, sinks, *arrays):

@@ -22,7 +22,7 @@ from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.planning import plan
 from jax_seqpar.strategies import registry
-from jax_seqpar.strategies.halo import is_local, mask_reach
+from jax_seqpar.core.reach import is_local, mask_reach
 from jax_seqpar.tools import hlo
 
 import checks

@@ -23,7 +23,8 @@ import jax_seqpar
 #: signature stood for the four before).
 LIMIT = 18
 OPTIONS = ("softcap", "scale", "block_sizes", "window", "segment_ids", "kv_segment_ids",
-           "kernel", "sinks", "chunk_size", "bidirectional_ids", "mask_fn")
+           "kernel", "sinks", "chunk_size", "bidirectional_ids", "mask_fn",
+           "max_document_shards")
 
 
 def _takers() -> dict:

@@ -116,6 +116,7 @@ def sequence_parallel_attention(
     chunk_size: Optional[int] = None,
     bidirectional_ids: Optional[jax.Array] = None,
     mask_fn: Callable | None = None,
+    max_document_shards: Optional[int] = None,
 ):
     """Exact attention with the sequence split over ``seq_axes`` of ``mesh``.
 
@@ -197,6 +198,13 @@ def sequence_parallel_attention(
       mask_fn: ``mask_fn(q_tokens, kv_tokens) -> bool``, an elementwise predicate on
         broadcastable :class:`jax_seqpar.core.masks.Tokens` fields ANDed with the rest of
         the mask (define it once: compiled programs are keyed on the function).
+      max_document_shards: with ``segment_ids``, ``D``: every document lies on at most
+        ``D`` consecutive shards in the order given (``positions`` from
+        :func:`jax_seqpar.permute_batch`'s ``"per_document"`` layout with
+        ``max_document_shards=``; or natural order, ``layout="auto"``/``"contiguous"``).
+        Every strategy then sends only ``D - 1`` shards' K/V either side (``D = 1``:
+        none). A batch that breaks it fails with a ``ValueError`` naming the document
+        (under ``jit``: ``jax.errors.JaxRuntimeError`` carrying it), never a dropped key.
 
     Returns:
       ``[B, S, H, Dv]`` in ``q.dtype``, in the caller's token order, sharded like
@@ -220,7 +228,8 @@ def sequence_parallel_attention(
         q, k, v, local=False, causal=causal, window=window, chunk_size=chunk_size,
         mask_fn=mask_fn, scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
         return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-        positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks)
+        positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks,
+        max_document_shards=max_document_shards)
     where = placement(q, k, v, options, metadata, mesh=mesh, seq_axes=seq_axes,
                       strategy=strategy, layout=layout, batch_axes=batch_axes,
                       ulysses_size=ulysses_size, overlap=overlap, pieces=pieces,
@@ -260,6 +269,12 @@ def placement(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metada
         raise ValueError(f"positions= says the tokens are already in the order to keep; "
                          f"layout={layout!r} would relayout them again. Put the batch into "
                          "the layout once (jax_seqpar.permute_batch) and drop layout=.")
+    bound = options.spec.max_document_shards
+    if bound is not None and layout not in ("auto", "contiguous"):
+        raise ValueError(f"max_document_shards={bound} bounds where the documents lie in the "
+                         f"order given; layout={layout!r} would move them. Lay the batch out "
+                         "once (permute_batch(..., 'per_document', max_document_shards=)) and "
+                         "pass positions=, or keep layout='auto'.")
     if layout == "per_document" and metadata.segment_ids is None:
         raise ValueError('layout="per_document" orders the tokens by their documents: pass '
                          "segment_ids= (int32[B, S]); without documents use "

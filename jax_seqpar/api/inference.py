@@ -189,12 +189,10 @@ def _refuse_negative(lengths, given, *, mesh):
     a failed program: a host ``ValueError`` naming ``seq_lengths`` on every shard of
     ``mesh`` at once (read as ``jax.errors.JaxRuntimeError``, as decode's capacity
     check)."""
-    def refuse(lengths, given):
-        raise ValueError(checks.negative_length_message("seq_lengths", given))
-
     def check(lengths, given):  # every shard: none waits in a collective for another
-        return jax.lax.cond((given >= 0).all(), lambda: lengths, lambda: jax.pure_callback(
-            refuse, jax.ShapeDtypeStruct(lengths.shape, lengths.dtype), lengths, given))
+        return checks.refuse_unless(
+            (given >= 0).all(), lambda given: checks.negative_length_message("seq_lengths", given),
+            lengths, given)
 
     return jax.shard_map(check, mesh=mesh, in_specs=(P(), P()), out_specs=P(),
                          check_vma=False)(lengths, given)

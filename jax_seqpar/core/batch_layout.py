@@ -13,14 +13,14 @@ gets its own order from its segment ids, and going back needs the ``positions``.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Literal, Optional, Union
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_seqpar.core import layout as layouts, packing
-from jax_seqpar.core.masks import MaskSpec, Tokens
+from jax_seqpar.core import home_packing, layout as layouts, packing
+from jax_seqpar.core.masks import MaskSpec, Tokens, normalize_document_shards as masks_normalize
 from jax_seqpar.core.layout import LayoutName
 
 __all__ = ["permute_batch", "unpermute_batch"]
@@ -59,7 +59,8 @@ def _gather(batch, order, axis: int):
     return jax.tree.map(take, batch)
 
 
-def _per_document(batch, num_shards, axis, lead, tokens: Tokens, spec: MaskSpec, block_size):
+def _per_document(batch, num_shards, axis, lead, tokens: Tokens, spec: MaskSpec, block_size,
+                  bound=None):
     """``tokens``: the natural-order ids (``positions`` unused); ``spec``: the chunks."""
     if tokens.segment_ids is None:
         raise ValueError('layout="per_document" orders every row by its documents: pass '
@@ -73,6 +74,18 @@ def _per_document(batch, num_shards, axis, lead, tokens: Tokens, spec: MaskSpec,
     bids = tokens.bidirectional_ids
     bids = None if bids is None else bids.reshape(-1, lead[axis])
     block = packing.DEFAULT_BLOCK if block_size is None else block_size
+    if bound is not None:
+        if not isinstance(rows, np.ndarray) or not (bids is None or isinstance(bids, np.ndarray)):
+            raise ValueError("max_document_shards= places whole documents on host: pass numpy "
+                             "segment_ids (and bidirectional_ids), not JAX arrays (a data "
+                             "pipeline step).")
+        if not (isinstance(bound, str) and bound == "auto"):
+            bound = masks_normalize(bound)  # a positive int (ValueError otherwise)
+        natural = Tokens(np.broadcast_to(np.arange(rows.shape[1], dtype=np.int32), rows.shape),
+                         rows.astype(np.int32), None if bids is None else bids.astype(np.int32))
+        positions = home_packing.home_positions(spec, natural, num_shards, bound,
+                                                block=block).reshape(lead)
+        return _gather(batch, positions, axis), positions
     positions = packing.per_document_positions(rows, num_shards, block, bidirectional_ids=bids,
                                                chunk_size=spec.chunk_size).reshape(lead)
     return _gather(batch, positions, axis), positions
@@ -80,7 +93,8 @@ def _per_document(batch, num_shards, axis, lead, tokens: Tokens, spec: MaskSpec,
 
 def permute_batch(batch: Any, layout: LayoutName, num_shards: int, *, axis: int = 1,
                   segment_ids: jax.Array | None = None, block_size: Optional[int] = None,
-                  bidirectional_ids: jax.Array | None = None, chunk_size: Optional[int] = None):
+                  bidirectional_ids: jax.Array | None = None, chunk_size: Optional[int] = None,
+                  max_document_shards: Union[int, Literal["auto"], None] = None):
     """Reorder every array of ``batch`` into ``layout`` along the sequence ``axis``.
 
     Args:
@@ -104,6 +118,15 @@ def permute_batch(batch: Any, layout: LayoutName, num_shards: int, *, axis: int 
         With either, every shard gets the mean work of the causal mask they make, in
         visible pairs and in computed tiles (:mod:`jax_seqpar.core.mask_packing`; host
         numpy ids only), instead of the mean causal-within-document work.
+      max_document_shards: ``"per_document"`` only: ``D``, place every document on at
+        most ``D`` consecutive shards (:mod:`jax_seqpar.core.home_packing`; host numpy
+        ids): shorter ones whole on one shard where the balance allows. An int must keep
+        the balance (busiest shard <= 1.05x the mean visible pairs, <= 1.10x the mean
+        computed tiles; a ``ValueError`` names what it reaches and the smallest ``D``
+        that keeps it); ``"auto"`` takes the smallest ``D`` that does. Pass
+        :func:`jax_seqpar.core.packing.document_shards` of the laid-out ids to the
+        attention calls' ``max_document_shards=``: each then sends ``D - 1`` shards'
+        keys either side, none for ``D = 1``.
 
     Returns:
       ``(batch, positions)``: the batch in layout order, and ``int32[B, S]`` the global
@@ -126,14 +149,21 @@ def permute_batch(batch: Any, layout: LayoutName, num_shards: int, *, axis: int 
         batch, positions = permute_batch(batch, "per_document", num_shards=8,
                                          segment_ids=batch["segment_ids"],
                                          bidirectional_ids=batch["image_ids"])
+        batch, positions = permute_batch(batch, "per_document", num_shards=8,
+                                         segment_ids=batch["segment_ids"],
+                                         max_document_shards="auto")
+        bound = document_shards(batch["segment_ids"], num_shards=8)  # pass it on
     """
     lead = _check(batch, layout, axis)
     spec = MaskSpec.make(causal=True, chunk_size=chunk_size)
     tokens = Tokens(None, segment_ids, bidirectional_ids)
     if layout == "per_document":
-        return _per_document(batch, num_shards, axis, lead, tokens, spec, block_size)
-    if any(x is not None for x in (segment_ids, block_size, bidirectional_ids, chunk_size)):
-        raise ValueError(f"segment_ids=, block_size=, bidirectional_ids= and chunk_size= shape "
+        return _per_document(batch, num_shards, axis, lead, tokens, spec, block_size,
+                             max_document_shards)
+    if any(x is not None for x in (segment_ids, block_size, bidirectional_ids, chunk_size,
+                                   max_document_shards)):
+        raise ValueError(f"segment_ids=, block_size=, bidirectional_ids=, chunk_size= and "
+                         f"max_document_shards= shape "
                          f"the per_document layout only; layout={layout!r} is the same for "
                          "every batch.")
     seq_len = lead[axis]

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import TYPE_CHECKING, Optional, SupportsFloat, cast
+from typing import TYPE_CHECKING, Any, Callable, Optional, SupportsFloat, cast
 
 import jax
 import numpy as np
@@ -33,8 +33,8 @@ if TYPE_CHECKING:  # annotations only
     from jax_seqpar.core.masks import MaskSpec
 
 __all__ = ["bidirectional_ids", "flag", "lengths", "mask_fn", "mesh_only",
-           "negative_length_message", "nonnegative_lengths", "positions", "real", "scale",
-           "segment_ids"]
+           "negative_length_message", "nonnegative_lengths", "positions", "real",
+           "refuse_unless", "scale", "segment_ids"]
 
 
 INT32_MIN, INT32_MAX = -(2**31), 2**31 - 1
@@ -255,3 +255,34 @@ def mask_fn(spec: MaskSpec, batch: int, q_len: int, kv_len: int, *,
         raise ValueError(f"mask_fn must return booleans that broadcast to [batch, q_seq, kv_seq]"
                          f" = {list(want)} (elementwise on its metadata). Got "
                          f"{getattr(out, 'dtype', type(out).__name__)}{list(shape or [])}.")
+
+
+def refuse_unless(ok: Any, message: Callable[..., str], value: Any, *args: Any) -> Any:
+    """``value``, unless ``ok`` is False: then a ``ValueError(message(*args))``.
+
+    Concrete ``ok`` raises now. Traced (inside a compiled program) the check runs on the
+    device and, where it fails, a host callback raises the ``ValueError``: the program
+    fails and reading any of its outputs raises ``jax.errors.JaxRuntimeError`` whose
+    text ends with the message. An error cannot leave a compiled program any other way,
+    and unlike a status flag it cannot be ignored. Every shard raises at the same point
+    of the same program, so none waits in a collective for another; ``value`` comes back
+    through the check (use the result), so the callback is neither dropped as dead code
+    nor an effect later programs would wait on.
+
+    Args:
+      ok: a bool scalar (Python, numpy or JAX).
+      message: called with ``args`` as numpy arrays (concrete) to say what is refused.
+      value: an array passed through; args: arrays the message reads.
+    """
+    if not is_traced(ok) and not any(is_traced(x) for x in (value, *args)):
+        if not bool(ok):
+            raise ValueError(message(*(np.asarray(x) for x in args)))
+        return value
+
+    def refuse(value, *args):
+        raise ValueError(message(*(np.asarray(x) for x in args)))
+
+    from jax_seqpar.core.compat import match_varying
+
+    return jax.lax.cond(ok, lambda: value, lambda: match_varying(jax.pure_callback(
+        refuse, jax.ShapeDtypeStruct(value.shape, value.dtype), value, *args), value))

@@ -120,6 +120,20 @@ def normalize_chunk_size(chunk_size) -> Optional[int]:
     return value
 
 
+def normalize_document_shards(max_document_shards) -> Optional[int]:
+    """``None`` or a positive int number of shards (``ValueError`` otherwise, naming
+    ``max_document_shards``)."""
+    if max_document_shards is None:
+        return None
+    value = _whole(max_document_shards)
+    if value is None or value < 1:
+        raise ValueError(f"max_document_shards must be a positive int (the most consecutive "
+                         f"sequence shards any one document spans, as permute_batch(..., "
+                         f'"per_document", max_document_shards=) reports it), or None. Got '
+                         f"{max_document_shards=!r}.")
+    return value
+
+
 @dataclasses.dataclass(frozen=True)
 class MaskSpec:
     """The static part of a mask (hashable, usable as a static argument).
@@ -137,21 +151,31 @@ class MaskSpec:
         tiles are skipped only where the other fields rule them out (a tile it
         alone empties is still computed, fully masked), and no tile runs unmasked.
         Compiled programs are keyed on the function object: define it once.
+      max_document_shards: ``D``, a promise about the segment ids: every document's
+        tokens lie on at most ``D`` consecutive sequence shards (in the order the shards
+        hold them: :func:`jax_seqpar.permute_batch`'s ``"per_document"`` layout reports
+        it, :func:`jax_seqpar.core.packing.document_shards` counts it). It masks nothing;
+        it bounds the mask's reach (:func:`jax_seqpar.core.reach.mask_reach`) to
+        ``D - 1`` shards on either side, and a batch that breaks it is refused.
+        ``None``: no bound.
     """
 
     causal: bool = False
     window: Optional[tuple[int, int]] = None
     chunk_size: Optional[int] = None
     mask_fn: Optional[Callable] = None
+    max_document_shards: Optional[int] = None
 
     @classmethod
     def make(cls, causal: bool = False, window: int | tuple[int, int] | None = None,
-             chunk_size: int | None = None, mask_fn: Callable | None = None) -> "MaskSpec":
+             chunk_size: int | None = None, mask_fn: Callable | None = None,
+             max_document_shards: int | None = None) -> "MaskSpec":
         if mask_fn is not None and not callable(mask_fn):
             raise ValueError(f"mask_fn must be a callable mask_fn(q_tokens, kv_tokens) -> bool "
                              f"array, or None. Got {mask_fn!r}.")
         return cls(causal=bool(causal), window=normalize_window(window),
-                   chunk_size=normalize_chunk_size(chunk_size), mask_fn=mask_fn)
+                   chunk_size=normalize_chunk_size(chunk_size), mask_fn=mask_fn,
+                   max_document_shards=normalize_document_shards(max_document_shards))
 
     @property
     def bounded(self) -> bool:

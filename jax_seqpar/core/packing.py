@@ -46,7 +46,8 @@ import numpy as np
 from jax_seqpar.core import mask_packing
 from jax_seqpar.core.masks import PAD_SEGMENT, MaskSpec, Tokens
 
-__all__ = ["DEFAULT_BLOCK", "balance_bound", "per_document_positions"]
+__all__ = ["DEFAULT_BLOCK", "balance_bound", "document_shards", "per_document_positions",
+           "widest_documents"]
 
 #: The tile the layout aligns dealt runs to unless told. It divides every kernel's
 #: default tiles (XLA 256, Triton 128 or 64, Mosaic 512 are multiples of it).
@@ -267,3 +268,66 @@ def balance_bound(segment_ids: jax.Array, num_shards: int, block_size: int = DEF
         n_cut = n[has & real].max() if (has & real).any() else 0.0
         bounds.append(1 + (2 * x_max + 2 * n_cut) / max(mean, 1))
     return np.array(bounds)
+
+
+def _row_widest(xp, ids, num_shards: int):
+    """``(span, document)``: the most consecutive shards of ``num_shards`` (slot ``i`` on
+    shard ``i // (S/P)``) one document of the 1-D ``ids`` spans, and that document
+    (padding spans nothing; ``(0, PAD_SEGMENT)`` for a row of padding)."""
+    size = ids.shape[0]
+    shard = (xp.arange(size, dtype=np.int32) // max(size // num_shards, 1)).astype(np.int32)
+    order = _sort_order(xp, ids, shard)
+    ids, shard = ids[order], shard[order]
+    first = shard[xp.searchsorted(ids, ids, side="left")]
+    last = shard[xp.searchsorted(ids, ids, side="right") - 1]
+    span = xp.where(ids == PAD_SEGMENT, 0, last - first + 1).astype(np.int32)
+    widest = xp.argmax(span) if size else 0
+    return (span[widest], ids[widest]) if size else (np.int32(0), np.int32(PAD_SEGMENT))
+
+
+def widest_documents(ids: jax.typing.ArrayLike, num_shards: int):
+    """Per row, ``(span int32[B], document int32[B])``: the most consecutive shards one
+    document spans in this order, and the document (see :func:`document_shards`).
+
+    Args:
+      ids: ``int[B, S]`` segment ids in the order the shards hold them (shard ``r`` of
+        ``P`` holds slots ``r*S/P ..``), numpy (host) or JAX (traceable).
+      num_shards: ``P``.
+    """
+    xp = _namespace(ids)
+    rows = xp.asarray(ids).astype(np.int32)
+    if _is_numpy(xp):
+        pairs = [_row_widest(np, row, num_shards) for row in rows]
+        return (np.array([p[0] for p in pairs], np.int32).reshape(len(pairs)),
+                np.array([p[1] for p in pairs], np.int32).reshape(len(pairs)))
+    return jax.vmap(lambda row: _row_widest(jnp, row, num_shards))(rows)
+
+
+def document_shards(segment_ids: jax.typing.ArrayLike, num_shards: int):
+    """The most consecutive shards any one document spans: ``last - first + 1`` of the
+    shards that hold its tokens, the largest over the documents and rows. Pass it on as
+    ``max_document_shards=`` (it bounds the mask's reach to ``D - 1`` shards either side).
+
+    Args:
+      segment_ids: ``int[B, S]`` (or ``[S]``) document ids in the order the shards hold
+        them (after :func:`jax_seqpar.permute_batch`), shard ``r`` of ``P`` holding slots
+        ``r*S/P .. (r+1)*S/P - 1``; :data:`~jax_seqpar.core.masks.PAD_SEGMENT` is padding.
+      num_shards: ``P``; ``S`` must be divisible by it.
+
+    Returns:
+      An ``int`` for numpy or concrete ids (0 for padding alone), else a traced int32
+      scalar.
+
+    >>> document_shards(np.repeat(np.arange(3), [5, 6, 5]), num_shards=4)
+    2
+    """
+    ids = segment_ids if isinstance(segment_ids, np.ndarray) else jnp.asarray(segment_ids)
+    ids = ids[None] if ids.ndim == 1 else ids
+    if isinstance(num_shards, bool) or not isinstance(num_shards, (int, np.integer)) or (
+            num_shards < 1) or ids.ndim != 2 or ids.shape[1] % num_shards:
+        raise ValueError(f"document_shards needs int[batch, seq] ids and a positive "
+                         f"num_shards dividing seq. Got ids of shape {tuple(ids.shape)}, "
+                         f"{num_shards=!r}.")
+    span, _ = widest_documents(ids, int(num_shards))
+    widest = span.max(initial=0) if isinstance(span, np.ndarray) else jnp.max(span, initial=0)
+    return widest if isinstance(widest, jax.core.Tracer) else int(widest)

@@ -19,7 +19,8 @@ from typing import Any, Optional
 import jax.numpy as jnp
 import numpy as np
 
-from jax_seqpar.core.masks import MaskSpec, normalize_chunk_size, normalize_window
+from jax_seqpar.core.masks import (MaskSpec, normalize_chunk_size, normalize_document_shards,
+                                   normalize_window)
 
 __all__ = ["LayerShape", "check_counts", "check_head_groups", "dtype_of_size", "is_count"]
 
@@ -93,7 +94,10 @@ class LayerShape:
         else the forward only.
       chunk_size: chunked attention (Llama 4): a query sees only keys of its own chunk
         of ``chunk_size`` positions, or None. With a window it bounds the mask's reach
-        (:func:`jax_seqpar.strategies.halo.mask_reach`), so the bytes.
+        (:func:`jax_seqpar.core.reach.mask_reach`), so the bytes.
+      max_document_shards: with ``segment_ids``, the most consecutive shards any
+        document spans (:attr:`jax_seqpar.core.masks.MaskSpec.max_document_shards`): it
+        bounds the reach in any order, or None.
 
     >>> shape = LayerShape(1, 32768, 32, 8, 128, causal=True)
     >>> shape.v_head_dim, shape.dtype, shape.dtype_bytes
@@ -112,6 +116,7 @@ class LayerShape:
     segment_ids: bool = False
     backward: bool = True
     chunk_size: Optional[int] = None
+    max_document_shards: Optional[int] = None
 
     def __post_init__(self):
         set_field = lambda name, value: object.__setattr__(self, name, value)  # frozen
@@ -130,11 +135,16 @@ class LayerShape:
         set_field("dtype", _dtype_name(self.dtype))
         set_field("window", normalize_window(self.window))
         set_field("chunk_size", normalize_chunk_size(self.chunk_size))
+        set_field("max_document_shards", normalize_document_shards(self.max_document_shards))
+        if self.max_document_shards is not None and not self.segment_ids:
+            raise ValueError(f"max_document_shards={self.max_document_shards} bounds where "
+                             "documents lie: it needs segment_ids=True.")
 
     @property
     def mask(self) -> MaskSpec:
-        """The layer's static mask (causal, window, chunks)."""
-        return MaskSpec.make(self.causal, self.window, self.chunk_size)
+        """The layer's static mask (causal, window, chunks, the documents' bound)."""
+        return MaskSpec.make(self.causal, self.window, self.chunk_size,
+                             max_document_shards=self.max_document_shards)
 
     @property
     def dtype_bytes(self) -> int:
@@ -148,7 +158,8 @@ class LayerShape:
                     num_kv_heads=self.num_kv_heads, head_dim=self.head_dim,
                     v_head_dim=self.v_head_dim, dtype_bytes=self.dtype_bytes,
                     backward=self.backward, with_segment_ids=self.segment_ids,
-                    window=self.window, causal=self.causal, chunk_size=self.chunk_size)
+                    window=self.window, causal=self.causal, chunk_size=self.chunk_size,
+                    max_document_shards=self.max_document_shards)
 
     def operand_shapes(self) -> tuple:
         """Global shapes of ``q, k, v`` and the output's cotangent ``dout``."""

@@ -32,7 +32,7 @@ device (:class:`~jax_seqpar.planning.hardware.Hardware` figures):
   ``O - 1`` steps carrying K/V and float32 dK/dV backward and dK/dV's hop home,
   on the link the ring's slowest hop takes (:meth:`~jax_seqpar.planning.hardware.Hardware.link`);
   where a window or chunks bound the mask's reach over the ring's groups
-  (:func:`jax_seqpar.strategies.halo.mask_reach`, the contiguous order), a halo exchange:
+  (:func:`jax_seqpar.core.reach.mask_reach`, the contiguous order), a halo exchange:
   its bytes in flight during the own block's kernel, then the halo's kernel (backward:
   the halo's gradients, then dK/dV back during the own block's), nothing at all where
   the reach is ``(0, 0)``;
@@ -72,7 +72,7 @@ from jax_seqpar.planning.compute import TILE, step_seconds
 from jax_seqpar.planning.hardware import Hardware
 from jax_seqpar.strategies import registry
 from jax_seqpar.strategies.entry import Strategy
-from jax_seqpar.strategies.halo import mask_reach
+from jax_seqpar.core.reach import mask_reach
 from jax_seqpar.strategies.registry import StrategyName, comm_bytes
 from jax_seqpar.core.layout import LayoutName
 

@@ -13,7 +13,7 @@ from typing import Any, Mapping
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.strategies import registry
 from jax_seqpar.strategies.entry import Strategy
-from jax_seqpar.strategies.halo import mask_reach
+from jax_seqpar.core.reach import mask_reach
 from jax_seqpar.strategies.traffic import replicated_kv_heads
 
 __all__ = ["TIE", "binary_size", "bytes_reason", "gib", "predicted_reason", "rank", "tied"]

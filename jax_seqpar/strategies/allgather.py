@@ -3,7 +3,7 @@
 Megatron-LM's ``all_gather`` context parallelism; Llama 3 (arXiv:2407.21783) uses
 it for long-context training. K/V memory is O(S) per device; zigzag balances causal
 work. A window or chunks on the contiguous split gather only the mask's reach
-(:func:`jax_seqpar.strategies.halo.mask_reach`): nothing where every chunk fits a shard.
+(:func:`jax_seqpar.core.reach.mask_reach`): nothing where every chunk fits a shard.
 
 **Gathered in pieces** (``attention_in_pieces``): each device cuts its ``S/P`` K/V
 tokens into ``C`` slices, and piece ``c`` is the all-gather of every device's slice
@@ -113,6 +113,7 @@ def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: s
                         sinks: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                         chunk_size: int | None = None, bidirectional_ids: jax.Array | None = None,
                         mask_fn: Callable | None = None, return_lse: bool = False,
+                        max_document_shards: int | None = None,
                         pieces: int | Literal["auto"] = "auto"):
     """Exact attention of a sequence sharded over ``seq_axes`` (call inside ``shard_map``).
 
@@ -141,7 +142,8 @@ def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: s
         q, k, v, local=True, causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
         scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
         return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-        positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks)
+        positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks,
+        max_document_shards=max_document_shards)
     return attend(q, k, v, options, metadata, seq_axes=seq_axes, pieces=pieces)
 
 
@@ -150,12 +152,11 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
     """The all-gather on described inputs (:func:`allgather_attention` after its checks), the core the global
     view runs inside ``shard_map``: ``options`` and the local, checked ``metadata``
     (:func:`jax_seqpar.strategies.inputs.describe`)."""
-    shard = shard_operands(q, metadata, seq_axes)
+    shard = shard_operands(q, options, metadata, seq_axes)
     pieces = resolve_gathered_pieces(pieces, q.shape[1])
-    reach = None
-    if metadata.positions is None:  # the contiguous split: a window may be a halo
-        reach = halo.mask_reach(options.spec, q.shape[1], axis_size(seq_axes),
-                                bidirectional=shard.q_tokens.bidirectional_ids is not None)
+    reach = halo.mask_reach(options.spec, q.shape[1], axis_size(seq_axes),  # the halo's
+                            bidirectional=shard.q_tokens.bidirectional_ids is not None,
+                            contiguous=metadata.positions is None)
     if reach is None:
         out, lse = attention_in_pieces(seq_axes, options, q, k, v, shard.q_tokens,
                                      shard.kv_tokens, pieces=pieces)
@@ -338,21 +339,20 @@ _in_pieces.defvjp(_in_pieces_fwd, _in_pieces_bwd)
 # The model: the bytes the all-gather sends, its latency steps, pieces and memory.
 
 def _gather_bytes(*, batch, seq_len, num_kv_heads, head_dim, v_head_dim, axis_size,
-                  dtype_bytes, backward, with_segment_ids, reach=None) -> float:
+                  dtype_bytes, backward, with_segment_ids, spec) -> float:
     """all_gather of k, v and positions to ``[B, S, Hkv, .]`` (K/V in pieces, the same
-    bytes); the backward sends dK/dV home around the ring.
-
-    The backward's dK/dV accumulators ``[B, S/P, Hkv, Dqk + Dv]`` travel ``P``
-    ppermutes as the ring's do: ``P - 1`` in float32, the last (home) in the input
-    dtype. With a window ``reach`` (contiguous split) only the halo is gathered; its
-    float32 gradient goes back.
-    """
+    bytes); the backward sends dK/dV home around the ring: ``[B, S/P, Hkv, Dqk + Dv]``
+    ``P`` ppermutes as the ring's do, ``P - 1`` in float32, the last (home) in the input
+    dtype. Where the mask's reach is bounded only the halo is gathered; its float32
+    gradient goes back."""
+    reach = layer_reach(spec, seq_len, axis_size)
     if axis_size == 1:
         return 0.0
     if reach is not None:
         return halo_bytes(batch=batch, reach=reach, kv_heads=num_kv_heads, head_dim=head_dim,
                           v_head_dim=v_head_dim, dtype_bytes=dtype_bytes, backward=backward,
-                          with_segment_ids=with_segment_ids, gradient_bytes=4)
+                          with_segment_ids=with_segment_ids, gradient_bytes=4,
+                          positions_travel=spec.max_document_shards is not None)
     fraction = (axis_size - 1) / axis_size
     kv_elements = batch * seq_len * num_kv_heads * (head_dim + v_head_dim)
     metadata = batch * seq_len * INDEX_BYTES * (2 if with_segment_ids else 1)
@@ -366,9 +366,7 @@ def allgather_bytes(sizes: tuple[int, ...], *, num_heads: int, seq_len: int,
                     spec: MaskSpec = NO_MASK, **shape: Any) -> float:
     """The all-gather over all ``sizes`` devices (the halo only where a window or chunks
     bound the mask's reach; nothing at reach ``(0, 0)``)."""
-    devices = math.prod(sizes)
-    return _gather_bytes(seq_len=seq_len, axis_size=devices,
-                         reach=layer_reach(spec, seq_len, devices), **shape)
+    return _gather_bytes(seq_len=seq_len, axis_size=math.prod(sizes), spec=spec, **shape)
 
 
 def exchange_steps(size: int, shape: LayerShape) -> int:

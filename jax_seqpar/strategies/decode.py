@@ -179,26 +179,12 @@ def overflow_message(lengths: jax.typing.ArrayLike, new_tokens: int, capacity: i
             f"sequence), or start a new one.")
 
 
-def _raise_overflow(lengths, new_tokens, capacity):
-    raise ValueError(overflow_message(lengths, int(new_tokens), int(capacity)))
-
-
 def _refuse_overflow(fits, lengths, new_tokens: int, capacity: int):
-    """Inside a traced step: ``lengths``, or a host error when the step runs unless ``fits``.
-
-    The ``ValueError`` fails the whole step (every output reads as a
-    ``jax.errors.JaxRuntimeError`` carrying its text): an error cannot leave a compiled
-    program any other way, and unlike a status flag it cannot be ignored. Every shard
-    raises at the same point of the same program, so none waits in a collective for
-    another; a callback with a result (used below) is neither dropped nor an effect that
-    later programs would wait on.
-    """
-    def refuse(lengths):
-        _raise_overflow(lengths, new_tokens, capacity)
-        return lengths
-
-    return jax.lax.cond(fits, lambda: lengths, lambda: jax.pure_callback(
-        refuse, jax.ShapeDtypeStruct(lengths.shape, lengths.dtype), lengths))
+    """Inside a traced step: ``lengths``, or a host error when the step runs unless ``fits``
+    (:func:`jax_seqpar.core.checks.refuse_unless`)."""
+    return checks.refuse_unless(
+        fits, lambda lengths: overflow_message(lengths, int(new_tokens), int(capacity)),
+        lengths, lengths)
 
 
 def deal_round_robin(k: jax.Array, v: jax.Array, lengths: jax.Array, k_cache: jax.Array,

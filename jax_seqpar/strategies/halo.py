@@ -1,25 +1,23 @@
-"""Halo exchange: on the contiguous split a device receives only what the mask reaches.
+"""Halo exchange: a device receives only what the mask reaches.
 
-The reach of a mask (:func:`mask_reach`) is the tokens ``(left, right)`` beyond a shard
-that some query of it can see: with ``window=(left, right)`` (``right = 0`` when
-causal) a query of shard ``r`` (positions ``r*L .. r*L+L-1``, ``L = S/P``) sees keys
-from ``r*L - left`` to ``r*L + L - 1 + right``; with ``chunk_size`` only keys of its own
-chunk (so back to its chunk's start, and without ``causal`` on to its chunk's end); the
-tighter of the two wins. Shard ``r`` then needs the last ``left`` tokens before its
-own and the first ``right`` after: ``ceil(left/L)`` hops from the lower
-neighbours and ``ceil(right/L)`` from the higher ones, the far hop carrying only
-the remainder. Each hop forwards the needed suffix (prefix) of what the previous
-hop brought, so a device sends exactly ``left + right`` tokens of K/V, whatever P;
-a reach of ``(0, 0)`` (chunks that fit a shard) sends nothing, forward or backward.
-The positions of the halo are known (the split is contiguous), so only K/V and
-segment ids (and bidirectional ids) travel. With bidirectional ids a causal query also
-sees later keys of its id, so the halo keeps the right side then. Permutations
-do not wrap around the sequence ends: shard 0 gets zeros from "the left", at positions
-(mod S) that no query sees (:func:`mask_reach` refuses a reach where one would).
+The reach of a mask (:func:`jax_seqpar.core.reach.mask_reach`) is the tokens ``(left,
+right)`` beyond a shard that some query of it can see: a window or chunks on the
+contiguous split (positions ``r*L .. r*L+L-1`` on shard ``r``, ``L = S/P``), or
+``max_document_shards=D`` in any order (``(D-1)*L`` either side). Shard ``r`` then needs
+the last ``left`` tokens before its own and the first ``right`` after: ``ceil(left/L)``
+hops from the lower neighbours and ``ceil(right/L)`` from the higher ones, the far hop
+carrying only the remainder. Each hop forwards the needed suffix (prefix) of what the
+previous hop brought, so a device sends exactly ``left + right`` tokens of K/V, whatever
+P; a reach of ``(0, 0)`` sends nothing, forward or backward. On the contiguous split the
+positions of the halo are known, so only K/V and segment ids (and bidirectional ids)
+travel; where documents bound the reach the positions travel too. With bidirectional
+ids a causal query also sees later keys of its id, so the halo keeps the right side
+then. Permutations do not wrap around the sequence ends: shard 0 gets zeros from "the
+left", at positions (mod S) that no query sees (:func:`mask_reach` refuses a reach where
+one would), and with segment ids those slots are padding.
 
 Used only when ``left + right < S - L`` (else the mask reaches nearly every
-shard and the full ring is as cheap) and only for the contiguous split: with any
-other positions the halo would not hold the keys the mask needs.
+shard and the full ring is as cheap).
 
 ``halo_attention`` is the ring's form (a ``custom_vjp``: the backward sends
 float32 dK/dV back along the same hops); ``window_attention`` is the
@@ -39,89 +37,15 @@ import jax.numpy as jnp
 from jax_seqpar import kernels
 from jax_seqpar.core import compat as _compat
 from jax_seqpar.strategies.inputs import axis_size
-from jax_seqpar.core.masks import MaskSpec, Tokens
+from jax_seqpar.core.masks import PAD_SEGMENT, Tokens
 from jax_seqpar.core.merge import merge
+from jax_seqpar.core.reach import is_local, mask_reach
 
 if TYPE_CHECKING:  # annotations only
     from jax_seqpar.kernels.options import Options
 
 __all__ = ["exchange", "halo_attention", "is_local", "local_or_none", "mask_reach",
            "window_attention"]
-
-
-def mask_reach(spec: MaskSpec, local_len: int, num_shards: int, *,
-               bidirectional: bool = False) -> Optional[tuple[int, int]]:
-    """The reach of a mask on the contiguous split: tokens ``(left, right)`` beyond its own
-    that some query of a shard can see, or None (the full ring).
-
-    Shard ``r`` holds positions ``r*L .. r*L+L-1`` (``L = local_len``, ``S = P*L``). Each
-    field of the mask that bounds a query's keys bounds the reach, and the tighter bound
-    wins:
-
-    * ``window=(left, right)``: ``left`` tokens before the shard, ``right`` after;
-    * ``chunk_size=c``: a query sees keys of its own chunk only, so shard ``r`` needs
-      ``(r*L) mod c`` tokens before it (its first query's chunk start) and, without
-      ``causal``, ``(-(r+1)*L) mod c`` after it (its last query's chunk end, clipped
-      at ``S``); the reach is the largest over the shards;
-    * ``causal`` makes ``right`` 0, unless ``bidirectional``: with bidirectional ids a
-      causal query also sees the later keys of its id, bounded only by the window and
-      the chunk's end then.
-
-    ``mask_fn``, segment ids and padding only take keys away. ``(0, 0)``: every query's
-    keys are on its own device (chunks that fit a shard), so nothing need travel.
-
-    Args:
-      spec: the mask; local_len: ``L``; num_shards: ``P``.
-      bidirectional: the tokens carry bidirectional ids.
-    Returns:
-      ``(left, right)`` with ``left + right < (P-1)*L``, or None when nothing bounds
-      the reach or it reaches (nearly) every shard.
-
-    >>> mask_reach(MaskSpec.make(causal=True, chunk_size=1024), 1024, 8)
-    (0, 0)
-    >>> mask_reach(MaskSpec.make(causal=True, chunk_size=2048), 1024, 8)
-    (1024, 0)
-    >>> mask_reach(MaskSpec.make(causal=True, window=(1024, 0), chunk_size=512), 1024, 8)
-    (0, 0)
-    """
-    infinite = (num_shards - 1) * local_len  # the whole rest of the sequence
-    left = right = infinite
-    if spec.window is not None:
-        left, right = min(spec.window[0], infinite), min(spec.window[1], infinite)
-    if spec.chunk_size is not None:
-        chunk, seq_len = spec.chunk_size, num_shards * local_len
-        left = min(left, max((r * local_len) % chunk for r in range(num_shards)))
-        right = min(right, max(min((-(r + 1) * local_len) % chunk, seq_len - (r + 1) * local_len)
-                               for r in range(num_shards)))
-    if spec.causal and not bidirectional:
-        right = 0
-    if left + right >= infinite or not _ends_unseen(spec, left, right, local_len, num_shards):
-        return None
-    return left, right
-
-
-def _ends_unseen(spec: MaskSpec, left: int, right: int, local_len: int,
-                 num_shards: int) -> bool:
-    """Whether no query sees the halo's tokens past the sequence ends: shard 0's left halo
-    (zeros at positions ``S-left .. S-1``) and shard ``P-1``'s right halo (zeros at
-    ``0 .. right-1``), as :func:`_halo_positions` places them. A causal mask hides the
-    first (later keys), a window or the chunks either."""
-    seq_len, chunk, window = num_shards * local_len, spec.chunk_size, spec.window
-    left_hidden = not left or spec.causal or (
-        window is not None and seq_len - left - (local_len - 1) > window[1]) or (
-        chunk is not None and (seq_len - left) // chunk > (local_len - 1) // chunk)
-    right_hidden = not right or (
-        window is not None and seq_len - local_len - right + 1 > window[0]) or (
-        chunk is not None and (right - 1) // chunk < (seq_len - local_len) // chunk)
-    return bool(left_hidden and right_hidden)
-
-
-def is_local(spec: MaskSpec, local_len: int, num_shards: int, *,
-             bidirectional: bool = False) -> bool:
-    """Whether the mask's reach on the contiguous split is ``(0, 0)``: every query's keys
-    are on its own device, and attention needs no collective at all (forward and
-    backward)."""
-    return mask_reach(spec, local_len, num_shards, bidirectional=bidirectional) == (0, 0)
 
 
 #: Strategies whose causal work zigzag balances (Ulysses is balanced by construction).
@@ -183,14 +107,32 @@ def exchange(axis_name: str | tuple[str, ...], reach: tuple[int, int], tree: Any
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *parts)
 
 
-def _halo_tokens(axis_name, reach, tokens: Tokens) -> Tokens:
-    """The halo's metadata: positions computed, the ids exchanged with K/V (zeros past
-    the sequence ends, where the window reaches no query)."""
+def _halo_tokens(axis_name, options: Options, reach, tokens: Tokens) -> Tokens:
+    """The halo's metadata: the ids exchanged with K/V; positions computed on the
+    contiguous split, exchanged too where documents bound the reach (any order: what
+    travels is the same whatever the order). Past the sequence ends the exchange brings
+    zeros: the window reaches no query there, and the segment ids are made padding
+    (a zero id is a real document)."""
     batch, local_len = tokens.positions.shape
-    ids = (tokens.segment_ids, tokens.bidirectional_ids)
+    moved = options.spec.max_document_shards is not None
+    ids: tuple = (tokens.segment_ids, tokens.bidirectional_ids,
+                  tokens.positions if moved else None)
     if any(x is not None for x in ids):
         ids = exchange(axis_name, reach, ids)
-    return Tokens(_halo_positions(reach, local_len, axis_name, batch), *ids)
+    positions = ids[2] if moved else _halo_positions(reach, local_len, axis_name, batch)
+    segment_ids = ids[0]
+    if segment_ids is not None:
+        segment_ids = jnp.where(_past_ends(reach, local_len, axis_name), PAD_SEGMENT, segment_ids)
+    return Tokens(positions, segment_ids, ids[1])
+
+
+def _past_ends(reach, local_len: int, axis_name):
+    """``bool[1, left + right]``: the halo slots past the sequence ends (zeros)."""
+    left, right = reach
+    seq_len = local_len * axis_size(axis_name)
+    start = jax.lax.axis_index(axis_name) * local_len
+    slots = start + jnp.concatenate([jnp.arange(-left, 0), local_len + jnp.arange(right)])
+    return ((slots < 0) | (slots >= seq_len))[None]
 
 
 def _around(reach, own, pulled):
@@ -227,7 +169,7 @@ def window_attention(axis_name: str | tuple[str, ...], options: Options, reach: 
 def _window_forward(axis_name, options, reach, q, k, v, q_tokens, kv_tokens):
     if sum(reach):
         halo_kv = exchange(axis_name, reach, (k, v))
-        halo_tokens = _halo_tokens(axis_name, reach, kv_tokens)
+        halo_tokens = _halo_tokens(axis_name, options, reach, kv_tokens)
         k, v = (_around(reach, own, pulled) for own, pulled in zip((k, v), halo_kv))
         kv_tokens = jax.tree.map(functools.partial(_around, reach), kv_tokens, halo_tokens)
     return kernels.forward(options, q, k, v, q_tokens, kv_tokens), (k, v, kv_tokens)  # [B, W+L, ..]
@@ -289,7 +231,7 @@ def _forward(axis_name, options, reach, q, k, v, q_tokens, kv_tokens):
     out, lse = kernels.forward(options, q, k, v, q_tokens, kv_tokens)  # hides the exchange
     if halo_kv is None:
         return (out, lse), (None, None)
-    halo_tokens = _halo_tokens(axis_name, reach, kv_tokens)
+    halo_tokens = _halo_tokens(axis_name, options, reach, kv_tokens)
     halo_k, halo_v = halo_kv
     out, lse = merge(out, lse, *kernels.forward(options, q, halo_k, halo_v, q_tokens,
                                                 halo_tokens))
@@ -335,12 +277,13 @@ def local_or_none(axis_name: str | tuple[str, ...], options: Options, q: jax.Arr
                   k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens, *,
                   contiguous: bool):
     """Attention of the shard's queries to its own keys where the mask's reach is
-    ``(0, 0)`` on the contiguous split (:func:`is_local`: chunks that fit a shard), else
+    ``(0, 0)`` (:func:`is_local`: chunks that fit a shard on the contiguous split, or
+    documents on one shard each, ``max_document_shards=1``, in any order), else
     None: ``(out float32[B, L, H, Dv], lse float32[B, L, H])`` with no collective,
     forward or backward (Ulysses and the hybrid route here; the ring and the all-gather
     get the same from their halo forms). ``q, k, v``: ``[B, L, H|Hkv, D]`` shards of
     ``axis_name``; ``contiguous``: their positions are the contiguous split."""
-    if not contiguous or not is_local(options.spec, q.shape[1], axis_size(axis_name),
-                                      bidirectional=q_tokens.bidirectional_ids is not None):
+    if not is_local(options.spec, q.shape[1], axis_size(axis_name),
+                    bidirectional=q_tokens.bidirectional_ids is not None, contiguous=contiguous):
         return None
     return halo_attention(axis_name, options, (0, 0), q, k, v, q_tokens, kv_tokens)

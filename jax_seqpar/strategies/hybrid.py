@@ -65,6 +65,7 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str 
                      sinks: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                      chunk_size: int | None = None, bidirectional_ids: jax.Array | None = None,
                      mask_fn: Callable | None = None, return_lse: bool = False,
+                     max_document_shards: int | None = None,
                      overlap: bool | Literal["auto"] = "auto", pieces: int | Literal["auto"] = "auto",
                      head_groups: int | Literal["auto"] = "auto"):
     """Exact attention of a sequence sharded over ``seq_axes=(outer, inner)`` (in ``shard_map``).
@@ -106,7 +107,8 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str 
         q, k, v, local=True, causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
         scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
         return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-        positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks)
+        positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks,
+        max_document_shards=max_document_shards)
     return attend(q, k, v, options, metadata, seq_axes=seq_axes, overlap=overlap, pieces=pieces,
                   head_groups=head_groups)
 
@@ -119,7 +121,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
     view runs inside ``shard_map``: ``options`` and the local, checked ``metadata``
     (:func:`jax_seqpar.strategies.inputs.describe`)."""
     ring_axis, ulysses_axis = _outer_inner(seq_axes)
-    shard = shard_operands(q, metadata, (ring_axis, ulysses_axis))
+    shard = shard_operands(q, options, metadata, (ring_axis, ulysses_axis))
     contiguous = metadata.positions is None
     local = halo.local_or_none((ring_axis, ulysses_axis), options, q, k, v, shard.q_tokens,
                                shard.kv_tokens, contiguous=contiguous)
@@ -139,7 +141,8 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
     # into pieces; a reach of (0, 0) over the ring groups leaves no ring: Ulysses' pipeline.
     ring_size = axis_size(ring_axis)
     ring = outer_ring(options.spec, inner * q.shape[1], ring_size, contiguous=contiguous,
-                      bidirectional=shard.q_tokens.bidirectional_ids is not None)
+                      bidirectional=shard.q_tokens.bidirectional_ids is not None,
+                      shard_len=q.shape[1])
     in_pieces = ring != "halo"
     pieces, groups = resolve_pieces(overlap, pieces, head_groups, q.shape[2], k.shape[2],
                                     inner, q.shape[1], shared_kv=False, in_pieces=in_pieces)
@@ -149,7 +152,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
         k, v = (x.astype(jnp.float32).repeat(repeats, axis=2) for x in (k, v))
     tokens = gather_tokens((shard.q_tokens, shard.kv_tokens), ulysses_axis)  # [B, S/O]
     # Default positions: each ring shard holds S/O contiguous tokens.
-    stage = RingStage(ring_axis, options, contiguous)
+    stage = RingStage(ring_axis, options, contiguous, q.shape[1])
     q_tokens, kv_tokens = tokens
     operands = Operands(q_tokens, kv_tokens, local_heads(shard.sinks, ulysses_axis))
     if pieces > 1:
@@ -170,12 +173,13 @@ class RingStage:
     axis_name: str | tuple[str, ...]
     options: Options
     contiguous: bool
+    shard_len: int  # the devices' own shards, which max_document_shards counts
     takes_delta = False  # the ring's backward computes it from its own residuals
 
     def forward(self, q, k, v, q_tokens, kv_tokens):
         def ring(q, k, v):
             return ring_over(self.axis_name, self.options, q, k, v, q_tokens, kv_tokens,
-                             contiguous=self.contiguous)
+                             contiguous=self.contiguous, shard_len=self.shard_len)
 
         return jax.vjp(ring, q, k, v)
 
@@ -184,17 +188,17 @@ class RingStage:
 
 
 def outer_ring(spec: MaskSpec, ring_len: int, ring_size: int, *, contiguous: bool = True,
-               bidirectional: bool = False) -> Literal["none", "halo", "ring"]:
+               bidirectional: bool = False, shard_len: int | None = None
+               ) -> Literal["none", "halo", "ring"]:
     """How the hybrid's ring over ``ring_size`` groups of ``ring_len`` tokens runs:
-    ``"none"`` (one group, or on the contiguous split a mask whose reach over the groups is
-    ``(0, 0)``: each group attends its own tokens, Ulysses alone), ``"halo"`` (the reach
-    bounded: a halo exchange, :func:`jax_seqpar.strategies.halo.mask_reach`) or
-    ``"ring"`` (every step)."""
+    ``"none"`` (one group, or a mask whose reach over the groups is ``(0, 0)``: each
+    group attends its own tokens, Ulysses alone), ``"halo"`` (the reach bounded: a halo
+    exchange, :func:`jax_seqpar.core.reach.mask_reach`; ``shard_len``: the devices'
+    shards, which ``max_document_shards`` counts) or ``"ring"`` (every step)."""
     if ring_size == 1:
         return "none"
-    if not contiguous:
-        return "ring"
-    reach = halo.mask_reach(spec, ring_len, ring_size, bidirectional=bidirectional)
+    reach = halo.mask_reach(spec, ring_len, ring_size, bidirectional=bidirectional,
+                            contiguous=contiguous, shard_len=shard_len)
     return "ring" if reach is None else "none" if reach == (0, 0) else "halo"
 
 
@@ -225,27 +229,30 @@ def hybrid_bytes(sizes: tuple[int, ...], *, num_heads: int, num_kv_heads: int, s
     if len(sizes) != 2:
         raise ValueError(f"hybrid needs axis_sizes=(outer, inner). Got {sizes!r}.")
     outer, inner = sizes
-    if halo.is_local(spec, seq_len // (outer * inner), outer * inner):
+    shard_len = seq_len // (outer * inner)
+    if halo.is_local(spec, shard_len, outer * inner):
         return 0.0  # the mask's reach is (0, 0): attended locally
     if num_heads % inner:
         raise ValueError(f"num_heads={num_heads} is not divisible by the ulysses (inner) "
                          f"axis size {inner}; use strategy='ring' or swap the axes.")
     kv_heads_after_ulysses = replicated_kv_heads(num_kv_heads, inner) // inner
-    reach = layer_reach(spec, seq_len, outer)
-    pieces = 1 if outer_ring(spec, seq_len // outer, outer) == "halo" else default_pieces(
-        seq_len // (outer * inner), inner)
+    reach = layer_reach(spec, seq_len, outer, shard_len=shard_len)
+    pieces = 1 if outer_ring(spec, seq_len // outer, outer, shard_len=shard_len
+                             ) == "halo" else default_pieces(shard_len, inner)
     return (exchange_bytes(seq_len=seq_len // outer, num_heads=num_heads,
                            num_kv_heads=num_kv_heads, axis_size=inner,
                            row_statistic=pieces > 1, **shape)
             + rotation_bytes(seq_len=seq_len, kv_heads=kv_heads_after_ulysses, axis_size=outer,
-                             reach=reach, **shape))
+                             reach=reach, positions_travel=spec.max_document_shards is not None,
+                             **shape))
 
 
 def _pieces(shape: LayerShape, ring: int, ulysses: int) -> tuple[int, int]:
     """The inner exchange's pieces: cut along the sequence unless a window or chunks make the
     ring a halo exchange (their default order is the contiguous split); head groups only
     where each has its own K/V heads."""
-    halo_ring = outer_ring(shape.mask, shape.seq_len // ring, ring) == "halo"
+    halo_ring = outer_ring(shape.mask, shape.seq_len // ring, ring,
+                           shard_len=shape.seq_len // (ring * ulysses)) == "halo"
     pieces = exchange_pieces(shape, ring, ulysses, shared_kv=False, in_pieces=not halo_ring)
     return pieces, pieces
 

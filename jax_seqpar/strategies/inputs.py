@@ -15,14 +15,14 @@ from typing import TYPE_CHECKING, Any, Callable, Generic, Optional
 import jax
 import jax.numpy as jnp
 
-from jax_seqpar.core import checks, layout, masks
+from jax_seqpar.core import checks, layout, masks, packing
 from jax_seqpar.kernels.options import KernelName, Options, make_options
 
 if TYPE_CHECKING:  # annotations only
     from jax_seqpar.kernels.options import BlockSizes
 
 __all__ = ["Metadata", "Operands", "axis_size", "check_ids", "check_metadata", "check_qkv",
-           "check_self_attention", "describe", "empty_result", "finish", "gather_tokens",
+           "check_self_attention", "describe", "documents_within", "empty_result", "finish", "gather_tokens",
            "operands", "shard_operands"]
 
 
@@ -145,7 +145,8 @@ def describe(q: jax.Array, k: jax.Array, v: jax.Array, *, local: bool,
              kv_segment_ids: jax.typing.ArrayLike | None = None,
              positions: jax.typing.ArrayLike | None = None,
              bidirectional_ids: jax.typing.ArrayLike | None = None,
-             sinks: jax.typing.ArrayLike | None = None) -> tuple[Options, Metadata]:
+             sinks: jax.typing.ArrayLike | None = None,
+             max_document_shards: int | None = None) -> tuple[Options, Metadata]:
     """The boundary of every self-attention entry point: the call's
     :class:`~jax_seqpar.kernels.options.Options` and checked :class:`Metadata` of
     ``q [B, S, H, Dqk]``, ``k, v [B, S, Hkv, .]`` (``local``: the shards inside
@@ -153,7 +154,12 @@ def describe(q: jax.Array, k: jax.Array, v: jax.Array, *, local: bool,
     bad argument. Every check of a call runs here, once; the layers below check nothing
     again. The keywords are those of :func:`jax_seqpar.sequence_parallel_attention`."""
     check_self_attention(q, k, v, local=local)
-    spec = masks.MaskSpec.make(checks.flag("causal", causal), window, chunk_size, mask_fn)
+    spec = masks.MaskSpec.make(checks.flag("causal", causal), window, chunk_size, mask_fn,
+                               max_document_shards)
+    if spec.max_document_shards is not None and segment_ids is None:
+        raise ValueError(f"max_document_shards={spec.max_document_shards} bounds where the "
+                         "documents lie: pass their segment_ids= (in the order the shards hold "
+                         "them), or drop max_document_shards.")
     options = make_options(q, spec, scale=scale, kernel=kernel, block_sizes=block_sizes,
                            softcap=softcap, return_lse=return_lse)
     return options, check_metadata(q, options, Metadata(
@@ -199,16 +205,55 @@ def operands(metadata: Metadata) -> Operands:
     return Operands(q_tokens, kv_tokens, metadata.sinks)
 
 
-def shard_operands(q: jax.Array, metadata: Metadata,
+def shard_operands(q: jax.Array, options: Options, metadata: Metadata,
                    axis_name: str | tuple[str, ...]) -> Operands:
     """:func:`operands` of this shard, positions defaulting to the contiguous split along
-    ``axis_name``."""
-    if metadata.positions is not None:
-        return operands(metadata)
-    batch, local_len = q.shape[:2]
-    positions = layout.shard_positions("contiguous", local_len, axis_name=axis_name)
-    positions = jnp.broadcast_to(positions, (batch, local_len)).astype(jnp.int32)
-    return operands(dataclasses.replace(metadata, positions=positions))
+    ``axis_name``; with ``max_document_shards``, the ids checked against it
+    (:func:`documents_within`)."""
+    if metadata.positions is None:
+        batch, local_len = q.shape[:2]
+        positions = layout.shard_positions("contiguous", local_len, axis_name=axis_name)
+        positions = jnp.broadcast_to(positions, (batch, local_len)).astype(jnp.int32)
+        metadata = dataclasses.replace(metadata, positions=positions)
+    return documents_within(options, operands(metadata), axis_name)
+
+
+def documents_within(options: Options, shard: Operands,
+                     axis_name: str | tuple[str, ...]) -> Operands:
+    """``shard`` (the local ``[B, L]`` tokens), once every document of the sequence is
+    checked to lie on at most ``options.spec.max_document_shards`` consecutive shards of
+    ``axis_name``: else the program fails with a ``ValueError`` naming the row, the
+    document, the shards it spans and the bound
+    (:func:`jax_seqpar.core.checks.refuse_unless`), never a silently dropped key.
+
+    It gathers every shard's ids, sorted (``int32[B, S]``, twice with separate
+    ``kv_segment_ids``; :func:`jax_seqpar.strategies.traffic.document_check_bytes`):
+    a set of documents cannot be checked disjoint from another's with less."""
+    bound = options.spec.max_document_shards
+    if bound is None:
+        return shard
+    ids = jnp.asarray(shard.q_tokens.segment_ids)
+    kv_ids = shard.kv_tokens.segment_ids
+    separate = kv_ids is not shard.q_tokens.segment_ids
+    local = jnp.concatenate([ids, jnp.asarray(kv_ids)], axis=1) if separate else ids  # [B, L|2L]
+    # Sorted: the gather is the check's own (no other collective's to merge with).
+    gathered = jax.lax.all_gather(jnp.sort(local, axis=1), axis_name, axis=1, tiled=True)
+    shards = axis_size(axis_name)
+    span, document = packing.widest_documents(gathered, shards)  # [B]
+    row = jnp.argmax(span)
+
+    def message(row, document, span):
+        return (f"max_document_shards={bound}, but in row {int(row)} document "
+                f"{int(document)} spans {int(span)} consecutive shards of {shards}: "
+                f"lay the batch out with permute_batch(..., 'per_document', num_shards=, "
+                f"max_document_shards=) and pass packing.document_shards(segment_ids, "
+                f"num_shards) of the laid-out ids (or a bound >= {int(span)}).")
+
+    checked = checks.refuse_unless(span[row] <= bound, message, ids, row, document[row],
+                                   span[row])
+    q_tokens = dataclasses.replace(shard.q_tokens, segment_ids=checked)
+    kv_tokens = shard.kv_tokens if separate else q_tokens
+    return Operands(q_tokens, kv_tokens, shard.sinks)
 
 
 def finish(options: Options, q: jax.Array, out: jax.Array, lse: jax.Array,

@@ -10,13 +10,14 @@ which the planner then considers and :func:`comm_bytes` counts.
 
 from __future__ import annotations
 
+import math
 import typing
 from typing import Literal, Mapping, TypedDict
 
 from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.strategies import allgather, decode, hybrid, ring, traffic, ulysses
 from jax_seqpar.strategies.entry import Strategy
-from jax_seqpar.strategies.halo import mask_reach
+from jax_seqpar.core.reach import mask_reach
 
 __all__ = ["DECODE", "STRATEGIES", "Strategy", "StrategyName", "check_layer", "comm_bytes",
            "default_layout", "get", "names", "register", "unregister"]
@@ -98,8 +99,9 @@ def default_layout(strategy: StrategyName | str, spec: MaskSpec = MaskSpec(), *,
     A window or chunks bound every query's keys, so work per query is (nearly) the
     same everywhere and the contiguous split is balanced; it is also the only order
     whose shards are local, where every strategy sends only the mask's reach
-    (:func:`jax_seqpar.strategies.halo.mask_reach`: a halo, nothing for chunks that fit
-    a shard). Without a bounded reach, zigzag where it balances causal work
+    (:func:`jax_seqpar.core.reach.mask_reach`: a halo, nothing for chunks that fit
+    a shard). ``max_document_shards`` is a bound on the order given: contiguous keeps
+    it (any relayout would break it). Without a bounded reach, zigzag where it balances causal work
     (:attr:`Strategy.zigzag_balances`); everything else is contiguous.
 
     Args:
@@ -118,6 +120,8 @@ def default_layout(strategy: StrategyName | str, spec: MaskSpec = MaskSpec(), *,
     >>> default_layout("ring", MaskSpec(causal=True, chunk_size=1024), seq_len=8192, num_shards=8)
     'contiguous'
     """
+    if spec.max_document_shards is not None:
+        return "contiguous"  # the bound holds in the order given: keep it
     if seq_len is None or num_shards is None:
         if spec.window is not None:
             return "contiguous"
@@ -156,7 +160,7 @@ def comm_bytes(strategy: StrategyName | str, *, batch: int, seq_len: int,
                axis_sizes: int | tuple[int, ...] | Mapping[str, int], dtype_bytes: float = 2,
                backward: bool = False, with_segment_ids: bool = False,
                window: int | tuple[int, int] | None = None, causal: bool = False,
-               chunk_size: int | None = None) -> float:
+               chunk_size: int | None = None, max_document_shards: int | None = None) -> float:
     """Bytes ONE device sends in one attention call.
 
     Shapes are global: q ``[batch, seq_len, num_heads, head_dim]``, k
@@ -184,12 +188,16 @@ def comm_bytes(strategy: StrategyName | str, *, batch: int, seq_len: int,
       all-gather's in the input dtype. A window reaching ``(P-1)*S/P`` tokens or
       more is the full ring / gather. Ulysses is unchanged by a window.
     * ``chunk_size`` (chunked attention, Llama 4) on the contiguous split bounds the
-      reach as a window does (:func:`jax_seqpar.strategies.halo.mask_reach`: shard ``r``
+      reach as a window does (:func:`jax_seqpar.core.reach.mask_reach`: shard ``r``
       needs ``(r*S/P) mod chunk_size`` tokens before it, and without ``causal`` to its
       chunk's end after it; the tighter of the window and the chunks): the ring and the
       all-gather send that halo. Where the reach is ``(0, 0)`` (chunks that fit a
       shard) every strategy, Ulysses and the hybrid included, attends locally and sends
       nothing.
+    * ``max_document_shards=D`` (with ``with_segment_ids``), in any token order: the
+      reach is ``(D-1)*S/P`` tokens either side, a halo whose positions travel too
+      (``D = 1``: local attention); every strategy adds the bound's check, one all-gather
+      of the int32 segment ids (``B*S*4*(P-1)/P``).
 
     * ``"decode"``: decoding against a sequence-sharded KV cache; ``seq_len`` is
       the number of new tokens ``T`` (any, not divided); only the float32 merge
@@ -227,6 +235,7 @@ def comm_bytes(strategy: StrategyName | str, *, batch: int, seq_len: int,
       causal: only matters with a window or chunks (a causal query reaches no later
         shard).
       chunk_size: chunked attention's chunk, or None.
+      max_document_shards: the most consecutive shards any document spans, or None.
 
     Returns:
       Bytes one device sends, as a float (fractions of ``(P-1)/P``).
@@ -245,5 +254,11 @@ def comm_bytes(strategy: StrategyName | str, *, batch: int, seq_len: int,
     entry = get(strategy)
     if entry.global_view:  # decode's seq_len is the new tokens, any number
         traffic.check_shape(sizes=sizes, **shape)
+    if max_document_shards is not None and not with_segment_ids:
+        raise ValueError(f"{max_document_shards=} bounds where documents lie: it needs "
+                         "with_segment_ids=True.")
+    spec = MaskSpec.make(causal, window, chunk_size, max_document_shards=max_document_shards)
+    check = traffic.document_check_bytes(spec, batch=batch, seq_len=seq_len,
+                                         devices=math.prod(sizes)) if entry.global_view else 0.0
     return float(entry.bytes(sizes, backward=backward, with_segment_ids=with_segment_ids,
-                             spec=MaskSpec.make(causal, window, chunk_size), **shape))
+                             spec=spec, **shape) + check)

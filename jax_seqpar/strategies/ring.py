@@ -19,7 +19,7 @@ overlaps the step's kernel. Only the ``Hkv`` heads given are sent.
 
 With a sliding window or chunks on the contiguous split (the default positions), the
 ring becomes a halo exchange (:mod:`jax_seqpar.strategies.halo`): a device receives just
-the ``left`` / ``right`` tokens the mask reaches (:func:`~jax_seqpar.strategies.halo.mask_reach`),
+the ``left`` / ``right`` tokens the mask reaches (:func:`~jax_seqpar.core.reach.mask_reach`),
 not all P-1 shards, and nothing (no collective, forward or backward) where every chunk
 fits a shard.
 """
@@ -60,7 +60,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | 
                    block_sizes: BlockSizes | None = None, softcap: float | None = None,
                    sinks: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                    chunk_size: int | None = None, bidirectional_ids: jax.Array | None = None,
-                   mask_fn: Callable | None = None, return_lse: bool = False):
+                   mask_fn: Callable | None = None, return_lse: bool = False,
+                   max_document_shards: int | None = None):
     """Exact attention of a sequence sharded over ``seq_axes`` (call inside ``shard_map``).
 
     Args:
@@ -104,7 +105,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | 
         q, k, v, local=True, causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
         scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
         return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-        positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks)
+        positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks,
+        max_document_shards=max_document_shards)
     return attend(q, k, v, options, metadata, seq_axes=seq_axes)
 
 
@@ -113,14 +115,15 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
     """The ring on described inputs (:func:`ring_attention` after its checks), the core the global
     view runs inside ``shard_map``: ``options`` and the local, checked ``metadata``
     (:func:`jax_seqpar.strategies.inputs.describe`)."""
-    operands = shard_operands(q, metadata, seq_axes)
+    operands = shard_operands(q, options, metadata, seq_axes)
     out, lse = ring_over(seq_axes, options, q, k, v, operands.q_tokens, operands.kv_tokens,
                          contiguous=metadata.positions is None)
     return finish(options, q, out, lse, operands)
 
 
 def ring_over(axis_name: str | tuple[str, ...], options: Options, q: jax.Array, k: jax.Array,
-              v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens, *, contiguous: bool = False):
+              v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens, *, contiguous: bool = False,
+              shard_len: int | None = None):
     """The ring core on prepared inputs (used by :func:`ring_attention` and the hybrid).
 
     Args:
@@ -129,17 +132,18 @@ def ring_over(axis_name: str | tuple[str, ...], options: Options, q: jax.Array, 
         metadata (the keys' travels with them).
       contiguous: the tokens' positions are known to be the contiguous split
         (``axis_index * S/P + arange``), so a window or chunks may skip unreachable
-        shards (:func:`~jax_seqpar.strategies.halo.mask_reach`).
+        shards (:func:`~jax_seqpar.core.reach.mask_reach`; ``max_document_shards``
+        does in any order).
+      shard_len: the shards ``max_document_shards`` counts (default ``S/P``).
     Returns:
       ``out float32[B, S/P, H, Dv]`` and ``lse float32[B, S/P, H]``, both
       differentiable (the backward accepts the ``lse`` cotangent).
     """
-    if contiguous:
-        reach = halo.mask_reach(options.spec, q.shape[1], axis_size(axis_name),
-                                 bidirectional=q_tokens.bidirectional_ids is not None)
-        if reach is not None:
-            return halo.halo_attention(axis_name, options, reach, q, k, v, q_tokens,
-                                       kv_tokens)
+    reach = halo.mask_reach(options.spec, q.shape[1], axis_size(axis_name),
+                            bidirectional=q_tokens.bidirectional_ids is not None,
+                            contiguous=contiguous, shard_len=shard_len)
+    if reach is not None:
+        return halo.halo_attention(axis_name, options, reach, q, k, v, q_tokens, kv_tokens)
     return _ring(axis_name, options, q, k, v, q_tokens, kv_tokens)
 
 
@@ -321,7 +325,8 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 def rotation_bytes(*, batch: int, seq_len: int, kv_heads: int, head_dim: int, v_head_dim: int,
                    axis_size: int, dtype_bytes: float, backward: bool, with_segment_ids: bool,
-                   reach: tuple[int, int] | None = None) -> float:
+                   reach: tuple[int, int] | None = None, positions_travel: bool = False
+                   ) -> float:
     """The ring over ``axis_size`` devices on K/V of ``kv_heads`` heads.
 
     Forward: ``P-1`` ppermutes of the local k ``[B, S/P, Hkv, Dqk]`` and v
@@ -330,14 +335,16 @@ def rotation_bytes(*, batch: int, seq_len: int, kv_heads: int, head_dim: int, v_
     rotations of k, v and metadata, plus ``P - 1`` ppermutes of the float32 dk, dv
     accumulators and one in the input dtype (the sums done, it brings them home). With
     a ``reach`` (a window or chunks, contiguous split): a halo exchange; the backward
-    re-uses the saved halo and sends float32 dK/dV back; ``(0, 0)``: nothing.
+    re-uses the saved halo and sends float32 dK/dV back; ``(0, 0)``: nothing
+    (``positions_travel``: documents bound the reach, the halo's positions travel).
     """
     if axis_size == 1:
         return 0.0
     if reach is not None:
         return halo_bytes(batch=batch, reach=reach, kv_heads=kv_heads, head_dim=head_dim,
                           v_head_dim=v_head_dim, dtype_bytes=dtype_bytes, backward=backward,
-                          with_segment_ids=with_segment_ids, gradient_bytes=4)
+                          with_segment_ids=with_segment_ids, gradient_bytes=4,
+                          positions_travel=positions_travel)
     local_tokens = batch * seq_len // axis_size
     kv_elements = local_tokens * kv_heads * (head_dim + v_head_dim)
     metadata = local_tokens * INDEX_BYTES * (2 if with_segment_ids else 1)
@@ -353,7 +360,8 @@ def ring_bytes(sizes: tuple[int, ...], *, num_heads: int, num_kv_heads: int, seq
     the mask's reach)."""
     devices = math.prod(sizes)
     return rotation_bytes(seq_len=seq_len, kv_heads=num_kv_heads, axis_size=devices,
-                          reach=layer_reach(spec, seq_len, devices), **shape)
+                          reach=layer_reach(spec, seq_len, devices),
+                          positions_travel=spec.max_document_shards is not None, **shape)
 
 
 def in_flight_memory(shape: LayerShape, ring: int, ulysses: int) -> float:

@@ -28,11 +28,11 @@ from collections.abc import Mapping
 
 from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.core.shape import check_counts, check_head_groups, is_count
-from jax_seqpar.strategies.halo import mask_reach
+from jax_seqpar.core.reach import mask_reach
 
 __all__ = ["INDEX_BYTES", "NO_MASK", "accumulator_bytes", "all_to_all_bytes",
-           "axis_sizes_tuple", "check_shape", "halo_bytes", "replicated_kv_heads",
-           "layer_reach"]
+           "axis_sizes_tuple", "check_shape", "document_check_bytes", "halo_bytes",
+           "replicated_kv_heads", "layer_reach"]
 
 #: Bytes of one int32 position or segment id.
 INDEX_BYTES = 4
@@ -54,24 +54,37 @@ def all_to_all_bytes(local_elements: float, axis_size: int, dtype_bytes: float) 
     return local_elements * dtype_bytes * (axis_size - 1) / axis_size
 
 
-def layer_reach(spec: MaskSpec, seq_len: int, axis_size: int) -> tuple[int, int] | None:
+def layer_reach(spec: MaskSpec, seq_len: int, axis_size: int, *,
+                shard_len: int | None = None) -> tuple[int, int] | None:
     """``(left, right)`` halo tokens a ring / all-gather over ``axis_size`` devices sends on
-    the contiguous split of ``seq_len`` tokens (:func:`~jax_seqpar.strategies.halo.mask_reach`:
-    windows and chunks), or None (the full exchange); ``(0, 0)``: nothing."""
-    return mask_reach(spec, seq_len // axis_size, axis_size)
+    the contiguous split of ``seq_len`` tokens (:func:`~jax_seqpar.core.reach.mask_reach`:
+    windows and chunks; ``max_document_shards`` in any order, counting shards of
+    ``shard_len`` tokens, default ``seq_len / axis_size``), or None (the full exchange);
+    ``(0, 0)``: nothing."""
+    return mask_reach(spec, seq_len // axis_size, axis_size, shard_len=shard_len)
 
 
 def halo_bytes(*, batch: int, reach: tuple[int, int], kv_heads: int, head_dim: int,
                v_head_dim: int, dtype_bytes: float, backward: bool, with_segment_ids: bool,
-               gradient_bytes: float) -> float:
+               gradient_bytes: float, positions_travel: bool = False) -> float:
     """A halo exchange of ``left + right`` tokens of K/V (and segment ids; positions
-    are computed, not sent); backward sends dK/dV back in ``gradient_bytes``."""
+    are computed on the contiguous split, sent where documents bound the reach:
+    ``positions_travel``); backward sends dK/dV back in ``gradient_bytes``."""
     tokens = batch * sum(reach)
     kv_elements = tokens * kv_heads * (head_dim + v_head_dim)
-    sent = kv_elements * dtype_bytes + (tokens * INDEX_BYTES if with_segment_ids else 0)
+    metadata = with_segment_ids + positions_travel
+    sent = kv_elements * dtype_bytes + tokens * INDEX_BYTES * metadata
     if backward:
         sent += kv_elements * gradient_bytes
     return float(sent)
+
+
+def document_check_bytes(spec: MaskSpec, *, batch: int, seq_len: int, devices: int) -> float:
+    """The check of ``max_document_shards`` (:func:`jax_seqpar.strategies.inputs.documents_within`):
+    one all-gather of every shard's int32 segment ids, ``B*S*4*(P-1)/P``; 0 without it."""
+    if spec.max_document_shards is None or devices == 1:
+        return 0.0
+    return batch * seq_len * INDEX_BYTES * (devices - 1) / devices
 
 
 def accumulator_bytes(kv_elements: float, axis_size: int, dtype_bytes: float) -> float:

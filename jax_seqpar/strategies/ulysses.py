@@ -15,7 +15,7 @@ device holds enough tokens) or over head groups
 (:mod:`jax_seqpar.strategies.head_pipeline`); ``overlap=False`` sends each exchange whole.
 
 Where the mask's reach on the contiguous split (default positions) is ``(0, 0)``
-(:func:`jax_seqpar.strategies.halo.mask_reach`: chunks that fit a shard) no exchange is
+(:func:`jax_seqpar.core.reach.mask_reach`: chunks that fit a shard) no exchange is
 needed: every device attends its own tokens, all heads, with no collective.
 """
 
@@ -55,6 +55,7 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str
                       sinks: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                       chunk_size: int | None = None, bidirectional_ids: jax.Array | None = None,
                       mask_fn: Callable | None = None, return_lse: bool = False,
+                      max_document_shards: int | None = None,
                       overlap: bool | Literal["auto"] = "auto", pieces: int | Literal["auto"] = "auto",
                       head_groups: int | Literal["auto"] = "auto"):
     """Exact attention of a sequence sharded over ``seq_axes`` (call inside ``shard_map``).
@@ -93,7 +94,8 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str
         q, k, v, local=True, causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
         scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
         return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
-        positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks)
+        positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks,
+        max_document_shards=max_document_shards)
     return attend(q, k, v, options, metadata, seq_axes=seq_axes, overlap=overlap, pieces=pieces,
                   head_groups=head_groups)
 
@@ -105,7 +107,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
     """Ulysses on described inputs (:func:`ulysses_attention` after its checks), the core the global
     view runs inside ``shard_map``: ``options`` and the local, checked ``metadata``
     (:func:`jax_seqpar.strategies.inputs.describe`)."""
-    shard = shard_operands(q, metadata, seq_axes)
+    shard = shard_operands(q, options, metadata, seq_axes)
     size = axis_size(seq_axes)
     local = halo.local_or_none(seq_axes, options, q, k, v, shard.q_tokens, shard.kv_tokens,
                                contiguous=metadata.positions is None)
