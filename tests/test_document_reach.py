@@ -89,6 +89,28 @@ def test_the_global_call_keeps_the_order_the_bound_is_about():
                                        layout="zigzag", max_document_shards=2)
 
 
+def test_the_global_call_refuses_a_broken_bound_in_the_call_eager_and_under_jit():
+    """Eager: a ValueError from the call itself, before anything runs. Under ``jit``: the
+    program fails, and reading its output raises with the same numbers."""
+    ids, positions = exactness.home_documents(1, 64, 8, 2)  # documents on 2 shards
+    q = checks.normal((1, 64, 2, 8))
+    mesh = jax.make_mesh((8,), ("sp",))
+    call = functools.partial(sp.sequence_parallel_attention, mesh=mesh, strategy="ring",
+                             causal=True, max_document_shards=1)
+    with jax.set_mesh(mesh):
+        with pytest.raises(ValueError, match=r"max_document_shards=1, but a document of "
+                                             r"segment_ids spans 2 consecutive shards of 8"):
+            call(q, q, q, segment_ids=ids, positions=positions)
+        jitted = jax.jit(lambda q, ids, positions: call(q, q, q, segment_ids=ids,
+                                                        positions=positions))
+        with pytest.raises((ValueError, jax.errors.JaxRuntimeError),
+                           match=r"max_document_shards=1, but in row 0 document \d+ spans 2"):
+            jax.block_until_ready(jitted(q, ids, positions))
+        # within the bound: no error, eager or jitted
+        jax.block_until_ready(call(q, q, q, segment_ids=ids, positions=positions,
+                                   max_document_shards=2))
+
+
 _SEQ, _HEADS, _DIM = 1024, 8, 16
 
 

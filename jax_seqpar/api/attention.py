@@ -275,6 +275,8 @@ def placement(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metada
                          f"order given; layout={layout!r} would move them. Lay the batch out "
                          "once (permute_batch(..., 'per_document', max_document_shards=)) and "
                          "pass positions=, or keep layout='auto'.")
+    _placement.check_documents_home(bound, mesh, axes, metadata.segment_ids,
+                                    metadata.kv_segment_ids)
     if layout == "per_document" and metadata.segment_ids is None:
         raise ValueError('layout="per_document" orders the tokens by their documents: pass '
                          "segment_ids= (int32[B, S]); without documents use "

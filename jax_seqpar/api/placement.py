@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
+from jax_seqpar.core import packing
 from jax_seqpar.core.masks import PAD_SEGMENT
 from jax_seqpar.kernels.tiling import pad_seq
 
@@ -58,6 +59,29 @@ def concrete(x: jax.Array | None) -> jax.Array | None:
         value = x.to_concrete_value()
         return x if value is None else value
     return x
+
+
+def check_documents_home(bound: Optional[int], mesh: jax.sharding.Mesh, seq_axes: tuple,
+                         *segment_ids: jax.Array | None) -> None:
+    """An eager call's ``max_document_shards=bound`` checked on the host before the
+    program runs: a ``ValueError`` naming the widest span, raised in the call. (Traced
+    ids, ids spread over processes, or a length the shards do not divide are checked
+    inside the program: :func:`jax_seqpar.strategies.inputs.documents_within`.)"""
+    shards = math.prod(mesh.shape[name] for name in seq_axes)
+    for ids in segment_ids:
+        ids = concrete(ids)
+        if (bound is None or ids is None or isinstance(ids, jax.core.Tracer)
+                or not getattr(ids, "is_fully_addressable", True)
+                or (getattr(ids, "ndim", 0) == 2 and ids.shape[1] % shards)):
+            continue
+        span = packing.document_shards(ids, shards)
+        if span > bound:
+            raise ValueError(
+                f"max_document_shards={bound}, but a document of segment_ids spans {span} "
+                f"consecutive shards of {shards}: lay the batch out with permute_batch(..., "
+                f"'per_document', num_shards={shards}, max_document_shards=) and pass "
+                f"packing.document_shards(segment_ids, {shards}) of the laid-out ids (or a "
+                f"bound >= {span}).")
 
 
 def _known_spec(x):

@@ -19,14 +19,13 @@ no token, ``O(n)`` per evaluated order.
 
 from __future__ import annotations
 
-import time
-
 import numpy as np
 
 __all__ = ["line_loads", "line_order", "tile_surrogate"]
 
-#: Seconds the local search may take per row (it stops earlier once nothing improves).
-SEARCH_SECONDS = 0.6
+#: Orders the local search evaluates per row at most (it stops earlier once nothing
+#: improves): a count, not a time, so that the layout is the same on every machine.
+SEARCH_TRIALS = 20000
 #: Moves tried per improvement round before the search gives up.
 PATIENCE = 1500
 #: The search stops once every shard's surrogate load is within this fraction of its cap
@@ -48,7 +47,8 @@ def _at_cuts(ends: np.ndarray, cumulative: np.ndarray, cuts: np.ndarray) -> np.n
     return np.interp(cuts, np.r_[0.0, ends], np.r_[0.0, cumulative])
 
 
-def line_loads(order, sizes, pairs, tiles, room):
+def line_loads(order: np.ndarray, sizes: np.ndarray, pairs: np.ndarray, tiles: np.ndarray,
+               room: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """``(pairs [P], tiles [P], spans [n])`` of the units in ``order`` cut into ``room``:
     each shard's share of the units' pairs and tiles (linear inside a cut unit), and how
     many shards each unit (in ``order``) spans."""
@@ -82,39 +82,34 @@ class _Cost:
         return float(ratios.max() + 1e-3 * (ratios ** 2).mean() + SPAN_PENALTY * over)
 
 
-def _greedy(sizes, pairs, room, fixed_pairs, cap_pairs, chained):
+def _greedy(sizes, pairs, room, fixed_pairs, cap_pairs):
     """A first order: the line filled left to right, each step the largest unit whose
-    density keeps the cumulative work nearest the target curve at the next cut (of the
-    free units and the next chained one)."""
+    density keeps the cumulative work nearest the target curve at the next cut."""
     target = np.cumsum(np.maximum(cap_pairs - fixed_pairs, 0))
     target *= pairs.sum() / max(target[-1], 1e-30)
     cuts = np.cumsum(room)
-    left = ~chained
-    chain = list(np.flatnonzero(chained)[::-1])
+    left = np.ones(sizes.size, bool)
     by_size = np.argsort(-sizes, kind="stable")
     order, x, f = [], 0, 0.0
-    while left.any() or chain:
+    while left.any():
         s = min(int(np.searchsorted(cuts, x, side="right")), cuts.size - 1)
         start = cuts[s - 1] if s else 0
         rate = (target[s] - (target[s - 1] if s else 0.0)) / max(cuts[s] - start, 1)
         goal = (target[s - 1] if s else 0.0) + rate * (x - start)  # the curve at x
         cand = by_size[left[by_size]]
-        cand = np.r_[cand, chain[-1]] if chain else cand
         ahead = f + pairs[cand] - (goal + rate * sizes[cand])  # over the curve after it
         within = np.abs(ahead) <= 0.02 * max(target[-1] / cuts.size, 1e-30)
         u = int(cand[np.argmax(within)] if within.any() else cand[np.argmin(np.abs(ahead))])
-        if chain and u == chain[-1]:
-            chain.pop()
-        else:
-            left[u] = False
+        left[u] = False
         order.append(u)
         x += sizes[u]
         f += pairs[u]
     return np.array(order, np.int64)
 
 
-def line_order(sizes, pairs, tiles, spreadable, room, fixed, cap, *, max_shards: int,
-               chained=None, seed: int = 0, seconds: float = SEARCH_SECONDS) -> np.ndarray:
+def line_order(sizes: np.ndarray, pairs: np.ndarray, tiles: np.ndarray, spreadable: np.ndarray,
+               room: np.ndarray, fixed: np.ndarray, cap: np.ndarray, *, max_shards: int,
+               seed: int = 0, trials: int = SEARCH_TRIALS) -> np.ndarray:
     """``int64[n]``: the order of the units on the line.
 
     Args:
@@ -123,20 +118,17 @@ def line_order(sizes, pairs, tiles, spreadable, room, fixed, cap, *, max_shards:
       room: ``int64[P]`` each shard's free slots (``sum(room) == sum(sizes)``).
       fixed: ``float64[2, P]`` the pairs and tiles each shard holds already.
       cap: ``float64[2]`` the most a shard may hold of each (bound x mean).
-      max_shards: ``D``; seed: the search's random stream (deterministic).
-      chained: ``bool[n]`` or None: units kept in their given order (short documents in
-        id order: a tile they share then has a narrow id range, which the kernels' tile
-        classification skips against other shards' tiles); the others move freely.
+      max_shards: ``D``; seed: the search's random stream; trials: the most orders it
+        evaluates. The same arguments give the same order on every machine.
     """
     cost = _Cost(sizes, pairs, tiles, spreadable, room, fixed, cap, max_shards)
-    chained = np.zeros(sizes.size, bool) if chained is None else chained
-    order = _greedy(sizes, pairs, room, fixed[0], cap[0], chained)
+    order = _greedy(sizes, pairs, room, fixed[0], cap[0])
     best = cost(order)
     rng = np.random.default_rng(seed)
-    n, deadline, idle = order.size, time.perf_counter() + seconds, 0
+    n, idle, tried = order.size, 0, 0
     cuts = np.cumsum(room)
-    free = np.flatnonzero(~chained[order])  # positions of the units the search moves
-    while free.size > 1 and idle < PATIENCE and time.perf_counter() < deadline:
+    free = np.arange(n)  # positions of the units the search moves
+    while n > 1 and idle < PATIENCE and tried < trials:
         ratios, over = cost.ratios(order)
         if ratios.max() <= STOP and not over:
             break
@@ -157,9 +149,9 @@ def line_order(sizes, pairs, tiles, spreadable, room, fixed, cap, *, max_shards:
             if i == j:
                 continue
             value = cost(trial)
+            tried += 1
             if value < best - 1e-12:
                 order, best, idle = trial, value, 0
-                free = np.flatnonzero(~chained[order])
                 break
             idle += 1
     return order

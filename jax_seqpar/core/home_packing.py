@@ -91,7 +91,7 @@ def _water_fill(level: np.ndarray, amount: float, sizes_cap: np.ndarray, n: int)
     return tokens
 
 
-def spread_pieces(sizes, excess, L: int, D: int, P: int) -> list:
+def spread_pieces(sizes: np.ndarray, excess: np.ndarray, L: int, D: int, P: int) -> list:
     """For documents of ``sizes`` tokens and ``excess`` work (beyond the home density),
     costliest first: ``int64[P]`` tokens of each on every shard, on at most ``D``
     consecutive shards, water-filled; each document's span the one keeping the highest
