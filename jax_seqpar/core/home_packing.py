@@ -275,18 +275,18 @@ def home_positions(spec: masks.MaskSpec, natural: masks.Tokens, num_shards: int,
         the smallest ``D`` that keeps it) or that a document cannot fit.
     """
     auto = isinstance(max_document_shards, str)
-    first = 1 if auto else int(max_document_shards)
+    last = num_shards - 1 if auto else int(max_document_shards)
     unbounded = lambda: packing.per_document_positions(  # noqa: E731
         np.asarray(natural.segment_ids), num_shards, block,
         bidirectional_ids=natural.bidirectional_ids,
         chunk_size=spec.chunk_size)
-    if first >= num_shards:  # no bound below P: the unbounded order
+    if last >= num_shards:  # no bound below P: the unbounded order
         return unbounded()
     floors = lower_bounds(spec, natural, num_shards)
 
     def attempt(bound):
         """``(positions, (pairs, tiles, span))``, or ``(None, None)``: no order."""
-        if floors[bound - 1] > PAIRS_BOUND and bound != first:
+        if floors[bound - 1] > PAIRS_BOUND and (auto or bound != last):
             return None, None  # proven out of reach
         try:
             positions, (pairs, tiles), span = _try(spec, natural, num_shards, bound, block)
@@ -298,17 +298,20 @@ def home_positions(spec: masks.MaskSpec, natural: masks.Tokens, num_shards: int,
         return got is not None and (got[0] <= PAIRS_BOUND and got[1] <= TILES_BOUND
                                     and got[2] <= bound)
 
-    for bound in range(first, num_shards if auto else first + 1):
-        positions, got = attempt(bound)
-        if keeps(got, bound):
-            return positions
-        if not auto:
-            reached = got
+    # Every bound up to the last is searched: an order searched for a tighter bound may
+    # keep the balance within a looser one (its documents spanning more than it asked).
+    tried: list = []
+    for bound in range(1, last + 1):
+        tried.append(attempt(bound))
+        kept = next((positions for positions, got in tried if keeps(got, bound)), None)
+        if kept is not None:
+            return kept
     if auto:
         return unbounded()
-    feasible = next((b for b in range(first + 1, num_shards) if keeps(attempt(b)[1], b)),
+    reached = tried[-1][1]
+    feasible = next((b for b in range(last + 1, num_shards) if keeps(attempt(b)[1], b)),
                     num_shards)
-    raise ValueError(_missed(first, reached, floors[first - 1], num_shards, feasible))
+    raise ValueError(_missed(last, reached, floors[last - 1], num_shards, feasible))
 
 
 def _missed(bound: int, reached, floor: float, num_shards: int, feasible: int) -> str:
