@@ -35,7 +35,7 @@ from jax_seqpar.core.masks import MaskSpec, Tokens
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.kernels import make_options
 from jax_seqpar.planning import hardware, predict
-from jax_seqpar.strategies import registry
+from jax_seqpar.strategies import registry, traffic
 
 GPU, TPU = "h100:8", "v5p:2x2x2"
 SHAPE = LayerShape(batch=1, seq_len=4096, num_heads=16, num_kv_heads=4, head_dim=128,
@@ -631,6 +631,37 @@ def test_new_masks_compile(target):
     the hybrid's ring to a halo, which is not cut into the 2 pieces asked for (refused)."""
     _compiles_every_strategy_with(target, lambda ids, positions: dict(
         segment_ids=ids, bidirectional_ids=ids + 1, chunk_size=600, positions=positions))
+
+
+@pytest.mark.parametrize("target, strategy", [_on(GPU, "ring"), _on(TPU, "allgather")])
+def test_documents_that_stay_home_compile(target, strategy):
+    """``max_document_shards=2`` forward + vjp compiles and sends ``comm_bytes``: one
+    shard's K/V each side. The ids' check (an all-gather and a host callback) cannot lower
+    for a platform this process has no device of: a compile-only program holds neither
+    (:func:`jax_seqpar.core.checks.refuse_unless`), so its bytes are ``comm_bytes`` less
+    the check's gather."""
+    mesh = targets.target_mesh(target)
+    sharding = NamedSharding(mesh, P(None, "sp"))
+    seq, heads, dim = 4096, 8, 64
+    q = jax.ShapeDtypeStruct((1, seq, heads, dim), jnp.bfloat16, sharding=sharding)
+    ids = jax.ShapeDtypeStruct((1, seq), jnp.int32, sharding=sharding)
+
+    def run(q, k, v, ids, positions):
+        def attend(q, k, v):
+            return api.sequence_parallel_attention(
+                q, k, v, mesh=mesh, strategy=strategy, causal=True, segment_ids=ids,
+                positions=positions, max_document_shards=2)
+        out, vjp = jax.vjp(attend, q, k, v)
+        return out, vjp(jnp.ones_like(out))
+
+    program = aot.compile_for(run, (q, q, q, ids, ids), targets.target_platform(target))
+    expected = comm_bytes(strategy, batch=1, seq_len=seq, num_heads=heads, num_kv_heads=heads,
+                          head_dim=dim, axis_sizes=8, backward=True, with_segment_ids=True,
+                          causal=True, max_document_shards=2)
+    check = traffic.document_check_bytes(MaskSpec.make(max_document_shards=2), batch=1,
+                                         seq_len=seq, devices=8)
+    assert check > 0
+    assert sum(hlo.collective_bytes(program.compiled).values()) == expected - check
 
 
 @_compiles_for("h100:8")

@@ -58,8 +58,8 @@ def test_custom_ring_backward_matches_autodiff_of_plain_ring(causal, make_qkv):
     mesh, axes = _mesh("ring")
 
     def plain(q, k, v, segment_ids):
-        tokens = shard_operands(q, Metadata(segment_ids=segment_ids), axes).q_tokens
         options = make_options(q, masks.MaskSpec(causal=causal), kernel="xla")
+        tokens = shard_operands(q, options, Metadata(segment_ids=segment_ids), axes).q_tokens
         return _plain_scan_ring(q, k, v, tokens, axis_name=axes, options=options)
 
     def ours(q, k, v, segment_ids):

@@ -269,6 +269,11 @@ def refuse_unless(ok: Any, message: Callable[..., str], value: Any, *args: Any) 
     through the check (use the result), so the callback is neither dropped as dead code
     nor an effect later programs would wait on.
 
+    A program lowered ahead of time for a platform this process has no device of (the
+    compile-only GPU and TPU targets of :mod:`jax_seqpar.tools.targets`) cannot hold a
+    host callback: it cannot run here either, and holds the check without the callback
+    (``value`` passed through). Compile where it runs to keep the refusal.
+
     Args:
       ok: a bool scalar (Python, numpy or JAX).
       message: called with ``args`` as numpy arrays (concrete) to say what is refused.
@@ -284,5 +289,21 @@ def refuse_unless(ok: Any, message: Callable[..., str], value: Any, *args: Any) 
 
     from jax_seqpar.core.compat import match_varying
 
-    return jax.lax.cond(ok, lambda: value, lambda: match_varying(jax.pure_callback(
-        refuse, jax.ShapeDtypeStruct(value.shape, value.dtype), value, *args), value))
+    def checked(value, *args):
+        return jax.lax.cond(ok, lambda: value, lambda: match_varying(jax.pure_callback(
+            refuse, jax.ShapeDtypeStruct(value.shape, value.dtype), value, *args), value))
+
+    here = {platform: checked for platform in _PLATFORMS if _runs_here(platform)}
+    return jax.lax.platform_dependent(value, *args, default=lambda value, *args: value, **here)
+
+
+#: The platforms ``jax.lax.platform_dependent`` names, and the backend each runs on.
+_PLATFORMS = {"cpu": "cpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
+
+
+def _runs_here(platform: str) -> bool:
+    """Whether this process has a device of ``platform`` (a host callback lowers for it)."""
+    try:
+        return bool(jax.devices(_PLATFORMS[platform]))
+    except RuntimeError:
+        return False
