@@ -115,7 +115,8 @@ _SEQ, _HEADS, _DIM = 1024, 8, 16
 
 
 @pytest.mark.parametrize("backward", [False, True], ids=["forward", "forward_backward"])
-@pytest.mark.parametrize("bound", [1, 2, 3])
+@pytest.mark.parametrize("bound", [pytest.param(1, marks=pytest.mark.matrix), 2,
+                                   pytest.param(3, marks=pytest.mark.matrix)])
 @pytest.mark.parametrize("strategy", ["ring", "allgather", "ulysses", "hybrid"])
 def test_compiled_bytes_are_the_documents_reach(strategy, bound, backward):
     mesh, axes = checks.strategy_mesh(strategy)
