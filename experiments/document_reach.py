@@ -217,8 +217,8 @@ def main(argv=None) -> int:
         "reach covers every shard, is the full ring plus the bound's check)")
     say("prefix_lm, vlm: the home layout takes their bidirectional ids (permute_batch("
         "bidirectional_ids=)): balance of the prefix / image mask")
-    say("the home layout's line search stops at a wall-clock limit (jax_seqpar.core."
-        "home_line): its orders, so the bounded rows' balance, vary a little run to run")
+    say("the home layout's line search evaluates a fixed number of orders (jax_seqpar.core."
+        "home_line.SEARCH_TRIALS): the same layout on every machine, every run")
     say()
     say(f"| mix | seed | layout | span | pairs | tiles | fwd MiB | f+b MiB | f+b/unb |")
     say("|---|---|---|---|---|---|---|---|---|")
