@@ -16,7 +16,7 @@ from jax.sharding import PartitionSpec as P
 
 import jax_seqpar as sp
 from jax_seqpar import comm_bytes
-from jax_seqpar.core import home_packing, masks, packing
+from jax_seqpar.core import home_packing, masks, packing, reference
 from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.core.reach import mask_reach
 from jax_seqpar.tools import hlo, mixes
@@ -149,6 +149,35 @@ def test_compiled_bytes_are_the_documents_reach(strategy, bound, backward):
         assert sent == check + halo + (hops * _HEADS * 2 * _DIM * 4 if backward else 0)
     if bound == 1:
         assert sent == check  # local attention: nothing but the check
+
+
+def test_a_bound_that_bounds_nothing_is_neither_checked_nor_counted():
+    """On 8 shards ``D = 5`` reaches 4 shards either side: every shard. The ring is then
+    the full ring, with no gather of the ids, and ids that span more are not refused
+    (no key can be missed); ``D = 4`` still bounds it (6 of 7 hops)."""
+    shape = dict(batch=1, seq_len=_SEQ, num_heads=_HEADS, num_kv_heads=_HEADS, head_dim=_DIM,
+                 axis_sizes=8, with_segment_ids=True, causal=True, backward=True)
+    assert comm_bytes("ring", max_document_shards=5, **shape) == comm_bytes("ring", **shape)
+    assert comm_bytes("ring", max_document_shards=4, **shape) < comm_bytes("ring", **shape)
+    mesh = jax.make_mesh((8,), ("sp",))
+    ids = jnp.asarray(np.arange(_SEQ, dtype=np.int32)[None] % 3)  # every document everywhere
+    q = checks.normal((1, _SEQ, 2, 8))
+    gathered = {}
+    for bound in (None, 4, 5):
+        call = jax.jit(functools.partial(sp.sequence_parallel_attention, mesh=mesh,
+                                         causal=True, strategy="ring", layout="contiguous",
+                                         max_document_shards=bound))
+        with jax.set_mesh(mesh):
+            compiled = call.lower(q, q, q, segment_ids=ids).compile()
+        gathered[bound] = hlo.collective_bytes(compiled)["all-gather"]  # with the output's
+    assert gathered[5] == gathered[None] == gathered[4] - _SEQ * 4 * 7 / 8, gathered
+    with jax.set_mesh(mesh):
+        out = call(q, q, q, segment_ids=ids)  # D = 5: not refused
+    want = reference.attention(q, q, q, causal=True, segment_ids=ids)
+    np.testing.assert_allclose(out, want, atol=2e-5, rtol=2e-5)
+    ids = np.asarray(ids)
+    assert sp.permute_batch({"ids": ids}, "per_document", 8, segment_ids=ids,
+                            max_document_shards="auto")  # "auto" tries D <= 4 only
 
 
 def _heavy(seed, seq, longest=2048):

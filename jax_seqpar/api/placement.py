@@ -22,6 +22,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jax_seqpar.core import packing
 from jax_seqpar.core.masks import PAD_SEGMENT
+from jax_seqpar.core.reach import documents_bound_reach
 from jax_seqpar.kernels.tiling import pad_seq
 
 if TYPE_CHECKING:  # annotations only
@@ -70,7 +71,8 @@ def check_documents_home(bound: Optional[int], mesh: jax.sharding.Mesh, seq_axes
     shards = math.prod(mesh.shape[name] for name in seq_axes)
     for ids in segment_ids:
         ids = concrete(ids)
-        if (bound is None or ids is None or isinstance(ids, jax.core.Tracer)
+        if (not documents_bound_reach(bound, shards) or ids is None
+                or isinstance(ids, jax.core.Tracer)
                 or not getattr(ids, "is_fully_addressable", True)
                 or (getattr(ids, "ndim", 0) == 2 and ids.shape[1] % shards)):
             continue

@@ -123,7 +123,8 @@ def permute_batch(batch: Any, layout: LayoutName, num_shards: int, *, axis: int 
         ids): shorter ones whole on one shard where the balance allows. An int must keep
         the balance (busiest shard <= 1.05x the mean visible pairs, <= 1.10x the mean
         computed tiles; a ``ValueError`` names what it reaches and the smallest ``D``
-        that keeps it); ``"auto"`` takes the smallest ``D`` that does. Pass
+        that keeps it); ``"auto"`` takes the smallest ``D`` that does among those
+        that bound the reach (``D <= P // 2``; else the unbounded order). Pass
         :func:`jax_seqpar.core.packing.document_shards` of the laid-out ids to the
         attention calls' ``max_document_shards=``: each then sends ``D - 1`` shards'
         keys either side, none for ``D = 1``.

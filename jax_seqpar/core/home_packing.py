@@ -268,14 +268,16 @@ def home_positions(spec: masks.MaskSpec, natural: masks.Tokens, num_shards: int,
         (positions ``arange(S)``, segment ids, bidirectional ids or None).
       num_shards: ``P``; block: the tile (tiles are counted at it).
       max_document_shards: ``D``, an int, or ``"auto"``: the smallest ``D`` whose order
-        keeps the balance (``P`` and more: the unbounded per-document order).
+        keeps the balance among those that bound the reach (``D <= P // 2``), else the
+        unbounded per-document order (an int ``D >= P``: that order too).
 
     Raises:
       ValueError: an int ``D`` whose order misses the balance (naming what it reaches and
         the smallest ``D`` that keeps it) or that a document cannot fit.
     """
     auto = isinstance(max_document_shards, str)
-    last = num_shards - 1 if auto else int(max_document_shards)
+    # "auto" tries only the bounds that bound the reach (core.reach.documents_bound_reach)
+    last = (num_shards // 2 if auto else int(max_document_shards))
     unbounded = lambda: packing.per_document_positions(  # noqa: E731
         np.asarray(natural.segment_ids), num_shards, block,
         bidirectional_ids=natural.bidirectional_ids,

@@ -22,7 +22,7 @@ from typing import Optional
 
 from jax_seqpar.core.masks import MaskSpec
 
-__all__ = ["is_local", "mask_reach"]
+__all__ = ["documents_bound_reach", "is_local", "mask_reach"]
 
 
 def mask_reach(spec: MaskSpec, local_len: int, num_shards: int, *, bidirectional: bool = False,
@@ -119,3 +119,15 @@ def is_local(spec: MaskSpec, local_len: int, num_shards: int, *, bidirectional: 
     and attention needs no collective at all (forward and backward)."""
     return mask_reach(spec, local_len, num_shards, bidirectional=bidirectional,
                       contiguous=contiguous) == (0, 0)
+
+
+def documents_bound_reach(max_document_shards: Optional[int], num_shards: int) -> bool:
+    """Whether ``max_document_shards=D`` bounds the reach on ``P`` shards: ``D - 1`` shards
+    either side leave some shard out, ``2 (D - 1) < P - 1``. A larger ``D`` (or None)
+    bounds nothing: every strategy sends the full exchange, and the bound is neither
+    checked nor counted.
+
+    >>> documents_bound_reach(4, 8), documents_bound_reach(5, 8)
+    (True, False)
+    """
+    return max_document_shards is not None and 2 * (max_document_shards - 1) < num_shards - 1

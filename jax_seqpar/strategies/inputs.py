@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generic, Optional
 import jax
 import jax.numpy as jnp
 
-from jax_seqpar.core import checks, layout, masks, packing
+from jax_seqpar.core import checks, layout, masks, packing, reach
 from jax_seqpar.kernels.options import KernelName, Options, make_options
 
 if TYPE_CHECKING:  # annotations only
@@ -230,7 +230,8 @@ def documents_within(options: Options, shard: Operands,
     ``kv_segment_ids``; :func:`jax_seqpar.strategies.traffic.document_check_bytes`):
     a set of documents cannot be checked disjoint from another's with less."""
     bound = options.spec.max_document_shards
-    if bound is None:
+    shards = axis_size(axis_name)
+    if not reach.documents_bound_reach(bound, shards):  # bounds nothing: nothing to check
         return shard
     ids = jnp.asarray(shard.q_tokens.segment_ids)
     kv_ids = shard.kv_tokens.segment_ids
@@ -238,7 +239,6 @@ def documents_within(options: Options, shard: Operands,
     local = jnp.concatenate([ids, jnp.asarray(kv_ids)], axis=1) if separate else ids  # [B, L|2L]
     # Sorted: the gather is the check's own (no other collective's to merge with).
     gathered = jax.lax.all_gather(jnp.sort(local, axis=1), axis_name, axis=1, tiled=True)
-    shards = axis_size(axis_name)
     span, document = packing.widest_documents(gathered, shards)  # [B]
     row = jnp.argmax(span)
 

@@ -28,7 +28,7 @@ from collections.abc import Mapping
 
 from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.core.shape import check_counts, check_head_groups, is_count
-from jax_seqpar.core.reach import mask_reach
+from jax_seqpar.core.reach import documents_bound_reach, mask_reach
 
 __all__ = ["INDEX_BYTES", "NO_MASK", "accumulator_bytes", "all_to_all_bytes",
            "axis_sizes_tuple", "check_shape", "document_check_bytes", "halo_bytes",
@@ -82,8 +82,8 @@ def halo_bytes(*, batch: int, reach: tuple[int, int], kv_heads: int, head_dim: i
 def document_check_bytes(spec: MaskSpec, *, batch: int, seq_len: int, devices: int) -> float:
     """The check of ``max_document_shards`` (:func:`jax_seqpar.strategies.inputs.documents_within`):
     one all-gather of every shard's int32 segment ids, ``B*S*4*(P-1)/P``; 0 without it."""
-    if spec.max_document_shards is None or devices == 1:
-        return 0.0
+    if not documents_bound_reach(spec.max_document_shards, devices):
+        return 0.0  # a bound that bounds nothing is not checked
     return batch * seq_len * INDEX_BYTES * (devices - 1) / devices
 
 
