@@ -19,7 +19,7 @@ Per row (``S`` tokens, ``P`` shards of ``L = S/P`` slots):
    shards' free slots in shard order (:mod:`jax_seqpar.core.home_line`: a greedy fill
    and a local search on the pairs' and tiles' surrogates); a home document crosses at
    most one cut. The exact per-shard counts (:mod:`jax_seqpar.core.work`) then correct
-   the surrogates and the line is searched again (:data:`ATTEMPTS`; the best kept).
+   the surrogates and the line is searched again (``ATTEMPTS`` times; the best kept).
 4. Within a shard, tokens are sorted by (padding last, document, position).
 
 Where no order can keep the balance, :func:`lower_bounds` proves it: a document of ``w``
@@ -43,9 +43,11 @@ from jax_seqpar.core.masks import PAD_SEGMENT
 __all__ = ["PAIRS_BOUND", "TILES_BOUND", "balance", "home_positions", "home_row_positions",
            "lower_bounds", "spread_pieces"]
 
-#: The balance a bound must keep: the busiest shard's visible pairs and computed tiles
-#: over their means (those of the unbounded per-document order, issue 29).
-PAIRS_BOUND, TILES_BOUND = 1.05, 1.10
+#: The most a kept bound lets the busiest shard's visible pairs be over their mean (as
+#: the unbounded per-document order keeps them).
+PAIRS_BOUND = 1.05
+#: The same for the computed tiles.
+TILES_BOUND = 1.10
 #: Rounds of the spread documents' placement search (each tries every span of each).
 PLACEMENT_ROUNDS = 3
 #: Line searches per row: each after the first corrects the surrogates by the exact
@@ -95,7 +97,7 @@ def spread_pieces(sizes: np.ndarray, excess: np.ndarray, L: int, D: int, P: int)
     """For documents of ``sizes`` tokens and ``excess`` work (beyond the home density),
     costliest first: ``int64[P]`` tokens of each on every shard, on at most ``D``
     consecutive shards, water-filled; each document's span the one keeping the highest
-    shard lowest, searched again one document at a time (:data:`PLACEMENT_ROUNDS`)."""
+    shard lowest, searched again one document at a time (``PLACEMENT_ROUNDS`` times)."""
     def lay(choice):
         level, room, out = np.zeros(P), np.full(P, L, np.int64), []
         for (k, s), n, w in zip(choice, sizes, excess):
