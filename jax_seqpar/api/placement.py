@@ -18,11 +18,13 @@ from typing import TYPE_CHECKING, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from jax_seqpar.core import packing
 from jax_seqpar.core.masks import PAD_SEGMENT
 from jax_seqpar.core.reach import documents_bound_reach
+from jax_seqpar.strategies.inputs import spread_message
 from jax_seqpar.kernels.tiling import pad_seq
 
 if TYPE_CHECKING:  # annotations only
@@ -76,14 +78,10 @@ def check_documents_home(bound: Optional[int], mesh: jax.sharding.Mesh, seq_axes
                 or not getattr(ids, "is_fully_addressable", True)
                 or (getattr(ids, "ndim", 0) == 2 and ids.shape[1] % shards)):
             continue
-        span = packing.document_shards(ids, shards)
-        if span > bound:
-            raise ValueError(
-                f"max_document_shards={bound}, but a document of segment_ids spans {span} "
-                f"consecutive shards of {shards}: lay the batch out with permute_batch(..., "
-                f"'per_document', num_shards={shards}, max_document_shards=) and pass "
-                f"packing.document_shards(segment_ids, {shards}) of the laid-out ids (or a "
-                f"bound >= {span}).")
+        span, document = packing.widest_documents(np.asarray(ids), shards)  # [B]
+        row = int(np.argmax(span))
+        if span[row] > bound:
+            raise ValueError(spread_message(bound, shards)(row, document[row], span[row]))
 
 
 def _known_spec(x):

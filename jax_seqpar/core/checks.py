@@ -22,6 +22,7 @@ static Python values, checked by type and range: ``True`` is not a number and
 
 from __future__ import annotations
 
+import functools
 import math
 import numbers
 from typing import TYPE_CHECKING, Any, Callable, Optional, SupportsFloat, cast
@@ -301,6 +302,7 @@ def refuse_unless(ok: Any, message: Callable[..., str], value: Any, *args: Any) 
 _PLATFORMS = {"cpu": "cpu", "cuda": "gpu", "rocm": "gpu", "tpu": "tpu"}
 
 
+@functools.cache
 def _runs_here(platform: str) -> bool:
     """Whether this process has a device of ``platform`` (a host callback lowers for it)."""
     try:

@@ -23,7 +23,7 @@ if TYPE_CHECKING:  # annotations only
 
 __all__ = ["Metadata", "Operands", "axis_size", "check_ids", "check_metadata", "check_qkv",
            "check_self_attention", "describe", "documents_within", "empty_result", "finish", "gather_tokens",
-           "operands", "shard_operands"]
+           "operands", "shard_operands", "spread_message"]
 
 
 def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
@@ -241,7 +241,17 @@ def documents_within(options: Options, shard: Operands,
     gathered = jax.lax.all_gather(jnp.sort(local, axis=1), axis_name, axis=1, tiled=True)
     span, document = packing.widest_documents(gathered, shards)  # [B]
     row = jnp.argmax(span)
+    checked = checks.refuse_unless(span[row] <= bound, spread_message(bound, shards), ids, row,
+                                   document[row], span[row])
+    q_tokens = dataclasses.replace(shard.q_tokens, segment_ids=checked)
+    kv_tokens = shard.kv_tokens if separate else q_tokens
+    return Operands(q_tokens, kv_tokens, shard.sinks)
 
+
+def spread_message(bound: Optional[int], shards: int) -> Callable[..., str]:
+    """``message(row, document, span)``: what a call refuses when a document of its
+    segment ids spans more than ``max_document_shards=bound`` of ``shards`` (the host's
+    check and the program's say the same)."""
     def message(row, document, span):
         return (f"max_document_shards={bound}, but in row {int(row)} document "
                 f"{int(document)} spans {int(span)} consecutive shards of {shards}: "
@@ -249,11 +259,7 @@ def documents_within(options: Options, shard: Operands,
                 f"max_document_shards=) and pass packing.document_shards(segment_ids, "
                 f"num_shards) of the laid-out ids (or a bound >= {int(span)}).")
 
-    checked = checks.refuse_unless(span[row] <= bound, message, ids, row, document[row],
-                                   span[row])
-    q_tokens = dataclasses.replace(shard.q_tokens, segment_ids=checked)
-    kv_tokens = shard.kv_tokens if separate else q_tokens
-    return Operands(q_tokens, kv_tokens, shard.sinks)
+    return message
 
 
 def finish(options: Options, q: jax.Array, out: jax.Array, lse: jax.Array,
