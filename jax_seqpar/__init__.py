@@ -27,6 +27,7 @@ from jax_seqpar.api.kv_cache import KVCache as KVCache
 from jax_seqpar.core.batch_layout import permute_batch as permute_batch
 from jax_seqpar.core.batch_layout import unpermute_batch as unpermute_batch
 from jax_seqpar.core.layout import contiguous_positions as contiguous_positions
+from jax_seqpar.core.quant import Compute as Compute
 from jax_seqpar.core.layout import striped_positions as striped_positions
 from jax_seqpar.core.layout import zigzag_positions as zigzag_positions
 from jax_seqpar.core.work import work_per_shard as work_per_shard
@@ -40,6 +41,7 @@ from jax_seqpar.strategies.ulysses import ulysses_attention as ulysses_attention
 
 __all__ = [
     "BlockSizes",
+    "Compute",
     "KVCache",
     "allgather_attention",
     "comm_bytes",

@@ -26,7 +26,7 @@ TOP_LEVEL = {
     "BlockSizes", "permute_batch", "unpermute_batch", "contiguous_positions",
     "zigzag_positions", "striped_positions", "comm_bytes", "work_per_shard",
     "ulysses_attention", "ring_attention", "hybrid_attention", "allgather_attention",
-    "decode_attention",
+    "decode_attention", "Compute",
 }
 #: The parameter names that take a strategy, a layout or a kernel, and the aliases they carry.
 ALIASES = {"strategy": ("StrategyName", "StrategyChoice"),

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Literal, Optional, Union
 import jax
 import jax.numpy as jnp
 
+from jax_seqpar.core.quant import ComputeLike
 from jax_seqpar.api import placement as _placement
 from jax_seqpar.api.program import Placement, attend
 from jax_seqpar.core import checks, masks
@@ -107,6 +108,7 @@ def sequence_parallel_attention(
     block_sizes: BlockSizes | None = None,
     batch_axes: str | tuple[str, ...] | None = None,
     softcap: Optional[float] = None,
+    compute_dtype: ComputeLike = None,
     sinks: Optional[jax.Array] = None,
     return_lse: bool = False,
     ulysses_size: Optional[int] = None,
@@ -172,6 +174,13 @@ def sequence_parallel_attention(
         axes outside ``seq_axes`` that divide the batch.
       softcap: logits become ``softcap * tanh(s / softcap)`` before masking (Gemma 2);
         a positive number, ``inf`` meaning no cap (the limit).
+      compute_dtype: the dtype Q·Kᵀ and P·V take their operands in (``jnp.bfloat16``,
+        ``jnp.float8_e4m3fn``, ...; None: the inputs' dtype), or a
+        :class:`jax_seqpar.Compute` (another dtype backward, the Hadamard rotation).
+        FP8 is scaled per head and per kernel tile of tokens, q and k rotated first by
+        default, and runs in the XLA kernel (``kernel="auto"`` takes it; ``"pallas"``
+        and ``"mosaic"`` refuse it). The softmax, the lse and every partial sum stay
+        float32; the output and the gradients keep the inputs' dtype.
       sinks: ``[H]`` float logits of a zero-valued virtual key per head (gpt-oss:
         ``p_j = exp(s_j) / (exp(sinks[h]) + sum_k exp(s_k))``), differentiable.
       return_lse: also return the float32 ``[B, S, H]`` log-sum-exp of every row
@@ -227,6 +236,7 @@ def sequence_parallel_attention(
     options, metadata = describe(
         q, k, v, local=False, causal=causal, window=window, chunk_size=chunk_size,
         mask_fn=mask_fn, scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
+        compute_dtype=compute_dtype,
         return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
         positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks,
         max_document_shards=max_document_shards)

@@ -17,6 +17,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_seqpar.core.quant import ComputeLike
 from jax_seqpar.api import attention
 from jax_seqpar.api.attention import LayoutChoice, StrategyChoice
 from jax_seqpar.api.head_rows import per_head
@@ -125,6 +126,7 @@ def dot_product_attention(
     kernel: KernelName = "auto",
     block_sizes: BlockSizes | None = None,
     softcap: Optional[float] = None,
+    compute_dtype: ComputeLike = None,
     sinks: Optional[jax.Array] = None,
     ulysses_size: Optional[int] = None,
     chunk_size: Optional[int] = None,
@@ -176,8 +178,9 @@ def dot_product_attention(
       seq_axes, strategy, layout, kernel, block_sizes, ulysses_size: as in
         :func:`jax_seqpar.sequence_parallel_attention` (``strategy="auto"`` picks one
         the shapes allow; ``kernel`` and ``block_sizes`` also apply without a mesh).
-      softcap, sinks: logit soft-capping and per-head attention sinks ``[N]`` (not in
-        ``jax.nn``; see :func:`jax_seqpar.sequence_parallel_attention`).
+      softcap, sinks, compute_dtype: logit soft-capping, per-head attention sinks ``[N]``
+        and the products' dtype (not in ``jax.nn``; see
+        :func:`jax_seqpar.sequence_parallel_attention`).
       chunk_size: query ``i`` and key ``j`` see each other only inside one chunk,
         ``i // chunk_size == j // chunk_size`` (Llama 4's chunked attention is
         ``is_causal=True, chunk_size=8192``); a positive int, or None.
@@ -237,10 +240,11 @@ def dot_product_attention(
     if mesh is None and (dense or implementation is not None):
         ours = {name: value for name, value in (
             ("softcap", softcap), ("sinks", sinks), ("chunk_size", chunk_size),
+            ("compute_dtype", compute_dtype),
             ("bidirectional_ids", bidirectional_ids), ("mask_fn", mask_fn)) if value is not None}
         if ours:
             raise ValueError("softcap= and sinks= are ours, not jax.nn's, and so are "
-                             "chunk_size=, bidirectional_ids= and mask_fn=: "
+                             "chunk_size=, compute_dtype=, bidirectional_ids= and mask_fn=: "
                              f"{', '.join(n + '=' for n in ours)} cannot combine with a bias, "
                              "a dense mask or a jax.nn implementation. Fold the mask into the "
                              "dense mask, or express it with is_causal=, local_window_size=, "
@@ -271,7 +275,8 @@ def dot_product_attention(
     checks.mask_fn(spec, batch, q_len, kv_len,
                    given=() if bidirectional_ids is None else ("bidirectional_ids",))
     options = make_options(query, spec, scale=scale, kernel=kernel, block_sizes=block_sizes,
-                           softcap=softcap, return_lse=return_residual)
+                           softcap=softcap, return_lse=return_residual,
+                           compute_dtype=compute_dtype)
     sinks = check_sinks(sinks, heads)
 
     def attend(q, k, v, operands: Operands, return_lse: bool):

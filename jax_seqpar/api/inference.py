@@ -49,6 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
+from jax_seqpar.core.quant import ComputeLike
 from jax_seqpar.core import checks, masks
 from jax_seqpar.core.merge import check_sinks
 from jax_seqpar.kernels import tiling
@@ -74,6 +75,7 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
             window: int | tuple[int, int] | None = None, scale: Optional[float] = None,
             layout: LayoutChoice = "auto", kernel: KernelName = "auto",
             block_sizes: BlockSizes | None = None, softcap: Optional[float] = None,
+            compute_dtype: ComputeLike = None,
             sinks: Optional[jax.Array] = None, chunk_size: Optional[int] = None,
             bidirectional_ids: Optional[jax.Array] = None, mask_fn: Optional[Callable] = None):
     """Attend over the prompts sequence-parallel and write their K/V into an emptied cache.
@@ -83,7 +85,8 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
         prompts at positions ``0 .. S-1`` (rows shorter than ``S`` padded at the end).
       cache: the :class:`KVCache` to fill (``S <= capacity``, its dtype q's); its content
         is replaced.
-      causal, window, scale, layout, kernel, block_sizes, strategy, softcap, sinks: as in
+      causal, window, scale, layout, kernel, block_sizes, strategy, softcap, compute_dtype,
+        sinks: as in
         :func:`jax_seqpar.sequence_parallel_attention` (``strategy="hybrid"``
         needs a cache over ``(outer, inner)`` axes).
       seq_lengths: ``int32[B]`` true prompt lengths (default ``S``; a negative one is a
@@ -115,7 +118,8 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
     """
     spec = masks.MaskSpec.make(checks.flag("causal", causal), window, chunk_size, mask_fn)
     options = make_options(q, without_segment_ids(spec), scale=scale, kernel=kernel,
-                           block_sizes=block_sizes, softcap=softcap)
+                           block_sizes=block_sizes, softcap=softcap,
+                           compute_dtype=compute_dtype)
     return prefill_described(q, k, v, cache, options,
                              Metadata(bidirectional_ids=bidirectional_ids, sinks=sinks),
                              strategy=strategy, layout=layout, seq_lengths=seq_lengths)
@@ -236,6 +240,7 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *,
            window: int | tuple[int, int] | None = None, scale: Optional[float] = None,
            kernel: KernelName = "auto", block_sizes: BlockSizes | None = None,
            softcap: Optional[float] = None, sinks: Optional[jax.Array] = None,
+           compute_dtype: ComputeLike = None,
            check_capacity: bool = True, chunk_size: Optional[int] = None,
            bidirectional_ids: Optional[jax.Array] = None, mask_fn: Optional[Callable] = None):
     """Append ``T >= 1`` new tokens per row and attend them to the whole cache.
@@ -251,7 +256,7 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *,
       cache: the :class:`KVCache` (``length + T <= capacity`` in every row).
       window: ``(left, right)`` or one int: query ``i`` sees keys ``i-left .. i``;
         key blocks outside every window are skipped.
-      scale, kernel, block_sizes, softcap, sinks: as in
+      scale, kernel, block_sizes, softcap, compute_dtype, sinks: as in
         :func:`jax_seqpar.strategies.decode.decode_attention`.
       check_capacity: under ``jit``, raise (from a host callback) when a step is refused.
         False only for a caller that has sized the cache for every step it runs (as
@@ -287,7 +292,8 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *,
     """
     spec = masks.MaskSpec.make(True, window, chunk_size, mask_fn)
     options = make_options(q, without_segment_ids(spec), scale=scale, kernel=kernel,
-                           block_sizes=block_sizes, softcap=softcap)
+                           block_sizes=block_sizes, softcap=softcap,
+                           compute_dtype=compute_dtype)
     return decode_described(q, k, v, cache, options,
                             Metadata(bidirectional_ids=bidirectional_ids, sinks=sinks),
                             check_capacity=check_capacity)

@@ -18,6 +18,7 @@ from typing import Callable, Optional, Union
 import jax
 import jax.numpy as jnp
 
+from jax_seqpar.core.quant import ComputeLike
 from jax_seqpar.api import attention
 from jax_seqpar.core import checks, masks
 from jax_seqpar.api.attention import LayoutChoice, StrategyChoice
@@ -41,6 +42,7 @@ def make_attention_fn(
     kernel: KernelName = "auto",
     block_sizes: BlockSizes | None = None,
     softcap: Optional[float] = None,
+    compute_dtype: ComputeLike = None,
     ulysses_size: Optional[int] = None,
     chunk_size: Optional[int] = None,
     mask_fn: Optional[Callable] = None,
@@ -69,7 +71,7 @@ def make_attention_fn(
       mesh: the device mesh to split the sequence over, or ``None`` for the
         local (unsharded) blockwise kernel.
       seq_axes, strategy, causal, window, scale, layout, kernel, block_sizes,
-        softcap, ulysses_size, chunk_size, mask_fn: as in
+        softcap, compute_dtype, ulysses_size, chunk_size, mask_fn: as in
         :func:`jax_seqpar.sequence_parallel_attention` (checked when the function is
         made; each call builds its descriptions once:
         :func:`jax_seqpar.strategies.inputs.describe`).
@@ -143,6 +145,7 @@ def make_attention_fn(
             query, key, value, local=False, causal=causal or checks.flag("is_causal", is_causal),
             window=window, chunk_size=chunk_size, mask_fn=mask_fn, scale=scale,
             kernel=kernel, block_sizes=block_sizes, softcap=softcap,
+            compute_dtype=compute_dtype,
             segment_ids=ids.segment_ids, bidirectional_ids=ids.bidirectional_ids, sinks=sinks)
         where = attention.placement(query, key, value, options, metadata, mesh=mesh,
                                     seq_axes=seq_axes, strategy=strategy, layout=layout,

@@ -10,10 +10,12 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+
+from jax_seqpar.core.quant import ComputeLike
 from jax_seqpar.api import attention, inference
 from jax_seqpar.api.attention import LayoutChoice, StrategyChoice
 from jax_seqpar.strategies.inputs import Metadata, describe
-from jax_seqpar.core import checks, masks
+from jax_seqpar.core import checks, masks, quant
 from jax_seqpar.flax._rope import apply_rope
 from jax_seqpar.api.dot_product import without_segment_ids
 from jax_seqpar.kernels.options import KernelName, Options, check_softcap, make_options
@@ -87,6 +89,8 @@ class SelfAttention(nnx.Module):
         (``q_norm``, ``k_norm``: ``nnx.RMSNorm``, scale ``[Dh]`` initialized to 1,
         epsilon 1e-6), before RoPE, as Gemma 3, Qwen 3 and OLMo 2 do; default ``False``.
       softcap: logit soft-cap (Gemma 2), or ``None`` (default).
+      compute_dtype: the dtype of the attention's matrix products (FP8 scaled per block,
+        :class:`jax_seqpar.Compute`), or ``None`` (default): the projections' dtype.
       sinks: learn one attention-sink logit per head (gpt-oss), an ``nnx.Param``
         ``float32[H]`` initialized to zero; default ``False``.
       q_proj, k_proj, v_proj, o_proj: the ``nnx.LinearGeneral`` projections.
@@ -136,6 +140,7 @@ class SelfAttention(nnx.Module):
         qk_norm: bool = False,
         scale: Optional[float] = None,
         softcap: Optional[float] = None,
+        compute_dtype: ComputeLike = None,
         sinks: bool = False,
         use_bias: bool = False,
         dtype: jax.typing.DTypeLike | None = None,
@@ -145,6 +150,7 @@ class SelfAttention(nnx.Module):
         # refused before any call
         masks.MaskSpec.make(checks.flag("causal", causal), window, chunk_size, mask_fn)
         check_softcap(softcap)
+        quant.compute(compute_dtype, jnp.float32)
         checks.scale(scale)
         num_kv_heads = num_heads if num_kv_heads is None else num_kv_heads
         if num_heads < 1 or num_kv_heads < 1 or num_heads % num_kv_heads:
@@ -165,6 +171,7 @@ class SelfAttention(nnx.Module):
         self.causal, self.window, self.layout, self.kernel = causal, window, layout, kernel
         self.chunk_size, self.mask_fn = chunk_size, mask_fn
         self.rope_base, self.softcap, self.scale = rope_base, softcap, scale
+        self.compute_dtype = compute_dtype
         self.dtype, self.param_dtype = dtype, param_dtype
         self.sinks = nnx.Param(jnp.zeros((num_heads,), jnp.float32)) if sinks else None
 
@@ -223,7 +230,7 @@ class SelfAttention(nnx.Module):
         options, metadata = describe(
             q, k, v, local=False, causal=self.causal, window=self.window, chunk_size=self.chunk_size,
             mask_fn=self.mask_fn, scale=self.scale, kernel=self.kernel, softcap=self.softcap,
-            segment_ids=segment_ids, positions=positions, bidirectional_ids=bidirectional_ids,
+            compute_dtype=self.compute_dtype, segment_ids=segment_ids, positions=positions, bidirectional_ids=bidirectional_ids,
             sinks=self._sink_logits())
         where = attention.placement(q, k, v, options, metadata, mesh=self.mesh,
                                     seq_axes=self.seq_axes, strategy=self.strategy,
@@ -289,7 +296,7 @@ class SelfAttention(nnx.Module):
         blind to segment ids (decoding makes its own), its scale, kernel and soft-cap."""
         spec = masks.MaskSpec.make(True, self.window, self.chunk_size, self.mask_fn)
         return make_options(q, without_segment_ids(spec), scale=self.scale, kernel=self.kernel,
-                            softcap=self.softcap)
+                            softcap=self.softcap, compute_dtype=self.compute_dtype)
 
     def _projected_qkv(self, x, positions, cache: Optional[inference.KVCache] = None):
         """``q [B, S, H, Dh], k, v [B, S, Hkv, Dh]`` of ``x`` at ``positions``: projected,

@@ -113,12 +113,22 @@ def _kernel(method: str, options: Options, q: jax.Array, v: jax.Array, **extra) 
                              **branches)
 
 
-def _without_padding(args: tuple) -> tuple:
+def _without_padding(args: tuple, options: Options) -> tuple:
     """``args`` (``q, k, v, q_tokens, kv_tokens, ...``) with the padding rows of q, k and v
-    at zero (:func:`jax_seqpar.core.masks.without_padding`: ``0 * NaN`` is NaN)."""
+    at zero (:func:`jax_seqpar.core.masks.without_padding`: ``0 * NaN`` is NaN), and q,
+    k, v (and the backward's ``dout``, last) in the call's plain compute dtype where it
+    has one (:attr:`~jax_seqpar.kernels.options.Options.cast_dtype`: every kernel takes
+    it; FP8 is scaled inside the XLA kernel)."""
     q, k, v, q_tokens, kv_tokens = args[:5]
-    return (masks.without_padding(q, q_tokens), masks.without_padding(k, kv_tokens),
+    args = (masks.without_padding(q, q_tokens), masks.without_padding(k, kv_tokens),
             masks.without_padding(v, kv_tokens), *args[3:])
+    dtype = options.cast_dtype
+    if dtype is None:
+        return args
+    cast = [x.astype(dtype) for x in args[:3]]
+    if len(args) > 5:  # the backward: ..., lse, delta, dout
+        return (*cast, *args[3:-1], args[-1].astype(dtype))
+    return (*cast, *args[3:])
 
 
 def _unless_empty(call: Callable, args: tuple, accumulate, options: Options):
@@ -141,8 +151,9 @@ def forward(options: Options, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens
     (the contract: :mod:`jax_seqpar.kernels.contract`); with ``accumulate`` (the
     ``(out, lse)`` of earlier keys) the result covers both, and a call no query of which
     may see a key is skipped."""
-    return _unless_empty(_kernel("forward", options, q, v, accumulate=accumulate),
-                         _without_padding((q, k, v, q_tokens, kv_tokens)), accumulate, options)
+    args = _without_padding((q, k, v, q_tokens, kv_tokens), options)
+    return _unless_empty(_kernel("forward", options, args[0], v, accumulate=accumulate),
+                         args, accumulate, options)
 
 
 def backward(options: Options, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens,
@@ -150,13 +161,14 @@ def backward(options: Options, q: jax.Array, k: jax.Array, v: jax.Array, q_token
              accumulate: tuple[jax.Array, ...] | None = None):
     """float32 ``(dq, dk, dv)`` of the platform's kernel (plus ``accumulate``); with
     ``accumulate``, skipped whole like :func:`forward`."""
-    return _unless_empty(_kernel("backward", options, q, v, accumulate=accumulate),
-                         _without_padding((q, k, v, q_tokens, kv_tokens, lse, delta, dout)),
-                         accumulate, options)
+    args = _without_padding((q, k, v, q_tokens, kv_tokens, lse, delta, dout), options)
+    return _unless_empty(_kernel("backward", options, args[0], v, accumulate=accumulate),
+                         args, accumulate, options)
 
 
 def attention(options: Options, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens,
               kv_tokens: Tokens):
     """The platform's kernel, differentiable: ``(out float32, lse float32)`` with
     cotangents for both."""
-    return _kernel("attention", options, q, v)(*_without_padding((q, k, v, q_tokens, kv_tokens)))
+    args = _without_padding((q, k, v, q_tokens, kv_tokens), options)
+    return _kernel("attention", options, args[0], v)(*args)

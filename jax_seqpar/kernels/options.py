@@ -17,8 +17,9 @@ from typing import Literal, Optional
 import jax
 import numpy as np
 
-from jax_seqpar.core import checks
+from jax_seqpar.core import checks, quant
 from jax_seqpar.core.masks import MaskSpec, Tokens
+from jax_seqpar.core.quant import Compute
 
 __all__ = ["GPU_MIN_TILE", "KERNELS", "TPU_LANES", "BlockSizes", "KernelName", "Options",
            "check_softcap", "make_options", "resolve_block_sizes"]
@@ -136,6 +137,8 @@ class Options:
       softcap: logit soft-cap (``softcap * tanh(s / softcap)``), or None.
       return_lse: whether the call also returns the float32 log-sum-exp (read by the
         strategies and the entry points, not by the kernels).
+      compute: the precision of the matrix products
+        (:class:`~jax_seqpar.core.quant.Compute`), or None for the inputs' dtype.
     """
 
     spec: MaskSpec
@@ -144,6 +147,17 @@ class Options:
     block_sizes: Optional[BlockSizes] = None
     softcap: Optional[float] = None
     return_lse: bool = False
+    compute: Optional[Compute] = None
+
+    @property
+    def cast_dtype(self) -> Optional[str]:
+        """The dtype every kernel takes q, k, v (and dout) in, where the call computes in
+        one plain dtype (no FP8, one dtype both ways): the lowering casts to it. None
+        otherwise (the XLA kernel then scales and casts per block itself)."""
+        compute = self.compute
+        if compute is None or compute.quantizes or compute.backward != compute.dtype:
+            return None
+        return compute.dtype
 
     def resolved(self, defaults: BlockSizes, kernel_name: str) -> "Options":
         """These options as a kernel runs them: tile sizes completed from ``defaults``
@@ -178,12 +192,15 @@ class Options:
 
 def make_options(q: jax.Array, spec: MaskSpec, *, scale: float | None = None,
                  kernel: KernelName = "auto", block_sizes: BlockSizes | None = None,
-                 softcap: float | None = None, return_lse: bool = False) -> Options:
+                 softcap: float | None = None, return_lse: bool = False,
+                 compute_dtype: quant.ComputeLike = None) -> Options:
     """The :class:`Options` of a call on queries ``q [..., Dqk]`` (for the default scale
     ``1/sqrt(Dqk)``), every keyword checked once here (``ValueError`` naming it): the
     mask ``spec``, ``kernel`` one of :data:`KERNELS`, ``block_sizes`` a
     :class:`BlockSizes` or None, ``scale`` a finite number, ``softcap`` a positive one,
-    ``return_lse`` a bool."""
+    ``return_lse`` a bool, ``compute_dtype`` a dtype of
+    :data:`~jax_seqpar.core.quant.COMPUTE_DTYPES` or a
+    :class:`~jax_seqpar.core.quant.Compute` (:func:`jax_seqpar.core.quant.compute`)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}.")
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
@@ -194,8 +211,28 @@ def make_options(q: jax.Array, spec: MaskSpec, *, scale: float | None = None,
     scale = checks.scale(scale)
     if kernel != "xla" and _captures_arrays(spec):
         kernel = _kernel_for_captured_arrays(spec, kernel)
-    return Options(spec, q.shape[-1] ** -0.5 if scale is None else scale, kernel,
-                   block_sizes, check_softcap(softcap), checks.flag("return_lse", return_lse))
+    options = Options(spec, q.shape[-1] ** -0.5 if scale is None else scale, kernel,
+                      block_sizes, check_softcap(softcap), checks.flag("return_lse", return_lse),
+                      quant.compute(compute_dtype, q.dtype))
+    if options.compute is not None and options.cast_dtype is None and kernel != "xla":
+        # FP8 (or another dtype backward): only the XLA kernel scales per block; "auto"
+        # takes it on every platform, "pallas" and "mosaic" are refused.
+        _refuse_scaled(options.compute, kernel)
+        return dataclasses.replace(options, kernel="xla")
+    return options
+
+
+def _refuse_scaled(compute: Compute, requested: KernelName) -> None:
+    """Raise where ``requested`` (a kernel other than ``"auto"``) cannot run ``compute``,
+    naming the alternatives."""
+    if requested == "auto":
+        return
+    raise ValueError(
+        f"compute_dtype={compute} scales its operands per block (FP8) or changes dtype "
+        f"between the passes, which kernel={requested!r} does not do: only the XLA kernel "
+        "computes it. Pass kernel='xla' or kernel='auto' (which runs the XLA kernel for it), "
+        "or a compute_dtype of one plain dtype (float32, bfloat16, float16), which every "
+        "kernel takes.")
 
 
 def _captures_arrays(spec: MaskSpec) -> bool:

@@ -25,12 +25,14 @@ Paper: FlashAttention-2, arXiv:2307.08691.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-from jax_seqpar.core import blocks, compat as _compat, masks
+from jax_seqpar.core import blocks, compat as _compat, masks, quant
 from jax_seqpar.kernels import contract
 from jax_seqpar.kernels.contract import BlockSizes, check_softcap
 from jax_seqpar.kernels.options import Options
@@ -121,16 +123,68 @@ def _tile_step(row, tile_class, spec, q_tile: Tokens, kv_tile: Tokens, update, c
     ], carry)
 
 
-def _scores(q_tile, k_tile, options: Options):
-    """Scaled (and soft-capped) logits, and the cap's derivative ``1 - tanh**2`` (or None)."""
+def _scores(q_tile, k_tile, options: Options, q_scale=None, k_scale=None):
+    """Scaled (and soft-capped) logits, and the cap's derivative ``1 - tanh**2`` (or None);
+    ``q_scale [B, Hkv, G, bq]`` and ``k_scale [B, Hkv, bk]``: the tiles' per-token FP8
+    scales (:mod:`jax_seqpar.core.quant`), or None."""
     # [B, Hkv, G, bq, D] x [B, Hkv, bk, D] -> [B, Hkv, G, bq, bk]
     s = jnp.einsum("bhgqd,bhkd->bhgqk", q_tile, k_tile,
                    preferred_element_type=_F32) * options.scale
+    if q_scale is not None:
+        s = s * q_scale[..., None] * k_scale[:, :, None, None, :]
     cap = options.softcap
     if cap is None:
         return s, None
     capped = jnp.tanh(s / cap)
     return cap * capped, 1.0 - capped * capped
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class _Operand:
+    """One operand as the products take it: ``values [B, S, *heads, F]`` in the compute
+    dtype (or the input's) and, in FP8, the per-token ``scales float32[B, S, *heads]``
+    of their blocks (else None)."""
+
+    values: jax.Array
+    scales: Optional[jax.Array] = None
+
+    def map(self, fn) -> "_Operand":
+        return _Operand(fn(self.values), None if self.scales is None else fn(self.scales))
+
+    def tile(self, row, index, block):
+        """``(values [1, *heads, block, F] float32, scales [1, *heads, block] | None)``."""
+        values = _heads_first(_tile(self.values, row, index, block))
+        if self.scales is None:
+            return values, None
+        return values, jnp.moveaxis(_tile(self.scales, row, index, block), 1, -1)
+
+
+def _operand(x, dtype_name: str, rotate: bool = False) -> _Operand:
+    """``x [B, S, *heads, F]`` in ``dtype_name`` (FP8: scaled per token and head,
+    :func:`jax_seqpar.core.quant.quantize`), rotated first by
+    :func:`jax_seqpar.core.quant.rotation` where asked."""
+    if rotate:
+        x = x.astype(_F32) @ quant.rotation(x.shape[-1])
+    return _Operand(*quant.quantize(x, dtype_name))
+
+
+def _product(x, dtype_name: Optional[str], fold=None, over_group: bool = False):
+    """A tile's float32 ``x [B, Hkv, G, bq, bk]`` (probabilities, score gradients) as a
+    product's operand: times ``fold`` (the other operand's per-token scales, which vary
+    along the contracted axis), then rounded to ``dtype_name`` (FP8: scaled per head and
+    tile; ``over_group``: one scale for a K/V head's query group, for a product that sums
+    over it). Returns ``(values float32, scale [B, Hkv, G or 1, 1, 1] | None)``."""
+    if fold is not None:
+        x = x * fold
+    if dtype_name is None:
+        return x, None
+    values, scale = quant.scaled(x, dtype_name, (2, 3, 4) if over_group else (3, 4))
+    return values.astype(_F32), scale
+
+
+def _times(x, scale):
+    return x if scale is None else x * scale
 
 
 def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
@@ -163,28 +217,36 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options):
     q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # [B, nq, nk]
     d_v = v.shape[-1]
     hg = (t.kv_heads, t.group)
-    q = pad_seq(q, t.num_q * t.block_q).reshape(t.batch, -1, *hg, q.shape[-1])  # [B, Sq, Hkv, G, D]
-    k, v = (pad_seq(x, t.num_k * t.block_k) for x in (k, v))  # [B, Sk, Hkv, D]
+    q_len = q.shape[1]
+    q, k, v = _scored(options, q, k, v)
+    pv_dtype = _products_dtype(options, backward=False)
+    q = q.map(lambda x: pad_seq(x, t.num_q * t.block_q).reshape(
+        t.batch, -1, *hg, *x.shape[3:]))  # [B, Sq, Hkv, G, D]
+    k, v = (x.map(lambda a: pad_seq(a, t.num_k * t.block_k)) for x in (k, v))  # [B, Sk, Hkv, D]
 
     # One batch row at a time: each row skips its own EMPTY tiles (packed rows differ).
     def q_block(index, buffers):
         b, i = index // t.num_q, index % t.num_q
-        q_tile = _heads_first(_tile(q, b, i, t.block_q))  # [1, Hkv, G, bq, D]
+        q_tile, q_scale = q.tile(b, i, t.block_q)  # [1, Hkv, G, bq, D]
         qt = _token_tile(q_tokens, b, i, t.block_q)  # [1, bq] fields
 
         def update(k_tile, v_tile, carry, mask):
+            (k_tile, k_scale), (v_tile, v_scale) = k_tile, v_tile
             m, l, acc = carry  # [1, Hkv, G, bq], same, [1, Hkv, G, bq, Dv]
-            s, _ = _scores(q_tile, k_tile, options)
+            s, _ = _scores(q_tile, k_tile, options, q_scale, k_scale)
             if mask is not None:
                 s = jnp.where(mask, s, -jnp.inf)
             m_new = jnp.maximum(m, s.max(axis=-1))
             p = jnp.exp(s - m_new[..., None])
             alpha = jnp.exp(m - m_new)
-            acc = acc * alpha[..., None] + jnp.einsum("bhgqk,bhkd->bhgqd", p, v_tile)
+            fold = None if v_scale is None else v_scale[:, :, None, None, :]
+            p_values, p_scale = _product(p, pv_dtype, fold)
+            pv = jnp.einsum("bhgqk,bhkd->bhgqd", p_values, v_tile)
+            acc = acc * alpha[..., None] + _times(pv, p_scale)
             return m_new, l * alpha + p.sum(axis=-1), acc
 
         def kv_block(j, carry):
-            k_tile, v_tile = (_heads_first(_tile(x, b, j, t.block_k)) for x in (k, v))
+            k_tile, v_tile = (x.tile(b, j, t.block_k) for x in (k, v))
             kt = _token_tile(kv_tokens, b, j, t.block_k)
             return _tile_step(b, classes[b, i, j], spec, qt, kt,
                               functools.partial(update, k_tile, v_tile), carry)
@@ -201,12 +263,36 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options):
         return (_put(out_buffer, b, i, _tokens_first(out)),
                 _put(lse_buffer, b, i, jnp.moveaxis(lse, -1, 1)))
 
-    buffers = (jnp.zeros(q.shape[:-1] + (d_v,), _F32), jnp.zeros(q.shape[:-1], _F32))
+    shape = q.values.shape[:-1]
+    buffers = (jnp.zeros(shape + (d_v,), _F32), jnp.zeros(shape, _F32))
     out, lse = jax.lax.fori_loop(0, t.batch * t.num_q, q_block,
                                  _compat.match_varying(buffers, (q, k)))
     heads = t.kv_heads * t.group
-    out = out[:, :t.q_len].reshape(t.batch, t.q_len, heads, d_v)
-    return out, lse[:, :t.q_len].reshape(t.batch, t.q_len, heads)
+    out = out[:, :q_len].reshape(t.batch, q_len, heads, d_v)
+    return out, lse[:, :q_len].reshape(t.batch, q_len, heads)
+
+
+def _scored(options: Options, q, k, v):
+    """q, k and v as the forward's products take them (:class:`_Operand`): in the
+    call's compute dtype (:attr:`~jax_seqpar.kernels.options.Options.compute`), FP8 scaled
+    per token and head, q and k rotated where asked; as given without
+    a compute dtype. The backward recomputes the scores from the same operands, so its
+    probabilities are the forward's."""
+    compute = options.compute
+    if compute is None:
+        return _Operand(q), _Operand(k), _Operand(v)
+    rotate = bool(compute.hadamard)
+    return (_operand(q, compute.dtype, rotate), _operand(k, compute.dtype, rotate),
+            _operand(v, compute.dtype))
+
+
+def _products_dtype(options: Options, backward: bool) -> Optional[str]:
+    """The dtype probabilities (forward) or the backward's tiles are rounded to before
+    their products, None without a compute dtype."""
+    compute = options.compute
+    if compute is None:
+        return None
+    return compute.backward if backward else compute.dtype
 
 
 def backward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
@@ -239,47 +325,65 @@ def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options: Options,
     q_tokens, kv_tokens, classes = schedule(spec, t, q_tokens, kv_tokens)  # [B, nq, nk]
     hg = (t.kv_heads, t.group)
     q_len_pad, kv_len_pad = t.num_q * t.block_q, t.num_k * t.block_k
+    # The forward's scores (its tiles' scales), and the backward's products' operands.
+    q_s, k_s, _ = _scored(options, q, k, v)
+    q, k, v, dout = _products(options, q, k, v, dout, (q_s, k_s))
+    product_dtype = _products_dtype(options, backward=True)
 
     def by_group(x):  # [B, Sq, H, ...] -> [B, Sq_pad, Hkv, G, ...]
         return pad_seq(x, q_len_pad).reshape(t.batch, q_len_pad, *hg, *x.shape[3:])
 
-    q, dout, lse, delta = (by_group(x) for x in (q, dout, lse, delta))
-    k, v = (pad_seq(x, kv_len_pad) for x in (k, v))  # [B, Sk_pad, Hkv, D]
+    q, dout, q_s = (x.map(by_group) for x in (q, dout, q_s))
+    lse, delta = by_group(lse), by_group(delta)
+    k, v, k_s = (x.map(lambda a: pad_seq(a, kv_len_pad)) for x in (k, v, k_s))
 
     # One batch row at a time, as the forward: each row skips its own EMPTY tiles.
     def kv_block(index, buffers):
         b, j = index // t.num_k, index % t.num_k
         # [1, Hkv, bk, D] each
-        k_tile, v_tile = (_heads_first(_tile(x, b, j, t.block_k)) for x in (k, v))
+        (k_tile, k_scale), (v_tile, v_scale), (ks_tile, ks_scale) = (
+            x.tile(b, j, t.block_k) for x in (k, v, k_s))
         kt = _token_tile(kv_tokens, b, j, t.block_k)
 
-        def grads(carry, q_tile, do_tile, lse_tile, delta_tile, mask):
+        def grads(carry, tiles, lse_tile, delta_tile, mask):
             dk, dv = carry
-            s, cap_slope = _scores(q_tile, k_tile, options)
+            (q_tile, q_scale), (do_tile, do_scale), (qs_tile, qs_scale) = tiles
+            s, cap_slope = _scores(qs_tile, ks_tile, options, qs_scale, ks_scale)
             s = s - lse_tile[..., None]
             # Before exp: rows with EMPTY_LSE must not overflow, and a NaN lse (a row that
             # saw a non-finite value, contract.isolated_grads) stays off invisible pairs.
             if mask is not None:
                 s = jnp.where(mask, s, -jnp.inf)
             p = jnp.exp(s)
-            dv = dv + jnp.einsum("bhgqk,bhgqd->bhkd", p, do_tile)
+            by_query = None if do_scale is None else do_scale[..., None]
+            p_values, p_scale = _product(p, product_dtype, by_query, over_group=True)
+            dv = dv + _times(jnp.einsum("bhgqk,bhgqd->bhkd", p_values, do_tile),
+                             _group_scale(p_scale))
             dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_tile, v_tile)
+            if do_scale is not None:
+                dp = dp * do_scale[..., None] * v_scale[:, :, None, None, :]
             ds = p * (dp - delta_tile[..., None])
             ds = (ds if cap_slope is None else ds * cap_slope) * scale
-            dk = dk + jnp.einsum("bhgqk,bhgqd->bhkd", ds, q_tile)
-            return (dk, dv), jnp.einsum("bhgqk,bhkd->bhgqd", ds, k_tile)
+            by_query = None if q_scale is None else q_scale[..., None]
+            ds_values, ds_scale = _product(ds, product_dtype, by_query, over_group=True)
+            dk = dk + _times(jnp.einsum("bhgqk,bhgqd->bhkd", ds_values, q_tile),
+                             _group_scale(ds_scale))
+            by_key = None if k_scale is None else k_scale[:, :, None, None, :]
+            ds_values, ds_scale = _product(ds, product_dtype, by_key)
+            return (dk, dv), _times(jnp.einsum("bhgqk,bhkd->bhgqd", ds_values, k_tile),
+                                    ds_scale)
 
         def q_block(i, carry):
             dq, dkv = carry
-            q_tile, do_tile = (_heads_first(_tile(x, b, i, t.block_q)) for x in (q, dout))
+            tiles = tuple(x.tile(b, i, t.block_q) for x in (q, dout, q_s))
             lse_tile, delta_tile = (jnp.moveaxis(_tile(x, b, i, t.block_q), 1, -1)
                                     for x in (lse, delta))  # [1, Hkv, G, bq]
             qt = _token_tile(q_tokens, b, i, t.block_q)
+            zeros = jnp.zeros(tiles[0][0].shape, _F32)
             branches = [
-                lambda c: (c, jnp.zeros_like(q_tile)),
-                lambda c: grads(c, q_tile, do_tile, lse_tile, delta_tile,
-                                _tile_mask(spec, qt, kt)),
-                lambda c: grads(c, q_tile, do_tile, lse_tile, delta_tile, None),
+                lambda c: (c, zeros),
+                lambda c: grads(c, tiles, lse_tile, delta_tile, _tile_mask(spec, qt, kt)),
+                lambda c: grads(c, tiles, lse_tile, delta_tile, None),
             ]
             branches = [_varying_like(f, (q, k)) for f in branches]
             dkv, dq_tile = jax.lax.switch(classes[b, i, j], branches, dkv)
@@ -291,15 +395,37 @@ def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options: Options,
         return (dq, _put(dk, b, j, _tokens_first(dk_tile)),
                 _put(dv, b, j, _tokens_first(dv_tile)))
 
+    shapes = (q.values.shape, k.values.shape, v.values.shape)
     if accumulate is None:
-        buffers = tuple(jnp.zeros(x.shape, _F32) for x in (q, k, v))
+        buffers = tuple(jnp.zeros(shape, _F32) for shape in shapes)
     else:
         buffers = (by_group(accumulate[0]), *(pad_seq(x, kv_len_pad) for x in accumulate[1:]))
     dq, dk, dv = jax.lax.fori_loop(0, t.batch * t.num_k, kv_block,
                                    _compat.match_varying(buffers, (q, k)))
     heads = t.kv_heads * t.group
-    dq = dq[:, :t.q_len].reshape(t.batch, t.q_len, heads, q.shape[-1])
+    dq = dq[:, :t.q_len].reshape(t.batch, t.q_len, heads, shapes[0][-1])
     return dq, dk[:, :t.kv_len], dv[:, :t.kv_len]
+
+
+def _products(options: Options, q, k, v, dout, scored):
+    """q, k, v and dout as the backward's products take them (:class:`_Operand`): in the
+    backward's dtype, FP8 scaled per token and head (never rotated: the rotation serves the scores alone); the forward's ``scored`` q and k
+    where they are the same numbers."""
+    compute = options.compute
+    if compute is None:
+        return tuple(_Operand(x) for x in (q, k, v, dout))
+    dtype = compute.backward
+    if dtype == compute.dtype and not compute.hadamard:
+        q_b, k_b = scored
+    else:
+        q_b, k_b = _operand(q, dtype), _operand(k, dtype)
+    return q_b, k_b, _operand(v, dtype), _operand(dout, dtype)
+
+
+def _group_scale(scale):
+    """``[B, Hkv, 1, 1, 1]`` (one scale per K/V head's group) as ``[B, Hkv, 1, 1]`` for a
+    K/V-sized product; None stays None."""
+    return None if scale is None else scale[:, :, 0]
 
 
 _attention = contract.differentiable(_forward, _backward)

@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 import jax
 import jax.numpy as jnp
 
+from jax_seqpar.core.quant import ComputeLike
 from jax_seqpar import kernels
 from jax_seqpar.core import compat as _compat
 from jax_seqpar.core.masks import EMPTY_LSE
@@ -110,6 +111,7 @@ def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: s
                         positions: jax.Array | None = None, window: int | tuple[int, int] | None = None,
                         scale: float | None = None, kernel: KernelName = "auto",
                         block_sizes: BlockSizes | None = None, softcap: float | None = None,
+                        compute_dtype: ComputeLike = None,
                         sinks: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                         chunk_size: int | None = None, bidirectional_ids: jax.Array | None = None,
                         mask_fn: Callable | None = None, return_lse: bool = False,
@@ -120,7 +122,7 @@ def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: s
     Args:
       q: ``[B, S/P, H, Dqk]``; k: ``[B, S/P, Hkv, Dqk]``; v: ``[B, S/P, Hkv, Dv]``.
       seq_axes, causal, window, chunk_size, mask_fn, segment_ids, positions,
-        bidirectional_ids, scale, kernel, block_sizes, softcap, sinks, kv_segment_ids,
+        bidirectional_ids, scale, kernel, block_sizes, softcap, compute_dtype, sinks, kv_segment_ids,
         return_lse: as in :func:`jax_seqpar.strategies.ring.ring_attention`.
       pieces: how many pieces K/V are gathered in (see the module docstring; a divisor
         of ``S/P``; :func:`piece_counts`). ``"auto"`` (default, :func:`default_pieces`): up to
@@ -141,6 +143,7 @@ def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: s
     options, metadata = describe(
         q, k, v, local=True, causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
         scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
+        compute_dtype=compute_dtype,
         return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
         positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks,
         max_document_shards=max_document_shards)

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jax_seqpar.core.quant import ComputeLike
 from jax_seqpar import kernels
 from jax_seqpar.core import checks, layout, masks
 from jax_seqpar.core.shape import check_counts
@@ -105,6 +106,7 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *,
                      kv_positions: jax.Array | None = None,
                      window: int | tuple[int, int] | None = None,
                      block_sizes: BlockSizes | None = None, softcap: float | None = None,
+                     compute_dtype: ComputeLike = None,
                      sinks: jax.Array | None = None, chunk_size: int | None = None,
                      mask_fn: Callable | None = None):
     """Attend new queries to a sequence-sharded cache (call inside ``shard_map``).
@@ -126,6 +128,8 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *,
       window: ``(left, right)`` or one int: query ``i`` sees keys ``i-left .. i``;
         key blocks wholly outside every query's window are skipped.
       block_sizes: the kernel's tile sizes, or None.
+      compute_dtype: the products' dtype, as in
+        :func:`jax_seqpar.sequence_parallel_attention` (None: the cache's).
       softcap: logit soft-cap, or None; sinks: ``[H]`` sink logits (replicated), or None.
       chunk_size: a query sees only keys of its chunk (``position // chunk_size``);
         mask_fn: a predicate on the queries' and the slots' metadata (their positions;
@@ -152,7 +156,8 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *,
     spec = masks.MaskSpec.make(True, window, chunk_size, mask_fn)
     checks.mask_fn(spec, batch, new_tokens, k_cache.shape[1])
     options = make_options(q, spec, scale=scale, kernel=kernel, block_sizes=block_sizes,
-                           softcap=softcap)
+                           softcap=softcap,
+                           compute_dtype=compute_dtype)
     seq_lengths = seq_lengths.astype(jnp.int32)
     if kv_positions is None:
         kv_positions = layout.shard_positions("contiguous", k_cache.shape[1],

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Callable, Generic, Optional
 import jax
 import jax.numpy as jnp
 
+from jax_seqpar.core.quant import ComputeLike
 from jax_seqpar.core import checks, layout, masks, packing, reach
 from jax_seqpar.kernels.options import KernelName, Options, make_options
 
@@ -141,6 +142,7 @@ def describe(q: jax.Array, k: jax.Array, v: jax.Array, *, local: bool,
              chunk_size: int | None = None, mask_fn: Callable | None = None,
              scale: float | None = None, kernel: KernelName = "auto",
              block_sizes: BlockSizes | None = None, softcap: float | None = None,
+             compute_dtype: ComputeLike = None,
              return_lse: bool = False, segment_ids: jax.typing.ArrayLike | None = None,
              kv_segment_ids: jax.typing.ArrayLike | None = None,
              positions: jax.typing.ArrayLike | None = None,
@@ -161,7 +163,8 @@ def describe(q: jax.Array, k: jax.Array, v: jax.Array, *, local: bool,
                          "documents lie: pass their segment_ids= (in the order the shards hold "
                          "them), or drop max_document_shards.")
     options = make_options(q, spec, scale=scale, kernel=kernel, block_sizes=block_sizes,
-                           softcap=softcap, return_lse=return_lse)
+                           softcap=softcap, return_lse=return_lse,
+                           compute_dtype=compute_dtype)
     return options, check_metadata(q, options, Metadata(
         segment_ids, kv_segment_ids, positions, bidirectional_ids, sinks))
 

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any, Callable
 import jax
 import jax.numpy as jnp
 
+from jax_seqpar.core.quant import ComputeLike
 from jax_seqpar import kernels
 from jax_seqpar.core import compat as _compat
 from jax_seqpar.strategies import halo
@@ -58,6 +59,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | 
                    positions: jax.Array | None = None, window: int | tuple[int, int] | None = None,
                    scale: float | None = None, kernel: KernelName = "auto",
                    block_sizes: BlockSizes | None = None, softcap: float | None = None,
+                   compute_dtype: ComputeLike = None,
                    sinks: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                    chunk_size: int | None = None, bidirectional_ids: jax.Array | None = None,
                    mask_fn: Callable | None = None, return_lse: bool = False,
@@ -80,6 +82,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | 
       kernel: ``"auto"``, ``"xla"``, ``"pallas"`` or ``"mosaic"`` (see
         :mod:`jax_seqpar.kernels.lowering`); block_sizes: the kernel's tiles.
       softcap: logits become ``softcap * tanh(s / softcap)`` before masking, or None.
+      compute_dtype: the products' dtype, as in
+        :func:`jax_seqpar.sequence_parallel_attention` (None: the inputs').
       sinks: ``[H]`` float logits of a zero-valued virtual key per head (gpt-oss),
         or None. Pass it replicated (``P()``); its gradient sums over the shards.
       kv_segment_ids: ``int32[B, S/P]`` the keys' own segment ids where they differ
@@ -104,6 +108,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | 
     options, metadata = describe(
         q, k, v, local=True, causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
         scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
+        compute_dtype=compute_dtype,
         return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
         positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks,
         max_document_shards=max_document_shards)

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 import jax
 import jax.numpy as jnp
 
+from jax_seqpar.core.quant import ComputeLike
 from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.seq_pipeline import seq_pipeline
@@ -52,6 +53,7 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str
                       positions: jax.Array | None = None, window: int | tuple[int, int] | None = None,
                       scale: float | None = None, kernel: KernelName = "auto",
                       block_sizes: BlockSizes | None = None, softcap: float | None = None,
+                      compute_dtype: ComputeLike = None,
                       sinks: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                       chunk_size: int | None = None, bidirectional_ids: jax.Array | None = None,
                       mask_fn: Callable | None = None, return_lse: bool = False,
@@ -65,7 +67,7 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str
         this device's shard. ``H`` must be divisible by P.
       seq_axes: mesh axis (or tuple of axes) along which the sequence is split.
       causal, window, chunk_size, mask_fn, segment_ids, positions, bidirectional_ids,
-        scale, kernel, block_sizes, softcap, sinks, kv_segment_ids, return_lse: as in
+        scale, kernel, block_sizes, softcap, compute_dtype, sinks, kv_segment_ids, return_lse: as in
         :func:`jax_seqpar.strategies.ring.ring_attention` (``sinks`` replicated).
       overlap: ``"auto"`` (default) or True: the exchange pipelined behind the kernel,
         in ``pieces`` sequence pieces where the local length allows, else in
@@ -93,6 +95,7 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str
     options, metadata = describe(
         q, k, v, local=True, causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
         scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
+        compute_dtype=compute_dtype,
         return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
         positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks,
         max_document_shards=max_document_shards)
