@@ -253,3 +253,20 @@ def test_dot_product_attention_takes_it_and_jax_nn_does_not():
     with pytest.raises(ValueError, match="compute_dtype="):
         jax_seqpar.dot_product_attention(q, k, v, implementation="xla",
                                          compute_dtype=jnp.float8_e4m3fn)
+
+
+@pytest.mark.parametrize("call", ["global", "dot_product", "prefill"])
+def test_fp8_inputs_without_scales_are_refused_naming_compute_dtype(call, mesh):
+    """FP8 q, k, v carry no scales: refused at every entry point, naming the fix, never
+    rounded unscaled."""
+    q = jnp.ones((1, 16, 2, 8), jnp.float8_e4m3fn)
+    calls = {
+        "global": lambda: jax_seqpar.sequence_parallel_attention(q, q, q, mesh=mesh, causal=True),
+        "dot_product": lambda: jax_seqpar.dot_product_attention(q, q, q, is_causal=True),
+        "prefill": lambda: jax_seqpar.prefill(
+            q, q, q, jax_seqpar.KVCache.create(mesh, batch=1, capacity=32, num_kv_heads=2,
+                                       head_dim=8, dtype=jnp.bfloat16)),
+    }
+    with pytest.raises(ValueError, match="float8_e4m3fn, an FP8 dtype with no scales.*"
+                                         "compute_dtype=jnp.float8_e4m3fn"):
+        calls[call]()

@@ -39,14 +39,21 @@ def format_table(results: dict[str, TrainResult], train_config: TrainConfig) -> 
                                             for n in names))
     base = results[UNSHARDED].losses if UNSHARDED in results else None
     lines.append("")
-    lines.append(f"{'run':>{width}}  {'max|dloss| vs unsharded':>24}  {'tokens/s':>9}  "
-                 f"{'first step s':>12}")
+    lines.append(f"{'run':>{width}}  {'max|dloss| vs unsharded':>24}  {'relative':>9}  "
+                 f"{'tokens/s':>9}  {'first step s':>12}")
     for name, result in results.items():
-        diff = "-" if base is None or name == UNSHARDED else (
-            f"{np.abs(result.losses - base).max():.2e}")
-        lines.append(f"{name:>{width}}  {diff:>24}  {result.tokens_per_second:9.0f}  "
-                     f"{result.compile_seconds:12.1f}")
+        diff = relative = "-"
+        if base is not None and name != UNSHARDED:
+            diff = f"{np.abs(result.losses - base).max():.2e}"
+            relative = f"{max_relative_difference(result.losses, base):.2%}"
+        lines.append(f"{name:>{width}}  {diff:>24}  {relative:>9}  "
+                     f"{result.tokens_per_second:9.0f}  {result.compile_seconds:12.1f}")
     return "\n".join(lines)
+
+
+def max_relative_difference(losses: np.ndarray, base: np.ndarray) -> float:
+    """The largest ``|loss - base| / |base|`` over the steps (``[steps]`` each)."""
+    return float(np.max(np.abs(losses - base) / np.abs(base)))
 
 
 def format_state_memory(results: dict[str, TrainResult]) -> str:
@@ -113,6 +120,7 @@ def run_demo(
     fsdp: bool = False,
     packed: bool = False,
     mask: Optional[str] = None,
+    compute_dtype: Optional[str] = None,
 ) -> dict[str, TrainResult]:
     """Train one byte-level LM from the same parameters and data, unsharded and with
     each strategy on all devices, then print a loss table and plot the curves.
@@ -136,6 +144,12 @@ def run_demo(
         bidirectional spans amid causal text) or ``"chunked"`` (the local layers causal
         within chunks of ``seq_len // 4`` tokens, unless ``model_config.chunk_size``
         says otherwise); None: plain causal.
+      compute_dtype: attention's matrix products in this dtype (for example
+        ``"float8_e4m3fn"``, :class:`jax_seqpar.examples.ModelConfig`) in an unsharded
+        run named ``"unsharded+<dtype>"`` and in every strategy's run
+        (``"<strategy>+<dtype>"``); the ``"unsharded"`` run keeps the model's own
+        precision, the baseline of the table's relative loss difference. None: every
+        run in the model's precision.
 
     Returns:
       ``{run name: TrainResult}``, the unsharded run first.
@@ -152,17 +166,22 @@ def run_demo(
              f"{train_config}" + ("" if mask is None else f"; mask {mask}"))
     data = training_batches(steps=steps, batch=batch, seq_len=seq_len, seed=seed, mask=mask)
     params = init_params(model_config, seed)
-    runs = {UNSHARDED: Parallelism()}
+    computed = dataclasses.replace(model_config, compute_dtype=compute_dtype)
+    runs = {UNSHARDED: (model_config, Parallelism())}
     suffix = "+packed" if packed else ""
+    if compute_dtype is not None:
+        suffix += f"+{compute_dtype}"
+        runs[UNSHARDED + f"+{compute_dtype}"] = (computed, Parallelism())
     for strategy in strategies:
         mesh, seq_axes = mesh_for(strategy, devices)
-        runs[strategy + suffix] = Parallelism(mesh, seq_axes, strategy, per_document=packed)
+        runs[strategy + suffix] = (computed, Parallelism(mesh, seq_axes, strategy,
+                                                         per_document=packed))
         if fsdp:
-            runs[f"{strategy}{suffix}+fsdp"] = Parallelism(mesh, seq_axes, strategy, fsdp=True,
-                                                         per_document=packed)
+            runs[f"{strategy}{suffix}+fsdp"] = (computed, Parallelism(
+                mesh, seq_axes, strategy, fsdp=True, per_document=packed))
     results = {}
-    for name, parallelism in runs.items():
-        results[name] = train(model_config, train_config, parallelism, params=params,
+    for name, (config, parallelism) in runs.items():
+        results[name] = train(config, train_config, parallelism, params=params,
                               data=data, progress=progress, description=f"{name:>9}")
     print_fn(format_table(results, train_config))
     if fsdp:

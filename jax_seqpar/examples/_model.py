@@ -38,6 +38,9 @@ class ModelConfig:
       chunk_size: with a value C, the local layers (all but every ``global_every``-th)
         attend causally within chunks of C tokens (Llama 4's chunked attention, 3
         chunked : 1 global is ``global_every=4``); None: no chunks.
+      compute_dtype: the dtype of the attention's matrix products in every layer (for
+        example ``"float8_e4m3fn"``: FP8 scaled per token, the softmax and every sum in
+        float32; :class:`jax_seqpar.Compute`), or None: the activations' own dtype.
     """
 
     vocab_size: int = VOCAB_SIZE
@@ -51,6 +54,7 @@ class ModelConfig:
     softcap: Optional[float] = None
     sinks: bool = False
     chunk_size: Optional[int] = None
+    compute_dtype: Optional[str] = None
 
     def is_local(self, layer: int) -> bool:
         """Whether block ``layer`` (0-based) is local: all but every ``global_every``-th."""
@@ -121,7 +125,8 @@ class Block(nnx.Module):
             mesh=parallelism.mesh, seq_axes=parallelism.seq_axes,
             strategy=parallelism.strategy, kernel=parallelism.kernel, causal=True,
             window=config.window_of(layer), chunk_size=config.chunk_of(layer),
-            softcap=config.softcap, sinks=config.sinks, rngs=rngs)
+            softcap=config.softcap, sinks=config.sinks, compute_dtype=config.compute_dtype,
+            rngs=rngs)
         self.mlp_norm = nnx.RMSNorm(config.d_model, rngs=rngs)
         self.mlp_in = nnx.Linear(config.d_model, config.mlp_hidden, rngs=rngs)
         self.mlp_out = nnx.Linear(config.mlp_hidden, config.d_model, rngs=rngs)

@@ -15,8 +15,8 @@ from typing import TYPE_CHECKING, Any, Callable, Generic, Optional
 import jax
 import jax.numpy as jnp
 
+from jax_seqpar.core import checks, layout, masks, packing, quant, reach
 from jax_seqpar.core.quant import ComputeLike
-from jax_seqpar.core import checks, layout, masks, packing, reach
 from jax_seqpar.kernels.options import KernelName, Options, make_options
 
 if TYPE_CHECKING:  # annotations only
@@ -46,6 +46,12 @@ def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
         raise ValueError(f"q, k, v must share one floating dtype (as jax.nn.dot_product_attention "
                          f"requires). Got q.dtype={q.dtype}, k.dtype={k.dtype}, "
                          f"v.dtype={v.dtype}; cast them to one dtype first.")
+    if quant.is_fp8(q.dtype.name):
+        raise ValueError(
+            f"q, k, v are {q.dtype}, an FP8 dtype with no scales: the outputs and gradients "
+            f"would be rounded to it unscaled. Pass them in bfloat16, float16 or float32 and "
+            f"compute_dtype=jnp.{q.dtype} (scaled per token and head, the softmax and sums "
+            f"in float32; jax_seqpar.Compute).")
     heads, kv_heads = q.shape[2], k.shape[2]
     if not heads or not kv_heads or not q.shape[3] or not v.shape[3]:
         raise ValueError(f"q, k, v need at least one head and a head_dim of at least 1. Got "

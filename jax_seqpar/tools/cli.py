@@ -32,6 +32,9 @@ DEMO_DEVICES = 8
 #: The strategies ``jax-seqpar demo`` trains without ``--strategies`` (those of
 #: ``jax_seqpar.examples.run_demo``; a test holds them equal).
 DEMO_STRATEGIES = ("ulysses", "ring", "hybrid")
+#: What ``demo --compute-dtype`` takes (``jax_seqpar.core.quant.COMPUTE_DTYPES``, named
+#: here so that the parser imports no JAX; a test holds them equal).
+COMPUTE_DTYPES = ("float32", "bfloat16", "float16", "float8_e4m3fn", "float8_e5m2")
 #: What ``demo`` and ``generate`` write in their ``--out`` folder.
 DEMO_PLOT = "demo-losses.png"
 GENERATE_PARAMS = "demo-lm-params.npz"
@@ -57,7 +60,7 @@ def _demo(args: argparse.Namespace) -> int:
     demo.run_demo(steps=args.steps, seq_len=args.seq_len, batch=args.batch,
                   strategies=strategies, out=os.path.join(args.out, DEMO_PLOT), seed=args.seed,
                   progress=not args.no_progress, fsdp=args.fsdp, model_config=model_config,
-                  packed=args.packed, mask=args.mask)
+                  packed=args.packed, mask=args.mask, compute_dtype=args.compute_dtype)
     print(f"demo wall time: {time.perf_counter() - start:.1f} s")
     return 0
 
@@ -153,6 +156,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "local layers causal within chunks of seq-len/4 tokens, Llama 4), "
                            "prefix (each document's first quarter bidirectional, prefix-LM) or "
                            "vlm (image-like bidirectional spans amid causal text)")
+    demo.add_argument("--compute-dtype", choices=COMPUTE_DTYPES, default=None,
+                      help="attention's matrix products in this dtype (FP8 scaled per token; "
+                           "softmax and sums in float32) in an extra unsharded run and every "
+                           "strategy's; the plain unsharded run is the baseline")
     demo.add_argument("--layers", type=positive_int, default=2, help="Transformer blocks")
     demo.add_argument("--local-window", type=positive_int, default=None,
                       help="make layers local (causal sliding window of this many past tokens) "
