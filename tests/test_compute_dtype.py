@@ -113,17 +113,29 @@ def test_fp8_forward_and_gradients_within_the_bounds_against_float64(strategy, p
     assert max(grads_bf16) < max(grads)
 
 
+@pytest.fixture(scope="module")
+def issue_shape():
+    """The issue's problem (S=1024) and the one-device FP8 forward's RMSE, computed once."""
+    q, k, v, g = fa3_inputs((1, 1024, 8, 64))
+    want, _ = oracle(q, k, v, g)
+    return (q, k, v), want, forward_rmse(call("local", jnp.float8_e4m3fn, None), q, k, v, want)
+
+
+def forward_rmse(fn, q, k, v, want):
+    out = jax.jit(fn)(q, k, v)
+    return float(np.sqrt(np.mean((np.asarray(out, np.float64) - want) ** 2)))
+
+
 @pytest.mark.matrix
 @pytest.mark.parametrize("strategy", STRATEGIES[1:])
-def test_fp8_error_is_flat_in_the_device_count_at_the_issues_shape(strategy, mesh):
-    q, k, v, g = fa3_inputs((1, 1024, 8, 64))
-    want, want_grads = oracle(q, k, v, g)
-    one, _, _ = errors(call("local", jnp.float8_e4m3fn, mesh), q, k, v, g, want, want_grads)
-    eight, grads, _ = errors(call(strategy, jnp.float8_e4m3fn, mesh), q, k, v, g, want,
-                             want_grads)
+def test_fp8_error_is_flat_in_the_device_count_at_the_issues_shape(strategy, issue_shape, mesh):
+    """The forward at the issue's shape: within its bound, P=8 within 1.05x of P=1 (the
+    gradients' error at this shape: experiments/fp8_error.py; their bounds: the test
+    above, at S=256)."""
+    (q, k, v), want, one = issue_shape
+    eight = forward_rmse(call(strategy, jnp.float8_e4m3fn, mesh), q, k, v, want)
     assert max(one, eight) <= FP8_RMSE, (one, eight)
     assert eight <= 1.05 * one, (one, eight)
-    assert max(grads) <= FP8_GRAD["fp8"], grads
 
 
 def test_the_hadamard_rotation_lowers_the_error(problem, mesh):
