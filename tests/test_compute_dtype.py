@@ -282,3 +282,43 @@ def test_fp8_inputs_without_scales_are_refused_naming_compute_dtype(call, mesh):
     with pytest.raises(ValueError, match="float8_e4m3fn, an FP8 dtype with no scales.*"
                                          "compute_dtype=jnp.float8_e4m3fn"):
         calls[call]()
+
+
+def _gemm_operand_dtypes(text):
+    """The operand dtypes of every GEMM fusion of an XLA:GPU program's text."""
+    import re
+    return [tuple(re.findall(r": (\w+)\[", params)) for params in re.findall(
+        r"^%\S*gemm_fusion\S* \(([^)]*)\) ->", text, re.M)]
+
+
+@pytest.mark.compile_gate
+@pytest.mark.parametrize("backward", ["float8_e4m3fn", "bfloat16"])
+def test_fp8_products_compile_to_fp8_gemms_on_h100(backward):
+    """On 8 H100s (compile only) the XLA kernel's products take their operands in the
+    compute dtype: FP8 x FP8 GEMM fusions (float32 accumulation) in the forward and, with
+    an FP8 backward, in the backward; bf16 x bf16 ones with a bf16 backward."""
+    from jax.sharding import NamedSharding
+    from jax_seqpar.tools import targets
+
+    try:
+        targets.require_plugin("cuda")
+    except ImportError as error:
+        pytest.skip(f"{error} (CI installs it)")
+    mesh = targets.target_mesh("h100:8", ("sp",))
+    q = jax.ShapeDtypeStruct((1, 2048, 8, 128), jnp.bfloat16,
+                             sharding=NamedSharding(mesh, P(None, "sp")))
+    compute = jax_seqpar.Compute(jnp.float8_e4m3fn, backward_dtype=backward)
+
+    def step(q, k, v):
+        out, pull = jax.vjp(lambda q, k, v: jax_seqpar.sequence_parallel_attention(
+            q, k, v, mesh=mesh, seq_axes="sp", strategy="ring", causal=True,
+            compute_dtype=compute), q, k, v)
+        return pull(jnp.ones_like(out))
+
+    compiled = jax.jit(step).trace(q, q, q).lower(lowering_platforms=("cuda",)).compile(
+        compiler_options=targets.compile_options("cuda", "ring"))
+    gemms = _gemm_operand_dtypes(compiled.as_text())
+    fp8 = sum(d[:2] == ("f8e4m3fn", "f8e4m3fn") for d in gemms)
+    bf16 = sum(d[:2] == ("bf16", "bf16") for d in gemms)
+    assert fp8 >= (6 if backward == "float8_e4m3fn" else 2), gemms  # QK, PV; dV, dP, dK, dQ
+    assert (bf16 >= 4) == (backward == "bfloat16"), gemms

@@ -144,17 +144,22 @@ def _scores(q_tile, k_tile, options: Options, q_scale=None, k_scale=None):
 class _Operand:
     """One operand as the products take it: ``values [B, S, *heads, F]`` in the compute
     dtype (or the input's) and, in FP8, the per-token ``scales float32[B, S, *heads]``
-    of their blocks (else None)."""
+    of their blocks (else None). ``computed``: the values are in the call's compute
+    dtype, and the products take them in it (FP8 or bf16 matrix units, float32
+    accumulation); else the products take them in float32."""
 
     values: jax.Array
     scales: Optional[jax.Array] = None
+    computed: bool = dataclasses.field(default=False, metadata=dict(static=True))
 
     def map(self, fn) -> "_Operand":
-        return _Operand(fn(self.values), None if self.scales is None else fn(self.scales))
+        return _Operand(fn(self.values), None if self.scales is None else fn(self.scales),
+                        self.computed)
 
     def tile(self, row, index, block):
-        """``(values [1, *heads, block, F] float32, scales [1, *heads, block] | None)``."""
-        values = _heads_first(_tile(self.values, row, index, block))
+        """``(values [1, *heads, block, F], scales [1, *heads, block] | None)``."""
+        values = jnp.moveaxis(_tile(self.values, row, index, block), 1, -2)
+        values = values if self.computed else values.astype(_F32)
         if self.scales is None:
             return values, None
         return values, jnp.moveaxis(_tile(self.scales, row, index, block), 1, -1)
@@ -166,7 +171,7 @@ def _operand(x, dtype_name: str, rotate: bool = False) -> _Operand:
     :func:`jax_seqpar.core.quant.rotation` where asked."""
     if rotate:
         x = x.astype(_F32) @ quant.rotation(x.shape[-1])
-    return _Operand(*quant.quantize(x, dtype_name))
+    return _Operand(*quant.quantize(x, dtype_name), computed=True)
 
 
 def _product(x, dtype_name: Optional[str], fold=None, over_group: bool = False):
@@ -174,13 +179,14 @@ def _product(x, dtype_name: Optional[str], fold=None, over_group: bool = False):
     product's operand: times ``fold`` (the other operand's per-token scales, which vary
     along the contracted axis), then rounded to ``dtype_name`` (FP8: scaled per head and
     tile; ``over_group``: one scale for a K/V head's query group, for a product that sums
-    over it). Returns ``(values float32, scale [B, Hkv, G or 1, 1, 1] | None)``."""
+    over it). Returns ``(values in dtype_name (float32 without one), scale [B, Hkv,
+    G or 1, 1, 1] | None)``."""
     if fold is not None:
         x = x * fold
     if dtype_name is None:
         return x, None
     values, scale = quant.scaled(x, dtype_name, (2, 3, 4) if over_group else (3, 4))
-    return values.astype(_F32), scale
+    return values, scale
 
 
 def _times(x, scale):
@@ -241,7 +247,7 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options):
             alpha = jnp.exp(m - m_new)
             fold = None if v_scale is None else v_scale[:, :, None, None, :]
             p_values, p_scale = _product(p, pv_dtype, fold)
-            pv = jnp.einsum("bhgqk,bhkd->bhgqd", p_values, v_tile)
+            pv = jnp.einsum("bhgqk,bhkd->bhgqd", p_values, v_tile, preferred_element_type=_F32)
             acc = acc * alpha[..., None] + _times(pv, p_scale)
             return m_new, l * alpha + p.sum(axis=-1), acc
 
@@ -357,20 +363,20 @@ def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options: Options,
             p = jnp.exp(s)
             by_query = None if do_scale is None else do_scale[..., None]
             p_values, p_scale = _product(p, product_dtype, by_query, over_group=True)
-            dv = dv + _times(jnp.einsum("bhgqk,bhgqd->bhkd", p_values, do_tile),
+            dv = dv + _times(jnp.einsum("bhgqk,bhgqd->bhkd", p_values, do_tile, preferred_element_type=_F32),
                              _group_scale(p_scale))
-            dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_tile, v_tile)
+            dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_tile, v_tile, preferred_element_type=_F32)
             if do_scale is not None:
                 dp = dp * do_scale[..., None] * v_scale[:, :, None, None, :]
             ds = p * (dp - delta_tile[..., None])
             ds = (ds if cap_slope is None else ds * cap_slope) * scale
             by_query = None if q_scale is None else q_scale[..., None]
             ds_values, ds_scale = _product(ds, product_dtype, by_query, over_group=True)
-            dk = dk + _times(jnp.einsum("bhgqk,bhgqd->bhkd", ds_values, q_tile),
+            dk = dk + _times(jnp.einsum("bhgqk,bhgqd->bhkd", ds_values, q_tile, preferred_element_type=_F32),
                              _group_scale(ds_scale))
             by_key = None if k_scale is None else k_scale[:, :, None, None, :]
             ds_values, ds_scale = _product(ds, product_dtype, by_key)
-            return (dk, dv), _times(jnp.einsum("bhgqk,bhkd->bhgqd", ds_values, k_tile),
+            return (dk, dv), _times(jnp.einsum("bhgqk,bhkd->bhgqd", ds_values, k_tile, preferred_element_type=_F32),
                                     ds_scale)
 
         def q_block(i, carry):
