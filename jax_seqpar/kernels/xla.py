@@ -171,7 +171,8 @@ def _operand(x, dtype_name: str, rotate: bool = False) -> _Operand:
     :func:`jax_seqpar.core.quant.rotation` where asked."""
     if rotate:
         x = x.astype(_F32) @ quant.rotation(x.shape[-1])
-    return _Operand(*quant.quantize(x, dtype_name), computed=True)
+    values, scales = quant.quantize(x, dtype_name)
+    return _Operand(values, scales, computed=True)
 
 
 def _product(x, dtype_name: Optional[str], fold=None, over_group: bool = False):
