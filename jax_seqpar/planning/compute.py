@@ -16,9 +16,8 @@ window of 1024 at S=8192 over 8 devices: 523 tiles for Ulysses' forward, 150 con
 Packed documents are counted per row by :mod:`.packed`. The FLOPs are
 ``2 B H (Dqk + Dv)`` per pair forward, ``(3 Dqk + 2 Dv) / (Dqk + Dv)`` times that
 backward for a call that needs dq, dK and dV; a pipelined backward call that needs only
-dq or only dK/dV costs its kernel's share where the backward is two kernels
-(:attr:`jax_seqpar.planning.hardware.Hardware.split_backward`, :func:`_pipeline_pairs`).
-At the hardware's attention FLOP/s.
+dq or only dK/dV costs the products it recomputes (:func:`_pipeline_pairs`). At the
+hardware's attention FLOP/s.
 """
 
 from __future__ import annotations
@@ -123,8 +122,8 @@ def _step_pairs(entry: Strategy, ring: int, ulysses: int, shape: LayerShape,
     return [steps.get(step, sum(later) / len(later)) for step in range(ring)]
 
 
-def _pipeline_pairs(entry: Strategy, ring: int, ulysses: int, shape: LayerShape, tile: int,
-                    split_backward: bool) -> tuple[list[float], list[float]] | None:
+def _pipeline_pairs(entry: Strategy, ring: int, ulysses: int, shape: LayerShape,
+                    tile: int) -> tuple[list[float], list[float]] | None:
     """``(forward, backward)`` computed pairs per ring step on the busiest ring group of a
     strategy that cuts its exchange into sequence pieces
     (:attr:`~jax_seqpar.strategies.entry.Strategy.kernel_calls`: Ulysses' pipeline, the
@@ -133,14 +132,18 @@ def _pipeline_pairs(entry: Strategy, ring: int, ulysses: int, shape: LayerShape,
     a window or causality empties fewer tiles than in the contiguous order); None where
     the strategy does not (then :func:`_step_pairs`).
 
-    The backward's pairs are in units of a call that needs dq, dK and dV: one fused
-    backward (``2 (3 Dqk + 2 Dv)`` FLOPs a pair). A call that needs only dq or only dK/dV
-    costs that much too where the backward is one fused loop (``split_backward`` False:
-    the XLA kernel keeps the whole loop; measured on CPU, a dq-only call took 96 % of a
-    full call's time and a dK/dV-only call 100 %); where it is two kernels that each
-    recompute the scores and ``dP`` (the Pallas and Mosaic kernels: dq ``2 (2 Dqk + Dv)``
-    FLOPs a pair, dK/dV ``2 (2 Dqk + 2 Dv)``, 3/7 and 4/7 of both at equal head dims),
-    only the kernel the call reads runs: its share of a full call.
+    The backward's pairs are in units of a call that needs dq, dK and dV, whose products
+    share the recomputed scores and ``dP`` (``2 (3 Dqk + 2 Dv)`` FLOPs a pair). The
+    pipelines' backward reads dq from some calls and dK/dV from others, and each such
+    call recomputes the scores and ``dP`` for itself (the Pallas and Mosaic kernels run
+    only the dq or the dK/dV kernel a call reads): a dq-only call counts
+    ``(2 Dqk + Dv) / (3 Dqk + 2 Dv)`` of a whole one, a dK/dV-only call
+    ``(2 Dqk + 2 Dv) / (3 Dqk + 2 Dv)`` (3/5 and 4/5 at equal head dims). The XLA kernel
+    is one loop that keeps every product whatever the call reads (a dq-only call took 96 %
+    of a whole one on CPU), but its timings at S=8192 over 8 CPU devices fit these
+    FLOP shares better than a whole call each (f+b Ulysses/ring with a causal window of
+    1024: about 4x measured, 4.2x predicted, 5.6x with whole calls; plain causal,
+    Ulysses/all-gather about 1.1x measured, 1.8x predicted, 2.3x with whole calls).
     """
     if entry.kernel_calls is None:
         return None
@@ -149,9 +152,8 @@ def _pipeline_pairs(entry: Strategy, ring: int, ulysses: int, shape: LayerShape,
                                      num_shards=devices) == "zigzag"
     shards = _shard_positions(shape.seq_len, devices, zigzag)
     d_qk, d_v = shape.head_dim, shape.v_head_dim or shape.head_dim
-    both = 4 * d_qk + 3 * d_v  # the two kernels' products, per pair
-    share = {"all": 1.0, "dq": (2 * d_qk + d_v) / both if split_backward else 1.0,
-             "dkv": (2 * d_qk + 2 * d_v) / both if split_backward else 1.0}
+    whole = 3 * d_qk + 2 * d_v  # the products of a call that needs dq, dK and dV
+    share = {"all": 1.0, "dq": (2 * d_qk + d_v) / whole, "dkv": (2 * d_qk + 2 * d_v) / whole}
     by_group = [entry.kernel_calls(shape, ring, ulysses, shards, g)
                 for g in _sampled(range(ring))]
     forward, backward = [0.0] * ring, [0.0] * ring
@@ -188,7 +190,7 @@ def step_seconds(entry: Strategy, ring: int, ulysses: int, shape: LayerShape,
     if documents is not None:
         pairs = packed.step_pairs(entry, ring, ulysses, shape, tile, documents)
     elif _tile_count(ring, shape, tile) <= _MAX_TILE_PAIRS:
-        pipelined = _pipeline_pairs(entry, ring, ulysses, shape, tile, hardware.split_backward)
+        pipelined = _pipeline_pairs(entry, ring, ulysses, shape, tile)
         pairs = (pipelined[0] if pipelined is not None
                  else _step_pairs(entry, ring, ulysses, shape, tile))
     else:  # too many tiles to classify: exact visible pairs, spread evenly
