@@ -16,8 +16,9 @@ window of 1024 at S=8192 over 8 devices: 523 tiles for Ulysses' forward, 150 con
 Packed documents are counted per row by :mod:`.packed`. The FLOPs are
 ``2 B H (Dqk + Dv)`` per pair forward, ``(3 Dqk + 2 Dv) / (Dqk + Dv)`` times that
 backward for a call that needs dq, dK and dV; a pipelined backward call that needs only
-dq or only dK/dV costs the products it recomputes (:func:`_pipeline_pairs`). At the
-hardware's attention FLOP/s.
+dq or only dK/dV costs the products it computes, against those of a whole call on the
+hardware's kernel (:attr:`jax_seqpar.planning.hardware.Hardware.split_backward`,
+:func:`_pipeline_pairs`). At the hardware's attention FLOP/s.
 """
 
 from __future__ import annotations
@@ -122,8 +123,8 @@ def _step_pairs(entry: Strategy, ring: int, ulysses: int, shape: LayerShape,
     return [steps.get(step, sum(later) / len(later)) for step in range(ring)]
 
 
-def _pipeline_pairs(entry: Strategy, ring: int, ulysses: int, shape: LayerShape,
-                    tile: int) -> tuple[list[float], list[float]] | None:
+def _pipeline_pairs(entry: Strategy, ring: int, ulysses: int, shape: LayerShape, tile: int,
+                    split_backward: bool) -> tuple[list[float], list[float]] | None:
     """``(forward, backward)`` computed pairs per ring step on the busiest ring group of a
     strategy that cuts its exchange into sequence pieces
     (:attr:`~jax_seqpar.strategies.entry.Strategy.kernel_calls`: Ulysses' pipeline, the
@@ -132,18 +133,18 @@ def _pipeline_pairs(entry: Strategy, ring: int, ulysses: int, shape: LayerShape,
     a window or causality empties fewer tiles than in the contiguous order); None where
     the strategy does not (then :func:`_step_pairs`).
 
-    The backward's pairs are in units of a call that needs dq, dK and dV, whose products
-    share the recomputed scores and ``dP`` (``2 (3 Dqk + 2 Dv)`` FLOPs a pair). The
-    pipelines' backward reads dq from some calls and dK/dV from others, and each such
-    call recomputes the scores and ``dP`` for itself (the Pallas and Mosaic kernels run
-    only the dq or the dK/dV kernel a call reads): a dq-only call counts
-    ``(2 Dqk + Dv) / (3 Dqk + 2 Dv)`` of a whole one, a dK/dV-only call
-    ``(2 Dqk + 2 Dv) / (3 Dqk + 2 Dv)`` (3/5 and 4/5 at equal head dims). The XLA kernel
-    is one loop that keeps every product whatever the call reads (a dq-only call took 96 %
-    of a whole one on CPU), but its timings at S=8192 over 8 CPU devices fit these
-    FLOP shares better than a whole call each (f+b Ulysses/ring with a causal window of
-    1024: about 4x measured, 4.2x predicted, 5.6x with whole calls; plain causal,
-    Ulysses/all-gather about 1.1x measured, 1.8x predicted, 2.3x with whole calls).
+    The backward's pairs are in units of a call that needs dq, dK and dV (what the ring's
+    calls read); a call that reads only dq or only dK/dV costs the products it computes,
+    the scores and ``dP`` recomputed for itself: dq ``2 Dqk + Dv`` and dK/dV
+    ``2 Dqk + 2 Dv`` (times ``2`` FLOPs a pair), of a whole call's ``4 Dqk + 3 Dv`` where
+    the backward is two kernels that each recompute them (``split_backward``: Pallas,
+    Mosaic; 3/7 and 4/7 at equal head dims, together one whole call), or of its
+    ``3 Dqk + 2 Dv`` where one fused loop shares them (the XLA kernel: 3/5 and 4/5). The
+    XLA loop keeps every product whatever the call reads (a dq-only call took 96 % of a
+    whole one on CPU), but the CPU timings at S=8192 over 8 devices fit these FLOP shares
+    better than a whole call each (f+b Ulysses/ring with a causal window of 1024: about
+    4x measured, 4.2x predicted, 5.6x with whole calls; plain causal, Ulysses/all-gather
+    about 1.1x measured, 1.8x predicted, 2.3x with whole calls).
     """
     if entry.kernel_calls is None:
         return None
@@ -152,7 +153,8 @@ def _pipeline_pairs(entry: Strategy, ring: int, ulysses: int, shape: LayerShape,
                                      num_shards=devices) == "zigzag"
     shards = _shard_positions(shape.seq_len, devices, zigzag)
     d_qk, d_v = shape.head_dim, shape.v_head_dim or shape.head_dim
-    whole = 3 * d_qk + 2 * d_v  # the products of a call that needs dq, dK and dV
+    # The products a call that reads dq, dK and dV computes: two kernels, or one loop.
+    whole = 4 * d_qk + 3 * d_v if split_backward else 3 * d_qk + 2 * d_v
     share = {"all": 1.0, "dq": (2 * d_qk + d_v) / whole, "dkv": (2 * d_qk + 2 * d_v) / whole}
     by_group = [entry.kernel_calls(shape, ring, ulysses, shards, g)
                 for g in _sampled(range(ring))]
@@ -190,7 +192,7 @@ def step_seconds(entry: Strategy, ring: int, ulysses: int, shape: LayerShape,
     if documents is not None:
         pairs = packed.step_pairs(entry, ring, ulysses, shape, tile, documents)
     elif _tile_count(ring, shape, tile) <= _MAX_TILE_PAIRS:
-        pipelined = _pipeline_pairs(entry, ring, ulysses, shape, tile)
+        pipelined = _pipeline_pairs(entry, ring, ulysses, shape, tile, hardware.split_backward)
         pairs = (pipelined[0] if pipelined is not None
                  else _step_pairs(entry, ring, ulysses, shape, tile))
     else:  # too many tiles to classify: exact visible pairs, spread evenly

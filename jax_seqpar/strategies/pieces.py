@@ -168,8 +168,8 @@ class KernelCall(NamedTuple):
       q_positions: ``int[Sq]`` positions of the call's queries, in the order it takes them.
       kv_positions: ``int[Sk]`` positions of its keys, likewise.
       computes: ``"forward"``, or the backward results the pipeline reads: ``"dq"``,
-        ``"dkv"`` (dK and dV) or ``"all"`` (the Pallas and Mosaic backward is a dq kernel
-        and a dK/dV kernel: a call runs those it reads).
+        ``"dkv"`` (dK and dV) or ``"all"`` (priced by
+        :attr:`jax_seqpar.planning.hardware.Hardware.split_backward`).
     """
 
     q_positions: np.ndarray
