@@ -14,7 +14,8 @@ Per layer (a :class:`~jax_seqpar.core.shape.LayerShape`), forward + backward, on
 device (:class:`~jax_seqpar.planning.hardware.Hardware` figures):
 
 * compute: attention FLOPs ``2 B H (Dqk + Dv)`` per visible (query, key) pair,
-  the backward ``(3 Dqk + 2 Dv) / (Dqk + Dv)`` times the forward, causal and
+  the backward ``(3 Dqk + 2 Dv) / (Dqk + Dv)`` times the forward (a pipeline's calls
+  that read only dq or only dK/dV at the products they compute), causal and
   window masks counting only visible pairs, in whole tiles of ``tile`` tokens (a
   kernel fact, not the layer's) on the busiest device of every ring step (zigzag
   balances causal rings; Ulysses is balanced by construction), each kernel call of a
