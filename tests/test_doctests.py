@@ -27,6 +27,7 @@ DOCTESTED = (
     "jax_seqpar.planning.predict",
     "jax_seqpar.planning.projection",
     "jax_seqpar.strategies.heads",
+    "jax_seqpar.strategies.pieces",
     "jax_seqpar.strategies.registry",
     "jax_seqpar.tools.hlo",
     "jax_seqpar.tools.hlo_text",

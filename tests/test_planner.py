@@ -425,3 +425,84 @@ def test_a_tie_is_said_to_be_a_tie_and_goes_to_fewest_bytes():
     assert f"a tie on h100, {len(tied)} candidates" in choice.reason
     assert "the tie goes to the fewest bytes sent" in choice.reason
     assert "fastest predicted" not in choice.reason
+
+
+def _computed_tiles(q_positions, kv_positions, window, tile=compute.TILE):
+    """Tiles a kernel computes for one call, by the rule every kernel uses (a tile is
+    skipped when its position ranges rule out every pair): causal, ``(left, 0)`` window."""
+    def ranges(positions):
+        tiles = positions.reshape(-1, min(tile, positions.size))
+        return tiles.min(axis=1)[:, None], tiles.max(axis=1)[:, None]
+
+    (q_lo, q_hi), (k_lo, k_hi) = ranges(q_positions), ranges(kv_positions)
+    k_lo, k_hi = k_lo.T, k_hi.T
+    empty = (k_lo > q_hi) | (k_hi < q_lo - window[0])
+    return int((~empty).sum())
+
+
+def test_ulysses_sequence_pieces_are_counted_in_their_token_order():
+    """Ulysses' pipeline gathers every piece device by device, so a kernel call's tiles
+    mix far-apart tokens and a window empties few of them: the model counts the tiles of
+    every call in that order (523 at S=8192 over 8 devices, not the contiguous order's
+    150), the backward's dq and dK/dV calls each at the products they recompute."""
+    seq_len, devices, heads, dim, window = 8192, 8, 8, 64, (1024, 0)
+    shape = LayerShape(1, seq_len, heads, heads, dim, dtype=jnp.bfloat16, causal=True,
+                       window=window)
+    local_len = seq_len // devices
+    pieces = 5  # what pieces="auto" takes at 1024 tokens a device over 8
+    sizes = (64, 256, 256, 256, 128, 64)  # heads.piece_sizes(1024, 5)
+    starts = np.cumsum((0,) + sizes[:-1])
+
+    def gathered(start, size):  # one piece's all-to-all: device 0's tokens, device 1's, ...
+        return np.concatenate([d * local_len + np.arange(start, start + size)
+                               for d in range(devices)])
+
+    queries = [gathered(o, s) for o, s in zip(starts, sizes)]
+    keys = [gathered(o, 64) for o in range(0, local_len, 64)]
+    all_queries, all_keys = np.concatenate(queries), np.concatenate(keys)
+    forward = (sum(_computed_tiles(queries[0], kv, window) for kv in keys)
+               + sum(_computed_tiles(q, all_keys, window) for q in queries[1:]))
+    dq = sum(_computed_tiles(q, all_keys, window) for q in queries)
+    dkv = sum(_computed_tiles(all_queries, kv, window) for kv in keys)
+    contiguous = _computed_tiles(np.arange(seq_len), np.arange(seq_len), window)
+    assert (forward, contiguous) == (523, 150)
+
+    ulysses = registry.get("ulysses")
+    assert ulysses.pieces(shape, 1, devices) == (2 ** (pieces - 1),) * 2
+    flops_per_pair = 2 * (heads // devices) * 2 * dim
+    ratio = 5 / 2  # (3 Dqk + 2 Dv) / (Dqk + Dv)
+    # dq computes S, dP and dQ (3 products a pair), dK/dV S, dP, dV and dK (4): of a whole
+    # call's 5 in the XLA kernel's fused loop (cpu), of 7 in two kernels (h100)
+    for preset, whole in ((hardware.CPU, 5), (hardware.H100, 7)):
+        fwd, bwd = compute.step_seconds(ulysses, 1, devices, shape, preset, compute.TILE)
+        to_tiles = preset.attention_flops / flops_per_pair / compute.TILE ** 2
+        assert fwd[0] * to_tiles == pytest.approx(forward)
+        assert bwd[0] * to_tiles == pytest.approx(ratio * (3 * dq + 4 * dkv) / whole)
+    # The ring attends its own contiguous shards: no pieces, the contiguous order.
+    ring = registry.get("ring")
+    assert ring.kernel_calls is None
+    fwd, _ = compute.step_seconds(ring, devices, 1, shape, hardware.CPU, compute.TILE)
+    to_tiles = hardware.CPU.attention_flops / (2 * heads * 2 * dim) / compute.TILE ** 2
+    assert sum(fwd) * to_tiles * devices >= contiguous
+
+
+def test_auto_picks_the_halo_ring_for_a_window_on_the_cpu_mesh(tmp_path, monkeypatch):
+    """On the 8 emulated CPU devices a causal window of 1024 at S=8192 runs 3-4x faster as
+    the ring's halo exchange than as Ulysses (``experiments/window_auto_time.py``), whose
+    pieces leave the window few tiles to skip: ``strategy="auto"`` takes the ring, which
+    sends only the halo."""
+    monkeypatch.setenv(tuned.ENV_VAR, str(tmp_path / "empty.json"))
+    mesh = jax.make_mesh((8,), ("sp",))
+    assert hardware.for_device_kind(mesh.devices.flat[0].device_kind) is hardware.CPU
+    for backward in (False, True):
+        layer = LayerShape(1, 8192, 8, 8, 64, dtype=jnp.bfloat16, causal=True,
+                           window=(1024, 0), backward=backward)
+        assert planner.auto_choice(layer, mesh, ("sp",)) == ("ring", None)
+        chosen = planner.plan_layer(layer, {"sp": 8}, hardware="cpu")
+        seconds = chosen.predicted_seconds
+        assert seconds["ulysses"] > 3 * seconds["ring"]
+        # The halo: the window's 1024 keys of one neighbour, not the whole ring's K/V.
+        whole = registry.comm_bytes("ring", axis_sizes=8,
+                                    **layer.replace(window=None).comm_kwargs())
+        assert chosen.bytes_per_device < whole / 4
+        assert chosen.bytes_per_device < chosen.candidates["ulysses"]

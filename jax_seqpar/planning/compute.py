@@ -6,10 +6,19 @@ Pairs are counted in whole tiles of ``tile`` tokens that the mask does not empty
 (:func:`tile_pairs`), for the token order the package runs: zigzag over all ``P`` shards
 when causal where it balances the strategy's work (ring, hybrid, all-gather) and the
 mask's reach is not bounded (:func:`jax_seqpar.strategies.registry.default_layout`), else
-contiguous (Ulysses; windows and chunks); per ring step, or in one step where the strategy gathers K/V.
+contiguous (Ulysses; windows and chunks); per ring step, or in one step where the strategy
+gathers K/V. Where a strategy cuts its exchange into sequence pieces (Ulysses' pipeline,
+the hybrid's around its ring: :attr:`~jax_seqpar.strategies.entry.Strategy.kernel_calls`),
+every kernel call is counted in the token order its all-to-alls give it, which
+interleaves the devices' pieces (:func:`jax_seqpar.strategies.pieces.kernel_calls`): a
+window or causality empties fewer tiles there than in the contiguous order (a causal
+window of 1024 at S=8192 over 8 devices: 523 tiles for Ulysses' forward, 150 contiguous).
 Packed documents are counted per row by :mod:`.packed`. The FLOPs are
 ``2 B H (Dqk + Dv)`` per pair forward, ``(3 Dqk + 2 Dv) / (Dqk + Dv)`` times that
-backward, at the hardware's attention FLOP/s.
+backward for a call that needs dq, dK and dV; a pipelined backward call that needs only
+dq or only dK/dV costs the products it computes, against those of a whole call on the
+hardware's kernel (:attr:`jax_seqpar.planning.hardware.Hardware.split_backward`,
+:func:`_pipeline_pairs`). At the hardware's attention FLOP/s.
 """
 
 from __future__ import annotations
@@ -90,7 +99,8 @@ def _step_pairs(entry: Strategy, ring: int, ulysses: int, shape: LayerShape,
 
     Token orders as the package runs them (``default_layout``): zigzag over all ``P`` shards when causal
     where it balances (:attr:`~jax_seqpar.strategies.entry.Strategy.zigzag_balances`:
-    ring, hybrid and all-gather), else contiguous (Ulysses). A device attends for its
+    ring, hybrid and all-gather), else contiguous (Ulysses), each group's devices in turn
+    (exchanges not cut into sequence pieces; those are :func:`_pipeline_pairs`'). A device attends for its
     ring group's ``I`` shards gathered by a head split (the hybrid's all-to-all; all of
     them for Ulysses), or its own queries to every key at once where the strategy
     gathers K/V (:attr:`~jax_seqpar.strategies.entry.Strategy.gathers_kv`).
@@ -113,6 +123,56 @@ def _step_pairs(entry: Strategy, ring: int, ulysses: int, shape: LayerShape,
     return [steps.get(step, sum(later) / len(later)) for step in range(ring)]
 
 
+def _pipeline_pairs(entry: Strategy, ring: int, ulysses: int, shape: LayerShape, tile: int,
+                    split_backward: bool) -> tuple[list[float], list[float]] | None:
+    """``(forward, backward)`` computed pairs per ring step on the busiest ring group of a
+    strategy that cuts its exchange into sequence pieces
+    (:attr:`~jax_seqpar.strategies.entry.Strategy.kernel_calls`: Ulysses' pipeline, the
+    hybrid's around its ring), counted call by call with :func:`tile_pairs` in the token
+    order each call receives (the pieces' all-to-alls interleave the devices' tokens, so
+    a window or causality empties fewer tiles than in the contiguous order); None where
+    the strategy does not (then :func:`_step_pairs`).
+
+    The backward's pairs are in units of a call that needs dq, dK and dV (what the ring's
+    calls read); a call that reads only dq or only dK/dV costs the products it computes,
+    the scores and ``dP`` recomputed for itself: dq ``2 Dqk + Dv`` and dK/dV
+    ``2 Dqk + 2 Dv`` (times ``2`` FLOPs a pair), of a whole call's ``4 Dqk + 3 Dv`` where
+    the backward is two kernels that each recompute them (``split_backward``: Pallas,
+    Mosaic; 3/7 and 4/7 at equal head dims, together one whole call), or of its
+    ``3 Dqk + 2 Dv`` where one fused loop shares them (the XLA kernel: 3/5 and 4/5). The
+    XLA loop keeps every product whatever the call reads (a dq-only call took 96 % of a
+    whole one on CPU), but the CPU timings at S=8192 over 8 devices fit these FLOP shares
+    better than a whole call each (f+b Ulysses/ring with a causal window of 1024: about
+    4x measured, 4.2x predicted, 5.6x with whole calls; plain causal, Ulysses/all-gather
+    about 1.1x measured, 1.8x predicted, 2.3x with whole calls).
+    """
+    if entry.kernel_calls is None:
+        return None
+    devices = ring * ulysses
+    zigzag = registry.default_layout(entry.name, shape.mask, seq_len=shape.seq_len,
+                                     num_shards=devices) == "zigzag"
+    shards = _shard_positions(shape.seq_len, devices, zigzag)
+    d_qk, d_v = shape.head_dim, shape.v_head_dim or shape.head_dim
+    # The products a call that reads dq, dK and dV computes: two kernels, or one loop.
+    whole = 4 * d_qk + 3 * d_v if split_backward else 3 * d_qk + 2 * d_v
+    share = {"all": 1.0, "dq": (2 * d_qk + d_v) / whole, "dkv": (2 * d_qk + 2 * d_v) / whole}
+    by_group = [entry.kernel_calls(shape, ring, ulysses, shards, g)
+                for g in _sampled(range(ring))]
+    forward, backward = [0.0] * ring, [0.0] * ring
+    for steps in by_group:
+        if steps is None:  # not cut into pieces for this layer: one call a step
+            return None
+        for step, calls in enumerate(steps):
+            counted = [(call, tile_pairs(call.q_positions, call.kv_positions, shape, tile))
+                       for call in calls]
+            forward[step] = max(forward[step], sum(pairs for call, pairs in counted
+                                                   if call.computes == "forward"))
+            backward[step] = max(backward[step], sum(share[call.computes] * pairs
+                                                     for call, pairs in counted
+                                                     if call.computes != "forward"))
+    return forward, backward
+
+
 def _sampled(items, limit: int = 8):
     """All items when few, else ``limit`` of them spread evenly (for large meshes)."""
     items = list(items)
@@ -128,18 +188,21 @@ def step_seconds(entry: Strategy, ring: int, ulysses: int, shape: LayerShape,
     ``documents``: :func:`jax_seqpar.planning.packed.documents` of a packed batch, or None."""
     d_qk, d_v = shape.head_dim, shape.v_head_dim or shape.head_dim  # None: head_dim
     heads = shape.num_heads // ulysses
+    pipelined = None
     if documents is not None:
         pairs = packed.step_pairs(entry, ring, ulysses, shape, tile, documents)
     elif _tile_count(ring, shape, tile) <= _MAX_TILE_PAIRS:
-        pairs = _step_pairs(entry, ring, ulysses, shape, tile)
+        pipelined = _pipeline_pairs(entry, ring, ulysses, shape, tile, hardware.split_backward)
+        pairs = (pipelined[0] if pipelined is not None
+                 else _step_pairs(entry, ring, ulysses, shape, tile))
     else:  # too many tiles to classify: exact visible pairs, spread evenly
         per_device = visible_pairs(shape.seq_len, shape.mask) / ring
         steps = 1 if entry.gathers_kv else ring
         pairs = [per_device / steps] * steps
-    forward = [2 * shape.batch * heads * (d_qk + d_v) * p / hardware.attention_flops
-               for p in pairs]
+    backward_pairs = pairs if pipelined is None else pipelined[1]
+    per_pair = 2 * shape.batch * heads * (d_qk + d_v) / hardware.attention_flops
     ratio = (3 * d_qk + 2 * d_v) / (d_qk + d_v) if shape.backward else 0.0
-    return forward, [f * ratio for f in forward]
+    return [per_pair * p for p in pairs], [per_pair * ratio * p for p in backward_pairs]
 
 
 _MAX_TILE_PAIRS = 2**20  # beyond, tiles are a negligible fraction of a chunk

@@ -99,6 +99,11 @@ class Hardware:
         gives it a kernel to hide behind (:data:`GPU_OVERLAPS`, :data:`TPU_OVERLAPS`;
         the compile gate checks both against the compiled schedules). Emulated CPU
         devices copy on the cores that compute: the ``"cpu"`` preset overlaps none.
+      split_backward: whether the platform's backward kernel is two kernels, dq and
+        dK/dV, that each recompute the scores and ``dP`` (Pallas on GPU, Mosaic on TPU):
+        a call that reads all three runs both; False: one fused loop that shares them (the
+        XLA kernel, the ``"cpu"`` preset's). Read by :mod:`jax_seqpar.planning.compute`
+        to price the pipelines' dq-only and dK/dV-only calls against a whole call.
     """
 
     name: str
@@ -110,6 +115,7 @@ class Hardware:
     devices_per_domain: int
     attention_efficiency: float = 0.5
     overlaps: tuple = COLLECTIVES
+    split_backward: bool = True
 
     def __post_init__(self):
         for name in ("peak_flops", "hbm_bytes", "hbm_bandwidth"):
@@ -219,7 +225,7 @@ TPU_V6E = Hardware(name="tpu-v6e", peak_flops=918e12, hbm_bytes=32 * _GB,
 #: Every device is in one domain; copies do not overlap compute.
 CPU = Hardware(name="cpu", peak_flops=20e9, hbm_bytes=4 * _GIB, hbm_bandwidth=10 * _GB,
                ici=Link(2 * _GB, 50e-6), dcn=Link(2 * _GB, 50e-6), devices_per_domain=1 << 20,
-               attention_efficiency=0.3, overlaps=())
+               attention_efficiency=0.3, overlaps=(), split_backward=False)
 
 #: Every preset by name.
 PRESETS = {h.name: h for h in (H100, H200, A100, TPU_V5E, TPU_V5P, TPU_V6E, CPU)}

@@ -14,10 +14,13 @@ Per layer (a :class:`~jax_seqpar.core.shape.LayerShape`), forward + backward, on
 device (:class:`~jax_seqpar.planning.hardware.Hardware` figures):
 
 * compute: attention FLOPs ``2 B H (Dqk + Dv)`` per visible (query, key) pair,
-  the backward ``(3 Dqk + 2 Dv) / (Dqk + Dv)`` times the forward, causal and
+  the backward ``(3 Dqk + 2 Dv) / (Dqk + Dv)`` times the forward (a pipeline's calls
+  that read only dq or only dK/dV at the products they compute), causal and
   window masks counting only visible pairs, in whole tiles of ``tile`` tokens (a
   kernel fact, not the layer's) on the busiest device of every ring step (zigzag
-  balances causal rings; Ulysses is balanced by construction), at
+  balances causal rings; Ulysses is balanced by construction), each kernel call of a
+  pipeline in sequence pieces in the token order its all-to-alls give it
+  (:mod:`jax_seqpar.planning.compute`), at
   ``peak_flops * attention_efficiency``. Packed documents (``segment_ids=`` of a
   representative batch, in the batch's ``layout``) are counted as the kernels
   compute them: tiles classified per row

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable, Optional
 
 if TYPE_CHECKING:  # annotations only
     from jax_seqpar.core.shape import LayerShape
+    from jax_seqpar.strategies.pieces import KernelCall
 
 __all__ = ["Strategy"]
 
@@ -80,6 +81,13 @@ class Strategy:
         query shard to every key in one step (K/V gathered: the all-gather). False: a
         ring group's tokens (all the sequence after a head split over all devices) attend
         to the group's K/V ring step by ring step.
+      kernel_calls: ``kernel_calls(shape, ring, ulysses, shards, group)``: the kernel
+        calls of ring group ``group`` per ring step (lists of
+        :class:`~jax_seqpar.strategies.pieces.KernelCall`) where its pipeline cuts the
+        exchange into sequence pieces, whose gathered token order interleaves the devices
+        (``shards``: ``int[P, L]`` positions of the devices' tokens, in device order); the
+        compute model counts its tiles call by call. None (the field, or its result): a
+        device attends in its group's device order, one call a ring step.
       kv_memory: ``kv_memory(shape, ring, ulysses) -> bytes`` per device of the K/V (and
         K/V gradients) it holds beyond the layer's own arrays, over ``ring x ulysses``
         devices (the ring's block in flight and dK/dV accumulators, the all-gather's
@@ -100,6 +108,7 @@ class Strategy:
     exchange_steps: Optional[Callable[[int, LayerShape], int]] = None
     gathers_kv: bool = False
     kv_memory: Optional[Callable[[LayerShape, int, int], float]] = None
+    kernel_calls: Optional[Callable[..., Optional[list[list[KernelCall]]]]] = None
     attend: Optional[Callable] = None
     pipelining: tuple[str, ...] = ()
 

@@ -35,6 +35,7 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_seqpar.core.quant import ComputeLike
 from jax_seqpar.core.masks import MaskSpec
@@ -47,9 +48,11 @@ from jax_seqpar.strategies.heads import (piece_sizes, default_pieces, kv_replica
 from jax_seqpar.strategies.inputs import (Metadata, Operands, Options, axis_size, describe,
                                           finish, gather_tokens, shard_operands)
 from jax_seqpar.strategies.ring import ENTRY as RING, in_flight_memory, ring_over, rotation_bytes
-from jax_seqpar.strategies.ring_pieces import ring_pieces
+from jax_seqpar.strategies.pieces import KernelCall, kernel_calls as seq_kernel_calls
+from jax_seqpar.strategies.ring_pieces import kernel_calls as ring_kernel_calls, ring_pieces
 from jax_seqpar.strategies.traffic import NO_MASK, replicated_kv_heads, layer_reach
-from jax_seqpar.strategies.ulysses import ENTRY as ULYSSES, exchange_bytes, exchange_pieces
+from jax_seqpar.strategies.ulysses import (ENTRY as ULYSSES, auto_pieces, exchange_bytes,
+                                           exchange_pieces)
 
 if TYPE_CHECKING:  # annotations only
     from jax_seqpar.core.shape import LayerShape
@@ -260,8 +263,32 @@ def _pieces(shape: LayerShape, ring: int, ulysses: int) -> tuple[int, int]:
     return pieces, pieces
 
 
+def _kernel_calls(shape: LayerShape, ring: int, ulysses: int, shards: np.ndarray,
+                  group: int) -> list[list[KernelCall]] | None:
+    """Ring group ``group``'s kernel calls per ring step over the ``[P, L]`` ``shards``
+    positions, with the inner exchange in sequence pieces (:func:`ring_pieces.kernel_calls`;
+    Ulysses' pipeline alone where the mask's reach over the groups is ``(0, 0)``), or None
+    where it is not cut along the sequence (a halo ring, head groups) or nothing is
+    exchanged (local attention)."""
+    shard_len = shards.shape[1]
+    if halo.is_local(shape.mask, shard_len, ring * ulysses):
+        return None
+    kind = outer_ring(shape.mask, shard_len * ulysses, ring, shard_len=shard_len)
+    pieces, _ = auto_pieces(shape, ring, ulysses, shared_kv=False, in_pieces=kind != "halo",
+                            local_len=shard_len)
+    if pieces == 1:
+        return None
+    sizes = piece_sizes(shard_len, pieces)
+    groups = shards.reshape(ring, -1)  # each group's tokens, its devices in order
+    if kind == "none":  # no ring: Ulysses' pipeline over the group
+        return [seq_kernel_calls(groups[group], ulysses, sizes)] + [[]] * (ring - 1)
+    blocks = [groups[(group - step) % ring] for step in range(ring)]
+    return ring_kernel_calls(blocks, ulysses, sizes)
+
+
 #: The hybrid's registry entry (:mod:`jax_seqpar.strategies.registry`).
 ENTRY = Strategy("hybrid", hybrid_attention, hybrid_bytes, num_seq_axes=2, splits_heads=True,
                  zigzag_balances=True, preference=1, parts=(RING.name, ULYSSES.name),
-                 kv_memory=in_flight_memory, pieces=_pieces, attend=attend,
+                 kv_memory=in_flight_memory, pieces=_pieces, kernel_calls=_kernel_calls,
+                 attend=attend,
                  pipelining=("overlap", "pieces", "head_groups"))

@@ -8,7 +8,9 @@ and segment ids travel with them: any token order is exact). The pipelines that 
 (:mod:`jax_seqpar.strategies.seq_pipeline` around the kernel,
 :mod:`jax_seqpar.strategies.ring_pieces` around the hybrid's ring) share what is here: the
 packed exchange of pieces going both ways (:func:`send`) and the keys-first opening of
-the forward (:func:`keys_first`).
+the forward (:func:`keys_first`). What each of the pipelines' kernel calls receives, in the
+token order the all-to-alls give it, is listed here too, beside the cut
+(:func:`kernel_calls`): the time model counts the tiles the kernels compute from it.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import Any, NamedTuple, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_seqpar import kernels
 from jax_seqpar.core.masks import Tokens
@@ -27,8 +30,8 @@ from jax_seqpar.strategies.inputs import Operands, Options, axis_size
 #: A mesh axis name, or a tuple of them.
 _Axes = str | tuple[str, ...]
 
-__all__ = ["Pieces", "RowCotangents", "concat", "exchange", "keys_first", "local", "put",
-           "send"]
+__all__ = ["KernelCall", "Pieces", "RowCotangents", "concat", "cut_positions", "exchange",
+           "kernel_calls", "keys_first", "local", "put", "send"]
 
 
 def send(to_heads: list[jax.Array], to_seq: list[jax.Array], axis_name: _Axes,
@@ -156,6 +159,54 @@ class Pieces(NamedTuple):
         """``[B, P*L, ...]`` in device order (a row statistic sent whole) -> every query
         piece's rows."""
         return _cut(x, size, self.sizes)
+
+
+class KernelCall(NamedTuple):
+    """One kernel call of a pipeline, as the time model counts it (host numpy).
+
+    Attributes:
+      q_positions: ``int[Sq]`` positions of the call's queries, in the order it takes them.
+      kv_positions: ``int[Sk]`` positions of its keys, likewise.
+      computes: ``"forward"``, or the backward results the pipeline reads: ``"dq"``,
+        ``"dkv"`` (dK and dV) or ``"all"`` (priced by
+        :attr:`jax_seqpar.planning.hardware.Hardware.split_backward`).
+    """
+
+    q_positions: np.ndarray
+    kv_positions: np.ndarray
+    computes: str
+
+
+def cut_positions(positions: np.ndarray, size: int, sizes: tuple[int, ...]) -> list[np.ndarray]:
+    """``int[P*L]`` positions of ``size = P`` devices' local tokens in device order -> every
+    piece's ``int[P * s_i]``, in the order its all-to-all gathers them (the cut the pipelines
+    run, :meth:`Pieces.of`): device 0's ``s_i`` tokens, then device 1's, ..."""
+    return [part[0] for part in _cut(np.asarray(positions)[None], size, sizes)]
+
+
+def kernel_calls(positions: np.ndarray, size: int, sizes: tuple[int, ...]) -> list[KernelCall]:
+    """Every kernel call of Ulysses' sequence pipeline
+    (:mod:`jax_seqpar.strategies.seq_pipeline`) over ``size = P`` devices whose local tokens
+    have ``int[P*L]`` ``positions`` (device order), cut in query pieces of ``sizes`` local
+    tokens (:func:`jax_seqpar.strategies.heads.piece_sizes`; K/V pieces of ``sizes[0]``).
+
+    Forward: the first query piece against each K/V piece (:func:`keys_first`), then every
+    further query piece against all the keys (piece-major, the order of
+    ``concat(kv_tokens)``). Backward: each query piece's dq against all the keys, then each
+    K/V piece's dK/dV against all the queries (piece-major). The gathered order interleaves
+    the devices' pieces, so a tile can hold tokens far apart: a window skips fewer tiles
+    than in the contiguous order.
+
+    >>> [c.q_positions.size for c in kernel_calls(np.arange(8), 2, (1, 2, 1))[:6]]
+    [2, 2, 2, 2, 4, 2]
+    """
+    kv_sizes = (sizes[0],) * (sum(sizes) // sizes[0])
+    queries, keys = cut_positions(positions, size, sizes), cut_positions(positions, size, kv_sizes)
+    all_queries, all_keys = np.concatenate(queries), np.concatenate(keys)
+    return ([KernelCall(queries[0], kv, "forward") for kv in keys]
+            + [KernelCall(q, all_keys, "forward") for q in queries[1:]]
+            + [KernelCall(q, all_keys, "dq") for q in queries]
+            + [KernelCall(all_queries, kv, "dkv") for kv in keys])
 
 
 def keys_first(axis_name: _Axes, options: Options, q: jax.Array, k: jax.Array, v: jax.Array,

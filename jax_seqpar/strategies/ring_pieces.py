@@ -26,6 +26,9 @@ as unpipelined. The pieces' transfers hide behind the ring's first and last step
 
 Memory: the ring's own (float32 output or dq accumulators of the gathered queries, two
 K/V blocks), plus the pieces in flight.
+
+:func:`kernel_calls` lists what each of these kernel calls receives, per ring step, for the
+time model.
 """
 
 from __future__ import annotations
@@ -35,17 +38,18 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_seqpar import kernels
 from jax_seqpar.core import compat as _compat
 from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.strategies.head_pipeline import no_gradient
 from jax_seqpar.strategies.inputs import Operands, Options, axis_size
-from jax_seqpar.strategies.pieces import (Pieces, RowCotangents, concat, exchange, keys_first,
-                                          local, put, send)
+from jax_seqpar.strategies.pieces import (KernelCall, Pieces, RowCotangents, concat,
+                                          cut_positions, exchange, keys_first, local, put, send)
 from jax_seqpar.strategies.ring import backward_steps, forward_steps, shift_during
 
-__all__ = ["ring_pieces"]
+__all__ = ["kernel_calls", "ring_pieces"]
 
 
 def ring_pieces(inner_axis: str | tuple[str, ...], outer_axis: str | tuple[str, ...],
@@ -224,3 +228,39 @@ def _pipeline_bwd(config, residuals, cotangents):
 
 
 _pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)
+
+
+def kernel_calls(blocks: list[np.ndarray], size: int, sizes: tuple[int, ...]
+                 ) -> list[list[KernelCall]]:
+    """The kernel calls of one ring group, per ring step, as :func:`ring_pieces` runs them.
+
+    Args:
+      blocks: per ring step ``s`` (``O`` of them), the ``int[I*L]`` positions (device
+        order) of the group whose keys the step meets: ``blocks[0]`` the group's own,
+        whose queries every step takes.
+      size: the inner axis' ``I``; sizes: the query pieces' local tokens.
+    Returns:
+      per step, its :class:`~jax_seqpar.strategies.pieces.KernelCall` s (queries and keys
+      piece-major, as gathered). Step 0: the keys first, then each query piece against
+      every own key; its backward, each piece's dq, then the own keys' dK/dV from every
+      query. Middle steps: every query against the block, both passes. Last step: each
+      query piece against the block; backward, the block's dK/dV, then each piece's dq.
+    """
+    kv_sizes = (sizes[0],) * (sum(sizes) // sizes[0])
+    queries = cut_positions(blocks[0], size, sizes)
+    all_queries = np.concatenate(queries)
+    own_keys = cut_positions(blocks[0], size, kv_sizes)
+    steps = [[KernelCall(queries[0], kv, "forward") for kv in own_keys]
+             + [KernelCall(q, np.concatenate(own_keys), "forward") for q in queries[1:]]
+             + [KernelCall(q, np.concatenate(own_keys), "dq") for q in queries]
+             + [KernelCall(all_queries, np.concatenate(own_keys), "dkv")]]
+    for step, block in enumerate(blocks[1:], start=1):
+        keys = np.concatenate(cut_positions(block, size, kv_sizes))
+        if step < len(blocks) - 1:
+            steps.append([KernelCall(all_queries, keys, "forward"),
+                          KernelCall(all_queries, keys, "all")])
+        else:
+            steps.append([KernelCall(q, keys, "forward") for q in queries]
+                         + [KernelCall(all_queries, keys, "dkv")]
+                         + [KernelCall(q, keys, "dq") for q in queries])
+    return steps

@@ -26,10 +26,12 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_seqpar.core.quant import ComputeLike
 from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.strategies import halo
+from jax_seqpar.strategies.pieces import KernelCall, kernel_calls
 from jax_seqpar.strategies.seq_pipeline import seq_pipeline
 from jax_seqpar.strategies.head_pipeline import KernelStage, head_pipeline
 from jax_seqpar.strategies.entry import Strategy
@@ -44,7 +46,7 @@ if TYPE_CHECKING:  # annotations only
     from jax_seqpar.core.shape import LayerShape
     from jax_seqpar.kernels.options import BlockSizes, KernelName, Options
 
-__all__ = ["ENTRY", "attend", "exchange_bytes", "exchange_pieces", "exchange_steps",
+__all__ = ["ENTRY", "attend", "auto_pieces", "exchange_bytes", "exchange_pieces", "exchange_steps",
            "ulysses_attention", "ulysses_bytes"]
 
 
@@ -207,22 +209,47 @@ def exchange_pieces(shape: LayerShape, ring: int, ulysses: int, *, shared_kv: bo
     1 K/V head a device, compiled), which the pieces model would overstate."""
     if ulysses == 1:
         return 1
-    local_len = -(-shape.seq_len // (ring * ulysses))
-    pieces, groups = resolve_pieces(
-        "auto", "auto", "auto", shape.num_heads, shape.num_kv_heads, ulysses, local_len,
-        shared_kv=shared_kv, in_pieces=in_pieces)
+    pieces, groups = auto_pieces(shape, ring, ulysses, shared_kv=shared_kv,
+                                 in_pieces=in_pieces)
     if pieces > 1:
         return 2 ** (pieces - 1)
     _, kv_local = local_head_counts(shape.num_heads, shape.num_kv_heads, ulysses)
     return groups if kv_local % groups == 0 else 1
 
 
+def auto_pieces(shape: LayerShape, ring: int, ulysses: int, *, shared_kv: bool = True,
+                in_pieces: bool = True, local_len: int | None = None) -> tuple[int, int]:
+    """``(pieces, head_groups)`` of the exchange over ``ulysses`` devices (beside a ring of
+    ``ring``) as the strategies resolve ``overlap="auto"`` on ``local_len`` tokens a device
+    (None: ``ceil(S / (ring x ulysses))``; :func:`~jax_seqpar.strategies.heads.resolve_pieces`)."""
+    if local_len is None:
+        local_len = -(-shape.seq_len // (ring * ulysses))
+    return resolve_pieces("auto", "auto", "auto", shape.num_heads, shape.num_kv_heads,
+                          ulysses, local_len, shared_kv=shared_kv, in_pieces=in_pieces)
+
+
 def _pieces(shape: LayerShape, ring: int, ulysses: int) -> tuple[int, int]:
     return (exchange_pieces(shape, ring, ulysses),) * 2
+
+
+def _kernel_calls(shape: LayerShape, ring: int, ulysses: int, shards: np.ndarray,
+                  group: int) -> list[list[KernelCall]] | None:
+    """The sequence pipeline's kernel calls (one step) over the ``[P, L]`` ``shards``
+    positions, or None where the exchange is not cut along the sequence (head groups) or
+    nothing is exchanged (the mask's reach is ``(0, 0)``: local attention)."""
+    del ring, group  # one group of all the devices
+    local_len = shards.shape[1]
+    if halo.is_local(shape.mask, local_len, ulysses):
+        return None
+    pieces, _ = auto_pieces(shape, 1, ulysses, local_len=local_len)
+    if pieces == 1:
+        return None
+    return [kernel_calls(shards.reshape(-1), ulysses, piece_sizes(local_len, pieces))]
 
 
 #: Ulysses' registry entry (:mod:`jax_seqpar.strategies.registry`). Ties by bytes go to it
 #: (``preference=0``): it has the fewest, largest messages (lowest latency).
 ENTRY = Strategy("ulysses", ulysses_attention, ulysses_bytes, splits_heads=True, preference=0,
                  exchanges=("all-to-all", "all-to-all"), exchange_steps=exchange_steps,
-                 pieces=_pieces, attend=attend, pipelining=("overlap", "pieces", "head_groups"))
+                 pieces=_pieces, kernel_calls=_kernel_calls, attend=attend,
+                 pipelining=("overlap", "pieces", "head_groups"))
