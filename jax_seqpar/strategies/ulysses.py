@@ -192,12 +192,11 @@ def exchange_steps(size: int, shape: LayerShape) -> int:
     return 4 * (2 if shape.backward else 1) + (size - 1) * (1 + shape.segment_ids)
 
 
-def exchange_pieces(shape: LayerShape, ring: int, ulysses: int, *, shared_kv: bool = True,
-                    in_pieces: bool = True) -> int:
+def exchange_pieces(shape: LayerShape, ring: int, ulysses: int, *, shared_kv: bool = True
+                    ) -> int:
     """The pieces of Ulysses' exchange over ``ulysses`` devices (the hybrid's inner one,
     beside a ring of ``ring``) as ``overlap="auto"`` cuts them
-    (:func:`~jax_seqpar.strategies.heads.resolve_pieces`; ``shared_kv``, ``in_pieces``:
-    its own).
+    (:func:`~jax_seqpar.strategies.heads.resolve_pieces`; ``shared_kv``: its own).
 
     Sequence pieces (:func:`~jax_seqpar.strategies.heads.piece_sizes`) leave the first
     query and K/V pieces and the last output piece exposed, ``1/2^(c-1)`` of the bytes:
@@ -210,7 +209,7 @@ def exchange_pieces(shape: LayerShape, ring: int, ulysses: int, *, shared_kv: bo
     local_len = -(-shape.seq_len // (ring * ulysses))
     pieces, groups = resolve_pieces(
         "auto", "auto", "auto", shape.num_heads, shape.num_kv_heads, ulysses, local_len,
-        shared_kv=shared_kv, in_pieces=in_pieces)
+        shared_kv=shared_kv)
     if pieces > 1:
         return 2 ** (pieces - 1)
     _, kv_local = local_head_counts(shape.num_heads, shape.num_kv_heads, ulysses)
