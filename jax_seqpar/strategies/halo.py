@@ -90,10 +90,10 @@ def _pull(tree, tokens: int, axis_name, from_lower: bool, rows=None):
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *pieces)
 
 
-def _runs(rows) -> list[tuple[int, int]]:
+def _runs(rows: np.ndarray) -> list[tuple[int, int]]:
     """``rows`` (static ints) as runs of consecutive rows, ``[(start, stop), ...]``: the
     slices that take them in order."""
-    breaks = list(np.flatnonzero(np.diff(rows) != 1) + 1)
+    breaks = [int(i) for i in np.flatnonzero(np.diff(rows) != 1) + 1]
     starts, stops = [0, *breaks], [*breaks, len(rows)]
     return [(int(rows[a]), int(rows[b - 1]) + 1) for a, b in zip(starts, stops)]
 
