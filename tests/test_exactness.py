@@ -325,6 +325,14 @@ _HYBRID_CHUNKS = [
     (8, 4, 2, 2, dict(order="zigzag", causal=True, sinks=True, dtype=jnp.float16)),
     (16, 4, 1, 3, dict(causal=True, return_lse=True)),
 ]
+# Its ring a halo exchange (a window on the contiguous split, default positions), cut into
+# pieces alike: one hop left on a ring of 2 (32 tokens a group); on a ring of 4 (16
+# tokens) two hops left (16 + 4) and one right, with segments, sinks and the lse; bf16.
+_HYBRID_HALO_CHUNKS = [
+    (8, 2, 2, 3, dict(causal=True, window=(12, 0))),
+    (16, 4, 4, 2, dict(window=(20, 3), segments=True, sinks=True, return_lse=True)),
+    (8, 8, 4, 4, dict(causal=True, window=(5, 0), segments=True, dtype=jnp.bfloat16)),
+]
 CHUNKS = (
     _params([(_pipeline_id("ulysses", h, kv, variant, c=c),
               _pipeline_case("ulysses", h, kv, pieces=c, **variant))
@@ -334,7 +342,10 @@ CHUNKS = (
                for h, kv, c, variant in _ALLGATHER_CHUNKS], lambda i: i in (1, 4))
     + _params([(_pipeline_id("hybrid", h, kv, variant, o=outer, c=c),
                 _pipeline_case("hybrid", h, kv, outer=outer, pieces=c, **variant))
-               for h, kv, outer, c, variant in _HYBRID_CHUNKS], lambda i: i in (0, 1)))
+               for h, kv, outer, c, variant in _HYBRID_CHUNKS], lambda i: i in (0, 1))
+    + _params([(_pipeline_id("hybrid", h, kv, variant, o=outer, c=c, halo=""),
+                _pipeline_case("hybrid", h, kv, outer=outer, pieces=c, **variant))
+               for h, kv, outer, c, variant in _HYBRID_HALO_CHUNKS], lambda i: True))
 
 
 @pytest.mark.parametrize("case", ULYSSES_HEAD_GROUPS + HYBRID_HEAD_GROUPS + CHUNKS)

@@ -33,14 +33,14 @@ def test_hybrid_chunks_compile_once():
 def test_the_model_hides_what_the_hybrid_pieces_hide():
     """The planner cuts the hybrid's inner exchange as ``pieces="auto"`` does (16 pieces'
     worth at 2048 tokens a device over 4: 5 pieces), hides all but one piece's share of
-    the all-to-all bytes where the target overlaps all-to-alls, and none with a window
-    (the ring is then a halo exchange: not chunked)."""
+    the all-to-all bytes where the target overlaps all-to-alls; a window (the ring is then
+    a halo exchange) is cut alike."""
     shape = LayerShape(1, 16384, 16, 4, 128, dtype="bfloat16", causal=True)
     hybrid = registry.get("hybrid")
     assert hybrid.pieces(shape, 2, 4) == (16, 16)
     assert head_split.resolve_pieces("auto", "auto", "auto", 16, 4, 4, 2048,
                                      shared_kv=False) == (5, 1)
-    assert hybrid.pieces(shape.replace(window=(256, 0)), 2, 4) != (16, 16)
+    assert hybrid.pieces(shape.replace(window=(256, 0)), 2, 4) == (16, 16)
     candidate = predict.Candidate("hybrid", 2, 4)
     model = predict.predict(candidate, shape, "h100")
     assert model["hidden_bytes"] / model["bytes"] >= 0.9, model

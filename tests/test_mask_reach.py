@@ -273,3 +273,34 @@ def test_hybrid_without_a_ring_sends_comm_bytes_in_pieces():
     assert sum(sent.values()) == comm_bytes(
         "hybrid", batch=1, seq_len=seq, num_heads=_HEADS, num_kv_heads=_KV_HEADS,
         head_dim=_DIM, axis_sizes=(2, 4), dtype_bytes=4, backward=True, **mask)
+
+
+@pytest.mark.parametrize("mask", [dict(causal=True, window=(1024, 0)), dict(window=(700, 300))],
+                         ids=["causal-window", "window-both-sides"])
+def test_hybrid_halo_sends_comm_bytes_in_pieces(mask):
+    """A window on the contiguous split at S=4096 (512 tokens a device: pieces="auto" cuts
+    them) makes the hybrid's ring a halo exchange, cut into pieces: compiled bytes equal
+    comm_bytes, forward and backward (the all-to-alls and the <dout, out> rows; across,
+    the halo's K/V and its float32 dK/dV back, never the full ring)."""
+    from jax_seqpar.strategies.hybrid import outer_ring
+
+    mesh, axes = checks.strategy_mesh("hybrid")
+    seq = 4096
+    assert outer_ring(MaskSpec.make(**mask), seq // 2, 2, shard_len=seq // 8) == "halo"
+    q = jnp.ones((1, seq, _HEADS, _DIM), jnp.float32)
+    k = jnp.ones((1, seq, _KV_HEADS, _DIM), jnp.float32)
+    f = functools.partial(sp.sequence_parallel_attention, mesh=mesh, seq_axes=axes,
+                          strategy="hybrid", **mask)
+
+    def both(q, k, v, dout):
+        out, vjp = jax.vjp(f, q, k, v)
+        return out, vjp(dout)
+
+    shape = dict(batch=1, seq_len=seq, num_heads=_HEADS, num_kv_heads=_KV_HEADS,
+                 head_dim=_DIM, axis_sizes=(2, 4), dtype_bytes=4, **mask)
+    for fn, args, backward in ((f, (q, k, k), False), (both, (q, k, k, jnp.ones_like(q)), True)):
+        sent = hlo.collective_bytes(jax.jit(fn).lower(*args).compile())
+        assert sum(sent.values()) == comm_bytes("hybrid", backward=backward, **shape), sent
+        # Across: the halo only, K/V of the window's tokens (one K/V head a device after
+        # the inner all-to-all), and their float32 dK/dV back.
+        assert sent["collective-permute"] == sum(mask["window"]) * 2 * _DIM * 4 * (1 + backward)

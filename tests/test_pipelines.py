@@ -80,8 +80,6 @@ def test_chunk_counts_and_default():
     ("ulysses", dict(pieces=5), r"pieces=5 does not cut the 8 tokens a device holds .* "
      r"one of \(1, 2, 3, 4\) or 'auto'"),
     ("ulysses", dict(pieces=2, head_groups=2), r"pieces and head groups do not combine"),
-    ("hybrid", dict(pieces=2, window=(4, 0)), r"pieces=2 does not cut .* one of \(1,\) "
-     r"or 'auto' \(a window or chunks make the hybrid's ring a halo exchange here: not cut into pieces\)"),
     ("ulysses", dict(overlap=False, pieces=2), r"overlap=False sends each exchange whole"),
     ("allgather", dict(pieces=3),
      r"pieces=3 must be a positive divisor of the 8 tokens each device holds: one of "

@@ -19,7 +19,10 @@ one would), and with segment ids those slots are padding.
 Used only when ``left + right < S - L`` (else the mask reaches nearly every
 shard and the full ring is as cheap).
 
-``halo_attention`` is the ring's form (a ``custom_vjp``: the backward sends
+:func:`pull` and :func:`send_back` are the exchange and its transpose for a caller
+that schedules them itself (the hybrid's sequence pieces,
+:mod:`jax_seqpar.strategies.ring_pieces`, whose gathered keys are not in position order:
+``rows``). ``halo_attention`` is the ring's form (a ``custom_vjp``: the backward sends
 float32 dK/dV back along the same hops); ``window_attention`` is the
 all-gather form (one kernel call over ``[left halo, own, right halo]``; its backward
 sends the halo's float32 dK/dV back the same way); :func:`local_or_none` is the
@@ -33,6 +36,7 @@ from typing import TYPE_CHECKING, Any, Optional
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from jax_seqpar import kernels
 from jax_seqpar.core import compat as _compat
@@ -44,8 +48,8 @@ from jax_seqpar.core.reach import is_local, mask_reach
 if TYPE_CHECKING:  # annotations only
     from jax_seqpar.kernels.options import Options
 
-__all__ = ["exchange", "halo_attention", "is_local", "local_or_none", "mask_reach",
-           "window_attention"]
+__all__ = ["exchange", "halo_attention", "is_local", "local_or_none", "mask_reach", "pull",
+           "send_back", "window_attention"]
 
 
 #: Strategies whose causal work zigzag balances (Ulysses is balanced by construction).
@@ -54,31 +58,44 @@ def _hops(tokens: int, local_len: int) -> list[int]:
     return [min(local_len, tokens - start) for start in range(0, tokens, local_len)]
 
 
-def _pull(tree, tokens: int, axis_name, from_lower: bool):
+def _pull(tree, tokens: int, axis_name, from_lower: bool, rows=None):
     """The ``tokens`` tokens just before (``from_lower``) or after this shard's, in order.
 
     Args:
       tree: arrays ``[B, L, ...]`` (None leaves are kept None).
       tokens: how many to bring; ``from_lower``: from shards ``r-1, r-2, ..``
         (their suffixes) or from ``r+1, r+2, ..`` (their prefixes).
+      rows: as in :func:`exchange`.
     Returns:
       ``tree`` of ``[B, tokens, ...]`` in position order (zeros past the sequence ends).
     """
     size = axis_size(axis_name)
     perm = ([(i, i + 1) for i in range(size - 1)] if from_lower
             else [(i + 1, i) for i in range(size - 1)])
+    in_order = np.arange(_seq_len(tree)) if rows is None else np.asarray(rows)
 
-    def hop(x, n):
-        piece = x[:, x.shape[1] - n:] if from_lower else x[:, :n]  # [B, n, ...]
+    def hop(x, n, order):
+        taken = order[len(order) - n:] if from_lower else order[:n]
+        piece = jnp.concatenate([x[:, start:stop] for start, stop in _runs(taken)],
+                                axis=1)  # [B, n, ...]
         return jax.lax.ppermute(piece, axis_name, perm)
 
-    pieces, current = [], tree
+    pieces, current, order = [], tree, in_order
     for n in _hops(tokens, _seq_len(tree)):
-        current = jax.tree.map(functools.partial(hop, n=n), current)
+        current = jax.tree.map(functools.partial(hop, n=n, order=order), current)
+        order = np.arange(n)  # what a hop brought is in position order
         pieces.append(current)
     if from_lower:
         pieces.reverse()  # the farthest hop holds the earliest positions
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *pieces)
+
+
+def _runs(rows: np.ndarray) -> list[tuple[int, int]]:
+    """``rows`` (static ints) as runs of consecutive rows, ``[(start, stop), ...]``: the
+    slices that take them in order."""
+    breaks = [int(i) for i in np.flatnonzero(np.diff(rows) != 1) + 1]
+    starts, stops = [0, *breaks], [*breaks, len(rows)]
+    return [(int(rows[a]), int(rows[b - 1]) + 1) for a, b in zip(starts, stops)]
 
 
 def _seq_len(tree) -> int:
@@ -96,29 +113,62 @@ def _halo_positions(reach, local_len: int, axis_name, batch: int):
     return jnp.broadcast_to(positions, (batch, left + right))
 
 
-def exchange(axis_name: str | tuple[str, ...], reach: tuple[int, int], tree: Any):
-    """The halo of ``tree`` (``[B, L, ...]`` arrays): ``[B, left + right, ...]``, left then right."""
+def exchange(axis_name: str | tuple[str, ...], reach: tuple[int, int], tree: Any, *,
+             rows: Optional[np.ndarray] = None):
+    """The halo of ``tree`` (``[B, L, ...]`` arrays): ``[B, left + right, ...]``, left then right.
+
+    ``rows``: where the arrays' tokens are not in position order (the hybrid's keys,
+    gathered piece by piece: :meth:`jax_seqpar.strategies.pieces.Pieces.kv_rows`), the
+    row of each position, ``L`` static ints (a numpy array); the halo still comes in
+    position order."""
     left, right = reach
     parts = []
     if left:
-        parts.append(_pull(tree, left, axis_name, from_lower=True))
+        parts.append(_pull(tree, left, axis_name, from_lower=True, rows=rows))
     if right:
-        parts.append(_pull(tree, right, axis_name, from_lower=False))
+        parts.append(_pull(tree, right, axis_name, from_lower=False, rows=rows))
     return jax.tree.map(lambda *xs: jnp.concatenate(xs, axis=1), *parts)
 
 
+def pull(axis_name: str | tuple[str, ...], options: Options, reach: tuple[int, int],
+         k: jax.Array, v: jax.Array, tokens: Tokens, *, rows: Optional[np.ndarray] = None
+         ) -> tuple[jax.Array, jax.Array, Tokens]:
+    """The halo's K/V and metadata, ``(k [B, left+right, Hkv, Dqk], v [.., Dv], Tokens)``,
+    K and V joined along their features: one transfer a hop (XLA:GPU runs one
+    asynchronous collective at a time, so a second would wait for the first). ``k``,
+    ``v``: ``[B, L, Hkv, D]`` of one dtype; ``tokens``: their ``[B, L]`` metadata, in the
+    arrays' row order; ``rows``: as in :func:`exchange`."""
+    travelling = _travelling(options, tokens)
+    joined, ids = exchange(axis_name, reach, (jnp.concatenate([k, v], axis=-1), travelling),
+                           rows=rows)
+    split = k.shape[-1]
+    return (joined[..., :split], joined[..., split:],
+            _arrived(axis_name, options, reach, tokens, ids))
+
+
 def _halo_tokens(axis_name, options: Options, reach, tokens: Tokens) -> Tokens:
-    """The halo's metadata: the ids exchanged with K/V; positions computed on the
-    contiguous split, exchanged too where documents bound the reach (any order: what
-    travels is the same whatever the order). Past the sequence ends the exchange brings
-    zeros: the window reaches no query there, and the segment ids are made padding
-    (a zero id is a real document)."""
+    """The halo's metadata: the ids exchanged with K/V (:func:`_travelling`), positions
+    computed on the contiguous split (:func:`_arrived`)."""
+    travelling = _travelling(options, tokens)
+    if any(x is not None for x in travelling):
+        travelling = exchange(axis_name, reach, travelling)
+    return _arrived(axis_name, options, reach, tokens, travelling)
+
+
+def _travelling(options: Options, tokens: Tokens) -> tuple:
+    """The metadata that travels with the halo's K/V: the ids, and the positions where
+    documents bound the reach (any order: what travels is the same whatever the order);
+    on the contiguous split the positions are computed instead (None)."""
+    moved = options.spec.max_document_shards is not None
+    return (tokens.segment_ids, tokens.bidirectional_ids, tokens.positions if moved else None)
+
+
+def _arrived(axis_name, options: Options, reach, tokens: Tokens, ids: tuple) -> Tokens:
+    """The halo's Tokens from the ``ids`` :func:`_travelling` sent. Past the sequence ends
+    the exchange brings zeros: the window reaches no query there, and the segment ids
+    are made padding (a zero id is a real document)."""
     batch, local_len = tokens.positions.shape
     moved = options.spec.max_document_shards is not None
-    ids: tuple = (tokens.segment_ids, tokens.bidirectional_ids,
-                  tokens.positions if moved else None)
-    if any(x is not None for x in ids):
-        ids = exchange(axis_name, reach, ids)
     positions = ids[2] if moved else _halo_positions(reach, local_len, axis_name, batch)
     segment_ids = ids[0]
     if segment_ids is not None:
@@ -141,13 +191,16 @@ def _around(reach, own, pulled):
     return jnp.concatenate([pulled[:, :left], own, pulled[:, left:]], axis=1)
 
 
-def _send_back(axis_name, reach, halo_dkv, like):
-    """The halo's float32 dK/dV sent back along the hops that brought it (the exchange's
-    transpose; a hop that forwards what an earlier one brought sums in float32), as
-    float32 arrays shaped like ``like``'s local shards."""
+def send_back(axis_name: str | tuple[str, ...], reach: tuple[int, int], halo_dkv: tuple,
+              like: tuple, *, rows: Optional[np.ndarray] = None) -> tuple:
+    """The halo's float32 dK/dV (``[B, left+right, ...]`` each) sent back along the hops
+    that brought it (the exchange's transpose; a hop that forwards what an earlier one
+    brought sums in float32), as float32 arrays shaped like ``like``'s local shards
+    (``[B, L, ...]``, in the row order ``rows`` gives, as in :func:`exchange`)."""
     like = tuple(x.astype(jnp.float32) for x in like)
-    send_back = jax.linear_transpose(functools.partial(exchange, axis_name, reach), like)
-    (returned,) = send_back(tuple(halo_dkv))
+    transpose = jax.linear_transpose(functools.partial(exchange, axis_name, reach, rows=rows),
+                                     like)
+    (returned,) = transpose(tuple(halo_dkv))
     return returned
 
 
@@ -193,7 +246,7 @@ def _window_bwd(axis_name, options, reach, residuals, cotangents):
     if left + right:
         halo = tuple(jnp.concatenate([x[:, :left], x[:, own.stop:]], axis=1)
                      for x in (dk, dv))  # [B, left+right, Hkv, D]
-        returned = _send_back(axis_name, reach, halo, (dk_own, dv_own))
+        returned = send_back(axis_name, reach, halo, (dk_own, dv_own))
         dk_own, dv_own = dk_own + returned[0], dv_own + returned[1]
     no_grad = jax.tree.map(lambda _: None, (q_tokens, kv_tokens))
     return dq.astype(q.dtype), dk_own.astype(k.dtype), dv_own.astype(v.dtype), *no_grad
@@ -256,7 +309,7 @@ def _halo_bwd(axis_name, options, reach, residuals, cotangents):
                                          lse, delta, dout,
                                          accumulate=(dq, *_zeros_like(halo_kv, q)))
         # Sent back while the local kernel below runs.
-        returned = _send_back(axis_name, reach, halo_dkv, (k, v))
+        returned = send_back(axis_name, reach, halo_dkv, (k, v))
     dq, dk, dv = kernels.backward(options, q, k, v, q_tokens, kv_tokens, lse, delta, dout,
                                   accumulate=(dq, *_zeros_like((k, v), q)))
     if returned is not None:

@@ -163,14 +163,13 @@ def default_pieces(local_len: int, num_shards: int) -> int:
 
 def resolve_pieces(overlap: bool | Literal['auto'], pieces: int | Literal['auto'],
                    head_groups: int | Literal['auto'], num_heads: int, num_kv_heads: int,
-                   num_shards: int, local_len: int, *, shared_kv: bool = True,
-                   in_pieces: bool = True) -> tuple[int, int]:
+                   num_shards: int, local_len: int, *, shared_kv: bool = True
+                   ) -> tuple[int, int]:
     """``(pieces, head_groups)`` of one Ulysses exchange from the call's keywords.
 
     ``overlap=False``: ``(1, 1)``, each exchange whole (then ``pieces`` and
     ``head_groups`` must be 1 or ``"auto"``). ``overlap="auto"`` or True:
-    ``pieces="auto"`` is :func:`default_pieces` (1 where ``in_pieces`` is False: a hybrid
-    whose ring is a halo exchange; 1 with forced head groups), and
+    ``pieces="auto"`` is :func:`default_pieces` (1 with forced head groups), and
     ``head_groups="auto"`` is 1 when the sequence is cut into pieces, else
     :func:`default_head_groups`. Pieces and head groups do not combine (one of them is 1).
     Raises ``ValueError`` listing the counts that work.
@@ -183,17 +182,16 @@ def resolve_pieces(overlap: bool | Literal['auto'], pieces: int | Literal['auto'
                 raise ValueError(f"overlap=False sends each exchange whole; {name}={value!r} "
                                  f"asks for pieces: drop it or pass overlap=True.")
         return 1, 1
-    allowed = piece_counts(local_len) if in_pieces else (1,)
+    allowed = piece_counts(local_len)
     if pieces == "auto":
-        pieces = default_pieces(local_len, num_shards) if in_pieces else 1
+        pieces = default_pieces(local_len, num_shards)
         if head_groups not in ("auto", 1):
             pieces = 1
     elif isinstance(pieces, bool) or pieces not in allowed:
         raise ValueError(
             f"pieces={pieces!r} does not cut the {local_len} tokens a device holds into "
             f"pieces (2^(pieces-1) must divide them); it takes one of {allowed} "
-            f"or 'auto'" + ("" if in_pieces else " (a window or chunks make the hybrid's "
-                                      "ring a halo exchange here: not cut into pieces)") + ".")
+            f"or 'auto'.")
     if pieces > 1:
         if head_groups not in ("auto", 1) or isinstance(head_groups, bool):
             raise ValueError(f"pieces={pieces} with head_groups={head_groups!r}: pieces and "

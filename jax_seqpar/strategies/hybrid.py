@@ -18,9 +18,10 @@ and last steps; the default where each device holds enough tokens) or over head 
 group, and group ``g + 1``'s all-to-all, and group ``g - 1``'s output's, travel while the
 ring of group ``g`` computes). The ring's own K/V hops hide behind its step kernels as in
 :mod:`jax_seqpar.strategies.ring`, forward and backward. A window or chunks on the contiguous
-split shrink the ring to a halo exchange (the mask's reach over the outer axis), which is
-not cut into pieces; where the reach over all devices is ``(0, 0)`` (chunks that fit a
-shard) the hybrid attends locally and sends nothing.
+split shrink the ring to a halo exchange (the mask's reach over the outer axis), cut into
+pieces the same way (the halo in flight where the ring's first hop would be, its dK/dV
+back behind the own keys' backward); where the reach over all devices is ``(0, 0)``
+(chunks that fit a shard) the hybrid attends locally and sends nothing.
 
 Causal balance: with the zigzag order over all ``O*I`` shards (what
 ``sequence_parallel_attention`` applies), every ring step gives every device the
@@ -91,8 +92,8 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str 
         ``head_groups`` (:func:`jax_seqpar.strategies.heads.resolve_pieces`).
       pieces: how many query pieces (as in
         :func:`jax_seqpar.strategies.ulysses.ulysses_attention`; over the inner axis);
-        ``"auto"``: :func:`~jax_seqpar.strategies.heads.default_pieces`, 1 where the ring
-        is a halo exchange (a window on the contiguous split).
+        ``"auto"``: :func:`~jax_seqpar.strategies.heads.default_pieces` (a ring that is a
+        halo exchange, a window on the contiguous split, is cut alike).
       head_groups: the inner exchange's head groups when the sequence is not cut into pieces (as in
         :func:`jax_seqpar.strategies.ulysses.ulysses_attention`; the ring runs once per
         group). ``"auto"`` (default): the largest count up to
@@ -143,15 +144,14 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
             f"{ulysses_axis!r} of size {inner}; choose an inner axis size that divides the heads "
             f"(e.g. {_divisor_hint(q.shape[2], inner)}) and put the rest on the ring axis, "
             f'or use strategy="ring".') from None
-    # A window or chunks on the contiguous split make the ring a halo exchange: not cut
-    # into pieces; a reach of (0, 0) over the ring groups leaves no ring: Ulysses' pipeline.
-    ring_size = axis_size(ring_axis)
-    ring = outer_ring(options.spec, inner * q.shape[1], ring_size, contiguous=contiguous,
-                      bidirectional=shard.q_tokens.bidirectional_ids is not None,
-                      shard_len=q.shape[1])
-    in_pieces = ring != "halo"
+    # A window or chunks on the contiguous split make the ring a halo exchange of the
+    # mask's reach over the ring groups; a reach of (0, 0) leaves no ring: Ulysses' pipeline.
+    reach = _outer_reach(options.spec, inner * q.shape[1], axis_size(ring_axis),
+                         contiguous=contiguous,
+                         bidirectional=shard.q_tokens.bidirectional_ids is not None,
+                         shard_len=q.shape[1])
     pieces, groups = resolve_pieces(overlap, pieces, head_groups, q.shape[2], k.shape[2],
-                                    inner, q.shape[1], shared_kv=False, in_pieces=in_pieces)
+                                    inner, q.shape[1], shared_kv=False)
     if repeats > 1:
         # Replicated in float32: the replicas' gradients, on different devices, come back
         # and sum in float32 and round once (the pipeline sends K/V in q.dtype).
@@ -162,8 +162,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
     q_tokens, kv_tokens = tokens
     operands = Operands(q_tokens, kv_tokens, local_heads(shard.sinks, ulysses_axis))
     if pieces > 1:
-        pipeline = (functools.partial(ring_pieces, ulysses_axis, ring_axis) if ring == "ring"
-                    else functools.partial(seq_pipeline, ulysses_axis))  # no ring: Ulysses
+        pipeline = (functools.partial(seq_pipeline, ulysses_axis) if reach == (0, 0)  # Ulysses
+                    else functools.partial(ring_pieces, ulysses_axis, ring_axis,
+                                           reach=None if reach == "ring" else reach))
         return pipeline(options, q, k, v, operands, sizes=piece_sizes(q.shape[1], pieces),
                         return_lse=options.return_lse)
     return head_pipeline(ulysses_axis, stage, q, k, v, operands, groups=groups,
@@ -201,11 +202,21 @@ def outer_ring(spec: MaskSpec, ring_len: int, ring_size: int, *, contiguous: boo
     group attends its own tokens, Ulysses alone), ``"halo"`` (the reach bounded: a halo
     exchange, :func:`jax_seqpar.core.reach.mask_reach`; ``shard_len``: the devices'
     shards, which ``max_document_shards`` counts) or ``"ring"`` (every step)."""
+    reach = _outer_reach(spec, ring_len, ring_size, contiguous=contiguous,
+                         bidirectional=bidirectional, shard_len=shard_len)
+    return "ring" if reach == "ring" else "none" if reach == (0, 0) else "halo"
+
+
+def _outer_reach(spec: MaskSpec, ring_len: int, ring_size: int, *, contiguous: bool,
+                 bidirectional: bool, shard_len: int | None
+                 ) -> Literal["ring"] | tuple[int, int]:
+    """The mask's reach over the hybrid's ring groups (as :func:`outer_ring`): ``(0, 0)``
+    with one group, ``"ring"`` where nothing bounds it."""
     if ring_size == 1:
-        return "none"
+        return 0, 0
     reach = halo.mask_reach(spec, ring_len, ring_size, bidirectional=bidirectional,
                             contiguous=contiguous, shard_len=shard_len)
-    return "ring" if reach is None else "none" if reach == (0, 0) else "halo"
+    return "ring" if reach is None else reach
 
 
 def _divisor_hint(heads: int, inner: int) -> int:
@@ -228,10 +239,10 @@ def _outer_inner(seq_axes) -> tuple:
 def hybrid_bytes(sizes: tuple[int, ...], *, num_heads: int, num_kv_heads: int, seq_len: int,
                  spec: MaskSpec = NO_MASK, **shape: Any) -> float:
     """Ulysses over the inner axis of ``sizes=(outer, inner)`` on the local shard, then
-    the ring over the outer one on ``lcm(Hkv, inner)/inner`` K/V heads. Pipelined along
-    the sequence (the default where the local length allows and the ring is no halo
-    exchange), the backward also sends the float32 ``<dout, out>`` rows (the ring's own
-    backward does not need them)."""
+    the ring over the outer one on ``lcm(Hkv, inner)/inner`` K/V heads (a halo exchange
+    where the mask bounds its reach). Pipelined along the sequence (the default where the
+    local length allows), the backward also sends the float32 ``<dout, out>`` rows (the
+    ring's own backward does not need them)."""
     if len(sizes) != 2:
         raise ValueError(f"hybrid needs axis_sizes=(outer, inner). Got {sizes!r}.")
     outer, inner = sizes
@@ -243,8 +254,7 @@ def hybrid_bytes(sizes: tuple[int, ...], *, num_heads: int, num_kv_heads: int, s
                          f"axis size {inner}; use strategy='ring' or swap the axes.")
     kv_heads_after_ulysses = replicated_kv_heads(num_kv_heads, inner) // inner
     reach = layer_reach(spec, seq_len, outer, shard_len=shard_len)
-    pieces = 1 if outer_ring(spec, seq_len // outer, outer, shard_len=shard_len
-                             ) == "halo" else default_pieces(shard_len, inner)
+    pieces = default_pieces(shard_len, inner)
     return (exchange_bytes(seq_len=seq_len // outer, num_heads=num_heads,
                            num_kv_heads=num_kv_heads, axis_size=inner,
                            row_statistic=pieces > 1, **shape)
@@ -254,12 +264,9 @@ def hybrid_bytes(sizes: tuple[int, ...], *, num_heads: int, num_kv_heads: int, s
 
 
 def _pieces(shape: LayerShape, ring: int, ulysses: int) -> tuple[int, int]:
-    """The inner exchange's pieces: cut along the sequence unless a window or chunks make the
-    ring a halo exchange (their default order is the contiguous split); head groups only
-    where each has its own K/V heads."""
-    halo_ring = outer_ring(shape.mask, shape.seq_len // ring, ring,
-                           shard_len=shape.seq_len // (ring * ulysses)) == "halo"
-    pieces = exchange_pieces(shape, ring, ulysses, shared_kv=False, in_pieces=not halo_ring)
+    """The inner exchange's pieces: cut along the sequence (around a ring or its halo
+    exchange alike); head groups only where each has its own K/V heads."""
+    pieces = exchange_pieces(shape, ring, ulysses, shared_kv=False)
     return pieces, pieces
 
 
@@ -268,15 +275,15 @@ def _kernel_calls(shape: LayerShape, ring: int, ulysses: int, shards: np.ndarray
     """Ring group ``group``'s kernel calls per ring step over the ``[P, L]`` ``shards``
     positions, with the inner exchange in sequence pieces (:func:`ring_pieces.kernel_calls`;
     Ulysses' pipeline alone where the mask's reach over the groups is ``(0, 0)``), or None
-    where it is not cut along the sequence (a halo ring, head groups) or nothing is
+    where it is not cut along the sequence (head groups), its ring is a halo exchange (its
+    pieces' calls are not listed here: the count takes one call a step) or nothing is
     exchanged (local attention)."""
     shard_len = shards.shape[1]
     if halo.is_local(shape.mask, shard_len, ring * ulysses):
         return None
     kind = outer_ring(shape.mask, shard_len * ulysses, ring, shard_len=shard_len)
-    pieces, _ = auto_pieces(shape, ring, ulysses, shared_kv=False, in_pieces=kind != "halo",
-                            local_len=shard_len)
-    if pieces == 1:
+    pieces, _ = auto_pieces(shape, ring, ulysses, shared_kv=False, local_len=shard_len)
+    if pieces == 1 or kind == "halo":  # a halo's calls: one a step (not listed call by call)
         return None
     sizes = piece_sizes(shard_len, pieces)
     groups = shards.reshape(ring, -1)  # each group's tokens, its devices in order

@@ -155,6 +155,15 @@ class Pieces(NamedTuple):
         order of ``concat(q_tokens)``), over ``size = P`` devices."""
         return [slice(size * o, size * (o + s)) for o, s in zip(_offsets(self.sizes), self.sizes)]
 
+    def kv_rows(self, size: int) -> np.ndarray:
+        """Where each of the ``P*L`` gathered keys lies in the piece-major ``[B, P*L, ...]``
+        (:func:`keys_first`'s order), in device order (on the contiguous split: position
+        order), over ``size = P`` devices: ``P*L`` static ints."""
+        unit, local_len = self.kv_sizes[0], sum(self.kv_sizes)
+        device, token = np.divmod(np.arange(size * local_len), local_len)
+        piece, offset = np.divmod(token, unit)
+        return piece * size * unit + device * unit + offset
+
     def rows(self, x: jax.Array, size: int) -> list[jax.Array]:
         """``[B, P*L, ...]`` in device order (a row statistic sent whole) -> every query
         piece's rows."""

@@ -24,6 +24,18 @@ as unpipelined. The pieces' transfers hide behind the ring's first and last step
   computed, then leave through the inner axis with the dq pieces, one piece's dq
   behind each further call. Exposed: the first ``dout`` piece and the last dq piece.
 
+With a ``reach`` (a window or chunks on the contiguous split, or documents that bound it:
+:func:`jax_seqpar.core.reach.mask_reach` over the outer axis) the ring is the halo
+exchange of :mod:`jax_seqpar.strategies.halo`, scheduled where the ring's hops are: the
+halo's K/V (only the ``left + right`` tokens the mask reaches, from the neighbours the
+reach needs, :func:`jax_seqpar.strategies.halo.pull`) come in during step 0's last call,
+and the last step attends to them piece by piece; no middle steps. Backward: every
+query's dK/dV of the halo first, sent back in float32
+(:func:`jax_seqpar.strategies.halo.send_back`) while the own keys' dK/dV are computed;
+then the last step's dq pieces against the halo as above (dK/dV already home). The
+gathered keys are piece-major, so the halo is taken by rows
+(:meth:`jax_seqpar.strategies.pieces.Pieces.kv_rows`).
+
 Memory: the ring's own (float32 output or dq accumulators of the gathered queries, two
 K/V blocks), plus the pieces in flight.
 
@@ -43,6 +55,7 @@ import numpy as np
 from jax_seqpar import kernels
 from jax_seqpar.core import compat as _compat
 from jax_seqpar.core.merge import with_sinks
+from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.head_pipeline import no_gradient
 from jax_seqpar.strategies.inputs import Operands, Options, axis_size
 from jax_seqpar.strategies.pieces import (KernelCall, Pieces, RowCotangents, concat,
@@ -54,7 +67,8 @@ __all__ = ["kernel_calls", "ring_pieces"]
 
 def ring_pieces(inner_axis: str | tuple[str, ...], outer_axis: str | tuple[str, ...],
                 options: Options, q: jax.Array, k: jax.Array, v: jax.Array,
-                operands: Operands, *, sizes: tuple, return_lse: bool = False):
+                operands: Operands, *, sizes: tuple, return_lse: bool = False,
+                reach: tuple[int, int] | None = None):
     """The hybrid's attention, its inner exchange pipelined over sequence pieces.
 
     Args:
@@ -69,11 +83,14 @@ def ring_pieces(inner_axis: str | tuple[str, ...], outer_axis: str | tuple[str, 
       sizes: local tokens of each query piece
         (:func:`jax_seqpar.strategies.heads.piece_sizes`).
       return_lse: also return the float32 ``[B, L, H]`` log-sum-exp.
+      reach: ``(left, right)`` tokens beyond the inner group's ``I*L`` that its queries
+        see (:func:`jax_seqpar.core.reach.mask_reach` over the outer axis): the ring is
+        then that halo exchange; None: the full ring.
     Returns:
       ``[B, L, H, Dv]`` in ``q.dtype`` (and the log-sum-exp).
     """
     config = (inner_axis, outer_axis, options, tuple(sizes), bool(return_lse),
-              jnp.dtype(k.dtype))
+              jnp.dtype(k.dtype), None if reach is None else tuple(reach))
     out, lse = _pipeline(config, q, k, v, operands)
     return (out, lse) if return_lse else out
 
@@ -84,7 +101,7 @@ def _pipeline(config, q, k, v, operands):
 
 
 def _pipeline_fwd(config, q, k, v, operands):
-    inner, outer, options, sizes, return_lse, _ = config
+    inner, outer, options, sizes, return_lse, _, reach = config
     k, v = (x.astype(q.dtype) for x in (k, v))
     size, steps = axis_size(inner), axis_size(outer)
     cut = Pieces.of(inner, sizes, operands, q.shape[1])
@@ -93,7 +110,7 @@ def _pipeline_fwd(config, q, k, v, operands):
     acc, (qs[0], qs[1]), keys, values, shards = keys_first(inner, options, q, k, v, cut)
     block = (keys, values, concat(cut.kv_tokens))
     # Step 0, the queries: piece j + 1 comes in while piece j meets every own key; step
-    # 1's block travels during the last call (one transfer in flight a call).
+    # 1's block (or the halo) travels during the last call (one transfer in flight a call).
     accs = [acc] + [None] * (c - 1)
     for j in range(1, c):
         ins = [local(shards[0], sizes, j + 1)] if j + 1 < c else []
@@ -104,8 +121,11 @@ def _pipeline_fwd(config, q, k, v, operands):
             raw, unpack = send(ins, [], inner, size)
             accs[j], raw, shards = jax.lax.optimization_barrier((call(), raw, shards))
             qs[j + 1] = unpack(raw)[0][0]
-        else:
+        elif reach is None:
             accs[j], hop = shift_during(call, block, outer)
+        else:
+            accs[j], hop = jax.lax.optimization_barrier(
+                (call(), halo.pull(outer, options, reach, *block, rows=cut.kv_rows(size))))
     queries, q_all = concat(qs), concat(q_tokens)
     del qs  # the pieces die here: the last step reads the gathered queries
 
@@ -113,7 +133,8 @@ def _pipeline_fwd(config, q, k, v, operands):
         return kernels.forward(options, queries, kv[0], kv[1], q_all, kv[2], accumulate=acc)
 
     acc, kv = _compat.match_varying((concat(accs), hop), (accs, hop, queries))
-    acc, kv = forward_steps(attend, acc, kv, outer, steps - 2)  # the ring's middle steps
+    if reach is None:
+        acc, kv = forward_steps(attend, acc, kv, outer, steps - 2)  # the ring's middle steps
     # The last step: piece by piece, each final at once, its output leaving while the
     # next piece's call runs (the block passes each barrier: the calls stay in order).
     lses: list[Any] = [None] * c
@@ -134,12 +155,13 @@ def _pipeline_fwd(config, q, k, v, operands):
     sent[c - 1] = exchange([], pending, inner, size)[1]
     out = concat([s[0] for s in sent])  # [B, L, H, Dv]
     lse = concat([s[1] for s in sent])[..., 0] if return_lse else None
-    return (out, lse), (queries, keys, values, lses, operands, out)
+    return (out, lse), (queries, keys, values, lses, operands, out,
+                        None if reach is None else kv)  # the halo, kept
 
 
 def _pipeline_bwd(config, residuals, cotangents):
-    inner, outer, options, sizes, return_lse, kv_dtype = config
-    queries, keys, values, lses, operands, out = residuals
+    inner, outer, options, sizes, return_lse, kv_dtype, reach = config
+    queries, keys, values, lses, operands, out, halo_block = residuals
     size, steps = axis_size(inner), axis_size(outer)
     cut = Pieces.of(inner, sizes, operands, out.shape[1])
     q_tokens, c = cut.q_tokens, len(sizes)
@@ -185,18 +207,30 @@ def _pipeline_bwd(config, residuals, cotangents):
         return kernels.backward(options, queries, kv[0], kv[1], q_all, kv[2], lse_all, delta_all,
                                 dout_all, accumulate=accumulate)
 
-    # The own keys' dK/dV from every query, step 1's block in flight.
-    dkv, hop = shift_during(lambda: tuple(grads(block)[1:]), block, outer)
+    if reach is None:
+        # The own keys' dK/dV from every query, step 1's block in flight.
+        dkv, hop = shift_during(lambda: tuple(grads(block)[1:]), block, outer)
 
-    def step_grads(dq, kv):
-        dq, *fresh = grads(kv, dq)
-        return dq, tuple(fresh)
+        def step_grads(dq, kv):
+            dq, *fresh = grads(kv, dq)
+            return dq, tuple(fresh)
 
-    dq, hop, dkv = _compat.match_varying((dq, hop, dkv), (dq, hop, dkv))
-    dq, kv, dkv = backward_steps(step_grads, dq, hop, dkv, outer, steps - 2)  # middle steps
-    # The last step: its block's dK/dV (the accumulator in flight), home during the
-    # first piece's dq; then every dq piece, final at once, leaving while the next runs.
-    fresh, arrived = shift_during(lambda: tuple(grads(kv)[1:]), dkv, outer)
+        dq, hop, dkv = _compat.match_varying((dq, hop, dkv), (dq, hop, dkv))
+        dq, kv, dkv = backward_steps(step_grads, dq, hop, dkv, outer, steps - 2)  # middle steps
+        # The last step: its block's dK/dV (the accumulator in flight), home during the
+        # first piece's dq; then every dq piece, final at once, leaving while the next runs.
+        fresh, arrived = shift_during(lambda: tuple(grads(kv)[1:]), dkv, outer)
+    else:
+        # The halo's dK/dV from every query, sent back in float32 (K and V joined: one
+        # transfer a hop) while the own keys' dK/dV are computed; then the dq pieces
+        # against the halo as the ring's last step.
+        kv, split = halo_block, keys.shape[-1]
+        halo_dkv = jnp.concatenate(grads(kv)[1:], axis=-1)  # [B, left+right, h, Dqk+Dv]
+        fresh, (arrived,) = jax.lax.optimization_barrier((
+            tuple(grads(block)[1:]),
+            halo.send_back(outer, reach, (halo_dkv,), (jnp.concatenate([keys, values], -1),),
+                           rows=cut.kv_rows(size))))
+        arrived = (arrived[..., :split], arrived[..., split:])
     home = tuple((x + y).astype(kv_dtype) for x, y in zip(fresh, arrived))  # to send
     unit = size * cut.kv_sizes[0]
     sent_q: list[Any] = [None] * c
@@ -207,8 +241,8 @@ def _pipeline_bwd(config, residuals, cotangents):
         def call(j=j, raw=raw, kv=kv):  # the block passes each barrier: calls in order
             return (kernels.backward(options, queries[:, parts[j]], kv[0], kv[1], q_tokens[j], kv[2],
                                      lses[j], deltas[j], dout_all[:, parts[j]])[0], raw, kv)
-        if n == 0:  # dK/dV home during the first piece's call, summed before it (else
-            # XLA:TPU runs the call first and starts the hop after it)
+        if n == 0 and reach is None:  # dK/dV home during the first piece's call, summed
+            # before it (else XLA:TPU runs the call first and starts the hop after it)
             home, kv = jax.lax.optimization_barrier((home, kv))
             (last, raw, kv), home = shift_during(lambda: call(kv=kv), home, outer)
         else:

@@ -194,12 +194,11 @@ def exchange_steps(size: int, shape: LayerShape) -> int:
     return 4 * (2 if shape.backward else 1) + (size - 1) * (1 + shape.segment_ids)
 
 
-def exchange_pieces(shape: LayerShape, ring: int, ulysses: int, *, shared_kv: bool = True,
-                    in_pieces: bool = True) -> int:
+def exchange_pieces(shape: LayerShape, ring: int, ulysses: int, *, shared_kv: bool = True
+                    ) -> int:
     """The pieces of Ulysses' exchange over ``ulysses`` devices (the hybrid's inner one,
     beside a ring of ``ring``) as ``overlap="auto"`` cuts them
-    (:func:`~jax_seqpar.strategies.heads.resolve_pieces`; ``shared_kv``, ``in_pieces``:
-    its own).
+    (:func:`~jax_seqpar.strategies.heads.resolve_pieces`; ``shared_kv``: its own).
 
     Sequence pieces (:func:`~jax_seqpar.strategies.heads.piece_sizes`) leave the first
     query and K/V pieces and the last output piece exposed, ``1/2^(c-1)`` of the bytes:
@@ -209,8 +208,7 @@ def exchange_pieces(shape: LayerShape, ring: int, ulysses: int, *, shared_kv: bo
     1 K/V head a device, compiled), which the pieces model would overstate."""
     if ulysses == 1:
         return 1
-    pieces, groups = auto_pieces(shape, ring, ulysses, shared_kv=shared_kv,
-                                 in_pieces=in_pieces)
+    pieces, groups = auto_pieces(shape, ring, ulysses, shared_kv=shared_kv)
     if pieces > 1:
         return 2 ** (pieces - 1)
     _, kv_local = local_head_counts(shape.num_heads, shape.num_kv_heads, ulysses)
@@ -218,14 +216,14 @@ def exchange_pieces(shape: LayerShape, ring: int, ulysses: int, *, shared_kv: bo
 
 
 def auto_pieces(shape: LayerShape, ring: int, ulysses: int, *, shared_kv: bool = True,
-                in_pieces: bool = True, local_len: int | None = None) -> tuple[int, int]:
+                local_len: int | None = None) -> tuple[int, int]:
     """``(pieces, head_groups)`` of the exchange over ``ulysses`` devices (beside a ring of
     ``ring``) as the strategies resolve ``overlap="auto"`` on ``local_len`` tokens a device
     (None: ``ceil(S / (ring x ulysses))``; :func:`~jax_seqpar.strategies.heads.resolve_pieces`)."""
     if local_len is None:
         local_len = -(-shape.seq_len // (ring * ulysses))
     return resolve_pieces("auto", "auto", "auto", shape.num_heads, shape.num_kv_heads,
-                          ulysses, local_len, shared_kv=shared_kv, in_pieces=in_pieces)
+                          ulysses, local_len, shared_kv=shared_kv)
 
 
 def _pieces(shape: LayerShape, ring: int, ulysses: int) -> tuple[int, int]:
