@@ -81,6 +81,7 @@ nitpick_ignore = [
     ("py:func", "jax.experimental.topologies.get_topology_desc"),
     # NumPy.
     ("py:class", "numpy.ndarray"),
+    ("py:class", "np.ndarray"),  # as written where a signature's annotations stay strings
     ("py:class", "numpy.dtype"),
     ("py:class", "numpy.number"),
     ("py:class", "numpy.bool"),

@@ -18,7 +18,7 @@ Packed documents are counted per row by :mod:`.packed`. The FLOPs are
 backward for a call that needs dq, dK and dV; a pipelined backward call that needs only
 dq or only dK/dV costs the products it computes, against those of a whole call on the
 hardware's kernel (:attr:`jax_seqpar.planning.hardware.Hardware.split_backward`,
-:func:`_pipeline_pairs`). At the hardware's attention FLOP/s.
+``_pipeline_pairs``). At the hardware's attention FLOP/s.
 """
 
 from __future__ import annotations
@@ -100,7 +100,7 @@ def _step_pairs(entry: Strategy, ring: int, ulysses: int, shape: LayerShape,
     Token orders as the package runs them (``default_layout``): zigzag over all ``P`` shards when causal
     where it balances (:attr:`~jax_seqpar.strategies.entry.Strategy.zigzag_balances`:
     ring, hybrid and all-gather), else contiguous (Ulysses), each group's devices in turn
-    (exchanges not cut into sequence pieces; those are :func:`_pipeline_pairs`'). A device attends for its
+    (exchanges not cut into sequence pieces; those are ``_pipeline_pairs``'). A device attends for its
     ring group's ``I`` shards gathered by a head split (the hybrid's all-to-all; all of
     them for Ulysses), or its own queries to every key at once where the strategy
     gathers K/V (:attr:`~jax_seqpar.strategies.entry.Strategy.gathers_kv`).

@@ -171,15 +171,11 @@ class Pieces(NamedTuple):
 
 
 class KernelCall(NamedTuple):
-    """One kernel call of a pipeline, as the time model counts it (host numpy).
-
-    Attributes:
-      q_positions: ``int[Sq]`` positions of the call's queries, in the order it takes them.
-      kv_positions: ``int[Sk]`` positions of its keys, likewise.
-      computes: ``"forward"``, or the backward results the pipeline reads: ``"dq"``,
-        ``"dkv"`` (dK and dV) or ``"all"`` (priced by
-        :attr:`jax_seqpar.planning.hardware.Hardware.split_backward`).
-    """
+    """One kernel call of a pipeline, as the time model counts it (host numpy):
+    ``q_positions int[Sq]``, the positions of the call's queries in the order it takes
+    them; ``kv_positions int[Sk]``, its keys' likewise; ``computes``, ``"forward"`` or the
+    backward results the pipeline reads: ``"dq"``, ``"dkv"`` (dK and dV) or ``"all"``
+    (priced by :attr:`jax_seqpar.planning.hardware.Hardware.split_backward`)."""
 
     q_positions: np.ndarray
     kv_positions: np.ndarray
@@ -189,7 +185,7 @@ class KernelCall(NamedTuple):
 def cut_positions(positions: np.ndarray, size: int, sizes: tuple[int, ...]) -> list[np.ndarray]:
     """``int[P*L]`` positions of ``size = P`` devices' local tokens in device order -> every
     piece's ``int[P * s_i]``, in the order its all-to-all gathers them (the cut the pipelines
-    run, :meth:`Pieces.of`): device 0's ``s_i`` tokens, then device 1's, ..."""
+    run, ``Pieces.of``): device 0's ``s_i`` tokens, then device 1's, ..."""
     return [part[0] for part in _cut(np.asarray(positions)[None], size, sizes)]
 
 
