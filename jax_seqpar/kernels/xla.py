@@ -25,16 +25,17 @@ Paper: FlashAttention-2, arXiv:2307.08691.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
-from typing import Optional
 
 import jax
 import jax.numpy as jnp
 
-from jax_seqpar.core import blocks, compat as _compat, masks, quant
+from jax_seqpar.core import blocks, compat as _compat, masks
 from jax_seqpar.kernels import contract
 from jax_seqpar.kernels.contract import BlockSizes, check_softcap
+from jax_seqpar.kernels.operands import (group_scale, product, products, products_dtype,
+                                         scored, times)
+from jax_seqpar.kernels.operands import tile as _tile
 from jax_seqpar.kernels.options import Options
 from jax_seqpar.kernels.tiling import Tiling, pad_seq, schedule
 from jax_seqpar.core.masks import Tokens
@@ -70,13 +71,6 @@ def _tiling(q, k, block_q: int, block_k: int) -> Tiling:
     kv_len, kv_heads = k.shape[1], k.shape[2]
     return Tiling(batch, kv_heads, heads // kv_heads, q_len, kv_len,
                   min(block_q, q_len), min(block_k, kv_len))
-
-
-def _tile(x, row, index, block):
-    """Tile ``index`` of batch row ``row`` of ``x`` along the sequence axis 1, ``[1, block,
-    ...]`` (a slice, no copy of ``x``)."""
-    start = (row, index * block) + (0,) * (x.ndim - 2)
-    return jax.lax.dynamic_slice(x, start, (1, block) + x.shape[2:])
 
 
 def _put(buffer, row, index, tile):
@@ -139,61 +133,6 @@ def _scores(q_tile, k_tile, options: Options, q_scale=None, k_scale=None):
     return cap * capped, 1.0 - capped * capped
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class _Operand:
-    """One operand as the products take it: ``values [B, S, *heads, F]`` in the compute
-    dtype (or the input's) and, in FP8, the per-token ``scales float32[B, S, *heads]``
-    of their blocks (else None). ``computed``: the values are in the call's compute
-    dtype, and the products take them in it (FP8 or bf16 matrix units, float32
-    accumulation); else the products take them in float32."""
-
-    values: jax.Array
-    scales: Optional[jax.Array] = None
-    computed: bool = dataclasses.field(default=False, metadata=dict(static=True))
-
-    def map(self, fn) -> "_Operand":
-        return _Operand(fn(self.values), None if self.scales is None else fn(self.scales),
-                        self.computed)
-
-    def tile(self, row, index, block):
-        """``(values [1, *heads, block, F], scales [1, *heads, block] | None)``."""
-        values = jnp.moveaxis(_tile(self.values, row, index, block), 1, -2)
-        values = values if self.computed else values.astype(_F32)
-        if self.scales is None:
-            return values, None
-        return values, jnp.moveaxis(_tile(self.scales, row, index, block), 1, -1)
-
-
-def _operand(x, dtype_name: str, rotate: bool = False) -> _Operand:
-    """``x [B, S, *heads, F]`` in ``dtype_name`` (FP8: scaled per token and head,
-    :func:`jax_seqpar.core.quant.quantize`), rotated first by
-    :func:`jax_seqpar.core.quant.rotation` where asked."""
-    if rotate:
-        x = x.astype(_F32) @ quant.rotation(x.shape[-1])
-    values, scales = quant.quantize(x, dtype_name)
-    return _Operand(values, scales, computed=True)
-
-
-def _product(x, dtype_name: Optional[str], fold=None, over_group: bool = False):
-    """A tile's float32 ``x [B, Hkv, G, bq, bk]`` (probabilities, score gradients) as a
-    product's operand: times ``fold`` (the other operand's per-token scales, which vary
-    along the contracted axis), then rounded to ``dtype_name`` (FP8: scaled per head and
-    tile; ``over_group``: one scale for a K/V head's query group, for a product that sums
-    over it). Returns ``(values in dtype_name (float32 without one), scale [B, Hkv,
-    G or 1, 1, 1] | None)``."""
-    if fold is not None:
-        x = x * fold
-    if dtype_name is None:
-        return x, None
-    values, scale = quant.scaled(x, dtype_name, (2, 3, 4) if over_group else (3, 4))
-    return values, scale
-
-
-def _times(x, scale):
-    return x if scale is None else x * scale
-
-
 def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
             options: Options, accumulate: tuple[jax.Array, jax.Array] | None = None):
     """Attention of ``q`` against one run of keys.
@@ -225,8 +164,8 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options):
     d_v = v.shape[-1]
     hg = (t.kv_heads, t.group)
     q_len = q.shape[1]
-    q, k, v = _scored(options, q, k, v)
-    pv_dtype = _products_dtype(options, backward=False)
+    q, k, v = scored(options, q, k, v)
+    pv_dtype = products_dtype(options, backward=False)
     q = q.map(lambda x: pad_seq(x, t.num_q * t.block_q).reshape(
         t.batch, -1, *hg, *x.shape[3:]))  # [B, Sq, Hkv, G, D]
     k, v = (x.map(lambda a: pad_seq(a, t.num_k * t.block_k)) for x in (k, v))  # [B, Sk, Hkv, D]
@@ -247,9 +186,9 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options):
             p = jnp.exp(s - m_new[..., None])
             alpha = jnp.exp(m - m_new)
             fold = None if v_scale is None else v_scale[:, :, None, None, :]
-            p_values, p_scale = _product(p, pv_dtype, fold)
+            p_values, p_scale = product(p, pv_dtype, fold)
             pv = jnp.einsum("bhgqk,bhkd->bhgqd", p_values, v_tile, preferred_element_type=_F32)
-            acc = acc * alpha[..., None] + _times(pv, p_scale)
+            acc = acc * alpha[..., None] + times(pv, p_scale)
             return m_new, l * alpha + p.sum(axis=-1), acc
 
         def kv_block(j, carry):
@@ -277,29 +216,6 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options):
     heads = t.kv_heads * t.group
     out = out[:, :q_len].reshape(t.batch, q_len, heads, d_v)
     return out, lse[:, :q_len].reshape(t.batch, q_len, heads)
-
-
-def _scored(options: Options, q, k, v):
-    """q, k and v as the forward's products take them (:class:`_Operand`): in the
-    call's compute dtype (:attr:`~jax_seqpar.kernels.options.Options.compute`), FP8 scaled
-    per token and head, q and k rotated where asked; as given without
-    a compute dtype. The backward recomputes the scores from the same operands, so its
-    probabilities are the forward's."""
-    compute = options.compute
-    if compute is None:
-        return _Operand(q), _Operand(k), _Operand(v)
-    rotate = bool(compute.hadamard)
-    return (_operand(q, compute.dtype, rotate), _operand(k, compute.dtype, rotate),
-            _operand(v, compute.dtype))
-
-
-def _products_dtype(options: Options, backward: bool) -> Optional[str]:
-    """The dtype probabilities (forward) or the backward's tiles are rounded to before
-    their products, None without a compute dtype."""
-    compute = options.compute
-    if compute is None:
-        return None
-    return compute.backward if backward else compute.dtype
 
 
 def backward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
@@ -333,9 +249,9 @@ def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options: Options,
     hg = (t.kv_heads, t.group)
     q_len_pad, kv_len_pad = t.num_q * t.block_q, t.num_k * t.block_k
     # The forward's scores (its tiles' scales), and the backward's products' operands.
-    q_s, k_s, _ = _scored(options, q, k, v)
-    q, k, v, dout = _products(options, q, k, v, dout, (q_s, k_s))
-    product_dtype = _products_dtype(options, backward=True)
+    q_s, k_s, _ = scored(options, q, k, v)
+    q, k, v, dout = products(options, q, k, v, dout, (q_s, k_s))
+    product_dtype = products_dtype(options, backward=True)
 
     def by_group(x):  # [B, Sq, H, ...] -> [B, Sq_pad, Hkv, G, ...]
         return pad_seq(x, q_len_pad).reshape(t.batch, q_len_pad, *hg, *x.shape[3:])
@@ -363,21 +279,21 @@ def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options: Options,
                 s = jnp.where(mask, s, -jnp.inf)
             p = jnp.exp(s)
             by_query = None if do_scale is None else do_scale[..., None]
-            p_values, p_scale = _product(p, product_dtype, by_query, over_group=True)
-            dv = dv + _times(jnp.einsum("bhgqk,bhgqd->bhkd", p_values, do_tile, preferred_element_type=_F32),
-                             _group_scale(p_scale))
+            p_values, p_scale = product(p, product_dtype, by_query, over_group=True)
+            dv = dv + times(jnp.einsum("bhgqk,bhgqd->bhkd", p_values, do_tile, preferred_element_type=_F32),
+                             group_scale(p_scale))
             dp = jnp.einsum("bhgqd,bhkd->bhgqk", do_tile, v_tile, preferred_element_type=_F32)
             if do_scale is not None:
                 dp = dp * do_scale[..., None] * v_scale[:, :, None, None, :]
             ds = p * (dp - delta_tile[..., None])
             ds = (ds if cap_slope is None else ds * cap_slope) * scale
             by_query = None if q_scale is None else q_scale[..., None]
-            ds_values, ds_scale = _product(ds, product_dtype, by_query, over_group=True)
-            dk = dk + _times(jnp.einsum("bhgqk,bhgqd->bhkd", ds_values, q_tile, preferred_element_type=_F32),
-                             _group_scale(ds_scale))
+            ds_values, ds_scale = product(ds, product_dtype, by_query, over_group=True)
+            dk = dk + times(jnp.einsum("bhgqk,bhgqd->bhkd", ds_values, q_tile, preferred_element_type=_F32),
+                             group_scale(ds_scale))
             by_key = None if k_scale is None else k_scale[:, :, None, None, :]
-            ds_values, ds_scale = _product(ds, product_dtype, by_key)
-            return (dk, dv), _times(jnp.einsum("bhgqk,bhkd->bhgqd", ds_values, k_tile, preferred_element_type=_F32),
+            ds_values, ds_scale = product(ds, product_dtype, by_key)
+            return (dk, dv), times(jnp.einsum("bhgqk,bhkd->bhgqd", ds_values, k_tile, preferred_element_type=_F32),
                                     ds_scale)
 
         def q_block(i, carry):
@@ -412,27 +328,6 @@ def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options: Options,
     heads = t.kv_heads * t.group
     dq = dq[:, :t.q_len].reshape(t.batch, t.q_len, heads, shapes[0][-1])
     return dq, dk[:, :t.kv_len], dv[:, :t.kv_len]
-
-
-def _products(options: Options, q, k, v, dout, scored):
-    """q, k, v and dout as the backward's products take them (:class:`_Operand`): in the
-    backward's dtype, FP8 scaled per token and head (never rotated: the rotation serves the scores alone); the forward's ``scored`` q and k
-    where they are the same numbers."""
-    compute = options.compute
-    if compute is None:
-        return tuple(_Operand(x) for x in (q, k, v, dout))
-    dtype = compute.backward
-    if dtype == compute.dtype and not compute.hadamard:
-        q_b, k_b = scored
-    else:
-        q_b, k_b = _operand(q, dtype), _operand(k, dtype)
-    return q_b, k_b, _operand(v, dtype), _operand(dout, dtype)
-
-
-def _group_scale(scale):
-    """``[B, Hkv, 1, 1, 1]`` (one scale per K/V head's group) as ``[B, Hkv, 1, 1]`` for a
-    K/V-sized product; None stays None."""
-    return None if scale is None else scale[:, :, 0]
 
 
 _attention = contract.differentiable(_forward, _backward)
