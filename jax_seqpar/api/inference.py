@@ -49,13 +49,13 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
-from jax_seqpar.core.quant import ComputeLike
 from jax_seqpar.core import checks, masks
 from jax_seqpar.core.merge import check_sinks
+from jax_seqpar.core.quant import ComputeLike
 from jax_seqpar.kernels import tiling
 from jax_seqpar.kernels.options import Options, make_options
 from jax_seqpar.strategies.inputs import Metadata, check_qkv, check_self_attention
-from jax_seqpar.api import attention, placement as _placement
+from jax_seqpar.api import attention, placement as _placement, prompts
 from jax_seqpar.api.placement import place as _place
 from jax_seqpar.api.program import axis_name_of, can_check_vma
 from jax_seqpar.api.dot_product import without_segment_ids
@@ -86,8 +86,7 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
       cache: the :class:`KVCache` to fill (``S <= capacity``, its dtype q's); its content
         is replaced.
       causal, window, scale, layout, kernel, block_sizes, strategy, softcap, compute_dtype,
-        sinks: as in
-        :func:`jax_seqpar.sequence_parallel_attention` (``strategy="hybrid"``
+        sinks: as in :func:`jax_seqpar.sequence_parallel_attention` (``strategy="hybrid"``
         needs a cache over ``(outer, inner)`` axes).
       seq_lengths: ``int32[B]`` true prompt lengths (default ``S``; a negative one is a
         ``ValueError``, under ``jit`` when the program runs, except beside a split-axis
@@ -118,8 +117,7 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
     """
     spec = masks.MaskSpec.make(checks.flag("causal", causal), window, chunk_size, mask_fn)
     options = make_options(q, without_segment_ids(spec), scale=scale, kernel=kernel,
-                           block_sizes=block_sizes, softcap=softcap,
-                           compute_dtype=compute_dtype)
+                           block_sizes=block_sizes, softcap=softcap, compute_dtype=compute_dtype)
     return prefill_described(q, k, v, cache, options,
                              Metadata(bidirectional_ids=bidirectional_ids, sinks=sinks),
                              strategy=strategy, layout=layout, seq_lengths=seq_lengths)
@@ -158,13 +156,13 @@ def prefill_described(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
     checks.mask_fn(options.spec, batch, seq_len, seq_len,
                    given=() if bidirectional_ids is None else ("bidirectional_ids",))
     given = seq_lengths
-    seq_lengths = _prompt_lengths(seq_lengths, batch=batch, seq_len=seq_len)
+    seq_lengths = prompts.prompt_lengths(seq_lengths, batch=batch, seq_len=seq_len)
     segment_ids = None
     if not causal:  # causal prompts never see their own later padding; others must not
-        segment_ids = _padding_segments(seq_lengths, seq_len=seq_len)
+        segment_ids = prompts.padding_segments(seq_lengths, seq_len=seq_len)
     if bidirectional_ids is not None:  # padding carries no id: causality hides it then
         (placed_ids,) = _placement.onto(cache.mesh, bidirectional_ids)
-        bidirectional_ids = _without_padding(placed_ids, seq_lengths)
+        bidirectional_ids = prompts.without_padding(placed_ids, seq_lengths)
     seq_axes = cache.seq_axes if len(cache.seq_axes) > 1 else cache.seq_axes[0]
     # The attention is its own staged program (the global call's), the cache write
     # another: each compiles once, and what the attention builds inside stays there.
@@ -175,45 +173,8 @@ def prefill_described(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
     out = attention.attend(q, k, v, options, metadata, where)  # [B, S, H, Dv], like q
     if check_on_device and (where is None or where.ulysses_size is None):  # (a host callback cannot share a
         # program with a split-axis hybrid: there a negative length reads as 0)
-        seq_lengths = _refuse_negative(seq_lengths, given, mesh=cache.mesh)
+        seq_lengths = prompts.refuse_negative(seq_lengths, given, mesh=cache.mesh)
     return out, _write_prompt(k, v, cache, seq_lengths)
-
-
-@functools.partial(jax.jit, static_argnames=("batch", "seq_len"))
-def _prompt_lengths(lengths, *, batch: int, seq_len: int):
-    """``int32[B]``: the true prompt lengths (default ``S``), in ``0 .. S``."""
-    if lengths is None:
-        return jnp.full((batch,), seq_len, jnp.int32)
-    return jnp.clip(lengths.astype(jnp.int32), 0, seq_len)
-
-
-@functools.partial(jax.jit, static_argnames="mesh")
-def _refuse_negative(lengths, given, *, mesh):
-    """``lengths``, or, when the caller's traced ``given`` lengths hold a negative one,
-    a failed program: a host ``ValueError`` naming ``seq_lengths`` on every shard of
-    ``mesh`` at once (read as ``jax.errors.JaxRuntimeError``, as decode's capacity
-    check)."""
-    def check(lengths, given):  # every shard: none waits in a collective for another
-        return checks.refuse_unless(
-            (given >= 0).all(), lambda given: checks.negative_length_message("seq_lengths", given),
-            lengths, given)
-
-    return jax.shard_map(check, mesh=mesh, in_specs=(P(), P()), out_specs=P(),
-                         check_vma=False)(lengths, given)
-
-
-@jax.jit
-def _without_padding(ids, lengths) -> jax.Array:
-    """The prompts' bidirectional ids ``int32[B, S]`` with every token past ``lengths``
-    at 0 (then later than every real token, so never seen)."""
-    real = jnp.arange(ids.shape[1])[None] < lengths[:, None]
-    return jnp.where(real, ids, 0)
-
-
-@functools.partial(jax.jit, static_argnames="seq_len")
-def _padding_segments(lengths, *, seq_len: int):
-    """``int32[B, S]``: 0 for the prompt's tokens, 1 for its padding."""
-    return (jnp.arange(seq_len)[None] >= lengths[:, None]).astype(jnp.int32)
 
 
 # One program per signature (eagerly: one program, compiled once, not a program per
@@ -240,8 +201,8 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *,
            window: int | tuple[int, int] | None = None, scale: Optional[float] = None,
            kernel: KernelName = "auto", block_sizes: BlockSizes | None = None,
            softcap: Optional[float] = None, sinks: Optional[jax.Array] = None,
-           compute_dtype: ComputeLike = None,
-           check_capacity: bool = True, chunk_size: Optional[int] = None,
+           compute_dtype: ComputeLike = None, check_capacity: bool = True,
+           chunk_size: Optional[int] = None,
            bidirectional_ids: Optional[jax.Array] = None, mask_fn: Optional[Callable] = None):
     """Append ``T >= 1`` new tokens per row and attend them to the whole cache.
 
@@ -292,8 +253,7 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *,
     """
     spec = masks.MaskSpec.make(True, window, chunk_size, mask_fn)
     options = make_options(q, without_segment_ids(spec), scale=scale, kernel=kernel,
-                           block_sizes=block_sizes, softcap=softcap,
-                           compute_dtype=compute_dtype)
+                           block_sizes=block_sizes, softcap=softcap, compute_dtype=compute_dtype)
     return decode_described(q, k, v, cache, options,
                             Metadata(bidirectional_ids=bidirectional_ids, sinks=sinks),
                             check_capacity=check_capacity)

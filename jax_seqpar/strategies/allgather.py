@@ -36,10 +36,10 @@ from typing import TYPE_CHECKING, Any, Callable, Literal
 import jax
 import jax.numpy as jnp
 
-from jax_seqpar.core.quant import ComputeLike
 from jax_seqpar import kernels
 from jax_seqpar.core import compat as _compat
 from jax_seqpar.core.masks import EMPTY_LSE
+from jax_seqpar.core.quant import ComputeLike
 from jax_seqpar.core.merge import merge
 from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.entry import Strategy
@@ -111,11 +111,10 @@ def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: s
                         positions: jax.Array | None = None, window: int | tuple[int, int] | None = None,
                         scale: float | None = None, kernel: KernelName = "auto",
                         block_sizes: BlockSizes | None = None, softcap: float | None = None,
-                        compute_dtype: ComputeLike = None,
-                        sinks: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
-                        chunk_size: int | None = None, bidirectional_ids: jax.Array | None = None,
-                        mask_fn: Callable | None = None, return_lse: bool = False,
-                        max_document_shards: int | None = None,
+                        compute_dtype: ComputeLike = None, sinks: jax.Array | None = None,
+                        kv_segment_ids: jax.Array | None = None, chunk_size: int | None = None,
+                        bidirectional_ids: jax.Array | None = None, mask_fn: Callable | None = None,
+                        return_lse: bool = False, max_document_shards: int | None = None,
                         pieces: int | Literal["auto"] = "auto"):
     """Exact attention of a sequence sharded over ``seq_axes`` (call inside ``shard_map``).
 
@@ -143,8 +142,8 @@ def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: s
     options, metadata = describe(
         q, k, v, local=True, causal=causal, window=window, chunk_size=chunk_size, mask_fn=mask_fn,
         scale=scale, kernel=kernel, block_sizes=block_sizes, softcap=softcap,
-        compute_dtype=compute_dtype,
-        return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
+        compute_dtype=compute_dtype, return_lse=return_lse, segment_ids=segment_ids,
+        kv_segment_ids=kv_segment_ids,
         positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks,
         max_document_shards=max_document_shards)
     return attend(q, k, v, options, metadata, seq_axes=seq_axes, pieces=pieces)
