@@ -254,11 +254,10 @@ def test_hybrid_whose_ring_reach_is_zero_pipelines_ulysses_alone(tolerances):
                                    pipeline=dict(pieces=2)), tolerances)
 
 
-def test_hybrid_without_a_ring_sends_comm_bytes_in_pieces():
-    """The same at S=4096 (512 tokens a device: pieces="auto" cuts them): compiled bytes
-    equal comm_bytes (the all-to-alls, the <dout, out> rows, no collective-permute)."""
+def _hybrid_bytes(seq: int, mask: dict, *, backward: bool) -> dict:
+    """Collective bytes by kind of the hybrid's compiled program on its 2x4 CPU mesh,
+    float32 ``[1, seq]`` inputs: the forward, or with ``backward`` forward + vjp."""
     mesh, axes = checks.strategy_mesh("hybrid")
-    seq, mask = 4096, dict(causal=True, chunk_size=2048)
     q = jnp.ones((1, seq, _HEADS, _DIM), jnp.float32)
     k = jnp.ones((1, seq, _KV_HEADS, _DIM), jnp.float32)
     f = functools.partial(sp.sequence_parallel_attention, mesh=mesh, seq_axes=axes,
@@ -268,7 +267,15 @@ def test_hybrid_without_a_ring_sends_comm_bytes_in_pieces():
         out, vjp = jax.vjp(f, q, k, v)
         return out, vjp(dout)
 
-    sent = hlo.collective_bytes(jax.jit(both).lower(q, k, k, jnp.ones_like(q)).compile())
+    fn, args = (both, (q, k, k, jnp.ones_like(q))) if backward else (f, (q, k, k))
+    return hlo.collective_bytes(jax.jit(fn).lower(*args).compile())
+
+
+def test_hybrid_without_a_ring_sends_comm_bytes_in_pieces():
+    """The same at S=4096 (512 tokens a device: pieces="auto" cuts them): compiled bytes
+    equal comm_bytes (the all-to-alls, the <dout, out> rows, no collective-permute)."""
+    seq, mask = 4096, dict(causal=True, chunk_size=2048)
+    sent = _hybrid_bytes(seq, mask, backward=True)
     assert sent["collective-permute"] == 0
     assert sum(sent.values()) == comm_bytes(
         "hybrid", batch=1, seq_len=seq, num_heads=_HEADS, num_kv_heads=_KV_HEADS,
@@ -284,22 +291,12 @@ def test_hybrid_halo_sends_comm_bytes_in_pieces(mask):
     the halo's K/V and its float32 dK/dV back, never the full ring)."""
     from jax_seqpar.strategies.hybrid import outer_ring
 
-    mesh, axes = checks.strategy_mesh("hybrid")
     seq = 4096
     assert outer_ring(MaskSpec.make(**mask), seq // 2, 2, shard_len=seq // 8) == "halo"
-    q = jnp.ones((1, seq, _HEADS, _DIM), jnp.float32)
-    k = jnp.ones((1, seq, _KV_HEADS, _DIM), jnp.float32)
-    f = functools.partial(sp.sequence_parallel_attention, mesh=mesh, seq_axes=axes,
-                          strategy="hybrid", **mask)
-
-    def both(q, k, v, dout):
-        out, vjp = jax.vjp(f, q, k, v)
-        return out, vjp(dout)
-
     shape = dict(batch=1, seq_len=seq, num_heads=_HEADS, num_kv_heads=_KV_HEADS,
                  head_dim=_DIM, axis_sizes=(2, 4), dtype_bytes=4, **mask)
-    for fn, args, backward in ((f, (q, k, k), False), (both, (q, k, k, jnp.ones_like(q)), True)):
-        sent = hlo.collective_bytes(jax.jit(fn).lower(*args).compile())
+    for backward in (False, True):
+        sent = _hybrid_bytes(seq, mask, backward=backward)
         assert sum(sent.values()) == comm_bytes("hybrid", backward=backward, **shape), sent
         # Across: the halo only, K/V of the window's tokens (one K/V head a device after
         # the inner all-to-all), and their float32 dK/dV back.
