@@ -25,6 +25,7 @@ from jax_seqpar import kernels
 from jax_seqpar.core.masks import Tokens
 from jax_seqpar.strategies.head_pipeline import (heads_to_seq, seq_to_heads, sink_cotangents,
                                                  sink_gradient)
+from jax_seqpar.strategies.wire import Wire
 from jax_seqpar.strategies.inputs import Operands, Options, axis_size
 
 #: A mesh axis name, or a tuple of them.
@@ -215,12 +216,13 @@ def kernel_calls(positions: np.ndarray, size: int, sizes: tuple[int, ...]) -> li
 
 
 def keys_first(axis_name: _Axes, options: Options, q: jax.Array, k: jax.Array, v: jax.Array,
-               pieces: Pieces) -> tuple[Any, tuple, jax.Array, jax.Array, tuple]:
+               pieces: Pieces, wire: Wire) -> tuple[Any, tuple, jax.Array, jax.Array, tuple]:
     """The forward's opening: every K/V piece, each travelling while the first query
     piece attends to the piece before it (the online softmax across pieces), and the
     second query piece while it meets the last.
 
-    Args: the local ``[B, L, ., D]`` shards (K/V in q's dtype) and their cut.
+    Args: the local ``[B, L, ., D]`` shards (K/V in q's dtype), ``wire``-encoded
+    (:class:`~jax_seqpar.strategies.wire.Wire`; what arrives is decoded), and their cut.
     Returns ``(acc, (q0, q1), keys, values, local)``: the first query piece's running
     float32 ``(out, lse)`` against every key; the first two query pieces heads-sharded;
     the keys and values ``[B, P*L, h_kv, D]`` (piece-major: every K/V piece's
@@ -231,8 +233,9 @@ def keys_first(axis_name: _Axes, options: Options, q: jax.Array, k: jax.Array, v
     size = axis_size(axis_name)
     sizes, kv_sizes = pieces.sizes, pieces.kv_sizes
     shards = (q, k, v)
-    q0, k0, v0 = exchange([local(q, sizes, 0), local(k, kv_sizes, 0), local(v, kv_sizes, 0)],
-                          [], axis_name, size)[0]
+    q0, k0, v0 = (wire.decode(x) for x in exchange(
+        [local(q, sizes, 0), local(k, kv_sizes, 0), local(v, kv_sizes, 0)], [], axis_name,
+        size)[0])
     ks, vs, q1 = [k0], [v0], None
     acc: Any = None
     for m in range(len(kv_sizes)):
@@ -242,7 +245,7 @@ def keys_first(axis_name: _Axes, options: Options, q: jax.Array, k: jax.Array, v
         acc = kernels.forward(options, q0, ks[m], vs[m], pieces.q_tokens[0], pieces.kv_tokens[m],
                               accumulate=acc)
         acc, raw, shards = jax.lax.optimization_barrier((acc, raw, shards))
-        upcoming = unpack(raw)[0]
+        upcoming = [wire.decode(x) for x in unpack(raw)[0]]
         if last:
             q1 = upcoming[0]
         else:
