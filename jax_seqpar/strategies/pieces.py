@@ -43,8 +43,9 @@ def send(to_heads: list[jax.Array], to_seq: list[jax.Array], axis_name: _Axes,
     ``to_heads`` (``-> [B, P*s, n/P, D]``) and
     :func:`~jax_seqpar.strategies.head_pipeline.heads_to_seq` of each ``[B, P*s, n, D]``
     of ``to_seq`` (``-> [B, s, P*n, D]``), every piece flattened per destination device
-    and packed along the features. Pieces of different dtypes go in one all-to-all per
-    dtype.
+    and packed along the features. Pieces of different dtypes (FP8 pieces encoded as
+    bytes beside bf16 outputs: :mod:`jax_seqpar.strategies.wire`) travel as their bytes,
+    still one all-to-all.
 
     Returns ``(raw, unpack)``: what the all-to-all returned and ``unpack(raw) -> (heads,
     seq)``. The pipelines pass ``raw`` through the barrier that closes a step and unpack
@@ -54,10 +55,17 @@ def send(to_heads: list[jax.Array], to_seq: list[jax.Array], axis_name: _Axes,
     arrays = [*to_heads, *to_seq]
     if not arrays:
         return [], lambda raw: ([], [])
-    if len({x.dtype for x in arrays}) > 1:
-        raw = ([seq_to_heads(x, axis_name) for x in to_heads]
-               + [heads_to_seq(x, axis_name) for x in to_seq])
-        return raw, lambda raw: (raw[:len(to_heads)], raw[len(to_heads):])
+    dtypes = [x.dtype for x in arrays]
+    if len(set(dtypes)) > 1:
+        raw, unpack_bytes = send([_as_bytes(x) for x in to_heads],
+                                 [_as_bytes(x) for x in to_seq], axis_name, size)
+
+        def unpack_typed(raw):
+            heads, seq = unpack_bytes(raw)
+            typed = [_from_bytes(x, d) for x, d in zip([*heads, *seq], dtypes)]
+            return typed[:len(heads)], typed[len(heads):]
+
+        return raw, unpack_typed
     b = arrays[0].shape[0]
     flat = [jnp.moveaxis(x.reshape(b, x.shape[1], size, -1), 2, 1).reshape(b, size, -1)
             for x in to_heads]  # [B, P (destination), s * n/P * D]
@@ -82,6 +90,19 @@ def send(to_heads: list[jax.Array], to_seq: list[jax.Array], axis_name: _Axes,
         return heads, seq
 
     return [packed], unpack
+
+
+def _as_bytes(x: jax.Array) -> jax.Array:
+    """``x [..., D]`` as ``uint8 [..., D * itemsize]`` (its bytes along the features)."""
+    raw = jax.lax.bitcast_convert_type(x, jnp.uint8)
+    return raw if x.dtype.itemsize == 1 else raw.reshape(*x.shape[:-1], -1)
+
+
+def _from_bytes(raw: jax.Array, dtype) -> jax.Array:
+    """Inverse of :func:`_as_bytes`."""
+    width = jnp.dtype(dtype).itemsize
+    shaped = raw if width == 1 else raw.reshape(*raw.shape[:-1], -1, width)
+    return jax.lax.bitcast_convert_type(shaped, dtype)
 
 
 def exchange(to_heads: list[jax.Array], to_seq: list[jax.Array], axis_name: _Axes,
