@@ -26,8 +26,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["COMPUTE_DTYPES", "FP8_DTYPES", "Compute", "ComputeLike", "compute", "is_fp8",
-           "quantize", "rotation", "scaled"]
+__all__ = ["COMPUTE_DTYPES", "FP8_DTYPES", "Compute", "ComputeLike", "compute", "dequantize",
+           "is_fp8", "quantize", "rotation", "scaled"]
 
 #: The FP8 formats a call computes in.
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
@@ -148,6 +148,15 @@ def quantize(x: jax.Array, dtype_name: str):
     scores exactly, and the result does not depend on the device count."""
     values, scales = scaled(x, dtype_name, (x.ndim - 1,))
     return values, None if scales is None else scales[..., 0]
+
+
+def dequantize(values: jax.Array, scales: jax.Array) -> jax.Array:
+    """``values [B, S, *heads, F] * scales [B, S, *heads]`` in float32, the inverse of
+    :func:`quantize`. Quantizing the result again gives back the same FP8 ``values``
+    (bit for bit: the float32 products are within a few float32 ulps of the values times
+    their scale, far inside half an FP8 step) and the same scales to float32 rounding
+    (the largest entry is ``finfo.max`` times its scale)."""
+    return values.astype(jnp.float32) * scales[..., None]
 
 
 @functools.cache
