@@ -273,8 +273,9 @@ def _check_memory(mesh: jax.sharding.Mesh, per_device: int) -> None:
 def cache_compute(compute_dtype: quant.ComputeLike, cache: KVCache) -> quant.ComputeLike:
     """The ``compute_dtype=`` of a call against ``cache``: as given for a cache in the
     queries' dtype; for an FP8 cache its FP8 dtype and rotation (None: those), and a
-    ``ValueError`` naming both and the fix for any other (the kernel takes the cached FP8
-    values and scales as they are, so it computes in their dtype)."""
+    ``ValueError`` naming both and the fix for any other (the cached keys are FP8
+    already, and rotated or not: a wider dtype would not restore what quantization
+    dropped, another format or rotation would quantize them twice)."""
     if not cache.fp8:
         return compute_dtype
     name = cache.k.dtype.name
