@@ -27,7 +27,8 @@ import jax.numpy as jnp
 import numpy as np
 
 __all__ = ["COMPUTE_DTYPES", "FP8_DTYPES", "SCALE_BYTES", "Compute", "ComputeLike", "compute",
-           "decode", "encode", "is_fp8", "quantize", "rotate", "rotation", "scaled", "wire_dtype"]
+           "decode", "dequantize", "encode", "is_fp8", "quantize", "rotate", "rotation", "scaled",
+           "wire_dtype"]
 
 #: The bytes of one float32 scale: an FP8 token's K (or V) of one head travels as its
 #: ``D`` values and its scale (:func:`encode`).
@@ -153,6 +154,15 @@ def quantize(x: jax.Array, dtype_name: str):
     return values, None if scales is None else scales[..., 0]
 
 
+def dequantize(values: jax.Array, scales: jax.Array) -> jax.Array:
+    """``values [B, S, *heads, F] * scales [B, S, *heads]`` in float32, the inverse of
+    :func:`quantize`. Quantizing the result again gives back the same FP8 ``values``
+    (bit for bit: the float32 products are within a few float32 ulps of the values times
+    their scale, far inside half an FP8 step) and the same scales to float32 rounding
+    (the largest entry is ``finfo.max`` times its scale)."""
+    return values.astype(jnp.float32) * scales[..., None]
+
+
 @functools.cache
 def _hadamard(size: int, seed: int) -> np.ndarray:
     """``size x size`` (a power of two) orthogonal Hadamard matrix with random signs on
@@ -219,4 +229,4 @@ def decode(raw: jax.Array, dtype_name: Optional[str], like: jax.typing.DTypeLike
     values = jax.lax.bitcast_convert_type(raw[..., :-SCALE_BYTES], jnp.dtype(dtype_name))
     scales = jax.lax.bitcast_convert_type(
         raw[..., -SCALE_BYTES:], jnp.float32)  # [...]: the last axis of 4 bytes folds in
-    return (values.astype(jnp.float32) * scales[..., None]).astype(like)
+    return dequantize(values, scales).astype(like)
