@@ -101,7 +101,7 @@ def test_fp8_kernel_compiles_for_v5p(d, backward):
 
     _, text = _compile(fwd_bwd, _structs(chip, 1, seq, 8, 2, d, d))
     assert text.count(MOSAIC_CALL) == 3
-    assert "f8E4M3FN" in text  # the kernels take FP8 operands
+    assert "f8e4m3fn[" in text  # the kernels take FP8 operands
 
 
 @pytest.mark.parametrize("strategy,target,d_qk,d_v", [
