@@ -153,7 +153,9 @@ class Options:
     def cast_dtype(self) -> Optional[str]:
         """The dtype every kernel takes q, k, v (and dout) in, where the call computes in
         one plain dtype (no FP8, one dtype both ways): the lowering casts to it. None
-        otherwise (the XLA kernel then scales and casts per block itself)."""
+        otherwise (the XLA kernel then scales and casts per block itself; the Pallas
+        kernels quantize FP8 operands before their ``pallas_call``,
+        :mod:`jax_seqpar.kernels.fp8_inputs`)."""
         compute = self.compute
         if compute is None or compute.quantizes or compute.backward != compute.dtype:
             return None
