@@ -52,8 +52,9 @@ def rounded(x, dtype):
     return values.astype(dtype), scale
 
 
-def _times(x, scale):
-    return x if scale is None else x * scale
+def _times(x, factor):
+    """``x * factor`` (None: ``x``)."""
+    return x if factor is None else x * factor
 
 
 def _operand(x, dtype):

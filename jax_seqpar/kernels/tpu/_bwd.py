@@ -31,8 +31,9 @@ def _grad_scores(t, p, dp, delta):
     return ds if t is None else ds * (1.0 - t * t)
 
 
-def _times(x, scale):
-    return x if scale is None else x * scale
+def _times(x, factor):
+    """``x * factor`` (None: ``x``)."""
+    return x if factor is None else x * factor
 
 
 def _scales(refs, columns):
