@@ -19,6 +19,7 @@ from jax_seqpar.core.masks import Tokens
 from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.kernels.options import Options
 from jax_seqpar.strategies.inputs import Operands, empty_result
+from jax_seqpar.strategies.wire import rotated
 
 __all__ = ["local_attention"]
 
@@ -52,7 +53,8 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, options: Options,
         out, lse = empty_result(q, v, True)
         lse = with_sinks(out, lse, operands.sinks)[1]
     else:
-        out, lse = _staged(q, k, v, operands, options=options)
+        inner, q_in, k_in = rotated(options, q, k)  # the Hadamard rotation, as strategies do
+        out, lse = _staged(q_in, k_in, v, operands, options=inner)
     return (out, lse) if options.return_lse else out
 
 
