@@ -71,7 +71,16 @@ def test_encode_decode_reproduce_the_quantized_values():
     assert Wire.of(quant.Compute(jnp.bfloat16), jnp.float32).row_bytes(64) == 128
 
 
-@pytest.mark.parametrize("path", list(PATHS))
+#: The default tier's paths (one of each kind of exchange: the ring's steps, Ulysses' pieces,
+#: a halo in the hybrid's pieces); the rest run in the matrix tier.
+DEFAULT = ("ring", "ulysses pieces", "hybrid halo in pieces")
+
+
+def _tiered(paths):
+    return [p if p in DEFAULT else pytest.param(p, marks=pytest.mark.matrix) for p in paths]
+
+
+@pytest.mark.parametrize("path", _tiered(PATHS))
 def test_every_path_adds_nothing_to_the_unsharded_fp8_error(path, mesh):
     """Against float64: the sharded FP8 call (K/V encoded on the wire) within 1.1x of the
     unsharded one's output and gradient errors, FP8 or bf16 backward, and well above bf16's."""
@@ -112,8 +121,9 @@ def _compiled_bytes(mesh, strategy, keywords, compute, backward):
     return sum(hlo.collective_bytes(jax.jit(fn).lower(*args).compile()).values())
 
 
-@pytest.mark.parametrize("path", ["ring", "ring halo", "allgather", "ulysses groups",
-                                  "ulysses pieces", "hybrid"])
+@pytest.mark.parametrize("path", ["ring", "ulysses pieces"] + [
+    pytest.param(p, marks=pytest.mark.matrix)
+    for p in ("ring halo", "allgather", "ulysses groups", "hybrid")])
 @pytest.mark.parametrize("backward", [False, True])
 def test_compiled_bytes_save_what_comm_bytes_counts(path, backward, mesh):
     """float32 inputs on the CPU mesh (whose collectives send bf16 as f32): K/V go as
