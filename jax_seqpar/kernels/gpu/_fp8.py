@@ -35,7 +35,6 @@ from jax_seqpar.kernels.gpu import _core as core
 __all__ = ["dkv_kernel", "dq_kernel", "forward_kernel", "rounded"]
 
 
-
 def rounded(x, dtype):
     """A float32 tile ``x [m, n]`` as a product's operand in ``dtype``: ``(values, scale)``,
     ``x ≈ values * scale``. FP8: one scale for the tile, ``amax / finfo.max`` of its
