@@ -71,8 +71,8 @@ class KernelStage:
 
     def forward(self, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens,
                 kv_tokens: Tokens):
-        out, lse = kernels.forward(self.options, q, k, v, q_tokens, kv_tokens)
-        return (out, lse), (q, k, v, lse)
+        result = kernels.forward(self.options, q, k, v, q_tokens, kv_tokens)
+        return result, (q, k, v, result[1])  # (out, lse[, row max logits]), residuals
 
     def backward(self, residuals: tuple, q_tokens: Tokens, kv_tokens: Tokens, dout: jax.Array,
                  dlse: Optional[jax.Array], delta: jax.Array):
@@ -99,12 +99,14 @@ def head_pipeline(axis_name: str | tuple[str, ...], stage: Any, q: jax.Array, k:
       return_lse: also return the float32 ``[B, S/P, H]`` log-sum-exp.
     Returns:
       ``[B, S/P, H, Dv]`` in ``q.dtype`` (and the log-sum-exp), differentiable in q, k, v
-      and ``sinks``.
+      and ``sinks``; last, where the stage returns them (``return_max_logit``), the row
+      max logits ``float32[B, S/P, H]``, sent back beside the output (no gradient).
     """
     layout = _HeadGroups.of(q, k, axis_size(axis_name), groups)
     config = (axis_name, stage, layout, bool(return_lse))
-    out, lse = _pipeline(config, q, k, v, operands)
-    return (out, lse) if return_lse else out
+    out, lse, *high = _pipeline(config, q, k, v, operands)
+    result = (out,) + ((lse,) if return_lse else ()) + tuple(high)
+    return result if len(result) > 1 else out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -186,14 +188,16 @@ def _pipeline_fwd(config, q, k, v, operands):
     saved: list[Any] = []
     sent: Any = None  # the previous group's output (and lse) on its way back
     for g in range(layout.groups):
-        (out, lse), residuals = stage.forward(*arrived, q_tokens, kv_tokens)
+        stage_result, residuals = stage.forward(*arrived, q_tokens, kv_tokens)
+        (out, lse), high = stage_result[:2], list(stage_result[2:])
         if sinks is not None:
             group_sinks = sinks[g * layout.q_group:(g + 1) * layout.q_group]
             saved.append((residuals, lse))
             out, lse = with_sinks(out, lse, group_sinks)
         else:
             saved.append((residuals, None))
-        result = (out.astype(q.dtype), lse if return_lse else None)
+        rows = ([lse] if return_lse else []) + high  # float32 [B, S, h] each
+        result = (out.astype(q.dtype), jnp.stack(rows, -1) if rows else None)
         upcoming = None
         if g + 1 < layout.groups:
             upcoming = _exchange_in(axis_name, layout, g + 1, q, k, v, shared_kv)
@@ -205,15 +209,16 @@ def _pipeline_fwd(config, q, k, v, operands):
             outs.append(sent[0])
             lses.append(sent[1])
         sent = (heads_to_seq(result[0], axis_name),
-                None if result[1] is None else heads_to_seq(result[1][..., None], axis_name))
+                None if result[1] is None else heads_to_seq(result[1], axis_name))
         arrived = upcoming
     outs.append(sent[0])
     lses.append(sent[1])
     out = layout.put(outs)  # [B, S/P, H, Dv]
-    lse = layout.put(lses)[..., 0] if return_lse else None
+    stats: Any = None if lses[0] is None else layout.put(lses)  # [B, S/P, H, n]
+    lse = stats[..., 0] if return_lse else None
     # The output is saved as returned (sequence-sharded, input dtype): what the caller
     # holds anyway, and all the backward needs of it.
-    return (out, lse), (saved, operands, out)
+    return (out, lse, *([stats[..., -1]] if high else [])), (saved, operands, out)
 
 
 def _pipeline_bwd(config, residuals, cotangents):
@@ -225,7 +230,7 @@ def _pipeline_bwd(config, residuals, cotangents):
     # given cotangent, as in a benchmark's program) XLA would otherwise interleave the
     # two passes and hold both passes' buffers at once.
     cotangents, saved = jax.lax.optimization_barrier((cotangents, saved))
-    dout, dlse = cotangents
+    dout, dlse = cotangents[:2]
     dtype, kv_dtype = dout.dtype, layout.kv_dtype
     # <dout, out> of the output rows, sequence-sharded (out as returned): the kernel's
     # delta and the sinks' gradient. With the lse's cotangent, the float32 row

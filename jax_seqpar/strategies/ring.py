@@ -39,10 +39,10 @@ from jax_seqpar import kernels
 from jax_seqpar.core import compat as _compat
 from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.entry import Strategy
-from jax_seqpar.strategies.inputs import Metadata, axis_size, describe, finish, shard_operands
+from jax_seqpar.strategies.inputs import (Metadata, axis_size, describe, finish, max_logit_over,
+                                          nothing_seen, shard_operands)
 from jax_seqpar.strategies.traffic import (INDEX_BYTES, NO_MASK, accumulator_bytes, halo_bytes,
                                            layer_reach)
-from jax_seqpar.core.masks import EMPTY_LSE
 
 if TYPE_CHECKING:  # annotations only
     from jax_seqpar.core.masks import MaskSpec, Tokens
@@ -63,7 +63,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | 
                    sinks: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                    chunk_size: int | None = None, bidirectional_ids: jax.Array | None = None,
                    mask_fn: Callable | None = None, return_lse: bool = False,
-                   max_document_shards: int | None = None):
+                   max_document_shards: int | None = None, return_max_logit: bool = False):
     """Exact attention of a sequence sharded over ``seq_axes`` (call inside ``shard_map``).
 
     Args:
@@ -90,6 +90,11 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | 
         from the queries' (e.g. padded keys), or None: ``segment_ids``.
       return_lse: also return the float32 ``[B, S/P, H]`` log-sum-exp of each row
         (sinks included), for callers that merge partial results.
+      return_max_logit: also return ``float32[H]``, per head the largest scaled logit
+        ``scale * q.k`` (before ``softcap``) of any pair the mask lets through, over this
+        shard's batch rows and the whole sequence (a ``pmax`` over ``seq_axes``; take the
+        max over batch axes yourself); ``-inf`` for a head with no visible pair. Sinks
+        are no pairs; it has no gradient (QK-Clip, Muon).
 
     The keywords are checked once and read into the call's
     :class:`~jax_seqpar.kernels.options.Options` and
@@ -98,7 +103,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | 
 
     Returns:
       ``[B, S/P, H, Dv]`` in ``q.dtype`` (softmax statistics and carries in float32),
-      and with ``return_lse`` the log-sum-exp.
+      then the log-sum-exp with ``return_lse``, then the max logit with
+      ``return_max_logit`` (a tuple when either is asked for).
 
     .. code-block:: python
 
@@ -111,8 +117,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | 
         compute_dtype=compute_dtype,
         return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
         positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks,
-        max_document_shards=max_document_shards)
-    return attend(q, k, v, options, metadata, seq_axes=seq_axes)
+        max_document_shards=max_document_shards, return_max_logit=return_max_logit)
+    return max_logit_over(options, attend(q, k, v, options, metadata, seq_axes=seq_axes),
+                          seq_axes)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata: Metadata,
@@ -121,9 +128,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
     view runs inside ``shard_map``: ``options`` and the local, checked ``metadata``
     (:func:`jax_seqpar.strategies.inputs.describe`)."""
     operands = shard_operands(q, options, metadata, seq_axes)
-    out, lse = ring_over(seq_axes, options, q, k, v, operands.q_tokens, operands.kv_tokens,
-                         contiguous=metadata.positions is None)
-    return finish(options, q, out, lse, operands)
+    result = ring_over(seq_axes, options, q, k, v, operands.q_tokens, operands.kv_tokens,
+                       contiguous=metadata.positions is None)
+    return finish(options, q, result, operands)
 
 
 def ring_over(axis_name: str | tuple[str, ...], options: Options, q: jax.Array, k: jax.Array,
@@ -142,7 +149,9 @@ def ring_over(axis_name: str | tuple[str, ...], options: Options, q: jax.Array, 
       shard_len: the shards ``max_document_shards`` counts (default ``S/P``).
     Returns:
       ``out float32[B, S/P, H, Dv]`` and ``lse float32[B, S/P, H]``, both
-      differentiable (the backward accepts the ``lse`` cotangent).
+      differentiable (the backward accepts the ``lse`` cotangent); with
+      ``options.return_max_logit`` the row max logits ``float32[B, S/P, H]`` third
+      (the steps' maxima merged, no gradient).
     """
     reach = halo.mask_reach(options.spec, q.shape[1], axis_size(axis_name),
                             bidirectional=q_tokens.bidirectional_ids is not None,
@@ -232,17 +241,12 @@ def _packed(tree: Any) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
 
 
 def _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens):
-    batch, local_len, heads, _ = q.shape
-    d_v = v.shape[-1]
-
     def attend(carry, kv):
         # The kernel continues the running (out, lse): Mosaic in the kernel, in place;
         # the XLA and Pallas kernels merge after (see jax_seqpar.kernels.contract).
         return kernels.forward(options, q, kv[0], kv[1], q_tokens, kv[2], accumulate=carry)
 
-    acc = (jnp.zeros((batch, local_len, heads, d_v), jnp.float32),
-           jnp.full((batch, local_len, heads), EMPTY_LSE, jnp.float32))
-    acc = _compat.match_varying(acc, q)
+    acc = _compat.match_varying(nothing_seen(options, q, v.shape[-1]), q)
     # The barrier's results vary over every axis any of its operands varies over: so
     # must the K/V carry from the start (a dp x sp mesh: K/V vary over dp, acc too).
     kv = _compat.match_varying((k, v, kv_tokens), (acc, k, v, kv_tokens))
@@ -251,14 +255,15 @@ def _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens):
 
 
 def _ring_fwd(axis_name, options, q, k, v, q_tokens, kv_tokens):
-    out, lse = _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens)
+    result = _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens)
+    out, lse = result[:2]  # a third result, the row max logits, has no gradient
     # The output is kept in the input dtype: what the caller returns, at its memory cost.
-    return (out, lse), (q, k, v, q_tokens, kv_tokens, out.astype(q.dtype), lse)
+    return result, (q, k, v, q_tokens, kv_tokens, out.astype(q.dtype), lse)
 
 
 def _ring_bwd(axis_name, options, residuals, cotangents):
     q, k, v, q_tokens, kv_tokens, out, lse = residuals
-    dout, dlse = cotangents
+    dout, dlse = cotangents[:2]
     delta = jnp.einsum("bqhd,bqhd->bqh", dout.astype(jnp.float32),
                        out.astype(jnp.float32)) - dlse
     dout = dout.astype(q.dtype)

@@ -87,12 +87,15 @@ def ring_pieces(inner_axis: str | tuple[str, ...], outer_axis: str | tuple[str, 
         see (:func:`jax_seqpar.core.reach.mask_reach` over the outer axis): the ring is
         then that halo exchange; None: the full ring.
     Returns:
-      ``[B, L, H, Dv]`` in ``q.dtype`` (and the log-sum-exp).
+      ``[B, L, H, Dv]`` in ``q.dtype`` (and the log-sum-exp); with
+      ``options.return_max_logit`` last the row max logits ``float32[B, L, H]`` (sent
+      back beside the output, as the lse; no gradient).
     """
     config = (inner_axis, outer_axis, options, tuple(sizes), bool(return_lse),
               jnp.dtype(k.dtype), None if reach is None else tuple(reach))
-    out, lse = _pipeline(config, q, k, v, operands)
-    return (out, lse) if return_lse else out
+    out, lse, *high = _pipeline(config, q, k, v, operands)
+    result = (out,) + ((lse,) if return_lse else ()) + tuple(high)
+    return result if len(result) > 1 else out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -147,15 +150,18 @@ def _pipeline_fwd(config, q, k, v, operands):
         result, raw, kv = jax.lax.optimization_barrier((result, raw, kv))
         if pending:
             sent[j - 1] = unpack(raw)[1]
-        out, lse = result
+        out, lse = result[:2]
         lses[j] = lse  # without the sinks: what the backward's kernels take
         if sinks is not None:
             out, lse = with_sinks(out, lse, sinks)
-        pending = [out.astype(q.dtype)] + ([lse[..., None]] if return_lse else [])
+        rows = ([lse] if return_lse else []) + list(result[2:])  # float32 [B, P*s, h] each
+        pending = [out.astype(q.dtype)] + ([jnp.stack(rows, -1)] if rows else [])
     sent[c - 1] = exchange([], pending, inner, size)[1]
     out = concat([s[0] for s in sent])  # [B, L, H, Dv]
-    lse = concat([s[1] for s in sent])[..., 0] if return_lse else None
-    return (out, lse), (queries, keys, values, lses, operands, out,
+    stats: Any = concat([s[1] for s in sent]) if len(sent[0]) > 1 else None  # [B, L, H, n]
+    lse = stats[..., 0] if return_lse else None
+    high = (stats[..., -1],) if options.return_max_logit else ()
+    return (out, lse, *high), (queries, keys, values, lses, operands, out,
                         None if reach is None else kv)  # the halo, kept
 
 
@@ -168,7 +174,7 @@ def _pipeline_bwd(config, residuals, cotangents):
     q_all, parts = concat(q_tokens), cut.parts(size)
     cotangents, queries, keys, values = jax.lax.optimization_barrier(
         (cotangents, queries, keys, values))
-    dout, dlse = cotangents
+    dout, dlse = cotangents[:2]
     dtype = dout.dtype
     rows = RowCotangents.of(inner, cut, operands, out, dout, dlse, lses, return_lse)
     block = (keys, values, concat(cut.kv_tokens))

@@ -59,14 +59,17 @@ def seq_pipeline(axis_name: str | tuple[str, ...], options: Options, q: jax.Arra
         ``sizes[0]`` each (:func:`jax_seqpar.strategies.heads.piece_sizes`).
       return_lse: also return the float32 ``[B, L, H]`` log-sum-exp.
     Returns:
-      ``[B, L, H, Dv]`` in ``q.dtype`` (and the log-sum-exp).
+      ``[B, L, H, Dv]`` in ``q.dtype`` (and the log-sum-exp); with
+      ``options.return_max_logit`` last the row max logits ``float32[B, L, H]`` (sent
+      back beside the output, as the lse; no gradient).
     """
     if sum(sizes) != q.shape[1]:
         raise ValueError(f"chunk sizes {sizes} do not sum to the {q.shape[1]} local tokens.")
     # K/V travel in q's dtype; their gradients go back in k's (float32 for replicated K/V).
     config = (axis_name, options, tuple(sizes), bool(return_lse), jnp.dtype(k.dtype))
-    out, lse = _pipeline(config, q, k, v, operands)
-    return (out, lse) if return_lse else out
+    out, lse, *high = _pipeline(config, q, k, v, operands)
+    result = (out,) + ((lse,) if return_lse else ()) + tuple(high)
+    return result if len(result) > 1 else out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -82,11 +85,13 @@ def _pipeline_fwd(config, q, k, v, operands):
     sizes, q_tokens, c, sinks = cut.sizes, cut.q_tokens, len(cut.sizes), operands.sinks
 
     def finished(result):
-        """A query piece's kernel result -> what leaves (output, lse) and its lse."""
-        out, lse = result
+        """A query piece's kernel result -> what leaves (output, then its float32 rows:
+        the lse, the max logits, those asked for, ``[..., n]``) and its lse."""
+        out, lse = result[:2]
         if sinks is not None:
             out, lse = with_sinks(out, lse, sinks)
-        return [out.astype(q.dtype)] + ([lse[..., None]] if return_lse else []), result[1]
+        rows = ([lse] if return_lse else []) + list(result[2:])
+        return [out.astype(q.dtype)] + ([jnp.stack(rows, -1)] if rows else []), result[1]
 
     qs: list[Any] = [None] * c  # every query piece as it arrived (heads-sharded)
     acc, (qs[0], qs[1]), keys, values, shards = keys_first(axis_name, options, q, k, v, cut)
@@ -108,8 +113,10 @@ def _pipeline_fwd(config, q, k, v, operands):
         pending, lses[j] = finished(result)
     sent[c - 1] = exchange([], pending, axis_name, size)[1]
     out = concat([s[0] for s in sent])  # [B, L, H, Dv]
-    lse = concat([s[1] for s in sent])[..., 0] if return_lse else None
-    return (out, lse), (concat(qs), keys, values, lses, operands, out)
+    stats: Any = concat([s[1] for s in sent]) if len(sent[0]) > 1 else None  # [B, L, H, n]
+    lse = stats[..., 0] if return_lse else None
+    high = (stats[..., -1],) if options.return_max_logit else ()
+    return (out, lse, *high), (concat(qs), keys, values, lses, operands, out)
 
 
 def _pipeline_bwd(config, residuals, cotangents):
@@ -123,7 +130,7 @@ def _pipeline_bwd(config, residuals, cotangents):
     # Nothing of the backward before the whole forward (as in the head pipeline).
     cotangents, queries, keys, values = jax.lax.optimization_barrier(
         (cotangents, queries, keys, values))
-    dout, dlse = cotangents
+    dout, dlse = cotangents[:2]
     dtype = dout.dtype
     rows = RowCotangents.of(axis_name, cut, operands, out, dout, dlse, lses, return_lse)
     q_parts = cut.parts(size)
