@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import checks
 import jax_seqpar
+from test_compile_once import compiles_per_call
 from jax_seqpar.core import quant, reference
 from jax_seqpar.core.masks import PAD_SEGMENT, Tokens
 
@@ -72,6 +73,7 @@ MASKS = {
     "bidirectional": dict(causal=True, bidirectional_ids=_bidirectional()),
     "mask_fn": dict(mask_fn=_even_keys),
     "softcap": dict(causal=True, softcap=1.5),
+    "chunk-in-shard": dict(causal=True, chunk_size=8),  # reach (0, 0): no exchange
 }
 
 #: (strategy, pipelining keywords) of the global call: every form a strategy runs in.
@@ -86,11 +88,11 @@ FORMS = {
     "hybrid-groups": ("hybrid", dict(head_groups=2)),
 }
 
-#: Each form with three mask families (every family several times over the forms); the
-#: window and the chunks on the contiguous split make the ring, the all-gather and the
-#: hybrid's ring halo exchanges (or local attention).
+#: Each form with three mask families (every family twice over the forms); the window and
+#: the chunks on the contiguous split make the ring, the all-gather and the hybrid's ring
+#: halo exchanges, chunks that fit a shard local attention.
 CASES = [(form, mask) for i, form in enumerate(FORMS)
-         for mask in (list(MASKS)[i % 7], list(MASKS)[(i + 3) % 7], "window")]
+         for mask in dict.fromkeys((list(MASKS)[i % 8], list(MASKS)[(i + 3) % 8], "window"))]
 
 
 @pytest.mark.parametrize("form,mask", CASES)
@@ -242,3 +244,37 @@ def test_refusals():
         jax_seqpar.prefill(q, k, v, cache, return_max_logit=True)
     with pytest.raises(ValueError, match="decode does not return the max logit"):
         jax_seqpar.decode(q[:, :1], k[:, :1], v[:, :1], cache, return_max_logit=True)
+
+
+@pytest.mark.parametrize("entry", ["global", "local", "dot_product"])
+def test_compiles_once(entry):
+    q, k, v = _inputs()
+    mesh, _ = checks.strategy_mesh("ring")
+    calls = {
+        "global": lambda: jax_seqpar.sequence_parallel_attention(
+            q, k, v, mesh=mesh, strategy="ring", causal=True, return_max_logit=True),
+        "local": lambda: jax_seqpar.sequence_parallel_attention(q, k, v, causal=True,
+                                                                return_max_logit=True),
+        "dot_product": lambda: jax_seqpar.dot_product_attention(
+            q, k, v, is_causal=True, mesh=mesh, return_max_logit=True),
+    }
+    counts = compiles_per_call(calls[entry])
+    assert counts[1:] == [0, 0], f"compilations per call: {counts}"
+
+
+def test_flax_self_attention():
+    from flax import nnx
+
+    from jax_seqpar.flax import SelfAttention
+
+    mesh, _ = checks.strategy_mesh("ring")
+    layer = SelfAttention(32, 4, num_kv_heads=2, head_dim=8, causal=True, mesh=mesh,
+                          strategy="ring", rngs=nnx.Rngs(0))
+    x = checks.normal((B, S, 32))
+    y, high = layer(x, return_max_logit=True)
+    q, k, v = layer._projected_qkv(x, jnp.arange(S, dtype=jnp.int32))
+    _assert_max_logit(high, reference.max_logit(q, k, v, causal=True))
+    np.testing.assert_allclose(y, layer(x), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError, match="max logit"):
+        layer.init_cache(B, S)
+        layer(x, decode=True, return_max_logit=True)

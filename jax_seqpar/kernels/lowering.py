@@ -91,6 +91,9 @@ def _kernel(method: str, options: Options, q: jax.Array, v: jax.Array, **extra) 
     """``method`` of the kernel ``options.kernel`` chooses, bound to ``options`` and the
     keywords ``extra`` (``accumulate``), to call on the operands: one module's function,
     or one branch per lowering platform (``jax.lax.platform_dependent``)."""
+    if options.return_max_logit and options.kernel != "xla":  # make_options takes "xla"
+        raise ValueError(f"options.return_max_logit needs kernel='xla' (only the XLA kernel "
+                         f"returns the rows' max logit). Got kernel={options.kernel!r}.")
     if options.kernel in ("xla", "mosaic"):
         return functools.partial(getattr(_module(options.kernel), method), options=options,
                                  **extra)
