@@ -278,3 +278,21 @@ def test_flax_self_attention():
     with pytest.raises(ValueError, match="max logit"):
         layer.init_cache(B, S)
         layer(x, decode=True, return_max_logit=True)
+
+
+@pytest.mark.parametrize("split", [True, False], ids=["ring", "no-mesh"])
+def test_batch_sharded_on_an_explicit_mesh(split):
+    """Rows on different devices of a data axis: the max over every row (the global call:
+    over the whole batch; the local path: a pmax over the batch's axis)."""
+    q, k, v = _inputs()
+    q = q.at[1, 3, 5].multiply(4.0)  # row 1's peak for head 5 lies on the second "dp" device
+    mesh = jax.make_mesh((2, 4), ("dp", "sp"))
+    with jax.set_mesh(mesh):
+        placed = [jax.reshard(x, P("dp")) for x in (q, k, v)]
+        call = functools.partial(jax_seqpar.sequence_parallel_attention, causal=True,
+                                 return_max_logit=True)
+        if split:
+            call = functools.partial(call, mesh=mesh, strategy="ring")
+        out, high = jax.jit(call)(*placed)
+    assert out.sharding.spec[0] == "dp"
+    _assert_max_logit(high, reference.max_logit(q, k, v, causal=True))
