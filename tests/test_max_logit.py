@@ -74,6 +74,7 @@ MASKS = {
     "mask_fn": dict(mask_fn=_even_keys),
     "softcap": dict(causal=True, softcap=1.5),
     "chunk-in-shard": dict(causal=True, chunk_size=8),  # reach (0, 0): no exchange
+    "sinks": dict(causal=True, sinks=jnp.full((H,), 50.0)),  # no pairs: never reported
 }
 
 #: (strategy, pipelining keywords) of the global call: every form a strategy runs in.
@@ -88,11 +89,13 @@ FORMS = {
     "hybrid-groups": ("hybrid", dict(head_groups=2)),
 }
 
-#: Each form with three mask families (every family twice over the forms); the window and
-#: the chunks on the contiguous split make the ring, the all-gather and the hybrid's ring
-#: halo exchanges, chunks that fit a shard local attention.
+#: Each form causal (the full exchange), windowed and with two more mask families (every
+#: family at least once over the forms); the window and the chunks on the contiguous
+#: split make the ring, the all-gather and the hybrid's ring halo exchanges, chunks that
+#: fit a shard local attention.
 CASES = [(form, mask) for i, form in enumerate(FORMS)
-         for mask in dict.fromkeys((list(MASKS)[i % 8], list(MASKS)[(i + 3) % 8], "window"))]
+         for mask in dict.fromkeys(("causal", "window", list(MASKS)[i % len(MASKS)],
+                                   list(MASKS)[(i + 3) % len(MASKS)]))]
 
 
 @pytest.mark.parametrize("form,mask", CASES)

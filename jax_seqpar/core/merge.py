@@ -36,10 +36,11 @@ def merge_results(a: tuple, b: tuple) -> tuple:
     where the call returns the max logit (:attr:`~jax_seqpar.kernels.options.Options.return_max_logit`):
     the third, ``float32[B, S, H]`` row maxima of the visible logits (``-inf``: none),
     merges by ``maximum`` (never differentiated)."""
+    if len(a) != len(b) or len(a) not in (2, 3):
+        raise ValueError(f"merge_results merges two (out, lse) or two (out, lse, max_logit) "
+                         f"results. Got {len(a)} and {len(b)} arrays.")
     merged = merge(a[0], a[1], b[0], b[1])
-    if len(a) == 2:
-        return merged
-    return (*merged, jnp.maximum(a[2], b[2]))
+    return merged if len(a) == 2 else (*merged, jnp.maximum(a[2], b[2]))
 
 
 def with_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array | None):

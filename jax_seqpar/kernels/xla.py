@@ -216,8 +216,8 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options):
                               functools.partial(update, k_tile, v_tile), carry)
 
         stats_shape = (1, *hg, t.block_q)
-        init: tuple = (jnp.full(stats_shape, masks.EMPTY_LSE, _F32), jnp.zeros(stats_shape, _F32),
-                jnp.zeros(stats_shape + (d_v,), _F32))
+        init: tuple = (jnp.full(stats_shape, masks.EMPTY_LSE, _F32),
+                       jnp.zeros(stats_shape, _F32), jnp.zeros(stats_shape + (d_v,), _F32))
         init += (jnp.full(stats_shape, -jnp.inf, _F32),) if track else ()
         init = _compat.match_varying(init, (q, k))
         m, l, acc, *high = jax.lax.fori_loop(0, t.num_k, kv_block, init)

@@ -36,7 +36,7 @@ from jax_seqpar import kernels
 from jax_seqpar.core import compat as _compat
 from jax_seqpar.core.masks import Tokens
 from jax_seqpar.core.merge import with_sinks
-from jax_seqpar.strategies.heads import head_group_counts
+from jax_seqpar.strategies.heads import head_group_counts, held_max_logit
 from jax_seqpar.strategies.inputs import Operands, Options, axis_size
 
 __all__ = ["KernelStage", "head_pipeline", "heads_to_seq", "no_gradient",
@@ -99,8 +99,10 @@ def head_pipeline(axis_name: str | tuple[str, ...], stage: Any, q: jax.Array, k:
       return_lse: also return the float32 ``[B, S/P, H]`` log-sum-exp.
     Returns:
       ``[B, S/P, H, Dv]`` in ``q.dtype`` (and the log-sum-exp), differentiable in q, k, v
-      and ``sinks``; last, where the stage returns them (``return_max_logit``), the row
-      max logits ``float32[B, S/P, H]``, sent back beside the output (no gradient).
+      and ``sinks``; last, where the stage returns them (``return_max_logit``), the max
+      logits of this device's heads as rows ``float32[B, S/P, H]``
+      (:func:`~jax_seqpar.strategies.heads.held_max_logit`: nothing sent for them; no
+      gradient).
     """
     layout = _HeadGroups.of(q, k, axis_size(axis_name), groups)
     config = (axis_name, stage, layout, bool(return_lse))
@@ -187,17 +189,17 @@ def _pipeline_fwd(config, q, k, v, operands):
     lses: list[Any] = []
     saved: list[Any] = []
     sent: Any = None  # the previous group's output (and lse) on its way back
+    highs: list[Any] = []  # each group's row max logits (return_max_logit), kept here
     for g in range(layout.groups):
         stage_result, residuals = stage.forward(*arrived, q_tokens, kv_tokens)
-        (out, lse), high = stage_result[:2], list(stage_result[2:])
+        (out, lse), highs = stage_result[:2], highs + list(stage_result[2:])
         if sinks is not None:
             group_sinks = sinks[g * layout.q_group:(g + 1) * layout.q_group]
             saved.append((residuals, lse))
             out, lse = with_sinks(out, lse, group_sinks)
         else:
             saved.append((residuals, None))
-        rows = ([lse] if return_lse else []) + high  # float32 [B, S, h] each
-        result = (out.astype(q.dtype), jnp.stack(rows, -1) if rows else None)
+        result = (out.astype(q.dtype), lse if return_lse else None)
         upcoming = None
         if g + 1 < layout.groups:
             upcoming = _exchange_in(axis_name, layout, g + 1, q, k, v, shared_kv)
@@ -209,16 +211,16 @@ def _pipeline_fwd(config, q, k, v, operands):
             outs.append(sent[0])
             lses.append(sent[1])
         sent = (heads_to_seq(result[0], axis_name),
-                None if result[1] is None else heads_to_seq(result[1], axis_name))
+                None if result[1] is None else heads_to_seq(result[1][..., None], axis_name))
         arrived = upcoming
     outs.append(sent[0])
     lses.append(sent[1])
     out = layout.put(outs)  # [B, S/P, H, Dv]
-    stats: Any = None if lses[0] is None else layout.put(lses)  # [B, S/P, H, n]
-    lse = stats[..., 0] if return_lse else None
+    lse = layout.put(lses)[..., 0] if return_lse else None
+    high = (held_max_logit(highs, axis_name, q, groups=True),) if highs else ()
     # The output is saved as returned (sequence-sharded, input dtype): what the caller
     # holds anyway, and all the backward needs of it.
-    return (out, lse, *([stats[..., -1]] if high else [])), (saved, operands, out)
+    return (out, lse, *high), (saved, operands, out)
 
 
 def _pipeline_bwd(config, residuals, cotangents):

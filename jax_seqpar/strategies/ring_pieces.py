@@ -57,6 +57,7 @@ from jax_seqpar.core import compat as _compat
 from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.head_pipeline import no_gradient
+from jax_seqpar.strategies.heads import held_max_logit
 from jax_seqpar.strategies.inputs import Operands, Options, axis_size
 from jax_seqpar.strategies.pieces import (KernelCall, Pieces, RowCotangents, concat,
                                           cut_positions, exchange, keys_first, local, put, send)
@@ -88,8 +89,9 @@ def ring_pieces(inner_axis: str | tuple[str, ...], outer_axis: str | tuple[str, 
         then that halo exchange; None: the full ring.
     Returns:
       ``[B, L, H, Dv]`` in ``q.dtype`` (and the log-sum-exp); with
-      ``options.return_max_logit`` last the row max logits ``float32[B, L, H]`` (sent
-      back beside the output, as the lse; no gradient).
+      ``options.return_max_logit`` last the max logits of this device's heads as rows
+      ``float32[B, L, H]`` (:func:`~jax_seqpar.strategies.heads.held_max_logit`: nothing
+      sent for them; no gradient).
     """
     config = (inner_axis, outer_axis, options, tuple(sizes), bool(return_lse),
               jnp.dtype(k.dtype), None if reach is None else tuple(reach))
@@ -143,6 +145,7 @@ def _pipeline_fwd(config, q, k, v, operands):
     lses: list[Any] = [None] * c
     sent: list[Any] = [None] * c
     pending: list[Any] = []
+    highs: list[Any] = []  # the pieces' row max logits (return_max_logit), kept here
     for j, part in enumerate(cut.parts(size)):
         raw, unpack = send([], pending, inner, size)
         result = kernels.forward(options, queries[:, part], kv[0], kv[1], q_tokens[j], kv[2],
@@ -154,13 +157,12 @@ def _pipeline_fwd(config, q, k, v, operands):
         lses[j] = lse  # without the sinks: what the backward's kernels take
         if sinks is not None:
             out, lse = with_sinks(out, lse, sinks)
-        rows = ([lse] if return_lse else []) + list(result[2:])  # float32 [B, P*s, h] each
-        pending = [out.astype(q.dtype)] + ([jnp.stack(rows, -1)] if rows else [])
+        highs += result[2:]
+        pending = [out.astype(q.dtype)] + ([lse[..., None]] if return_lse else [])
     sent[c - 1] = exchange([], pending, inner, size)[1]
     out = concat([s[0] for s in sent])  # [B, L, H, Dv]
-    stats: Any = concat([s[1] for s in sent]) if len(sent[0]) > 1 else None  # [B, L, H, n]
-    lse = stats[..., 0] if return_lse else None
-    high = (stats[..., -1],) if options.return_max_logit else ()
+    lse = concat([s[1] for s in sent])[..., 0] if return_lse else None
+    high = (held_max_logit(highs, inner, q),) if highs else ()
     return (out, lse, *high), (queries, keys, values, lses, operands, out,
                         None if reach is None else kv)  # the halo, kept
 

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax_seqpar import kernels
 from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.strategies.head_pipeline import no_gradient
+from jax_seqpar.strategies.heads import held_max_logit
 from jax_seqpar.strategies.inputs import Operands, Options, axis_size
 from jax_seqpar.strategies.pieces import (Pieces, RowCotangents, concat, exchange, keys_first,
                                           local, put, send)
@@ -60,8 +61,9 @@ def seq_pipeline(axis_name: str | tuple[str, ...], options: Options, q: jax.Arra
       return_lse: also return the float32 ``[B, L, H]`` log-sum-exp.
     Returns:
       ``[B, L, H, Dv]`` in ``q.dtype`` (and the log-sum-exp); with
-      ``options.return_max_logit`` last the row max logits ``float32[B, L, H]`` (sent
-      back beside the output, as the lse; no gradient).
+      ``options.return_max_logit`` last the max logits of this device's heads as rows
+      ``float32[B, L, H]`` (:func:`~jax_seqpar.strategies.heads.held_max_logit`: nothing
+      sent for them; no gradient).
     """
     if sum(sizes) != q.shape[1]:
         raise ValueError(f"chunk sizes {sizes} do not sum to the {q.shape[1]} local tokens.")
@@ -85,13 +87,11 @@ def _pipeline_fwd(config, q, k, v, operands):
     sizes, q_tokens, c, sinks = cut.sizes, cut.q_tokens, len(cut.sizes), operands.sinks
 
     def finished(result):
-        """A query piece's kernel result -> what leaves (output, then its float32 rows:
-        the lse, the max logits, those asked for, ``[..., n]``) and its lse."""
+        """A query piece's kernel result -> what leaves (output, lse) and its lse."""
         out, lse = result[:2]
         if sinks is not None:
             out, lse = with_sinks(out, lse, sinks)
-        rows = ([lse] if return_lse else []) + list(result[2:])
-        return [out.astype(q.dtype)] + ([jnp.stack(rows, -1)] if rows else []), result[1]
+        return [out.astype(q.dtype)] + ([lse[..., None]] if return_lse else []), result[1]
 
     qs: list[Any] = [None] * c  # every query piece as it arrived (heads-sharded)
     acc, (qs[0], qs[1]), keys, values, shards = keys_first(axis_name, options, q, k, v, cut)
@@ -99,6 +99,7 @@ def _pipeline_fwd(config, q, k, v, operands):
     # Then the queries: piece j + 1 comes in and piece j - 1's output leaves while piece
     # j is attended to every key in one kernel call.
     pending, lse = finished(acc)
+    highs = list(acc[2:])  # the query pieces' row max logits (return_max_logit)
     lses: list[Any] = [lse] + [None] * (c - 1)
     sent: list[Any] = [None] * c  # per query piece: its output (and lse) as it arrived
     for j in range(1, c):
@@ -111,11 +112,11 @@ def _pipeline_fwd(config, q, k, v, operands):
         if ins:
             qs[j + 1] = got_in[0]
         pending, lses[j] = finished(result)
+        highs += result[2:]
     sent[c - 1] = exchange([], pending, axis_name, size)[1]
     out = concat([s[0] for s in sent])  # [B, L, H, Dv]
-    stats: Any = concat([s[1] for s in sent]) if len(sent[0]) > 1 else None  # [B, L, H, n]
-    lse = stats[..., 0] if return_lse else None
-    high = (stats[..., -1],) if options.return_max_logit else ()
+    lse = concat([s[1] for s in sent])[..., 0] if return_lse else None
+    high = (held_max_logit(highs, axis_name, q),) if highs else ()
     return (out, lse, *high), (concat(qs), keys, values, lses, operands, out)
 
 
