@@ -299,3 +299,26 @@ def test_batch_sharded_on_an_explicit_mesh(split):
         out, high = jax.jit(call)(*placed)
     assert out.sharding.spec[0] == "dp"
     _assert_max_logit(high, reference.max_logit(q, k, v, causal=True))
+
+
+@pytest.mark.parametrize("form", ["ring", "ulysses-pieces", "ulysses-groups", "hybrid-groups"])
+def test_the_only_bytes_added_are_one_all_reduce_of_heads(form):
+    """Compiled, the call with the max logit sends what the call without it sends and
+    one all-reduce of ``float32[H]`` (``2 (P-1)/P`` of its bytes): the ring's steps merge
+    the maxima in their carry, Ulysses' pipelines send nothing for them."""
+    from jax_seqpar.tools import hlo
+
+    strategy, pipelining = FORMS[form]
+    mesh, seq_axes = checks.strategy_mesh(strategy)
+    q, k = jnp.ones((1, 256, H, D)), jnp.ones((1, 256, HKV, D))
+
+    def sent(**keywords):
+        f = functools.partial(jax_seqpar.sequence_parallel_attention, mesh=mesh,
+                              seq_axes=seq_axes, strategy=strategy, causal=True,
+                              layout="contiguous", **pipelining, **keywords)
+        return hlo.collective_bytes(jax.jit(f).lower(q, k, k).compile())
+
+    without, with_max = sent(), sent(return_max_logit=True)
+    added = {kind: with_max[kind] - without[kind] for kind in without
+             if with_max[kind] != without[kind]}
+    assert added == {"all-reduce": 2 * 7 / 8 * H * 4}, added
