@@ -242,7 +242,8 @@ def test_refusals():
                                                    return_max_logit=True)
     with pytest.raises(ValueError, match="return_max_logit"):
         jax_seqpar.sequence_parallel_attention(q, k, v, return_max_logit=1)
-    cache = jax_seqpar.KVCache.create(checks.strategy_mesh("ring")[0], batch=B, capacity=S, num_kv_heads=HKV, head_dim=D)
+    cache = jax_seqpar.KVCache.create(checks.strategy_mesh("ring")[0], batch=B, capacity=S,
+                                      num_kv_heads=HKV, head_dim=D)
     with pytest.raises(ValueError, match="prefill does not return the max logit"):
         jax_seqpar.prefill(q, k, v, cache, return_max_logit=True)
     with pytest.raises(ValueError, match="decode does not return the max logit"):

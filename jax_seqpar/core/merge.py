@@ -32,10 +32,10 @@ def merge(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array
 
 
 def merge_results(a: tuple, b: tuple) -> tuple:
-    """:func:`merge` of two kernel results ``(out, lse)``, or ``(out, lse, max_logit)``
-    where the call returns the max logit (:attr:`~jax_seqpar.kernels.options.Options.return_max_logit`):
-    the third, ``float32[B, S, H]`` row maxima of the visible logits (``-inf``: none),
-    merges by ``maximum`` (never differentiated)."""
+    """:func:`merge` of two partial results ``(out, lse)``, or ``(out, lse, max_logit)``
+    where the call returns the max logit (QK-Clip): the third, ``float32[B, S, H]`` row
+    maxima of the visible logits (``-inf``: none), merges by ``maximum`` (never
+    differentiated)."""
     if len(a) != len(b) or len(a) not in (2, 3):
         raise ValueError(f"merge_results merges two (out, lse) or two (out, lse, max_logit) "
                          f"results. Got {len(a)} and {len(b)} arrays.")

@@ -23,9 +23,9 @@ import jax.numpy as jnp
 from jax_seqpar.strategies.inputs import axis_size
 
 __all__ = ["piece_counts", "piece_sizes", "default_pieces", "default_head_groups",
-           "head_group_counts", "kv_replication", "local_head_counts", "local_heads",
-           "MAX_AUTO_PIECES", "MAX_AUTO_HEAD_GROUPS", "MAX_PIECES", "MIN_PIECE_TOKENS",
-           "resolve_head_groups", "resolve_pieces"]
+           "head_group_counts", "held_max_logit", "kv_replication", "local_head_counts",
+           "local_heads", "MAX_AUTO_PIECES", "MAX_AUTO_HEAD_GROUPS", "MAX_PIECES",
+           "MIN_PIECE_TOKENS", "resolve_head_groups", "resolve_pieces"]
 
 #: ``head_groups="auto"`` takes at most this many groups: 4 hide three quarters of the
 #: groups' traffic; every further group is one more kernel call and two more collectives
