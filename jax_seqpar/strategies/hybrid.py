@@ -119,7 +119,8 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str 
         max_document_shards=max_document_shards, return_max_logit=return_max_logit)
     return max_logit_over(options, attend(q, k, v, options, metadata, seq_axes=seq_axes,
                                           overlap=overlap, pieces=pieces,
-                                          head_groups=head_groups), tuple(seq_axes))
+                                          head_groups=head_groups),
+                          seq_axes if isinstance(seq_axes, str) else tuple(seq_axes))
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata: Metadata,
