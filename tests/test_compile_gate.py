@@ -32,6 +32,7 @@ from jax_seqpar.tools import aot, bench, bench_report, bench_target, hlo, schedu
 from jax_seqpar.api import attention as api, program as api_program
 from jax_seqpar import comm_bytes, kernels
 from jax_seqpar.core.masks import MaskSpec, Tokens
+from jax_seqpar.core.quant import Compute
 from jax_seqpar.core.shape import LayerShape
 from jax_seqpar.kernels import make_options
 from jax_seqpar.planning import hardware, predict
@@ -449,6 +450,40 @@ def test_pallas_float32_compiles_without_spills(target, head_dim):
     program = aot.compile_for(grads, (q, k, v), "cuda", fail_on_spills=True,
                               kernel_resources=True)
     assert {f"triton:{name}" for name in program.kernels} == TRITON_ALL
+    for name, resources in program.kernels.items():
+        assert resources.spill_stores == resources.spill_loads == 0, (name, resources)
+
+
+TRITON_FP8 = {f"{name}_fp8" for name in TRITON_ALL}
+
+
+@pytest.mark.parametrize("target, head_dim, backward", [
+    _on("h100:1", d, backward) for d in (64, 128, 256)
+    for backward in ("float8_e4m3fn", "bfloat16")])
+def test_pallas_fp8_compiles_without_spills(target, head_dim, backward):
+    """``compute_dtype=float8_e4m3fn`` with ``kernel="pallas"`` on H100 (sm_90a): the FP8
+    forward and the backward (FP8, or bf16 products of the widened operands) at the FP8
+    default tiles (``_config._fp8_tiles``), GQA, causal: every FP8 Triton kernel compiles
+    and ptxas counts no spill (and the spill check is on: a spill is a compile error)."""
+    sharding = NamedSharding(targets.target_mesh(target), P())
+    q, k, v = (jax.ShapeDtypeStruct((1, 512, heads, head_dim), jnp.bfloat16,
+                                    sharding=sharding) for heads in (8, 2, 2))
+    compute = Compute(jnp.float8_e4m3fn, backward_dtype=backward)
+
+    def grads(q, k, v):
+        tokens = Tokens(jnp.arange(512, dtype=jnp.int32)[None])
+
+        def loss(q, k, v):
+            out, lse = kernels.attention(
+                make_options(q, MaskSpec.make(causal=True), kernel="pallas",
+                             compute_dtype=compute), q, k, v, tokens, tokens)
+            return out.sum() + lse.sum()
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    program = aot.compile_for(grads, (q, k, v), "cuda", fail_on_spills=True,
+                              kernel_resources=True)
+    assert {f"triton:{name}" for name in program.kernels} == TRITON_FP8
     for name, resources in program.kernels.items():
         assert resources.spill_stores == resources.spill_loads == 0, (name, resources)
 

@@ -98,19 +98,20 @@ def test_attention_entry_points_compile_once(mesh, build, jitted):
     _assert_compiles_once(lambda: f(q, k, v))
 
 
-def _cache(mesh, capacity=64):
+def _cache(mesh, capacity=64, dtype=jnp.float32):
     return inference.KVCache.create(mesh, batch=B, capacity=capacity, num_kv_heads=HKV,
-                                    head_dim=D, dtype=jnp.float32)
+                                    head_dim=D, dtype=dtype)
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.float8_e4m3fn], ids=["f32", "fp8-cache"])
 @pytest.mark.parametrize("jitted", [False, True], ids=["eager", "jit"])
-def test_prefill_and_decode_compile_once(mesh, jitted):
+def test_prefill_and_decode_compile_once(mesh, jitted, dtype):
     prefill, decode = inference.prefill, inference.decode
     if jitted:
         prefill, decode = jax.jit(prefill), jax.jit(decode, donate_argnums=3)
     q, k, v = _qkv()
-    _assert_compiles_once(lambda: prefill(q, k, v, _cache(mesh))[0])
-    _, cache = prefill(q, k, v, _cache(mesh))
+    _assert_compiles_once(lambda: prefill(q, k, v, _cache(mesh, dtype=dtype))[0])
+    _, cache = prefill(q, k, v, _cache(mesh, dtype=dtype))
     state = [cache]
     q1, k1, v1 = (x[:, :1] for x in (q, k, v))
 

@@ -248,11 +248,14 @@ def test_compute_record_defaults_and_refusals():
 
 
 @pytest.mark.parametrize("kernel", ["pallas", "mosaic"])
-def test_fp8_on_a_pallas_kernel_is_refused_naming_the_alternatives(kernel, mesh):
+def test_a_backward_the_pallas_kernels_lack_is_refused_naming_the_alternatives(kernel, mesh):
+    """The Pallas kernels compute an FP8 forward with an FP8 (same format) or bf16
+    backward (``test_fp8_kernels.py``); another backward only the XLA kernel computes."""
     q, k, v, _ = fa3_inputs((1, 64, 4, 16))
+    other = jax_seqpar.Compute(jnp.float8_e4m3fn, backward_dtype=jnp.float8_e5m2)
     with pytest.raises(ValueError, match=f"kernel='{kernel}'.*kernel='xla'"):
         jax_seqpar.sequence_parallel_attention(q, k, v, mesh=mesh, causal=True, kernel=kernel,
-                                               compute_dtype=jnp.float8_e4m3fn)
+                                               compute_dtype=other)
 
 
 def test_dot_product_attention_takes_it_and_jax_nn_does_not():

@@ -232,7 +232,8 @@ def test_the_default_cache_serves_float32_and_refuses_other_dtypes(tolerances):
     out, cache = inference.decode(q[:, 8:], k[:, 8:], v[:, 8:], cache)
     np.testing.assert_allclose(out, _expected_stream(q, k, v)[:, 8:], **tolerances(jnp.float32))
     with pytest.raises(ValueError, match=r"dtype must be one of \['float32', 'bfloat16', "
-                                         r"'float16'\] .* Got dtype=int32"):
+                                         r"'float16', 'float8_e4m3fn', 'float8_e5m2'\] .* "
+                                         r"Got dtype=int32"):
         _small_cache(dtype=jnp.int32)
 
 

@@ -76,6 +76,34 @@ def test_kernel_compiles_at_default_tiles(target, heads, kv_heads, d_qk, d_v):
     assert text.count(MOSAIC_CALL) == 3
 
 
+@pytest.mark.parametrize("backward", ["float8_e4m3fn", "bfloat16"])
+@pytest.mark.parametrize("d", [128, 256])
+def test_fp8_kernel_compiles_for_v5p(d, backward):
+    """FP8 (``compute_dtype=float8_e4m3fn``): q, k, v (and dout in an FP8 backward) enter
+    the kernels as FP8 values with float32 per-token scales, widened to bfloat16 in VMEM
+    for v5p's MXU; forward, dq and dk/dv compile at the default tiles, with GQA and
+    segment ids, causal."""
+    mesh = _tpu_mesh("v5p:2x2x2")
+    chip = NamedSharding(jax.sharding.Mesh(mesh.devices.flat[:1], ("x",)), P())
+    seq = 2 * mosaic.default_block_sizes(d, d, jnp.bfloat16).block_q
+    compute = sp.Compute(jnp.float8_e4m3fn, backward_dtype=backward)
+
+    def fwd_bwd(q, k, v):
+        tokens = Tokens(jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (1, seq)),
+                        jnp.repeat(jnp.arange(2, dtype=jnp.int32), seq // 2)[None])
+
+        def loss(q, k, v):
+            out, lse = mosaic.attention(q, k, v, tokens, tokens, make_options(
+                q, MaskSpec.make(True), kernel="mosaic", compute_dtype=compute))
+            return out.sum() + lse.sum()
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    _, text = _compile(fwd_bwd, _structs(chip, 1, seq, 8, 2, d, d))
+    assert text.count(MOSAIC_CALL) == 3
+    assert "f8e4m3fn[" in text  # the kernels take FP8 operands
+
+
 @pytest.mark.parametrize("strategy,target,d_qk,d_v", [
     pytest.param("ring", "v5p:2x2x2", 128, 128, id="ring-v5p-d128"),
     pytest.param("ulysses", "v5e:2x4", 256, 256, id="ulysses-v5e-d256"),

@@ -59,6 +59,7 @@ from jax_seqpar.api import attention, placement as _placement, prompts
 from jax_seqpar.api.placement import place as _place
 from jax_seqpar.api.program import axis_name_of, can_check_vma
 from jax_seqpar.api.dot_product import without_segment_ids
+from jax_seqpar.api import kv_cache
 from jax_seqpar.api.kv_cache import KVCache, check_against_cache
 from jax_seqpar.strategies import decode as decode_steps
 from jax_seqpar.api.attention import LayoutChoice, StrategyChoice
@@ -118,10 +119,11 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
         cache = KVCache.create(mesh, batch=2, capacity=8192, num_kv_heads=8, head_dim=128)
         out, cache = prefill(q, k, v, cache, seq_lengths=jnp.array([4000, 17]))
     """
-    _refuse_max_logit("prefill", return_max_logit)
+    prompts.refuse_max_logit("prefill", return_max_logit)
     spec = masks.MaskSpec.make(checks.flag("causal", causal), window, chunk_size, mask_fn)
     options = make_options(q, without_segment_ids(spec), scale=scale, kernel=kernel,
-                           block_sizes=block_sizes, softcap=softcap, compute_dtype=compute_dtype)
+                           block_sizes=block_sizes, softcap=softcap,
+                           compute_dtype=kv_cache.cache_compute(compute_dtype, cache))
     return prefill_described(q, k, v, cache, options,
                              Metadata(bidirectional_ids=bidirectional_ids, sinks=sinks),
                              strategy=strategy, layout=layout, seq_lengths=seq_lengths)
@@ -139,6 +141,7 @@ def prefill_described(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
     bidirectional_ids, sinks = metadata.bidirectional_ids, metadata.sinks
     check_self_attention(q, k, v)
     check_against_cache(q, k, v, cache)
+    options = _against(options, q, cache)
     batch, seq_len = q.shape[:2]
     if seq_len > cache.capacity:
         raise ValueError(f"the prompt has {seq_len} tokens but the cache holds only "
@@ -181,24 +184,38 @@ def prefill_described(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
     return out, _write_prompt(k, v, cache, seq_lengths)
 
 
+def _against(options: Options, q: jax.Array, cache: KVCache) -> Options:
+    """``options`` computing as ``cache`` requires (:func:`~jax_seqpar.api.kv_cache.
+    cache_compute`: an FP8 cache's dtype where none was asked; a ``ValueError`` for
+    another)."""
+    compute = kv_cache.cache_compute(options.compute, cache)
+    if compute == options.compute:
+        return options
+    return make_options(q, options.spec, scale=options.scale, kernel=options.kernel,
+                        block_sizes=options.block_sizes, softcap=options.softcap,
+                        return_lse=options.return_lse, compute_dtype=compute)
+
+
 # One program per signature (eagerly: one program, compiled once, not a program per
 # operation with a fresh shard_map each call).
 @jax.jit
 def _write_prompt(k, v, cache: KVCache, lengths):
-    """The cache holding the prompts' ``k, v [B, S, Hkv, D]``, dealt round-robin."""
+    """The cache holding the prompts' ``k, v [B, S, Hkv, D]`` (as it stores them:
+    :func:`~jax_seqpar.api.kv_cache.stored`), dealt round-robin."""
     # Whole shards are dealt: the prompt padded to a length they divide (the padding is
     # past ``lengths``, so it is never written).
     padded = _placement.padded_length(k.shape[1], cache.num_shards)
-    k, v = (tiling.pad_seq(x, padded) for x in (k, v))  # [B, S', Hkv, D]
+    k, v = jax.tree.map(lambda x: tiling.pad_seq(x, padded),
+                        kv_cache.stored(cache, k, v))  # [B, S', Hkv, D] (FP8: and scales)
     axis_name = axis_name_of(cache.seq_axes)
     seq = P(None, axis_name)
-    k, v = (_place(x, cache.mesh, seq) for x in (k, v))
+    k, v = jax.tree.map(lambda x: _place(x, cache.mesh, seq), (k, v))
     lengths = _place(lengths, cache.mesh, P())
     write = jax.shard_map(functools.partial(decode_steps.deal_round_robin, axis_name=axis_name),
                           mesh=cache.mesh, in_specs=(seq, seq, P(), seq, seq),
                           out_specs=cache._specs())
     new_k, new_v, positions = write(k, v, lengths, *cache._placed()[:2])
-    return dataclasses.replace(cache, k=new_k, v=new_v, positions=positions, length=lengths)
+    return cache._with(new_k, new_v, positions, lengths)
 
 
 def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *,
@@ -257,23 +274,14 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *,
         step = jax.jit(decode, donate_argnums=3)  # donated: the cache updates in place
         out, cache = step(q_new, k_new, v_new, cache)  # q_new [B, 1, H, Dqk]
     """
-    _refuse_max_logit("decode", return_max_logit)
+    prompts.refuse_max_logit("decode", return_max_logit)
     spec = masks.MaskSpec.make(True, window, chunk_size, mask_fn)
     options = make_options(q, without_segment_ids(spec), scale=scale, kernel=kernel,
-                           block_sizes=block_sizes, softcap=softcap, compute_dtype=compute_dtype)
+                           block_sizes=block_sizes, softcap=softcap,
+                           compute_dtype=kv_cache.cache_compute(compute_dtype, cache))
     return decode_described(q, k, v, cache, options,
                             Metadata(bidirectional_ids=bidirectional_ids, sinks=sinks),
                             check_capacity=check_capacity)
-
-
-def _refuse_max_logit(entry: str, return_max_logit: bool) -> None:
-    """``ValueError`` where ``return_max_logit`` asks ``entry`` (inference) for the max logit."""
-    if checks.flag("return_max_logit", return_max_logit):
-        raise ValueError(
-            f"{entry} does not return the max logit: return_max_logit=True is a training "
-            "statistic (QK-Clip clips the query/key weights by it), which inference does not "
-            "update. Compute it in training with sequence_parallel_attention(..., "
-            "return_max_logit=True) or dot_product_attention(..., return_max_logit=True).")
 
 
 def decode_described(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
@@ -287,6 +295,7 @@ def decode_described(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
     bidirectional_ids, sinks = metadata.bidirectional_ids, metadata.sinks
     check_qkv(q, k, v)
     check_against_cache(q, k, v, cache)
+    options = _against(options, q, cache)
     window = options.spec.window
     new_tokens = q.shape[1]
     if k.shape[1] != new_tokens:
@@ -311,6 +320,10 @@ def decode_described(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache,
     bidirectional_ids = checks.bidirectional_ids(bidirectional_ids, batch, new_tokens, True)
     checks.mask_fn(options.spec, batch, new_tokens, cache.capacity,
                    given=() if bidirectional_ids is None else ("bidirectional_ids",))
+    if cache.fp8 and options.compute is not None:  # (always: _against) the keys come
+        # rotated or not from the cache, the queries as they: kv_cache.rotated
+        options = dataclasses.replace(options, compute=dataclasses.replace(
+            options.compute, hadamard=False))
     call = _Decode(options=options,
                    check_capacity=checks.flag("check_capacity", check_capacity),
                    check_vma=can_check_vma(options.kernel))
@@ -373,9 +386,13 @@ def _decode(step: decode_steps.Step, cache: KVCache, *, call: _Decode):
                           check=call.check_capacity),
         mesh=cache.mesh, in_specs=(P(),) + cache._specs() + (P(), P()),
         out_specs=(P(),) + cache._specs(), check_vma=call.check_vma)
+    out_dtype = step.q.dtype
+    if cache.fp8:  # queries rotated as the keys were, new tokens as the cache stores them
+        k, v = kv_cache.stored(cache, step.k, step.v)
+        step = dataclasses.replace(step, q=kv_cache.rotated(cache, step.q), k=k, v=v)
     step = jax.tree.map(lambda x: _place(x, cache.mesh, P()), step)  # replicated
     length, fits = (_place(x, cache.mesh, P()) for x in (cache.length, fits))
     k_cache, v_cache, cache_positions = cache._placed()
     out, new_k, new_v, positions = attend(step, k_cache, v_cache, cache_positions, length, fits)
-    return out, dataclasses.replace(cache, k=new_k, v=new_v, positions=positions,
-                                    length=jnp.where(fits, new_length, cache.length))
+    return out.astype(out_dtype), cache._with(new_k, new_v, positions,
+                                              jnp.where(fits, new_length, cache.length))

@@ -26,9 +26,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-__all__ = ["COMPUTE_DTYPES", "FP8_DTYPES", "Compute", "ComputeLike", "compute", "is_fp8",
-           "quantize", "rotation", "scaled"]
+__all__ = ["COMPUTE_DTYPES", "FP8_DTYPES", "SCALE_BYTES", "Compute", "ComputeLike", "compute",
+           "decode", "dequantize", "encode", "is_fp8", "quantize", "rotate", "rotation", "scaled",
+           "wire_dtype"]
 
+#: The bytes of one float32 scale: an FP8 token's K (or V) of one head travels as its
+#: ``D`` values and its scale (:func:`encode`).
+SCALE_BYTES = 4
 #: The FP8 formats a call computes in.
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")
 #: Every dtype ``compute_dtype=`` takes.
@@ -150,6 +154,15 @@ def quantize(x: jax.Array, dtype_name: str):
     return values, None if scales is None else scales[..., 0]
 
 
+def dequantize(values: jax.Array, scales: jax.Array) -> jax.Array:
+    """``values [B, S, *heads, F] * scales [B, S, *heads]`` in float32, the inverse of
+    :func:`quantize`. Quantizing the result again gives back the same FP8 ``values``
+    (bit for bit: the float32 products are within a few float32 ulps of the values times
+    their scale, far inside half an FP8 step) and the same scales to float32 rounding
+    (the largest entry is ``finfo.max`` times its scale)."""
+    return values.astype(jnp.float32) * scales[..., None]
+
+
 @functools.cache
 def _hadamard(size: int, seed: int) -> np.ndarray:
     """``size x size`` (a power of two) orthogonal Hadamard matrix with random signs on
@@ -168,3 +181,52 @@ def rotation(head_dim: int, seed: int = 0) -> np.ndarray:
     size = head_dim & -head_dim  # the largest power of two dividing it
     block = _hadamard(size, seed)
     return np.kron(np.eye(head_dim // size, dtype=np.float32), block)
+
+
+def rotate(x: jax.Array) -> jax.Array:
+    """``x [..., D]`` times :func:`rotation` ``(D)``, computed in float32, in ``x``'s dtype."""
+    return (x.astype(jnp.float32) @ rotation(x.shape[-1])).astype(x.dtype)
+
+
+def wire_dtype(compute: Optional[Compute], input_dtype: jax.typing.DTypeLike,
+               backward: bool = False) -> Optional[str]:
+    """The dtype q, k, v (and dout) travel in between devices for one pass of a call
+    computing in ``compute``: the pass's product dtype where it is FP8 or narrower than
+    the inputs' (what the kernel consumes: bf16 compute of float32 inputs sends bf16),
+    else None (they travel as they are)."""
+    if compute is None:
+        return None
+    name = compute.backward if backward else compute.dtype
+    if is_fp8(name) or np.dtype(name).itemsize < np.dtype(input_dtype).itemsize:
+        return name
+    return None
+
+
+def encode(x: jax.Array, dtype_name: Optional[str]) -> jax.Array:
+    """``x [..., F]`` as it travels in ``dtype_name`` (:func:`wire_dtype`): FP8 as ONE
+    ``uint8 [..., F + 4]`` array, each row's ``F`` values scaled per row (per token and
+    head: :func:`quantize`) followed by the bytes of its float32 scale, so any
+    collective over the leading axes moves values and scales together; another dtype:
+    ``x`` cast; None: ``x``. Per-row scales make a row's numbers the same whichever
+    device encodes it: the kernel that quantizes the :func:`decode`-d row again gets
+    the very values that travelled."""
+    if dtype_name is None:
+        return x
+    if not is_fp8(dtype_name):
+        return x.astype(dtype_name)
+    values, scales = quantize(x, dtype_name)
+    raw = jax.lax.bitcast_convert_type(values, jnp.uint8)
+    scale_bytes = jax.lax.bitcast_convert_type(scales, jnp.uint8)  # [..., 4]
+    return jnp.concatenate([raw, scale_bytes], axis=-1)
+
+
+def decode(raw: jax.Array, dtype_name: Optional[str], like: jax.typing.DTypeLike) -> jax.Array:
+    """Inverse of :func:`encode` ``(x, dtype_name)``: ``[..., F]`` in ``like`` (values
+    times their scale; the rounding to ``like`` keeps more mantissa bits than FP8 has, so
+    quantizing the result per row reproduces the FP8 values exactly)."""
+    if dtype_name is None or not is_fp8(dtype_name):
+        return raw.astype(like)
+    values = jax.lax.bitcast_convert_type(raw[..., :-SCALE_BYTES], jnp.dtype(dtype_name))
+    scales = jax.lax.bitcast_convert_type(
+        raw[..., -SCALE_BYTES:], jnp.float32)  # [...]: the last axis of 4 bytes folds in
+    return dequantize(values, scales).astype(like)

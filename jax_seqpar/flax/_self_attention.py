@@ -12,7 +12,7 @@ from flax import nnx
 
 
 from jax_seqpar.core.quant import ComputeLike
-from jax_seqpar.api import attention, inference
+from jax_seqpar.api import attention, inference, kv_cache
 from jax_seqpar.api.attention import LayoutChoice, StrategyChoice
 from jax_seqpar.strategies.inputs import Metadata, describe
 from jax_seqpar.core import checks, masks, quant
@@ -264,6 +264,9 @@ class SelfAttention(nnx.Module):
             no wider than its parameters). Decoding attends in the cache's dtype:
             a cache narrower than the queries (a bfloat16 cache for a float32 layer, to
             halve its memory) casts the new q, k and v to it; the output is the layer's.
+            An FP8 cache (``jnp.float8_e4m3fn``, ``float8_e5m2``) stores FP8 values and
+            per-token scales and computes in FP8 (the layer's ``compute_dtype`` must be
+            None or that dtype); q, k and v stay in the layer's dtype.
         """
         if not self.causal:
             raise ValueError("decode mode needs a causal layer; create SelfAttention(..., "
@@ -277,9 +280,11 @@ class SelfAttention(nnx.Module):
             mesh, seq_axes = jax.sharding.Mesh(jax.devices()[:1], ("sp",)), "sp"
         if dtype is None:
             dtype = self.param_dtype if self.dtype is None else self.dtype
-        self.cache = nnx.Cache(inference.KVCache.create(
+        cache = inference.KVCache.create(
             mesh, batch=batch, capacity=capacity, num_kv_heads=self.num_kv_heads,
-            head_dim=self.head_dim, dtype=dtype, seq_axes=seq_axes))
+            head_dim=self.head_dim, dtype=dtype, seq_axes=seq_axes)
+        kv_cache.cache_compute(self.compute_dtype, cache)  # an FP8 cache's: refused now
+        self.cache = nnx.Cache(cache)
         self.prefilled = False
 
     def _cache_variable(self) -> nnx.Cache[inference.KVCache]:
@@ -301,14 +306,17 @@ class SelfAttention(nnx.Module):
 
     def _decode_options(self, q: jax.Array) -> Options:
         """What prefill and decode compute: this layer's mask made causal, its predicate
-        blind to segment ids (decoding makes its own), its scale, kernel and soft-cap."""
+        blind to segment ids (decoding makes its own), its scale, kernel and soft-cap,
+        its compute dtype (an FP8 cache's: :func:`~jax_seqpar.api.kv_cache.cache_compute`)."""
         spec = masks.MaskSpec.make(True, self.window, self.chunk_size, self.mask_fn)
+        compute_dtype = kv_cache.cache_compute(self.compute_dtype, self._kv_cache())
         return make_options(q, without_segment_ids(spec), scale=self.scale, kernel=self.kernel,
-                            softcap=self.softcap, compute_dtype=self.compute_dtype)
+                            softcap=self.softcap, compute_dtype=compute_dtype)
 
     def _projected_qkv(self, x, positions, cache: Optional[inference.KVCache] = None):
         """``q [B, S, H, Dh], k, v [B, S, Hkv, Dh]`` of ``x`` at ``positions``: projected,
-        QK-normed and rotated where enabled; in ``cache``'s dtype when given."""
+        QK-normed and rotated where enabled; in ``cache``'s dtype when given (not FP8: an
+        FP8 cache quantizes them itself)."""
         if x.ndim != 3 or x.shape[-1] != self.d_model:
             raise ValueError(f"x must have shape [batch, seq, d_model={self.d_model}]. "
                              f"Got x.shape={x.shape}.")
@@ -318,7 +326,7 @@ class SelfAttention(nnx.Module):
         if self.rope_base is not None:
             q = apply_rope(q, positions, base=self.rope_base)
             k = apply_rope(k, positions, base=self.rope_base)
-        if cache is not None:
+        if cache is not None and not cache.fp8:
             q, k, v = (t.astype(cache.k.dtype) for t in (q, k, v))
         return q, k, v
 

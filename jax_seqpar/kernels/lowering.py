@@ -10,7 +10,8 @@ keeps only the branch of its platform: a program compiled ahead of time for H100
 CPU host carries the Triton kernel, the same program jitted on CPU the XLA kernel.
 ``"auto"`` takes the XLA kernel wherever the platform's kernel does not take the
 operands' dtype (Mosaic: no float16) or would spill registers (Triton's float32
-backward beyond head dim 128).
+backward beyond head dim 128), and for every FP8 ``compute_dtype`` (``make_options``
+sets it; ``"pallas"`` and ``"mosaic"`` compute FP8 themselves by name).
 
 A call with ``accumulate`` (a ring step, a pipeline's piece) whose queries can see none
 of its keys is skipped whole: a ``lax.cond`` on a few tile summaries
@@ -121,7 +122,8 @@ def _without_padding(args: tuple, options: Options) -> tuple:
     at zero (:func:`jax_seqpar.core.masks.without_padding`: ``0 * NaN`` is NaN), and q,
     k, v (and the backward's ``dout``, last) in the call's plain compute dtype where it
     has one (:attr:`~jax_seqpar.kernels.options.Options.cast_dtype`: every kernel takes
-    it; FP8 is scaled inside the XLA kernel)."""
+    it; FP8 is scaled by the kernel that runs it: inside the XLA kernel, before the
+    ``pallas_call`` in the Pallas ones)."""
     q, k, v, q_tokens, kv_tokens = args[:5]
     args = (masks.without_padding(q, q_tokens), masks.without_padding(k, kv_tokens),
             masks.without_padding(v, kv_tokens), *args[3:])

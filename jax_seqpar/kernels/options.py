@@ -22,7 +22,7 @@ from jax_seqpar.core.masks import MaskSpec, Tokens
 from jax_seqpar.core.quant import Compute
 
 __all__ = ["GPU_MIN_TILE", "KERNELS", "TPU_LANES", "BlockSizes", "KernelName", "Options",
-           "check_softcap", "make_options", "resolve_block_sizes"]
+           "check_softcap", "make_options", "pallas_computes", "resolve_block_sizes"]
 
 #: What ``kernel=`` takes: a per-platform choice (``"auto"``) or one kernel.
 KernelName = Literal["auto", "xla", "pallas", "mosaic"]
@@ -158,7 +158,9 @@ class Options:
     def cast_dtype(self) -> Optional[str]:
         """The dtype every kernel takes q, k, v (and dout) in, where the call computes in
         one plain dtype (no FP8, one dtype both ways): the lowering casts to it. None
-        otherwise (the XLA kernel then scales and casts per block itself)."""
+        otherwise (the XLA kernel then scales and casts per block itself; the Pallas
+        kernels quantize FP8 operands before their ``pallas_call``,
+        :mod:`jax_seqpar.kernels.fp8_inputs`)."""
         compute = self.compute
         if compute is None or compute.quantizes or compute.backward != compute.dtype:
             return None
@@ -227,8 +229,11 @@ def make_options(q: jax.Array, spec: MaskSpec, *, scale: float | None = None,
         _refuse_max_logit(kernel)
         options = dataclasses.replace(options, kernel="xla")
     if options.compute is not None and options.cast_dtype is None and kernel != "xla":
-        # FP8 (or another dtype backward): only the XLA kernel scales per block; "auto"
-        # takes it on every platform, "pallas" and "mosaic" are refused.
+        # FP8 (or another dtype backward): the Pallas kernels take an FP8 forward with an
+        # FP8 (same format) or bfloat16 backward by name; "auto" runs the XLA kernel for
+        # every such call on every platform; other combinations only the XLA kernel.
+        if kernel in ("pallas", "mosaic") and pallas_computes(options.compute):
+            return options
         _refuse_scaled(options.compute, kernel)
         return dataclasses.replace(options, kernel="xla")
     return options
@@ -245,17 +250,26 @@ def _refuse_max_logit(requested: KernelName) -> None:
         "kernel='auto' (which runs the XLA kernel for it).")
 
 
+def pallas_computes(compute: Optional[Compute]) -> bool:
+    """Whether the Pallas kernels (Triton, Mosaic) compute ``compute`` in FP8 themselves
+    (:mod:`jax_seqpar.kernels.fp8_inputs`): an FP8 forward with a backward in the same
+    FP8 format or in bfloat16."""
+    return (compute is not None and quant.is_fp8(compute.dtype)
+            and compute.backward in (compute.dtype, "bfloat16"))
+
+
 def _refuse_scaled(compute: Compute, requested: KernelName) -> None:
     """Raise where ``requested`` (a kernel other than ``"auto"``) cannot run ``compute``,
     naming the alternatives."""
     if requested == "auto":
         return
     raise ValueError(
-        f"compute_dtype={compute} scales its operands per block (FP8) or changes dtype "
-        f"between the passes, which kernel={requested!r} does not do: only the XLA kernel "
-        "computes it. Pass kernel='xla' or kernel='auto' (which runs the XLA kernel for it), "
-        "or a compute_dtype of one plain dtype (float32, bfloat16, float16), which every "
-        "kernel takes.")
+        f"compute_dtype={compute} is not one the kernel={requested!r} computes: the Pallas "
+        "kernels take an FP8 forward (float8_e4m3fn, float8_e5m2) with a backward in the "
+        "same FP8 format or in bfloat16, or one plain dtype (float32, bfloat16, float16) "
+        "both ways; other combinations (another dtype backward) only the XLA kernel "
+        "computes. Pass kernel='xla' or kernel='auto' (which runs the XLA kernel for it), "
+        "or one of those compute dtypes.")
 
 
 def _captures_arrays(spec: MaskSpec) -> bool:

@@ -42,6 +42,7 @@ from jax_seqpar.core.quant import ComputeLike
 from jax_seqpar.core.merge import merge_results
 from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.entry import Strategy
+from jax_seqpar.strategies.wire import Wire, rotated, wire_bytes
 from jax_seqpar.strategies.inputs import (Metadata, Options, axis_size, describe, finish,
                                           gather_tokens, max_logit_over, nothing_seen,
                                           shard_operands)
@@ -156,6 +157,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
     view runs inside ``shard_map``: ``options`` and the local, checked ``metadata``
     (:func:`jax_seqpar.strategies.inputs.describe`)."""
     shard = shard_operands(q, options, metadata, seq_axes)
+    options, q, k = rotated(options, q, k)  # the rotation, once: rotated K travels
     pieces = resolve_gathered_pieces(pieces, q.shape[1])
     reach = halo.mask_reach(options.spec, q.shape[1], axis_size(seq_axes),  # the halo's
                             bidirectional=shard.q_tokens.bidirectional_ids is not None,
@@ -180,7 +182,10 @@ def attention_in_pieces(axis_name, options, q, k, v, q_tokens, kv_tokens, *, pie
       ``out float32[B, S/P, H, Dv]`` and ``lse float32[B, S/P, H]`` (and the row max
       logits), differentiable in q, k, v (the backward accepts the ``lse`` cotangent).
     """
-    return _in_pieces((axis_name, options, int(pieces)), q, k, v, q_tokens, kv_tokens)
+    # K/V travel in the call's compute dtype; the backward reads the gathered pieces
+    # as kept, so in a wire that serves both passes.
+    wire = Wire.of(options.compute, k.dtype, saved=True)
+    return _in_pieces((axis_name, options, int(pieces), wire), q, k, v, q_tokens, kv_tokens)
 
 
 def _packs(k, v) -> bool:
@@ -222,12 +227,15 @@ def _in_pieces(config, q, k, v, q_tokens, kv_tokens):
 
 
 def _in_pieces_forward(config, q, k, v, q_tokens, kv_tokens):
-    axis_name, options, pieces = config
+    axis_name, options, pieces, wire = config
     all_tokens = gather_tokens(kv_tokens, axis_name)  # [B, S], once
+    d_v = v.shape[-1]
+    k, v = wire.encode(k), wire.encode(v)
+
     def attend(acc, piece):
         # The kernel continues the running (out, lse), as the ring's steps do (Mosaic in
         # the kernel, in place; the XLA and Pallas kernels merge after).
-        kc, vc = _unpack(piece[0])
+        kc, vc = wire.decode_kv(_unpack(piece[0]))
         return kernels.forward(options, q, kc, vc, q_tokens, piece[1], accumulate=acc)
 
     def attend_during(acc, piece, upcoming):
@@ -240,7 +248,7 @@ def _in_pieces_forward(config, q, k, v, q_tokens, kv_tokens):
             return jax.lax.optimization_barrier((attend(acc, piece), upcoming))
 
         def merge_after():
-            kc, vc = _unpack(piece[0])
+            kc, vc = wire.decode_kv(_unpack(piece[0]))
             result = kernels.forward(options, q, kc, vc, q_tokens, piece[1])
             result, before, arrived = jax.lax.optimization_barrier((result, acc, upcoming))
             return merge_results(before, result), arrived
@@ -252,7 +260,7 @@ def _in_pieces_forward(config, q, k, v, q_tokens, kv_tokens):
         return jax.tree.map(lambda xs, x: jax.lax.dynamic_update_index_in_dim(xs, x, c, 0),
                             kept, piece[0])
 
-    acc = _compat.match_varying(nothing_seen(options, q, v.shape[-1]), q)
+    acc = _compat.match_varying(nothing_seen(options, q, d_v), q)
     piece = _gather_piece(axis_name, pieces, k, v, all_tokens, 0)
     kept = jax.tree.map(lambda x: jnp.zeros((pieces, *x.shape), x.dtype), piece[0])
     kept = _compat.match_varying(kept, (q, piece[0]))
@@ -278,7 +286,7 @@ def _in_pieces_fwd(config, q, k, v, q_tokens, kv_tokens):
 
 
 def _in_pieces_bwd(config, residuals, cotangents):
-    axis_name, options, pieces = config
+    axis_name, options, pieces, wire = config
     q, q_tokens, all_tokens, kept, out, lse = residuals
     dout, dlse = cotangents[:2]
     delta = jnp.einsum("bqhd,bqhd->bqh", dout.astype(jnp.float32),
@@ -296,7 +304,7 @@ def _in_pieces_bwd(config, residuals, cotangents):
             x = jax.lax.dynamic_index_in_dim(x, j, axis=2, keepdims=False)  # [C, B, n, ...]
             return jnp.moveaxis(x, 0, 1).reshape(x.shape[1], local_len, *x.shape[3:])
 
-        kj, vj = (of(x) for x in kept_kv)
+        kj, vj = wire.decode_kv(tuple(of(x) for x in kept_kv))
         tj = jax.tree.map(lambda t: jax.lax.dynamic_slice_in_dim(t, j * local_len, local_len,
                                                                   axis=1), all_tokens)
         return kj, vj, tj
@@ -324,12 +332,11 @@ def _in_pieces_bwd(config, residuals, cotangents):
         (dq, dkv), _ = jax.lax.scan(step, (dq, dkv), jnp.arange(1, size))
         # The last hop home in the input dtype: the sums are done, so rounding before
         # the hop is rounding after it, at half the bytes (bf16).
-        dk, dv = shift(tuple(x.astype(y.dtype) for x, y in zip(dkv, kept_kv)), axis_name)
+        dk, dv = shift(tuple(x.astype(wire.like) for x in dkv), axis_name)
     else:
         dk, dv = dkv
     no_grad = jax.tree.map(lambda _: None, (q_tokens, all_tokens))  # kv_tokens' structure
-    return (dq.astype(q.dtype), *(x.astype(kv.dtype) for x, kv in zip((dk, dv), kept_kv)),
-            *no_grad)
+    return (dq.astype(q.dtype), dk.astype(wire.like), dv.astype(wire.like), *no_grad)
 
 
 _in_pieces.defvjp(_in_pieces_fwd, _in_pieces_bwd)
@@ -338,12 +345,12 @@ _in_pieces.defvjp(_in_pieces_fwd, _in_pieces_bwd)
 # The model: the bytes the all-gather sends, its latency steps, pieces and memory.
 
 def _gather_bytes(*, batch, seq_len, num_kv_heads, head_dim, v_head_dim, axis_size,
-                  dtype_bytes, backward, with_segment_ids, spec) -> float:
+                  dtype_bytes, backward, with_segment_ids, spec, compute=None) -> float:
     """all_gather of k, v and positions to ``[B, S, Hkv, .]`` (K/V in pieces, the same
     bytes); the backward sends dK/dV home around the ring: ``[B, S/P, Hkv, Dqk + Dv]``
     ``P`` ppermutes as the ring's do, ``P - 1`` in float32, the last (home) in the input
     dtype. Where the mask's reach is bounded only the halo is gathered; its float32
-    gradient goes back."""
+    gradient goes back. ``compute``: K/V travel in its wire (kept for the backward)."""
     reach = layer_reach(spec, seq_len, axis_size)
     if axis_size == 1:
         return 0.0
@@ -351,11 +358,14 @@ def _gather_bytes(*, batch, seq_len, num_kv_heads, head_dim, v_head_dim, axis_si
         return halo_bytes(batch=batch, reach=reach, kv_heads=num_kv_heads, head_dim=head_dim,
                           v_head_dim=v_head_dim, dtype_bytes=dtype_bytes, backward=backward,
                           with_segment_ids=with_segment_ids, gradient_bytes=4,
-                          positions_travel=spec.max_document_shards is not None)
+                          positions_travel=spec.max_document_shards is not None,
+                          compute=compute)
     fraction = (axis_size - 1) / axis_size
     kv_elements = batch * seq_len * num_kv_heads * (head_dim + v_head_dim)
+    kv = sum(wire_bytes(compute, dtype_bytes, batch * seq_len * num_kv_heads, d, saved=True)
+             for d in (head_dim, v_head_dim))
     metadata = batch * seq_len * INDEX_BYTES * (2 if with_segment_ids else 1)
-    sent = fraction * (kv_elements * dtype_bytes + metadata)
+    sent = fraction * (kv + metadata)
     if backward:
         sent += accumulator_bytes(kv_elements // axis_size, axis_size, dtype_bytes)
     return sent

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional, Union
 
 import jax
 import jax.numpy as jnp
@@ -26,7 +26,7 @@ import numpy as np
 
 from jax_seqpar.core.quant import ComputeLike
 from jax_seqpar import kernels
-from jax_seqpar.core import checks, layout, masks
+from jax_seqpar.core import checks, layout, masks, quant
 from jax_seqpar.core.shape import check_counts
 from jax_seqpar.kernels import tiling
 from jax_seqpar.strategies.entry import Strategy
@@ -40,6 +40,10 @@ if TYPE_CHECKING:  # annotations only
 
 __all__ = ["ENTRY", "EMPTY_POSITION", "Step", "append_and_attend", "deal_round_robin",
            "decode_attention", "decode_bytes", "overflow_message"]
+
+#: Keys or values as a cache stores them: an array ``[B, L, Hkv, D]``, or FP8 ``(values
+#: [B, L, Hkv, D], float32 scales [B, L, Hkv])`` (:func:`jax_seqpar.core.quant.quantize`).
+Stored = Union[jax.Array, tuple[jax.Array, jax.Array]]
 
 #: The position of an empty cache slot, later than every query, so the causal
 #: mask hides it and whole empty key blocks are skipped.
@@ -192,8 +196,8 @@ def _refuse_overflow(fits, lengths, new_tokens: int, capacity: int):
         lengths, lengths)
 
 
-def deal_round_robin(k: jax.Array, v: jax.Array, lengths: jax.Array, k_cache: jax.Array,
-                     v_cache: jax.Array, *, axis_name: str | tuple[str, ...]):
+def deal_round_robin(k: Stored, v: Stored, lengths: jax.Array, k_cache: Stored,
+                     v_cache: Stored, *, axis_name: str | tuple[str, ...]):
     """Per shard: the contiguous prompt shard into its round-robin slots (one ``all_to_all``).
 
     Shard ``r`` holds positions ``r*L .. r*L+L-1``; position ``p`` belongs on shard
@@ -206,11 +210,12 @@ def deal_round_robin(k: jax.Array, v: jax.Array, lengths: jax.Array, k_cache: ja
       k: ``[B, L, Hkv, Dqk]``, v: ``[B, L, Hkv, Dv]`` this shard of the prompt.
       lengths: ``int32[B]`` true prompt lengths (later tokens are not written).
       k_cache: ``[B, C/P, Hkv, Dqk]``, v_cache: ``[B, C/P, Hkv, Dv]``.
+      (FP8: each of k, v, k_cache, v_cache a ``(values, scales)`` pair, :data:`Stored`.)
     Returns:
       The new local k, v and ``int32[B, C/P]`` positions (the rest of the slots empty).
     """
     shards, shard = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
-    batch, local_len = k.shape[:2]
+    batch, local_len = jax.tree.leaves(k)[0].shape[:2]
     groups = -(-local_len // shards)
     index = jnp.arange(groups * shards, dtype=jnp.int32)
     positions = shard * local_len + index  # [L'], L' = groups * P
@@ -224,16 +229,29 @@ def deal_round_robin(k: jax.Array, v: jax.Array, lengths: jax.Array, k_cache: ja
         x = jax.lax.all_to_all(x, axis_name, split_axis=2, concat_axis=2, tiled=True)
         return x.reshape(batch, groups * shards, *x.shape[3:])  # [B, L', ...] from all shards
 
-    k, v, positions = deal(k), deal(v), deal(positions)
-    local_capacity = k_cache.shape[1]
+    k, v, positions = jax.tree.map(deal, k), jax.tree.map(deal, v), deal(positions)
+    local_capacity = jax.tree.leaves(k_cache)[0].shape[1]
     slot = jnp.where(positions == EMPTY_POSITION, local_capacity,
                      positions // shards)  # [B, L'] (a prompt fits the cache); empty: dropped
     empty = jnp.full((batch, local_capacity), EMPTY_POSITION, jnp.int32)
-    return _put(k_cache, slot, k), _put(v_cache, slot, v), _put(empty, slot, positions)
+    return _put_stored(k_cache, slot, k), _put_stored(v_cache, slot, v), _put(empty, slot,
+                                                                              positions)
 
 
 #: ``cache[b, slot[b, t]] = x[b, t]`` per row; slots out of range are dropped.
 _put = jax.vmap(lambda cache, slot, x: cache.at[slot].set(x.astype(cache.dtype), mode="drop"))
+
+
+def _put_stored(cache: Stored, slot: jax.Array, x: Stored) -> Stored:
+    """:data:`_put` of each array of ``x`` (FP8: values and scales) into ``cache``'s."""
+    return jax.tree.map(lambda c, new: _put(c, slot, new), cache, x)
+
+
+def _dequantized(x: Stored) -> jax.Array:
+    """A cache shard as the kernel takes it: itself, or FP8 ``(values, scales)`` in
+    float32 (:func:`jax_seqpar.core.quant.dequantize`), which the FP8 kernel quantizes back
+    to the same values (its scales to float32 rounding)."""
+    return quant.dequantize(*x) if isinstance(x, tuple) else x
 
 
 @jax.tree_util.register_dataclass
@@ -242,7 +260,8 @@ class Step:
     """The dynamic operands of one decode step, the same on every device (a pytree).
 
     Attributes:
-      q: ``[B, T, H, Dqk]``; k: ``[B, T, Hkv, Dqk]``; v: ``[B, T, Hkv, Dv]`` the new tokens.
+      q: ``[B, T, H, Dqk]``; k: ``[B, T, Hkv, Dqk]``; v: ``[B, T, Hkv, Dv]`` the new tokens
+        (against an FP8 cache: q float32, k and v as it stores them, :data:`Stored`).
       bidirectional_ids: ``int32[B, T]`` the new tokens' ids, or None (all 0). Every
         cached token is earlier than every new one and seen anyway, so the ids only
         lift causality among the step's own tokens: nothing of them is stored.
@@ -250,24 +269,25 @@ class Step:
     """
 
     q: jax.Array
-    k: jax.Array
-    v: jax.Array
+    k: Any
+    v: Any
     bidirectional_ids: Optional[jax.Array] = None
     sinks: Optional[jax.Array] = None
 
 
-def append_and_attend(step: Step, k_cache: jax.Array, v_cache: jax.Array, positions: jax.Array,
+def append_and_attend(step: Step, k_cache: Stored, v_cache: Stored, positions: jax.Array,
                       length: jax.Array, fits: jax.Array, *, axis_name: str | tuple[str, ...],
                       options: Options, ring: bool = False, check: bool = True):
     """Per shard: write the new tokens this shard owns, attend to the local slots, merge.
 
     ``step``: the new tokens (the same on every device); k_cache/v_cache:
-    ``[B, C/P, Hkv, D]``, positions ``int32[B, C/P]``; ``fits``: whether the step is
+    ``[B, C/P, Hkv, D]`` (FP8: ``(values, scales)`` pairs, :data:`Stored`, attended
+    dequantized to float32), positions ``int32[B, C/P]``; ``fits``: whether the step is
     allowed (a refused one writes nothing); ``options``: the kernel's static options
     (an always causal mask); ``ring``: a sliding-window cache, where position ``p``
     overwrites ``p - C``; ``check``: a refused step raises.
     """
-    new_tokens, local_capacity = step.q.shape[1], k_cache.shape[1]
+    new_tokens, local_capacity = step.q.shape[1], positions.shape[1]
     shards, shard = jax.lax.axis_size(axis_name), jax.lax.axis_index(axis_name)
     if check:
         length = _refuse_overflow(fits, length, new_tokens, local_capacity * shards)
@@ -277,14 +297,16 @@ def append_and_attend(step: Step, k_cache: jax.Array, v_cache: jax.Array, positi
         slot = slot % local_capacity
     mine = (new_positions % shards == shard) & fits
     slot = jnp.where(mine, slot, local_capacity)  # others' tokens (and a refused step): dropped
-    k_cache, v_cache = _put(k_cache, slot, step.k), _put(v_cache, slot, step.v)  # [B, C/P, Hkv, D]
+    k_cache, v_cache = (_put_stored(k_cache, slot, step.k),
+                        _put_stored(v_cache, slot, step.v))  # [B, C/P, Hkv, D]
     positions = _put(positions, slot, new_positions)  # [B, C/P]
     kv_tokens = masks.Tokens(_hide_unwritten(positions, length + new_tokens))
     if step.bidirectional_ids is not None:  # cached slots: 0 (earlier than every query)
         kv_tokens.bidirectional_ids = _put(jnp.zeros_like(positions), slot,
                                            step.bidirectional_ids)  # [B, C/P]
     q_tokens = masks.Tokens(new_positions, None, step.bidirectional_ids)
-    out, lse = _attend_slots(options, step.q, k_cache, v_cache, q_tokens, kv_tokens)
+    out, lse = _attend_slots(options, step.q, _dequantized(k_cache), _dequantized(v_cache),
+                             q_tokens, kv_tokens)
     out = merge_across(out, lse, axis_name, step.sinks).astype(step.q.dtype)
     return out, k_cache, v_cache, positions  # out [B, T, H, Dv], the same on every device
 

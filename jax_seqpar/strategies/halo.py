@@ -41,6 +41,7 @@ import numpy as np
 from jax_seqpar import kernels
 from jax_seqpar.core import compat as _compat
 from jax_seqpar.strategies.inputs import axis_size
+from jax_seqpar.strategies.wire import Wire
 from jax_seqpar.core.masks import PAD_SEGMENT, Tokens
 from jax_seqpar.core.merge import merge_results
 from jax_seqpar.core.reach import is_local, mask_reach
@@ -139,11 +140,21 @@ def pull(axis_name: str | tuple[str, ...], options: Options, reach: tuple[int, i
     ``v``: ``[B, L, Hkv, D]`` of one dtype; ``tokens``: their ``[B, L]`` metadata, in the
     arrays' row order; ``rows``: as in :func:`exchange`."""
     travelling = _travelling(options, tokens)
-    joined, ids = exchange(axis_name, reach, (jnp.concatenate([k, v], axis=-1), travelling),
-                           rows=rows)
-    split = k.shape[-1]
-    return (joined[..., :split], joined[..., split:],
+    wire = Wire.of(options.compute, k.dtype, saved=True)
+    joined = jnp.concatenate([wire.encode(k), wire.encode(v)], axis=-1)
+    joined, ids = exchange(axis_name, reach, (joined, travelling), rows=rows)
+    split = wire.width(k.shape[-1])
+    return (wire.decode(joined[..., :split]), wire.decode(joined[..., split:]),
             _arrived(axis_name, options, reach, tokens, ids))
+
+
+def _exchange_kv(axis_name, options: Options, reach, k: jax.Array, v: jax.Array) -> tuple:
+    """The halo's ``(k, v)`` (:func:`exchange`), travelling in the call's compute dtype
+    (:class:`~jax_seqpar.strategies.wire.Wire`; the backward re-uses them, so in one
+    that serves both passes)."""
+    wire = Wire.of(options.compute, k.dtype, saved=True)
+    return tuple(wire.decode(x) for x in exchange(axis_name, reach,
+                                                  (wire.encode(k), wire.encode(v))))
 
 
 def _halo_tokens(axis_name, options: Options, reach, tokens: Tokens) -> Tokens:
@@ -222,7 +233,7 @@ def window_attention(axis_name: str | tuple[str, ...], options: Options, reach: 
 
 def _window_forward(axis_name, options, reach, q, k, v, q_tokens, kv_tokens):
     if sum(reach):
-        halo_kv = exchange(axis_name, reach, (k, v))
+        halo_kv = _exchange_kv(axis_name, options, reach, k, v)
         halo_tokens = _halo_tokens(axis_name, options, reach, kv_tokens)
         k, v = (_around(reach, own, pulled) for own, pulled in zip((k, v), halo_kv))
         kv_tokens = jax.tree.map(functools.partial(_around, reach), kv_tokens, halo_tokens)
@@ -282,7 +293,7 @@ def halo_attention(axis_name: str | tuple[str, ...], options: Options, reach: tu
 
 
 def _forward(axis_name, options, reach, q, k, v, q_tokens, kv_tokens):
-    halo_kv = exchange(axis_name, reach, (k, v)) if sum(reach) else None
+    halo_kv = _exchange_kv(axis_name, options, reach, k, v) if sum(reach) else None
     result = kernels.forward(options, q, k, v, q_tokens, kv_tokens)  # hides the exchange
     if halo_kv is None:
         return result, (None, None)

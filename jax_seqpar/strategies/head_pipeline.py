@@ -38,6 +38,7 @@ from jax_seqpar.core.masks import Tokens
 from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.strategies.heads import head_group_counts, held_max_logit
 from jax_seqpar.strategies.inputs import Operands, Options, axis_size
+from jax_seqpar.strategies.wire import Wire
 
 __all__ = ["KernelStage", "head_pipeline", "heads_to_seq", "no_gradient",
            "seq_to_heads", "sink_cotangents", "sink_gradient"]
@@ -164,7 +165,8 @@ class _HeadGroups:
 
 
 def _exchange_in(axis_name, layout, g, q, k, v, shared_kv):
-    """Group ``g``'s heads-sharded ``(q, k, v)`` (``shared_kv``: the K/V already there)."""
+    """Group ``g``'s heads-sharded ``(q, k, v)`` (``shared_kv``: the K/V already there),
+    as they travel (:class:`~jax_seqpar.strategies.wire.Wire`: decoded where used)."""
     qg = seq_to_heads(layout.take(q, g), axis_name)
     if shared_kv is None:
         return (qg, *(seq_to_heads(layout.take(x, g), axis_name) for x in (k, v)))
@@ -180,7 +182,11 @@ def _pipeline(config, q, k, v, operands):
 def _pipeline_fwd(config, q, k, v, operands):
     axis_name, stage, layout, return_lse = config
     q_tokens, kv_tokens, sinks = operands.q_tokens, operands.kv_tokens, operands.sinks
-    k, v = (x.astype(q.dtype) for x in (k, v))  # the wire and the stage: q's dtype
+    # The wire and the stage: q's dtype, or the call's compute dtype (the stage keeps
+    # what arrived for the backward, so in one that serves both passes).
+    wire = Wire.of(stage.options.compute, q.dtype, saved=True)
+    like = q.dtype
+    q, k, v = (wire.encode(x.astype(like)) for x in (q, k, v))
     shared_kv = None
     if not layout.kv_group:  # every group reads them: exchanged once, ahead of group 0
         shared_kv = (seq_to_heads(k, axis_name), seq_to_heads(v, axis_name))
@@ -191,7 +197,8 @@ def _pipeline_fwd(config, q, k, v, operands):
     sent: Any = None  # the previous group's output (and lse) on its way back
     highs: list[Any] = []  # each group's row max logits (return_max_logit), kept here
     for g in range(layout.groups):
-        stage_result, residuals = stage.forward(*arrived, q_tokens, kv_tokens)
+        stage_result, residuals = stage.forward(*(wire.decode(x) for x in arrived),
+                                                q_tokens, kv_tokens)
         (out, lse), highs = stage_result[:2], highs + list(stage_result[2:])
         if sinks is not None:
             group_sinks = sinks[g * layout.q_group:(g + 1) * layout.q_group]
@@ -199,7 +206,7 @@ def _pipeline_fwd(config, q, k, v, operands):
             out, lse = with_sinks(out, lse, group_sinks)
         else:
             saved.append((residuals, None))
-        result = (out.astype(q.dtype), lse if return_lse else None)
+        result = (out.astype(like), lse if return_lse else None)
         upcoming = None
         if g + 1 < layout.groups:
             upcoming = _exchange_in(axis_name, layout, g + 1, q, k, v, shared_kv)
@@ -217,7 +224,7 @@ def _pipeline_fwd(config, q, k, v, operands):
     lses.append(sent[1])
     out = layout.put(outs)  # [B, S/P, H, Dv]
     lse = layout.put(lses)[..., 0] if return_lse else None
-    high = (held_max_logit(highs, axis_name, q, groups=True),) if highs else ()
+    high = (held_max_logit(highs, axis_name, out.shape[:3], groups=True),) if highs else ()
     # The output is saved as returned (sequence-sharded, input dtype): what the caller
     # holds anyway, and all the backward needs of it.
     return (out, lse, *high), (saved, operands, out)
@@ -254,8 +261,10 @@ def _pipeline_bwd(config, residuals, cotangents):
             return None
         return rows[name][:, :, g * layout.q_group:(g + 1) * layout.q_group]
 
+    wire = Wire.of(stage.options.compute, dtype, backward=True)  # dout, as the kernel takes it
+
     def exchange_in(g):
-        return seq_to_heads(layout.take(dout, g), axis_name)
+        return seq_to_heads(layout.take(wire.encode(dout), g), axis_name)
 
     arrived = exchange_in(0)
     back: list[Any] = []
@@ -266,7 +275,7 @@ def _pipeline_bwd(config, residuals, cotangents):
         # The previous group's dK/dV sums are done before this group's kernel starts:
         # two float32 pairs are never live at once.
         arrived, shared = jax.lax.optimization_barrier((arrived, shared))
-        dout_g, dlse_g, rowdot_g = arrived, rows_of("dlse", g), rows_of("rowdot", g)
+        dout_g, dlse_g, rowdot_g = wire.decode(arrived), rows_of("dlse", g), rows_of("rowdot", g)
         stage_residuals, lse_g = saved[g]
         if dlse_g is None:
             dlse_g = _compat.match_varying(jnp.zeros(dout_g.shape[:3], jnp.float32), dout_g)

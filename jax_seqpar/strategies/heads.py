@@ -114,11 +114,11 @@ def local_heads(x: jax.Array | None, axis_name: str | tuple[str, ...]) -> jax.Ar
     return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis_name) * size, size)
 
 
-def held_max_logit(rows: list[jax.Array], axis_name: str | tuple[str, ...], q: jax.Array,
-                   *, groups: bool = False) -> jax.Array:
+def held_max_logit(rows: list[jax.Array], axis_name: str | tuple[str, ...],
+                   shape: tuple[int, ...], *, groups: bool = False) -> jax.Array:
     """The row max logits ``rows`` of the heads this device holds after
     :func:`~jax_seqpar.strategies.head_pipeline.seq_to_heads` (:func:`local_heads`' slice)
-    as rows of its sequence shard ``q [B, L, H, .]``.
+    as rows of its sequence shard ``q [B, L, H, .]`` (``shape``: ``q.shape[:3]``).
 
     Args:
       rows: float32 ``[B, S_j, h_j]`` each: query pieces of its ``h = H/P`` heads, or with
@@ -130,10 +130,10 @@ def held_max_logit(rows: list[jax.Array], axis_name: str | tuple[str, ...], q: j
     """
     by_head = [x.max(axis=(0, 1)) for x in rows]  # [h] each (pieces) or [h/G] (groups)
     local = jnp.concatenate(by_head) if groups else jnp.max(jnp.stack(by_head), axis=0)
-    full = jnp.full(q.shape[2:3], -jnp.inf, jnp.float32)
+    full = jnp.full(shape[2:3], -jnp.inf, jnp.float32)
     start = jax.lax.axis_index(axis_name) * local.shape[0]
     return jnp.broadcast_to(jax.lax.dynamic_update_slice_in_dim(full, local, start, 0),
-                            q.shape[:3])
+                            shape[:3])
 
 
 def piece_sizes(local_len: int, pieces: int) -> tuple[int, ...]:

@@ -46,6 +46,7 @@ from jax_seqpar.strategies.seq_pipeline import seq_pipeline
 from jax_seqpar.strategies.head_pipeline import head_pipeline
 from jax_seqpar.strategies.heads import (piece_sizes, default_pieces, kv_replication, local_heads,
                                          resolve_pieces)
+from jax_seqpar.strategies.wire import rotated
 from jax_seqpar.strategies.inputs import (Metadata, Operands, Options, axis_size, describe,
                                           finish, gather_tokens, max_logit_over, shard_operands)
 from jax_seqpar.strategies.ring import ENTRY as RING, in_flight_memory, ring_over, rotation_bytes
@@ -132,6 +133,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
     (:func:`jax_seqpar.strategies.inputs.describe`)."""
     ring_axis, ulysses_axis = _outer_inner(seq_axes)
     shard = shard_operands(q, options, metadata, (ring_axis, ulysses_axis))
+    options, q, k = rotated(options, q, k)  # the rotation, once: rotated K travels
     contiguous = metadata.positions is None
     local = halo.local_or_none((ring_axis, ulysses_axis), options, q, k, v, shard.q_tokens,
                                shard.kv_tokens, contiguous=contiguous)

@@ -25,6 +25,7 @@ from jax_seqpar import kernels
 from jax_seqpar.core.masks import Tokens
 from jax_seqpar.strategies.head_pipeline import (heads_to_seq, seq_to_heads, sink_cotangents,
                                                  sink_gradient)
+from jax_seqpar.strategies.wire import Wire
 from jax_seqpar.strategies.inputs import Operands, Options, axis_size
 
 #: A mesh axis name, or a tuple of them.
@@ -42,8 +43,9 @@ def send(to_heads: list[jax.Array], to_seq: list[jax.Array], axis_name: _Axes,
     ``to_heads`` (``-> [B, P*s, n/P, D]``) and
     :func:`~jax_seqpar.strategies.head_pipeline.heads_to_seq` of each ``[B, P*s, n, D]``
     of ``to_seq`` (``-> [B, s, P*n, D]``), every piece flattened per destination device
-    and packed along the features. Pieces of different dtypes go in one all-to-all per
-    dtype.
+    and packed along the features. Pieces of different dtypes (FP8 pieces encoded as
+    bytes beside bf16 outputs: :mod:`jax_seqpar.strategies.wire`) travel as their bytes,
+    still one all-to-all.
 
     Returns ``(raw, unpack)``: what the all-to-all returned and ``unpack(raw) -> (heads,
     seq)``. The pipelines pass ``raw`` through the barrier that closes a step and unpack
@@ -53,10 +55,17 @@ def send(to_heads: list[jax.Array], to_seq: list[jax.Array], axis_name: _Axes,
     arrays = [*to_heads, *to_seq]
     if not arrays:
         return [], lambda raw: ([], [])
-    if len({x.dtype for x in arrays}) > 1:
-        raw = ([seq_to_heads(x, axis_name) for x in to_heads]
-               + [heads_to_seq(x, axis_name) for x in to_seq])
-        return raw, lambda raw: (raw[:len(to_heads)], raw[len(to_heads):])
+    dtypes = [x.dtype for x in arrays]
+    if len(set(dtypes)) > 1:
+        raw, unpack_bytes = send([_as_bytes(x) for x in to_heads],
+                                 [_as_bytes(x) for x in to_seq], axis_name, size)
+
+        def unpack_typed(raw):
+            heads, seq = unpack_bytes(raw)
+            typed = [_from_bytes(x, d) for x, d in zip([*heads, *seq], dtypes)]
+            return typed[:len(heads)], typed[len(heads):]
+
+        return raw, unpack_typed
     b = arrays[0].shape[0]
     flat = [jnp.moveaxis(x.reshape(b, x.shape[1], size, -1), 2, 1).reshape(b, size, -1)
             for x in to_heads]  # [B, P (destination), s * n/P * D]
@@ -81,6 +90,19 @@ def send(to_heads: list[jax.Array], to_seq: list[jax.Array], axis_name: _Axes,
         return heads, seq
 
     return [packed], unpack
+
+
+def _as_bytes(x: jax.Array) -> jax.Array:
+    """``x [..., D]`` as ``uint8 [..., D * itemsize]`` (its bytes along the features)."""
+    raw = jax.lax.bitcast_convert_type(x, jnp.uint8)
+    return raw if x.dtype.itemsize == 1 else raw.reshape(*x.shape[:-1], -1)
+
+
+def _from_bytes(raw: jax.Array, dtype) -> jax.Array:
+    """Inverse of :func:`_as_bytes`."""
+    width = jnp.dtype(dtype).itemsize
+    shaped = raw if width == 1 else raw.reshape(*raw.shape[:-1], -1, width)
+    return jax.lax.bitcast_convert_type(shaped, dtype)
 
 
 def exchange(to_heads: list[jax.Array], to_seq: list[jax.Array], axis_name: _Axes,
@@ -215,12 +237,13 @@ def kernel_calls(positions: np.ndarray, size: int, sizes: tuple[int, ...]) -> li
 
 
 def keys_first(axis_name: _Axes, options: Options, q: jax.Array, k: jax.Array, v: jax.Array,
-               pieces: Pieces) -> tuple[Any, tuple, jax.Array, jax.Array, tuple]:
+               pieces: Pieces, wire: Wire) -> tuple[Any, tuple, jax.Array, jax.Array, tuple]:
     """The forward's opening: every K/V piece, each travelling while the first query
     piece attends to the piece before it (the online softmax across pieces), and the
     second query piece while it meets the last.
 
-    Args: the local ``[B, L, ., D]`` shards (K/V in q's dtype) and their cut.
+    Args: the local ``[B, L, ., D]`` shards (K/V in q's dtype), ``wire``-encoded
+    (:class:`~jax_seqpar.strategies.wire.Wire`; what arrives is decoded), and their cut.
     Returns ``(acc, (q0, q1), keys, values, local)``: the first query piece's running
     float32 ``(out, lse)`` against every key; the first two query pieces heads-sharded;
     the keys and values ``[B, P*L, h_kv, D]`` (piece-major: every K/V piece's
@@ -231,8 +254,9 @@ def keys_first(axis_name: _Axes, options: Options, q: jax.Array, k: jax.Array, v
     size = axis_size(axis_name)
     sizes, kv_sizes = pieces.sizes, pieces.kv_sizes
     shards = (q, k, v)
-    q0, k0, v0 = exchange([local(q, sizes, 0), local(k, kv_sizes, 0), local(v, kv_sizes, 0)],
-                          [], axis_name, size)[0]
+    q0, k0, v0 = (wire.decode(x) for x in exchange(
+        [local(q, sizes, 0), local(k, kv_sizes, 0), local(v, kv_sizes, 0)], [], axis_name,
+        size)[0])
     ks, vs, q1 = [k0], [v0], None
     acc: Any = None
     for m in range(len(kv_sizes)):
@@ -242,7 +266,7 @@ def keys_first(axis_name: _Axes, options: Options, q: jax.Array, k: jax.Array, v
         acc = kernels.forward(options, q0, ks[m], vs[m], pieces.q_tokens[0], pieces.kv_tokens[m],
                               accumulate=acc)
         acc, raw, shards = jax.lax.optimization_barrier((acc, raw, shards))
-        upcoming = unpack(raw)[0]
+        upcoming = [wire.decode(x) for x in unpack(raw)[0]]
         if last:
             q1 = upcoming[0]
         else:

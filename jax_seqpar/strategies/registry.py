@@ -14,7 +14,10 @@ import math
 import typing
 from typing import Literal, Mapping, TypedDict
 
+from jax_seqpar.core import quant
 from jax_seqpar.core.masks import MaskSpec
+from jax_seqpar.core.quant import ComputeLike
+from jax_seqpar.core.shape import dtype_of_size
 from jax_seqpar.strategies import allgather, decode, hybrid, ring, traffic, ulysses
 from jax_seqpar.strategies.entry import Strategy
 from jax_seqpar.core.reach import mask_reach
@@ -160,7 +163,8 @@ def comm_bytes(strategy: StrategyName | str, *, batch: int, seq_len: int,
                axis_sizes: int | tuple[int, ...] | Mapping[str, int], dtype_bytes: float = 2,
                backward: bool = False, with_segment_ids: bool = False,
                window: int | tuple[int, int] | None = None, causal: bool = False,
-               chunk_size: int | None = None, max_document_shards: int | None = None) -> float:
+               chunk_size: int | None = None, max_document_shards: int | None = None,
+               compute_dtype: ComputeLike = None) -> float:
     """Bytes ONE device sends in one attention call.
 
     Shapes are global: q ``[batch, seq_len, num_heads, head_dim]``, k
@@ -236,6 +240,13 @@ def comm_bytes(strategy: StrategyName | str, *, batch: int, seq_len: int,
         shard).
       chunk_size: chunked attention's chunk, or None.
       max_document_shards: the most consecutive shards any document spans, or None.
+      compute_dtype: the call's ``compute_dtype=`` (None: the inputs' dtype). Where it
+        is FP8 or narrower than the inputs, K/V (Ulysses: q, k, v, and dout backward)
+        travel in it, FP8 with one float32 scale per token and head
+        (:mod:`jax_seqpar.strategies.wire`): ``D + 4`` bytes a row instead of ``2D`` in
+        bf16. What the backward keeps from the forward (Ulysses' q, k, v, a halo, the
+        all-gather's K/V) and the ring's re-sent K/V travel in a dtype that serves both
+        passes. Outputs, gradients and the float32 partial sums keep their bytes.
 
     Returns:
       Bytes one device sends, as a float (fractions of ``(P-1)/P``).
@@ -260,5 +271,7 @@ def comm_bytes(strategy: StrategyName | str, *, batch: int, seq_len: int,
     spec = MaskSpec.make(causal, window, chunk_size, max_document_shards=max_document_shards)
     check = traffic.document_check_bytes(spec, batch=batch, seq_len=seq_len,
                                          devices=math.prod(sizes)) if entry.global_view else 0.0
-    return float(entry.bytes(sizes, backward=backward, with_segment_ids=with_segment_ids,
+    compute = quant.compute(compute_dtype, dtype_of_size(dtype_bytes))
+    wire = {} if compute is None else {"compute": compute}
+    return float(entry.bytes(sizes, backward=backward, with_segment_ids=with_segment_ids, **wire,
                              spec=spec, **shape) + check)

@@ -41,11 +41,13 @@ from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.entry import Strategy
 from jax_seqpar.strategies.inputs import (Metadata, axis_size, describe, finish, max_logit_over,
                                           nothing_seen, shard_operands)
+from jax_seqpar.strategies.wire import Wire, rotated, wire_bytes
 from jax_seqpar.strategies.traffic import (INDEX_BYTES, NO_MASK, accumulator_bytes, halo_bytes,
                                            layer_reach)
 
 if TYPE_CHECKING:  # annotations only
     from jax_seqpar.core.masks import MaskSpec, Tokens
+    from jax_seqpar.core.quant import Compute
     from jax_seqpar.core.shape import LayerShape
     from jax_seqpar.kernels.options import BlockSizes, KernelName, Options
 
@@ -90,11 +92,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | 
         from the queries' (e.g. padded keys), or None: ``segment_ids``.
       return_lse: also return the float32 ``[B, S/P, H]`` log-sum-exp of each row
         (sinks included), for callers that merge partial results.
-      return_max_logit: also return ``float32[H]``, per head the largest scaled logit
-        ``scale * q.k`` (before ``softcap``) of any pair the mask lets through, over this
-        shard's batch rows and the whole sequence (a ``pmax`` over ``seq_axes``; take the
-        max over batch axes yourself); ``-inf`` for a head with no visible pair. Sinks
-        are no pairs; it has no gradient (QK-Clip, Muon).
+      return_max_logit: also return the ``float32[H]`` max logit (QK-Clip, as in
+        :func:`jax_seqpar.sequence_parallel_attention`) of its rows, pmax over ``seq_axes``.
 
     The keywords are checked once and read into the call's
     :class:`~jax_seqpar.kernels.options.Options` and
@@ -103,8 +102,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | 
 
     Returns:
       ``[B, S/P, H, Dv]`` in ``q.dtype`` (softmax statistics and carries in float32),
-      then the log-sum-exp with ``return_lse``, then the max logit with
-      ``return_max_logit`` (a tuple when either is asked for).
+      then the log-sum-exp (``return_lse``), then the max logit (``return_max_logit``).
 
     .. code-block:: python
 
@@ -128,6 +126,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
     view runs inside ``shard_map``: ``options`` and the local, checked ``metadata``
     (:func:`jax_seqpar.strategies.inputs.describe`)."""
     operands = shard_operands(q, options, metadata, seq_axes)
+    options, q, k = rotated(options, q, k)  # the rotation, once: rotated K travels
     result = ring_over(seq_axes, options, q, k, v, operands.q_tokens, operands.kv_tokens,
                        contiguous=metadata.positions is None)
     return finish(options, q, result, operands)
@@ -149,9 +148,8 @@ def ring_over(axis_name: str | tuple[str, ...], options: Options, q: jax.Array, 
       shard_len: the shards ``max_document_shards`` counts (default ``S/P``).
     Returns:
       ``out float32[B, S/P, H, Dv]`` and ``lse float32[B, S/P, H]``, both
-      differentiable (the backward accepts the ``lse`` cotangent); with
-      ``options.return_max_logit`` the row max logits ``float32[B, S/P, H]`` third
-      (the steps' maxima merged, no gradient).
+      differentiable (the backward accepts the ``lse`` cotangent); then the row max logits
+      ``float32[B, S/P, H]`` with ``options.return_max_logit`` (steps merged; no gradient).
     """
     reach = halo.mask_reach(options.spec, q.shape[1], axis_size(axis_name),
                             bidirectional=q_tokens.bidirectional_ids is not None,
@@ -241,15 +239,19 @@ def _packed(tree: Any) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
 
 
 def _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens):
+    wire = Wire.of(options.compute, k.dtype)
+
     def attend(carry, kv):
         # The kernel continues the running (out, lse): Mosaic in the kernel, in place;
         # the XLA and Pallas kernels merge after (see jax_seqpar.kernels.contract).
-        return kernels.forward(options, q, kv[0], kv[1], q_tokens, kv[2], accumulate=carry)
+        return kernels.forward(options, q, wire.decode(kv[0]), wire.decode(kv[1]), q_tokens,
+                               kv[2], accumulate=carry)
 
     acc = _compat.match_varying(nothing_seen(options, q, v.shape[-1]), q)
     # The barrier's results vary over every axis any of its operands varies over: so
     # must the K/V carry from the start (a dp x sp mesh: K/V vary over dp, acc too).
-    kv = _compat.match_varying((k, v, kv_tokens), (acc, k, v, kv_tokens))
+    kv = (wire.encode(k), wire.encode(v), kv_tokens)  # K/V travel in the compute dtype
+    kv = _compat.match_varying(kv, (acc, *kv))
     acc, kv = forward_steps(attend, acc, kv, axis_name, axis_size(axis_name) - 1)
     return attend(acc, kv)
 
@@ -267,18 +269,20 @@ def _ring_bwd(axis_name, options, residuals, cotangents):
     delta = jnp.einsum("bqhd,bqhd->bqh", dout.astype(jnp.float32),
                        out.astype(jnp.float32)) - dlse
     dout = dout.astype(q.dtype)
+    # K/V serve the backward's products and its recomputed scores: one dtype for both.
+    wire = Wire.of(options.compute, k.dtype, backward=True, saved=True)
 
     def grads(dq, kv, dkv):
         """``(dq, dkv)`` plus this step's gradients (``dkv``: float32 accumulators)."""
-        dq, *dkv = kernels.backward(options, q, kv[0], kv[1], q_tokens, kv[2], lse, delta, dout,
-                                    accumulate=(dq, *dkv))
+        dq, *dkv = kernels.backward(options, q, wire.decode(kv[0]), wire.decode(kv[1]),
+                                    q_tokens, kv[2], lse, delta, dout, accumulate=(dq, *dkv))
         return dq, tuple(dkv)
 
     # The schedule follows the platform the program is lowered for: where collectives
     # run asynchronously (GPU, TPU) the dK/dV hop overlaps the next kernel, at the cost
     # of one more float32 dK/dV pair; XLA:CPU's collectives are synchronous, so there
     # the kernel accumulates in place.
-    loop = functools.partial(_backward_ring, axis_name, grads)
+    loop = functools.partial(_backward_ring, axis_name, grads, wire)
     dq, dk, dv = jax.lax.platform_dependent(
         q, k, v, kv_tokens, cpu=functools.partial(loop, overlap=False),
         default=functools.partial(loop, overlap=True))
@@ -286,9 +290,9 @@ def _ring_bwd(axis_name, options, residuals, cotangents):
     return dq.astype(q.dtype), dk.astype(k.dtype), dv.astype(v.dtype), *no_grad
 
 
-def _backward_ring(axis_name, grads, q, k, v, kv_tokens, *, overlap: bool):
-    """``(dq, dk, dv)``: K/V travel the ring again, float32 dK/dV accumulators follow
-    them and take a last hop home in the input dtype (float32 dq).
+def _backward_ring(axis_name, grads, wire, q, k, v, kv_tokens, *, overlap: bool):
+    """``(dq, dk, dv)``: K/V travel the ring again (``wire``-encoded), float32 dK/dV
+    accumulators follow them and take a last hop home in the input dtype (float32 dq).
 
     ``overlap=False``: each step accumulates into the dK/dV that arrived, then sends
     it (compute -> send -> compute). ``overlap=True``: each step computes fresh dK/dV
@@ -296,7 +300,7 @@ def _backward_ring(axis_name, grads, q, k, v, kv_tokens, *, overlap: bool):
     """
     zeros = _compat.match_varying(tuple(jnp.zeros(x.shape, jnp.float32) for x in (k, v)), q)
     dq = _compat.match_varying(jnp.zeros(q.shape, jnp.float32), q)
-    kv, size = (k, v, kv_tokens), axis_size(axis_name)
+    kv, size = (wire.encode(k), wire.encode(v), kv_tokens), axis_size(axis_name)
     if size == 1:
         dq, (dk, dv) = grads(dq, kv, zeros)
         return dq, dk, dv
@@ -335,8 +339,8 @@ _ring.defvjp(_ring_fwd, _ring_bwd)
 
 def rotation_bytes(*, batch: int, seq_len: int, kv_heads: int, head_dim: int, v_head_dim: int,
                    axis_size: int, dtype_bytes: float, backward: bool, with_segment_ids: bool,
-                   reach: tuple[int, int] | None = None, positions_travel: bool = False
-                   ) -> float:
+                   reach: tuple[int, int] | None = None, positions_travel: bool = False,
+                   compute: Compute | None = None) -> float:
     """The ring over ``axis_size`` devices on K/V of ``kv_heads`` heads.
 
     Forward: ``P-1`` ppermutes of the local k ``[B, S/P, Hkv, Dqk]`` and v
@@ -347,6 +351,7 @@ def rotation_bytes(*, batch: int, seq_len: int, kv_heads: int, head_dim: int, v_
     a ``reach`` (a window or chunks, contiguous split): a halo exchange; the backward
     re-uses the saved halo and sends float32 dK/dV back; ``(0, 0)``: nothing
     (``positions_travel``: documents bound the reach, the halo's positions travel).
+    ``compute``: K/V travel in its wire (:func:`jax_seqpar.strategies.wire.wire_bytes`).
     """
     if axis_size == 1:
         return 0.0
@@ -354,14 +359,21 @@ def rotation_bytes(*, batch: int, seq_len: int, kv_heads: int, head_dim: int, v_
         return halo_bytes(batch=batch, reach=reach, kv_heads=kv_heads, head_dim=head_dim,
                           v_head_dim=v_head_dim, dtype_bytes=dtype_bytes, backward=backward,
                           with_segment_ids=with_segment_ids, gradient_bytes=4,
-                          positions_travel=positions_travel)
+                          positions_travel=positions_travel, compute=compute)
     local_tokens = batch * seq_len // axis_size
-    kv_elements = local_tokens * kv_heads * (head_dim + v_head_dim)
+    rows = local_tokens * kv_heads
     metadata = local_tokens * INDEX_BYTES * (2 if with_segment_ids else 1)
-    rotation = (axis_size - 1) * (kv_elements * dtype_bytes + metadata)
+
+    def rotation(backward: bool) -> float:
+        kv = sum(wire_bytes(compute, dtype_bytes, rows, d, backward=backward, saved=backward)
+                 for d in (head_dim, v_head_dim))
+        return (axis_size - 1) * (kv + metadata)
+
     if not backward:
-        return float(rotation)
-    return float(2 * rotation + accumulator_bytes(kv_elements, axis_size, dtype_bytes))
+        return float(rotation(False))
+    kv_elements = rows * (head_dim + v_head_dim)
+    return float(rotation(False) + rotation(True)
+                 + accumulator_bytes(kv_elements, axis_size, dtype_bytes))
 
 
 def ring_bytes(sizes: tuple[int, ...], *, num_heads: int, num_kv_heads: int, seq_len: int,

@@ -58,6 +58,7 @@ from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.head_pipeline import no_gradient
 from jax_seqpar.strategies.heads import held_max_logit
+from jax_seqpar.strategies.wire import Wire
 from jax_seqpar.strategies.inputs import Operands, Options, axis_size
 from jax_seqpar.strategies.pieces import (KernelCall, Pieces, RowCotangents, concat,
                                           cut_positions, exchange, keys_first, local, put, send)
@@ -107,13 +108,18 @@ def _pipeline(config, q, k, v, operands):
 
 def _pipeline_fwd(config, q, k, v, operands):
     inner, outer, options, sizes, return_lse, _, reach = config
-    k, v = (x.astype(q.dtype) for x in (k, v))
+    like, local_len = q.dtype, q.shape[1]
+    # The inner exchange's q, k, v are kept for the backward (a wire serving both
+    # passes); the outer ring's blocks travel in the forward's (the halo's: saved).
+    wire, ring_wire = _wires(options, like, reach)
+    q, k, v = (wire.encode(x.astype(like)) for x in (q, k, v))
     size, steps = axis_size(inner), axis_size(outer)
-    cut = Pieces.of(inner, sizes, operands, q.shape[1])
+    cut = Pieces.of(inner, sizes, operands, local_len)
     q_tokens, c, sinks = cut.q_tokens, len(sizes), operands.sinks
     qs: list[Any] = [None] * c  # every query piece as it arrived (heads-sharded)
-    acc, (qs[0], qs[1]), keys, values, shards = keys_first(inner, options, q, k, v, cut)
-    block = (keys, values, concat(cut.kv_tokens))
+    acc, (qs[0], qs[1]), keys, values, shards = keys_first(inner, options, q, k, v, cut, wire)
+    tokens = concat(cut.kv_tokens)
+    block = (ring_wire.encode(keys), ring_wire.encode(values), tokens)
     # Step 0, the queries: piece j + 1 comes in while piece j meets every own key; step
     # 1's block (or the halo) travels during the last call (one transfer in flight a call).
     accs = [acc] + [None] * (c - 1)
@@ -121,21 +127,23 @@ def _pipeline_fwd(config, q, k, v, operands):
         ins = [local(shards[0], sizes, j + 1)] if j + 1 < c else []
 
         def call(j=j):
-            return kernels.forward(options, qs[j], keys, values, q_tokens[j], block[2])
+            return kernels.forward(options, qs[j], keys, values, q_tokens[j], tokens)
         if ins:
             raw, unpack = send(ins, [], inner, size)
             accs[j], raw, shards = jax.lax.optimization_barrier((call(), raw, shards))
-            qs[j + 1] = unpack(raw)[0][0]
+            qs[j + 1] = wire.decode(unpack(raw)[0][0])
         elif reach is None:
             accs[j], hop = shift_during(call, block, outer)
         else:
             accs[j], hop = jax.lax.optimization_barrier(
-                (call(), halo.pull(outer, options, reach, *block, rows=cut.kv_rows(size))))
+                (call(), halo.pull(outer, options, reach, keys, values, tokens,
+                                   rows=cut.kv_rows(size))))
     queries, q_all = concat(qs), concat(q_tokens)
     del qs  # the pieces die here: the last step reads the gathered queries
 
     def attend(acc, kv):
-        return kernels.forward(options, queries, kv[0], kv[1], q_all, kv[2], accumulate=acc)
+        return kernels.forward(options, queries, *ring_wire.decode_kv(kv), q_all, kv[2],
+                               accumulate=acc)
 
     acc, kv = _compat.match_varying((concat(accs), hop), (accs, hop, queries))
     if reach is None:
@@ -148,7 +156,8 @@ def _pipeline_fwd(config, q, k, v, operands):
     highs: list[Any] = []  # the pieces' row max logits (return_max_logit), kept here
     for j, part in enumerate(cut.parts(size)):
         raw, unpack = send([], pending, inner, size)
-        result = kernels.forward(options, queries[:, part], kv[0], kv[1], q_tokens[j], kv[2],
+        result = kernels.forward(options, queries[:, part], *ring_wire.decode_kv(kv),
+                                 q_tokens[j], kv[2],
                                  accumulate=jax.tree.map(lambda x: x[:, part], acc))
         result, raw, kv = jax.lax.optimization_barrier((result, raw, kv))
         if pending:
@@ -158,11 +167,11 @@ def _pipeline_fwd(config, q, k, v, operands):
         if sinks is not None:
             out, lse = with_sinks(out, lse, sinks)
         highs += result[2:]
-        pending = [out.astype(q.dtype)] + ([lse[..., None]] if return_lse else [])
+        pending = [out.astype(like)] + ([lse[..., None]] if return_lse else [])
     sent[c - 1] = exchange([], pending, inner, size)[1]
     out = concat([s[0] for s in sent])  # [B, L, H, Dv]
     lse = concat([s[1] for s in sent])[..., 0] if return_lse else None
-    high = (held_max_logit(highs, inner, q),) if highs else ()
+    high = (held_max_logit(highs, inner, out.shape[:3]),) if highs else ()
     return (out, lse, *high), (queries, keys, values, lses, operands, out,
                         None if reach is None else kv)  # the halo, kept
 
@@ -179,29 +188,35 @@ def _pipeline_bwd(config, residuals, cotangents):
     dout, dlse = cotangents[:2]
     dtype = dout.dtype
     rows = RowCotangents.of(inner, cut, operands, out, dout, dlse, lses, return_lse)
-    block = (keys, values, concat(cut.kv_tokens))
+    # K/V around the outer ring serve the products and the recomputed scores: a wire for
+    # both passes; dout's is the backward's.
+    ring_wire = _wires(options, queries.dtype, reach, backward=True)[1]
+    dout_wire = Wire.of(options.compute, dtype, backward=True)
+    tokens = concat(cut.kv_tokens)
+    block = (ring_wire.encode(keys), ring_wire.encode(values), tokens)
     # Step 0: the dout pieces smallest first, each piece's dq against the own keys while
     # the next comes in.
     order = [0, *reversed(range(1, c))]
-    upcoming = exchange([local(dout, sizes, order[0])], [], inner, size)[0][0]
+    dout = dout_wire.encode(dout)
+    upcoming = dout_wire.decode(exchange([local(dout, sizes, order[0])], [], inner, size)[0][0])
     deltas: list[Any] = [None] * c
     # The gathered dout, written piece by piece. The float32 dq pieces are kept and
     # joined once after the loop: written into a whole accumulator as they come, XLA:TPU
     # keeps two copies of it beside the pieces (v5p training step at 16384: 82.1 -> 74.1
     # MiB temp).
-    dout_all = jnp.zeros(queries.shape[:3] + (dout.shape[3],), queries.dtype)
+    dout_all = jnp.zeros(queries.shape[:3] + (out.shape[3],), queries.dtype)
     dqs: list[Any] = [None] * c
     for n, j in enumerate(order):
         dout_j, deltas[j] = rows.of_piece(j, upcoming, dtype=queries.dtype)
         dout_all = put(dout_all, parts[j], dout_j)
-        dq_j = kernels.backward(options, queries[:, parts[j]], keys, values, q_tokens[j], block[2],
+        dq_j = kernels.backward(options, queries[:, parts[j]], keys, values, q_tokens[j], tokens,
                                 lses[j], deltas[j], dout_j)[0]
         ins = [local(dout, sizes, order[n + 1])] if n + 1 < c else []
         raw, unpack = send(ins, [], inner, size)
         dq_j, raw, dout = jax.lax.optimization_barrier((dq_j, raw, dout))
         dqs[j] = dq_j
         if ins:
-            upcoming = unpack(raw)[0][0]
+            upcoming = dout_wire.decode(unpack(raw)[0][0])
     delta_all, lse_all = concat(deltas), concat(lses)
     dq = concat(dqs)
 
@@ -210,10 +225,10 @@ def _pipeline_bwd(config, residuals, cotangents):
         accumulate = None
         if dq is not None:
             zeros = _compat.match_varying(tuple(jnp.zeros(x.shape, jnp.float32)
-                                                for x in kv[:2]), dq)
+                                                for x in ring_wire.decode_kv(kv)), dq)
             accumulate = (dq, *zeros)
-        return kernels.backward(options, queries, kv[0], kv[1], q_all, kv[2], lse_all, delta_all,
-                                dout_all, accumulate=accumulate)
+        return kernels.backward(options, queries, *ring_wire.decode_kv(kv), q_all, kv[2],
+                                lse_all, delta_all, dout_all, accumulate=accumulate)
 
     if reach is None:
         # The own keys' dK/dV from every query, step 1's block in flight.
@@ -247,8 +262,9 @@ def _pipeline_bwd(config, residuals, cotangents):
         raw, unpack = send([], pending, inner, size)
 
         def call(j=j, raw=raw, kv=kv):  # the block passes each barrier: calls in order
-            return (kernels.backward(options, queries[:, parts[j]], kv[0], kv[1], q_tokens[j], kv[2],
-                                     lses[j], deltas[j], dout_all[:, parts[j]])[0], raw, kv)
+            return (kernels.backward(options, queries[:, parts[j]], *ring_wire.decode_kv(kv),
+                                     q_tokens[j], kv[2], lses[j], deltas[j],
+                                     dout_all[:, parts[j]])[0], raw, kv)
         if n == 0 and reach is None:  # dK/dV home during the first piece's call, summed
             # before it (else XLA:TPU runs the call first and starts the hop after it)
             home, kv = jax.lax.optimization_barrier((home, kv))
@@ -270,6 +286,17 @@ def _pipeline_bwd(config, residuals, cotangents):
 
 
 _pipeline.defvjp(_pipeline_fwd, _pipeline_bwd)
+
+
+def _wires(options: Options, like, reach, backward: bool = False) -> tuple[Wire, Wire]:
+    """``(inner, outer)``: how the inner exchange's q, k, v travel (kept for the
+    backward) and how the outer ring's K/V blocks do (the halo's are decoded as they
+    arrive and kept: :func:`jax_seqpar.strategies.halo.pull`; the ring's backward
+    recomputes scores from its blocks, so serves both passes)."""
+    inner = Wire.of(options.compute, like, saved=True)
+    outer = Wire(None, inner.like) if reach is not None else Wire.of(
+        options.compute, like, backward=backward, saved=backward)
+    return inner, outer
 
 
 def kernel_calls(blocks: list[np.ndarray], size: int, sizes: tuple[int, ...]

@@ -36,6 +36,7 @@ from jax_seqpar import kernels
 from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.strategies.head_pipeline import no_gradient
 from jax_seqpar.strategies.heads import held_max_logit
+from jax_seqpar.strategies.wire import Wire
 from jax_seqpar.strategies.inputs import Operands, Options, axis_size
 from jax_seqpar.strategies.pieces import (Pieces, RowCotangents, concat, exchange, keys_first,
                                           local, put, send)
@@ -81,9 +82,14 @@ def _pipeline(config, q, k, v, operands):
 
 def _pipeline_fwd(config, q, k, v, operands):
     axis_name, options, sizes, return_lse, _ = config
-    k, v = (x.astype(q.dtype) for x in (k, v))
+    like = q.dtype
+    # q, k, v travel in the call's compute dtype (kept for the backward: one that serves
+    # both passes), decoded on arrival.
+    wire = Wire.of(options.compute, like, saved=True)
+    local_len = q.shape[1]
+    q, k, v = (wire.encode(x.astype(like)) for x in (q, k, v))
     size = axis_size(axis_name)
-    cut = Pieces.of(axis_name, sizes, operands, q.shape[1])
+    cut = Pieces.of(axis_name, sizes, operands, local_len)
     sizes, q_tokens, c, sinks = cut.sizes, cut.q_tokens, len(cut.sizes), operands.sinks
 
     def finished(result):
@@ -91,10 +97,11 @@ def _pipeline_fwd(config, q, k, v, operands):
         out, lse = result[:2]
         if sinks is not None:
             out, lse = with_sinks(out, lse, sinks)
-        return [out.astype(q.dtype)] + ([lse[..., None]] if return_lse else []), result[1]
+        return [out.astype(like)] + ([lse[..., None]] if return_lse else []), result[1]
 
     qs: list[Any] = [None] * c  # every query piece as it arrived (heads-sharded)
-    acc, (qs[0], qs[1]), keys, values, shards = keys_first(axis_name, options, q, k, v, cut)
+    acc, (qs[0], qs[1]), keys, values, shards = keys_first(axis_name, options, q, k, v, cut,
+                                                           wire)
     kv_all = concat(cut.kv_tokens)
     # Then the queries: piece j + 1 comes in and piece j - 1's output leaves while piece
     # j is attended to every key in one kernel call.
@@ -110,13 +117,13 @@ def _pipeline_fwd(config, q, k, v, operands):
         got_in, got_out = unpack(raw)
         sent[j - 1] = got_out
         if ins:
-            qs[j + 1] = got_in[0]
+            qs[j + 1] = wire.decode(got_in[0])
         pending, lses[j] = finished(result)
         highs += result[2:]
     sent[c - 1] = exchange([], pending, axis_name, size)[1]
     out = concat([s[0] for s in sent])  # [B, L, H, Dv]
     lse = concat([s[1] for s in sent])[..., 0] if return_lse else None
-    high = (held_max_logit(highs, axis_name, q),) if highs else ()
+    high = (held_max_logit(highs, axis_name, out.shape[:3]),) if highs else ()
     return (out, lse, *high), (concat(qs), keys, values, lses, operands, out)
 
 
@@ -140,12 +147,14 @@ def _pipeline_bwd(config, residuals, cotangents):
     # dK/dV part unused: the dq kernel alone runs), the next piece's dout coming in and
     # the previous dq leaving meanwhile.
     order = [0, *reversed(range(1, c))]
-    upcoming = exchange([local(dout, sizes, order[0])], [], axis_name, size)[0][0]
+    wire = Wire.of(options.compute, dtype, backward=True)  # dout, as the kernel takes it
+    dout = wire.encode(dout)
+    upcoming = wire.decode(exchange([local(dout, sizes, order[0])], [], axis_name, size)[0][0])
     deltas: list[Any] = [None] * c
     sent_q: list[Any] = [None] * c
     pending: list[jax.Array] = []
     # The gathered dout, written piece by piece (the dK/dV pass reads it whole).
-    dout_all = jnp.zeros(queries.shape[:3] + (dout.shape[3],), queries.dtype)
+    dout_all = jnp.zeros(queries.shape[:3] + (out.shape[3],), queries.dtype)
     for n, j in enumerate(order):
         dout_j, deltas[j] = cotangents_of(j, upcoming)
         dout_all = put(dout_all, q_parts[j], dout_j)
@@ -160,7 +169,7 @@ def _pipeline_bwd(config, residuals, cotangents):
         if pending:
             sent_q[order[n - 1]] = got_out[0]
         if ins:
-            upcoming = got_in[0]
+            upcoming = wire.decode(got_in[0])
         pending = [dq.astype(dtype)]
     # dK/dV: one K/V piece at a time against every query (the dK/dV kernel alone), each
     # final at once and leaving while the next runs (the last dq with the first).

@@ -28,7 +28,9 @@ from collections.abc import Mapping
 
 from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.core.shape import check_counts, check_head_groups, is_count
+from jax_seqpar.core.quant import Compute
 from jax_seqpar.core.reach import documents_bound_reach, mask_reach
+from jax_seqpar.strategies.wire import wire_bytes
 
 __all__ = ["INDEX_BYTES", "NO_MASK", "accumulator_bytes", "all_to_all_bytes",
            "axis_sizes_tuple", "check_shape", "document_check_bytes", "halo_bytes",
@@ -66,14 +68,18 @@ def layer_reach(spec: MaskSpec, seq_len: int, axis_size: int, *,
 
 def halo_bytes(*, batch: int, reach: tuple[int, int], kv_heads: int, head_dim: int,
                v_head_dim: int, dtype_bytes: float, backward: bool, with_segment_ids: bool,
-               gradient_bytes: float, positions_travel: bool = False) -> float:
+               gradient_bytes: float, positions_travel: bool = False,
+               compute: Compute | None = None) -> float:
     """A halo exchange of ``left + right`` tokens of K/V (and segment ids; positions
     are computed on the contiguous split, sent where documents bound the reach:
-    ``positions_travel``); backward sends dK/dV back in ``gradient_bytes``."""
+    ``positions_travel``); backward sends dK/dV back in ``gradient_bytes``. ``compute``:
+    K/V travel in its wire (kept for the backward: :func:`~jax_seqpar.strategies.wire.wire_bytes`)."""
     tokens = batch * sum(reach)
     kv_elements = tokens * kv_heads * (head_dim + v_head_dim)
     metadata = with_segment_ids + positions_travel
-    sent = kv_elements * dtype_bytes + tokens * INDEX_BYTES * metadata
+    kv = sum(wire_bytes(compute, dtype_bytes, tokens * kv_heads, d, saved=True)
+             for d in (head_dim, v_head_dim))
+    sent = kv + tokens * INDEX_BYTES * metadata
     if backward:
         sent += kv_elements * gradient_bytes
     return float(sent)

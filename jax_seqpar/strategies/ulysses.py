@@ -28,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jax_seqpar.core.quant import ComputeLike
+from jax_seqpar.core.quant import Compute, ComputeLike
 from jax_seqpar.core.masks import MaskSpec
 from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.pieces import KernelCall, kernel_calls
@@ -37,6 +37,7 @@ from jax_seqpar.strategies.head_pipeline import KernelStage, head_pipeline
 from jax_seqpar.strategies.entry import Strategy
 from jax_seqpar.strategies.heads import (piece_sizes, kv_replication, local_head_counts,
                                          local_heads, resolve_pieces)
+from jax_seqpar.strategies.wire import rotated, wire_bytes
 from jax_seqpar.strategies.inputs import (Metadata, Operands, axis_size, describe, finish,
                                           gather_tokens, max_logit_over, shard_operands)
 from jax_seqpar.strategies.traffic import (INDEX_BYTES, NO_MASK, all_to_all_bytes,
@@ -116,6 +117,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
     view runs inside ``shard_map``: ``options`` and the local, checked ``metadata``
     (:func:`jax_seqpar.strategies.inputs.describe`)."""
     shard = shard_operands(q, options, metadata, seq_axes)
+    options, q, k = rotated(options, q, k)  # the rotation, once: rotated K travels
     size = axis_size(seq_axes)
     local = halo.local_or_none(seq_axes, options, q, k, v, shard.q_tokens, shard.kv_tokens,
                                contiguous=metadata.positions is None)
@@ -144,7 +146,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
 def exchange_bytes(*, batch: int, seq_len: int, num_heads: int, num_kv_heads: int,
                    head_dim: int, v_head_dim: int, axis_size: int, dtype_bytes: float,
                    backward: bool, with_segment_ids: bool,
-                   row_statistic: bool = True) -> float:
+                   row_statistic: bool = True, compute: Compute | None = None) -> float:
     """Ulysses over ``axis_size`` devices; ``seq_len`` is the length it gathers.
 
     Forward: q ``[B, S/P, H, Dqk]``, k ``[B, S/P, Hkv_eff, Dqk]``, v
@@ -156,7 +158,10 @@ def exchange_bytes(*, batch: int, seq_len: int, num_heads: int, num_kv_heads: in
     backward; not the hybrid's ring, which has its own) also the float32 ``<dout, out>``
     rows ``[B, S/P, H]`` in, computed on the sequence-sharded output the backward keeps.
     The int32 positions (and segment ids, when used) ``[B, S/P]`` are all-gathered to
-    ``[B, S]`` once: ``(P-1) * B*S/P * 4`` bytes each, no gradient.
+    ``[B, S]`` once: ``(P-1) * B*S/P * 4`` bytes each, no gradient. ``compute``: q, k,
+    v (kept for the backward) and dout travel in its wire
+    (:func:`~jax_seqpar.strategies.wire.wire_bytes`), the output and the gradients in
+    the inputs' dtype.
     """
     if axis_size == 1:
         return 0.0
@@ -164,11 +169,19 @@ def exchange_bytes(*, batch: int, seq_len: int, num_heads: int, num_kv_heads: in
     local_tokens = batch * seq_len // axis_size
     kv_elements = kv_heads * (head_dim + v_head_dim)
     elements_per_token = num_heads * head_dim + kv_elements + num_heads * v_head_dim
-    sent = all_to_all_bytes(local_tokens * elements_per_token, axis_size, dtype_bytes)
+
+    def wire(heads, features, backward=False):  # bytes of one token's rows on the wire
+        return wire_bytes(compute, dtype_bytes, heads, features, backward=backward,
+                          saved=not backward)
+
+    incoming = (wire(num_heads, head_dim) + wire(kv_heads, head_dim) + wire(kv_heads, v_head_dim)
+                + num_heads * v_head_dim * dtype_bytes)
+    sent = all_to_all_bytes(local_tokens * incoming, axis_size, 1)
     if backward:
         grad_bytes = 4 if kv_heads != num_kv_heads else dtype_bytes
-        sent += all_to_all_bytes(local_tokens * (elements_per_token - kv_elements),
-                                 axis_size, dtype_bytes)
+        sent += all_to_all_bytes(
+            local_tokens * (wire(num_heads, v_head_dim, backward=True)
+                            + num_heads * head_dim * dtype_bytes), axis_size, 1)
         sent += all_to_all_bytes(local_tokens * kv_elements, axis_size, grad_bytes)
         if row_statistic:
             sent += all_to_all_bytes(local_tokens * num_heads, axis_size, 4)

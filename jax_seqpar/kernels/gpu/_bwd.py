@@ -13,6 +13,7 @@ outside the row's run of ``FULL`` tiles, loads at the loops' top level.
 from __future__ import annotations
 
 import functools
+from typing import Callable
 
 import jax.numpy as jnp
 from jax import lax
@@ -20,7 +21,8 @@ from jax.experimental import pallas as pl
 
 from jax_seqpar.core import compat as _compat
 from jax_seqpar.kernels.gpu import _config as config
-from jax_seqpar.kernels import contract
+from jax_seqpar.kernels import contract, fp8_inputs
+from jax_seqpar.kernels.gpu import _fp8
 from jax_seqpar.kernels.gpu import _core as core
 from jax_seqpar.kernels.gpu._core import HeadDim
 from jax_seqpar.kernels.tiling import pad_seq, padded_tokens
@@ -106,6 +108,14 @@ def _dkv_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, do_ref, lse_ref,
         d_v.store(dv_ref, c, a)
 
 
+def _scale_specs(scales, by_query, by_key) -> list:
+    """BlockSpecs of the FP8 scales ``(q, k, v, dout | None)`` (none without FP8):
+    ``by_query`` for q's and dout's, ``by_key`` for k's and v's."""
+    if scales is None:
+        return []
+    return [by_query, by_key, by_key] + ([by_query] if scales[3] is not None else [])
+
+
 def _head_splits(programs: int, group: int) -> int:
     """Smallest divisor of ``group`` that gives at least ``_MIN_PROGRAMS`` programs."""
     for splits in range(1, group + 1):
@@ -117,15 +127,36 @@ def _head_splits(programs: int, group: int) -> int:
 @contract.folds_vmap
 def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options, interpret):
     """:func:`jax_seqpar.kernels.gpu.pallas.backward` after validation (``options``
-    resolved: :meth:`jax_seqpar.kernels.options.Options.resolved`)."""
-    operands = (q, k, v, q_tokens, kv_tokens, lse, delta, dout)
-    q, k, v, q_tokens, kv_tokens, lse, delta, dout = _compat.match_varying(operands, operands)
+    resolved: :meth:`jax_seqpar.kernels.options.Options.resolved`). In FP8
+    (:func:`jax_seqpar.kernels.fp8_inputs.in_kernel`) q, k, v are quantized as the
+    forward's (the same scores) and dout in the backward's dtype, outside the kernels
+    (:mod:`._fp8`'s bodies)."""
+    if not fp8_inputs.in_kernel(options):
+        return _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options, interpret)
+    (q, k, v), scales = fp8_inputs.inputs(options, q, k, v)
+    dout, dout_scales = fp8_inputs.cotangent(options, dout)
+    dq, dk, dv = _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options, interpret,
+                           (*scales, dout_scales))
+    return (*fp8_inputs.unrotated(options, dq, dk), dv)
+
+
+def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options, interpret,
+              scales=None):
+    """The dq and dk/dv ``pallas_call`` s; ``scales``: FP8 operands' per-token float32
+    ``(q [B, Sq, H], k [B, Sk, Hkv], v [B, Sk, Hkv], dout [B, Sq, H] | None)``, or None."""
+    operands = (q, k, v, q_tokens, kv_tokens, lse, delta, dout, scales)
+    q, k, v, q_tokens, kv_tokens, lse, delta, dout, scales = _compat.match_varying(
+        operands, operands)
     (q_len, heads), kv_heads = q.shape[1:3], k.shape[2]
     if core.folds_group(q_len, heads, kv_heads):
         group = heads // kv_heads
         q, lse, delta, dout = (core.fold(x, kv_heads) for x in (q, lse, delta, dout))
-        dq, dk, dv = backward(q, k, v, core.fold_tokens(q_tokens, group), kv_tokens, lse,
-                              delta, dout, options, interpret)
+        if scales is not None:
+            qs, ks, vs, dos = scales
+            scales = (core.fold(qs, kv_heads), ks, vs,
+                      None if dos is None else core.fold(dos, kv_heads))
+        dq, dk, dv = _backward(q, k, v, core.fold_tokens(q_tokens, group), kv_tokens, lse,
+                               delta, dout, options, interpret, scales)
         return core.unfold(dq, group), dk, dv
     spec = options.spec
     t = core.tiling(q, k, *options.tiles(backward=True))
@@ -136,32 +167,40 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options, interpret)
     static = dict(options=options, d_qk=d_qk, d_v=d_v, has_mask=core.masked(spec, q_tokens))
     inputs = (
         pad_seq(q, q_pad), pad_seq(k, kv_pad), pad_seq(v, kv_pad), q_tokens, kv_tokens,
-        pad_seq(dout.astype(v.dtype), q_pad),
+        pad_seq(dout if scales is not None else dout.astype(v.dtype), q_pad),
         jnp.swapaxes(pad_seq(lse, q_pad), 1, 2), jnp.swapaxes(pad_seq(delta, q_pad), 1, 2),
     )  # statistics as [B, H, Sq_pad]: contiguous rows per head
+    dq_kernel: Callable = _dq_kernel
+    dkv_kernel: Callable = _dkv_kernel
+    suffix, scale_rows = "", []
+    if scales is not None:  # FP8: per-token scales as [B, H, S_pad], after the statistics
+        dq_kernel, dkv_kernel, suffix = _fp8.dq_kernel, _fp8.dkv_kernel, "_fp8"
+        scale_rows = [jnp.swapaxes(pad_seq(x, n), 1, 2) for x, n in
+                      zip(scales, (q_pad, kv_pad, kv_pad, q_pad)) if x is not None]
 
     dq = core.call(
-        functools.partial(_dq_kernel, block_k=t.block_k, **static),
+        functools.partial(dq_kernel, block_k=t.block_k, **static),
         interpret=interpret, precision_dtype=q.dtype,
         grid=(t.num_q, t.batch, heads),
         in_specs=core.query_row_specs(t, q_tokens, kv_tokens, d_qk, d_v) + [
             pl.BlockSpec((None, t.block_q, None, d_v.padded), lambda i, b, h: (b, i, h, 0)),
             pl.BlockSpec((None, None, t.block_q), lambda i, b, h: (b, h, i)),
             pl.BlockSpec((None, None, t.block_q), lambda i, b, h: (b, h, i)),
-        ],
+        ] + _scale_specs(scales, pl.BlockSpec((None, None, t.block_q), lambda i, b, h: (b, h, i)),
+                         pl.BlockSpec((None, None, kv_pad), lambda i, b, h: (b, h // t.group, 0))),
         out_specs=pl.BlockSpec((None, t.block_q, None, d_qk.padded),
                                lambda i, b, h: (b, i, h, 0)),
         out_shape=_compat.shape_struct((t.batch, q_pad, heads, d_qk.size), _F32, q),
         compiler_params=config.launch("dq", t.block_q, d_qk.size, d_v.size, q.dtype),
-        name="seqpar_flash_dq",
-    )(core.tile_bounds(spec, t, q_tokens, kv_tokens), *inputs)
+        name="seqpar_flash_dq" + suffix,
+    )(core.tile_bounds(spec, t, q_tokens, kv_tokens), *inputs, *scale_rows)
 
     # Programs (key tile, batch, kv head * splits); split s of kv head g holds query
     # heads [(g * splits + s) * per_split, ...): one BlockSpec block of the H axis.
     splits = _head_splits(t.num_k * t.batch * t.kv_heads, t.group)
     per_split = t.group // splits
     dk, dv = core.call(
-        functools.partial(_dkv_kernel, block_q=t.block_q, **static),
+        functools.partial(dkv_kernel, block_q=t.block_q, **static),
         interpret=interpret, precision_dtype=q.dtype,
         grid=(t.num_k, t.batch, t.kv_heads * splits),
         in_specs=[
@@ -176,7 +215,9 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options, interpret)
             pl.BlockSpec((None, q_pad, per_split, d_v.padded), lambda j, b, g: (b, 0, g, 0)),
             pl.BlockSpec((None, per_split, q_pad), lambda j, b, g: (b, g, 0)),
             pl.BlockSpec((None, per_split, q_pad), lambda j, b, g: (b, g, 0)),
-        ],
+        ] + _scale_specs(scales, pl.BlockSpec((None, per_split, q_pad), lambda j, b, g: (b, g, 0)),
+                         pl.BlockSpec((None, None, t.block_k),
+                                      lambda j, b, g: (b, g // splits, j))),
         out_specs=[
             pl.BlockSpec((None, t.block_k, None, d_qk.padded), lambda j, b, g: (b, j, g, 0)),
             pl.BlockSpec((None, t.block_k, None, d_v.padded), lambda j, b, g: (b, j, g, 0)),
@@ -187,8 +228,8 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options, interpret)
         compiler_params=config.launch("dkv", t.block_k, d_qk.size, d_v.size, q.dtype,
                                       segments=q_tokens.segment_ids is not None
                                       or q_tokens.bidirectional_ids is not None),
-        name="seqpar_flash_dkv",
-    )(core.tile_bounds(spec, t, q_tokens, kv_tokens, by_key=True), *inputs)
+        name="seqpar_flash_dkv" + suffix,
+    )(core.tile_bounds(spec, t, q_tokens, kv_tokens, by_key=True), *inputs, *scale_rows)
     if splits > 1:  # [B, Sk, Hkv * splits, D] -> [B, Sk, Hkv, D]
         dk, dv = (x.reshape(*x.shape[:2], t.kv_heads, splits, x.shape[-1]).sum(3)
                   for x in (dk, dv))

@@ -34,10 +34,34 @@ def default_block_sizes(d_qk: int, d_v: int, dtype: jax.typing.DTypeLike, *,
     ids, a ``mask_fn``): the dk/dv kernel, at 255 registers with segment ids alone,
     then takes half the query rows per step (sm_90, head dim 128: 168 registers, no
     spill, where the full tile spills)."""
-    block_q, block_k, block_q_bwd, block_k_bwd = _default_tiles(d_qk, d_v, dtype)
-    if rich_mask:
-        block_q_bwd = max(16, block_q_bwd // 2)
+    fp8 = jnp.dtype(dtype).itemsize == 1
+    block_q, block_k, block_q_bwd, block_k_bwd = (_fp8_tiles if fp8 else _default_tiles)(
+        d_qk, d_v, dtype)
+    if rich_mask:  # FP8 dots contract at least FP8_MIN_TILE rows
+        block_q_bwd = max(FP8_MIN_TILE if fp8 else 16, block_q_bwd // 2)
     return BlockSizes(block_q, block_k, block_q_bwd, block_k_bwd)
+
+
+#: The least tile an FP8 kernel contracts over (sm_90a's FP8 MMA takes K = 32).
+FP8_MIN_TILE = 32
+
+
+def _fp8_tiles(d_qk: int, d_v: int, dtype) -> tuple[int, int, int, int]:
+    """``(block_q, block_k, block_q_bwd, block_k_bwd)`` of the FP8 kernels (``_fp8``):
+    no register spill on sm_90a (H100/H200) at head dims 64, 128 and 256, forward and
+    backward (FP8 or bf16), measured by ptxas through the compile gate
+    (``tests/test_compile_gate.py::test_pallas_fp8_compiles_without_spills``). The
+    16-bit tiles spill there: rounding P and dS per tile holds more registers, and
+    sm_90a's FP8 MMA wants the contracted tiles whole."""
+    del dtype
+    width = _width(d_qk, d_v)
+    if width <= 64:
+        return 128, 32, 32, 32
+    if width <= 128:
+        return 64, 64, 32, 64
+    if width <= 256:
+        return 64, 32, 32, 32
+    return 32, 32, 32, 32  # MLA absorbed (576/512): not measured
 
 
 def _default_tiles(d_qk: int, d_v: int, dtype) -> tuple[int, int, int, int]:
@@ -83,12 +107,14 @@ def launch(kind: str, rows: int, d_qk: int, d_v: int, dtype, *,
     per-token ids, segment or bidirectional (the dk/dv kernel then holds each query
     tile's ids too)."""
     width = _width(d_qk, d_v)
+    fp8 = jnp.dtype(dtype).itemsize == 1
     if jnp.dtype(dtype) == jnp.float32:  # TF32x3 operands: three registers per value
         return plgpu.CompilerParams(num_warps=4 if width <= 128 else 8,
                                     num_stages=1 if kind == "dkv" or width > 128 else 2)
     size = rows * width
     if kind == "dq":
-        warps = 4 if size <= 64 * 128 else 8
+        # FP8 (one-byte operands, _fp8's kernels): sm_90a's dq at width 256 spills on 4.
+        warps = 4 if size <= 64 * 128 and not (fp8 and width > 128) else 8
     else:  # fwd and dkv hold two [rows, width] float32 accumulators' worth
         warps = 4 if size <= 32 * 64 else 8
     if kind != "dkv":

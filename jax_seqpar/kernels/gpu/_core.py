@@ -258,10 +258,13 @@ def dot_cols(a_cols, b_cols, contract, precision):
     return total
 
 
-def scores(q_cols, k_cols, options, precision):
+def scores(q_cols, k_cols, options, precision, scales=None):
     """``(s, tanh)``: scores in log2 units ``[bq, bk]`` and, with ``options.softcap``,
-    the ``tanh`` the backward needs (else ``None``)."""
+    the ``tanh`` the backward needs (else ``None``). ``scales``: FP8 operands' per-token
+    ``(q_scale float32[bq], k_scale float32[bk])``, applied to the float32 products."""
     s = dot_cols(q_cols, k_cols, (1, 1), precision)
+    if scales is not None:
+        s = s * scales[0][:, None] * scales[1][None, :]
     cap = options.softcap
     if cap is None:
         return s * (options.scale * LOG2E), None

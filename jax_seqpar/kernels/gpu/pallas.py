@@ -38,6 +38,12 @@ How the work is cut:
   the GPU's arithmetic to the float32 tolerance. Head dims over 128 in float32
   still spill in the backward (bf16 / fp16 do not; :func:`compiles_clean`), so
   ``kernel="auto"`` runs the XLA kernel for them on GPU: cast to run this one;
+* FP8 (``options.compute``: an FP8 forward with an FP8 or bfloat16 backward, H100/H200,
+  sm_90a): q, k, v (and dout) quantized per token and head outside the ``pallas_call``
+  (:func:`jax_seqpar.kernels.fp8_inputs.inputs`), FP8 x FP8 dots with float32
+  accumulation, P (and dS) rounded to FP8 per (head, tile) with the other operand's
+  per-token scale folded in (FlashAttention-3; the bodies in ``_fp8``), tiles of their
+  own (:func:`default_block_sizes` for the FP8 dtype);
 * decode-sized queries (under 16 tokens) of a GQA/MQA group are folded into the
   rows of one program per kv head: each K/V tile is read once per group; a call
   with one query tile per (batch, head) and too few programs to fill the GPU
@@ -53,7 +59,7 @@ Paper: FlashAttention-2, arXiv:2307.08691.
 from __future__ import annotations
 
 import functools
-from typing import Optional
+from typing import Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -61,7 +67,8 @@ from jax.experimental import pallas as pl
 
 from jax_seqpar.core import blocks, compat as _compat, masks
 from jax_seqpar.kernels.gpu import _bwd as _pallas_bwd
-from jax_seqpar.kernels import contract
+from jax_seqpar.kernels import contract, fp8_inputs
+from jax_seqpar.kernels.gpu import _fp8
 from jax_seqpar.kernels.gpu import _config as config
 from jax_seqpar.kernels.gpu import _core as core
 from jax_seqpar.kernels.gpu._config import compiles_clean, default_block_sizes
@@ -126,8 +133,11 @@ def _validate(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options,
     spec = options.spec
     rich = (spec.chunk_size is not None or spec.mask_fn is not None
             or q_tokens.bidirectional_ids is not None)
+    # FP8 (fp8_inputs.in_kernel): the tiles of its products' dtype.
+    compute = options.compute
+    dtype = compute.dtype if compute is not None and fp8_inputs.in_kernel(options) else q.dtype
     options = options.resolved(
-        default_block_sizes(q.shape[-1], v.shape[-1], q.dtype, rich_mask=rich), __name__)
+        default_block_sizes(q.shape[-1], v.shape[-1], dtype, rich_mask=rich), __name__)
     if interpret is not True and options.block_sizes is not None:  # may lower for a GPU
         options.block_sizes.check_gpu()
     return options
@@ -174,34 +184,58 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_token
 
 
 @contract.folds_vmap
-def _forward(q, k, v, q_tokens, kv_tokens, options: Options, interpret: Optional[bool],
-             may_split=True):
+def _forward(q, k, v, q_tokens, kv_tokens, options: Options, interpret: Optional[bool]):
+    if not fp8_inputs.in_kernel(options):
+        return _attend(q, k, v, q_tokens, kv_tokens, options, interpret)
+    # FP8 (FlashAttention-3): quantized per token and head outside the kernel (_fp8).
+    (q, k, v), scales = fp8_inputs.inputs(options, q, k, v)
+    return _attend(q, k, v, q_tokens, kv_tokens, options, interpret, scales)
+
+
+def _attend(q, k, v, q_tokens, kv_tokens, options: Options, interpret: Optional[bool],
+            scales=None, may_split=True):
+    """The forward's ``pallas_call``; ``scales``: FP8 operands' per-token ``(q [B, Sq, H],
+    k [B, Sk, Hkv], v [B, Sk, Hkv])`` float32 scales (:mod:`._fp8`'s kernel), or None."""
     # Inside shard_map every operand must vary over the same axes (e.g. replicated
     # decode queries against a sharded cache).
-    q, k, v, q_tokens, kv_tokens = _compat.match_varying(
-        (q, k, v, q_tokens, kv_tokens), (q, k, v, q_tokens, kv_tokens))
+    q, k, v, q_tokens, kv_tokens, scales = _compat.match_varying(
+        (q, k, v, q_tokens, kv_tokens, scales), (q, k, v, q_tokens, kv_tokens))
     (q_len, heads), kv_heads = q.shape[1:3], k.shape[2]
     if core.folds_group(q_len, heads, kv_heads):
-        out, lse = _forward(core.fold(q, kv_heads), k, v,
-                            core.fold_tokens(q_tokens, heads // kv_heads), kv_tokens, options,
-                            interpret)
-        return core.unfold(out, heads // kv_heads), core.unfold(lse, heads // kv_heads)
+        group = heads // kv_heads
+        folded = None if scales is None else (core.fold(scales[0], kv_heads), *scales[1:])
+        out, lse = _attend(core.fold(q, kv_heads), k, v, core.fold_tokens(q_tokens, group),
+                           kv_tokens, options, interpret, folded)
+        return core.unfold(out, group), core.unfold(lse, group)
     spec = options.spec
     t = core.tiling(q, k, *options.tiles())
     splits = core.kv_splits(t.batch * heads, t.num_q, t.kv_len, t.block_k) if may_split else 1
     if splits > 1:  # a decode step: split-K over the cache, then merge
-        out, lse = _forward(*core.split_kv(splits, q, k, v, q_tokens, kv_tokens, t),
-                            options, interpret, may_split=False)
+        if scales is not None:
+            qs, ks, vs = scales
+            scales = core.split_kv(splits, qs, ks, vs, q_tokens, kv_tokens, t)[:3]
+        q, k, v, q_tokens, kv_tokens = core.split_kv(splits, q, k, v, q_tokens, kv_tokens, t)
+        out, lse = _attend(q, k, v, q_tokens, kv_tokens, options, interpret, scales,
+                           may_split=False)
         return core.merge_splits(splits, out, lse)
     q_tokens, kv_tokens = padded_tokens(t, q_tokens, kv_tokens)
     d_qk, d_v = HeadDim.of(q.shape[-1]), HeadDim.of(v.shape[-1])
     q_pad, kv_pad = t.num_q * t.block_q, t.num_k * t.block_k
-    body = functools.partial(_forward_kernel, options=options, block_k=t.block_k, d_qk=d_qk,
+    kernel: Callable = _forward_kernel
+    in_specs: list = []
+    extra: list = []
+    name = "seqpar_flash_forward"
+    if scales is not None:  # FP8 values and their per-token scales, [B, H, S_pad] each
+        kernel, name = _fp8.forward_kernel, name + "_fp8"
+        in_specs = [pl.BlockSpec((None, None, t.block_q), lambda i, b, h: (b, h, i))] + [
+            pl.BlockSpec((None, None, kv_pad), lambda i, b, h: (b, h // t.group, 0))] * 2
+        extra = [jnp.swapaxes(pad_seq(x, n), 1, 2) for x, n in zip(scales, (q_pad, kv_pad, kv_pad))]
+    body = functools.partial(kernel, options=options, block_k=t.block_k, d_qk=d_qk,
                              d_v=d_v, has_mask=core.masked(spec, q_tokens))
     out, lse = core.call(
         body, interpret=interpret, precision_dtype=q.dtype,
         grid=(t.num_q, t.batch, heads),
-        in_specs=core.query_row_specs(t, q_tokens, kv_tokens, d_qk, d_v),
+        in_specs=core.query_row_specs(t, q_tokens, kv_tokens, d_qk, d_v) + in_specs,
         out_specs=[
             pl.BlockSpec((None, t.block_q, None, d_v.padded), lambda i, b, h: (b, i, h, 0)),
             pl.BlockSpec((None, None, t.block_q), lambda i, b, h: (b, h, i)),
@@ -209,9 +243,9 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options, interpret: Optional
         out_shape=[_compat.shape_struct((t.batch, q_pad, heads, d_v.size), _F32, q),
                    _compat.shape_struct((t.batch, heads, q_pad), _F32, q)],
         compiler_params=config.launch("fwd", t.block_q, d_qk.size, d_v.size, q.dtype),
-        name="seqpar_flash_forward",
+        name=name,
     )(core.tile_bounds(spec, t, q_tokens, kv_tokens), pad_seq(q, q_pad), pad_seq(k, kv_pad), pad_seq(v, kv_pad),
-      q_tokens, kv_tokens)
+      q_tokens, kv_tokens, *extra)
     return out[:, :t.q_len], jnp.swapaxes(lse, 1, 2)[:, :t.q_len]
 
 

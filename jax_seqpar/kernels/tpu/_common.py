@@ -29,7 +29,7 @@ from jax.experimental.pallas import tpu as pltpu
 
 from jax_seqpar.core import blocks, compat as _compat, masks
 from jax_seqpar.kernels import tiling as _tiling
-from jax_seqpar.kernels.tiling import Tiling
+from jax_seqpar.kernels.tiling import Tiling, pad_seq
 from jax_seqpar.core.masks import Tokens
 
 F32 = jnp.float32
@@ -120,10 +120,14 @@ def dot(a, b, *, transpose_b=False, precision=None):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
 
 
-def logits(a, b, options, precision):
+def logits(a, b, options, precision, scales=None):
     """``(s, t)``: scaled (and soft-capped, ``options.softcap``) scores ``a @ b.T`` in
-    float32, and ``t = tanh(raw / softcap)`` for the backward (``None`` without cap)."""
+    float32, and ``t = tanh(raw / softcap)`` for the backward (``None`` without cap).
+    ``scales``: FP8 operands' per-token ``(a's [n, 1], b's [1, m])`` float32 scales,
+    applied to the float32 products."""
     s = dot(a, b, transpose_b=True, precision=precision) * options.scale
+    if scales is not None:
+        s = s * scales[0] * scales[1]
     cap = options.softcap
     if cap is None:
         return s, None
@@ -192,6 +196,18 @@ def pallas(body, *, name, grid, in_specs, out_specs, out_shape, scratch_shapes,
                                       default=build(True))
 
     return call
+
+
+def widened(x):
+    """An FP8 tile in bfloat16 for the MXU (v5p has no FP8 matrix unit; every FP8 value
+    is a bfloat16 one, so nothing is rounded); other tiles as they are."""
+    return x.astype(jnp.bfloat16) if jnp.dtype(x.dtype).itemsize == 1 else x
+
+
+def scale_rows(scales, lengths):
+    """FP8 per-token scales ``float32[B, S, H]`` each, as lane-dense rows ``[B, H, 1,
+    S_pad]`` (``lengths``: each one's padded length), like the statistics."""
+    return [jnp.swapaxes(pad_seq(x, n), 1, 2)[:, :, None] for x, n in zip(scales, lengths)]
 
 
 def vmem(shape):

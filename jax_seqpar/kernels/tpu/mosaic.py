@@ -26,7 +26,14 @@ How the work is cut (FlashAttention-2):
 * GQA/MQA read K/V head ``h // group`` through the BlockSpec index map, never a
   repeated copy; the head dim is any size (64 .. 576, ``Dv != Dqk`` for MLA);
 * tiles are multiples of 128 tokens (``BlockSizes.check_tpu``), by default
-  :func:`default_block_sizes`.
+  :func:`default_block_sizes`;
+* FP8 (``options.compute``: an FP8 forward, an FP8 or bfloat16 backward): FP8 storage.
+  q, k, v (and dout in an FP8 backward) are quantized per token and head outside the
+  kernel (:func:`jax_seqpar.kernels.fp8_inputs.inputs`) and enter it as FP8 values
+  ``[B, H, S, D]`` with float32 scales as lane-dense rows ``[B, H, 1, S]``; TPU v5p has
+  no FP8 matrix unit, so each tile is widened to bfloat16 in VMEM (exactly) for the MXU,
+  the scales multiply the float32 scores and are folded into P (v's) and dS (k's, q's)
+  before those enter the MXU in bfloat16. No rotation in the kernel (the caller's).
 
 Lowering: Mosaic when the program is lowered for TPU; the Pallas interpreter on any
 other platform (chosen with ``lax.platform_dependent``, not the host's backend).
@@ -44,7 +51,7 @@ from jax.experimental import pallas as pl
 
 from jax_seqpar.core import blocks, compat as _compat, masks
 from jax_seqpar.kernels.tpu import _bwd as _mosaic_bwd
-from jax_seqpar.kernels import contract
+from jax_seqpar.kernels import contract, fp8_inputs
 from jax_seqpar.kernels.tpu import _common as mc
 from jax_seqpar.kernels.contract import BlockSizes
 from jax_seqpar.kernels.options import Options
@@ -76,7 +83,10 @@ def _checked(q, k, v, q_tokens, kv_tokens, options: Options) -> Options:
 
 
 def _forward_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, *refs, options,
-                    precision, accumulate):
+                    precision, accumulate, scaled):
+    scale_refs = None
+    if scaled:  # FP8: the per-token scales of q, k, v, rows [1, tile] each
+        scale_refs, refs = refs[:3], refs[3:]
     if accumulate:  # the result so far, aliased to the outputs: continued in place
         out_in, lse_in, out_ref, lse_ref, m_ref, l_ref, acc_ref = refs
     else:
@@ -98,8 +108,12 @@ def _forward_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, *refs, options
             acc_ref[...] = jnp.zeros(acc_ref.shape, mc.F32)
 
     def tile(is_partial):
-        k, v = contract.isolated_keys(k_ref[...], v_ref[...])  # a non-finite value: key NaN, value 0
-        s, _ = mc.logits(q_ref[...], k, options, precision)  # [bq, bk]
+        # A non-finite value: key NaN, value 0. FP8 tiles widened to bfloat16 first.
+        k, v = contract.isolated_keys(mc.widened(k_ref[...]), mc.widened(v_ref[...]))
+        scales = None
+        if scale_refs is not None:  # q's as a column [bq, 1], k's a row [1, bk]
+            scales = (mc.row_to_column(scale_refs[0][...])[:, :1], scale_refs[1][...])
+        s, _ = mc.logits(mc.widened(q_ref[...]), k, options, precision, scales)  # [bq, bk]
         if is_partial:
             s = mc.masked(s, options.spec, q_tok, kv_tok, rows_are_queries=True)
         # Statistics are lane-replicated [bq, 128]. m starts at EMPTY_LSE (finite),
@@ -109,6 +123,8 @@ def _forward_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, *refs, options
         p = jnp.exp(s - m_next[:, :1])
         alpha = jnp.exp(m_prev - m_next)
         l_ref[...] = alpha * l_ref[...] + p.sum(axis=-1, keepdims=True)
+        if scale_refs is not None:  # v's scales vary along the keys: folded into P
+            p = p * scale_refs[2][...]
         acc_ref[...] = acc_ref[...] * alpha[:, :1] + mc.dot(p.astype(v.dtype), v,
                                                             precision=precision)
         m_ref[...] = m_next
@@ -161,10 +177,13 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_token
 
 @contract.folds_vmap
 def _forward(q, k, v, q_tokens, kv_tokens, options: Options, accumulate=None):
+    scales = None
+    if fp8_inputs.in_kernel(options):  # FP8 storage: values and per-token scales
+        (q, k, v), scales = fp8_inputs.inputs(options, q, k, v)
     # Inside shard_map every operand must vary over the same axes (e.g. replicated
     # decode queries against a sharded cache).
-    inputs = (q, k, v, q_tokens, kv_tokens, accumulate)
-    q, k, v, q_tokens, kv_tokens, accumulate = _compat.match_varying(inputs, inputs)
+    inputs = (q, k, v, q_tokens, kv_tokens, accumulate, scales)
+    q, k, v, q_tokens, kv_tokens, accumulate, scales = _compat.match_varying(inputs, inputs)
     t = mc.tiling(q, k, *options.tiles())
     q_tokens, kv_tokens, classes = schedule(options.spec, t, q_tokens, kv_tokens)  # [B, nq, nk]
     (batch, q_len, heads, d_qk), d_v = q.shape, v.shape[-1]
@@ -180,6 +199,13 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options, accumulate=None):
                  jax.ShapeDtypeStruct((batch, heads, 1, q_pad), mc.F32)]
     operands = [mc.plan(classes), mc.heads_first(q, q_pad), mc.heads_first(k, kv_pad),
                 mc.heads_first(v, kv_pad), mc.column(q_tokens), mc.row(kv_tokens)]
+    scale_specs = []
+    if scales is not None:  # rows [B, H, 1, S_pad]; k's and v's follow the fetched tile
+        operands += mc.scale_rows(scales, (q_pad, kv_pad, kv_pad))
+        scale_specs = [lse_spec] + [pl.BlockSpec(
+            (None, None, 1, t.block_k),
+            lambda b, h, i, j, plan_ref: (b, lax.div(h, jnp.int32(group)), 0,
+                                          mc.fetched(plan_ref, b, i, j)))] * 2
     aliases = None
     if accumulate is not None:  # continued in place: its buffers become the outputs
         out_in, lse_in = accumulate
@@ -188,7 +214,7 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options, accumulate=None):
                      jnp.swapaxes(pad_seq(lse_in, q_pad, masks.EMPTY_LSE), 1, 2)[:, :, None]]
     call = mc.pallas(
         functools.partial(_forward_kernel, options=options, precision=mc.precision(q.dtype),
-                          accumulate=accumulate is not None),
+                          accumulate=accumulate is not None, scaled=scales is not None),
         name="seqpar_mosaic_forward",
         grid=(batch, heads, t.num_q, t.num_k),
         in_specs=[
@@ -198,7 +224,7 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options, accumulate=None):
             mc.token_specs(q_tokens, (None, t.block_q, 1), lambda b, h, i, j, _: (b, i, 0)),
             mc.token_specs(kv_tokens, (None, 1, t.block_k),
                            lambda b, h, i, j, plan_ref: (b, 0, mc.fetched(plan_ref, b, i, j))),
-        ] + ([out_spec, lse_spec] if accumulate is not None else []),
+        ] + scale_specs + ([out_spec, lse_spec] if accumulate is not None else []),
         out_specs=[out_spec, lse_spec],
         out_shape=out_shape,
         scratch_shapes=[mc.vmem((t.block_q, mc.LANES)), mc.vmem((t.block_q, mc.LANES)),
