@@ -157,15 +157,17 @@ def test_bfloat16_inputs():
         _assert_max_logit(high, reference.max_logit(q, k, v, causal=True))
 
 
-def test_fp8_max_logit_is_of_the_quantized_operands():
+@pytest.mark.parametrize("form", ["ring", "ulysses-pieces", "hybrid-groups"])
+def test_fp8_max_logit_is_of_the_quantized_operands(form):
     """With an FP8 compute dtype the kernel's logits are those of the rotated, quantized
-    q and k: the reference on those operands dequantized gives them (to float32
-    rounding of the per-token scales' products: 1e-5)."""
+    q and k (K/V travel in FP8): the reference on those operands dequantized gives them
+    (to float32 rounding of the per-token scales' products: 1e-5)."""
     q, k, v = _inputs()
-    mesh, _ = checks.strategy_mesh("ring")
+    strategy, pipelining = FORMS[form]
+    mesh, seq_axes = checks.strategy_mesh(strategy)
     high = jax_seqpar.sequence_parallel_attention(
-        q, k, v, mesh=mesh, strategy="ring", causal=True, compute_dtype=jnp.float8_e4m3fn,
-        return_max_logit=True)[1]
+        q, k, v, mesh=mesh, seq_axes=seq_axes, strategy=strategy, causal=True,
+        compute_dtype=jnp.float8_e4m3fn, return_max_logit=True, **pipelining)[1]
 
     def dequantized(x):
         values, scales = quant.quantize(x @ quant.rotation(D), "float8_e4m3fn")
