@@ -100,7 +100,7 @@ def test_cached_tokens_hold_the_fp8_kernels_numbers_not_bf16():
         _, cache = _prefill_and_decode(q, k, v, _cache(mesh))
     assert cache.k.dtype == FP8 and cache.k_scale.dtype == jnp.float32
     assert cache.k_scale.shape == cache.v_scale.shape == (B, 32, HKV)
-    k_values, k_scales = quant.quantize(k.astype(jnp.float32) @ quant.rotation(D), "float8_e4m3fn")
+    k_values, k_scales = quant.quantize(quant.rotate(k).astype(jnp.float32), "float8_e4m3fn")
     v_values, v_scales = quant.quantize(v, "float8_e4m3fn")
     stored = [_by_position(cache, np.asarray(x)) for x in (
         cache.k.view(jnp.uint8), cache.k_scale, cache.v.view(jnp.uint8), cache.v_scale)]

@@ -31,6 +31,9 @@ OF_XLA = 1.25
 #: backward, 0.058 with a bf16 one).
 OUT_RMSE = 2e-2
 GRAD = {"fp8": 0.1, "bf16": 0.08}
+#: FP8 as a kernel takes it: q and k as given (the strategies rotate them before; a kernel
+#: refuses a call that still asks for the rotation).
+UNROTATED = jax_seqpar.Compute(FP8, hadamard=False)
 
 
 @pytest.fixture(scope="module")
@@ -70,12 +73,11 @@ def errors(result, want):
     return rmse, relative
 
 
-
 @pytest.mark.parametrize("backward", list(BACKWARDS))
 @pytest.mark.parametrize("kernel", ["pallas", "mosaic"])
 def test_fp8_kernel_matches_the_reference_within_fp8s_error(kernel, backward, problem):
     (q, k, v, g), tokens, want = problem
-    compute = jax_seqpar.Compute(FP8, backward_dtype=BACKWARDS[backward])
+    compute = jax_seqpar.Compute(FP8, backward_dtype=BACKWARDS[backward], hadamard=False)
     assert make_options(q, MaskSpec.make(causal=True), kernel=kernel,
                         compute_dtype=compute).kernel == kernel  # not refused, not rerouted
     rmse, grads = errors(run(kernel, compute, q, k, v, g, tokens), want)
@@ -92,8 +94,9 @@ def test_the_backward_dtype_changes_only_the_gradients(kernel, problem):
     """One forward whatever the backward's dtype; the gradients differ between them (the
     backward's products are the FP8 or the bfloat16 ones, not ignored)."""
     (q, k, v, g), tokens, want = problem
-    fp8 = run(kernel, FP8, q, k, v, g, tokens)
-    bf16 = run(kernel, jax_seqpar.Compute(FP8, backward_dtype=jnp.bfloat16), q, k, v, g, tokens)
+    fp8 = run(kernel, UNROTATED, q, k, v, g, tokens)
+    bf16 = run(kernel, jax_seqpar.Compute(FP8, backward_dtype=jnp.bfloat16, hadamard=False),
+               q, k, v, g, tokens)
     np.testing.assert_array_equal(np.asarray(fp8[0]), np.asarray(bf16[0]))
     for a, b in zip(fp8[1], bf16[1]):
         assert not np.array_equal(np.asarray(a), np.asarray(b))
@@ -104,7 +107,7 @@ def test_auto_keeps_the_xla_kernel_and_other_backwards_are_refused():
     q = jnp.ones((1, 32, 2, 16), jnp.bfloat16)
     spec = MaskSpec.make(causal=True)
     assert make_options(q, spec, compute_dtype=FP8).kernel == "xla"  # auto: XLA everywhere
-    other = jax_seqpar.Compute(FP8, backward_dtype=jnp.float8_e5m2)
+    other = jax_seqpar.Compute(FP8, backward_dtype=jnp.float8_e5m2, hadamard=False)
     for kernel in ("pallas", "mosaic"):
         with pytest.raises(ValueError, match=f"kernel='{kernel}'.*same FP8 format or in "
                                              "bfloat16.*kernel='xla'"):
@@ -125,13 +128,14 @@ def test_fp8_calls_accumulate_like_one_call(kernel, problem):
     """A ring's steps in FP8: the forward continued over a second run of keys
     (``accumulate``; Mosaic in the kernel, in place) is the call over both, to FP8's
     rounding of other tiles' probabilities; the backward adds ``accumulate`` (Mosaic: dq
-    in the kernel, the rotated gradients turned back first)."""
+    in the kernel)."""
     from jax_seqpar.kernels.gpu import pallas
     from jax_seqpar.kernels.tpu import mosaic
 
     module = {"pallas": pallas, "mosaic": mosaic}[kernel]
     (q, k, v, g), tokens, _ = problem
-    options = make_options(q, MaskSpec.make(causal=True), kernel=kernel, compute_dtype=FP8)
+    options = make_options(q, MaskSpec.make(causal=True), kernel=kernel,
+                           compute_dtype=UNROTATED)
     half = SEQ // 2
     keys = [jax.tree.map(lambda x, s=s: x[:, s], (k, v, tokens))
             for s in (slice(0, half), slice(half, None))]

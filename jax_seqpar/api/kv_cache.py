@@ -298,13 +298,12 @@ def cache_compute(compute_dtype: quant.ComputeLike, cache: KVCache) -> quant.Com
 
 
 def rotated(cache: KVCache, x: jax.Array) -> jax.Array:
-    """``x [B, S, *heads, D]`` in float32, rotated by
-    :func:`jax_seqpar.core.quant.rotation` where ``cache`` stores its keys rotated
-    (``cache.hadamard``), as the FP8 kernel rotates q and k before quantizing them: the
-    keys written to the cache (:func:`stored`) and the queries that attend to them. The
-    one place of the rule (the kernel then runs with ``hadamard=False``)."""
-    x = x.astype(jnp.float32)
-    return x @ quant.rotation(x.shape[-1]) if cache.hadamard else x
+    """``x [B, S, *heads, D]`` in float32, rotated by :func:`jax_seqpar.core.quant.rotate`
+    (in ``x``'s dtype, as the strategies rotate q and k before any kernel quantizes them)
+    where ``cache`` stores its keys rotated (``cache.hadamard``): the keys written to the
+    cache (:func:`stored`) and the queries that attend to them. The one place of the rule
+    for a cache (the kernel then runs with ``hadamard=False``)."""
+    return (quant.rotate(x) if cache.hadamard else x).astype(jnp.float32)
 
 
 def stored(cache: KVCache, k: jax.Array, v: jax.Array) -> tuple[Any, Any]:

@@ -9,25 +9,20 @@ A Pallas kernel computes in FP8 where :func:`in_kernel` holds: the call's forwar
 FP8 and its backward is the same format or bfloat16; other
 combinations run in the XLA kernel (:mod:`jax_seqpar.kernels.xla`).
 
-The Hadamard rotation (:attr:`jax_seqpar.core.quant.Compute.hadamard`) is the caller's:
-the strategies' boundary or the XLA kernel apply it. Where a call that asks for it still
-reaches a Pallas kernel, :func:`rotated` / :func:`unrotated` (this module only) rotate q
-and k before they are quantized and turn the gradients of the rotated q and k back
-(``dq = dq_r Rᵀ``): the kernels themselves never rotate.
+The Hadamard rotation (:attr:`jax_seqpar.core.quant.Compute.hadamard`) is the caller's
+(:func:`jax_seqpar.strategies.wire.rotated`, once where a strategy starts): no kernel
+rotates, and :mod:`jax_seqpar.kernels.lowering` refuses a call that still asks for it.
 """
 
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 
 from jax_seqpar.core import quant
 from jax_seqpar.core.quant import Compute
 from jax_seqpar.kernels.options import Options, pallas_computes
 
-__all__ = ["cotangent", "in_kernel", "inputs", "rotated", "unrotated"]
-
-_F32 = jnp.float32
+__all__ = ["cotangent", "in_kernel", "inputs"]
 
 
 def in_kernel(options: Options) -> bool:
@@ -43,36 +38,12 @@ def _compute(options: Options) -> Compute:
     return options.compute
 
 
-def _rotates(options: Options) -> bool:
-    return bool(options.compute is not None and options.compute.hadamard)
-
-
-def rotated(options: Options, q: jax.Array, k: jax.Array):
-    """``(q R, k R)`` (float32) where the call asks for the rotation and its caller has not
-    applied it (:func:`jax_seqpar.core.quant.rotation`; ``(q R)(k R)ᵀ = q kᵀ``), else
-    ``(q, k)``."""
-    if not _rotates(options):
-        return q, k
-    r = quant.rotation(q.shape[-1])
-    return q.astype(_F32) @ r, k.astype(_F32) @ r
-
-
-def unrotated(options: Options, dq: jax.Array, dk: jax.Array):
-    """The gradients of q and k from those of :func:`rotated`'s (``dq_r Rᵀ``)."""
-    if not _rotates(options):
-        return dq, dk
-    r = quant.rotation(dq.shape[-1])
-    return dq @ r.T, dk @ r.T
-
-
 def inputs(options: Options, q: jax.Array, k: jax.Array, v: jax.Array):
     """``((q8, k8, v8), (q_scales, k_scales, v_scales))``: ``q [B, Sq, H, Dqk]``, ``k [B,
     Sk, Hkv, Dqk]``, ``v [B, Sk, Hkv, Dv]`` in the forward's FP8 format, scaled per token and
-    head (scales float32 ``[B, Sq, H]``, ``[B, Sk, Hkv]``, ``[B, Sk, Hkv]``), q and k
-    :func:`rotated` first where asked. The backward calls it on the same q, k, v: its
-    scores are the forward's."""
+    head (scales float32 ``[B, Sq, H]``, ``[B, Sk, Hkv]``, ``[B, Sk, Hkv]``). The backward
+    calls it on the same q, k, v: its scores are the forward's."""
     dtype = _compute(options).dtype
-    q, k = rotated(options, q, k)
     (q8, qs), (k8, ks), (v8, vs) = (quant.quantize(x, dtype) for x in (q, k, v))
     return (q8, k8, v8), (qs, ks, vs)
 

@@ -91,7 +91,16 @@ def _check_tiles(options: Options, chosen: set) -> None:
 def _kernel(method: str, options: Options, q: jax.Array, v: jax.Array, **extra) -> Callable:
     """``method`` of the kernel ``options.kernel`` chooses, bound to ``options`` and the
     keywords ``extra`` (``accumulate``), to call on the operands: one module's function,
-    or one branch per lowering platform (``jax.lax.platform_dependent``)."""
+    or one branch per lowering platform (``jax.lax.platform_dependent``). ``ValueError``
+    for a call that still asks for the Hadamard rotation: no kernel rotates (the
+    strategies rotate q and k once where they start,
+    :func:`jax_seqpar.strategies.wire.rotated`)."""
+    if options.compute is not None and options.compute.hadamard:
+        raise ValueError(
+            f"compute_dtype={options.compute} asks the kernel to rotate q and k, but the "
+            "kernels take them as given: rotate them first "
+            "(jax_seqpar.strategies.wire.rotated, which every entry point applies) and call "
+            "the kernel with Compute(..., hadamard=False).")
     if options.return_max_logit and options.kernel != "xla":  # make_options takes "xla"
         raise ValueError(f"options.return_max_logit needs kernel='xla' (only the XLA kernel "
                          f"returns the rows' max logit). Got kernel={options.kernel!r}.")

@@ -1,7 +1,7 @@
 """The XLA kernel's operands in the call's compute dtype
 (:attr:`jax_seqpar.kernels.options.Options.compute`): q, k, v and dout as its products take
-them (:class:`Operand`: values in the compute dtype, FP8 scaled per token and head, q and
-k rotated for the scores where asked), and a tile's probabilities or score gradients
+them (:class:`Operand`: values in the compute dtype, FP8 scaled per token and head; q and
+k as given: the Hadamard rotation is the strategies'), and a tile's probabilities or score gradients
 rounded for their product (:func:`product`). The products take the values in the compute
 dtype and accumulate in float32 (XLA:GPU compiles FP8 x FP8 or bf16 x bf16 GEMMs);
 without a compute dtype every operand is taken in float32, as before.
@@ -58,12 +58,9 @@ class Operand:
         return values, jnp.moveaxis(tile(self.scales, row, index, block), 1, -1)
 
 
-def operand(x: jax.Array, dtype_name: str, rotate: bool = False) -> Operand:
+def operand(x: jax.Array, dtype_name: str) -> Operand:
     """``x [B, S, *heads, F]`` in ``dtype_name`` (FP8: scaled per token and head,
-    :func:`jax_seqpar.core.quant.quantize`), rotated first by
-    :func:`jax_seqpar.core.quant.rotation` where asked."""
-    if rotate:
-        x = x.astype(_F32) @ quant.rotation(x.shape[-1])
+    :func:`jax_seqpar.core.quant.quantize`)."""
     values, scales = quant.quantize(x, dtype_name)
     return Operand(values, scales, computed=True)
 
@@ -92,15 +89,12 @@ def times(x: jax.Array, scale: Optional[jax.Array]) -> jax.Array:
 def scored(options: Options, q: jax.Array, k: jax.Array, v: jax.Array):
     """q, k and v as the forward's products take them (:class:`Operand`): in the
     call's compute dtype (:attr:`~jax_seqpar.kernels.options.Options.compute`), FP8 scaled
-    per token and head, q and k rotated where asked; as given without
-    a compute dtype. The backward recomputes the scores from the same operands, so its
+    per token and head; as given without a compute dtype. The backward recomputes the scores from the same operands, so its
     probabilities are the forward's."""
     compute = options.compute
     if compute is None:
         return Operand(q), Operand(k), Operand(v)
-    rotate = bool(compute.hadamard)
-    return (operand(q, compute.dtype, rotate), operand(k, compute.dtype, rotate),
-            operand(v, compute.dtype))
+    return tuple(operand(x, compute.dtype) for x in (q, k, v))
 
 
 def products_dtype(options: Options, backward: bool) -> Optional[str]:
@@ -115,13 +109,13 @@ def products_dtype(options: Options, backward: bool) -> Optional[str]:
 def products(options: Options, q: jax.Array, k: jax.Array, v: jax.Array, dout: jax.Array,
              scored: tuple):
     """q, k, v and dout as the backward's products take them (:class:`Operand`): in the
-    backward's dtype, FP8 scaled per token and head (never rotated: the rotation serves the scores alone); the forward's ``scored`` q and k
+    backward's dtype, FP8 scaled per token and head; the forward's ``scored`` q and k
     where they are the same numbers."""
     compute = options.compute
     if compute is None:
         return tuple(Operand(x) for x in (q, k, v, dout))
     dtype = compute.backward
-    if dtype == compute.dtype and not compute.hadamard:
+    if dtype == compute.dtype:
         q_b, k_b = scored
     else:
         q_b, k_b = operand(q, dtype), operand(k, dtype)

@@ -31,6 +31,7 @@ from jax_seqpar.core.shape import check_counts
 from jax_seqpar.kernels import tiling
 from jax_seqpar.strategies.entry import Strategy
 from jax_seqpar.strategies.inputs import Options, check_ids, check_qkv
+from jax_seqpar.strategies.wire import rotated
 from jax_seqpar.kernels import make_options
 from jax_seqpar.core.merge import check_sinks, merge_across
 from jax_seqpar.kernels import KernelName
@@ -168,7 +169,10 @@ def decode_attention(q: jax.Array, k_cache: jax.Array, v_cache: jax.Array, *,
                                               axis_name=seq_axes)
         kv_positions = jnp.broadcast_to(kv_positions, (batch, k_cache.shape[1]))
     q_positions = seq_lengths[:, None] - new_tokens + jnp.arange(new_tokens, dtype=jnp.int32)[None]
-    out, lse = _attend_slots(options, q, k_cache, v_cache, masks.Tokens(q_positions),
+    # The Hadamard rotation where asked: of q and of this shard's cached keys, each call
+    # (an FP8 KVCache stores its keys rotated instead: jax_seqpar.api.inference.decode).
+    options, q_in, k_cache = rotated(options, q, k_cache)
+    out, lse = _attend_slots(options, q_in, k_cache, v_cache, masks.Tokens(q_positions),
                              masks.Tokens(_hide_unwritten(kv_positions, seq_lengths)))
     # out float32 [B, T, H, Dv], lse float32 [B, T, H]
     return merge_across(out, lse, seq_axes, sinks).astype(q.dtype)  # [B, T, H, Dv]
@@ -305,8 +309,10 @@ def append_and_attend(step: Step, k_cache: Stored, v_cache: Stored, positions: j
         kv_tokens.bidirectional_ids = _put(jnp.zeros_like(positions), slot,
                                            step.bidirectional_ids)  # [B, C/P]
     q_tokens = masks.Tokens(new_positions, None, step.bidirectional_ids)
-    out, lse = _attend_slots(options, step.q, _dequantized(k_cache), _dequantized(v_cache),
-                             q_tokens, kv_tokens)
+    # The Hadamard rotation where still asked (FP8 compute on a wider cache: q and this
+    # shard's keys each step; an FP8 cache holds its keys rotated and asks for none).
+    options, q, k = rotated(options, step.q, _dequantized(k_cache))
+    out, lse = _attend_slots(options, q, k, _dequantized(v_cache), q_tokens, kv_tokens)
     out = merge_across(out, lse, axis_name, step.sinks).astype(step.q.dtype)
     return out, k_cache, v_cache, positions  # out [B, T, H, Dv], the same on every device
 

@@ -19,6 +19,7 @@ from jax_seqpar.core.masks import Tokens
 from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.kernels.options import Options
 from jax_seqpar.strategies.inputs import Operands, empty_result, max_logit_over
+from jax_seqpar.strategies.wire import rotated
 
 __all__ = ["local_attention"]
 
@@ -54,7 +55,8 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, options: Options,
         out, lse, high = empty_result(q, v, True, True)
         result = (out, with_sinks(out, lse, operands.sinks)[1], high)
     else:
-        result = _staged(q, k, v, operands, options=options)
+        inner, q_in, k_in = rotated(options, q, k)  # the Hadamard rotation, as strategies do
+        result = _staged(q_in, k_in, v, operands, options=inner)
     rest = result[1:2] if options.return_lse else ()
     rest += result[2:] if options.return_max_logit else ()
     return (result[0], *rest) if rest else result[0]

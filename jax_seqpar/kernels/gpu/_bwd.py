@@ -137,7 +137,7 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options, interpret)
     dout, dout_scales = fp8_inputs.cotangent(options, dout)
     dq, dk, dv = _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options, interpret,
                            (*scales, dout_scales))
-    return (*fp8_inputs.unrotated(options, dq, dk), dv)
+    return dq, dk, dv
 
 
 def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options, interpret,

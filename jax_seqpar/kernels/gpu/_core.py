@@ -311,6 +311,21 @@ def run_tiles(bounds_ref, step, carry, *, has_mask: bool):
     return lax.fori_loop(full_end, end, functools.partial(step, masked=True), carry)
 
 
+def online_softmax(bounds_ref, step, d_v, out_ref, lse_ref, *, has_mask: bool) -> None:
+    """The forward's loop over a row's tiles (:func:`run_tiles`; ``step(i, (acc, m, l),
+    masked)`` in the ``exp2`` domain) from an empty softmax, then its output ``acc / l``
+    and natural-log ``lse`` stored (a row that saw nothing: zeros, ``EMPTY_LSE``)."""
+    block_q = out_ref.shape[0]
+    init = (d_v.zeros(block_q),
+            jnp.full((block_q,), masks.EMPTY_LSE, F32), jnp.zeros((block_q,), F32))
+    acc, m, l = run_tiles(bounds_ref, step, init, has_mask=has_mask)
+    seen = l > 0
+    l = jnp.where(seen, l, 1.0)
+    for c, a in enumerate(acc):
+        d_v.store(out_ref, c, a / l[:, None])
+    lse_ref[...] = jnp.where(seen, (m + jnp.log2(l)) * LN2, masks.EMPTY_LSE)
+
+
 def call(body, *, interpret: Optional[bool], precision_dtype, **kwargs):
     """``pallas_call`` of the kernel ``body(..., precision=...)``, lowered for the platform the
     program is lowered for when ``interpret`` is None (Triton on CUDA / ROCm, the

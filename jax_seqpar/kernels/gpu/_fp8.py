@@ -29,12 +29,10 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from jax_seqpar.core import masks, quant
+from jax_seqpar.core import quant
 from jax_seqpar.kernels.gpu import _core as core
 
 __all__ = ["dkv_kernel", "dq_kernel", "forward_kernel", "rounded"]
-
-_F32 = core.F32
 
 
 def rounded(x, dtype):
@@ -92,15 +90,7 @@ def forward_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, qs_ref, ks_re
                     for a, v in zip(acc, v_cols))
         return acc, m_new, l * alpha + p.sum(axis=-1)
 
-    block_q = q_ref.shape[0]
-    init = (d_v.zeros(block_q),
-            jnp.full((block_q,), masks.EMPTY_LSE, _F32), jnp.zeros((block_q,), _F32))
-    acc, m, l = core.run_tiles(bounds_ref, step, init, has_mask=has_mask)
-    seen = l > 0
-    l = jnp.where(seen, l, 1.0)
-    for c, a in enumerate(acc):
-        d_v.store(out_ref, c, a / l[:, None])
-    lse_ref[...] = jnp.where(seen, (m + jnp.log2(l)) * core.LN2, masks.EMPTY_LSE)
+    core.online_softmax(bounds_ref, step, d_v, out_ref, lse_ref, has_mask=has_mask)
 
 
 def _grad_tile(q_cols, k_cols, v_cols, do_cols, lse2, delta, mask, options, precision,

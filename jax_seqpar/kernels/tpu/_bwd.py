@@ -142,13 +142,7 @@ def backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options, dq_in=None
     (q, k, v), scales = fp8_inputs.inputs(options, q, k, v)
     dout, dout_scales = fp8_inputs.cotangent(options, dout)
     scales += () if dout_scales is None else (dout_scales,)
-    # Gradients of rotated q, k (a caller that left the rotation to the kernel) are
-    # turned back after the kernels: a running dq is then added after them.
-    after = dq_in is not None and bool(options.compute.hadamard)
-    dq, dk, dv = _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options,
-                           None if after else dq_in, scales)
-    dq, dk = fp8_inputs.unrotated(options, dq, dk)
-    return (dq_in + dq if after else dq), dk, dv
+    return _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options, dq_in, scales)
 
 
 def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options, dq_in=None,
