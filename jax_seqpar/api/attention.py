@@ -119,6 +119,7 @@ def sequence_parallel_attention(
     bidirectional_ids: Optional[jax.Array] = None,
     mask_fn: Callable | None = None,
     max_document_shards: Optional[int] = None,
+    return_max_logit: bool = False,
 ):
     """Exact attention with the sequence split over ``seq_axes`` of ``mesh``.
 
@@ -214,13 +215,23 @@ def sequence_parallel_attention(
         Every strategy then sends only ``D - 1`` shards' K/V either side (``D = 1``:
         none). A batch that breaks it fails with a ``ValueError`` naming the document
         (under ``jit``: ``jax.errors.JaxRuntimeError`` carrying it), never a dropped key.
+      return_max_logit: also return ``float32[H]``, per head the largest scaled logit
+        ``scale * q.k`` any visible query-key pair reaches over the whole batch and
+        sequence (QK-Clip, Muon; TransformerEngine's context-parallel max logit): taken
+        before ``softcap`` (what QK-Clip clips), over the pairs the mask lets through
+        (sinks are no pairs), ``-inf`` for a head with no visible pair; with an FP8
+        ``compute_dtype`` of the logits the kernel computed from the quantized q and k.
+        It has no gradient (``stop_gradient``; the output's gradients are unchanged).
+        Computed in the kernel (the XLA kernel: ``kernel="auto"`` takes it on every
+        platform) and reduced with one ``pmax`` of ``[H]`` across the devices.
 
     Returns:
       ``[B, S, H, Dv]`` in ``q.dtype``, in the caller's token order, sharded like
       ``q`` on Explicit meshes (its type's batch, sequence and head entries; an
       unsharded ``q`` gives an unsharded output, as ``jax.nn`` would); with
-      ``return_lse``, ``(out, lse)``. A batch or sequence of length 0 gives an empty
-      result.
+      ``return_lse`` and/or ``return_max_logit`` a tuple in that order: ``(out, lse)``,
+      ``(out, max_logit)`` or ``(out, lse, max_logit)``. A batch or sequence of length 0
+      gives an empty result (the max logit ``-inf``).
 
     Raises:
       ValueError: bad shapes, unknown axes/strategy/layout, a layout with
@@ -239,7 +250,7 @@ def sequence_parallel_attention(
         compute_dtype=compute_dtype,
         return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
         positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks,
-        max_document_shards=max_document_shards)
+        max_document_shards=max_document_shards, return_max_logit=return_max_logit)
     where = placement(q, k, v, options, metadata, mesh=mesh, seq_axes=seq_axes,
                       strategy=strategy, layout=layout, batch_axes=batch_axes,
                       ulysses_size=ulysses_size, overlap=overlap, pieces=pieces,

@@ -132,6 +132,7 @@ def dot_product_attention(
     chunk_size: Optional[int] = None,
     bidirectional_ids: Optional[jax.Array] = None,
     mask_fn: Optional[Callable] = None,
+    return_max_logit: bool = False,
 ):
     """Scaled dot-product attention, exact, sequence-parallel over ``mesh`` when given.
 
@@ -193,6 +194,10 @@ def dot_product_attention(
         ``ValueError``), ANDed with the rest
         (see :class:`jax_seqpar.core.masks.MaskSpec`). Define it once: compiled
         programs are keyed on the function.
+      return_max_logit: also return ``float32[N]``, per head the largest scaled logit of a
+        visible pair before ``softcap`` (as in
+        :func:`jax_seqpar.sequence_parallel_attention`; not in ``jax.nn``: refused with
+        a bias, a dense or per-head mask, or an ``implementation``).
 
     Returns:
       ``[B, T, N, Hv]`` (or ``[T, N, Hv]``) in ``query.dtype``, sharded like ``query``
@@ -202,7 +207,8 @@ def dot_product_attention(
       differentiable (``jax.nn`` stops its gradient; a call handed to ``jax.nn``
       keeps ``jax.nn``'s). A row that sees no key (including rows past
       ``query_seq_lengths``) has residual ``-1e30`` (``jax.nn``: about ``-2.4e38``;
-      both are ``-inf`` in float16).
+      both are ``-inf`` in float16). ``return_max_logit`` appends the max logit last:
+      ``(out, max_logit)`` or ``(out, residual, max_logit)``.
 
     Raises:
       ValueError: bad shapes, lengths or mask dtype; with a mesh: a ``bias``, a dense
@@ -225,6 +231,7 @@ def dot_product_attention(
     kv_len = key.shape[1]
     is_causal = checks.flag("is_causal", is_causal)
     return_residual = checks.flag("return_residual", return_residual)
+    return_max_logit = checks.flag("return_max_logit", return_max_logit)
     if mesh is None:
         checks.mesh_only(seq_axes=(seq_axes, "sp"), strategy=(strategy, "auto"),
                          layout=(layout, "auto"), ulysses_size=(ulysses_size, None))
@@ -241,10 +248,12 @@ def dot_product_attention(
         ours = {name: value for name, value in (
             ("softcap", softcap), ("sinks", sinks), ("chunk_size", chunk_size),
             ("compute_dtype", compute_dtype),
-            ("bidirectional_ids", bidirectional_ids), ("mask_fn", mask_fn)) if value is not None}
+            ("bidirectional_ids", bidirectional_ids), ("mask_fn", mask_fn),
+            ("return_max_logit", return_max_logit or None)) if value is not None}
         if ours:
             raise ValueError("softcap= and sinks= are ours, not jax.nn's, and so are "
-                             "chunk_size=, compute_dtype=, bidirectional_ids= and mask_fn=: "
+                             "chunk_size=, compute_dtype=, bidirectional_ids=, mask_fn= and "
+                             "return_max_logit=: "
                              f"{', '.join(n + '=' for n in ours)} cannot combine with a bias, "
                              "a dense mask or a jax.nn implementation. Fold the mask into the "
                              "dense mask, or express it with is_causal=, local_window_size=, "
@@ -276,7 +285,7 @@ def dot_product_attention(
                    given=() if bidirectional_ids is None else ("bidirectional_ids",))
     options = make_options(query, spec, scale=scale, kernel=kernel, block_sizes=block_sizes,
                            softcap=softcap, return_lse=return_residual,
-                           compute_dtype=compute_dtype)
+                           compute_dtype=compute_dtype, return_max_logit=return_max_logit)
     sinks = check_sinks(sinks, heads)
 
     def attend(q, k, v, operands: Operands, return_lse: bool):
@@ -292,6 +301,11 @@ def dot_product_attention(
     q_tokens = masks.Tokens(None, q_segments, bidirectional_ids)  # [B, T] fields or None
     if kv_segments is not None and kv_segments.ndim == 3:  # a per-head mask
         splits_heads = strategy != "auto" and registry.get(strategy).splits_heads
+        if return_max_logit:
+            raise ValueError("return_max_logit=True keeps a maximum per head, but a per-head "
+                             f"mask (shape {tuple(kv_segments.shape)}) runs each head as a "
+                             "batch row of its own; use a mask shared by the heads "
+                             "([B, 1, 1, S]) or the sequence lengths.")
         if mesh is not None and (splits_heads or ulysses_size):
             raise ValueError(
                 f"a per-head mask of shape {None if mask is None else tuple(mask.shape)} runs "
@@ -308,10 +322,11 @@ def dot_product_attention(
         result = attend(query, key, value,
                         Operands(q_tokens, masks.Tokens(None, kv_segments), sinks),
                         return_residual)
-    if not return_residual:
+    if not (return_residual or return_max_logit):
         return _squeeze(result, ndim)  # [B, T, N, Hv]
-    out, lse = result  # [B, T, N, Hv], float32 [B, T, N]
-    return _squeeze(out, ndim), _squeeze(lse.astype(key.dtype), ndim)
+    out, *rest = result  # [B, T, N, Hv], float32 [B, T, N] (residual), float32 [N]
+    lse = [_squeeze(rest[0].astype(key.dtype), ndim)] if return_residual else []
+    return (_squeeze(out, ndim), *lse, *rest[len(lse):])
 
 
 def _squeeze(x, ndim: int):

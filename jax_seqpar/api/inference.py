@@ -78,7 +78,8 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
             block_sizes: BlockSizes | None = None, softcap: Optional[float] = None,
             compute_dtype: ComputeLike = None,
             sinks: Optional[jax.Array] = None, chunk_size: Optional[int] = None,
-            bidirectional_ids: Optional[jax.Array] = None, mask_fn: Optional[Callable] = None):
+            bidirectional_ids: Optional[jax.Array] = None, mask_fn: Optional[Callable] = None,
+            return_max_logit: bool = False):
     """Attend over the prompts sequence-parallel and write their K/V into an emptied cache.
 
     Args:
@@ -103,6 +104,8 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
         ``positions`` (and ``bidirectional_ids``, zeros when not given; reading ``segment_ids`` is a
         ``ValueError``), ANDed with
         the rest (see :class:`jax_seqpar.core.masks.MaskSpec`); decode with the same one.
+      return_max_logit: refused (``ValueError``) when True: the max logit is a training
+        statistic (QK-Clip); call :func:`jax_seqpar.sequence_parallel_attention`.
 
     Returns:
       ``(out [B, S, H, Dv] in q.dtype, cache)``; ``out`` of padding tokens is
@@ -116,6 +119,7 @@ def prefill(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *, causal:
         cache = KVCache.create(mesh, batch=2, capacity=8192, num_kv_heads=8, head_dim=128)
         out, cache = prefill(q, k, v, cache, seq_lengths=jnp.array([4000, 17]))
     """
+    prompts.refuse_max_logit("prefill", return_max_logit)
     spec = masks.MaskSpec.make(checks.flag("causal", causal), window, chunk_size, mask_fn)
     options = make_options(q, without_segment_ids(spec), scale=scale, kernel=kernel,
                            block_sizes=block_sizes, softcap=softcap,
@@ -220,7 +224,8 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *,
            softcap: Optional[float] = None, sinks: Optional[jax.Array] = None,
            compute_dtype: ComputeLike = None, check_capacity: bool = True,
            chunk_size: Optional[int] = None,
-           bidirectional_ids: Optional[jax.Array] = None, mask_fn: Optional[Callable] = None):
+           bidirectional_ids: Optional[jax.Array] = None, mask_fn: Optional[Callable] = None,
+           return_max_logit: bool = False):
     """Append ``T >= 1`` new tokens per row and attend them to the whole cache.
 
     Row ``b``'s new tokens take positions ``length[b] .. length[b]+T-1`` (rows may
@@ -253,6 +258,7 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *,
       mask_fn: ``mask_fn(q_tokens, kv_tokens) -> bool`` on global ``positions`` (and
         ``bidirectional_ids``, zeros when not given; reading ``segment_ids`` is a
         ``ValueError``), as in :func:`prefill`.
+      return_max_logit: refused when True, as in :func:`prefill`.
 
     Returns:
       ``(out [B, T, H, Dv] in q.dtype, replicated; cache with length + T)``.
@@ -268,6 +274,7 @@ def decode(q: jax.Array, k: jax.Array, v: jax.Array, cache: KVCache, *,
         step = jax.jit(decode, donate_argnums=3)  # donated: the cache updates in place
         out, cache = step(q_new, k_new, v_new, cache)  # q_new [B, 1, H, Dqk]
     """
+    prompts.refuse_max_logit("decode", return_max_logit)
     spec = masks.MaskSpec.make(True, window, chunk_size, mask_fn)
     options = make_options(q, without_segment_ids(spec), scale=scale, kernel=kernel,
                            block_sizes=block_sizes, softcap=softcap,

@@ -142,7 +142,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
     if where is None:
         return local_attention(q, k, v, options, operands(metadata))
     if not (q.shape[0] and q.shape[1]):  # no token: jax.nn's empty result, no program
-        return empty_result(q, v, options.return_lse)
+        return empty_result(q, v, options.return_lse, options.return_max_logit)
     arrays = _placement.onto(where.mesh, q, k, v, *(
         None if x is None else jnp.asarray(x) for x in metadata.arrays()))
     mesh, axes = where.mesh, where.axes
@@ -181,11 +181,13 @@ def _program(options: Options, placement: Placement, seq_len: int, in_shardings:
                                   padded=geometry.length != seq_len)
     out_shardings = tuple(NamedSharding(placement.mesh, P(*spec[:ndim]))
                           for ndim in ((4, 3) if options.return_lse else (4,)))
+    if options.return_max_logit:  # [H]: over the batch and the sequence
+        out_shardings += (NamedSharding(placement.mesh, P(spec[2])),)
     return jax.jit(functools.partial(_attend, options=options, placement=placement,
                                      geometry=geometry, in_shardings=in_shardings),
                    in_shardings=in_shardings,
                    out_shardings=None if not declare_out else
-                   out_shardings if options.return_lse else out_shardings[0])
+                   out_shardings if len(out_shardings) > 1 else out_shardings[0])
 
 
 def _attend(*arrays, options: Options, placement: Placement, geometry: _Geometry,
@@ -231,9 +233,10 @@ def _attend(*arrays, options: Options, placement: Placement, geometry: _Geometry
     id_fields = ("segment_ids", "kv_segment_ids", "positions", "bidirectional_ids")
     specs = Metadata(**{name: P() if getattr(metadata, name) is None else ids_spec
                         for name in id_fields}, sinks=P(head_entry))
-    out_specs: P | tuple[P, P] = qkv_spec
-    if options.return_lse:
-        out_specs = (qkv_spec, P(batch_entry, axis_name, head_entry))
+    rows_spec = P(batch_entry, axis_name, head_entry)  # the lse, the row max logits
+    out_specs: P | tuple[P, ...] = qkv_spec
+    if options.return_lse or options.return_max_logit:
+        out_specs = (qkv_spec,) + (rows_spec,) * (options.return_lse + options.return_max_logit)
     mapped = jax.shard_map(
         body, mesh=mesh, in_specs=(qkv_spec,) * 3 + (specs,), out_specs=out_specs,
         check_vma=can_check_vma(options.kernel))
@@ -248,10 +251,15 @@ def _attend(*arrays, options: Options, placement: Placement, geometry: _Geometry
     # at the caller's length, sharded like q.
     seq_spec = P(batch_entry, axis_name_of(placement.axes), head_entry, None)
     out_spec = placement.out_spec
-    return jax.tree.map(
+    result = jax.tree.map(
         lambda x: _placement.finish(x, caller_mesh, seq_len, P(*seq_spec[:x.ndim]),
                                     None if out_spec is None else P(*out_spec[:x.ndim])),
         result)
+    if not options.return_max_logit:
+        return result
+    # The row max logits [B, S, H] (padding cut) -> [H]: the largest over every row.
+    high = jnp.max(jax.lax.stop_gradient(result[-1]), axis=(0, 1), initial=-jnp.inf)
+    return (*result[:-1], high)
 
 
 def _gather_seq(x, order, placement: Placement):

@@ -1,6 +1,6 @@
 """The prompts of :func:`jax_seqpar.api.inference.prefill`: their true lengths (default
 the whole sequence), the refusal of a negative one, and what marks their padding (each
-a jitted program, compiled once per signature)."""
+a jitted program, compiled once per signature); inference's refusal of the max logit."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ from jax.sharding import PartitionSpec as P
 
 from jax_seqpar.core import checks
 
-__all__ = ["padding_segments", "prompt_lengths", "refuse_negative", "without_padding"]
+__all__ = ["padding_segments", "prompt_lengths", "refuse_max_logit", "refuse_negative",
+           "without_padding"]
 
 
 @functools.partial(jax.jit, static_argnames=("batch", "seq_len"))
@@ -52,3 +53,13 @@ def without_padding(ids: jax.Array, lengths: jax.Array) -> jax.Array:
 def padding_segments(lengths: jax.Array, *, seq_len: int) -> jax.Array:
     """``int32[B, S]``: 0 for the prompt's tokens, 1 for its padding."""
     return (jnp.arange(seq_len)[None] >= lengths[:, None]).astype(jnp.int32)
+
+
+def refuse_max_logit(entry: str, return_max_logit: bool) -> None:
+    """``ValueError`` where ``return_max_logit`` asks ``entry`` (inference) for the max logit."""
+    if checks.flag("return_max_logit", return_max_logit):
+        raise ValueError(
+            f"{entry} does not return the max logit: return_max_logit=True is a training "
+            "statistic (QK-Clip clips the query/key weights by it), which inference does not "
+            "update. Compute it in training with sequence_parallel_attention(..., "
+            "return_max_logit=True) or dot_product_attention(..., return_max_logit=True).")

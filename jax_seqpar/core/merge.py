@@ -10,7 +10,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-__all__ = ["check_sinks", "merge", "merge_across", "with_sinks"]
+__all__ = ["check_sinks", "merge", "merge_across", "merge_results", "with_sinks"]
 
 
 def merge(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array):
@@ -29,6 +29,18 @@ def merge(out_a: jax.Array, lse_a: jax.Array, out_b: jax.Array, lse_b: jax.Array
     total = weight_a + weight_b
     out = (out_a * (weight_a / total)[..., None] + out_b * (weight_b / total)[..., None])
     return out, lse + jnp.log(total)
+
+
+def merge_results(a: tuple, b: tuple) -> tuple:
+    """:func:`merge` of two partial results ``(out, lse)``, or ``(out, lse, max_logit)``
+    where the call returns the max logit (QK-Clip): the third, ``float32[B, S, H]`` row
+    maxima of the visible logits (``-inf``: none), merges by ``maximum`` (never
+    differentiated)."""
+    if len(a) != len(b) or len(a) not in (2, 3):
+        raise ValueError(f"merge_results merges two (out, lse) or two (out, lse, max_logit) "
+                         f"results. Got {len(a)} and {len(b)} arrays.")
+    merged = merge(a[0], a[1], b[0], b[1])
+    return merged if len(a) == 2 else (*merged, jnp.maximum(a[2], b[2]))
 
 
 def with_sinks(out: jax.Array, lse: jax.Array, sinks: jax.Array | None):

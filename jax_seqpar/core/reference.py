@@ -6,14 +6,14 @@ for small shapes only.
 
 from __future__ import annotations
 
-from typing import Callable, Optional
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
 
 from jax_seqpar.core import masks
 
-__all__ = ["attention"]
+__all__ = ["attention", "max_logit"]
 
 
 def attention(
@@ -35,6 +35,7 @@ def attention(
     softcap: Optional[float] = None,
     sinks: Optional[jax.Array] = None,
     return_lse: bool = False,
+    return_max_logit: bool = False,
 ):
     """Exact softmax attention.
 
@@ -56,9 +57,14 @@ def attention(
         never masked. None: no sink.
       return_lse: also return the log-sum-exp ``float32[batch, q_seq, heads]``
         (including the sink).
+      return_max_logit: also return ``float32[heads]``, per head the largest scaled
+        logit ``scale * q.k`` (before ``softcap``) over every pair the mask lets
+        through, over the batch and both sequences (sinks are no pairs); ``-inf`` for a
+        head with no visible pair (QK-Clip).
 
     Returns:
-      ``out: [batch, q_seq, heads, d_v]`` in ``q.dtype`` (and ``lse``). A query
+      ``out: [batch, q_seq, heads, d_v]`` in ``q.dtype`` (then ``lse``, then the max
+      logit, each when asked for). A query
       that sees no key gets zeros and ``lse = EMPTY_LSE`` (or the sink's logit).
       A query that sees a key whose value holds a non-finite number gets a NaN
       output row (its ``lse``, of q and k only, is kept); a value a query cannot
@@ -96,6 +102,8 @@ def attention(
     group = heads // kv_heads
     qg = q.astype(jnp.float32).reshape(batch, q_seq, kv_heads, group, d_qk)
     s = jnp.einsum("bqhgd,bkhd->bhgqk", qg, k.astype(jnp.float32)) * scale
+    high = s if mask is None else jnp.where(mask[:, None, None], s, -jnp.inf)
+    high = high.max(axis=(0, 3, 4)).reshape(heads)  # [H]: before the cap, no sink
     if softcap is not None:
         s = softcap * jnp.tanh(s / softcap)
     if sinks is not None:  # one more key per head, always visible, value zero
@@ -114,8 +122,14 @@ def attention(
     o = jnp.einsum("bhgqk,bkhd->bqhgd", p / jnp.where(l == 0, 1.0, l), v.astype(jnp.float32))
     o = jnp.where(sees_bad[:, :, :, None, None], jnp.nan, o)
     out = o.reshape(batch, q_seq, heads, v.shape[-1]).astype(q.dtype)
-    if not return_lse:
-        return out
     lse = jnp.where(l == 0, masks.EMPTY_LSE, m + jnp.log(jnp.where(l == 0, 1.0, l)))
     lse = lse[..., 0].transpose(0, 3, 1, 2).reshape(batch, q_seq, heads)
-    return out, lse
+    result = (out,) + ((lse,) if return_lse else ()) + ((high,) if return_max_logit else ())
+    return result[0] if len(result) == 1 else result
+
+
+def max_logit(q: jax.Array, k: jax.Array, v: jax.Array, **mask: Any) -> jax.Array:
+    """The reference max logit: ``float32[heads]``, per head the largest ``scale * q.k``
+    (before any ``softcap``) of a visible pair, ``-inf`` where a head has none
+    (:func:`attention` with ``return_max_logit=True``; ``mask``: its keywords)."""
+    return attention(q, k, v, return_max_logit=True, **mask)[-1]

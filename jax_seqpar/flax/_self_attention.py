@@ -195,7 +195,7 @@ class SelfAttention(nnx.Module):
     def __call__(self, x: jax.Array, *, segment_ids: Optional[jax.Array] = None,
                  positions: Optional[jax.Array] = None,
                  bidirectional_ids: Optional[jax.Array] = None,
-                 decode: bool = False) -> jax.Array:
+                 decode: bool = False, return_max_logit: bool = False):
         """Attend.
 
         Args:
@@ -211,11 +211,17 @@ class SelfAttention(nnx.Module):
             tokens long), later calls append ``x [B, T, d_model]`` after the cached
             tokens (:meth:`decode`). The layer tracks positions and lengths itself:
             ``segment_ids`` and ``positions`` are refused; ``bidirectional_ids`` pass on.
+          return_max_logit: also return ``float32[H]``, the layer's max logit per head
+            for QK-Clip (as in :func:`jax_seqpar.sequence_parallel_attention`; not with
+            ``decode``).
 
         Returns:
-          ``[B, S, d_model]``.
+          ``[B, S, d_model]``; with ``return_max_logit``, ``(y, max_logit)``.
         """
         if checks.flag("decode", decode):
+            if checks.flag("return_max_logit", return_max_logit):
+                raise ValueError("decode=True does not return the max logit (a training "
+                                 "statistic, QK-Clip): call the layer without decode.")
             if segment_ids is not None or positions is not None:
                 raise ValueError("decode=True tracks the tokens' positions in the layer's cache "
                                  "and takes no segment_ids or positions; pass only x (and "
@@ -231,11 +237,13 @@ class SelfAttention(nnx.Module):
             q, k, v, local=False, causal=self.causal, window=self.window, chunk_size=self.chunk_size,
             mask_fn=self.mask_fn, scale=self.scale, kernel=self.kernel, softcap=self.softcap,
             compute_dtype=self.compute_dtype, segment_ids=segment_ids, positions=positions, bidirectional_ids=bidirectional_ids,
-            sinks=self._sink_logits())
+            sinks=self._sink_logits(), return_max_logit=return_max_logit)
         where = attention.placement(q, k, v, options, metadata, mesh=self.mesh,
                                     seq_axes=self.seq_axes, strategy=self.strategy,
                                     layout=self.layout, ulysses_size=self.ulysses_size)
-        out = attention.attend(q, k, v, options, metadata, where)  # [B, S, H, Dh]
+        out = attention.attend(q, k, v, options, metadata, where)  # [B, S, H, Dh] (, [H])
+        if options.return_max_logit:
+            return self.o_proj(out[0]), out[1]
         return self.o_proj(out)  # [B, S, d_model]
 
     # --- decode mode: prefill and decode against a sequence-sharded KV cache ---------

@@ -30,6 +30,12 @@ calls the one of the platform lowered for) is a :class:`Kernel`:
   in the backward: it may reach the ``dk, dv`` of keys its row does not see;
 * ``options.softcap``: logits ``s = scale * q.k`` become ``softcap * tanh(s / softcap)``
   before masking (Gemma 2, arXiv:2408.00118);
+* ``options.return_max_logit`` (QK-Clip): ``forward`` (and ``attention``) return a third
+  result, ``max_logit float32[B, Sq, H]``: per query row, the largest ``s = scale * q.k``
+  BEFORE the soft-cap over the keys the mask lets it see (FP8: of the products the kernel
+  computed), ``-inf`` for a row that sees none; ``accumulate`` is then the triple too,
+  merged by ``maximum``. It has no gradient (its cotangent is ignored). Only the XLA
+  kernel computes it (:func:`~jax_seqpar.kernels.options.make_options` runs it for the call);
 * ``options.block_sizes``: one :class:`~jax_seqpar.kernels.options.BlockSizes` for every kernel; a size left
   ``None`` is the kernel's default for the head dims and dtype (its
   ``default_block_sizes``); :meth:`~jax_seqpar.kernels.options.Options.resolved` completes them.
@@ -113,8 +119,10 @@ def check_accumulated(q: jax.Array, v: jax.Array,
     if accumulate is None:
         return
     rows = q.shape[:3]
-    shapes = (rows + v.shape[3:], rows)
-    if (not isinstance(accumulate, (tuple, list)) or len(accumulate) != 2
+    shapes: tuple = (rows + v.shape[3:], rows)
+    if isinstance(accumulate, (tuple, list)) and len(accumulate) == 3:
+        shapes = (*shapes, rows)  # the running max logit (Options.return_max_logit)
+    if (not isinstance(accumulate, (tuple, list)) or len(accumulate) != len(shapes)
             or any(tuple(x.shape) != shape or x.dtype != F32
                    for x, shape in zip(accumulate, shapes))):
         got = [(tuple(x.shape), str(x.dtype)) for x in accumulate] if isinstance(
@@ -178,9 +186,9 @@ def merge_accumulated(result: tuple[jax.Array, jax.Array],
     """A forward's ``(out, lse)`` merged with ``accumulate`` (earlier keys') when given."""
     if accumulate is None:
         return result
-    from jax_seqpar.core.merge import merge
+    from jax_seqpar.core.merge import merge_results
 
-    return merge(*accumulate, *result)
+    return merge_results(tuple(accumulate), tuple(result))
 
 
 def add_accumulated(grads: tuple[jax.Array, ...],
@@ -290,12 +298,13 @@ def differentiable(forward_impl: Callable, backward_impl: Callable) -> Callable:
         return forward_impl(*isolated(q, k, v), q_tokens, kv_tokens, *static)
 
     def attention_fwd(static, q, k, v, q_tokens, kv_tokens):
-        out, lse = forward_impl(*isolated(q, k, v), q_tokens, kv_tokens, *static)
-        return (out, lse), (q, k, v, q_tokens, kv_tokens, out.astype(q.dtype), lse)
+        result = forward_impl(*isolated(q, k, v), q_tokens, kv_tokens, *static)
+        out, lse = result[:2]  # a third result, the max logit, has no gradient
+        return result, (q, k, v, q_tokens, kv_tokens, out.astype(q.dtype), lse)
 
     def attention_bwd(static, residuals, cotangents):
         q, k, v, q_tokens, kv_tokens, out, lse = residuals
-        dout, dlse = cotangents
+        dout, dlse = cotangents[:2]
         delta = jnp.einsum("bqhd,bqhd->bqh", dout.astype(F32), out.astype(F32),
                            precision=jax.lax.Precision.HIGHEST) - dlse
         k_clean, v_clean, lse, delta = isolated_grads(k, v, lse, delta)

@@ -137,6 +137,10 @@ class Options:
       softcap: logit soft-cap (``softcap * tanh(s / softcap)``), or None.
       return_lse: whether the call also returns the float32 log-sum-exp (read by the
         strategies and the entry points, not by the kernels).
+      return_max_logit: whether the call also returns, per head, the largest scaled
+        logit ``scale * q.k`` (before the soft-cap) of any visible pair (QK-Clip): the
+        kernels' forward then returns a third result, the float32 ``[B, Sq, H]`` row
+        maxima (:mod:`jax_seqpar.kernels.contract`). Only the XLA kernel computes it.
       compute: the precision of the matrix products
         (:class:`~jax_seqpar.core.quant.Compute`), or None for the inputs' dtype.
     """
@@ -148,6 +152,7 @@ class Options:
     softcap: Optional[float] = None
     return_lse: bool = False
     compute: Optional[Compute] = None
+    return_max_logit: bool = False
 
     @property
     def cast_dtype(self) -> Optional[str]:
@@ -195,14 +200,17 @@ class Options:
 def make_options(q: jax.Array, spec: MaskSpec, *, scale: float | None = None,
                  kernel: KernelName = "auto", block_sizes: BlockSizes | None = None,
                  softcap: float | None = None, return_lse: bool = False,
-                 compute_dtype: quant.ComputeLike = None) -> Options:
+                 compute_dtype: quant.ComputeLike = None,
+                 return_max_logit: bool = False) -> Options:
     """The :class:`Options` of a call on queries ``q [..., Dqk]`` (for the default scale
     ``1/sqrt(Dqk)``), every keyword checked once here (``ValueError`` naming it): the
     mask ``spec``, ``kernel`` one of :data:`KERNELS`, ``block_sizes`` a
     :class:`BlockSizes` or None, ``scale`` a finite number, ``softcap`` a positive one,
-    ``return_lse`` a bool, ``compute_dtype`` a dtype of
+    ``return_lse`` and ``return_max_logit`` bools, ``compute_dtype`` a dtype of
     :data:`~jax_seqpar.core.quant.COMPUTE_DTYPES` or a
-    :class:`~jax_seqpar.core.quant.Compute` (:func:`jax_seqpar.core.quant.compute`)."""
+    :class:`~jax_seqpar.core.quant.Compute` (:func:`jax_seqpar.core.quant.compute`).
+    ``return_max_logit`` runs the XLA kernel (``kernel="auto"`` takes it on every
+    platform; ``"pallas"`` and ``"mosaic"`` are refused)."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}.")
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
@@ -215,7 +223,11 @@ def make_options(q: jax.Array, spec: MaskSpec, *, scale: float | None = None,
         kernel = _kernel_for_captured_arrays(spec, kernel)
     options = Options(spec, q.shape[-1] ** -0.5 if scale is None else scale, kernel,
                       block_sizes, check_softcap(softcap), checks.flag("return_lse", return_lse),
-                      quant.compute(compute_dtype, q.dtype))
+                      quant.compute(compute_dtype, q.dtype),
+                      checks.flag("return_max_logit", return_max_logit))
+    if options.return_max_logit and kernel != "xla":
+        _refuse_max_logit(kernel)
+        options = dataclasses.replace(options, kernel="xla")
     if options.compute is not None and options.cast_dtype is None and kernel != "xla":
         # FP8 (or another dtype backward): the Pallas kernels take an FP8 forward with an
         # FP8 (same format) or bfloat16 backward by name; "auto" runs the XLA kernel for
@@ -225,6 +237,17 @@ def make_options(q: jax.Array, spec: MaskSpec, *, scale: float | None = None,
         _refuse_scaled(options.compute, kernel)
         return dataclasses.replace(options, kernel="xla")
     return options
+
+
+def _refuse_max_logit(requested: KernelName) -> None:
+    """Raise where ``requested`` (a kernel other than ``"auto"``) cannot return the max
+    logit, naming the alternative."""
+    if requested == "auto":
+        return
+    raise ValueError(
+        f"return_max_logit=True needs the largest logit of every row, which only the XLA "
+        f"kernel returns; kernel={requested!r} does not. Pass kernel='xla' or "
+        "kernel='auto' (which runs the XLA kernel for it).")
 
 
 def pallas_computes(compute: Optional[Compute]) -> bool:

@@ -117,8 +117,8 @@ def _tile_step(row, tile_class, spec, q_tile: Tokens, kv_tile: Tokens, update, c
     ], carry)
 
 
-def _scores(q_tile, k_tile, options: Options, q_scale=None, k_scale=None):
-    """Scaled (and soft-capped) logits, and the cap's derivative ``1 - tanh**2`` (or None);
+def _logits(q_tile, k_tile, options: Options, q_scale=None, k_scale=None):
+    """Scaled logits ``scale * q.k`` (before any soft-cap), float32 ``[B, Hkv, G, bq, bk]``;
     ``q_scale [B, Hkv, G, bq]`` and ``k_scale [B, Hkv, bk]``: the tiles' per-token FP8
     scales (:mod:`jax_seqpar.core.quant`), or None."""
     # [B, Hkv, G, bq, D] x [B, Hkv, bk, D] -> [B, Hkv, G, bq, bk]
@@ -126,11 +126,22 @@ def _scores(q_tile, k_tile, options: Options, q_scale=None, k_scale=None):
                    preferred_element_type=_F32) * options.scale
     if q_scale is not None:
         s = s * q_scale[..., None] * k_scale[:, :, None, None, :]
+    return s
+
+
+def _capped(s, options: Options):
+    """Logits ``s`` soft-capped, and the cap's derivative ``1 - tanh**2`` (or None)."""
     cap = options.softcap
     if cap is None:
         return s, None
     capped = jnp.tanh(s / cap)
     return cap * capped, 1.0 - capped * capped
+
+
+def _scores(q_tile, k_tile, options: Options, q_scale=None, k_scale=None):
+    """Scaled (and soft-capped) logits, and the cap's derivative (:func:`_logits`,
+    :func:`_capped`)."""
+    return _capped(_logits(q_tile, k_tile, options, q_scale, k_scale), options)
 
 
 def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
@@ -148,7 +159,10 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_token
         earlier keys, merged with this call's result
         (:func:`jax_seqpar.kernels.contract.merge_accumulated`).
     Returns:
-      ``out float32[B, Sq, H, Dv]`` (normalized) and ``lse float32[B, Sq, H]``.
+      ``out float32[B, Sq, H, Dv]`` (normalized) and ``lse float32[B, Sq, H]``; with
+      ``options.return_max_logit`` also ``max_logit float32[B, Sq, H]``, each row's
+      largest visible logit before the soft-cap (``-inf``: none), taken from the
+      scores the kernel forms (``accumulate`` is then that triple).
     """
     options = _checked(q, k, v, q_tokens, kv_tokens, options)
     contract.check_accumulated(q, v, accumulate)
@@ -178,10 +192,14 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options):
 
         def update(k_tile, v_tile, carry, mask):
             (k_tile, k_scale), (v_tile, v_scale) = k_tile, v_tile
-            m, l, acc = carry  # [1, Hkv, G, bq], same, [1, Hkv, G, bq, Dv]
-            s, _ = _scores(q_tile, k_tile, options, q_scale, k_scale)
+            m, l, acc = carry[:3]  # [1, Hkv, G, bq], same, [1, Hkv, G, bq, Dv]
+            raw = _logits(q_tile, k_tile, options, q_scale, k_scale)
+            s, _ = _capped(raw, options)
             if mask is not None:
                 s = jnp.where(mask, s, -jnp.inf)
+            if track:  # the max logit: before the cap, over the visible pairs
+                seen = raw if mask is None else jnp.where(mask, raw, -jnp.inf)
+                high = (jnp.maximum(carry[3], seen.max(axis=-1)),)
             m_new = jnp.maximum(m, s.max(axis=-1))
             p = jnp.exp(s - m_new[..., None])
             alpha = jnp.exp(m - m_new)
@@ -189,7 +207,7 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options):
             p_values, p_scale = product(p, pv_dtype, fold)
             pv = jnp.einsum("bhgqk,bhkd->bhgqd", p_values, v_tile, preferred_element_type=_F32)
             acc = acc * alpha[..., None] + times(pv, p_scale)
-            return m_new, l * alpha + p.sum(axis=-1), acc
+            return (m_new, l * alpha + p.sum(axis=-1), acc) + (high if track else ())
 
         def kv_block(j, carry):
             k_tile, v_tile = (x.tile(b, j, t.block_k) for x in (k, v))
@@ -198,24 +216,28 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options):
                               functools.partial(update, k_tile, v_tile), carry)
 
         stats_shape = (1, *hg, t.block_q)
-        init = (jnp.full(stats_shape, masks.EMPTY_LSE, _F32), jnp.zeros(stats_shape, _F32),
-                jnp.zeros(stats_shape + (d_v,), _F32))
+        init: tuple = (jnp.full(stats_shape, masks.EMPTY_LSE, _F32),
+                       jnp.zeros(stats_shape, _F32), jnp.zeros(stats_shape + (d_v,), _F32))
+        init += (jnp.full(stats_shape, -jnp.inf, _F32),) if track else ()
         init = _compat.match_varying(init, (q, k))
-        m, l, acc = jax.lax.fori_loop(0, t.num_k, kv_block, init)
+        m, l, acc, *high = jax.lax.fori_loop(0, t.num_k, kv_block, init)
         seen = l > 0
         out = acc / jnp.where(seen, l, 1.0)[..., None]
         lse = jnp.where(seen, m + jnp.log(jnp.where(seen, l, 1.0)), masks.EMPTY_LSE)
-        out_buffer, lse_buffer = buffers
+        out_buffer, *row_buffers = buffers
         return (_put(out_buffer, b, i, _tokens_first(out)),
-                _put(lse_buffer, b, i, jnp.moveaxis(lse, -1, 1)))
+                *(_put(x, b, i, jnp.moveaxis(y, -1, 1)) for x, y in zip(row_buffers,
+                                                                         (lse, *high))))
 
+    track = options.return_max_logit
     shape = q.values.shape[:-1]
-    buffers = (jnp.zeros(shape + (d_v,), _F32), jnp.zeros(shape, _F32))
-    out, lse = jax.lax.fori_loop(0, t.batch * t.num_q, q_block,
-                                 _compat.match_varying(buffers, (q, k)))
+    buffers: tuple = (jnp.zeros(shape + (d_v,), _F32), jnp.zeros(shape, _F32))
+    buffers += (jnp.full(shape, -jnp.inf, _F32),) if track else ()
+    out, *rows = jax.lax.fori_loop(0, t.batch * t.num_q, q_block,
+                                   _compat.match_varying(buffers, (q, k)))
     heads = t.kv_heads * t.group
     out = out[:, :q_len].reshape(t.batch, q_len, heads, d_v)
-    return out, lse[:, :q_len].reshape(t.batch, q_len, heads)
+    return (out, *(x[:, :q_len].reshape(t.batch, q_len, heads) for x in rows))
 
 
 def backward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,

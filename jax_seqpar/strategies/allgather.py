@@ -38,14 +38,14 @@ import jax.numpy as jnp
 
 from jax_seqpar import kernels
 from jax_seqpar.core import compat as _compat
-from jax_seqpar.core.masks import EMPTY_LSE
 from jax_seqpar.core.quant import ComputeLike
-from jax_seqpar.core.merge import merge
+from jax_seqpar.core.merge import merge_results
 from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.entry import Strategy
 from jax_seqpar.strategies.wire import Wire, rotated, wire_bytes
 from jax_seqpar.strategies.inputs import (Metadata, Options, axis_size, describe, finish,
-                                          gather_tokens, shard_operands)
+                                          gather_tokens, max_logit_over, nothing_seen,
+                                          shard_operands)
 from jax_seqpar.strategies.ring import shift, shift_during
 from jax_seqpar.strategies.traffic import (INDEX_BYTES, NO_MASK, accumulator_bytes, halo_bytes,
                                            layer_reach)
@@ -116,14 +116,14 @@ def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: s
                         kv_segment_ids: jax.Array | None = None, chunk_size: int | None = None,
                         bidirectional_ids: jax.Array | None = None, mask_fn: Callable | None = None,
                         return_lse: bool = False, max_document_shards: int | None = None,
-                        pieces: int | Literal["auto"] = "auto"):
+                        pieces: int | Literal["auto"] = "auto", return_max_logit: bool = False):
     """Exact attention of a sequence sharded over ``seq_axes`` (call inside ``shard_map``).
 
     Args:
       q: ``[B, S/P, H, Dqk]``; k: ``[B, S/P, Hkv, Dqk]``; v: ``[B, S/P, Hkv, Dv]``.
       seq_axes, causal, window, chunk_size, mask_fn, segment_ids, positions,
         bidirectional_ids, scale, kernel, block_sizes, softcap, compute_dtype, sinks, kv_segment_ids,
-        return_lse: as in :func:`jax_seqpar.strategies.ring.ring_attention`.
+        return_lse, return_max_logit: as in :func:`jax_seqpar.strategies.ring.ring_attention`.
       pieces: how many pieces K/V are gathered in (see the module docstring; a divisor
         of ``S/P``; :func:`piece_counts`). ``"auto"`` (default, :func:`default_pieces`): up to
         :data:`MAX_AUTO_PIECES`, each device's slice of a piece at least
@@ -133,7 +133,7 @@ def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: s
         split gathers only its halo, in one piece.
 
     Returns:
-      ``[B, S/P, H, Dv]`` in ``q.dtype``.
+      ``[B, S/P, H, Dv]`` in ``q.dtype`` (then lse, then max logit ``[H]``, as the ring).
 
     .. code-block:: python
 
@@ -146,8 +146,9 @@ def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: s
         compute_dtype=compute_dtype, return_lse=return_lse, segment_ids=segment_ids,
         kv_segment_ids=kv_segment_ids,
         positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks,
-        max_document_shards=max_document_shards)
-    return attend(q, k, v, options, metadata, seq_axes=seq_axes, pieces=pieces)
+        max_document_shards=max_document_shards, return_max_logit=return_max_logit)
+    return max_logit_over(options, attend(q, k, v, options, metadata, seq_axes=seq_axes,
+                                          pieces=pieces), seq_axes)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata: Metadata,
@@ -162,12 +163,12 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
                             bidirectional=shard.q_tokens.bidirectional_ids is not None,
                             contiguous=metadata.positions is None)
     if reach is None:
-        out, lse = attention_in_pieces(seq_axes, options, q, k, v, shard.q_tokens,
+        result = attention_in_pieces(seq_axes, options, q, k, v, shard.q_tokens,
                                      shard.kv_tokens, pieces=pieces)
     else:
-        out, lse = halo.window_attention(seq_axes, options, reach, q, k, v,
-                                         shard.q_tokens, shard.kv_tokens)
-    return finish(options, q, out, lse, shard)  # [B, S/P, H, Dv]
+        result = halo.window_attention(seq_axes, options, reach, q, k, v, shard.q_tokens,
+                                       shard.kv_tokens)
+    return finish(options, q, result, shard)  # [B, S/P, H, Dv] (, lse, row max logits)
 
 
 def attention_in_pieces(axis_name, options, q, k, v, q_tokens, kv_tokens, *, pieces: int):
@@ -178,8 +179,8 @@ def attention_in_pieces(axis_name, options, q, k, v, q_tokens, kv_tokens, *, pie
       q, k, v: ``[B, S/P, H|Hkv, D]`` local shards; q_tokens, kv_tokens: their metadata.
       pieces: a divisor of ``S/P``.
     Returns:
-      ``out float32[B, S/P, H, Dv]`` and ``lse float32[B, S/P, H]``, differentiable in
-      q, k, v (the backward accepts the ``lse`` cotangent).
+      ``out float32[B, S/P, H, Dv]`` and ``lse float32[B, S/P, H]`` (and the row max
+      logits), differentiable in q, k, v (the backward accepts the ``lse`` cotangent).
     """
     # K/V travel in the call's compute dtype; the backward reads the gathered pieces
     # as kept, so in a wire that serves both passes.
@@ -228,7 +229,6 @@ def _in_pieces(config, q, k, v, q_tokens, kv_tokens):
 def _in_pieces_forward(config, q, k, v, q_tokens, kv_tokens):
     axis_name, options, pieces, wire = config
     all_tokens = gather_tokens(kv_tokens, axis_name)  # [B, S], once
-    batch, local_len, heads, _ = q.shape
     d_v = v.shape[-1]
     k, v = wire.encode(k), wire.encode(v)
 
@@ -251,7 +251,7 @@ def _in_pieces_forward(config, q, k, v, q_tokens, kv_tokens):
             kc, vc = wire.decode_kv(_unpack(piece[0]))
             result = kernels.forward(options, q, kc, vc, q_tokens, piece[1])
             result, before, arrived = jax.lax.optimization_barrier((result, acc, upcoming))
-            return merge(*before, *result), arrived
+            return merge_results(before, result), arrived
 
         return jax.lax.platform_dependent(cuda=merge_after, rocm=merge_after,
                                           default=in_kernel)
@@ -260,9 +260,7 @@ def _in_pieces_forward(config, q, k, v, q_tokens, kv_tokens):
         return jax.tree.map(lambda xs, x: jax.lax.dynamic_update_index_in_dim(xs, x, c, 0),
                             kept, piece[0])
 
-    acc = (jnp.zeros((batch, local_len, heads, d_v), jnp.float32),
-           jnp.full((batch, local_len, heads), EMPTY_LSE, jnp.float32))
-    acc = _compat.match_varying(acc, q)
+    acc = _compat.match_varying(nothing_seen(options, q, d_v), q)
     piece = _gather_piece(axis_name, pieces, k, v, all_tokens, 0)
     kept = jax.tree.map(lambda x: jnp.zeros((pieces, *x.shape), x.dtype), piece[0])
     kept = _compat.match_varying(kept, (q, piece[0]))
@@ -282,15 +280,15 @@ def _in_pieces_forward(config, q, k, v, q_tokens, kv_tokens):
 
 
 def _in_pieces_fwd(config, q, k, v, q_tokens, kv_tokens):
-    (out, lse), (kept, all_tokens) = _in_pieces_forward(config, q, k, v, q_tokens, kv_tokens)
-    # q, the pieces (the whole K/V, in the input dtype), out (input dtype) and lse.
-    return (out, lse), (q, q_tokens, all_tokens, kept, out.astype(q.dtype), lse)
+    result, (kept, all_tokens) = _in_pieces_forward(config, q, k, v, q_tokens, kv_tokens)
+    out, lse = result[:2]  # q, the pieces (the whole K/V, input dtype), out and lse saved
+    return result, (q, q_tokens, all_tokens, kept, out.astype(q.dtype), lse)
 
 
 def _in_pieces_bwd(config, residuals, cotangents):
     axis_name, options, pieces, wire = config
     q, q_tokens, all_tokens, kept, out, lse = residuals
-    dout, dlse = cotangents
+    dout, dlse = cotangents[:2]
     delta = jnp.einsum("bqhd,bqhd->bqh", dout.astype(jnp.float32),
                        out.astype(jnp.float32)) - dlse
     dout = dout.astype(q.dtype)

@@ -43,7 +43,7 @@ from jax_seqpar.core import compat as _compat
 from jax_seqpar.strategies.inputs import axis_size
 from jax_seqpar.strategies.wire import Wire
 from jax_seqpar.core.masks import PAD_SEGMENT, Tokens
-from jax_seqpar.core.merge import merge
+from jax_seqpar.core.merge import merge_results
 from jax_seqpar.core.reach import is_local, mask_reach
 
 if TYPE_CHECKING:  # annotations only
@@ -223,7 +223,8 @@ def window_attention(axis_name: str | tuple[str, ...], options: Options, reach: 
 
     Args: as ``halo_attention``.
     Returns:
-      ``out float32[B, L, H, Dv]``, ``lse float32[B, L, H]``; the backward takes
+      ``out float32[B, L, H, Dv]``, ``lse float32[B, L, H]`` (and the row max logits
+      ``float32[B, L, H]`` with ``options.return_max_logit``); the backward takes
       cotangents of both, computes dK/dV of the whole ``[B, left+L+right, ..]`` window
       in float32 and sends the halo's part back in float32.
     """
@@ -240,14 +241,14 @@ def _window_forward(axis_name, options, reach, q, k, v, q_tokens, kv_tokens):
 
 
 def _window_fwd(axis_name, options, reach, q, k, v, q_tokens, kv_tokens):
-    (out, lse), window = _window_forward(axis_name, options, reach, q, k, v, q_tokens,
-                                         kv_tokens)
-    return (out, lse), (q, q_tokens, window, out.astype(q.dtype), lse)
+    result, window = _window_forward(axis_name, options, reach, q, k, v, q_tokens, kv_tokens)
+    out, lse = result[:2]  # a third result, the row max logits, has no gradient
+    return result, (q, q_tokens, window, out.astype(q.dtype), lse)
 
 
 def _window_bwd(axis_name, options, reach, residuals, cotangents):
     q, q_tokens, (k, v, kv_tokens), out, lse = residuals
-    dout, dlse = cotangents
+    dout, dlse = cotangents[:2]
     zeros = _zeros_like((q, k, v), q)
     dq, dk, dv = kernels.backward(options, q, k, v, q_tokens, kv_tokens, lse, _delta(out, dout, dlse),
                                   dout.astype(q.dtype), accumulate=zeros)  # float32
@@ -283,7 +284,8 @@ def halo_attention(axis_name: str | tuple[str, ...], options: Options, reach: tu
       q, k, v: ``[B, L, H|Hkv, D]`` local shards of a contiguous split; q_tokens,
         kv_tokens: their metadata.
     Returns:
-      ``out float32[B, L, H, Dv]``, ``lse float32[B, L, H]``; the backward takes
+      ``out float32[B, L, H, Dv]``, ``lse float32[B, L, H]`` (and the row max logits
+      ``float32[B, L, H]`` with ``options.return_max_logit``); the backward takes
       cotangents of both, re-uses the received halo (saved, ``left + right``
       tokens) and sends float32 dK/dV back along the hops.
     """
@@ -292,24 +294,25 @@ def halo_attention(axis_name: str | tuple[str, ...], options: Options, reach: tu
 
 def _forward(axis_name, options, reach, q, k, v, q_tokens, kv_tokens):
     halo_kv = _exchange_kv(axis_name, options, reach, k, v) if sum(reach) else None
-    out, lse = kernels.forward(options, q, k, v, q_tokens, kv_tokens)  # hides the exchange
+    result = kernels.forward(options, q, k, v, q_tokens, kv_tokens)  # hides the exchange
     if halo_kv is None:
-        return (out, lse), (None, None)
+        return result, (None, None)
     halo_tokens = _halo_tokens(axis_name, options, reach, kv_tokens)
     halo_k, halo_v = halo_kv
-    out, lse = merge(out, lse, *kernels.forward(options, q, halo_k, halo_v, q_tokens,
-                                                halo_tokens))
-    return (out, lse), (halo_kv, halo_tokens)
+    result = merge_results(result, kernels.forward(options, q, halo_k, halo_v, q_tokens,
+                                                   halo_tokens))
+    return result, (halo_kv, halo_tokens)
 
 
 def _halo_fwd(axis_name, options, reach, q, k, v, q_tokens, kv_tokens):
-    (out, lse), halo = _forward(axis_name, options, reach, q, k, v, q_tokens, kv_tokens)
-    return (out, lse), (q, k, v, q_tokens, kv_tokens, out.astype(q.dtype), lse, halo)
+    result, halo = _forward(axis_name, options, reach, q, k, v, q_tokens, kv_tokens)
+    out, lse = result[:2]  # a third result, the row max logits, has no gradient
+    return result, (q, k, v, q_tokens, kv_tokens, out.astype(q.dtype), lse, halo)
 
 
 def _halo_bwd(axis_name, options, reach, residuals, cotangents):
     q, k, v, q_tokens, kv_tokens, out, lse, (halo_kv, halo_tokens) = residuals
-    dout, dlse = cotangents
+    dout, dlse = cotangents[:2]
     delta = _delta(out, dout, dlse)
     dout = dout.astype(q.dtype)
     dq = _compat.match_varying(jnp.zeros(q.shape, jnp.float32), q)

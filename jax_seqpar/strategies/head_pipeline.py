@@ -36,7 +36,7 @@ from jax_seqpar import kernels
 from jax_seqpar.core import compat as _compat
 from jax_seqpar.core.masks import Tokens
 from jax_seqpar.core.merge import with_sinks
-from jax_seqpar.strategies.heads import head_group_counts
+from jax_seqpar.strategies.heads import head_group_counts, held_max_logit
 from jax_seqpar.strategies.inputs import Operands, Options, axis_size
 from jax_seqpar.strategies.wire import Wire
 
@@ -72,8 +72,8 @@ class KernelStage:
 
     def forward(self, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens,
                 kv_tokens: Tokens):
-        out, lse = kernels.forward(self.options, q, k, v, q_tokens, kv_tokens)
-        return (out, lse), (q, k, v, lse)
+        result = kernels.forward(self.options, q, k, v, q_tokens, kv_tokens)
+        return result, (q, k, v, result[1])  # (out, lse[, row max logits]), residuals
 
     def backward(self, residuals: tuple, q_tokens: Tokens, kv_tokens: Tokens, dout: jax.Array,
                  dlse: Optional[jax.Array], delta: jax.Array):
@@ -100,12 +100,16 @@ def head_pipeline(axis_name: str | tuple[str, ...], stage: Any, q: jax.Array, k:
       return_lse: also return the float32 ``[B, S/P, H]`` log-sum-exp.
     Returns:
       ``[B, S/P, H, Dv]`` in ``q.dtype`` (and the log-sum-exp), differentiable in q, k, v
-      and ``sinks``.
+      and ``sinks``; last, where the stage returns them (``return_max_logit``), the max
+      logits of this device's heads as rows ``float32[B, S/P, H]``
+      (:func:`~jax_seqpar.strategies.heads.held_max_logit`: nothing sent for them; no
+      gradient).
     """
     layout = _HeadGroups.of(q, k, axis_size(axis_name), groups)
     config = (axis_name, stage, layout, bool(return_lse))
-    out, lse = _pipeline(config, q, k, v, operands)
-    return (out, lse) if return_lse else out
+    out, lse, *high = _pipeline(config, q, k, v, operands)
+    result = (out,) + ((lse,) if return_lse else ()) + tuple(high)
+    return result if len(result) > 1 else out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -191,9 +195,11 @@ def _pipeline_fwd(config, q, k, v, operands):
     lses: list[Any] = []
     saved: list[Any] = []
     sent: Any = None  # the previous group's output (and lse) on its way back
+    highs: list[Any] = []  # each group's row max logits (return_max_logit), kept here
     for g in range(layout.groups):
-        (out, lse), residuals = stage.forward(*(wire.decode(x) for x in arrived), q_tokens,
-                                              kv_tokens)
+        stage_result, residuals = stage.forward(*(wire.decode(x) for x in arrived),
+                                                q_tokens, kv_tokens)
+        (out, lse), highs = stage_result[:2], highs + list(stage_result[2:])
         if sinks is not None:
             group_sinks = sinks[g * layout.q_group:(g + 1) * layout.q_group]
             saved.append((residuals, lse))
@@ -218,9 +224,10 @@ def _pipeline_fwd(config, q, k, v, operands):
     lses.append(sent[1])
     out = layout.put(outs)  # [B, S/P, H, Dv]
     lse = layout.put(lses)[..., 0] if return_lse else None
+    high = (held_max_logit(highs, axis_name, out.shape[:3], groups=True),) if highs else ()
     # The output is saved as returned (sequence-sharded, input dtype): what the caller
     # holds anyway, and all the backward needs of it.
-    return (out, lse), (saved, operands, out)
+    return (out, lse, *high), (saved, operands, out)
 
 
 def _pipeline_bwd(config, residuals, cotangents):
@@ -232,7 +239,7 @@ def _pipeline_bwd(config, residuals, cotangents):
     # given cotangent, as in a benchmark's program) XLA would otherwise interleave the
     # two passes and hold both passes' buffers at once.
     cotangents, saved = jax.lax.optimization_barrier((cotangents, saved))
-    dout, dlse = cotangents
+    dout, dlse = cotangents[:2]
     dtype, kv_dtype = dout.dtype, layout.kv_dtype
     # <dout, out> of the output rows, sequence-sharded (out as returned): the kernel's
     # delta and the sinks' gradient. With the lse's cotangent, the float32 row

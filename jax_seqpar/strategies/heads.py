@@ -18,13 +18,14 @@ import math
 from typing import Literal
 
 import jax
+import jax.numpy as jnp
 
 from jax_seqpar.strategies.inputs import axis_size
 
 __all__ = ["piece_counts", "piece_sizes", "default_pieces", "default_head_groups",
-           "head_group_counts", "kv_replication", "local_head_counts", "local_heads",
-           "MAX_AUTO_PIECES", "MAX_AUTO_HEAD_GROUPS", "MAX_PIECES", "MIN_PIECE_TOKENS",
-           "resolve_head_groups", "resolve_pieces"]
+           "head_group_counts", "held_max_logit", "kv_replication", "local_head_counts",
+           "local_heads", "MAX_AUTO_PIECES", "MAX_AUTO_HEAD_GROUPS", "MAX_PIECES",
+           "MIN_PIECE_TOKENS", "resolve_head_groups", "resolve_pieces"]
 
 #: ``head_groups="auto"`` takes at most this many groups: 4 hide three quarters of the
 #: groups' traffic; every further group is one more kernel call and two more collectives
@@ -111,6 +112,28 @@ def local_heads(x: jax.Array | None, axis_name: str | tuple[str, ...]) -> jax.Ar
         return None
     size = x.shape[0] // axis_size(axis_name)
     return jax.lax.dynamic_slice_in_dim(x, jax.lax.axis_index(axis_name) * size, size)
+
+
+def held_max_logit(rows: list[jax.Array], axis_name: str | tuple[str, ...],
+                   shape: tuple[int, ...], *, groups: bool = False) -> jax.Array:
+    """The row max logits ``rows`` of the heads this device holds after
+    :func:`~jax_seqpar.strategies.head_pipeline.seq_to_heads` (:func:`local_heads`' slice)
+    as rows of its sequence shard ``q [B, L, H, .]`` (``shape``: ``q.shape[:3]``).
+
+    Args:
+      rows: float32 ``[B, S_j, h_j]`` each: query pieces of its ``h = H/P`` heads, or with
+        ``groups`` its consecutive head groups in order (``h_j = h/G``).
+    Returns:
+      ``float32[B, L, H]``, every row the heads' maxima at those heads and ``-inf`` at the
+      others: the max over every row of every device is each head's max logit, and no
+      byte travels for it (the Ulysses pipelines send the output back, not these rows).
+    """
+    by_head = [x.max(axis=(0, 1)) for x in rows]  # [h] each (pieces) or [h/G] (groups)
+    local = jnp.concatenate(by_head) if groups else jnp.max(jnp.stack(by_head), axis=0)
+    full = jnp.full(shape[2:3], -jnp.inf, jnp.float32)
+    start = jax.lax.axis_index(axis_name) * local.shape[0]
+    return jnp.broadcast_to(jax.lax.dynamic_update_slice_in_dim(full, local, start, 0),
+                            shape[:3])
 
 
 def piece_sizes(local_len: int, pieces: int) -> tuple[int, ...]:

@@ -48,7 +48,7 @@ from jax_seqpar.strategies.heads import (piece_sizes, default_pieces, kv_replica
                                          resolve_pieces)
 from jax_seqpar.strategies.wire import rotated
 from jax_seqpar.strategies.inputs import (Metadata, Operands, Options, axis_size, describe,
-                                          finish, gather_tokens, shard_operands)
+                                          finish, gather_tokens, max_logit_over, shard_operands)
 from jax_seqpar.strategies.ring import ENTRY as RING, in_flight_memory, ring_over, rotation_bytes
 from jax_seqpar.strategies.pieces import KernelCall, kernel_calls as seq_kernel_calls
 from jax_seqpar.strategies.ring_pieces import kernel_calls as ring_kernel_calls, ring_pieces
@@ -74,7 +74,7 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str 
                      mask_fn: Callable | None = None, return_lse: bool = False,
                      max_document_shards: int | None = None,
                      overlap: bool | Literal["auto"] = "auto", pieces: int | Literal["auto"] = "auto",
-                     head_groups: int | Literal["auto"] = "auto"):
+                     head_groups: int | Literal["auto"] = "auto", return_max_logit: bool = False):
     """Exact attention of a sequence sharded over ``seq_axes=(outer, inner)`` (in ``shard_map``).
 
     Args:
@@ -83,9 +83,9 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str 
       seq_axes: ``(outer, inner)`` mesh axes: the ring runs over the outer (slow) axis,
         of size ``O``, Ulysses over the inner (fast) one, of size ``I``.
       causal, window, chunk_size, mask_fn, segment_ids, positions, bidirectional_ids,
-        scale, kernel, block_sizes, softcap, compute_dtype, sinks, kv_segment_ids, return_lse: as in
-        :func:`jax_seqpar.strategies.ring.ring_attention`;
-        default positions are
+        scale, kernel, block_sizes, softcap, compute_dtype, sinks, kv_segment_ids, return_lse,
+        return_max_logit: as in :func:`jax_seqpar.strategies.ring.ring_attention` (the
+        max logit's ``pmax`` over both axes); default positions are
         the contiguous split over ``(outer, inner)``, with which a
         window shrinks the ring part to a halo exchange.
       overlap: False: the inner exchange whole, one ring; True / ``"auto"``: pipelined,
@@ -104,7 +104,8 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str 
         fast one).
 
     Returns:
-      ``[B, S/(O*I), H, Dv]`` in ``q.dtype``.
+      ``[B, S/(O*I), H, Dv]`` in ``q.dtype``, then the lse and the ``[H]`` max logit when
+      asked for, as the ring.
 
     >>> f = functools.partial(hybrid_attention, seq_axes=("dcn", "ici"))
     >>> out = jax.shard_map(f, mesh=mesh, in_specs=P(None, ("dcn", "ici")),
@@ -116,9 +117,11 @@ def hybrid_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str 
         compute_dtype=compute_dtype,
         return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
         positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks,
-        max_document_shards=max_document_shards)
-    return attend(q, k, v, options, metadata, seq_axes=seq_axes, overlap=overlap, pieces=pieces,
-                  head_groups=head_groups)
+        max_document_shards=max_document_shards, return_max_logit=return_max_logit)
+    return max_logit_over(options, attend(q, k, v, options, metadata, seq_axes=seq_axes,
+                                          overlap=overlap, pieces=pieces,
+                                          head_groups=head_groups),
+                          seq_axes if isinstance(seq_axes, str) else tuple(seq_axes))
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata: Metadata,
@@ -135,8 +138,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
     local = halo.local_or_none((ring_axis, ulysses_axis), options, q, k, v, shard.q_tokens,
                                shard.kv_tokens, contiguous=contiguous)
     if local is not None:  # the mask's reach is (0, 0): nothing to exchange
-        out, lse = local
-        return finish(options, q, out, lse, shard)
+        return finish(options, q, local, shard)
     inner = axis_size(ulysses_axis)
     try:
         repeats = kv_replication(q.shape[2], k.shape[2], inner)
@@ -186,11 +188,13 @@ class RingStage:
     takes_delta = False  # the ring's backward computes it from its own residuals
 
     def forward(self, q, k, v, q_tokens, kv_tokens):
-        def ring(q, k, v):
-            return ring_over(self.axis_name, self.options, q, k, v, q_tokens, kv_tokens,
-                             contiguous=self.contiguous, shard_len=self.shard_len)
+        def ring(q, k, v):  # the row max logits (return_max_logit): no gradient, aux
+            result = ring_over(self.axis_name, self.options, q, k, v, q_tokens, kv_tokens,
+                               contiguous=self.contiguous, shard_len=self.shard_len)
+            return result[:2], tuple(result[2:])
 
-        return jax.vjp(ring, q, k, v)
+        result, grads, high = jax.vjp(ring, q, k, v, has_aux=True)
+        return (*result, *high), grads
 
     def backward(self, residuals, q_tokens, kv_tokens, dout, dlse, delta):
         return residuals((dout.astype(jnp.float32), dlse))

@@ -24,7 +24,7 @@ if TYPE_CHECKING:  # annotations only
 
 __all__ = ["Metadata", "Operands", "axis_size", "check_ids", "check_metadata", "check_qkv",
            "check_self_attention", "describe", "documents_within", "empty_result", "finish", "gather_tokens",
-           "operands", "shard_operands", "spread_message"]
+           "max_logit_over", "nothing_seen", "operands", "shard_operands", "spread_message"]
 
 
 def check_qkv(q: jax.Array, k: jax.Array, v: jax.Array) -> None:
@@ -88,14 +88,16 @@ def check_ids(name: str, ids: jax.typing.ArrayLike | None, batch: int, seq: int,
     return check(name, ids, batch, seq)
 
 
-def empty_result(q: jax.Array, v: jax.Array, return_lse: bool):
+def empty_result(q: jax.Array, v: jax.Array, return_lse: bool, return_max_logit: bool = False):
     """The result of a call with no query or no key (a zero-size dim): zeros of
-    ``[B, T, H, Dv]`` in ``q.dtype`` (a query that sees no key gets zeros), and with
-    ``return_lse`` the ``float32[B, T, H]`` lse of rows that saw nothing."""
+    ``[B, T, H, Dv]`` in ``q.dtype`` (a query that sees no key gets zeros), with
+    ``return_lse`` the ``float32[B, T, H]`` lse of rows that saw nothing, and with
+    ``return_max_logit`` the ``float32[H]`` max logit of heads that saw nothing (-inf)."""
     out = jnp.zeros(q.shape[:3] + v.shape[3:], q.dtype)
-    if not return_lse:
-        return out
-    return out, jnp.full(q.shape[:3], masks.EMPTY_LSE, jnp.float32)
+    result = ((out,) + ((jnp.full(q.shape[:3], masks.EMPTY_LSE, jnp.float32),) if return_lse
+                        else ()) +
+              ((jnp.full(q.shape[2:3], -jnp.inf, jnp.float32),) if return_max_logit else ()))
+    return result[0] if len(result) == 1 else result
 
 
 def axis_size(axis_name: str | tuple[str, ...]) -> int:
@@ -149,7 +151,8 @@ def describe(q: jax.Array, k: jax.Array, v: jax.Array, *, local: bool,
              scale: float | None = None, kernel: KernelName = "auto",
              block_sizes: BlockSizes | None = None, softcap: float | None = None,
              compute_dtype: ComputeLike = None,
-             return_lse: bool = False, segment_ids: jax.typing.ArrayLike | None = None,
+             return_lse: bool = False, return_max_logit: bool = False,
+             segment_ids: jax.typing.ArrayLike | None = None,
              kv_segment_ids: jax.typing.ArrayLike | None = None,
              positions: jax.typing.ArrayLike | None = None,
              bidirectional_ids: jax.typing.ArrayLike | None = None,
@@ -170,7 +173,7 @@ def describe(q: jax.Array, k: jax.Array, v: jax.Array, *, local: bool,
                          "them), or drop max_document_shards.")
     options = make_options(q, spec, scale=scale, kernel=kernel, block_sizes=block_sizes,
                            softcap=softcap, return_lse=return_lse,
-                           compute_dtype=compute_dtype)
+                           compute_dtype=compute_dtype, return_max_logit=return_max_logit)
     return options, check_metadata(q, options, Metadata(
         segment_ids, kv_segment_ids, positions, bidirectional_ids, sinks))
 
@@ -271,15 +274,40 @@ def spread_message(bound: Optional[int], shards: int) -> Callable[..., str]:
     return message
 
 
-def finish(options: Options, q: jax.Array, out: jax.Array, lse: jax.Array,
-           operands: Operands):
-    """A shard's float32 ``(out, lse)`` with the sinks of ``operands`` folded in, out in
-    ``q.dtype``: what the per-shard functions return (``(out, lse)`` with
-    ``options.return_lse``)."""
+def finish(options: Options, q: jax.Array, result: tuple, operands: Operands):
+    """A shard's float32 kernel ``result`` (``(out, lse)``, and the ``float32[B, L, H]``
+    row max logits with ``options.return_max_logit``) with the sinks of ``operands``
+    folded in, out in ``q.dtype``: what the strategies' cores return, ``out``, then
+    ``lse`` with ``options.return_lse``, then the row max logits (the per-shard
+    functions reduce them: :func:`max_logit_over`)."""
     from jax_seqpar.core.merge import with_sinks
 
-    out, lse = with_sinks(out, lse, operands.sinks)
-    return (out.astype(q.dtype), lse) if options.return_lse else out.astype(q.dtype)
+    out, lse = with_sinks(result[0], result[1], operands.sinks)
+    rows = tuple(jax.lax.stop_gradient(x) for x in result[2:3])
+    rest = ((lse,) if options.return_lse else ()) + rows
+    return (out.astype(q.dtype), *rest) if rest else out.astype(q.dtype)
+
+
+def max_logit_over(options: Options, result: Any, axis_name: str | tuple[str, ...] | None):
+    """A core's ``result`` (:func:`finish`) as a per-shard function returns it: with
+    ``options.return_max_logit``, its last entry, the row max logits ``float32[B, L, H]``,
+    reduced to ``float32[H]`` over the shard's batch rows and tokens and, across devices,
+    over ``axis_name`` (a ``pmax``; None: no axis)."""
+    if not options.return_max_logit:
+        return result
+    high = jnp.max(jax.lax.stop_gradient(result[-1]), axis=(0, 1), initial=-jnp.inf)  # [H]
+    if axis_name is not None:
+        high = jax.lax.pmax(high, axis_name)
+    return (*result[:-1], high)
+
+
+def nothing_seen(options: Options, q: jax.Array, d_v: int) -> tuple:
+    """The float32 result of no key yet for ``q [B, L, H, .]`` (a ring's first carry):
+    ``out`` zeros ``[B, L, H, d_v]``, ``lse`` ``EMPTY_LSE`` and, with
+    ``options.return_max_logit``, row max logits ``-inf``, ``[B, L, H]`` each."""
+    rows = q.shape[:3]
+    return ((jnp.zeros(rows + (d_v,), jnp.float32), jnp.full(rows, masks.EMPTY_LSE, jnp.float32))
+            + ((jnp.full(rows, -jnp.inf, jnp.float32),) if options.return_max_logit else ()))
 
 
 # Any: a Tokens or a tuple of them (a pytree, which JAX types as Any), returned as given.

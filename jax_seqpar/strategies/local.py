@@ -18,7 +18,7 @@ from jax_seqpar import kernels
 from jax_seqpar.core.masks import Tokens
 from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.kernels.options import Options
-from jax_seqpar.strategies.inputs import Operands, empty_result
+from jax_seqpar.strategies.inputs import Operands, empty_result, max_logit_over
 from jax_seqpar.strategies.wire import rotated
 
 __all__ = ["local_attention"]
@@ -45,17 +45,21 @@ def local_attention(q: jax.Array, k: jax.Array, v: jax.Array, options: Options,
         of their length.
 
     Returns:
-      ``[B, T, H, Dv]`` in ``q.dtype`` (softmax in float32); with ``options.return_lse``,
-      ``(out, lse)``, the ``float32[B, T, H]`` log-sum-exp (sinks included). A query
-      that sees no key gets zeros.
+      ``[B, T, H, Dv]`` in ``q.dtype`` (softmax in float32); with ``options.return_lse``
+      then the ``float32[B, T, H]`` log-sum-exp (sinks included); with
+      ``options.return_max_logit`` then the ``float32[H]`` max logit (the largest
+      visible ``scale * q.k`` before the soft-cap, ``-inf`` where none; no gradient).
+      A query that sees no key gets zeros.
     """
     if not (q.shape[0] and q.shape[1] and k.shape[1]):  # nothing to attend: jax.nn's result
-        out, lse = empty_result(q, v, True)
-        lse = with_sinks(out, lse, operands.sinks)[1]
+        out, lse, high = empty_result(q, v, True, True)
+        result = (out, with_sinks(out, lse, operands.sinks)[1], high)
     else:
         inner, q_in, k_in = rotated(options, q, k)  # the Hadamard rotation, as strategies do
-        out, lse = _staged(q_in, k_in, v, operands, options=inner)
-    return (out, lse) if options.return_lse else out
+        result = _staged(q_in, k_in, v, operands, options=inner)
+    rest = result[1:2] if options.return_lse else ()
+    rest += result[2:] if options.return_max_logit else ()
+    return (result[0], *rest) if rest else result[0]
 
 
 # One program per signature: called eagerly, the kernel's scan and its closures would
@@ -67,10 +71,10 @@ def _staged(q, k, v, operands: Operands, *, options: Options):
                         _positioned(operands.kv_tokens, *k.shape[:2]), operands.sinks)
 
     def attend(q, k, v, operands: Operands):
-        out, lse = kernels.attention(options, q, k, v, operands.q_tokens,
-                                     operands.kv_tokens)  # f32 [B, T, H, Dv], [B, T, H]
-        out, lse = with_sinks(out, lse, operands.sinks)
-        return out.astype(q.dtype), lse
+        result = kernels.attention(options, q, k, v, operands.q_tokens,
+                                   operands.kv_tokens)  # f32 [B, T, H, Dv], [B, T, H] (, [B, T, H])
+        out, lse = with_sinks(result[0], result[1], operands.sinks)
+        return max_logit_over(options, (out.astype(q.dtype), lse, *result[2:]), None)
 
     return _per_shard(attend, options, q, k, v, operands)
 
@@ -100,8 +104,24 @@ def _per_shard(attend, options: Options, q, k, v, operands: Operands):
     q_tokens, kv_tokens = (jax.tree.map(lambda x: jax.reshard(x, ids), t) for t in tokens)
     placed.append(Operands(q_tokens, kv_tokens,
                            None if sinks is None else jax.reshard(sinks, P(head_entry))))
-    out, lse = jax.shard_map(
-        attend, mesh=mesh, in_specs=(qkv,) * 3 + (operand_specs,),
-        out_specs=(qkv, P(batch_entry, None, head_entry)),
+    high = (P(head_entry),) if options.return_max_logit else ()
+    out, lse, *high = jax.shard_map(
+        _over_batch(attend, options, batch_entry), mesh=mesh,
+        in_specs=(qkv,) * 3 + (operand_specs,),
+        out_specs=(qkv, P(batch_entry, None, head_entry), *high),
         check_vma=not kernels.may_interpret(options.kernel))(*placed)
-    return jax.reshard(out, P(*spec[:3], None)), jax.reshard(lse, P(*spec[:3]))
+    return (jax.reshard(out, P(*spec[:3], None)), jax.reshard(lse, P(*spec[:3])),
+            *(jax.reshard(x, P(spec[2])) for x in high))
+
+
+def _over_batch(attend, options: Options, batch_entry):
+    """``attend`` with its ``[H]`` max logit (``options.return_max_logit``) the max over
+    every device's batch rows (a ``pmax`` over ``batch_entry``'s mesh axes)."""
+    if not options.return_max_logit or batch_entry is None:
+        return attend
+
+    def over_batch(*args):
+        *result, high = attend(*args)
+        return (*result, jax.lax.pmax(high, batch_entry))
+
+    return over_batch

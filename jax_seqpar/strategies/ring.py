@@ -39,11 +39,11 @@ from jax_seqpar import kernels
 from jax_seqpar.core import compat as _compat
 from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.entry import Strategy
-from jax_seqpar.strategies.inputs import Metadata, axis_size, describe, finish, shard_operands
+from jax_seqpar.strategies.inputs import (Metadata, axis_size, describe, finish, max_logit_over,
+                                          nothing_seen, shard_operands)
 from jax_seqpar.strategies.wire import Wire, rotated, wire_bytes
 from jax_seqpar.strategies.traffic import (INDEX_BYTES, NO_MASK, accumulator_bytes, halo_bytes,
                                            layer_reach)
-from jax_seqpar.core.masks import EMPTY_LSE
 
 if TYPE_CHECKING:  # annotations only
     from jax_seqpar.core.masks import MaskSpec, Tokens
@@ -65,7 +65,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | 
                    sinks: jax.Array | None = None, kv_segment_ids: jax.Array | None = None,
                    chunk_size: int | None = None, bidirectional_ids: jax.Array | None = None,
                    mask_fn: Callable | None = None, return_lse: bool = False,
-                   max_document_shards: int | None = None):
+                   max_document_shards: int | None = None, return_max_logit: bool = False):
     """Exact attention of a sequence sharded over ``seq_axes`` (call inside ``shard_map``).
 
     Args:
@@ -92,6 +92,8 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | 
         from the queries' (e.g. padded keys), or None: ``segment_ids``.
       return_lse: also return the float32 ``[B, S/P, H]`` log-sum-exp of each row
         (sinks included), for callers that merge partial results.
+      return_max_logit: also return the ``float32[H]`` max logit (QK-Clip, as in
+        :func:`jax_seqpar.sequence_parallel_attention`) of its rows, pmax over ``seq_axes``.
 
     The keywords are checked once and read into the call's
     :class:`~jax_seqpar.kernels.options.Options` and
@@ -100,7 +102,7 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | 
 
     Returns:
       ``[B, S/P, H, Dv]`` in ``q.dtype`` (softmax statistics and carries in float32),
-      and with ``return_lse`` the log-sum-exp.
+      then the log-sum-exp (``return_lse``), then the max logit (``return_max_logit``).
 
     .. code-block:: python
 
@@ -113,8 +115,9 @@ def ring_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | 
         compute_dtype=compute_dtype,
         return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
         positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks,
-        max_document_shards=max_document_shards)
-    return attend(q, k, v, options, metadata, seq_axes=seq_axes)
+        max_document_shards=max_document_shards, return_max_logit=return_max_logit)
+    return max_logit_over(options, attend(q, k, v, options, metadata, seq_axes=seq_axes),
+                          seq_axes)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata: Metadata,
@@ -124,9 +127,9 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
     (:func:`jax_seqpar.strategies.inputs.describe`)."""
     operands = shard_operands(q, options, metadata, seq_axes)
     options, q, k = rotated(options, q, k)  # the rotation, once: rotated K travels
-    out, lse = ring_over(seq_axes, options, q, k, v, operands.q_tokens, operands.kv_tokens,
-                         contiguous=metadata.positions is None)
-    return finish(options, q, out, lse, operands)
+    result = ring_over(seq_axes, options, q, k, v, operands.q_tokens, operands.kv_tokens,
+                       contiguous=metadata.positions is None)
+    return finish(options, q, result, operands)
 
 
 def ring_over(axis_name: str | tuple[str, ...], options: Options, q: jax.Array, k: jax.Array,
@@ -145,7 +148,8 @@ def ring_over(axis_name: str | tuple[str, ...], options: Options, q: jax.Array, 
       shard_len: the shards ``max_document_shards`` counts (default ``S/P``).
     Returns:
       ``out float32[B, S/P, H, Dv]`` and ``lse float32[B, S/P, H]``, both
-      differentiable (the backward accepts the ``lse`` cotangent).
+      differentiable (the backward accepts the ``lse`` cotangent); then the row max logits
+      ``float32[B, S/P, H]`` with ``options.return_max_logit`` (steps merged; no gradient).
     """
     reach = halo.mask_reach(options.spec, q.shape[1], axis_size(axis_name),
                             bidirectional=q_tokens.bidirectional_ids is not None,
@@ -235,9 +239,6 @@ def _packed(tree: Any) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
 
 
 def _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens):
-    batch, local_len, heads, _ = q.shape
-    d_v = v.shape[-1]
-
     wire = Wire.of(options.compute, k.dtype)
 
     def attend(carry, kv):
@@ -246,9 +247,7 @@ def _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens):
         return kernels.forward(options, q, wire.decode(kv[0]), wire.decode(kv[1]), q_tokens,
                                kv[2], accumulate=carry)
 
-    acc = (jnp.zeros((batch, local_len, heads, d_v), jnp.float32),
-           jnp.full((batch, local_len, heads), EMPTY_LSE, jnp.float32))
-    acc = _compat.match_varying(acc, q)
+    acc = _compat.match_varying(nothing_seen(options, q, v.shape[-1]), q)
     # The barrier's results vary over every axis any of its operands varies over: so
     # must the K/V carry from the start (a dp x sp mesh: K/V vary over dp, acc too).
     kv = (wire.encode(k), wire.encode(v), kv_tokens)  # K/V travel in the compute dtype
@@ -258,14 +257,15 @@ def _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens):
 
 
 def _ring_fwd(axis_name, options, q, k, v, q_tokens, kv_tokens):
-    out, lse = _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens)
+    result = _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens)
+    out, lse = result[:2]  # a third result, the row max logits, has no gradient
     # The output is kept in the input dtype: what the caller returns, at its memory cost.
-    return (out, lse), (q, k, v, q_tokens, kv_tokens, out.astype(q.dtype), lse)
+    return result, (q, k, v, q_tokens, kv_tokens, out.astype(q.dtype), lse)
 
 
 def _ring_bwd(axis_name, options, residuals, cotangents):
     q, k, v, q_tokens, kv_tokens, out, lse = residuals
-    dout, dlse = cotangents
+    dout, dlse = cotangents[:2]
     delta = jnp.einsum("bqhd,bqhd->bqh", dout.astype(jnp.float32),
                        out.astype(jnp.float32)) - dlse
     dout = dout.astype(q.dtype)

@@ -57,6 +57,7 @@ from jax_seqpar.core import compat as _compat
 from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.head_pipeline import no_gradient
+from jax_seqpar.strategies.heads import held_max_logit
 from jax_seqpar.strategies.wire import Wire
 from jax_seqpar.strategies.inputs import Operands, Options, axis_size
 from jax_seqpar.strategies.pieces import (KernelCall, Pieces, RowCotangents, concat,
@@ -88,12 +89,16 @@ def ring_pieces(inner_axis: str | tuple[str, ...], outer_axis: str | tuple[str, 
         see (:func:`jax_seqpar.core.reach.mask_reach` over the outer axis): the ring is
         then that halo exchange; None: the full ring.
     Returns:
-      ``[B, L, H, Dv]`` in ``q.dtype`` (and the log-sum-exp).
+      ``[B, L, H, Dv]`` in ``q.dtype`` (and the log-sum-exp); with
+      ``options.return_max_logit`` last the max logits of this device's heads as rows
+      ``float32[B, L, H]`` (:func:`~jax_seqpar.strategies.heads.held_max_logit`: nothing
+      sent for them; no gradient).
     """
     config = (inner_axis, outer_axis, options, tuple(sizes), bool(return_lse),
               jnp.dtype(k.dtype), None if reach is None else tuple(reach))
-    out, lse = _pipeline(config, q, k, v, operands)
-    return (out, lse) if return_lse else out
+    out, lse, *high = _pipeline(config, q, k, v, operands)
+    result = (out,) + ((lse,) if return_lse else ()) + tuple(high)
+    return result if len(result) > 1 else out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -148,6 +153,7 @@ def _pipeline_fwd(config, q, k, v, operands):
     lses: list[Any] = [None] * c
     sent: list[Any] = [None] * c
     pending: list[Any] = []
+    highs: list[Any] = []  # the pieces' row max logits (return_max_logit), kept here
     for j, part in enumerate(cut.parts(size)):
         raw, unpack = send([], pending, inner, size)
         result = kernels.forward(options, queries[:, part], *ring_wire.decode_kv(kv),
@@ -156,15 +162,17 @@ def _pipeline_fwd(config, q, k, v, operands):
         result, raw, kv = jax.lax.optimization_barrier((result, raw, kv))
         if pending:
             sent[j - 1] = unpack(raw)[1]
-        out, lse = result
+        out, lse = result[:2]
         lses[j] = lse  # without the sinks: what the backward's kernels take
         if sinks is not None:
             out, lse = with_sinks(out, lse, sinks)
+        highs += result[2:]
         pending = [out.astype(like)] + ([lse[..., None]] if return_lse else [])
     sent[c - 1] = exchange([], pending, inner, size)[1]
     out = concat([s[0] for s in sent])  # [B, L, H, Dv]
     lse = concat([s[1] for s in sent])[..., 0] if return_lse else None
-    return (out, lse), (queries, keys, values, lses, operands, out,
+    high = (held_max_logit(highs, inner, out.shape[:3]),) if highs else ()
+    return (out, lse, *high), (queries, keys, values, lses, operands, out,
                         None if reach is None else kv)  # the halo, kept
 
 
@@ -177,7 +185,7 @@ def _pipeline_bwd(config, residuals, cotangents):
     q_all, parts = concat(q_tokens), cut.parts(size)
     cotangents, queries, keys, values = jax.lax.optimization_barrier(
         (cotangents, queries, keys, values))
-    dout, dlse = cotangents
+    dout, dlse = cotangents[:2]
     dtype = dout.dtype
     rows = RowCotangents.of(inner, cut, operands, out, dout, dlse, lses, return_lse)
     # K/V around the outer ring serve the products and the recomputed scores: a wire for

@@ -35,6 +35,7 @@ import jax.numpy as jnp
 from jax_seqpar import kernels
 from jax_seqpar.core.merge import with_sinks
 from jax_seqpar.strategies.head_pipeline import no_gradient
+from jax_seqpar.strategies.heads import held_max_logit
 from jax_seqpar.strategies.wire import Wire
 from jax_seqpar.strategies.inputs import Operands, Options, axis_size
 from jax_seqpar.strategies.pieces import (Pieces, RowCotangents, concat, exchange, keys_first,
@@ -60,14 +61,18 @@ def seq_pipeline(axis_name: str | tuple[str, ...], options: Options, q: jax.Arra
         ``sizes[0]`` each (:func:`jax_seqpar.strategies.heads.piece_sizes`).
       return_lse: also return the float32 ``[B, L, H]`` log-sum-exp.
     Returns:
-      ``[B, L, H, Dv]`` in ``q.dtype`` (and the log-sum-exp).
+      ``[B, L, H, Dv]`` in ``q.dtype`` (and the log-sum-exp); with
+      ``options.return_max_logit`` last the max logits of this device's heads as rows
+      ``float32[B, L, H]`` (:func:`~jax_seqpar.strategies.heads.held_max_logit`: nothing
+      sent for them; no gradient).
     """
     if sum(sizes) != q.shape[1]:
         raise ValueError(f"chunk sizes {sizes} do not sum to the {q.shape[1]} local tokens.")
     # K/V travel in q's dtype; their gradients go back in k's (float32 for replicated K/V).
     config = (axis_name, options, tuple(sizes), bool(return_lse), jnp.dtype(k.dtype))
-    out, lse = _pipeline(config, q, k, v, operands)
-    return (out, lse) if return_lse else out
+    out, lse, *high = _pipeline(config, q, k, v, operands)
+    result = (out,) + ((lse,) if return_lse else ()) + tuple(high)
+    return result if len(result) > 1 else out
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -89,7 +94,7 @@ def _pipeline_fwd(config, q, k, v, operands):
 
     def finished(result):
         """A query piece's kernel result -> what leaves (output, lse) and its lse."""
-        out, lse = result
+        out, lse = result[:2]
         if sinks is not None:
             out, lse = with_sinks(out, lse, sinks)
         return [out.astype(like)] + ([lse[..., None]] if return_lse else []), result[1]
@@ -101,6 +106,7 @@ def _pipeline_fwd(config, q, k, v, operands):
     # Then the queries: piece j + 1 comes in and piece j - 1's output leaves while piece
     # j is attended to every key in one kernel call.
     pending, lse = finished(acc)
+    highs = list(acc[2:])  # the query pieces' row max logits (return_max_logit)
     lses: list[Any] = [lse] + [None] * (c - 1)
     sent: list[Any] = [None] * c  # per query piece: its output (and lse) as it arrived
     for j in range(1, c):
@@ -113,10 +119,12 @@ def _pipeline_fwd(config, q, k, v, operands):
         if ins:
             qs[j + 1] = wire.decode(got_in[0])
         pending, lses[j] = finished(result)
+        highs += result[2:]
     sent[c - 1] = exchange([], pending, axis_name, size)[1]
     out = concat([s[0] for s in sent])  # [B, L, H, Dv]
     lse = concat([s[1] for s in sent])[..., 0] if return_lse else None
-    return (out, lse), (concat(qs), keys, values, lses, operands, out)
+    high = (held_max_logit(highs, axis_name, out.shape[:3]),) if highs else ()
+    return (out, lse, *high), (concat(qs), keys, values, lses, operands, out)
 
 
 def _pipeline_bwd(config, residuals, cotangents):
@@ -130,7 +138,7 @@ def _pipeline_bwd(config, residuals, cotangents):
     # Nothing of the backward before the whole forward (as in the head pipeline).
     cotangents, queries, keys, values = jax.lax.optimization_barrier(
         (cotangents, queries, keys, values))
-    dout, dlse = cotangents
+    dout, dlse = cotangents[:2]
     dtype = dout.dtype
     rows = RowCotangents.of(axis_name, cut, operands, out, dout, dlse, lses, return_lse)
     q_parts = cut.parts(size)

@@ -39,7 +39,7 @@ from jax_seqpar.strategies.heads import (piece_sizes, kv_replication, local_head
                                          local_heads, resolve_pieces)
 from jax_seqpar.strategies.wire import rotated, wire_bytes
 from jax_seqpar.strategies.inputs import (Metadata, Operands, axis_size, describe, finish,
-                                          gather_tokens, shard_operands)
+                                          gather_tokens, max_logit_over, shard_operands)
 from jax_seqpar.strategies.traffic import (INDEX_BYTES, NO_MASK, all_to_all_bytes,
                                            replicated_kv_heads)
 
@@ -62,7 +62,7 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str
                       mask_fn: Callable | None = None, return_lse: bool = False,
                       max_document_shards: int | None = None,
                       overlap: bool | Literal["auto"] = "auto", pieces: int | Literal["auto"] = "auto",
-                      head_groups: int | Literal["auto"] = "auto"):
+                      head_groups: int | Literal["auto"] = "auto", return_max_logit: bool = False):
     """Exact attention of a sequence sharded over ``seq_axes`` (call inside ``shard_map``).
 
     Args:
@@ -70,8 +70,9 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str
         this device's shard. ``H`` must be divisible by P.
       seq_axes: mesh axis (or tuple of axes) along which the sequence is split.
       causal, window, chunk_size, mask_fn, segment_ids, positions, bidirectional_ids,
-        scale, kernel, block_sizes, softcap, compute_dtype, sinks, kv_segment_ids, return_lse: as in
-        :func:`jax_seqpar.strategies.ring.ring_attention` (``sinks`` replicated).
+        scale, kernel, block_sizes, softcap, compute_dtype, sinks, kv_segment_ids, return_lse,
+        return_max_logit: as in :func:`jax_seqpar.strategies.ring.ring_attention`
+        (``sinks`` replicated).
       overlap: ``"auto"`` (default) or True: the exchange pipelined behind the kernel,
         in ``pieces`` sequence pieces where the local length allows, else in
         ``head_groups`` head groups; False: each exchange whole, one kernel call
@@ -90,7 +91,8 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str
         :data:`jax_seqpar.strategies.heads.MAX_AUTO_HEAD_GROUPS`.
 
     Returns:
-      ``[B, S/P, H, Dv]`` in ``q.dtype`` (softmax statistics in float32).
+      ``[B, S/P, H, Dv]`` in ``q.dtype`` (softmax statistics in float32), then the lse
+      and the ``[H]`` max logit when asked for, as the ring.
 
     >>> out = jax.shard_map(functools.partial(ulysses_attention, seq_axes="sp"),
     ...                     mesh=mesh, in_specs=P(None, "sp"), out_specs=P(None, "sp"))(q, k, v)
@@ -101,9 +103,10 @@ def ulysses_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str
         compute_dtype=compute_dtype,
         return_lse=return_lse, segment_ids=segment_ids, kv_segment_ids=kv_segment_ids,
         positions=positions, bidirectional_ids=bidirectional_ids, sinks=sinks,
-        max_document_shards=max_document_shards)
-    return attend(q, k, v, options, metadata, seq_axes=seq_axes, overlap=overlap, pieces=pieces,
-                  head_groups=head_groups)
+        max_document_shards=max_document_shards, return_max_logit=return_max_logit)
+    return max_logit_over(options, attend(q, k, v, options, metadata, seq_axes=seq_axes,
+                                          overlap=overlap, pieces=pieces,
+                                          head_groups=head_groups), seq_axes)
 
 
 def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata: Metadata,
@@ -119,8 +122,7 @@ def attend(q: jax.Array, k: jax.Array, v: jax.Array, options: Options, metadata:
     local = halo.local_or_none(seq_axes, options, q, k, v, shard.q_tokens, shard.kv_tokens,
                                contiguous=metadata.positions is None)
     if local is not None:  # the mask's reach is (0, 0): nothing to exchange
-        out, lse = local
-        return finish(options, q, out, lse, shard)
+        return finish(options, q, local, shard)
     repeats = kv_replication(q.shape[2], k.shape[2], size)
     pieces, groups = resolve_pieces(overlap, pieces, head_groups, q.shape[2], k.shape[2], size,
                                     q.shape[1])
