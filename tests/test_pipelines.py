@@ -61,13 +61,13 @@ def test_head_group_counts_and_default():
 
 
 def test_chunk_counts_and_default():
-    from jax_seqpar.strategies import allgather
+    from jax_seqpar.strategies import gathered_pieces
 
-    assert allgather.piece_counts(8) == (1, 2, 4, 8)
-    assert allgather.default_pieces(16384 // 8) == allgather.MAX_AUTO_PIECES
-    assert allgather.default_pieces(256) == 2 and allgather.default_pieces(100) == 1
+    assert gathered_pieces.piece_counts(8) == (1, 2, 4, 8)
+    assert gathered_pieces.default_pieces(16384 // 8) == gathered_pieces.MAX_AUTO_PIECES
+    assert gathered_pieces.default_pieces(256) == 2 and gathered_pieces.default_pieces(100) == 1
     with pytest.raises(ValueError, match="pieces=3 must be a positive divisor of the 8"):
-        allgather.resolve_gathered_pieces(3, 8)
+        gathered_pieces.resolve_gathered_pieces(3, 8)
 
 
 @pytest.mark.parametrize("strategy, options, match", [

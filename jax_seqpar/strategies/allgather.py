@@ -42,6 +42,7 @@ from jax_seqpar.core.quant import ComputeLike
 from jax_seqpar.core.merge import merge_results
 from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.entry import Strategy
+from jax_seqpar.strategies.gathered_pieces import default_pieces, resolve_gathered_pieces
 from jax_seqpar.strategies.wire import Wire, rotated, wire_bytes
 from jax_seqpar.strategies.inputs import (Metadata, Options, axis_size, describe, finish,
                                           gather_tokens, max_logit_over, nothing_seen,
@@ -55,57 +56,8 @@ if TYPE_CHECKING:  # annotations only
     from jax_seqpar.core.shape import LayerShape
     from jax_seqpar.kernels.options import BlockSizes, KernelName
 
-__all__ = ["ENTRY", "allgather_attention", "allgather_bytes", "attend", "piece_counts",
-           "default_pieces", "exchange_steps", "gathered_memory", "MAX_AUTO_PIECES",
-           "MIN_PIECE_TOKENS", "resolve_gathered_pieces"]
-
-#: ``pieces="auto"`` takes at most this many pieces: 16 hide fifteen sixteenths of the
-#: gathered bytes (B=1, S=16384, H=16, Hkv=4, D=128, bf16, causal, 8 devices, compiled
-#: for h100:8 and v5p:2x2x2: 93.6 % of the forward's bytes and 90.3 % of the forward +
-#: backward's hidden, against 87 % with 8 pieces, with less temp memory than one
-#: gather); each further piece is one more kernel call that re-reads and re-writes the
-#: float32 running result (the Mosaic kernel continues it in place).
-MAX_AUTO_PIECES = 16
-#: ``pieces="auto"`` keeps at least this many of a device's tokens in each piece (a
-#: Mosaic tile is 128 tokens; smaller slices make the pieces' key tiles span more
-#: devices' positions, so fewer causal tiles are skipped).
-MIN_PIECE_TOKENS = 128
-
-
-def piece_counts(local_len: int) -> tuple[int, ...]:
-    """Every chunk count :func:`allgather_attention` takes for ``local_len`` tokens per
-    device: the divisors of ``local_len``."""
-    return tuple(c for c in range(1, local_len + 1) if local_len % c == 0)
-
-
-def default_pieces(local_len: int) -> int:
-    """What ``pieces="auto"`` takes: the largest power of two up to
-    :data:`MAX_AUTO_PIECES` dividing ``local_len`` that leaves every device's slice
-    of a piece :data:`MIN_PIECE_TOKENS` tokens or more (1 when none does).
-
-    .. code-block:: python
-
-        default_pieces(2048), default_pieces(1024), default_pieces(256), default_pieces(64)
-        # (16, 8, 2, 1)
-    """
-    pieces = 1
-    while (2 * pieces <= MAX_AUTO_PIECES and local_len % (2 * pieces) == 0
-           and local_len // (2 * pieces) >= MIN_PIECE_TOKENS):
-        pieces *= 2
-    return pieces
-
-
-def resolve_gathered_pieces(pieces: int | Literal['auto'], local_len: int) -> int:
-    """``pieces`` checked against ``local_len`` (``"auto"``: :func:`default_pieces`)."""
-    if pieces == "auto":
-        return default_pieces(local_len)
-    if isinstance(pieces, bool) or not isinstance(pieces, int) or pieces < 1 or (
-            local_len % pieces):
-        raise ValueError(f"pieces={pieces!r} must be a positive divisor of the {local_len} "
-                         f"tokens each device holds: one of {piece_counts(local_len)} "
-                         "(or 'auto').")
-    return pieces
-
+__all__ = ["ENTRY", "allgather_attention", "allgather_bytes", "attend", "exchange_steps",
+           "gathered_memory"]
 
 def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: str | tuple[str, ...],
                         causal: bool = False, segment_ids: jax.Array | None = None,
@@ -125,9 +77,9 @@ def allgather_attention(q: jax.Array, k: jax.Array, v: jax.Array, *, seq_axes: s
         bidirectional_ids, scale, kernel, block_sizes, softcap, compute_dtype, sinks, kv_segment_ids,
         return_lse, return_max_logit: as in :func:`jax_seqpar.strategies.ring.ring_attention`.
       pieces: how many pieces K/V are gathered in (see the module docstring; a divisor
-        of ``S/P``; :func:`piece_counts`). ``"auto"`` (default, :func:`default_pieces`): up to
-        :data:`MAX_AUTO_PIECES`, each device's slice of a piece at least
-        :data:`MIN_PIECE_TOKENS` tokens. Pieces cost no memory (the gathered K/V are
+        of ``S/P``). ``"auto"`` (default,
+        :func:`~jax_seqpar.strategies.gathered_pieces.default_pieces`): up to 16, each
+        device's slice of a piece at least 128 tokens. Pieces cost no memory (the gathered K/V are
         written in place into the buffer the backward reads); each is one more kernel
         call. ``1``: one all-gather before one kernel call. A window on the contiguous
         split gathers only its halo, in one piece.
@@ -395,7 +347,8 @@ def gathered_memory(shape: LayerShape, ring: int, ulysses: int) -> float:
 
 
 def _pieces(shape: LayerShape, ring: int, ulysses: int) -> tuple[int, int]:
-    """Forward: K/V gathered in :func:`default_pieces` pieces; backward: dK/dV passed
+    """Forward: K/V gathered in
+    :func:`~jax_seqpar.strategies.gathered_pieces.default_pieces` pieces; backward: dK/dV passed
     around the ring, a hop a piece."""
     return default_pieces(-(-shape.seq_len // ring)), ring
 

@@ -25,7 +25,7 @@ from jax_seqpar import kernels
 from jax_seqpar.core.masks import Tokens
 from jax_seqpar.strategies.head_pipeline import (heads_to_seq, seq_to_heads, sink_cotangents,
                                                  sink_gradient)
-from jax_seqpar.strategies.wire import Wire
+from jax_seqpar.strategies.wire import Wire, as_bytes, from_bytes
 from jax_seqpar.strategies.inputs import Operands, Options, axis_size
 
 #: A mesh axis name, or a tuple of them.
@@ -57,12 +57,12 @@ def send(to_heads: list[jax.Array], to_seq: list[jax.Array], axis_name: _Axes,
         return [], lambda raw: ([], [])
     dtypes = [x.dtype for x in arrays]
     if len(set(dtypes)) > 1:
-        raw, unpack_bytes = send([_as_bytes(x) for x in to_heads],
-                                 [_as_bytes(x) for x in to_seq], axis_name, size)
+        raw, unpack_bytes = send([as_bytes(x) for x in to_heads],
+                                 [as_bytes(x) for x in to_seq], axis_name, size)
 
         def unpack_typed(raw):
             heads, seq = unpack_bytes(raw)
-            typed = [_from_bytes(x, d) for x, d in zip([*heads, *seq], dtypes)]
+            typed = [from_bytes(x, d) for x, d in zip([*heads, *seq], dtypes)]
             return typed[:len(heads)], typed[len(heads):]
 
         return raw, unpack_typed
@@ -90,19 +90,6 @@ def send(to_heads: list[jax.Array], to_seq: list[jax.Array], axis_name: _Axes,
         return heads, seq
 
     return [packed], unpack
-
-
-def _as_bytes(x: jax.Array) -> jax.Array:
-    """``x [..., D]`` as ``uint8 [..., D * itemsize]`` (its bytes along the features)."""
-    raw = jax.lax.bitcast_convert_type(x, jnp.uint8)
-    return raw if x.dtype.itemsize == 1 else raw.reshape(*x.shape[:-1], -1)
-
-
-def _from_bytes(raw: jax.Array, dtype) -> jax.Array:
-    """Inverse of :func:`_as_bytes`."""
-    width = jnp.dtype(dtype).itemsize
-    shaped = raw if width == 1 else raw.reshape(*raw.shape[:-1], -1, width)
-    return jax.lax.bitcast_convert_type(shaped, dtype)
 
 
 def exchange(to_heads: list[jax.Array], to_seq: list[jax.Array], axis_name: _Axes,

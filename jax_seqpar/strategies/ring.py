@@ -27,7 +27,6 @@ fits a shard.
 from __future__ import annotations
 
 import functools
-import itertools
 import math
 from typing import TYPE_CHECKING, Any, Callable
 
@@ -41,7 +40,7 @@ from jax_seqpar.strategies import halo
 from jax_seqpar.strategies.entry import Strategy
 from jax_seqpar.strategies.inputs import (Metadata, axis_size, describe, finish, max_logit_over,
                                           nothing_seen, shard_operands)
-from jax_seqpar.strategies.wire import Wire, rotated, wire_bytes
+from jax_seqpar.strategies.wire import Wire, packed, rotated, wire_bytes
 from jax_seqpar.strategies.traffic import (INDEX_BYTES, NO_MASK, accumulator_bytes, halo_bytes,
                                            layer_reach)
 
@@ -183,14 +182,14 @@ def shift_during(compute: Callable[[], Any], tree: Any, axis_name: str | tuple[s
     def each():
         return jax.lax.optimization_barrier((compute(), shift(tree, axis_name)))
 
-    def packed():
-        raw, unpack = _packed(tree)
+    def as_one_buffer():
+        raw, unpack = packed(tree)
         result, raw = jax.lax.optimization_barrier((compute(), shift(raw, axis_name)))
         return result, unpack(raw)
 
     if len(jax.tree.leaves(tree)) < 2:
         return each()
-    return jax.lax.platform_dependent(cuda=packed, rocm=packed, default=each)
+    return jax.lax.platform_dependent(cuda=as_one_buffer, rocm=as_one_buffer, default=each)
 
 
 def forward_steps(attend: Callable[[Any, Any], Any], acc: Any, kv: Any,
@@ -217,25 +216,6 @@ def backward_steps(grads: Callable[[Any, Any], Any], dq: Any, kv: Any, dkv: Any,
         return (dq, next_kv, tuple(x + y for x, y in zip(fresh, arrived))), None
 
     return jax.lax.scan(step, (dq, kv, dkv), length=steps)[0]
-
-
-def _packed(tree: Any) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
-    """``tree``'s arrays as one ``uint8`` buffer, and the function that unpacks such a
-    buffer into ``tree``'s structure, shapes and dtypes."""
-    leaves, treedef = jax.tree.flatten(tree)
-    raw = [jax.lax.bitcast_convert_type(x, jnp.uint8).reshape(-1) for x in leaves]
-    ends = list(itertools.accumulate(r.size for r in raw))
-
-    def unpack(buffer):
-        out = []
-        for x, end, r in zip(leaves, ends, raw):
-            width = x.dtype.itemsize
-            piece = buffer[end - r.size:end].reshape(x.shape if width == 1 else
-                                                      (*x.shape, width))
-            out.append(jax.lax.bitcast_convert_type(piece, x.dtype))
-        return jax.tree.unflatten(treedef, out)
-
-    return jnp.concatenate(raw), unpack
 
 
 def _ring_forward(axis_name, options, q, k, v, q_tokens, kv_tokens):

@@ -19,7 +19,8 @@ in their compute dtype, never the inputs' wider one.
 from __future__ import annotations
 
 import dataclasses
-from typing import Optional
+import itertools
+from typing import Any, Callable, Optional
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +29,7 @@ from jax_seqpar.core import quant
 from jax_seqpar.core.shape import dtype_of_size
 from jax_seqpar.kernels.options import Options
 
-__all__ = ["Wire", "rotated", "wire_bytes"]
+__all__ = ["Wire", "as_bytes", "from_bytes", "packed", "rotated", "wire_bytes"]
 
 
 def rotated(options: Options, q: jax.Array, k: jax.Array
@@ -87,6 +88,35 @@ class Wire:
         their scale)."""
         itemsize = jnp.dtype(self.dtype or self.like).itemsize
         return features * itemsize + self.width(features) - features
+
+
+def as_bytes(x: jax.Array) -> jax.Array:
+    """``x [..., D]`` as ``uint8 [..., D * itemsize]``: its bytes along the last axis (one
+    buffer for arrays of several dtypes, the collectives' leading axes kept)."""
+    raw = jax.lax.bitcast_convert_type(x, jnp.uint8)
+    return raw if x.dtype.itemsize == 1 else raw.reshape(*x.shape[:-1], -1)
+
+
+def from_bytes(raw: jax.Array, dtype: jax.typing.DTypeLike) -> jax.Array:
+    """Inverse of :func:`as_bytes`: ``uint8 [..., D * itemsize]`` as ``[..., D]`` in ``dtype``."""
+    width = jnp.dtype(dtype).itemsize
+    shaped = raw if width == 1 else raw.reshape(*raw.shape[:-1], -1, width)
+    return jax.lax.bitcast_convert_type(shaped, dtype)
+
+
+def packed(tree: Any) -> tuple[jax.Array, Callable[[jax.Array], Any]]:
+    """``tree``'s arrays (each at least 1-D) as one flat ``uint8`` buffer, and the function
+    that unpacks such a buffer into ``tree``'s structure, shapes and dtypes."""
+    leaves, treedef = jax.tree.flatten(tree)
+    raw = [as_bytes(x).reshape(-1) for x in leaves]
+    ends = list(itertools.accumulate(r.size for r in raw))
+
+    def unpack(buffer):
+        return jax.tree.unflatten(treedef, [
+            from_bytes(buffer[end - r.size:end].reshape(*x.shape[:-1], -1), x.dtype)
+            for x, end, r in zip(leaves, ends, raw)])
+
+    return jnp.concatenate(raw), unpack
 
 
 def wire_bytes(compute: Optional[quant.Compute], dtype_bytes: float, rows: float,
