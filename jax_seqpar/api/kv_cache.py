@@ -62,7 +62,8 @@ class KVCache:
       k_scale, v_scale: FP8 only, ``float32[B, C, Hkv]``: each token and head's scale
         (``k ≈ k_values * k_scale[..., None]``), sharded likewise; else None.
       hadamard: FP8 only: the keys are stored rotated by
-        :func:`jax_seqpar.core.quant.rotation` (:func:`rotated`) (static).
+        :func:`jax_seqpar.core.quant.rotation`
+        (:func:`jax_seqpar.api.kv_cache.rotated`) (static).
     """
 
     k: jax.Array

@@ -30,8 +30,8 @@ __all__ = ["COMPUTE_DTYPES", "FP8_DTYPES", "SCALE_BYTES", "Compute", "ComputeLik
            "decode", "dequantize", "encode", "is_fp8", "quantize", "rotate", "rotation", "scaled",
            "wire_dtype"]
 
-#: The bytes of one float32 scale: an FP8 token's K (or V) of one head travels as its
-#: ``D`` values and its scale (:func:`encode`).
+#: Bytes of the float32 scale that travels with each FP8 row (one token's head of K or V,
+#: ``D`` values) in :func:`encode`.
 SCALE_BYTES = 4
 #: The FP8 formats a call computes in.
 FP8_DTYPES = ("float8_e4m3fn", "float8_e5m2")

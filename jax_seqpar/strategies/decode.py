@@ -214,7 +214,7 @@ def deal_round_robin(k: Stored, v: Stored, lengths: jax.Array, k_cache: Stored,
       k: ``[B, L, Hkv, Dqk]``, v: ``[B, L, Hkv, Dv]`` this shard of the prompt.
       lengths: ``int32[B]`` true prompt lengths (later tokens are not written).
       k_cache: ``[B, C/P, Hkv, Dqk]``, v_cache: ``[B, C/P, Hkv, Dv]``.
-      (FP8: each of k, v, k_cache, v_cache a ``(values, scales)`` pair, :data:`Stored`.)
+      (FP8: each of k, v, k_cache, v_cache a ``(values, scales)`` pair, ``Stored``.)
     Returns:
       The new local k, v and ``int32[B, C/P]`` positions (the rest of the slots empty).
     """
@@ -265,7 +265,7 @@ class Step:
 
     Attributes:
       q: ``[B, T, H, Dqk]``; k: ``[B, T, Hkv, Dqk]``; v: ``[B, T, Hkv, Dv]`` the new tokens
-        (against an FP8 cache: q float32, k and v as it stores them, :data:`Stored`).
+        (against an FP8 cache: q float32, k and v as it stores them, ``Stored``).
       bidirectional_ids: ``int32[B, T]`` the new tokens' ids, or None (all 0). Every
         cached token is earlier than every new one and seen anyway, so the ids only
         lift causality among the step's own tokens: nothing of them is stored.
@@ -285,7 +285,7 @@ def append_and_attend(step: Step, k_cache: Stored, v_cache: Stored, positions: j
     """Per shard: write the new tokens this shard owns, attend to the local slots, merge.
 
     ``step``: the new tokens (the same on every device); k_cache/v_cache:
-    ``[B, C/P, Hkv, D]`` (FP8: ``(values, scales)`` pairs, :data:`Stored`, attended
+    ``[B, C/P, Hkv, D]`` (FP8: ``(values, scales)`` pairs, ``Stored``, attended
     dequantized to float32), positions ``int32[B, C/P]``; ``fits``: whether the step is
     allowed (a refused one writes nothing); ``options``: the kernel's static options
     (an always causal mask); ``ring``: a sliding-window cache, where position ``p``

@@ -71,7 +71,7 @@ class Wire:
         return quant.encode(x, self.dtype)
 
     def decode(self, raw: jax.Array) -> jax.Array:
-        """What :meth:`encode` sent, back as ``[..., F]`` in :attr:`like`."""
+        """What :meth:`encode` sent, back as ``[..., F]`` in ``like``."""
         return quant.decode(raw, self.dtype, self.like)
 
     def decode_kv(self, block: tuple) -> tuple[jax.Array, jax.Array]:
