@@ -262,9 +262,10 @@ def _pipeline_bwd(config, residuals, cotangents):
         return rows[name][:, :, g * layout.q_group:(g + 1) * layout.q_group]
 
     wire = Wire.of(stage.options.compute, dtype, backward=True)  # dout, as the kernel takes it
+    sending = wire.encode(dout)  # once: each group sends its heads of it
 
     def exchange_in(g):
-        return seq_to_heads(layout.take(wire.encode(dout), g), axis_name)
+        return seq_to_heads(layout.take(sending, g), axis_name)
 
     arrived = exchange_in(0)
     back: list[Any] = []
