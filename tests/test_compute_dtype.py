@@ -6,6 +6,7 @@ The issue's shape (S=1024, H=8: its bound, the P=8 / P=1 ratio) is the matrix ti
 default tier runs the same checks at S=256."""
 
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -289,7 +290,6 @@ def test_fp8_inputs_without_scales_are_refused_naming_compute_dtype(call, mesh):
 
 def _gemm_operand_dtypes(text):
     """The operand dtypes of every GEMM fusion of an XLA:GPU program's text."""
-    import re
     return [tuple(re.findall(r": (\w+)\[", params)) for params in re.findall(
         r"^%\S*gemm_fusion\S* \(([^)]*)\) ->", text, re.M)]
 
@@ -297,9 +297,11 @@ def _gemm_operand_dtypes(text):
 @pytest.mark.compile_gate
 @pytest.mark.parametrize("backward", ["float8_e4m3fn", "bfloat16"])
 def test_fp8_products_compile_to_fp8_gemms_on_h100(backward):
-    """On 8 H100s (compile only) the XLA kernel's products take their operands in the
-    compute dtype: FP8 x FP8 GEMM fusions (float32 accumulation) in the forward and, with
-    an FP8 backward, in the backward; bf16 x bf16 ones with a bf16 backward."""
+    """On 8 H100s (compile only) the XLA kernel's products (``kernel="xla"``) take their
+    operands in the compute dtype: FP8 x FP8 GEMM fusions (float32 accumulation) in the
+    forward and, with an FP8 backward, in the backward; bf16 x bf16 ones with a bf16
+    backward. ``kernel="auto"`` runs the Triton FP8 kernels instead: no GEMM fusion of
+    FP8 operands is left, and the FP8 forward and backward kernels are there."""
     from jax.sharding import NamedSharding
     from jax_seqpar.tools import targets
 
@@ -312,16 +314,23 @@ def test_fp8_products_compile_to_fp8_gemms_on_h100(backward):
                              sharding=NamedSharding(mesh, P(None, "sp")))
     compute = jax_seqpar.Compute(jnp.float8_e4m3fn, backward_dtype=backward)
 
-    def step(q, k, v):
-        out, pull = jax.vjp(lambda q, k, v: jax_seqpar.sequence_parallel_attention(
-            q, k, v, mesh=mesh, seq_axes="sp", strategy="ring", causal=True,
-            compute_dtype=compute), q, k, v)
-        return pull(jnp.ones_like(out))
+    def compiled(kernel):
+        def step(q, k, v):
+            out, pull = jax.vjp(lambda q, k, v: jax_seqpar.sequence_parallel_attention(
+                q, k, v, mesh=mesh, seq_axes="sp", strategy="ring", causal=True,
+                compute_dtype=compute, kernel=kernel), q, k, v)
+            return pull(jnp.ones_like(out))
 
-    compiled = jax.jit(step).trace(q, q, q).lower(lowering_platforms=("cuda",)).compile(
-        compiler_options=targets.compile_options("cuda", "ring"))
-    gemms = _gemm_operand_dtypes(compiled.as_text())
+        return jax.jit(step).trace(q, q, q).lower(lowering_platforms=("cuda",)).compile(
+            compiler_options=targets.compile_options("cuda", "ring")).as_text()
+
+    gemms = _gemm_operand_dtypes(compiled("xla"))
     fp8 = sum(d[:2] == ("f8e4m3fn", "f8e4m3fn") for d in gemms)
     bf16 = sum(d[:2] == ("bf16", "bf16") for d in gemms)
     assert fp8 >= (6 if backward == "float8_e4m3fn" else 2), gemms  # QK, PV; dV, dP, dK, dQ
     assert (bf16 >= 4) == (backward == "bfloat16"), gemms
+    auto = compiled("auto")
+    assert not any("f8e4m3fn" in d[0] for d in _gemm_operand_dtypes(auto))
+    triton = re.findall(
+        r'__gpu\$xla\.gpu\.triton", operand_layout_constraints=(.*?), api_version', auto)
+    assert sum("f8e4m3fn[" in operands for operands in triton) >= 3, triton  # fwd, dq, dkv

@@ -18,6 +18,7 @@ from jax_seqpar import kernels
 from jax_seqpar.core import reference
 from jax_seqpar.core.masks import MaskSpec, Tokens
 from jax_seqpar.kernels import make_options
+from jax_seqpar.kernels.gpu import pallas
 from test_compute_dtype import fa3_inputs
 
 SEQ = 256
@@ -103,11 +104,18 @@ def test_the_backward_dtype_changes_only_the_gradients(kernel, problem):
     assert max(errors(bf16, want)[1]) < max(errors(fp8, want)[1])
 
 
-def test_auto_keeps_the_xla_kernel_and_other_backwards_are_refused():
+def test_auto_runs_the_pallas_fp8_kernels_and_other_backwards_are_refused():
     q = jnp.ones((1, 32, 2, 16), jnp.bfloat16)
     spec = MaskSpec.make(causal=True)
-    assert make_options(q, spec, compute_dtype=FP8).kernel == "xla"  # auto: XLA everywhere
+    # auto keeps its per-platform choice (Triton on GPU, Mosaic on TPU, XLA on CPU) for
+    # an FP8 forward with an FP8 or bf16 backward, and the XLA kernel for the others.
+    assert make_options(q, spec, compute_dtype=FP8).kernel == "auto"
+    assert make_options(q, spec, compute_dtype=jax_seqpar.Compute(
+        FP8, backward_dtype=jnp.bfloat16)).kernel == "auto"
     other = jax_seqpar.Compute(FP8, backward_dtype=jnp.float8_e5m2, hadamard=False)
+    assert make_options(q, spec, compute_dtype=other).kernel == "xla"
+    # the Triton FP8 kernels serve the head dims the compile gate measured (<= 256)
+    assert pallas.compiles_clean(256, 256, FP8) and not pallas.compiles_clean(576, 512, FP8)
     for kernel in ("pallas", "mosaic"):
         with pytest.raises(ValueError, match=f"kernel='{kernel}'.*same FP8 format or in "
                                              "bfloat16.*kernel='xla'"):

@@ -179,9 +179,10 @@ def sequence_parallel_attention(
         ``jnp.float8_e4m3fn``, ...; None: the inputs' dtype), or a
         :class:`jax_seqpar.Compute` (another dtype backward, the Hadamard rotation).
         FP8 is scaled per head and per kernel tile of tokens, q and k rotated first by
-        default, and runs in the XLA kernel (``kernel="auto"`` takes it; ``"pallas"``
-        and ``"mosaic"`` refuse it). The softmax, the lse and every partial sum stay
-        float32; the output and the gradients keep the inputs' dtype.
+        default; ``kernel="auto"`` runs it in the Pallas kernels where they serve it
+        (Triton on H100-class GPUs, Mosaic on TPU) and the XLA kernel elsewhere. The
+        softmax, the lse and every partial sum stay float32; the output and the
+        gradients keep the inputs' dtype.
       sinks: ``[H]`` float logits of a zero-valued virtual key per head (gpt-oss:
         ``p_j = exp(s_j) / (exp(sinks[h]) + sum_k exp(s_k))``), differentiable.
       return_lse: also return the float32 ``[B, S, H]`` log-sum-exp of every row

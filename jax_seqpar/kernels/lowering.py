@@ -10,8 +10,10 @@ keeps only the branch of its platform: a program compiled ahead of time for H100
 CPU host carries the Triton kernel, the same program jitted on CPU the XLA kernel.
 ``"auto"`` takes the XLA kernel wherever the platform's kernel does not take the
 operands' dtype (Mosaic: no float16) or would spill registers (Triton's float32
-backward beyond head dim 128), and for every FP8 ``compute_dtype`` (``make_options``
-sets it; ``"pallas"`` and ``"mosaic"`` compute FP8 themselves by name).
+backward beyond head dim 128; FP8 beyond head dim 256 or on a GPU without FP8 matrix
+units, :func:`jax_seqpar.kernels.gpu.pallas.compiles_clean`), and for the FP8
+``compute_dtype`` combinations only it computes (another dtype backward:
+``make_options`` sets it).
 
 A call with ``accumulate`` (a ring step, a pipeline's piece) whose queries can see none
 of its keys is skipped whole: a ``lax.cond`` on a few tile summaries
@@ -31,7 +33,7 @@ from jax_seqpar.core import compat as _compat
 from jax_seqpar.core import masks
 from jax_seqpar.core.masks import Tokens
 from jax_seqpar.kernels import tiling
-from jax_seqpar.kernels.options import KERNELS, KernelName, Options
+from jax_seqpar.kernels.options import KERNELS, KernelName, Options, pallas_computes
 
 __all__ = ["attention", "backward", "forward", "may_interpret"]
 
@@ -109,12 +111,13 @@ def _kernel(method: str, options: Options, q: jax.Array, v: jax.Array, **extra) 
                                  **extra)
     branches: dict[str, Callable] = {}
     chosen = set()
+    products = options.compute.dtype if pallas_computes(options.compute) else q.dtype
     for platform, name in _PLATFORM_KERNELS[options.kernel].items():
         module = _module(name)
         # "auto" stages only a kernel that takes the dtype and compiles cleanly: each
         # branch is traced, so one its platform's kernel cannot serve must not be.
         serves = (module.DTYPES is None or q.dtype in module.DTYPES) and (
-            name != "pallas" or module.compiles_clean(q.shape[-1], v.shape[-1], q.dtype))
+            name != "pallas" or module.compiles_clean(q.shape[-1], v.shape[-1], products))
         if options.kernel == "auto" and not serves:
             name, module = "xla", _module("xla")
         keywords = {"interpret": name == "pallas-interpret"} if "pallas" in name else {}

@@ -230,9 +230,10 @@ def make_options(q: jax.Array, spec: MaskSpec, *, scale: float | None = None,
         options = dataclasses.replace(options, kernel="xla")
     if options.compute is not None and options.cast_dtype is None and kernel != "xla":
         # FP8 (or another dtype backward): the Pallas kernels take an FP8 forward with an
-        # FP8 (same format) or bfloat16 backward by name; "auto" runs the XLA kernel for
-        # every such call on every platform; other combinations only the XLA kernel.
-        if kernel in ("pallas", "mosaic") and pallas_computes(options.compute):
+        # FP8 (same format) or bfloat16 backward, by name or through "auto" (which runs
+        # them where they compile cleanly, jax_seqpar.kernels.lowering); other
+        # combinations only the XLA kernel.
+        if kernel in ("auto", "pallas", "mosaic") and pallas_computes(options.compute):
             return options
         _refuse_scaled(options.compute, kernel)
         return dataclasses.replace(options, kernel="xla")

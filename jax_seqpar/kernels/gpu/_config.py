@@ -81,22 +81,42 @@ def _default_tiles(d_qk: int, d_v: int, dtype) -> tuple[int, int, int, int]:
 #: Widest head dim the float32 (TF32x3) kernels compile for without spilling.
 MAX_F32_WIDTH = 128
 
+#: Widest head dim the FP8 kernels were compiled for without spilling (the compile gate).
+MAX_FP8_WIDTH = 256
+
 
 def compiles_clean(d_qk: int, d_v: int, dtype: jax.typing.DTypeLike) -> bool:
-    """Whether the default tiles compile without register spills on sm_80 and sm_90:
-    every bf16 / fp16 head dim; float32 up to ``MAX_F32_WIDTH`` (wider float32
-    heads spill in the backward). ``kernel="auto"`` runs the XLA kernel otherwise."""
+    """Whether the default tiles compile without register spills on sm_80 and sm_90,
+    ``dtype`` the products' dtype: every bf16 / fp16 head dim; float32 up to
+    ``MAX_F32_WIDTH`` (wider float32 heads spill in the backward); FP8 up to
+    ``MAX_FP8_WIDTH`` (the widths the compile gate measured on sm_90a), on a GPU with
+    FP8 matrix units (compute capability 8.9 or later; unknown, as when compiling for a
+    GPU from a CPU host, counts as one). ``kernel="auto"`` runs the XLA kernel otherwise."""
+    if jnp.dtype(dtype).itemsize == 1:
+        capability = gpu_capability()
+        return _width(d_qk, d_v) <= MAX_FP8_WIDTH and (capability is None
+                                                        or capability >= (8, 9))
     return jnp.dtype(dtype) != jnp.float32 or _width(d_qk, d_v) <= MAX_F32_WIDTH
+
+
+def gpu_capability() -> Optional[tuple[int, int]]:
+    """``(major, minor)`` compute capability of the local GPU ((9, 0): H100/H200), or None
+    when there is none (e.g. compiling for a GPU from a CPU host)."""
+    if jax.default_backend() != "gpu":
+        return None
+    capability = getattr(jax.devices()[0], "compute_capability", None)
+    if not capability:
+        return None
+    major, _, minor = str(capability).partition(".")
+    return int(major), int(minor or 0)
 
 
 def gpu_generation() -> Optional[int]:
     """Compute-capability major of the local GPU (9: H100/H200, 8: A100), or None when
     there is none (e.g. compiling for a GPU from a CPU host): defaults then take the
     values that compile on both."""
-    if jax.default_backend() != "gpu":
-        return None
-    capability = getattr(jax.devices()[0], "compute_capability", None)
-    return int(str(capability).split(".")[0]) if capability else None
+    capability = gpu_capability()
+    return None if capability is None else capability[0]
 
 
 def launch(kind: str, rows: int, d_qk: int, d_v: int, dtype, *,

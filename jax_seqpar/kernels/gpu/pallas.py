@@ -43,7 +43,9 @@ How the work is cut:
   (:func:`jax_seqpar.kernels.fp8_inputs.inputs`), FP8 x FP8 dots with float32
   accumulation, P (and dS) rounded to FP8 per (head, tile) with the other operand's
   per-token scale folded in (FlashAttention-3; the bodies in ``_fp8``), tiles of their
-  own (:func:`default_block_sizes` for the FP8 dtype);
+  own (:func:`default_block_sizes` for the FP8 dtype); ``kernel="auto"`` runs them on
+  GPUs with FP8 matrix units (compute capability 8.9+) up to head dim 256
+  (:func:`compiles_clean`), the XLA kernel's FP8 GEMMs otherwise;
 * decode-sized queries (under 16 tokens) of a GQA/MQA group are folded into the
   rows of one program per kv head: each K/V tile is read once per group; a call
   with one query tile per (batch, head) and too few programs to fill the GPU
