@@ -101,9 +101,6 @@ def _kernel(method: str, options: Options, q: jax.Array, v: jax.Array, **extra) 
             "kernels take them as given: rotate them first "
             "(jax_seqpar.strategies.wire.rotated, which every entry point applies) and call "
             "the kernel with Compute(..., hadamard=False).")
-    if options.return_max_logit and options.kernel != "xla":  # make_options takes "xla"
-        raise ValueError(f"options.return_max_logit needs kernel='xla' (only the XLA kernel "
-                         f"returns the rows' max logit). Got kernel={options.kernel!r}.")
     if options.kernel in ("xla", "mosaic"):
         return functools.partial(getattr(_module(options.kernel), method), options=options,
                                  **extra)
