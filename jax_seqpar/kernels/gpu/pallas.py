@@ -1,7 +1,8 @@
 """Pallas flash attention (FlashAttention-2): the GPU kernel, with the contract of ``xla.py``.
 
 The kernel contract (:mod:`jax_seqpar.kernels.contract`), like
-:mod:`jax_seqpar.kernels.xla`: :func:`forward` -> ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])``,
+:mod:`jax_seqpar.kernels.xla`: :func:`forward` -> ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])``
+(and ``max_logit float32[B, Sq, H]`` with ``options.return_max_logit``),
 :func:`backward` (given the final ``lse`` and ``delta = sum(dout * out, -1) - dlse``)
 -> float32 ``(dq, dk, dv)``, and :func:`attention`, a ``custom_vjp`` of both that
 takes cotangents for ``out`` AND ``lse``.
@@ -155,12 +156,18 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_token
       interpret: None: Triton when the program is lowered for a GPU, the Pallas
         interpreter elsewhere; True / False force one.
       accumulate: optional ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])`` of
-        earlier keys, merged with this call's result after the kernel
-        (:func:`jax_seqpar.kernels.contract.merge_accumulated`).
+        earlier keys (with ``options.return_max_logit`` also their ``max_logit``),
+        merged with this call's result after the kernel
+        (:func:`jax_seqpar.kernels.contract.merge_accumulated`; the max logits by
+        ``maximum``).
     Returns:
       ``out float32[B, Sq, H, Dv]`` (normalized) and ``lse float32[B, Sq, H]``;
       softmax statistics and accumulators in float32 whatever the input dtype.
       float32 inputs take TF32x3 dots on GPU (float32-level error on tensor cores).
+      With ``options.return_max_logit`` also ``max_logit float32[B, Sq, H]``: each row's
+      largest visible logit ``scale * q.k`` before the soft-cap (``-inf``: none; FP8: of
+      the quantized operands), a running max of its own in the kernel, written like
+      ``lse``.
 
     .. code-block:: python
 
@@ -172,7 +179,7 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_token
         # ((1, 32, 2, 16), dtype('float32'), (1, 32, 2))
     """
     options = _validate(q, k, v, q_tokens, kv_tokens, options, interpret)
-    contract.check_accumulated(q, v, accumulate)
+    contract.check_accumulated(q, v, accumulate, options)
     return contract.merge_accumulated(
         _forward(*contract.isolated(q, k, v), q_tokens, kv_tokens, options, interpret),
         accumulate)
@@ -189,8 +196,10 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options, interpret: Optional
 
 def _attend(q, k, v, q_tokens, kv_tokens, options: Options, interpret: Optional[bool],
             scales=None, may_split=True):
-    """The forward's ``pallas_call``; ``scales``: FP8 operands' per-token ``(q [B, Sq, H],
-    k [B, Sk, Hkv], v [B, Sk, Hkv])`` float32 scales (:mod:`._fp8`'s kernel), or None."""
+    """The forward's ``pallas_call``: ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])``,
+    and ``max_logit float32[B, Sq, H]`` last with ``options.return_max_logit``.
+    ``scales``: FP8 operands' per-token ``(q [B, Sq, H], k [B, Sk, Hkv], v [B, Sk, Hkv])``
+    float32 scales (:mod:`._fp8`'s kernel), or None."""
     # Inside shard_map every operand must vary over the same axes (e.g. replicated
     # decode queries against a sharded cache).
     q, k, v, q_tokens, kv_tokens, scales = _compat.match_varying(
@@ -271,7 +280,8 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_toke
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
               options: Options, *, interpret: Optional[bool] = None):
-    """Differentiable :func:`forward`: ``(out float32, lse float32)``.
+    """Differentiable :func:`forward`: ``(out float32, lse float32)`` (and the max logit
+    with ``options.return_max_logit``: no gradient, its cotangent ignored).
 
     The backward (:func:`backward`) accepts cotangents for both ``out`` and ``lse``,
     so merged partial results (ring attention) differentiate exactly. The residual

@@ -1,7 +1,8 @@
 """Mosaic flash attention: the TPU kernel, with the contract of ``xla.py``.
 
 The kernel contract (:mod:`jax_seqpar.kernels.contract`), like
-:mod:`jax_seqpar.kernels.xla`: :func:`forward` -> ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])``,
+:mod:`jax_seqpar.kernels.xla`: :func:`forward` -> ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])``
+(and ``max_logit float32[B, Sq, H]`` with ``options.return_max_logit``),
 :func:`backward` (given the final ``lse`` and ``delta = sum(dout * out, -1) - dlse``)
 -> float32 ``(dq, dk, dv)``, and :func:`attention`, a ``custom_vjp`` of both that
 takes cotangents for ``out`` AND ``lse``. Every function takes the call's
@@ -175,12 +176,17 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_token
         ``block_sizes`` (multiples of 128; None, or a size left None:
         :func:`default_block_sizes`).
       accumulate: optional ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])`` of
-        earlier keys; the kernel continues it (the online softmax starts from it) and
-        writes the result in its place: no float32 result per call and no merge pass.
+        earlier keys (with ``options.return_max_logit`` also their ``max_logit``:
+        :func:`~jax_seqpar.kernels.contract.check_accumulated`); the kernel continues
+        it (the online softmax, and the running max logit, start from it) and writes
+        the result in its place: no float32 result per call and no merge pass.
     Returns:
       ``out float32[B, Sq, H, Dv]`` (normalized) and ``lse float32[B, Sq, H]``, over
       these keys and those of ``accumulate``; softmax statistics and accumulators in
-      float32 whatever the input dtype.
+      float32 whatever the input dtype. With ``options.return_max_logit`` also
+      ``max_logit float32[B, Sq, H]``: each row's largest visible logit ``scale * q.k``
+      before the soft-cap (``-inf``: none; FP8: of the quantized operands), a running
+      max of its own in VMEM, written like ``lse``.
 
     .. code-block:: python
 
@@ -192,14 +198,7 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_token
         # ((1, 32, 2, 64), dtype('float32'), (1, 32, 2))
     """
     options = _checked(q, k, v, q_tokens, kv_tokens, options)
-    contract.check_accumulated(q, v, accumulate)
-    results = 3 if options.return_max_logit else 2
-    if accumulate is not None and len(accumulate) != results:
-        raise ValueError(
-            f"accumulate holds {len(accumulate)} arrays, but the kernel continues "
-            f"{results}: (out, lse{', max_logit' if results == 3 else ''}) with "
-            f"options.return_max_logit={options.return_max_logit}. Pass the running result "
-            "of a call with the same return_max_logit.")
+    contract.check_accumulated(q, v, accumulate, options)
     return _forward(q, k, v, q_tokens, kv_tokens, options, accumulate)  # isolated per tile
 
 
@@ -303,7 +302,8 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_toke
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
               options: Options):
-    """Differentiable :func:`forward`: ``(out float32, lse float32)``, through
+    """Differentiable :func:`forward`: ``(out float32, lse float32)`` (and the max logit
+    with ``options.return_max_logit``: no gradient), through
     :func:`jax_seqpar.kernels.contract.differentiable`.
 
     Its VJP runs the Mosaic ``dq`` and ``dk, dv`` kernels (:func:`backward`) and takes
