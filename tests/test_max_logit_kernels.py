@@ -139,6 +139,25 @@ def test_fp8_rows_max_logit_is_of_the_quantized_operands(kernel):
     assert not np.allclose(np.asarray(high), np.asarray(exact), rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("split", [False, True], ids=["fold", "split-k"])
+def test_triton_decode_paths(split, monkeypatch):
+    """Decode-sized calls: a GQA group's queries folded into one program's rows
+    (unfolded after), and split-K over the cache (the runs' maxima merged by
+    ``maximum``) return each row's max logit."""
+    from jax_seqpar.kernels.gpu import _decode
+
+    case = kc.Case(batch=1, q_len=2 - split, kv_len=45, heads=4, kv_heads=1, causal=True,
+                   segments=split)
+    if split:
+        monkeypatch.setattr(_decode, "MIN_SPLIT_KEYS", 16)
+        assert _decode.kv_splits(1, 1, 45, 16) == 2
+    (q, k, v), _ = kc.inputs(case, jnp.float32)
+    tokens = kc.tokens(case)
+    high = _forward("pallas", _options("pallas", case, return_max_logit=True), q, k, v,
+                    tokens)[2]
+    _assert_rows(high, row_maxima(case, q, k, v, tokens))
+
+
 @pytest.mark.parametrize("kernel", ["pallas", "mosaic"])
 def test_accumulate_merges_the_max_logits(kernel):
     """The forward over a second run of keys continued from the first's triple (Mosaic
