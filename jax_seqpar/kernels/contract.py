@@ -285,7 +285,9 @@ def differentiable(forward_impl: Callable, backward_impl: Callable) -> Callable:
     """The kernels' ``attention``: ``forward_impl`` with ``backward_impl`` as its VJP.
 
     Args:
-      forward_impl: ``(q, k, v, q_tokens, kv_tokens, *static) -> (out f32, lse f32)``.
+      forward_impl: ``(q, k, v, q_tokens, kv_tokens, *static) -> (out f32, lse f32)``,
+        or ``(out, lse, max_logit f32)`` (``Options.return_max_logit``: the third has no
+        gradient, its cotangent is ignored).
       backward_impl: ``(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *static)
         -> float32 (dq, dk, dv)``.
     Returns:
@@ -352,7 +354,9 @@ class Kernel(Protocol):
         """``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])`` of ``q [B, Sq, H, Dqk]``
         against ``k [B, Sk, Hkv, Dqk]``, ``v [B, Sk, Hkv, Dv]`` under ``options`` (the
         call's :class:`jax_seqpar.kernels.options.Options`), merged with ``accumulate``
-        (the ``(out, lse)`` of earlier keys) when given."""
+        (the ``(out, lse)`` of earlier keys) when given; with
+        ``options.return_max_logit`` the triple ``(out, lse, max_logit float32[B, Sq,
+        H])``, ``accumulate`` too."""
 
     def backward(self, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens,
                  kv_tokens: Tokens, lse: jax.Array, delta: jax.Array, dout: jax.Array,
