@@ -202,17 +202,23 @@ def test_gradients_unchanged_with_the_flag(kernel, tolerances):
         np.testing.assert_allclose(got, want, **tolerances(jnp.float32, "grad"))
 
 
+@pytest.mark.parametrize("form", ["ring", "allgather-pieces", "ulysses-pieces",
+                                  "hybrid-groups"])
 @pytest.mark.parametrize("kernel", ["pallas", "mosaic"])
-def test_ring_with_the_pallas_kernels(kernel):
-    """A ring on the 8 emulated devices with the kernel: every step's max logit merged
-    (``accumulate`` triples), the reference's per head."""
-    B, S, H, HKV, D = 1, 64, 4, 2, 16
+def test_strategies_with_the_pallas_kernels(kernel, form):
+    """The strategies on the 8 emulated devices with the kernel: the ring's steps merge
+    their max logits (``accumulate`` triples: Triton after the kernel, Mosaic in it),
+    the pipelines' pieces theirs; the reference's per head."""
+    from test_max_logit import FORMS
+
+    B, S, H, HKV, D = 1, 64, 8, 4, 16  # Ulysses: heads over 8 devices
     q, k, v = checks.normals([(B, S, H, D), (B, S, HKV, D), (B, S, HKV, D)])
     k = k.at[:, S - 1, 0].set(8.0 * q[:, 0, 0])  # hidden by causality
-    mesh, seq_axes = checks.strategy_mesh("ring")
+    strategy, pipelining = FORMS[form]
+    mesh, seq_axes = checks.strategy_mesh(strategy)
     out, high = jax_seqpar.sequence_parallel_attention(
-        q, k, v, mesh=mesh, seq_axes=seq_axes, strategy="ring", kernel=kernel, causal=True,
-        return_max_logit=True)
+        q, k, v, mesh=mesh, seq_axes=seq_axes, strategy=strategy, kernel=kernel, causal=True,
+        return_max_logit=True, **pipelining)
     np.testing.assert_allclose(high, reference.max_logit(q, k, v, causal=True), **TOL)
     np.testing.assert_allclose(out, reference.attention(q, k, v, causal=True), rtol=2e-5,
                                atol=2e-5)
