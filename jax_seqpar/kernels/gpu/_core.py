@@ -29,7 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jax_seqpar.core import blocks, masks
 from jax_seqpar.kernels import tiling as _tiling
-from jax_seqpar.kernels.tiling import Tiling, pad_seq, padded_tokens
+from jax_seqpar.kernels.tiling import Tiling
 from jax_seqpar.core.masks import MaskSpec, Tokens
 
 F32 = jnp.float32
