@@ -488,6 +488,39 @@ def test_pallas_fp8_compiles_without_spills(target, head_dim, backward):
         assert resources.spill_stores == resources.spill_loads == 0, (name, resources)
 
 
+@pytest.mark.parametrize("target, compute", [
+    _on("h100:1", compute) for compute in ("bfloat16", "float8_e4m3fn")])
+def test_pallas_max_logit_compiles_without_spills(target, compute):
+    """``return_max_logit=True`` with ``kernel="pallas"`` on H100, head dim 128, GQA,
+    causal, bf16 and FP8 (an FP8 backward): the forward with its extra output (the rows'
+    running max logit in the loop carry) and the backward compile at the default tiles,
+    ptxas counts no spill (a spill is a compile error here)."""
+    sharding = NamedSharding(targets.target_mesh(target), P())
+    q, k, v = (jax.ShapeDtypeStruct((1, 512, heads, 128), jnp.bfloat16, sharding=sharding)
+               for heads in (8, 2, 2))
+    fp8 = compute != "bfloat16"
+    options = dict(kernel="pallas", return_max_logit=True,
+                   compute_dtype=Compute(compute, hadamard=False) if fp8 else None)
+
+    def grads(q, k, v):
+        tokens = Tokens(jnp.arange(512, dtype=jnp.int32)[None])
+
+        def loss(q, k, v):
+            out, lse, high = kernels.attention(
+                make_options(q, MaskSpec.make(causal=True), **options), q, k, v, tokens,
+                tokens)
+            return out.sum() + lse.sum() + high.sum()
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    program = aot.compile_for(grads, (q, k, v), "cuda", fail_on_spills=True,
+                              kernel_resources=True)
+    assert {f"triton:{name}" for name in program.kernels} == (TRITON_FP8 if fp8 else TRITON_ALL)
+    for name, resources in program.kernels.items():
+        print(name, resources)
+        assert resources.spill_stores == resources.spill_loads == 0, (name, resources)
+
+
 @_compiles_for(GPU)
 def test_a_spill_is_a_compile_error():
     """The gate's spill check is live: a kernel that spills does not compile, and the

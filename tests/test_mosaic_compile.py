@@ -49,13 +49,15 @@ def _structs(sharding, batch, seq, heads, kv_heads, d_qk, d_v, dtype=jnp.bfloat1
         (batch, seq, heads, d_qk), (batch, seq, kv_heads, d_qk), (batch, seq, kv_heads, d_v))]
 
 
-@pytest.mark.parametrize("target,heads,kv_heads,d_qk,d_v", [
-    pytest.param("v5e:2x4", 8, 2, 128, 128, id="v5e-d128"),
-    pytest.param("v5p:2x2x2", 4, 4, 256, 256, id="v5p-d256"),
-    pytest.param("v6e:2x4", 8, 1, 576, 512, id="v6e-mla"),
+@pytest.mark.parametrize("target,heads,kv_heads,d_qk,d_v,max_logit", [
+    pytest.param("v5e:2x4", 8, 2, 128, 128, False, id="v5e-d128"),
+    pytest.param("v5p:2x2x2", 4, 4, 256, 256, False, id="v5p-d256"),
+    pytest.param("v6e:2x4", 8, 1, 576, 512, False, id="v6e-mla"),
+    pytest.param("v5p:2x2x2", 8, 2, 128, 128, True, id="v5p-d128-max-logit"),
 ])
-def test_kernel_compiles_at_default_tiles(target, heads, kv_heads, d_qk, d_v):
-    """Forward, dq and dk/dv at the default (largest) tiles fit VMEM and lower."""
+def test_kernel_compiles_at_default_tiles(target, heads, kv_heads, d_qk, d_v, max_logit):
+    """Forward, dq and dk/dv at the default (largest) tiles fit VMEM and lower; with
+    ``return_max_logit`` the forward's extra output and VMEM running max too."""
     mesh = _tpu_mesh(target)
     chip = NamedSharding(jax.sharding.Mesh(mesh.devices.flat[:1], ("x",)), P())
     # Several tiles of every kernel.
@@ -66,9 +68,10 @@ def test_kernel_compiles_at_default_tiles(target, heads, kv_heads, d_qk, d_v):
                         jnp.zeros((1, seq), jnp.int32))
 
         def loss(q, k, v):
-            out, lse = mosaic.attention(q, k, v, tokens, tokens, make_options(
-                q, MaskSpec.make(True), kernel="mosaic", softcap=30.0))
-            return out.sum() + lse.sum()
+            out, lse, *high = mosaic.attention(q, k, v, tokens, tokens, make_options(
+                q, MaskSpec.make(True), kernel="mosaic", softcap=30.0,
+                return_max_logit=max_logit))
+            return out.sum() + lse.sum() + sum(x.sum() for x in high)
 
         return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
 
@@ -104,14 +107,17 @@ def test_fp8_kernel_compiles_for_v5p(d, backward):
     assert "f8e4m3fn[" in text  # the kernels take FP8 operands
 
 
-@pytest.mark.parametrize("strategy,target,d_qk,d_v", [
-    pytest.param("ring", "v5p:2x2x2", 128, 128, id="ring-v5p-d128"),
-    pytest.param("ulysses", "v5e:2x4", 256, 256, id="ulysses-v5e-d256"),
-    pytest.param("allgather", "v6e:2x4", 576, 512, id="allgather-v6e-mla"),
-    pytest.param("hybrid", "v5p:2x2x2", 128, 128, id="hybrid-v5p-d128"),
+@pytest.mark.parametrize("strategy,target,d_qk,d_v,max_logit", [
+    pytest.param("ring", "v5p:2x2x2", 128, 128, False, id="ring-v5p-d128"),
+    pytest.param("ulysses", "v5e:2x4", 256, 256, False, id="ulysses-v5e-d256"),
+    pytest.param("allgather", "v6e:2x4", 576, 512, False, id="allgather-v6e-mla"),
+    pytest.param("hybrid", "v5p:2x2x2", 128, 128, False, id="hybrid-v5p-d128"),
+    pytest.param("ring", "v5p:2x2x2", 128, 128, True, id="ring-v5p-d128-max-logit"),
 ])
-def test_strategy_compiles_with_mosaic(strategy, target, d_qk, d_v):
-    """Forward+backward through the global API on a compile-only TPU mesh."""
+def test_strategy_compiles_with_mosaic(strategy, target, d_qk, d_v, max_logit):
+    """Forward+backward through the global API on a compile-only TPU mesh; with
+    ``return_max_logit`` the ring's steps continue the running max logit in the kernel
+    (``accumulate`` triples aliased to the outputs)."""
     if strategy == "hybrid":
         axes = ("dcn", "ici")
         mesh = _tpu_mesh(target, (2, 4), axes)
@@ -120,8 +126,13 @@ def test_strategy_compiles_with_mosaic(strategy, target, d_qk, d_v):
         mesh = _tpu_mesh(target)
     kv_heads = 1 if d_qk != d_v else 4  # MLA absorbed: MQA with Dqk=576, Dv=512
     attend = functools.partial(sp.sequence_parallel_attention, mesh=mesh, seq_axes=axes,
-                               strategy=strategy, kernel="mosaic", causal=True)
-    loss = lambda q, k, v: attend(q, k, v).astype(jnp.float32).sum()  # noqa: E731
+                               strategy=strategy, kernel="mosaic", causal=True,
+                               return_max_logit=max_logit)
+
+    def loss(q, k, v):
+        out, *high = jax.tree.leaves(attend(q, k, v))
+        return out.astype(jnp.float32).sum() + sum(x.sum() for x in high)
+
     structs = _structs(NamedSharding(mesh, P(None, axes)), 1, 2048, 8, kv_heads, d_qk, d_v)
     _, text = _compile(jax.grad(loss, argnums=(0, 1, 2)), structs)
     assert text.count(MOSAIC_CALL) >= 3

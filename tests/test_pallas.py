@@ -22,7 +22,7 @@ import kernel_cases as kc
 from jax_seqpar.core import blocks
 from jax_seqpar.core.masks import MaskSpec, Tokens
 from jax_seqpar.kernels.options import Options
-from jax_seqpar.kernels.gpu import _core as _pallas_core, pallas
+from jax_seqpar.kernels.gpu import _core as _pallas_core, _decode as _pallas_decode, pallas
 from jax_seqpar.kernels.tiling import Tiling
 from kernel_cases import Case
 
@@ -57,7 +57,7 @@ def test_head_dims(case, tolerances):
 
 def test_decode_rows_fold_the_group(tolerances):
     """Two new tokens of an 8-head MQA group share one K/V pass (fold), exact."""
-    assert _pallas_core.folds_group(2, 8, 1)
+    assert _pallas_decode.folds_group(2, 8, 1)
     kc.check("pallas", _head_dims(64, 64, heads=8, q_len=2, kv_len=40, causal=True),
              jnp.float32, tolerances)
 
@@ -65,12 +65,12 @@ def test_decode_rows_fold_the_group(tolerances):
 def test_decode_splits_the_cache(monkeypatch, tolerances):
     """A decode step with few programs splits the cache into runs (split-K, the last
     run padded) and merges them exactly; a long call that fills the GPU does not."""
-    assert _pallas_core.kv_splits(8, 1, 65536, 64) == 16  # 8 programs -> 128
-    assert _pallas_core.kv_splits(8, 1, 2048, 64) == 8  # runs keep 256 keys
-    assert _pallas_core.kv_splits(8, 2, 65536, 64) == 1  # two query tiles: prefill
-    assert _pallas_core.kv_splits(256, 1, 65536, 64) == 1  # the GPU is full
-    monkeypatch.setattr(_pallas_core, "MIN_SPLIT_KEYS", 16)
-    assert _pallas_core.kv_splits(1, 1, 45, 16) == 2
+    assert _pallas_decode.kv_splits(8, 1, 65536, 64) == 16  # 8 programs -> 128
+    assert _pallas_decode.kv_splits(8, 1, 2048, 64) == 8  # runs keep 256 keys
+    assert _pallas_decode.kv_splits(8, 2, 65536, 64) == 1  # two query tiles: prefill
+    assert _pallas_decode.kv_splits(256, 1, 65536, 64) == 1  # the GPU is full
+    monkeypatch.setattr(_pallas_decode, "MIN_SPLIT_KEYS", 16)
+    assert _pallas_decode.kv_splits(1, 1, 45, 16) == 2
     # MQA group folded, then 2 runs of 23 keys
     kc.check("pallas", _head_dims(64, 64, heads=4, q_len=1, kv_len=45, causal=True,
                                   segments=True), jnp.float32, tolerances)

@@ -223,8 +223,8 @@ def sequence_parallel_attention(
         (sinks are no pairs), ``-inf`` for a head with no visible pair; with an FP8
         ``compute_dtype`` of the logits the kernel computed from the quantized q and k.
         It has no gradient (``stop_gradient``; the output's gradients are unchanged).
-        Computed in the kernel (the XLA kernel: ``kernel="auto"`` takes it on every
-        platform) and reduced with one ``pmax`` of ``[H]`` across the devices.
+        Computed in the kernel (every kernel: XLA, Triton, Mosaic) and reduced with one
+        ``pmax`` of ``[H]`` across the devices.
 
     Returns:
       ``[B, S, H, Dv]`` in ``q.dtype``, in the caller's token order, sharded like

@@ -34,8 +34,10 @@ calls the one of the platform lowered for) is a :class:`Kernel`:
   result, ``max_logit float32[B, Sq, H]``: per query row, the largest ``s = scale * q.k``
   BEFORE the soft-cap over the keys the mask lets it see (FP8: of the products the kernel
   computed), ``-inf`` for a row that sees none; ``accumulate`` is then the triple too,
-  merged by ``maximum``. It has no gradient (its cotangent is ignored). Only the XLA
-  kernel computes it (:func:`~jax_seqpar.kernels.options.make_options` runs it for the call);
+  merged by ``maximum``. It has no gradient (its cotangent is ignored). Every kernel
+  computes it, as a running max of its own beside the softmax's (a static branch: nothing
+  more without the flag); the Mosaic kernel continues an ``accumulate``'s max logit in
+  the kernel like its softmax, the XLA and Pallas kernels merge it after;
 * ``options.block_sizes``: one :class:`~jax_seqpar.kernels.options.BlockSizes` for every kernel; a size left
   ``None`` is the kernel's default for the head dims and dtype (its
   ``default_block_sizes``); :meth:`~jax_seqpar.kernels.options.Options.resolved` completes them.
@@ -112,23 +114,27 @@ def check_backward_operands(q: jax.Array, v: jax.Array, lse: jax.Array, delta: j
                          f"{lse.shape=}, {delta.shape=}, {dout.shape=}.")
 
 
-def check_accumulated(q: jax.Array, v: jax.Array,
-                      accumulate: tuple[jax.Array, jax.Array] | None) -> None:
+def check_accumulated(q: jax.Array, v: jax.Array, accumulate: tuple[jax.Array, ...] | None,
+                      options: Options) -> None:
     """Raise ``ValueError`` unless ``accumulate`` is None or a forward's running result
-    ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])`` for ``q`` and ``v``."""
+    ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])`` for ``q`` and ``v``, with
+    ``max_logit float32[B, Sq, H]`` last exactly when ``options.return_max_logit``."""
     if accumulate is None:
         return
     rows = q.shape[:3]
     shapes: tuple = (rows + v.shape[3:], rows)
-    if isinstance(accumulate, (tuple, list)) and len(accumulate) == 3:
-        shapes = (*shapes, rows)  # the running max logit (Options.return_max_logit)
+    names = "(out float32{}, lse float32{})"
+    if options.return_max_logit:
+        shapes, names = (*shapes, rows), "(out float32{}, lse float32{}, max_logit float32{})"
     if (not isinstance(accumulate, (tuple, list)) or len(accumulate) != len(shapes)
             or any(tuple(x.shape) != shape or x.dtype != F32
                    for x, shape in zip(accumulate, shapes))):
         got = [(tuple(x.shape), str(x.dtype)) for x in accumulate] if isinstance(
             accumulate, (tuple, list)) else accumulate
-        raise ValueError(f"accumulate must be (out float32{list(shapes[0])}, lse "
-                         f"float32{list(shapes[1])}), the result over earlier keys. Got {got}.")
+        raise ValueError(
+            f"accumulate must be {names.format(*(list(x) for x in shapes))}, the result over "
+            f"earlier keys of a call with options.return_max_logit="
+            f"{options.return_max_logit}. Got {got}.")
 
 
 def isolated(q: jax.Array, k: jax.Array, v: jax.Array):
@@ -279,7 +285,9 @@ def differentiable(forward_impl: Callable, backward_impl: Callable) -> Callable:
     """The kernels' ``attention``: ``forward_impl`` with ``backward_impl`` as its VJP.
 
     Args:
-      forward_impl: ``(q, k, v, q_tokens, kv_tokens, *static) -> (out f32, lse f32)``.
+      forward_impl: ``(q, k, v, q_tokens, kv_tokens, *static) -> (out f32, lse f32)``,
+        or ``(out, lse, max_logit f32)`` (``Options.return_max_logit``: the third has no
+        gradient, its cotangent is ignored).
       backward_impl: ``(q, k, v, q_tokens, kv_tokens, lse, delta, dout, *static)
         -> float32 (dq, dk, dv)``.
     Returns:
@@ -346,7 +354,9 @@ class Kernel(Protocol):
         """``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])`` of ``q [B, Sq, H, Dqk]``
         against ``k [B, Sk, Hkv, Dqk]``, ``v [B, Sk, Hkv, Dv]`` under ``options`` (the
         call's :class:`jax_seqpar.kernels.options.Options`), merged with ``accumulate``
-        (the ``(out, lse)`` of earlier keys) when given."""
+        (the ``(out, lse)`` of earlier keys) when given; with
+        ``options.return_max_logit`` the triple ``(out, lse, max_logit float32[B, Sq,
+        H])``, ``accumulate`` too."""
 
     def backward(self, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens,
                  kv_tokens: Tokens, lse: jax.Array, delta: jax.Array, dout: jax.Array,

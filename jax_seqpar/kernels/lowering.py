@@ -103,9 +103,6 @@ def _kernel(method: str, options: Options, q: jax.Array, v: jax.Array, **extra) 
             "kernels take them as given: rotate them first "
             "(jax_seqpar.strategies.wire.rotated, which every entry point applies) and call "
             "the kernel with Compute(..., hadamard=False).")
-    if options.return_max_logit and options.kernel != "xla":  # make_options takes "xla"
-        raise ValueError(f"options.return_max_logit needs kernel='xla' (only the XLA kernel "
-                         f"returns the rows' max logit). Got kernel={options.kernel!r}.")
     if options.kernel in ("xla", "mosaic"):
         return functools.partial(getattr(_module(options.kernel), method), options=options,
                                  **extra)
@@ -165,9 +162,10 @@ def _unless_empty(call: Callable, args: tuple, accumulate, options: Options):
 def forward(options: Options, q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens,
             kv_tokens: Tokens, accumulate: tuple[jax.Array, jax.Array] | None = None):
     """``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])`` of the platform's kernel
-    (the contract: :mod:`jax_seqpar.kernels.contract`); with ``accumulate`` (the
-    ``(out, lse)`` of earlier keys) the result covers both, and a call no query of which
-    may see a key is skipped."""
+    (the contract: :mod:`jax_seqpar.kernels.contract`), and ``max_logit float32[B, Sq,
+    H]`` last with ``options.return_max_logit`` (every kernel computes it); with
+    ``accumulate`` (the same results of earlier keys) the result covers both, and a call
+    no query of which may see a key is skipped."""
     args = _without_padding((q, k, v, q_tokens, kv_tokens), options)
     return _unless_empty(_kernel("forward", options, args[0], v, accumulate=accumulate),
                          args, accumulate, options)

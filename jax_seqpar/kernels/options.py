@@ -140,7 +140,8 @@ class Options:
       return_max_logit: whether the call also returns, per head, the largest scaled
         logit ``scale * q.k`` (before the soft-cap) of any visible pair (QK-Clip): the
         kernels' forward then returns a third result, the float32 ``[B, Sq, H]`` row
-        maxima (:mod:`jax_seqpar.kernels.contract`). Only the XLA kernel computes it.
+        maxima (:mod:`jax_seqpar.kernels.contract`). Every kernel computes it (XLA,
+        Triton, Mosaic), a static branch: nothing more is computed without it.
       compute: the precision of the matrix products
         (:class:`~jax_seqpar.core.quant.Compute`), or None for the inputs' dtype.
     """
@@ -209,8 +210,7 @@ def make_options(q: jax.Array, spec: MaskSpec, *, scale: float | None = None,
     ``return_lse`` and ``return_max_logit`` bools, ``compute_dtype`` a dtype of
     :data:`~jax_seqpar.core.quant.COMPUTE_DTYPES` or a
     :class:`~jax_seqpar.core.quant.Compute` (:func:`jax_seqpar.core.quant.compute`).
-    ``return_max_logit`` runs the XLA kernel (``kernel="auto"`` takes it on every
-    platform; ``"pallas"`` and ``"mosaic"`` are refused)."""
+    Every kernel returns the max logit (``return_max_logit``), so it keeps ``kernel``."""
     if kernel not in KERNELS:
         raise ValueError(f"kernel={kernel!r} is not one of {KERNELS}.")
     if block_sizes is not None and not isinstance(block_sizes, BlockSizes):
@@ -225,9 +225,6 @@ def make_options(q: jax.Array, spec: MaskSpec, *, scale: float | None = None,
                       block_sizes, check_softcap(softcap), checks.flag("return_lse", return_lse),
                       quant.compute(compute_dtype, q.dtype),
                       checks.flag("return_max_logit", return_max_logit))
-    if options.return_max_logit and kernel != "xla":
-        _refuse_max_logit(kernel)
-        options = dataclasses.replace(options, kernel="xla")
     if options.compute is not None and options.cast_dtype is None and kernel != "xla":
         # FP8 (or another dtype backward): the Pallas kernels take an FP8 forward with an
         # FP8 (same format) or bfloat16 backward, by name or through "auto" (which runs
@@ -238,17 +235,6 @@ def make_options(q: jax.Array, spec: MaskSpec, *, scale: float | None = None,
         _refuse_scaled(options.compute, kernel)
         return dataclasses.replace(options, kernel="xla")
     return options
-
-
-def _refuse_max_logit(requested: KernelName) -> None:
-    """Raise where ``requested`` (a kernel other than ``"auto"``) cannot return the max
-    logit, naming the alternative."""
-    if requested == "auto":
-        return
-    raise ValueError(
-        f"return_max_logit=True needs the largest logit of every row, which only the XLA "
-        f"kernel returns; kernel={requested!r} does not. Pass kernel='xla' or "
-        "kernel='auto' (which runs the XLA kernel for it).")
 
 
 def pallas_computes(compute: Optional[Compute]) -> bool:

@@ -165,7 +165,7 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_token
       scores the kernel forms (``accumulate`` is then that triple).
     """
     options = _checked(q, k, v, q_tokens, kv_tokens, options)
-    contract.check_accumulated(q, v, accumulate)
+    contract.check_accumulated(q, v, accumulate, options)
     return contract.merge_accumulated(
         _forward(*contract.isolated(q, k, v), q_tokens, kv_tokens, options), accumulate)
 

@@ -24,6 +24,7 @@ from jax_seqpar.kernels.gpu import _config as config
 from jax_seqpar.kernels import contract, fp8_inputs
 from jax_seqpar.kernels.gpu import _fp8
 from jax_seqpar.kernels.gpu import _core as core
+from jax_seqpar.kernels.gpu import _decode as decode
 from jax_seqpar.kernels.gpu._core import HeadDim
 from jax_seqpar.kernels.tiling import pad_seq, padded_tokens
 
@@ -148,16 +149,16 @@ def _backward(q, k, v, q_tokens, kv_tokens, lse, delta, dout, options, interpret
     q, k, v, q_tokens, kv_tokens, lse, delta, dout, scales = _compat.match_varying(
         operands, operands)
     (q_len, heads), kv_heads = q.shape[1:3], k.shape[2]
-    if core.folds_group(q_len, heads, kv_heads):
+    if decode.folds_group(q_len, heads, kv_heads):
         group = heads // kv_heads
-        q, lse, delta, dout = (core.fold(x, kv_heads) for x in (q, lse, delta, dout))
+        q, lse, delta, dout = (decode.fold(x, kv_heads) for x in (q, lse, delta, dout))
         if scales is not None:
             qs, ks, vs, dos = scales
-            scales = (core.fold(qs, kv_heads), ks, vs,
-                      None if dos is None else core.fold(dos, kv_heads))
-        dq, dk, dv = _backward(q, k, v, core.fold_tokens(q_tokens, group), kv_tokens, lse,
+            scales = (decode.fold(qs, kv_heads), ks, vs,
+                      None if dos is None else decode.fold(dos, kv_heads))
+        dq, dk, dv = _backward(q, k, v, decode.fold_tokens(q_tokens, group), kv_tokens, lse,
                                delta, dout, options, interpret, scales)
-        return core.unfold(dq, group), dk, dv
+        return decode.unfold(dq, group), dk, dv
     spec = options.spec
     t = core.tiling(q, k, *options.tiles(backward=True))
     q_tokens, kv_tokens = padded_tokens(t, q_tokens, kv_tokens)

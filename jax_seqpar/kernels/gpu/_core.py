@@ -7,8 +7,9 @@
   run of ``FULL`` tiles inside, so each kernel runs a masked loop, an unmasked loop
   and a masked loop whose loads all sit at the loop's top level (Triton's software
   pipeliner only pipelines those);
-* split-K for short calls (decode): :func:`kv_splits`, :func:`split_kv`,
-  :func:`merge_splits`;
+* the forward's tile step and loop (:func:`visible_scores`, :func:`online_softmax`),
+  shared by the bfloat16 / float32 and FP8 bodies (decode's folds and split-K:
+  :mod:`._decode`);
 * :func:`call`: ``pallas_call`` lowered by the platform the program is lowered for
   (Triton for CUDA/ROCm, the interpreter elsewhere), not by the default backend.
 """
@@ -28,7 +29,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from jax_seqpar.core import blocks, masks
 from jax_seqpar.kernels import tiling as _tiling
-from jax_seqpar.kernels.tiling import Tiling, pad_seq, padded_tokens
+from jax_seqpar.kernels.tiling import Tiling
 from jax_seqpar.core.masks import MaskSpec, Tokens
 
 F32 = jnp.float32
@@ -50,89 +51,6 @@ def tiling(q, k, block_q: int, block_k: int) -> Tiling:
     kv_len, kv_heads = k.shape[1], k.shape[2]
     return Tiling(batch, kv_heads, heads // kv_heads, q_len, kv_len,
                   clip(block_q, q_len), clip(block_k, kv_len))
-
-
-def folds_group(q_len: int, heads: int, kv_heads: int) -> bool:
-    """Decode-sized queries (fewer than a 16-row tile) of a GQA/MQA group are folded
-    into one row block per kv head: each K/V tile is read once for the whole group
-    and a tile's rows are the group's heads, not 15 padding rows per head."""
-    return q_len < MIN_DIM and heads > kv_heads
-
-
-def fold(x, kv_heads: int):
-    """``[B, Sq, Hkv * G, ...] -> [B, Sq * G, Hkv, ...]`` (rows ordered (token, head))."""
-    b, s, h = x.shape[:3]
-    x = x.reshape(b, s, kv_heads, h // kv_heads, *x.shape[3:])
-    return jnp.swapaxes(x, 2, 3).reshape(b, s * (h // kv_heads), kv_heads, *x.shape[4:])
-
-
-def unfold(x, group: int):
-    """Inverse of :func:`fold`: ``[B, Sq * G, Hkv, ...] -> [B, Sq, Hkv * G, ...]``."""
-    b, rows, kv_heads = x.shape[:3]
-    x = x.reshape(b, rows // group, group, kv_heads, *x.shape[3:])
-    return jnp.swapaxes(x, 2, 3).reshape(b, rows // group, kv_heads * group, *x.shape[4:])
-
-
-def fold_tokens(tokens: Tokens, group: int) -> Tokens:
-    """Each query token's metadata repeated for the ``group`` heads folded into rows."""
-    return jax.tree.map(lambda x: jnp.repeat(x, group, axis=1), tokens)
-
-
-#: Programs a call should launch to fill a GPU (132 SMs on H100, 108 on A100).
-FILL_PROGRAMS = 128
-#: Fewest keys one split of a decode call's cache gets.
-MIN_SPLIT_KEYS = 256
-
-
-def kv_splits(programs: int, num_q: int, kv_len: int, block_k: int) -> int:
-    """Runs a short call's keys are split into (split-K, "flash decoding").
-
-    A call with one query tile per (batch, head) launches ``programs`` programs,
-    e.g. 8 for a decode step of one sequence with 8 K/V heads: a few SMs stream the
-    whole cache. Doubling the splits while the programs stay under
-    :data:`FILL_PROGRAMS` and every split keeps :data:`MIN_SPLIT_KEYS` keys (and a
-    tile) gives each program its own run of the cache; the partial results are
-    merged by :func:`merge_splits`. 1: the call already fills the GPU.
-    """
-    splits = 1
-    while (num_q == 1 and programs * splits * 2 <= FILL_PROGRAMS
-           and kv_len // (splits * 2) >= max(MIN_SPLIT_KEYS, block_k)):
-        splits *= 2
-    return splits
-
-
-def split_kv(splits: int, q, k, v, q_tokens: Tokens, kv_tokens: Tokens, t: Tiling):
-    """Each batch row's keys cut into ``splits`` equal runs (the last padded), each run
-    a batch row of its own, the queries repeated for each: ``k [B, Sk, Hkv, D] ->
-    [B * splits, Sk / splits, Hkv, D]``, ``q [B, Sq, H, D] -> [B * splits, Sq, H, D]``
-    (rows ordered (batch, split), a free reshape of the cache)."""
-    run = -(-t.kv_len // splits)
-    q_tokens, kv_tokens = padded_tokens(
-        dataclasses.replace(t, block_q=t.q_len, block_k=run), q_tokens, kv_tokens)
-
-    def by_run(x):  # [B, Sk, ...] -> [B * splits, run, ...]
-        x = pad_seq(x, splits * run)
-        return x.reshape(x.shape[0] * splits, run, *x.shape[2:])
-
-    def repeated(x):
-        return jnp.repeat(x, splits, axis=0)
-
-    return (repeated(q), by_run(k), by_run(v), jax.tree.map(repeated, q_tokens),
-            jax.tree.map(by_run, kv_tokens))
-
-
-def merge_splits(splits: int, out, lse):
-    """Softmax-merge the partial results of :func:`split_kv`'s runs:
-    ``out f32[B * splits, Sq, H, Dv], lse f32[B * splits, Sq, H] -> [B, ...]``.
-    A row no run sees keeps zeros and ``EMPTY_LSE``."""
-    out = out.reshape(-1, splits, *out.shape[1:])
-    lse = lse.reshape(-1, splits, *lse.shape[1:])
-    top = lse.max(axis=1)
-    weights = jnp.exp(lse - top[:, None])  # [B, splits, Sq, H]
-    total = weights.sum(axis=1)
-    out = jnp.einsum("bnqh,bnqhd->bqhd", weights, out) / total[..., None]
-    seen = top > masks.EMPTY_LSE / 2
-    return out, jnp.where(seen, top + jnp.log(total), masks.EMPTY_LSE)
 
 
 def query_row_specs(t: Tiling, q_tokens, kv_tokens, d_qk: "HeadDim", d_v: "HeadDim"):
@@ -258,18 +176,52 @@ def dot_cols(a_cols, b_cols, contract, precision):
     return total
 
 
-def scores(q_cols, k_cols, options, precision, scales=None):
-    """``(s, tanh)``: scores in log2 units ``[bq, bk]`` and, with ``options.softcap``,
-    the ``tanh`` the backward needs (else ``None``). ``scales``: FP8 operands' per-token
-    ``(q_scale float32[bq], k_scale float32[bk])``, applied to the float32 products."""
+def products(q_cols, k_cols, precision, scales=None):
+    """float32 ``q.k`` of a tile ``[bq, bk]`` (unscaled; FP8: times the operands'
+    per-token ``scales`` ``(q float32[bq], k float32[bk])``)."""
     s = dot_cols(q_cols, k_cols, (1, 1), precision)
     if scales is not None:
         s = s * scales[0][:, None] * scales[1][None, :]
+    return s
+
+
+def capped(s, options):
+    """``(s, tanh)`` of :func:`products` ``s``: scores in log2 units ``[bq, bk]`` and, with
+    ``options.softcap``, the ``tanh`` the backward needs (else ``None``)."""
     cap = options.softcap
     if cap is None:
         return s * (options.scale * LOG2E), None
     t = jnp.tanh(s * (options.scale / cap))
     return t * (cap * LOG2E), t
+
+
+def scores(q_cols, k_cols, options, precision, scales=None):
+    """``(s, tanh)``: scores in log2 units ``[bq, bk]`` and, with ``options.softcap``,
+    the ``tanh`` the backward needs (else ``None``). ``scales``: FP8 operands' per-token
+    ``(q_scale float32[bq], k_scale float32[bk])``, applied to the float32 products."""
+    return capped(products(q_cols, k_cols, precision, scales), options)
+
+
+def visible_scores(q_cols, k_cols, options, precision, mask, high: tuple, scales=None):
+    """The forward's scores of one tile and its running max logit.
+
+    Returns ``(s, high)``: :func:`scores` ``s [bq, bk]`` (log2 units, soft-capped) with
+    invisible pairs (``mask bool[bq, bk]`` False; None: every pair visible) at ``-inf``,
+    and ``high``: ``()`` (``options.return_max_logit`` off: nothing more computed) or
+    ``(max_logit float32[bq],)``, the row maxima so far of the logits ``scale * q.k``
+    BEFORE the soft-cap (FP8: of the quantized operands, their scales applied) over the
+    visible pairs, updated with this tile's. Its own running max, not the softmax's
+    (that one is soft-capped and in log2 units)."""
+    raw = products(q_cols, k_cols, precision, scales)
+    s, _ = capped(raw, options)
+    if mask is not None:
+        s = jnp.where(mask, s, -jnp.inf)
+    if high:
+        logits = raw * options.scale
+        if mask is not None:
+            logits = jnp.where(mask, logits, -jnp.inf)
+        high = (jnp.maximum(high[0], logits.max(axis=-1)),)
+    return s, high
 
 
 def tile_mask(spec: MaskSpec, q_tile: Tokens, kv_tile: Tokens):
@@ -311,19 +263,27 @@ def run_tiles(bounds_ref, step, carry, *, has_mask: bool):
     return lax.fori_loop(full_end, end, functools.partial(step, masked=True), carry)
 
 
-def online_softmax(bounds_ref, step, d_v, out_ref, lse_ref, *, has_mask: bool) -> None:
-    """The forward's loop over a row's tiles (:func:`run_tiles`; ``step(i, (acc, m, l),
-    masked)`` in the ``exp2`` domain) from an empty softmax, then its output ``acc / l``
-    and natural-log ``lse`` stored (a row that saw nothing: zeros, ``EMPTY_LSE``)."""
+def online_softmax(bounds_ref, step, d_v, out_ref, lse_ref, max_ref=None, *,
+                   has_mask: bool) -> None:
+    """The forward's loop over a row's tiles (:func:`run_tiles`; ``step(i, (acc, m, l,
+    *high), masked)`` in the ``exp2`` domain) from an empty softmax, then its output
+    ``acc / l`` and natural-log ``lse`` stored (a row that saw nothing: zeros,
+    ``EMPTY_LSE``). ``max_ref float32[bq]`` (``options.return_max_logit``): the carry
+    also holds ``high``, the rows' running max logit (:func:`visible_scores`) from
+    ``-inf``, stored there; None: the carry is ``(acc, m, l)``."""
     block_q = out_ref.shape[0]
-    init = (d_v.zeros(block_q),
-            jnp.full((block_q,), masks.EMPTY_LSE, F32), jnp.zeros((block_q,), F32))
-    acc, m, l = run_tiles(bounds_ref, step, init, has_mask=has_mask)
+    init: tuple = (d_v.zeros(block_q),
+                   jnp.full((block_q,), masks.EMPTY_LSE, F32), jnp.zeros((block_q,), F32))
+    if max_ref is not None:
+        init += (jnp.full((block_q,), -jnp.inf, F32),)
+    acc, m, l, *high = run_tiles(bounds_ref, step, init, has_mask=has_mask)
     seen = l > 0
     l = jnp.where(seen, l, 1.0)
     for c, a in enumerate(acc):
         d_v.store(out_ref, c, a / l[:, None])
     lse_ref[...] = jnp.where(seen, (m + jnp.log2(l)) * LN2, masks.EMPTY_LSE)
+    if max_ref is not None:
+        max_ref[...] = high[0]
 
 
 def call(body, *, interpret: Optional[bool], precision_dtype, **kwargs):

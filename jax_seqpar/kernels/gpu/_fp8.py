@@ -61,10 +61,13 @@ def _operand(x, dtype):
 
 
 def forward_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, qs_ref, ks_ref, vs_ref,
-                   out_ref, lse_ref, *, options, block_k, d_qk, d_v, has_mask, precision):
+                   out_ref, lse_ref, max_ref=None, *, options, block_k, d_qk, d_v, has_mask,
+                   precision):
     """One (query tile, batch, head) program: ``q_ref [bq, Dqk]``, ``k_ref, v_ref [Sk_pad,
     D]`` FP8, ``qs_ref float32[bq]``, ``ks_ref, vs_ref float32[Sk_pad]`` -> ``out_ref
-    float32[bq, Dv]``, ``lse_ref float32[bq]``."""
+    float32[bq, Dv]``, ``lse_ref float32[bq]`` and, with ``options.return_max_logit``,
+    ``max_ref float32[bq]``: the max logit of the quantized operands, their scales
+    applied (:func:`._core.visible_scores`)."""
     dtype = jnp.dtype(options.compute.dtype)
     rows = slice(None)
     q_tile = core.token_tile(q_tok, rows)
@@ -72,25 +75,25 @@ def forward_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, qs_ref, ks_re
     q_scale = qs_ref[...]
 
     def step(j, carry, masked):
-        acc, m, l = carry  # parts of [bq, Dv], [bq], [bq]; scores in log2 units
+        acc, m, l, *high = carry  # parts of [bq, Dv], [bq], [bq] (, [bq]); log2 units
         window = pl.ds(j * block_k, block_k)
         k_cols = d_qk.load_all(k_ref, window)
         v_cols = d_v.load_all(v_ref, window)
         k_scale, v_scale = ks_ref[window], vs_ref[window]
         q_now = d_qk.load_all(q_ref, rows) if q_cols is None else q_cols
-        s, _ = core.scores(q_now, k_cols, options, precision, (q_scale, k_scale))
-        if masked:
-            s = jnp.where(core.tile_mask(options.spec, q_tile, core.token_tile(kv_tok, window)),
-                          s, -jnp.inf)
+        mask = (core.tile_mask(options.spec, q_tile, core.token_tile(kv_tok, window))
+                if masked else None)
+        s, high = core.visible_scores(q_now, k_cols, options, precision, mask, high,
+                                      (q_scale, k_scale))
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp2(s - m_new[:, None])
         alpha = jnp.exp2(m - m_new)
         p_values, p_scale = rounded(p * v_scale[None, :], dtype)
         acc = tuple(a * alpha[:, None] + _times(core.dot(p_values, v, (1, 0), precision), p_scale)
                     for a, v in zip(acc, v_cols))
-        return acc, m_new, l * alpha + p.sum(axis=-1)
+        return (acc, m_new, l * alpha + p.sum(axis=-1), *high)
 
-    core.online_softmax(bounds_ref, step, d_v, out_ref, lse_ref, has_mask=has_mask)
+    core.online_softmax(bounds_ref, step, d_v, out_ref, lse_ref, max_ref, has_mask=has_mask)
 
 
 def _grad_tile(q_cols, k_cols, v_cols, do_cols, lse2, delta, mask, options, precision,

@@ -1,7 +1,8 @@
 """Pallas flash attention (FlashAttention-2): the GPU kernel, with the contract of ``xla.py``.
 
 The kernel contract (:mod:`jax_seqpar.kernels.contract`), like
-:mod:`jax_seqpar.kernels.xla`: :func:`forward` -> ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])``,
+:mod:`jax_seqpar.kernels.xla`: :func:`forward` -> ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])``
+(and ``max_logit float32[B, Sq, H]`` with ``options.return_max_logit``),
 :func:`backward` (given the final ``lse`` and ``delta = sum(dout * out, -1) - dlse``)
 -> float32 ``(dq, dk, dv)``, and :func:`attention`, a ``custom_vjp`` of both that
 takes cotangents for ``out`` AND ``lse``.
@@ -50,7 +51,7 @@ How the work is cut:
   rows of one program per kv head: each K/V tile is read once per group; a call
   with one query tile per (batch, head) and too few programs to fill the GPU
   splits the keys into runs, one program each, merged by their softmax statistics
-  (split-K, ``_pallas_core.kv_splits``).
+  (split-K, ``_decode.kv_splits``).
 
 Lowering: by the platform the program is lowered for (``jax.lax.platform_dependent``):
 Triton when lowering for CUDA / ROCm, the Pallas interpreter elsewhere, so AOT
@@ -73,6 +74,7 @@ from jax_seqpar.kernels import contract, fp8_inputs
 from jax_seqpar.kernels.gpu import _fp8
 from jax_seqpar.kernels.gpu import _config as config
 from jax_seqpar.kernels.gpu import _core as core
+from jax_seqpar.kernels.gpu import _decode as decode
 from jax_seqpar.kernels.gpu._config import compiles_clean, default_block_sizes
 from jax_seqpar.kernels.contract import BlockSizes
 from jax_seqpar.kernels.options import Options
@@ -89,8 +91,11 @@ __all__ = ["DTYPES", "BlockSizes", "attention", "backward", "compiles_clean",
 _F32 = core.F32
 
 
-def _forward_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, out_ref, lse_ref, *,
-                    options, block_k, d_qk, d_v, has_mask, precision):
+def _forward_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, out_ref, lse_ref,
+                    max_ref=None, *, options, block_k, d_qk, d_v, has_mask, precision):
+    """One (query tile, batch, head) program: ``q_ref [bq, Dqk]``, ``k_ref, v_ref [Sk_pad,
+    D]`` -> ``out_ref float32[bq, Dv]``, ``lse_ref float32[bq]`` and, with
+    ``options.return_max_logit``, ``max_ref float32[bq]`` (:func:`_core.visible_scores`)."""
     rows = slice(None)
     q_tile = core.token_tile(q_tok, rows)
     # Wide (split) queries are re-read per step (L2 hits) rather than held in
@@ -98,24 +103,23 @@ def _forward_kernel(bounds_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, out_ref, lse
     q_cols = None if d_qk.count > 1 else d_qk.load_all(q_ref, rows)
 
     def step(j, carry, masked):
-        acc, m, l = carry  # parts of [bq, Dv], [bq], [bq]; scores in log2 units
+        acc, m, l, *high = carry  # parts of [bq, Dv], [bq], [bq] (, [bq]); log2 units
         window = pl.ds(j * block_k, block_k)
         k_cols = d_qk.load_all(k_ref, window)
         v_cols = d_v.load_all(v_ref, window)
         q_now = d_qk.load_all(q_ref, rows) if q_cols is None else q_cols
-        s, _ = core.scores(q_now, k_cols, options, precision)  # [bq, bk]
-        if masked:
-            s = jnp.where(core.tile_mask(options.spec, q_tile, core.token_tile(kv_tok, window)),
-                          s, -jnp.inf)
+        mask = (core.tile_mask(options.spec, q_tile, core.token_tile(kv_tok, window))
+                if masked else None)
+        s, high = core.visible_scores(q_now, k_cols, options, precision, mask, high)
         # m starts at EMPTY_LSE (finite), so fully masked rows give exp2(-inf) = 0.
         m_new = jnp.maximum(m, s.max(axis=-1))
         p = jnp.exp2(s - m_new[:, None])
         alpha = jnp.exp2(m - m_new)
         acc = tuple(a * alpha[:, None] + core.dot(p.astype(v.dtype), v, (1, 0), precision)
                     for a, v in zip(acc, v_cols))
-        return acc, m_new, l * alpha + p.sum(axis=-1)
+        return (acc, m_new, l * alpha + p.sum(axis=-1), *high)
 
-    core.online_softmax(bounds_ref, step, d_v, out_ref, lse_ref, has_mask=has_mask)
+    core.online_softmax(bounds_ref, step, d_v, out_ref, lse_ref, max_ref, has_mask=has_mask)
 
 
 def _validate(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options,
@@ -154,12 +158,18 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_token
       interpret: None: Triton when the program is lowered for a GPU, the Pallas
         interpreter elsewhere; True / False force one.
       accumulate: optional ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])`` of
-        earlier keys, merged with this call's result after the kernel
-        (:func:`jax_seqpar.kernels.contract.merge_accumulated`).
+        earlier keys (with ``options.return_max_logit`` also their ``max_logit``),
+        merged with this call's result after the kernel
+        (:func:`jax_seqpar.kernels.contract.merge_accumulated`; the max logits by
+        ``maximum``).
     Returns:
       ``out float32[B, Sq, H, Dv]`` (normalized) and ``lse float32[B, Sq, H]``;
       softmax statistics and accumulators in float32 whatever the input dtype.
       float32 inputs take TF32x3 dots on GPU (float32-level error on tensor cores).
+      With ``options.return_max_logit`` also ``max_logit float32[B, Sq, H]``: each row's
+      largest visible logit ``scale * q.k`` before the soft-cap (``-inf``: none; FP8: of
+      the quantized operands), a running max of its own in the kernel, written like
+      ``lse``.
 
     .. code-block:: python
 
@@ -171,7 +181,7 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_token
         # ((1, 32, 2, 16), dtype('float32'), (1, 32, 2))
     """
     options = _validate(q, k, v, q_tokens, kv_tokens, options, interpret)
-    contract.check_accumulated(q, v, accumulate)
+    contract.check_accumulated(q, v, accumulate, options)
     return contract.merge_accumulated(
         _forward(*contract.isolated(q, k, v), q_tokens, kv_tokens, options, interpret),
         accumulate)
@@ -188,30 +198,31 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options, interpret: Optional
 
 def _attend(q, k, v, q_tokens, kv_tokens, options: Options, interpret: Optional[bool],
             scales=None, may_split=True):
-    """The forward's ``pallas_call``; ``scales``: FP8 operands' per-token ``(q [B, Sq, H],
-    k [B, Sk, Hkv], v [B, Sk, Hkv])`` float32 scales (:mod:`._fp8`'s kernel), or None."""
+    """The forward's ``pallas_call``: ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])``,
+    and ``max_logit float32[B, Sq, H]`` last with ``options.return_max_logit``.
+    ``scales``: FP8 operands' per-token ``(q [B, Sq, H], k [B, Sk, Hkv], v [B, Sk, Hkv])``
+    float32 scales (:mod:`._fp8`'s kernel), or None."""
     # Inside shard_map every operand must vary over the same axes (e.g. replicated
     # decode queries against a sharded cache).
     q, k, v, q_tokens, kv_tokens, scales = _compat.match_varying(
         (q, k, v, q_tokens, kv_tokens, scales), (q, k, v, q_tokens, kv_tokens))
     (q_len, heads), kv_heads = q.shape[1:3], k.shape[2]
-    if core.folds_group(q_len, heads, kv_heads):
+    if decode.folds_group(q_len, heads, kv_heads):
         group = heads // kv_heads
-        folded = None if scales is None else (core.fold(scales[0], kv_heads), *scales[1:])
-        out, lse = _attend(core.fold(q, kv_heads), k, v, core.fold_tokens(q_tokens, group),
-                           kv_tokens, options, interpret, folded)
-        return core.unfold(out, group), core.unfold(lse, group)
+        folded = None if scales is None else (decode.fold(scales[0], kv_heads), *scales[1:])
+        results = _attend(decode.fold(q, kv_heads), k, v, decode.fold_tokens(q_tokens, group),
+                          kv_tokens, options, interpret, folded)
+        return tuple(decode.unfold(x, group) for x in results)
     spec = options.spec
     t = core.tiling(q, k, *options.tiles())
-    splits = core.kv_splits(t.batch * heads, t.num_q, t.kv_len, t.block_k) if may_split else 1
+    splits = decode.kv_splits(t.batch * heads, t.num_q, t.kv_len, t.block_k) if may_split else 1
     if splits > 1:  # a decode step: split-K over the cache, then merge
         if scales is not None:
             qs, ks, vs = scales
-            scales = core.split_kv(splits, qs, ks, vs, q_tokens, kv_tokens, t)[:3]
-        q, k, v, q_tokens, kv_tokens = core.split_kv(splits, q, k, v, q_tokens, kv_tokens, t)
-        out, lse = _attend(q, k, v, q_tokens, kv_tokens, options, interpret, scales,
-                           may_split=False)
-        return core.merge_splits(splits, out, lse)
+            scales = decode.split_kv(splits, qs, ks, vs, q_tokens, kv_tokens, t)[:3]
+        q, k, v, q_tokens, kv_tokens = decode.split_kv(splits, q, k, v, q_tokens, kv_tokens, t)
+        return decode.merge_splits(splits, *_attend(q, k, v, q_tokens, kv_tokens, options,
+                                                    interpret, scales, may_split=False))
     q_tokens, kv_tokens = padded_tokens(t, q_tokens, kv_tokens)
     d_qk, d_v = HeadDim.of(q.shape[-1]), HeadDim.of(v.shape[-1])
     q_pad, kv_pad = t.num_q * t.block_q, t.num_k * t.block_k
@@ -226,21 +237,22 @@ def _attend(q, k, v, q_tokens, kv_tokens, options: Options, interpret: Optional[
         extra = [jnp.swapaxes(pad_seq(x, n), 1, 2) for x, n in zip(scales, (q_pad, kv_pad, kv_pad))]
     body = functools.partial(kernel, options=options, block_k=t.block_k, d_qk=d_qk,
                              d_v=d_v, has_mask=core.masked(spec, q_tokens))
-    out, lse = core.call(
+    # Per-row results: the lse and (options.return_max_logit) the max logit, [B, H, Sq_pad].
+    rows = 2 if options.return_max_logit else 1
+    out, *stats = core.call(
         body, interpret=interpret, precision_dtype=q.dtype,
         grid=(t.num_q, t.batch, heads),
         in_specs=core.query_row_specs(t, q_tokens, kv_tokens, d_qk, d_v) + in_specs,
         out_specs=[
             pl.BlockSpec((None, t.block_q, None, d_v.padded), lambda i, b, h: (b, i, h, 0)),
-            pl.BlockSpec((None, None, t.block_q), lambda i, b, h: (b, h, i)),
-        ],
-        out_shape=[_compat.shape_struct((t.batch, q_pad, heads, d_v.size), _F32, q),
-                   _compat.shape_struct((t.batch, heads, q_pad), _F32, q)],
+        ] + [pl.BlockSpec((None, None, t.block_q), lambda i, b, h: (b, h, i))] * rows,
+        out_shape=[_compat.shape_struct((t.batch, q_pad, heads, d_v.size), _F32, q)]
+        + [_compat.shape_struct((t.batch, heads, q_pad), _F32, q)] * rows,
         compiler_params=config.launch("fwd", t.block_q, d_qk.size, d_v.size, q.dtype),
         name=name,
     )(core.tile_bounds(spec, t, q_tokens, kv_tokens), pad_seq(q, q_pad), pad_seq(k, kv_pad), pad_seq(v, kv_pad),
       q_tokens, kv_tokens, *extra)
-    return out[:, :t.q_len], jnp.swapaxes(lse, 1, 2)[:, :t.q_len]
+    return (out[:, :t.q_len], *(jnp.swapaxes(x, 1, 2)[:, :t.q_len] for x in stats))
 
 
 def backward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
@@ -270,7 +282,8 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_toke
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
               options: Options, *, interpret: Optional[bool] = None):
-    """Differentiable :func:`forward`: ``(out float32, lse float32)``.
+    """Differentiable :func:`forward`: ``(out float32, lse float32)`` (and the max logit
+    with ``options.return_max_logit``: no gradient, its cotangent ignored).
 
     The backward (:func:`backward`) accepts cotangents for both ``out`` and ``lse``,
     so merged partial results (ring attention) differentiate exactly. The residual

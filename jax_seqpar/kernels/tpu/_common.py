@@ -120,14 +120,25 @@ def dot(a, b, *, transpose_b=False, precision=None):
     return lax.dot_general(a, b, dims, precision=precision, preferred_element_type=F32)
 
 
+def scaled_products(a, b, options, precision, scales=None):
+    """float32 logits ``scale * a @ b.T`` before any soft-cap; ``scales``: FP8 operands'
+    per-token ``(a's [n, 1], b's [1, m])`` float32 scales, applied to the products."""
+    s = dot(a, b, transpose_b=True, precision=precision) * options.scale
+    if scales is not None:
+        s = s * scales[0] * scales[1]
+    return s
+
+
 def logits(a, b, options, precision, scales=None):
     """``(s, t)``: scaled (and soft-capped, ``options.softcap``) scores ``a @ b.T`` in
     float32, and ``t = tanh(raw / softcap)`` for the backward (``None`` without cap).
     ``scales``: FP8 operands' per-token ``(a's [n, 1], b's [1, m])`` float32 scales,
     applied to the float32 products."""
-    s = dot(a, b, transpose_b=True, precision=precision) * options.scale
-    if scales is not None:
-        s = s * scales[0] * scales[1]
+    return capped(scaled_products(a, b, options, precision, scales), options)
+
+
+def capped(s, options):
+    """``(s, t)`` of :func:`logits` from its uncapped logits ``s``."""
     cap = options.softcap
     if cap is None:
         return s, None
@@ -135,8 +146,9 @@ def logits(a, b, options, precision, scales=None):
     return cap * t, t
 
 
-def masked(s, spec, rows: Tokens, cols: Tokens, *, rows_are_queries: bool):
-    """``s`` with invisible pairs at ``-inf`` (:func:`jax_seqpar.core.masks.visible`).
+def visible(spec, rows: Tokens, cols: Tokens, *, rows_are_queries: bool):
+    """The tile's ``bool[n, m]`` mask (:func:`jax_seqpar.core.masks.visible`), None
+    where the spec masks nothing.
 
     ``rows`` / ``cols``: Tokens-of-refs of the tile's rows (``[n, 1]``) and columns
     (``[1, m]``); ``rows_are_queries=False`` is the transposed ``[key, query]`` tile of
@@ -144,7 +156,12 @@ def masked(s, spec, rows: Tokens, cols: Tokens, *, rows_are_queries: bool):
     bidirectional ids and ``mask_fn`` are not symmetric)."""
     row, col = _tiling.loaded(rows), _tiling.loaded(cols)
     q, kv = (row, col) if rows_are_queries else (col, row)
-    mask = masks.visible(spec, q, kv)
+    return masks.visible(spec, q, kv)
+
+
+def masked(s, spec, rows: Tokens, cols: Tokens, *, rows_are_queries: bool):
+    """``s`` with invisible pairs (:func:`visible`) at ``-inf``."""
+    mask = visible(spec, rows, cols, rows_are_queries=rows_are_queries)
     return s if mask is None else jnp.where(mask, s, -jnp.inf)
 
 

@@ -1,7 +1,8 @@
 """Mosaic flash attention: the TPU kernel, with the contract of ``xla.py``.
 
 The kernel contract (:mod:`jax_seqpar.kernels.contract`), like
-:mod:`jax_seqpar.kernels.xla`: :func:`forward` -> ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])``,
+:mod:`jax_seqpar.kernels.xla`: :func:`forward` -> ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])``
+(and ``max_logit float32[B, Sq, H]`` with ``options.return_max_logit``),
 :func:`backward` (given the final ``lse`` and ``delta = sum(dout * out, -1) - dlse``)
 -> float32 ``(dq, dk, dv)``, and :func:`attention`, a ``custom_vjp`` of both that
 takes cotangents for ``out`` AND ``lse``. Every function takes the call's
@@ -84,13 +85,20 @@ def _checked(q, k, v, q_tokens, kv_tokens, options: Options) -> Options:
 
 def _forward_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, *refs, options,
                     precision, accumulate, scaled):
+    """One (batch, head, query tile, key tile) step. ``refs``: the FP8 scales' rows
+    (``scaled``), the running result ``(out, lse(, max_logit))`` (``accumulate``), the
+    outputs ``out [bq, Dv], lse [1, bq]`` (and ``max_logit [1, bq]`` with
+    ``options.return_max_logit``), the scratch ``m, l [bq, 128]``, ``acc [bq, Dv]`` (and
+    ``high [bq, 128]``, the rows' running max logit before the soft-cap)."""
+    track = options.return_max_logit
+    results = 3 if track else 2
     scale_refs = None
     if scaled:  # FP8: the per-token scales of q, k, v, rows [1, tile] each
         scale_refs, refs = refs[:3], refs[3:]
-    if accumulate:  # the result so far, aliased to the outputs: continued in place
-        out_in, lse_in, out_ref, lse_ref, m_ref, l_ref, acc_ref = refs
-    else:
-        out_ref, lse_ref, m_ref, l_ref, acc_ref = refs
+    # The result so far, aliased to the outputs: continued in place.
+    running, refs = (refs[:results], refs[results:]) if accumulate else ((), refs)
+    (out_ref, lse_ref, *max_ref), (m_ref, l_ref, acc_ref, *high_ref) = (refs[:results],
+                                                                       refs[results:])
     q_tile, kv_tile = pl.program_id(2), pl.program_id(3)
 
     @pl.when(kv_tile == 0)
@@ -99,13 +107,19 @@ def _forward_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, *refs, options
             # A normalized (out, lse) is the online state m = lse, l = 1, acc = out: the
             # keys to come merge into it exactly (a row that saw no key so far has
             # lse = EMPTY_LSE and out = 0, and keeps them if it sees none here either).
+            # The max logit continues from the running one too.
+            out_in, lse_in, *max_in = running
             m_ref[...] = mc.row_to_column(lse_in[...])
             l_ref[...] = jnp.ones(l_ref.shape, mc.F32)
             acc_ref[...] = out_in[...]
+            for high, earlier in zip(high_ref, max_in):
+                high[...] = mc.row_to_column(earlier[...])
         else:
             m_ref[...] = jnp.full(m_ref.shape, masks.EMPTY_LSE, mc.F32)
             l_ref[...] = jnp.zeros(l_ref.shape, mc.F32)
             acc_ref[...] = jnp.zeros(acc_ref.shape, mc.F32)
+            for high in high_ref:
+                high[...] = jnp.full(high.shape, -jnp.inf, mc.F32)
 
     def tile(is_partial):
         # A non-finite value: key NaN, value 0. FP8 tiles widened to bfloat16 first.
@@ -113,9 +127,15 @@ def _forward_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, *refs, options
         scales = None
         if scale_refs is not None:  # q's as a column [bq, 1], k's a row [1, bk]
             scales = (mc.row_to_column(scale_refs[0][...])[:, :1], scale_refs[1][...])
-        s, _ = mc.logits(mc.widened(q_ref[...]), k, options, precision, scales)  # [bq, bk]
-        if is_partial:
-            s = mc.masked(s, options.spec, q_tok, kv_tok, rows_are_queries=True)
+        raw = mc.scaled_products(mc.widened(q_ref[...]), k, options, precision, scales)
+        s, _ = mc.capped(raw, options)  # [bq, bk]
+        mask = (mc.visible(options.spec, q_tok, kv_tok, rows_are_queries=True)
+                if is_partial else None)
+        if mask is not None:
+            s = jnp.where(mask, s, -jnp.inf)
+        for high in high_ref:  # the max logit: before the cap, over the visible pairs
+            seen = raw if mask is None else jnp.where(mask, raw, -jnp.inf)
+            high[...] = jnp.maximum(high[...], seen.max(axis=-1, keepdims=True))
         # Statistics are lane-replicated [bq, 128]. m starts at EMPTY_LSE (finite),
         # so a row masked so far gets exp(-inf) = 0, never NaN.
         m_prev = m_ref[...]
@@ -139,6 +159,8 @@ def _forward_kernel(plan_ref, q_ref, k_ref, v_ref, q_tok, kv_tok, *refs, options
         out_ref[...] = acc_ref[...] / l[:, :1]
         lse = jnp.where(seen, m_ref[...] + jnp.log(l), masks.EMPTY_LSE)
         lse_ref[...] = mc.column_to_row(lse)
+        for out, high in zip(max_ref, high_ref):
+            out[...] = mc.column_to_row(high[...])
 
 
 def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
@@ -154,12 +176,17 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_token
         ``block_sizes`` (multiples of 128; None, or a size left None:
         :func:`default_block_sizes`).
       accumulate: optional ``(out float32[B, Sq, H, Dv], lse float32[B, Sq, H])`` of
-        earlier keys; the kernel continues it (the online softmax starts from it) and
-        writes the result in its place: no float32 result per call and no merge pass.
+        earlier keys (with ``options.return_max_logit`` also their ``max_logit``:
+        :func:`~jax_seqpar.kernels.contract.check_accumulated`); the kernel continues
+        it (the online softmax, and the running max logit, start from it) and writes
+        the result in its place: no float32 result per call and no merge pass.
     Returns:
       ``out float32[B, Sq, H, Dv]`` (normalized) and ``lse float32[B, Sq, H]``, over
       these keys and those of ``accumulate``; softmax statistics and accumulators in
-      float32 whatever the input dtype.
+      float32 whatever the input dtype. With ``options.return_max_logit`` also
+      ``max_logit float32[B, Sq, H]``: each row's largest visible logit ``scale * q.k``
+      before the soft-cap (``-inf``: none; FP8: of the quantized operands), a running
+      max of its own in VMEM, written like ``lse``.
 
     .. code-block:: python
 
@@ -171,7 +198,7 @@ def forward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_token
         # ((1, 32, 2, 64), dtype('float32'), (1, 32, 2))
     """
     options = _checked(q, k, v, q_tokens, kv_tokens, options)
-    contract.check_accumulated(q, v, accumulate)
+    contract.check_accumulated(q, v, accumulate, options)
     return _forward(q, k, v, q_tokens, kv_tokens, options, accumulate)  # isolated per tile
 
 
@@ -195,8 +222,9 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options, accumulate=None):
 
     out_spec = pl.BlockSpec((None, None, t.block_q, d_v), lambda b, h, i, j, _: (b, h, i, 0))
     lse_spec = pl.BlockSpec((None, None, 1, t.block_q), lambda b, h, i, j, _: (b, h, 0, i))
-    out_shape = [jax.ShapeDtypeStruct((batch, heads, q_pad, d_v), mc.F32),
-                 jax.ShapeDtypeStruct((batch, heads, 1, q_pad), mc.F32)]
+    rows = 2 if options.return_max_logit else 1  # lse (and the max logit), [B, H, 1, Sq_pad]
+    out_shape = [jax.ShapeDtypeStruct((batch, heads, q_pad, d_v), mc.F32)] + [
+        jax.ShapeDtypeStruct((batch, heads, 1, q_pad), mc.F32)] * rows
     operands = [mc.plan(classes), mc.heads_first(q, q_pad), mc.heads_first(k, kv_pad),
                 mc.heads_first(v, kv_pad), mc.column(q_tokens), mc.row(kv_tokens)]
     scale_specs = []
@@ -208,10 +236,12 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options, accumulate=None):
                                           mc.fetched(plan_ref, b, i, j)))] * 2
     aliases = None
     if accumulate is not None:  # continued in place: its buffers become the outputs
-        out_in, lse_in = accumulate
-        aliases = {len(jax.tree.leaves(operands)): 0, len(jax.tree.leaves(operands)) + 1: 1}
-        operands += [mc.heads_first(out_in, q_pad),
-                     jnp.swapaxes(pad_seq(lse_in, q_pad, masks.EMPTY_LSE), 1, 2)[:, :, None]]
+        out_in, lse_in, *max_in = accumulate
+        first = len(jax.tree.leaves(operands))
+        aliases = {first + i: i for i in range(1 + rows)}
+        operands += [mc.heads_first(out_in, q_pad)] + [
+            jnp.swapaxes(pad_seq(x, q_pad, fill), 1, 2)[:, :, None]
+            for x, fill in zip((lse_in, *max_in), (masks.EMPTY_LSE, -jnp.inf))]
     call = mc.pallas(
         functools.partial(_forward_kernel, options=options, precision=mc.precision(q.dtype),
                           accumulate=accumulate is not None, scaled=scales is not None),
@@ -224,11 +254,11 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options, accumulate=None):
             mc.token_specs(q_tokens, (None, t.block_q, 1), lambda b, h, i, j, _: (b, i, 0)),
             mc.token_specs(kv_tokens, (None, 1, t.block_k),
                            lambda b, h, i, j, plan_ref: (b, 0, mc.fetched(plan_ref, b, i, j))),
-        ] + scale_specs + ([out_spec, lse_spec] if accumulate is not None else []),
-        out_specs=[out_spec, lse_spec],
+        ] + scale_specs + ([out_spec] + [lse_spec] * rows if accumulate is not None else []),
+        out_specs=[out_spec] + [lse_spec] * rows,
         out_shape=out_shape,
         scratch_shapes=[mc.vmem((t.block_q, mc.LANES)), mc.vmem((t.block_q, mc.LANES)),
-                        mc.vmem((t.block_q, d_v))],
+                        mc.vmem((t.block_q, d_v))] + [mc.vmem((t.block_q, mc.LANES))] * (rows - 1),
         semantics=("parallel", "parallel", "parallel", "arbitrary"),
         like=q,
         cost_estimate=mc.cost(flops=2 * batch * heads * q_pad * kv_pad * (d_qk + d_v),
@@ -236,8 +266,8 @@ def _forward(q, k, v, q_tokens, kv_tokens, options: Options, accumulate=None):
                               arrays=(operands[1:4], out_shape, accumulate)),
         input_output_aliases=aliases,
     )
-    out, lse = call(*operands)
-    return mc.tokens_first(out, q_len), jnp.swapaxes(lse[:, :, 0, :q_len], 1, 2)
+    out, *stats = call(*operands)
+    return (mc.tokens_first(out, q_len), *(jnp.swapaxes(x[:, :, 0, :q_len], 1, 2) for x in stats))
 
 
 def backward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
@@ -272,7 +302,8 @@ def backward(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_toke
 
 def attention(q: jax.Array, k: jax.Array, v: jax.Array, q_tokens: Tokens, kv_tokens: Tokens,
               options: Options):
-    """Differentiable :func:`forward`: ``(out float32, lse float32)``, through
+    """Differentiable :func:`forward`: ``(out float32, lse float32)`` (and the max logit
+    with ``options.return_max_logit``: no gradient), through
     :func:`jax_seqpar.kernels.contract.differentiable`.
 
     Its VJP runs the Mosaic ``dq`` and ``dk, dv`` kernels (:func:`backward`) and takes
