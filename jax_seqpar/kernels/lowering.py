@@ -108,7 +108,8 @@ def _kernel(method: str, options: Options, q: jax.Array, v: jax.Array, **extra) 
                                  **extra)
     branches: dict[str, Callable] = {}
     chosen = set()
-    products = options.compute.dtype if pallas_computes(options.compute) else q.dtype
+    compute = options.compute
+    products = compute.dtype if compute is not None and pallas_computes(compute) else q.dtype
     for platform, name in _PLATFORM_KERNELS[options.kernel].items():
         module = _module(name)
         # "auto" stages only a kernel that takes the dtype and compiles cleanly: each
