@@ -48,14 +48,7 @@ def _program(mesh, strategy, mask, compute, seq, heads, kv_heads, head_dim, back
     f = functools.partial(sp.sequence_parallel_attention, mesh=mesh, seq_axes="sp",
                           strategy=strategy, layout="contiguous", compute_dtype=compute,
                           **mask, **extra)
-    if not backward:
-        return f, shapes
-
-    def both(q, k, v, dout):
-        out, vjp = jax.vjp(f, q, k, v)
-        return out, vjp(dout)
-
-    return both, shapes
+    return (aot.with_vjp(f) if backward else f), shapes
 
 
 def _model(strategy, mask, compute, args, backward) -> float:

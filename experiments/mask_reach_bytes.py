@@ -75,14 +75,7 @@ def _program(mesh: Mesh, strategy: str, mask: dict, seq: int, heads: int, head_d
               for _ in range(4 if backward else 3)]
     f = functools.partial(sp.sequence_parallel_attention, mesh=mesh, seq_axes="sp",
                           strategy=strategy, **mask)
-    if not backward:
-        return f, shapes
-
-    def both(q, k, v, dout):
-        out, vjp = jax.vjp(f, q, k, v)
-        return out, vjp(dout)
-
-    return both, shapes
+    return (aot.with_vjp(f) if backward else f), shapes
 
 
 def _model(strategy: str, mask: dict, seq: int, heads: int, head_dim: int, shards: int,

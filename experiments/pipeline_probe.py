@@ -52,11 +52,7 @@ def build(strategy, mesh, shape, kernel, kwargs):
     forward = jax.shard_map(body, mesh=mesh, in_specs=(P(None, axis_name),) * 3,
                             out_specs=P(None, axis_name), check_vma=api.can_check_vma(kernel))
 
-    def forward_and_vjp(q, k, v, dout):
-        out, vjp = jax.vjp(forward, q, k, v)
-        return out, vjp(dout)
-
-    return forward, forward_and_vjp
+    return forward, aot.with_vjp(forward)
 
 
 def measure(target, strategy, axes, shape, *, kernel="auto", mode="fwd", kwargs=None,

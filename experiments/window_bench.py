@@ -82,10 +82,7 @@ def _program(strategy: str, mesh: Mesh, seq: int, window, full_ring: bool):
 
     attend = jax.shard_map(body, mesh=mesh, in_specs=(spec,) * 3, out_specs=spec)
 
-    def f_and_vjp(q, k, v, cotangent):
-        out, vjp = jax.vjp(attend, q, k, v)
-        return out, vjp(cotangent)
-
+    f_and_vjp = aot.with_vjp(attend)
     sharding = NamedSharding(mesh, spec)
     shapes = [jax.ShapeDtypeStruct((1, seq, h, HEAD_DIM), jnp.float32, sharding=sharding)
               for h in (HEADS, KV_HEADS, KV_HEADS, HEADS)]

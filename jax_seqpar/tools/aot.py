@@ -22,7 +22,7 @@ from typing import Any, Callable, Mapping, Optional
 
 from jax_seqpar.tools import hlo
 
-__all__ = ["compile_for", "Compiled", "KernelResources", "PRODUCTION_CODEGEN"]
+__all__ = ["compile_for", "Compiled", "KernelResources", "PRODUCTION_CODEGEN", "with_vjp"]
 
 _ENTRY_RE = re.compile(r"^\.visible \.entry (\w+)\(", re.MULTILINE)
 _PTXAS_FUNCTION_RE = re.compile(r"Function properties for (\w+)\s*\n\s*(\d+) bytes stack frame, "
@@ -62,6 +62,18 @@ class Compiled:
     compiled: Any
     seconds: float
     kernels: Optional[Mapping[str, KernelResources]] = None
+
+
+def with_vjp(fn: Callable) -> Callable:
+    """``(q, k, v, dout) -> (out, (dq, dk, dv))``: ``fn(q, k, v)``'s forward and its
+    backward at the given cotangent ``dout``, one program (what the byte and schedule
+    measures compile for forward + backward)."""
+    def forward_and_backward(q, k, v, dout):
+        import jax
+        out, pull = jax.vjp(fn, q, k, v)
+        return out, pull(dout)
+
+    return forward_and_backward
 
 
 #: XLA's default backend (LLVM) optimization options, pinned for GPU and TPU programs.
