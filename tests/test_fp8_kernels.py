@@ -163,3 +163,19 @@ def test_fp8_calls_accumulate_like_one_call(kernel, problem):
     given = tuple(jnp.full(x.shape, 0.5, jnp.float32) for x in grads)
     for total, grad, earlier in zip(backward(accumulate=given), grads, given):
         np.testing.assert_allclose(total, grad + earlier, rtol=1e-5, atol=1e-5)
+
+
+def test_pallas_fp8_on_a_gpu_without_fp8_matrix_units_is_refused(monkeypatch):
+    """``kernel="pallas"`` with FP8 compute on a GPU older than compute capability 8.9
+    (an A100: no FP8 matrix unit, Triton cannot lower its FP8 dots) is a ``ValueError``
+    naming the alternatives; ``"auto"`` runs the XLA kernel there instead."""
+    q, k, v, _ = fa3_inputs((1, 64, 2, 16))
+    tokens = Tokens(jnp.arange(64, dtype=jnp.int32)[None])
+    options = make_options(q, MaskSpec.make(causal=True), kernel="pallas",
+                           compute_dtype=UNROTATED)
+    monkeypatch.setattr(pallas, "gpu_capability", lambda: (8, 0))
+    monkeypatch.setattr(pallas.config, "gpu_capability", lambda: (8, 0))
+    with pytest.raises(ValueError, match=r"kernel='pallas' needs FP8 matrix units.*8\.0.*"
+                                         r"kernel='auto' or kernel='xla'"):
+        pallas.forward(q, k, v, tokens, tokens, options, interpret=False)
+    assert not pallas.compiles_clean(16, 16, FP8)  # auto: the XLA kernel on this GPU

@@ -75,7 +75,7 @@ from jax_seqpar.kernels.gpu import _fp8
 from jax_seqpar.kernels.gpu import _config as config
 from jax_seqpar.kernels.gpu import _core as core
 from jax_seqpar.kernels.gpu import _decode as decode
-from jax_seqpar.kernels.gpu._config import compiles_clean, default_block_sizes
+from jax_seqpar.kernels.gpu._config import compiles_clean, default_block_sizes, gpu_capability
 from jax_seqpar.kernels.contract import BlockSizes
 from jax_seqpar.kernels.options import Options
 from jax_seqpar.kernels.gpu._core import HeadDim
@@ -133,9 +133,17 @@ def _validate(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options,
             or q_tokens.bidirectional_ids is not None)
     # FP8 (fp8_inputs.in_kernel): the tiles of its products' dtype.
     compute = options.compute
-    dtype = compute.dtype if compute is not None and fp8_inputs.in_kernel(options) else q.dtype
+    fp8 = compute is not None and fp8_inputs.in_kernel(options)
+    dtype = compute.dtype if compute is not None and fp8 else q.dtype
     options = options.resolved(
         default_block_sizes(q.shape[-1], v.shape[-1], dtype, rich_mask=rich), __name__)
+    capability = gpu_capability()
+    if fp8 and interpret is not True and capability and capability < (8, 9):
+        raise ValueError(
+            f"compute_dtype={compute} with kernel='pallas' needs FP8 matrix units (compute "
+            f"capability 8.9 or later: H100/H200, Ada); this GPU's is "
+            f"{'.'.join(map(str, capability))}. Pass kernel='auto' or kernel='xla' (the XLA "
+            "kernel's FP8 products), or compute_dtype=jnp.bfloat16.")
     if interpret is not True and options.block_sizes is not None:  # may lower for a GPU
         options.block_sizes.check_gpu()
     return options
