@@ -512,6 +512,31 @@ def test_fp8_decode_runs_the_triton_kernel_without_spills(target, q_len, kv_len,
         assert resources.spill_stores == resources.spill_loads == 0, (name, resources)
 
 
+@pytest.mark.parametrize("target, head_dim", [_on("h100:1", 16), _on("h100:1", 96)])
+def test_fp8_auto_runs_the_xla_kernel_where_triton_does_not_serve(target, head_dim):
+    """FP8 training under ``kernel="auto"`` on H100 at a head dim outside
+    ``FP8_HEAD_DIMS`` (16: Triton's FP8 backward spills; 96: its padded FP8 loads do not
+    lower) compiles, with the XLA kernel: no Triton kernel, no spill."""
+    sharding = NamedSharding(targets.target_mesh(target), P())
+    q, k = (jax.ShapeDtypeStruct((1, 512, heads, head_dim), jnp.bfloat16, sharding=sharding)
+            for heads in (8, 2))
+
+    def grads(q, k, v):
+        tokens = Tokens(jnp.arange(512, dtype=jnp.int32)[None])
+
+        def loss(q, k, v):
+            out, lse = kernels.attention(
+                make_options(q, MaskSpec.make(causal=True), compute_dtype=Compute(
+                    jnp.float8_e4m3fn, hadamard=False)), q, k, v, tokens, tokens)
+            return out.sum() + lse.sum()
+
+        return jax.grad(loss, argnums=(0, 1, 2))(q, k, v)
+
+    program = aot.compile_for(grads, (q, k, k), "cuda", fail_on_spills=True,
+                              kernel_resources=True)
+    assert not program.kernels, program.kernels
+
+
 @pytest.mark.parametrize("target, compute", [
     _on("h100:1", compute) for compute in ("bfloat16", "float8_e4m3fn")])
 def test_pallas_max_logit_compiles_without_spills(target, compute):

@@ -114,8 +114,10 @@ def test_auto_runs_the_pallas_fp8_kernels_and_other_backwards_are_refused():
         FP8, backward_dtype=jnp.bfloat16)).kernel == "auto"
     other = jax_seqpar.Compute(FP8, backward_dtype=jnp.float8_e5m2, hadamard=False)
     assert make_options(q, spec, compute_dtype=other).kernel == "xla"
-    # the Triton FP8 kernels serve the head dims the compile gate measured (<= 256)
-    assert pallas.compiles_clean(256, 256, FP8) and not pallas.compiles_clean(576, 512, FP8)
+    # the Triton FP8 kernels serve the head dims the compile gate measured
+    assert all(pallas.compiles_clean(d, d, FP8) for d in (64, 128, 256))
+    assert not any(pallas.compiles_clean(d, d, FP8) for d in (16, 32, 80, 96, 192, 512))
+    assert not pallas.compiles_clean(128, 64, FP8) and not pallas.compiles_clean(576, 512, FP8)
     for kernel in ("pallas", "mosaic"):
         with pytest.raises(ValueError, match=f"kernel='{kernel}'.*same FP8 format or in "
                                              "bfloat16.*kernel='xla'"):
@@ -175,7 +177,25 @@ def test_pallas_fp8_on_a_gpu_without_fp8_matrix_units_is_refused(monkeypatch):
                            compute_dtype=UNROTATED)
     monkeypatch.setattr(pallas, "gpu_capability", lambda: (8, 0))
     monkeypatch.setattr(pallas.config, "gpu_capability", lambda: (8, 0))
-    with pytest.raises(ValueError, match=r"kernel='pallas' needs FP8 matrix units.*8\.0.*"
-                                         r"kernel='auto' or kernel='xla'"):
+    with pytest.raises(ValueError, match=r"kernel='pallas' runs the FP8 Triton kernel, which "
+                                         r"needs FP8 matrix units.*8\.0.*kernel='auto' or "
+                                         r"kernel='xla'"):
         pallas.forward(q, k, v, tokens, tokens, options, interpret=False)
-    assert not pallas.compiles_clean(16, 16, FP8)  # auto: the XLA kernel on this GPU
+    assert not pallas.compiles_clean(64, 64, FP8)  # auto: the XLA kernel on this GPU
+
+
+def test_pallas_fp8_at_a_head_dim_triton_does_not_lower_is_refused(monkeypatch):
+    """On an H100 (compute capability 9.0), ``kernel="pallas"`` with FP8 at head dim 16
+    (not one of ``FP8_HEAD_DIMS``: Triton's FP8 backward spills there; at 80, 96, 192 its
+    padded FP8 loads do not lower) is a ``ValueError`` naming the head dims and the
+    alternatives, not a Triton error; the interpreter (CPU) still runs it."""
+    q, k, v, _ = fa3_inputs((1, 64, 2, 16))
+    tokens = Tokens(jnp.arange(64, dtype=jnp.int32)[None])
+    options = make_options(q, MaskSpec.make(causal=True), kernel="pallas",
+                           compute_dtype=UNROTATED)
+    monkeypatch.setattr(pallas, "gpu_capability", lambda: (9, 0))
+    monkeypatch.setattr(pallas.config, "gpu_capability", lambda: (9, 0))
+    with pytest.raises(ValueError, match=r"head dims in \(64, 128, 256\).*got 16 and 16"):
+        pallas.forward(q, k, v, tokens, tokens, options, interpret=False)
+    out, _ = pallas.forward(q, k, v, tokens, tokens, options, interpret=True)
+    assert out.shape == (1, 64, 2, 16)

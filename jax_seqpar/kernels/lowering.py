@@ -10,9 +10,9 @@ keeps only the branch of its platform: a program compiled ahead of time for H100
 CPU host carries the Triton kernel, the same program jitted on CPU the XLA kernel.
 ``"auto"`` takes the XLA kernel wherever the platform's kernel does not take the
 operands' dtype (Mosaic: no float16) or would spill registers (Triton's float32
-backward beyond head dim 128; FP8 beyond head dim 256 or on a GPU without FP8 matrix
-units, :func:`jax_seqpar.kernels.gpu.pallas.compiles_clean`), and for the FP8
-``compute_dtype`` combinations only it computes (another dtype backward:
+backward beyond head dim 128; FP8 at head dims other than 64, 128, 256 or on a GPU
+without FP8 matrix units, :func:`jax_seqpar.kernels.gpu.pallas.compiles_clean`), and for
+the FP8 ``compute_dtype`` combinations only it computes (another dtype backward:
 ``make_options`` sets it).
 
 A call with ``accumulate`` (a ring step, a pipeline's piece) whose queries can see none

@@ -81,21 +81,23 @@ def _default_tiles(d_qk: int, d_v: int, dtype) -> tuple[int, int, int, int]:
 #: Widest head dim the float32 (TF32x3) kernels compile for without spilling.
 MAX_F32_WIDTH = 128
 
-#: Widest head dim the FP8 kernels were compiled for without spilling (the compile gate).
-MAX_FP8_WIDTH = 256
+#: Head dims (q/k and v alike) the FP8 kernels compile for on sm_90a with no spill, in
+#: both backward dtypes (the compile gate). Others do not: 80, 96 or 192 (padded FP8
+#: loads do not lower in Triton), 16 (the FP8 backward spills), 32 (the bf16 one does).
+FP8_HEAD_DIMS = (64, 128, 256)
 
 
 def compiles_clean(d_qk: int, d_v: int, dtype: jax.typing.DTypeLike) -> bool:
     """Whether the default tiles compile without register spills on sm_80 and sm_90,
     ``dtype`` the products' dtype: every bf16 / fp16 head dim; float32 up to
-    ``MAX_F32_WIDTH`` (wider float32 heads spill in the backward); FP8 up to
-    ``MAX_FP8_WIDTH`` (the widths the compile gate measured on sm_90a), on a GPU with
-    FP8 matrix units (compute capability 8.9 or later; unknown, as when compiling for a
-    GPU from a CPU host, counts as one). ``kernel="auto"`` runs the XLA kernel otherwise."""
+    ``MAX_F32_WIDTH`` (wider float32 heads spill in the backward); FP8 at the head dims
+    of ``FP8_HEAD_DIMS`` (q/k and v the same), on a GPU with FP8 matrix units (compute
+    capability 8.9 or later; unknown, as when compiling for a GPU from a CPU host,
+    counts as one). ``kernel="auto"`` runs the XLA kernel otherwise."""
     if jnp.dtype(dtype).itemsize == 1:
         capability = gpu_capability()
-        return _width(d_qk, d_v) <= MAX_FP8_WIDTH and (capability is None
-                                                        or capability >= (8, 9))
+        return (d_qk == d_v and d_qk in FP8_HEAD_DIMS
+                and (capability is None or capability >= (8, 9)))
     return jnp.dtype(dtype) != jnp.float32 or _width(d_qk, d_v) <= MAX_F32_WIDTH
 
 

@@ -45,7 +45,7 @@ How the work is cut:
   accumulation, P (and dS) rounded to FP8 per (head, tile) with the other operand's
   per-token scale folded in (FlashAttention-3; the bodies in ``_fp8``), tiles of their
   own (:func:`default_block_sizes` for the FP8 dtype); ``kernel="auto"`` runs them on
-  GPUs with FP8 matrix units (compute capability 8.9+) up to head dim 256
+  GPUs with FP8 matrix units (compute capability 8.9+) at head dims 64, 128, 256
   (:func:`compiles_clean`), the XLA kernel's FP8 GEMMs otherwise;
 * decode-sized queries (under 16 tokens) of a GQA/MQA group are folded into the
   rows of one program per kv head: each K/V tile is read once per group; a call
@@ -137,13 +137,16 @@ def _validate(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options,
     dtype = compute.dtype if compute is not None and fp8 else q.dtype
     options = options.resolved(
         default_block_sizes(q.shape[-1], v.shape[-1], dtype, rich_mask=rich), __name__)
-    capability = gpu_capability()
-    if fp8 and interpret is not True and capability and capability < (8, 9):
+    capability = gpu_capability()  # on a GPU host: the call runs there
+    if (fp8 and interpret is not True and capability
+            and not compiles_clean(q.shape[-1], v.shape[-1], dtype)):
         raise ValueError(
-            f"compute_dtype={compute} with kernel='pallas' needs FP8 matrix units (compute "
-            f"capability 8.9 or later: H100/H200, Ada); this GPU's is "
-            f"{'.'.join(map(str, capability))}. Pass kernel='auto' or kernel='xla' (the XLA "
-            "kernel's FP8 products), or compute_dtype=jnp.bfloat16.")
+            f"compute_dtype={compute} with kernel='pallas' runs the FP8 Triton kernel, which "
+            f"needs FP8 matrix units (compute capability 8.9 or later: H100/H200, Ada; this "
+            f"GPU's is {'.'.join(map(str, capability))}) and head dims in "
+            f"{config.FP8_HEAD_DIMS} (q/k and v alike; got {q.shape[-1]} and {v.shape[-1]}). "
+            "Pass kernel='auto' or kernel='xla' (the XLA kernel's FP8 products), or "
+            "compute_dtype=jnp.bfloat16.")
     if interpret is not True and options.block_sizes is not None:  # may lower for a GPU
         options.block_sizes.check_gpu()
     return options
