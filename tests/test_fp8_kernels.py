@@ -167,35 +167,24 @@ def test_fp8_calls_accumulate_like_one_call(kernel, problem):
         np.testing.assert_allclose(total, grad + earlier, rtol=1e-5, atol=1e-5)
 
 
-def test_pallas_fp8_on_a_gpu_without_fp8_matrix_units_is_refused(monkeypatch):
-    """``kernel="pallas"`` with FP8 compute on a GPU older than compute capability 8.9
-    (an A100: no FP8 matrix unit, Triton cannot lower its FP8 dots) is a ``ValueError``
-    naming the alternatives; ``"auto"`` runs the XLA kernel there instead."""
+@pytest.mark.parametrize("capability, message", [
+    ((8, 0), r"FP8 matrix units.*this GPU's is 8\.0"),
+    ((9, 0), r"head dims in \(64, 128, 256\).*got 16 and 16")])
+def test_pallas_fp8_where_triton_cannot_run_it_is_refused(monkeypatch, capability, message):
+    """``kernel="pallas"`` with FP8 compute on a GPU host that the FP8 Triton kernels do
+    not serve is a ``ValueError`` naming why and the alternatives, not a Triton error:
+    an A100 (compute capability 8.0: no FP8 matrix unit), or an H100 at head dim 16 (not
+    one of ``FP8_HEAD_DIMS``: the FP8 backward spills; at 80, 96, 192 the padded FP8 loads
+    do not lower). ``"auto"`` runs the XLA kernel there; the interpreter still runs it."""
     q, k, v, _ = fa3_inputs((1, 64, 2, 16))
     tokens = Tokens(jnp.arange(64, dtype=jnp.int32)[None])
     options = make_options(q, MaskSpec.make(causal=True), kernel="pallas",
                            compute_dtype=UNROTATED)
-    monkeypatch.setattr(pallas, "gpu_capability", lambda: (8, 0))
-    monkeypatch.setattr(pallas.config, "gpu_capability", lambda: (8, 0))
+    monkeypatch.setattr(pallas, "gpu_capability", lambda: capability)
+    monkeypatch.setattr(pallas.config, "gpu_capability", lambda: capability)
     with pytest.raises(ValueError, match=r"kernel='pallas' runs the FP8 Triton kernel, which "
-                                         r"needs FP8 matrix units.*8\.0.*kernel='auto' or "
-                                         r"kernel='xla'"):
+                                         rf".*{message}.*kernel='auto' or kernel='xla'"):
         pallas.forward(q, k, v, tokens, tokens, options, interpret=False)
-    assert not pallas.compiles_clean(64, 64, FP8)  # auto: the XLA kernel on this GPU
-
-
-def test_pallas_fp8_at_a_head_dim_triton_does_not_lower_is_refused(monkeypatch):
-    """On an H100 (compute capability 9.0), ``kernel="pallas"`` with FP8 at head dim 16
-    (not one of ``FP8_HEAD_DIMS``: Triton's FP8 backward spills there; at 80, 96, 192 its
-    padded FP8 loads do not lower) is a ``ValueError`` naming the head dims and the
-    alternatives, not a Triton error; the interpreter (CPU) still runs it."""
-    q, k, v, _ = fa3_inputs((1, 64, 2, 16))
-    tokens = Tokens(jnp.arange(64, dtype=jnp.int32)[None])
-    options = make_options(q, MaskSpec.make(causal=True), kernel="pallas",
-                           compute_dtype=UNROTATED)
-    monkeypatch.setattr(pallas, "gpu_capability", lambda: (9, 0))
-    monkeypatch.setattr(pallas.config, "gpu_capability", lambda: (9, 0))
-    with pytest.raises(ValueError, match=r"head dims in \(64, 128, 256\).*got 16 and 16"):
-        pallas.forward(q, k, v, tokens, tokens, options, interpret=False)
+    assert pallas.compiles_clean(64, 64, FP8) == (capability >= (8, 9))  # else auto: XLA
     out, _ = pallas.forward(q, k, v, tokens, tokens, options, interpret=True)
     assert out.shape == (1, 64, 2, 16)
