@@ -33,7 +33,7 @@ from jax_seqpar.core import compat as _compat
 from jax_seqpar.core import masks
 from jax_seqpar.core.masks import Tokens
 from jax_seqpar.kernels import tiling
-from jax_seqpar.kernels.options import KERNELS, KernelName, Options, pallas_computes
+from jax_seqpar.kernels.options import KERNELS, KernelName, Options
 
 __all__ = ["attention", "backward", "forward", "may_interpret"]
 
@@ -108,8 +108,7 @@ def _kernel(method: str, options: Options, q: jax.Array, v: jax.Array, **extra) 
                                  **extra)
     branches: dict[str, Callable] = {}
     chosen = set()
-    compute = options.compute
-    products = compute.dtype if compute is not None and pallas_computes(compute) else q.dtype
+    products = options.products_dtype(q.dtype)
     for platform, name in _PLATFORM_KERNELS[options.kernel].items():
         module = _module(name)
         # "auto" stages only a kernel that takes the dtype and compiles cleanly: each

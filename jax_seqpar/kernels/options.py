@@ -167,6 +167,13 @@ class Options:
             return None
         return compute.dtype
 
+    def products_dtype(self, like: jax.typing.DTypeLike) -> jax.typing.DTypeLike:
+        """The dtype a Pallas kernel's products take for operands of dtype ``like``: the
+        FP8 compute dtype where the kernel computes FP8 itself (:func:`pallas_computes`),
+        else ``like`` (its tiles, and whether it compiles cleanly, follow it)."""
+        compute = self.compute
+        return compute.dtype if compute is not None and pallas_computes(compute) else like
+
     def resolved(self, defaults: BlockSizes, kernel_name: str) -> "Options":
         """These options as a kernel runs them: tile sizes completed from ``defaults``
         (:func:`resolve_block_sizes`), the soft-cap checked (:func:`check_softcap`) and

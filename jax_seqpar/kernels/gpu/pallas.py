@@ -133,8 +133,7 @@ def _validate(q, k, v, q_tokens: Tokens, kv_tokens: Tokens, options: Options,
             or q_tokens.bidirectional_ids is not None)
     # FP8 (fp8_inputs.in_kernel): the tiles of its products' dtype.
     compute = options.compute
-    fp8 = compute is not None and fp8_inputs.in_kernel(options)
-    dtype = compute.dtype if compute is not None and fp8 else q.dtype
+    dtype, fp8 = options.products_dtype(q.dtype), fp8_inputs.in_kernel(options)
     options = options.resolved(
         default_block_sizes(q.shape[-1], v.shape[-1], dtype, rich_mask=rich), __name__)
     capability = gpu_capability()  # on a GPU host: the call runs there
